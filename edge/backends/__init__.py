@@ -1,0 +1,12 @@
+"""Inference backends; importing this package registers every one this machine supports."""
+
+from edge.backends import onnxruntime_backend as _onnxruntime_backend  # noqa: F401  (registers)
+from edge.backends.base import (
+    Backend,
+    BackendOptions,
+    InferenceSession,
+    available_backends,
+    get_backend,
+)
+
+__all__ = ["Backend", "BackendOptions", "InferenceSession", "available_backends", "get_backend"]

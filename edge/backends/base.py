@@ -1,0 +1,74 @@
+"""The backend seam: a model file in, a session that maps named arrays to arrays out.
+
+Vision models go through this interface so the same pipeline code runs on onnxruntime
+(CPU default), TensorRT plans on a Jetson, or torch CUDA, chosen by the profile.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    threads: int = 0
+
+
+class InferenceSession(abc.ABC):
+    """One loaded model. `run` is called from one worker thread at a time."""
+
+    @property
+    @abc.abstractmethod
+    def input_names(self) -> list[str]: ...
+
+    @property
+    @abc.abstractmethod
+    def output_names(self) -> list[str]: ...
+
+    @abc.abstractmethod
+    def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]: ...
+
+    @abc.abstractmethod
+    def metadata(self) -> dict[str, str]:
+        """Custom metadata stored with the model (e.g. the recogniser's character list)."""
+
+
+class Backend(abc.ABC):
+    name: str = ""
+
+    @abc.abstractmethod
+    def load(self, model_path: Path, options: BackendOptions) -> InferenceSession: ...
+
+
+_REGISTRY: dict[str, type[Backend]] = {}
+
+
+def register_backend(cls: type[Backend]) -> type[Backend]:
+    if not cls.name:
+        raise ValueError(f"{cls.__qualname__} has no name")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def available_backends() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_backend(name: str) -> Backend:
+    try:
+        return _REGISTRY[name]()
+    except KeyError:
+        raise KeyError(
+            f"backend {name!r} is not available here; available: {', '.join(available_backends())}"
+        ) from None
+
+
+BackendFactory = Callable[[], Backend]

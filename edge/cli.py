@@ -1,0 +1,225 @@
+"""`edgectl`: run the daemon, check on it, send it jobs, build its engines."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from edge.config import Profile, ProfileError, load_profile
+from edge.config.schema import BrokerConfig, TopicsConfig
+
+logger = logging.getLogger(__name__)
+
+EXIT_USAGE = 2
+DEFAULT_SOCKETS = (Path("/run/edged/status.sock"),)
+
+
+def _setup_logging(level: str) -> None:
+    # Under systemd, journald timestamps every line; a terminal wants its own.
+    fmt = "%(levelname)s %(name)s: %(message)s"
+    if "JOURNAL_STREAM" not in os.environ:
+        fmt = "%(asctime)s " + fmt
+    logging.basicConfig(level=getattr(logging, level.upper()), format=fmt, stream=sys.stderr)
+
+
+def _load(path: Path) -> Profile:
+    try:
+        return load_profile(path)
+    except ProfileError as err:
+        print(f"edgectl: {err}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from err
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    profile = _load(args.profile)
+    _setup_logging(args.log_level or profile.log_level)
+    from edge.daemon import Daemon
+
+    return Daemon(profile).run()
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    profile = _load(args.profile)
+    _setup_logging(profile.log_level)
+    from edge.vision.ocr import bundled_model_dir
+    from engines.import_gguf import import_smollm2
+
+    if profile.models.ocr.enabled:
+        print(f"ocr: models from {bundled_model_dir()}")
+    if profile.models.qa.enabled:
+        path = import_smollm2(profile.paths.engine_dir, progress=True)
+        print(f"qa: checkpoint at {path}")
+    return 0
+
+
+def _status_socket(args: argparse.Namespace) -> Path:
+    if args.socket:
+        return Path(args.socket)
+    if args.profile:
+        return _load(args.profile).status_socket
+    runtime = os.environ.get("RUNTIME_DIRECTORY")
+    if runtime:
+        return Path(runtime.split(":")[0]) / "status.sock"
+    return DEFAULT_SOCKETS[0]
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from edge.health.status import LABELS, UNKNOWN, StatusUnreachable, evaluate, query_status, render_table
+
+    path = _status_socket(args)
+    try:
+        doc = query_status(path, timeout=args.timeout)
+    except StatusUnreachable as err:
+        if args.json:
+            print(
+                json.dumps(
+                    {"schema_version": 1, "check": {"code": UNKNOWN, "status": "UNKNOWN", "reasons": [str(err)]}}
+                )
+            )
+        else:
+            print(f"edge: UNKNOWN ({err})")
+        return UNKNOWN
+    code, reasons = evaluate(doc)
+    if args.json:
+        doc["check"] = {"code": code, "status": LABELS[code], "reasons": reasons}
+        print(json.dumps(doc, indent=2, sort_keys=True))
+    else:
+        print(render_table(doc, code, reasons))
+    return code
+
+
+def _submit_profile(args: argparse.Namespace) -> Profile:
+    if args.profile:
+        return _load(args.profile)
+    host, _, port = args.broker.partition(":")
+    try:
+        return Profile(
+            device_id=args.device,
+            broker=BrokerConfig(host=host or "127.0.0.1", port=int(port or 1883)),
+            topics=TopicsConfig(prefix=args.prefix),
+        )
+    except ValueError as err:
+        print(f"edgectl: bad --broker/--device/--prefix: {err}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from err
+
+
+def _job_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    job: dict[str, Any] = {"id": args.id or os.urandom(6).hex(), "task": args.task}
+    if args.priority is not None:
+        job["priority"] = args.priority
+    if args.deadline_ms is not None:
+        job["deadline_ms"] = args.deadline_ms
+    if args.task == "ocr":
+        if bool(args.image) == bool(args.media_path):
+            raise SystemExit("edgectl submit ocr: give exactly one of --image FILE or --media-path NAME")
+        if args.image:
+            job["image"] = {"data": base64.b64encode(Path(args.image).read_bytes()).decode()}
+        else:
+            job["image"] = {"path": args.media_path}
+    else:
+        if not args.question:
+            raise SystemExit("edgectl submit qa: --question is required")
+        job["question"] = args.question
+        if args.context_file:
+            job["context"] = Path(args.context_file).read_text(encoding="utf-8")
+        elif args.context:
+            job["context"] = args.context
+        if args.max_new_tokens is not None:
+            job["max_new_tokens"] = args.max_new_tokens
+        if args.temperature is not None:
+            job["temperature"] = args.temperature
+        if args.stop:
+            job["stop"] = args.stop
+    return job
+
+
+def _print_result(result: dict[str, Any]) -> None:
+    status = result.get("status")
+    timings = result.get("timings", {})
+    print(f"job {result.get('id')} [{result.get('task')}] {status} in {timings.get('total_ms', 0):.0f} ms")
+    if status != "ok":
+        err = result.get("error", {})
+        where = f" (field {err.get('field')})" if err.get("field") else ""
+        print(f"  error {err.get('code')}: {err.get('message')}{where}")
+        return
+    output = result.get("output", {})
+    if "lines" in output:
+        for line in output["lines"]:
+            print(f"  {line['text']:<32} score {line['score']:.3f}  box {line['box']}")
+    if "answer" in output:
+        print(f"  {output['answer']}")
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from edge.comms.client import RequestTimeout, request
+
+    profile = _submit_profile(args)
+    job = _job_from_args(args)
+    try:
+        result = request(profile, args.task, job, args.timeout)
+    except RequestTimeout as err:
+        print(f"edgectl submit: {err}", file=sys.stderr)
+        return 3
+    if args.json:
+        print(json.dumps(result, indent=2, ensure_ascii=False))
+    else:
+        _print_result(result)
+    return 0 if result.get("status") == "ok" else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edgectl", description="edge inference daemon control")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the daemon in the foreground")
+    serve.add_argument("--profile", type=Path, required=True, help="YAML profile")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(func=cmd_serve)
+
+    build = sub.add_parser("build", help="build or import the engines a profile needs")
+    build.add_argument("--profile", type=Path, required=True)
+    build.set_defaults(func=cmd_build)
+
+    status = sub.add_parser("status", help="health check (exit 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN)")
+    status.add_argument("--profile", type=Path, help="find the socket from this profile")
+    status.add_argument("--socket", help="status socket path")
+    status.add_argument("--json", action="store_true", help="machine-readable document")
+    status.add_argument("--timeout", type=float, default=3.0)
+    status.set_defaults(func=cmd_status)
+
+    submit = sub.add_parser("submit", help="send one job and print its result")
+    submit.add_argument("task", choices=["ocr", "qa"])
+    submit.add_argument("--profile", type=Path, help="take broker and device from a profile")
+    submit.add_argument("--broker", default="127.0.0.1:1883", help="HOST:PORT")
+    submit.add_argument("--device", default="dev", help="device id")
+    submit.add_argument("--prefix", default="edge", help="topic prefix")
+    submit.add_argument("--id", help="job id (random by default)")
+    submit.add_argument("--priority", type=int)
+    submit.add_argument("--deadline-ms", type=int)
+    submit.add_argument("--image", help="ocr: image file to send inline")
+    submit.add_argument("--media-path", help="ocr: image path inside the device's media directory")
+    submit.add_argument("--question", help="qa: the question")
+    submit.add_argument("--context", help="qa: reference text")
+    submit.add_argument("--context-file", help="qa: file with reference text")
+    submit.add_argument("--max-new-tokens", type=int)
+    submit.add_argument("--temperature", type=float)
+    submit.add_argument("--stop", action="append", help="qa: stop string (repeatable)")
+    submit.add_argument("--timeout", type=float, default=60.0)
+    submit.add_argument("--json", action="store_true", help="print the raw result document")
+    submit.set_defaults(func=cmd_submit)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

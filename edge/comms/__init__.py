@@ -1,0 +1,1 @@
+"""MQTT v5 transport for the daemon and its clients."""

@@ -1,0 +1,367 @@
+"""The daemon's profile: one typed schema for everything `edgectl serve` needs.
+
+Every model forbids unknown keys so that a typo in a profile fails at start with the
+field's path instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_TOPIC_SEGMENT = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TLSConfig(StrictModel):
+    ca_file: Path | None = Field(
+        default=None,
+        title="CA certificate",
+        description="PEM file with the CA that signed the broker's certificate; the system store is used when unset.",
+    )
+    cert_file: Path | None = Field(
+        default=None,
+        title="Client certificate",
+        description="PEM client certificate for brokers that require mutual TLS.",
+    )
+    key_file: Path | None = Field(
+        default=None,
+        title="Client key",
+        description="PEM private key matching cert_file.",
+    )
+    insecure: bool = Field(
+        default=False,
+        title="Skip hostname check",
+        description="Do not verify the broker's hostname against its certificate. "
+        "Only for lab setups with IP-addressed brokers.",
+    )
+
+    @model_validator(mode="after")
+    def _cert_and_key_together(self) -> TLSConfig:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file must be given together")
+        return self
+
+
+class BrokerConfig(StrictModel):
+    host: str = Field(default="127.0.0.1", title="Broker host", description="MQTT broker host name or address.")
+    port: int = Field(default=1883, ge=1, le=65535, title="Broker port", description="MQTT broker TCP port.")
+    client_id: str | None = Field(
+        default=None,
+        title="Client id",
+        description="MQTT client identifier; defaults to 'edge-<device_id>'.",
+    )
+    keepalive_s: int = Field(
+        default=30,
+        ge=5,
+        le=3600,
+        title="Keepalive",
+        description="Seconds between MQTT keepalive pings.",
+    )
+    username: str | None = Field(
+        default=None, title="Username", description="MQTT username, if the broker asks for one."
+    )
+    password: str | None = Field(
+        default=None,
+        title="Password",
+        description="MQTT password. Prefer password_file so the secret stays out of the profile; never logged.",
+    )
+    password_file: Path | None = Field(
+        default=None,
+        title="Password file",
+        description="File whose first line is the MQTT password (e.g. a systemd credential).",
+    )
+    tls: TLSConfig | None = Field(
+        default=None, title="TLS", description="Enable TLS to the broker with these settings."
+    )
+    reconnect_min_s: float = Field(
+        default=0.5,
+        gt=0,
+        title="Reconnect backoff start",
+        description="First delay before reconnecting after the broker goes away.",
+    )
+    reconnect_max_s: float = Field(
+        default=30.0,
+        gt=0,
+        title="Reconnect backoff cap",
+        description="Longest delay between reconnect attempts (exponential backoff).",
+    )
+
+    @model_validator(mode="after")
+    def _one_password_source(self) -> BrokerConfig:
+        if self.password is not None and self.password_file is not None:
+            raise ValueError("give either password or password_file, not both")
+        if self.reconnect_max_s < self.reconnect_min_s:
+            raise ValueError("reconnect_max_s must be >= reconnect_min_s")
+        return self
+
+
+class TopicsConfig(StrictModel):
+    prefix: str = Field(
+        default="edge",
+        title="Topic prefix",
+        description="First topic level; jobs arrive on <prefix>/<device_id>/jobs/<task>.",
+    )
+    shared_group: str | None = Field(
+        default=None,
+        title="Shared subscription group",
+        description="When set, also subscribe to $share/<group>/<prefix>/jobs/+ so that "
+        "several boxes split one job stream through the broker.",
+    )
+
+    @field_validator("prefix", "shared_group")
+    @classmethod
+    def _plain_segment(cls, value: str | None) -> str | None:
+        if value is not None and not _TOPIC_SEGMENT.match(value):
+            raise ValueError("must be one topic level of letters, digits, '_', '.', '-'")
+        return value
+
+
+class OCRModelConfig(StrictModel):
+    enabled: bool = Field(default=True, title="Enabled", description="Serve the `ocr` task.")
+    backend: Literal["onnxruntime"] = Field(
+        default="onnxruntime",
+        title="Backend",
+        description="Inference backend for the detection, angle and recognition models.",
+    )
+    det_limit_side_len: int = Field(
+        default=960,
+        ge=32,
+        le=4096,
+        title="Detection size limit",
+        description="Longest image side fed to the detector; larger images are scaled "
+        "down (never up, which costs time for no gain on labels).",
+    )
+    use_angle_cls: bool = Field(
+        default=True,
+        title="Angle classifier",
+        description="Run the 0/180 degree text-line classifier before recognition.",
+    )
+    text_score: float = Field(
+        default=0.5,
+        ge=0.0,
+        le=1.0,
+        title="Minimum line score",
+        description="Recognised lines below this mean character confidence are dropped.",
+    )
+    threads: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        title="Threads",
+        description="Intra-op threads per model; 0 lets the backend choose.",
+    )
+
+
+class QAModelConfig(StrictModel):
+    enabled: bool = Field(default=True, title="Enabled", description="Serve the `qa` task.")
+    source: Literal["smollm2-135m-instruct"] = Field(
+        default="smollm2-135m-instruct",
+        title="Source model",
+        description="Base model imported into the engine directory on first use.",
+    )
+    max_context_tokens: int = Field(
+        default=2048,
+        ge=64,
+        le=8192,
+        title="Context window",
+        description="Prompt plus generated tokens allowed per job; sizes the KV cache.",
+    )
+    max_new_tokens: int = Field(
+        default=128,
+        ge=1,
+        le=2048,
+        title="Default new tokens",
+        description="Tokens generated when a job does not say.",
+    )
+    max_new_tokens_limit: int = Field(
+        default=512,
+        ge=1,
+        le=4096,
+        title="New tokens cap",
+        description="Largest max_new_tokens a job may ask for.",
+    )
+    system_prompt: str = Field(
+        default=(
+            "You are a careful assistant in a clinic. Answer briefly and factually. "
+            "When context is given, answer from it."
+        ),
+        title="System prompt",
+        description="System message put before every question.",
+    )
+    threads: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        title="Threads",
+        description="torch intra-op threads for the text branch; 0 keeps torch's default.",
+    )
+
+
+class ModelsConfig(StrictModel):
+    ocr: OCRModelConfig = Field(
+        default_factory=OCRModelConfig,
+        title="OCR models",
+        description="Vision branch: PP-OCR detection, angle and recognition models.",
+    )
+    qa: QAModelConfig = Field(
+        default_factory=QAModelConfig,
+        title="Q&A model",
+        description="Text branch: the instruction-tuned LLM that answers questions.",
+    )
+
+
+class LimitsConfig(StrictModel):
+    max_payload_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        ge=1024,
+        title="Maximum payload",
+        description="Larger MQTT job payloads are answered with an error without parsing.",
+    )
+    max_image_bytes: int = Field(
+        default=6 * 1024 * 1024,
+        ge=1024,
+        title="Maximum image bytes",
+        description="Largest encoded image accepted (after base64 decoding or on disk).",
+    )
+    max_image_pixels: int = Field(
+        default=25_000_000,
+        ge=1024,
+        title="Maximum image pixels",
+        description="Largest width*height decoded; guards against decompression bombs.",
+    )
+    max_prompt_chars: int = Field(
+        default=8000,
+        ge=16,
+        title="Maximum prompt characters",
+        description="Question plus context longer than this is rejected before tokenizing.",
+    )
+
+
+class QueueConfig(StrictModel):
+    max_size: int = Field(
+        default=256,
+        ge=1,
+        title="Queue size per branch",
+        description="Jobs waiting per branch beyond this are answered `busy`.",
+    )
+    default_deadline_ms: int | None = Field(
+        default=None,
+        ge=1,
+        title="Default deadline",
+        description="Deadline for jobs that carry none; unset means no deadline.",
+    )
+
+
+class PathsConfig(StrictModel):
+    state_dir: Path = Field(
+        default=Path("/var/lib/edged"),
+        title="State directory",
+        description="Persistent state (journal). systemd's StateDirectory= in production.",
+    )
+    runtime_dir: Path = Field(
+        default=Path("/run/edged"),
+        title="Runtime directory",
+        description="Holds the status socket. systemd's RuntimeDirectory= in production.",
+    )
+    engine_dir: Path = Field(
+        default=Path("/var/lib/edged/engines"),
+        title="Engine directory",
+        description="Built engines and converted checkpoints, keyed by their inputs.",
+    )
+    media_dir: Path | None = Field(
+        default=None,
+        title="Media directory",
+        description="Jobs may name images by path inside this directory; unset disables "
+        "paths entirely. Paths that resolve outside it (.., symlinks) are refused.",
+    )
+
+
+class StatusConfig(StrictModel):
+    socket_mode: int = Field(
+        default=0o660,
+        ge=0,
+        le=0o777,
+        title="Socket mode",
+        description="Permission bits of the status socket.",
+    )
+    socket_group: str | None = Field(
+        default=None,
+        title="Socket group",
+        description="Group that owns the status socket, so monitoring users can read it.",
+    )
+
+
+class Profile(StrictModel):
+    device_id: str = Field(
+        title="Device id",
+        description="This box's name; the second topic level and the status identity.",
+    )
+    memory_budget_mib: int = Field(
+        default=8192,
+        ge=256,
+        title="Memory budget",
+        description="Memory the daemon may use for models and jobs, in MiB.",
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        default="info", title="Log level", description="Daemon log verbosity."
+    )
+    build_missing_engines: bool = Field(
+        default=True,
+        title="Build missing engines",
+        description="Convert or build an engine at start when it is not in engine_dir yet.",
+    )
+    broker: BrokerConfig = Field(default_factory=BrokerConfig, title="Broker", description="MQTT v5 broker connection.")
+    topics: TopicsConfig = Field(default_factory=TopicsConfig, title="Topics", description="Topic layout.")
+    models: ModelsConfig = Field(default_factory=ModelsConfig, title="Models", description="Models per branch.")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, title="Limits", description="Input size limits.")
+    queue: QueueConfig = Field(default_factory=QueueConfig, title="Queues", description="Queue limits per branch.")
+    paths: PathsConfig = Field(default_factory=PathsConfig, title="Paths", description="Directories the daemon uses.")
+    status: StatusConfig = Field(
+        default_factory=StatusConfig,
+        title="Status socket",
+        description="The Unix socket `edgectl status` talks to.",
+    )
+
+    @field_validator("device_id")
+    @classmethod
+    def _device_topic_level(cls, value: str) -> str:
+        if not _TOPIC_SEGMENT.match(value):
+            raise ValueError("must be one topic level of letters, digits, '_', '.', '-'")
+        return value
+
+    @property
+    def client_id(self) -> str:
+        return self.broker.client_id or f"edge-{self.device_id}"
+
+    def topic(self, *levels: str) -> str:
+        return "/".join((self.topics.prefix, self.device_id, *levels))
+
+    @property
+    def jobs_filter(self) -> str:
+        return self.topic("jobs", "+")
+
+    @property
+    def shared_jobs_filter(self) -> str | None:
+        group = self.topics.shared_group
+        if group is None:
+            return None
+        return f"$share/{group}/{self.topics.prefix}/jobs/+"
+
+    @property
+    def results_topic(self) -> str:
+        return self.topic("results")
+
+    @property
+    def available_topic(self) -> str:
+        return self.topic("available")
+
+    @property
+    def status_socket(self) -> Path:
+        return self.paths.runtime_dir / "status.sock"

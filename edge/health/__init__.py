@@ -1,0 +1,1 @@
+"""Health reporting: status socket, monitoring check, systemd notifications."""

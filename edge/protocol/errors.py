@@ -1,0 +1,37 @@
+"""Structured job errors: every rejection names a code, a reason and, where one is to
+blame, the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    BAD_JSON = "bad_json"
+    INVALID_FIELD = "invalid_field"
+    MISSING_FIELD = "missing_field"
+    UNKNOWN_TASK = "unknown_task"
+    IMAGE_INVALID = "image_invalid"
+    IMAGE_TOO_LARGE = "image_too_large"
+    PATH_FORBIDDEN = "path_forbidden"
+    PROMPT_TOO_LONG = "prompt_too_long"
+    BUSY = "busy"
+    EXPIRED = "expired"
+    UNAVAILABLE = "unavailable"
+    INTERNAL = "internal"
+
+
+@dataclass(frozen=True)
+class JobError(Exception):
+    code: ErrorCode
+    message: str
+    field: str | None = None
+
+    def __str__(self) -> str:
+        where = f" (field {self.field})" if self.field else ""
+        return f"{self.code.value}: {self.message}{where}"
+
+    def to_dict(self) -> dict[str, str | None]:
+        return {"code": self.code.value, "message": self.message, "field": self.field}

@@ -1,0 +1,109 @@
+"""Turn a job's image reference (inline base64 or a media path) into pixels, safely.
+
+Everything here runs on untrusted input: sizes are checked before decoding, the pixel
+count before the pixels are loaded (decompression bombs), and paths are resolved with
+symlinks followed before they are compared with the media directory.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from edge.protocol.errors import ErrorCode, JobError
+
+logger = logging.getLogger(__name__)
+
+ALLOWED_FORMATS = frozenset({"PNG", "JPEG"})
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    max_bytes: int
+    max_pixels: int
+
+
+def decode_base64(text: str, limits: ImageLimits, field: str) -> bytes:
+    # 4 base64 characters carry 3 bytes: refuse before allocating the decoded copy.
+    if len(text) // 4 * 3 > limits.max_bytes + 3:
+        raise JobError(
+            ErrorCode.IMAGE_TOO_LARGE,
+            f"encoded image exceeds {limits.max_bytes} bytes",
+            field,
+        )
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise JobError(ErrorCode.IMAGE_INVALID, f"not valid base64: {err}", field) from err
+    if len(raw) > limits.max_bytes:
+        raise JobError(ErrorCode.IMAGE_TOO_LARGE, f"image is {len(raw)} bytes, limit {limits.max_bytes}", field)
+    return raw
+
+
+def resolve_media_path(media_dir: Path | None, name: str, field: str) -> Path:
+    if media_dir is None:
+        raise JobError(ErrorCode.PATH_FORBIDDEN, "this device accepts no image paths (no media_dir)", field)
+    if "\x00" in name or not name:
+        raise JobError(ErrorCode.PATH_FORBIDDEN, "empty path or NUL byte in path", field)
+    root = media_dir.resolve()
+    candidate = Path(name)
+    target = candidate if candidate.is_absolute() else root / candidate
+    try:
+        resolved = target.resolve(strict=True)
+    except (OSError, RuntimeError) as err:
+        # Not-found and symlink loops both land here; say which without echoing the root.
+        raise JobError(ErrorCode.PATH_FORBIDDEN, f"no such media file: {name}", field) from err
+    if not resolved.is_relative_to(root):
+        raise JobError(ErrorCode.PATH_FORBIDDEN, "path resolves outside the media directory", field)
+    if not resolved.is_file():
+        raise JobError(ErrorCode.PATH_FORBIDDEN, "path is not a regular file", field)
+    return resolved
+
+
+def read_media_file(path: Path, limits: ImageLimits, field: str) -> bytes:
+    size = path.stat().st_size
+    if size > limits.max_bytes:
+        raise JobError(ErrorCode.IMAGE_TOO_LARGE, f"image is {size} bytes, limit {limits.max_bytes}", field)
+    return path.read_bytes()
+
+
+def decode_image(raw: bytes, limits: ImageLimits, field: str) -> np.ndarray:
+    """Decode PNG/JPEG bytes into an HxWx3 uint8 BGR array (the OCR models' order)."""
+    try:
+        with warnings.catch_warnings():
+            # Our own pixel limit below is stricter; PIL's warning would only be noise.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            opened = Image.open(io.BytesIO(raw))
+            if opened.format not in ALLOWED_FORMATS:
+                raise JobError(
+                    ErrorCode.IMAGE_INVALID,
+                    f"image format {opened.format or 'unknown'} not accepted (PNG or JPEG)",
+                    field,
+                )
+            width, height = opened.size
+            if width <= 0 or height <= 0:
+                raise JobError(ErrorCode.IMAGE_INVALID, "image has no pixels", field)
+            if width * height > limits.max_pixels:
+                raise JobError(
+                    ErrorCode.IMAGE_TOO_LARGE,
+                    f"image is {width}x{height} pixels, limit {limits.max_pixels}",
+                    field,
+                )
+            img = opened.convert("RGB")
+    except JobError:
+        raise
+    except Image.DecompressionBombError as err:
+        # PIL refuses extreme sizes inside open() itself, before our own check runs.
+        raise JobError(ErrorCode.IMAGE_TOO_LARGE, f"image exceeds {limits.max_pixels} pixels ({err})", field) from err
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as err:
+        raise JobError(ErrorCode.IMAGE_INVALID, f"cannot decode image: {err}", field) from err
+    rgb = np.asarray(img, dtype=np.uint8)
+    return np.ascontiguousarray(rgb[:, :, ::-1])

@@ -1,0 +1,55 @@
+"""Result documents, the one shape every answer takes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from edge.protocol.errors import JobError
+
+RESULT_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Timings:
+    queued_ms: float
+    run_ms: float
+    total_ms: float
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "queued_ms": round(self.queued_ms, 3),
+            "run_ms": round(self.run_ms, 3),
+            "total_ms": round(self.total_ms, 3),
+        }
+
+
+def ok_result(job_id: str, task: str, device_id: str, output: dict[str, Any], timings: Timings) -> dict[str, Any]:
+    return {
+        "v": RESULT_SCHEMA_VERSION,
+        "id": job_id,
+        "task": task,
+        "device": device_id,
+        "status": "ok",
+        "output": output,
+        "timings": timings.to_dict(),
+    }
+
+
+def error_result(
+    job_id: str | None, task: str | None, device_id: str, error: JobError, timings: Timings
+) -> dict[str, Any]:
+    return {
+        "v": RESULT_SCHEMA_VERSION,
+        "id": job_id,
+        "task": task,
+        "device": device_id,
+        "status": "error",
+        "error": error.to_dict(),
+        "timings": timings.to_dict(),
+    }
+
+
+def encode(result: dict[str, Any]) -> bytes:
+    return json.dumps(result, ensure_ascii=False, separators=(",", ":")).encode("utf-8")

@@ -1,0 +1,1 @@
+"""Queues and branch workers between intake and the models."""

@@ -1,0 +1,32 @@
+"""The unit handed from intake to a branch worker: a plain dataclass, nothing live."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from edge.protocol.jobs import ParsedJob
+
+TASK_BRANCH = {"ocr": "vision", "qa": "text"}
+
+
+@dataclass(frozen=True)
+class Reply:
+    topic: str
+    correlation: bytes | None = None
+
+
+@dataclass
+class WorkItem:
+    job: ParsedJob
+    reply: Reply
+    received_at: float = field(default_factory=time.monotonic)
+    deadline_at: float | None = None
+    stream: bool = False
+
+    @property
+    def branch(self) -> str:
+        return TASK_BRANCH[self.job.task]
+
+    def expired(self, now: float | None = None) -> bool:
+        return self.deadline_at is not None and (now or time.monotonic()) >= self.deadline_at

@@ -1,0 +1,1 @@
+"""Offline build pipeline: turn source models into the engines the daemon loads."""

@@ -1,0 +1,64 @@
+"""Build outputs keyed by their inputs: a directory per key, published atomically."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+
+
+def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def cache_key(inputs: dict[str, Any]) -> str:
+    blob = json.dumps(inputs, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def read_manifest(out_dir: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def build_cached(out_dir: Path, inputs: dict[str, Any], build: Callable[[Path], dict[str, Any]]) -> Path:
+    """Run `build` into a scratch directory and rename it to `out_dir` when it succeeds.
+
+    A directory with a manifest whose inputs match is reused as is; a half-written one
+    (a crash mid-build) never has a manifest, so it is rebuilt rather than trusted.
+    """
+    existing = read_manifest(out_dir)
+    if existing is not None and existing.get("inputs") == inputs:
+        logger.info("engine %s is up to date", out_dir)
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        details = build(scratch)
+        manifest = {"inputs": inputs, **details}
+        (scratch / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(scratch, out_dir)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    logger.info("built engine %s", out_dir)
+    return out_dir

@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""The newcomer's demo: one box, real models, a real broker, sample jobs, status, stop.
+
+Starts Mosquitto on 127.0.0.1:1883 if nothing listens there, starts the daemon with
+profiles/cpu-dev.yaml, sends every sample label as an `ocr` job and two `qa` jobs,
+prints the answers and `edgectl status`, then stops what it started. Exits 0 only if
+every label was read exactly and every question answered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from edge.comms.client import RequestTimeout, request  # noqa: E402
+from edge.config import load_profile  # noqa: E402
+from edge.health.status import StatusUnreachable, query_status  # noqa: E402
+
+QUESTIONS: list[dict[str, Any]] = [
+    {"question": "What is a normal resting heart rate for adults?"},
+    {
+        "question": "How should the wound dressing be changed?",
+        "context": (
+            "Wound care sheet, ward 3: change the dressing every 48 hours, or sooner if it is wet. "
+            "Wash hands, remove the old dressing, clean the wound with saline, pat dry, and apply a new "
+            "sterile dressing. Report redness, swelling or fever above 38 °C to the nurse."
+        ),
+    },
+]
+
+
+def listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.3):
+            return True
+    except OSError:
+        return False
+
+
+def start_broker(port: int) -> subprocess.Popen[bytes]:
+    binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+    conf = Path(tempfile.mkdtemp(prefix="edge-demo-")) / "mosquitto.conf"
+    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
+    proc = subprocess.Popen([binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(100):
+        if listening("127.0.0.1", port):
+            return proc
+        time.sleep(0.05)
+    proc.terminate()
+    raise SystemExit(f"demo: mosquitto did not start on port {port}")
+
+
+def wait_ready(daemon: subprocess.Popen[bytes], socket_path: Path, log: Path, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        if daemon.poll() is not None:
+            sys.stdout.write(log.read_text(errors="replace"))
+            raise SystemExit(f"demo: daemon exited with {daemon.returncode}")
+        try:
+            doc = query_status(socket_path, timeout=1.0)
+            state = f"{doc['state']}, broker {'connected' if doc['broker']['connected'] else 'connecting'}"
+            if doc["state"] == "ready" and doc["broker"]["connected"]:
+                print(f"  daemon ready ({len(doc['models'])} models loaded)")
+                return
+        except StatusUnreachable:
+            state = "starting"
+        if state != last:
+            print(f"  daemon {state} (first start converts the LLM once; see {log.relative_to(REPO)})")
+            last = state
+        time.sleep(0.3)
+    raise SystemExit("demo: daemon not ready in time")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", type=Path, default=REPO / "profiles" / "cpu-dev.yaml")
+    args = parser.parse_args()
+    profile = load_profile(args.profile)
+    host, port = profile.broker.host, profile.broker.port
+
+    broker = None
+    if listening(host, port):
+        print(f"demo: using the broker already listening on {host}:{port}")
+    else:
+        print(f"demo: starting mosquitto on {host}:{port}")
+        broker = start_broker(port)
+
+    log = REPO / ".edge" / "demo-daemon.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"demo: starting edgectl serve --profile {args.profile.relative_to(REPO)}")
+    with log.open("wb") as fh:
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "edge.cli", "serve", "--profile", str(args.profile)],
+            cwd=REPO,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
+    failures = 0
+    try:
+        wait_ready(daemon, REPO / profile.status_socket, log)
+        labels = json.loads((REPO / "samples" / "labels" / "labels.json").read_text())
+        print("\n== OCR: factory labels ==")
+        for i, label in enumerate(labels):
+            job = {"id": f"demo-ocr-{i}", "task": "ocr", "image": {"path": f"labels/{label['name']}"}}
+            result = request(profile, "ocr", job, timeout=60)
+            got = [line["text"] for line in result.get("output", {}).get("lines", [])]
+            ok = result.get("status") == "ok" and got == label["lines"]
+            failures += not ok
+            mark = "ok " if ok else "BAD"
+            print(
+                f"  [{mark}] {label['name']}: {' | '.join(got) or result.get('error')}  "
+                f"({result['timings']['total_ms']:.0f} ms)"
+            )
+            if not ok:
+                print(f"        expected {' | '.join(label['lines'])}")
+        print("\n== Q&A: SmolLM2-135M-Instruct ==")
+        for i, q in enumerate(QUESTIONS):
+            qa_job: dict[str, Any] = {"id": f"demo-qa-{i}", "task": "qa", "max_new_tokens": 80, **q}
+            result = request(profile, "qa", qa_job, timeout=300)
+            ok = result.get("status") == "ok" and bool(result["output"]["answer"].strip())
+            failures += not ok
+            print(f"  Q: {q['question']}" + ("  (with context)" if "context" in q else ""))
+            if ok:
+                out = result["output"]
+                print(f"  A: {out['answer']}")
+                print(
+                    f"     {out['completion_tokens']} tokens, {out['decode_tokens_per_s']:.1f} tok/s, "
+                    f"{result['timings']['total_ms']:.0f} ms"
+                )
+            else:
+                print(f"  error: {result.get('error')}")
+        print("\n== edgectl status ==")
+        status = subprocess.run(
+            [sys.executable, "-m", "edge.cli", "status", "--profile", str(args.profile)], cwd=REPO, check=False
+        )
+        failures += status.returncode != 0
+    except RequestTimeout as err:
+        print(f"demo: {err}")
+        failures += 1
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            daemon.wait(60)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+        if broker is not None:
+            broker.terminate()
+            broker.wait(10)
+        print(f"\ndemo: stopped the daemon{' and the broker' if broker else ''}; daemon log in {log.relative_to(REPO)}")
+    print("demo: all good" if failures == 0 else f"demo: {failures} check(s) failed")
+    return 0 if failures == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

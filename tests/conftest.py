@@ -1,0 +1,275 @@
+"""Shared fixtures: a real Mosquitto on a free loopback port, daemons as real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as mqtt
+import pytest
+import yaml
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from paho.mqtt.subscribeoptions import SubscribeOptions
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLES = REPO / "samples"
+LABELS = json.loads((SAMPLES / "labels" / "labels.json").read_text(encoding="utf-8"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on port {port}")
+
+
+class Broker:
+    """A real mosquitto process; stop() and start() keep the same port."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        self.conf = workdir / "mosquitto.conf"
+        self.conf.write_text(
+            f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence false\n", encoding="utf-8"
+        )
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+        self.proc = subprocess.Popen(
+            [binary, "-c", str(self.conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        wait_port(self.port)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+
+@pytest.fixture(scope="session")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
+    b = Broker(tmp_path_factory.mktemp("broker"))
+    b.start()
+    yield b
+    b.stop()
+
+
+@pytest.fixture
+def own_broker(tmp_path: Path) -> Iterator[Broker]:
+    """A broker a test may stop and restart without disturbing the others."""
+    b = Broker(tmp_path)
+    b.start()
+    yield b
+    b.stop()
+
+
+@pytest.fixture(scope="session")
+def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Engines built once per test session (the build itself is tested elsewhere)."""
+    from engines.import_gguf import import_smollm2
+
+    path = tmp_path_factory.mktemp("engines")
+    import_smollm2(path, progress=False)
+    return path
+
+
+def write_profile(directory: Path, port: int, engine_dir: Path, device_id: str = "t1", **overrides: Any) -> Path:
+    profile: dict[str, Any] = {
+        "device_id": device_id,
+        "log_level": "info",
+        "broker": {"host": "127.0.0.1", "port": port, "reconnect_min_s": 1, "reconnect_max_s": 2},
+        "models": {"ocr": {"threads": 1}, "qa": {"max_new_tokens": 24, "max_context_tokens": 512}},
+        "paths": {
+            "state_dir": str(directory / "state"),
+            "runtime_dir": str(directory / "run"),
+            "engine_dir": str(engine_dir),
+            "media_dir": str(SAMPLES),
+        },
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(profile.get(key), dict):
+            profile[key] = {**profile[key], **value}
+        else:
+            profile[key] = value
+    path = directory / f"{device_id}.yaml"
+    path.write_text(yaml.safe_dump(profile), encoding="utf-8")
+    return path
+
+
+def edgectl(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "edge.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=env,
+    )
+
+
+@dataclass
+class DaemonProc:
+    profile: Path
+    socket: Path
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def status(self) -> subprocess.CompletedProcess[str]:
+        return edgectl("status", "--socket", str(self.socket), "--json")
+
+    def wait_ready(self, timeout: float = 120.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log.read_text()}")
+            res = self.status()
+            if res.returncode in (0, 1):
+                doc = json.loads(res.stdout)
+                if doc.get("state") == "ready" and doc["broker"]["connected"]:
+                    return doc  # type: ignore[no-any-return]
+            time.sleep(0.2)
+        raise TimeoutError(f"daemon not ready:\n{self.log.read_text()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_daemon(profile: Path, env_extra: dict[str, str] | None = None) -> DaemonProc:
+    data = yaml.safe_load(profile.read_text())
+    sock = Path(data["paths"]["runtime_dir"]) / "status.sock"
+    log = profile.with_suffix(".log")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    fh = log.open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edge.cli", "serve", "--profile", str(profile)],
+        stdout=fh,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env=env,
+    )
+    return DaemonProc(profile, sock, proc, log)
+
+
+@pytest.fixture(scope="session")
+def daemon(broker: Broker, engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
+    """One daemon with both branches, shared by the request/response tests."""
+    directory = tmp_path_factory.mktemp("daemon")
+    d = start_daemon(write_profile(directory, broker.port, engine_dir))
+    d.wait_ready()
+    yield d
+    d.stop()
+
+
+@dataclass
+class Requester:
+    """A test-side MQTT v5 client: sends jobs with correlation, collects replies."""
+
+    port: int
+    reply_topic: str = field(default_factory=lambda: f"test/replies/{uuid.uuid4().hex}")
+    replies: dict[bytes, dict[str, Any]] = field(default_factory=dict)
+    raw: list[tuple[str, bytes, bytes | None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._cond = threading.Condition()
+        self._client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+        self._client.on_message = self._on_message
+        subscribed = threading.Event()
+        self._client.on_subscribe = lambda *a: subscribed.set()
+        self._client.connect("127.0.0.1", self.port)
+        self._client.loop_start()
+        self._client.subscribe([(self.reply_topic, SubscribeOptions(qos=1))])
+        if not subscribed.wait(10):
+            raise TimeoutError("subscribe timed out")
+
+    def subscribe(self, topic: str) -> None:
+        done = threading.Event()
+        self._client.on_subscribe = lambda *a: done.set()
+        self._client.subscribe([(topic, SubscribeOptions(qos=1))])
+        if not done.wait(10):
+            raise TimeoutError("subscribe timed out")
+
+    def _on_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
+        corr = getattr(msg.properties, "CorrelationData", None)
+        with self._cond:
+            self.raw.append((msg.topic, bytes(msg.payload), bytes(corr) if corr is not None else None))
+            if corr is not None and msg.topic == self.reply_topic:
+                self.replies[bytes(corr)] = json.loads(msg.payload)
+            self._cond.notify_all()
+
+    def send(self, topic: str, payload: bytes | dict[str, Any], response: bool = True) -> bytes:
+        corr = uuid.uuid4().bytes
+        props = None
+        if response:
+            props = Properties(PacketTypes.PUBLISH)
+            props.ResponseTopic = self.reply_topic
+            props.CorrelationData = corr
+        body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        self._client.publish(topic, body, qos=1, properties=props).wait_for_publish(10)
+        return corr
+
+    def wait(self, corr: bytes, timeout: float = 60.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while corr not in self.replies:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("no reply")
+                self._cond.wait(left)
+            return self.replies[corr]
+
+    def wait_topic(self, topic: str, timeout: float = 30.0) -> list[bytes]:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not any(t == topic for t, _, _ in self.raw):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"nothing on {topic}")
+                self._cond.wait(left)
+            return [p for t, p, _ in self.raw if t == topic]
+
+    def request(self, topic: str, payload: bytes | dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
+        return self.wait(self.send(topic, payload), timeout)
+
+    def close(self) -> None:
+        self._client.disconnect()
+        self._client.loop_stop()
+
+
+@pytest.fixture
+def requester(broker: Broker) -> Iterator[Requester]:
+    r = Requester(broker.port)
+    yield r
+    r.close()

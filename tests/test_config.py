@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from edge.config import ProfileError, load_profile, parse_profile
+from tests.conftest import REPO, edgectl
+
+
+def test_shipped_profiles_load() -> None:
+    for path in (REPO / "profiles").glob("*.yaml"):
+        profile = load_profile(path)
+        assert profile.jobs_filter == f"edge/{profile.device_id}/jobs/+"
+
+
+def test_defaults_and_derived_topics() -> None:
+    profile = parse_profile({"device_id": "line-3", "topics": {"shared_group": "plant"}})
+    assert profile.memory_budget_mib == 8192
+    assert profile.results_topic == "edge/line-3/results"
+    assert profile.available_topic == "edge/line-3/available"
+    assert profile.shared_jobs_filter == "$share/plant/edge/jobs/+"
+    assert profile.client_id == "edge-line-3"
+
+
+@pytest.mark.parametrize(
+    ("data", "path_in_message"),
+    [
+        ({"device_id": "a", "models": {"qa": {"max_new_tokenz": 3}}}, "models.qa.max_new_tokenz"),
+        ({"device_id": "a", "broker": {"port": "not-a-port"}}, "broker.port"),
+        ({"device_id": "a", "broker": {"port": 70000}}, "broker.port"),
+        ({"device_id": "a/b"}, "device_id"),
+        ({}, "device_id"),
+        ({"device_id": "a", "broker": {"tls": {"cert_file": "/x.pem"}}}, "broker.tls"),
+        ({"device_id": "a", "broker": {"password": "x", "password_file": "/y"}}, "broker"),
+        ({"device_id": "a", "topics": {"shared_group": "a/+"}}, "topics.shared_group"),
+    ],
+)
+def test_bad_profile_names_the_field(data: dict[str, object], path_in_message: str) -> None:
+    with pytest.raises(ProfileError) as err:
+        parse_profile(data, "p.yaml")
+    assert path_in_message in str(err.value)
+
+
+def test_every_field_is_described() -> None:
+    from pydantic import BaseModel
+
+    from edge.config.schema import Profile
+
+    seen: set[type[BaseModel]] = set()
+
+    def walk(model: type[BaseModel]) -> None:
+        if model in seen:
+            return
+        seen.add(model)
+        for name, info in model.model_fields.items():
+            assert info.description, f"{model.__name__}.{name} has no description"
+            annotation = info.annotation
+            for candidate in (annotation, *getattr(annotation, "__args__", ())):
+                if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+                    walk(candidate)
+
+    walk(Profile)
+    assert len(seen) >= 8
+
+
+def test_serve_with_bad_profile_exits_2_naming_the_field(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"device_id": "x", "queue": {"max_size": -1}}))
+    res = edgectl("serve", "--profile", str(bad))
+    assert res.returncode == 2
+    assert "queue.max_size" in res.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_serve_with_unreadable_yaml_exits_2(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("device_id: [unclosed\n")
+    res = edgectl("serve", "--profile", str(bad))
+    assert res.returncode == 2
+    assert "not valid YAML" in res.stderr

@@ -1,0 +1,307 @@
+"""End to end through a real Mosquitto and real daemon processes."""
+
+from __future__ import annotations
+
+import base64
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import (
+    LABELS,
+    SAMPLES,
+    Broker,
+    DaemonProc,
+    Requester,
+    edgectl,
+    start_daemon,
+    write_profile,
+)
+
+pytestmark = pytest.mark.integration
+
+JOBS = "edge/t1/jobs"
+
+
+def b64(name: str) -> str:
+    return base64.b64encode((SAMPLES / "labels" / name).read_bytes()).decode()
+
+
+def test_ocr_request_response_with_correlation(daemon: DaemonProc, requester: Requester) -> None:
+    corrs = {
+        requester.send(f"{JOBS}/ocr", {"id": f"ocr-{i}", "image": {"data": b64(lab["name"])}}): lab
+        for i, lab in enumerate(LABELS)
+    }
+    for corr, lab in corrs.items():
+        result = requester.wait(corr)
+        assert result["status"] == "ok", result
+        assert [line["text"] for line in result["output"]["lines"]] == lab["lines"]
+        assert result["output"]["text"] == "\n".join(lab["lines"])
+        assert set(result["timings"]) == {"queued_ms", "run_ms", "total_ms"}
+        assert result["timings"]["total_ms"] >= result["timings"]["run_ms"] > 0
+        assert result["device"] == "t1"
+    ids = {requester.replies[c]["id"] for c in corrs}
+    assert ids == {f"ocr-{i}" for i in range(len(LABELS))}
+
+
+def test_ocr_by_media_path(daemon: DaemonProc, requester: Requester) -> None:
+    result = requester.request(f"{JOBS}/ocr", {"id": "p1", "image": {"path": "labels/label_02.png"}})
+    assert result["status"] == "ok"
+    assert [line["text"] for line in result["output"]["lines"]] == LABELS[2]["lines"]
+
+
+def test_qa_request_response(daemon: DaemonProc, requester: Requester) -> None:
+    result = requester.request(
+        f"{JOBS}/qa",
+        {
+            "id": "q1",
+            "question": "When is the clinic open on Saturdays?",
+            "context": "The clinic is open 8 am to 6 pm on weekdays and 9 am to 1 pm on Saturdays.",
+            "max_new_tokens": 24,
+        },
+        timeout=120,
+    )
+    assert result["status"] == "ok", result
+    out = result["output"]
+    assert out["answer"] and out["completion_tokens"] > 0
+    # A 135M model is not always right, but its answer must come from the given context.
+    assert "1 pm" in out["answer"] or "9 am" in out["answer"], out["answer"]
+    assert out["finish_reason"] in {"eos", "length", "stop"}
+
+
+def test_results_fall_back_to_device_topic(daemon: DaemonProc, requester: Requester) -> None:
+    requester.subscribe("edge/t1/results")
+    requester.send(f"{JOBS}/ocr", {"id": "nort", "image": {"path": "labels/label_00.png"}}, response=False)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        payloads = [json.loads(p) for t, p, _ in requester.raw if t == "edge/t1/results"]
+        if any(p["id"] == "nort" for p in payloads):
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("no result on the fallback topic")
+
+
+def test_available_is_retained_online(daemon: DaemonProc, requester: Requester) -> None:
+    requester.subscribe("edge/t1/available")
+    assert requester.wait_topic("edge/t1/available")[-1] == b"online"
+
+
+BAD_INPUTS: list[tuple[str, bytes | dict[str, Any], str, str | None]] = [
+    ("ocr", b"{not json", "bad_json", None),
+    ("ocr", b"\xff\xfe", "bad_json", None),
+    ("ocr", b"[1,2,3]", "invalid_field", "<root>"),
+    ("ocr", {"image": {"path": "labels/label_00.png"}}, "missing_field", "id"),
+    ("ocr", {"id": 12, "image": {"path": "x"}}, "invalid_field", "id"),
+    ("translate", {"id": "u1", "text": "hola"}, "unknown_task", "task"),
+    ("ocr", {"id": "m1"}, "missing_field", "image"),
+    ("ocr", {"id": "t1", "image": {"path": "labels/label_00.png"}, "priority": "high"}, "invalid_field", "priority"),
+    ("ocr", {"id": "b1", "image": {"data": "!!!notbase64!!!"}}, "image_invalid", "image.data"),
+    (
+        "ocr",
+        {"id": "b2", "image": {"data": base64.b64encode(b"GIF89a garbage").decode()}},
+        "image_invalid",
+        "image.data",
+    ),
+    ("ocr", {"id": "p1", "image": {"path": "../pyproject.toml"}}, "path_forbidden", "image.path"),
+    ("ocr", {"id": "p2", "image": {"path": "/etc/passwd"}}, "path_forbidden", "image.path"),
+    ("qa", {"id": "q1", "question": "x" * 9000}, "prompt_too_long", "question"),
+    ("qa", {"id": "q2", "question": "why?", "max_new_tokens": 100000}, "invalid_field", "max_new_tokens"),
+    ("qa", {"id": "q3", "question": "why?", "temperature": "hot"}, "invalid_field", "temperature"),
+]
+
+
+@pytest.mark.parametrize(("task", "payload", "code", "field"), BAD_INPUTS)
+def test_bad_input_gets_error_result_and_daemon_keeps_serving(
+    daemon: DaemonProc, requester: Requester, task: str, payload: bytes | dict[str, Any], code: str, field: str | None
+) -> None:
+    result = requester.request(f"{JOBS}/{task}", payload)
+    assert result["status"] == "error"
+    assert result["error"]["code"] == code, result
+    assert result["error"]["field"] == field
+    assert result["error"]["message"]
+    if isinstance(payload, dict) and isinstance(payload.get("id"), str):
+        assert result["id"] == payload["id"]
+    ok = requester.request(f"{JOBS}/ocr", {"id": "after", "image": {"path": "labels/label_01.png"}})
+    assert ok["status"] == "ok"
+
+
+def test_oversized_payload_and_image(daemon: DaemonProc, requester: Requester) -> None:
+    big = {"id": "big", "image": {"data": "A" * (9 * 1024 * 1024)}}
+    result = requester.request(f"{JOBS}/ocr", big)
+    assert result["error"]["code"] == "payload_too_large"
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("1", (20_000, 20_000)).save(buf, format="PNG")
+    bomb = {"id": "bomb", "image": {"data": base64.b64encode(buf.getvalue()).decode()}}
+    result = requester.request(f"{JOBS}/ocr", bomb)
+    assert (result["error"]["code"], result["error"]["field"]) == ("image_too_large", "image.data")
+
+
+def test_expired_deadline(daemon: DaemonProc, requester: Requester) -> None:
+    # A long Q&A job occupies the text branch; a job behind it with a 1 ms deadline expires.
+    first = requester.send(
+        f"{JOBS}/qa", {"id": "slow", "question": "Tell me about hand washing.", "max_new_tokens": 24}
+    )
+    late = requester.send(f"{JOBS}/qa", {"id": "late", "question": "Hi", "deadline_ms": 1})
+    assert requester.wait(late)["error"]["code"] == "expired"
+    assert requester.wait(first, 120)["status"] == "ok"
+
+
+def test_status_json_and_ok_exit(daemon: DaemonProc) -> None:
+    res = daemon.status()
+    assert res.returncode == 0, res.stdout
+    doc = json.loads(res.stdout)
+    assert doc["schema_version"] == 1
+    assert doc["check"] == {"code": 0, "status": "OK", "reasons": []}
+    assert {m["branch"] for m in doc["models"]} == {"vision", "text"}
+    assert all(m["memory_bytes"] > 0 for m in doc["models"])
+    assert set(doc["branches"]) == {"vision", "text"}
+    table = edgectl("status", "--socket", str(daemon.socket))
+    assert table.returncode == 0
+    assert "OK" in table.stdout and "pp-ocrv6-small" in table.stdout
+
+
+def test_edgectl_submit(daemon: DaemonProc, broker: Broker) -> None:
+    res = edgectl(
+        "submit",
+        "ocr",
+        "--broker",
+        f"127.0.0.1:{broker.port}",
+        "--device",
+        "t1",
+        "--image",
+        str(SAMPLES / "labels" / "label_04.png"),
+    )
+    assert res.returncode == 0, res.stderr
+    for line in LABELS[4]["lines"]:
+        assert line in res.stdout
+    res = edgectl(
+        "submit",
+        "ocr",
+        "--broker",
+        f"127.0.0.1:{broker.port}",
+        "--device",
+        "t1",
+        "--media-path",
+        "../x",
+        "--json",
+    )
+    assert res.returncode == 1
+    assert json.loads(res.stdout)["error"]["code"] == "path_forbidden"
+
+
+def test_status_unknown_when_no_daemon(tmp_path: Path) -> None:
+    res = edgectl("status", "--socket", str(tmp_path / "none.sock"))
+    assert res.returncode == 3
+    assert "UNKNOWN" in res.stdout
+
+
+def test_shared_subscription_splits_jobs(tmp_path: Path, broker: Broker, engine_dir: Path) -> None:
+    daemons: list[DaemonProc] = []
+    for name in ("box-a", "box-b"):
+        workdir = tmp_path / name
+        workdir.mkdir()
+        profile = write_profile(
+            workdir,
+            broker.port,
+            engine_dir,
+            device_id=name,
+            topics={"shared_group": "plant"},
+            models={"qa": {"enabled": False}, "ocr": {"threads": 1}},
+        )
+        daemons.append(start_daemon(profile))
+    requester = Requester(broker.port)
+    try:
+        for d in daemons:
+            d.wait_ready()
+        corrs = [
+            requester.send("edge/jobs/ocr", {"id": f"s{i}", "image": {"path": "labels/label_05.png"}})
+            for i in range(24)
+        ]
+        results = [requester.wait(c, 120) for c in corrs]
+        assert all(r["status"] == "ok" for r in results)
+        by_device: dict[str, int] = {}
+        for r in results:
+            by_device[r["device"]] = by_device.get(r["device"], 0) + 1
+        assert set(by_device) == {"box-a", "box-b"}, by_device
+        assert sum(by_device.values()) == 24
+        time.sleep(0.5)
+        answered = [json.loads(p)["id"] for t, p, _ in requester.raw if t == requester.reply_topic]
+        assert sorted(answered) == sorted(f"s{i}" for i in range(24)), "each job answered exactly once"
+    finally:
+        requester.close()
+        for d in daemons:
+            d.stop()
+
+
+def test_broker_restart_reconnects_and_status_warns(tmp_path: Path, own_broker: Broker, engine_dir: Path) -> None:
+    profile = write_profile(tmp_path, own_broker.port, engine_dir, models={"qa": {"enabled": False}})
+    daemon = start_daemon(profile)
+    try:
+        daemon.wait_ready()
+        own_broker.stop()
+        deadline = time.monotonic() + 30
+        code = None
+        while time.monotonic() < deadline:
+            code = daemon.status().returncode
+            if code == 1:
+                break
+            time.sleep(0.2)
+        assert code == 1, "status should warn while the broker is down"
+        doc = json.loads(daemon.status().stdout)
+        assert "broker disconnected" in doc["check"]["reasons"]
+        own_broker.start()
+        doc = daemon.wait_ready(60)
+        assert doc["broker"]["connects"] >= 2
+        requester = Requester(own_broker.port)
+        try:
+            result = requester.request(f"{JOBS}/ocr", {"id": "after-restart", "image": {"path": "labels/label_00.png"}})
+            assert result["status"] == "ok"
+        finally:
+            requester.close()
+        assert daemon.status().returncode == 0
+    finally:
+        assert daemon.stop() == 0
+
+
+def test_last_will_marks_killed_daemon_offline(tmp_path: Path, broker: Broker, engine_dir: Path) -> None:
+    profile = write_profile(tmp_path, broker.port, engine_dir, device_id="lw", models={"qa": {"enabled": False}})
+    daemon = start_daemon(profile)
+    requester = Requester(broker.port)
+    try:
+        daemon.wait_ready()
+        requester.subscribe("edge/lw/available")
+        assert requester.wait_topic("edge/lw/available")[-1] == b"online"
+        daemon.stop(signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if requester.wait_topic("edge/lw/available")[-1] == b"offline":
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("no offline will after kill -9")
+    finally:
+        requester.close()
+        daemon.stop()
+
+
+def test_clean_stop_publishes_offline(tmp_path: Path, broker: Broker, engine_dir: Path) -> None:
+    profile = write_profile(tmp_path, broker.port, engine_dir, device_id="cs", models={"qa": {"enabled": False}})
+    daemon = start_daemon(profile)
+    requester = Requester(broker.port)
+    try:
+        daemon.wait_ready()
+        assert daemon.stop() == 0
+        assert not daemon.socket.exists()
+        requester.subscribe("edge/cs/available")
+        assert requester.wait_topic("edge/cs/available")[-1] == b"offline"
+    finally:
+        requester.close()

@@ -1,0 +1,108 @@
+"""docs/protocol.md: its examples match the schemas, the parser and the running daemon."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from edge.protocol.errors import JobError
+from edge.protocol.jobs import JobLimits, parse_job
+from tests.conftest import REPO, DaemonProc, Requester
+
+DOC = REPO / "docs" / "protocol.md"
+SCHEMAS = REPO / "docs" / "schemas"
+LIMITS = JobLimits(max_payload_bytes=1 << 20, max_prompt_chars=8000, max_new_tokens_limit=512)
+_EXAMPLE = re.compile(r"<!-- example: (job|result) ([\w-]+) -->\s*```json\n(.*?)```", re.S)
+
+
+def examples() -> dict[tuple[str, str], Any]:
+    found = {(kind, name): json.loads(body) for kind, name, body in _EXAMPLE.findall(DOC.read_text())}
+    assert len(found) >= 8
+    return found
+
+
+def schema(name: str) -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator(json.loads((SCHEMAS / name).read_text()))
+
+
+EXAMPLES = examples()
+JOB_EXAMPLES = {name: body for (kind, name), body in EXAMPLES.items() if kind == "job"}
+
+
+def test_every_job_example_has_its_result() -> None:
+    assert {n for k, n in EXAMPLES if k == "result"} == set(JOB_EXAMPLES)
+
+
+@pytest.mark.parametrize("key", sorted(EXAMPLES), ids=lambda k: f"{k[0]}-{k[1]}")
+def test_examples_match_schema(key: tuple[str, str]) -> None:
+    kind, _ = key
+    validator = schema(f"{kind}.schema.json")
+    body = EXAMPLES[key]
+    if kind == "job" and key[1].startswith("bad-type"):
+        assert not validator.is_valid(body)
+    else:
+        validator.validate(body)
+
+
+@pytest.mark.parametrize("name", sorted(JOB_EXAMPLES))
+def test_parser_agrees_with_documented_result(name: str) -> None:
+    expected = EXAMPLES[("result", name)]
+    job = JOB_EXAMPLES[name]
+    if expected["status"] == "ok":
+        parsed = parse_job(job, job.get("task"), LIMITS)
+        assert parsed.id == expected["id"]
+    elif expected["error"]["code"] in {"invalid_field", "missing_field"}:
+        with pytest.raises(JobError) as err:
+            parse_job(job, job.get("task"), LIMITS)
+        assert err.value.code.value == expected["error"]["code"]
+        assert err.value.field == expected["error"]["field"]
+
+
+CASES: list[tuple[dict[str, Any], bool]] = [
+    ({"id": "a", "image": {"data": "aGk="}}, True),
+    ({"id": "a", "question": "q", "stop": ["\n"], "seed": 3}, True),
+    ({"id": "a", "image": {"data": "x", "path": "y"}}, False),
+    ({"id": "a", "image": {"path": "y"}, "question": "q"}, False),
+    ({"id": "a", "question": "q", "top_p": 0}, False),
+    ({"id": "a", "question": "q", "priority": 10}, False),
+    ({"id": "", "question": "q"}, False),
+    ({"id": "a", "question": "q", "extra": 1}, False),
+]
+
+
+@pytest.mark.parametrize(("job", "valid"), CASES)
+def test_schema_and_parser_agree(job: dict[str, Any], valid: bool) -> None:
+    assert schema("job.schema.json").is_valid(job) == valid
+    task = "ocr" if "image" in job else "qa"
+    try:
+        parse_job(job, task, LIMITS)
+        parsed = True
+    except JobError:
+        parsed = False
+    assert parsed == valid
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", sorted(JOB_EXAMPLES))
+def test_examples_against_the_daemon(name: str, daemon: DaemonProc, requester: Requester) -> None:
+    job = JOB_EXAMPLES[name]
+    expected = EXAMPLES[("result", name)]
+    result = requester.request(f"edge/t1/jobs/{job['task']}", job, timeout=120)
+    schema("result.schema.json").validate(result)
+    assert (result["id"], result["task"], result["status"]) == (expected["id"], expected["task"], expected["status"])
+    if expected["status"] == "error":
+        assert result["error"]["code"] == expected["error"]["code"]
+        assert result["error"]["field"] == expected["error"]["field"]
+    elif job["task"] == "ocr":
+        assert result["output"]["text"] == expected["output"]["text"]
+        assert result["output"]["lines"][0]["box"] == expected["output"]["lines"][0]["box"]
+        assert result["output"]["image"] == expected["output"]["image"]
+
+
+def test_doc_exists() -> None:
+    assert Path(DOC).is_file()

@@ -1,0 +1,86 @@
+"""The unit file verifies cleanly, and the daemon speaks the notify protocol."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, Broker, start_daemon, write_profile
+
+UNIT = REPO / "systemd" / "edged.service"
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_unit_verifies_without_any_warning(tmp_path: Path) -> None:
+    # verify checks that ExecStart exists; point it at this checkout's edgectl.
+    edgectl = Path(sys.executable).parent / "edgectl"
+    assert edgectl.exists(), "install the project (pip install -e .) first"
+    text = UNIT.read_text().replace("/opt/edge/.venv/bin/edgectl", str(edgectl))
+    unit = tmp_path / "edged.service"
+    unit.write_text(text)
+    res = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.strip() == "", res.stderr
+
+
+def test_unit_contract() -> None:
+    text = UNIT.read_text()
+    for line in ("Type=notify", "Restart=on-failure", "StateDirectory=edged", "RuntimeDirectory=edged", "WatchdogSec="):
+        assert line in text
+    assert "PrivateDevices=yes" not in text
+
+
+class FakeNotifySocket:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.2)
+        self.messages: list[tuple[float, str]] = []
+
+    def collect_until(self, predicate: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                data = self.sock.recv(4096).decode()
+            except TimeoutError:
+                continue
+            self.messages.append((time.monotonic(), data))
+            if predicate in data:
+                return
+        raise TimeoutError(f"no {predicate!r} in {self.messages}")
+
+    def count(self, key: str) -> int:
+        return sum(1 for _, m in self.messages if key in m.split("\n"))
+
+
+@pytest.mark.integration
+def test_ready_watchdog_status_stopping(tmp_path: Path, broker: Broker, engine_dir: Path) -> None:
+    notify = FakeNotifySocket(tmp_path / "notify.sock")
+    profile = write_profile(tmp_path, broker.port, engine_dir, models={"qa": {"enabled": False}})
+    daemon = start_daemon(profile, {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "1000000"})
+    try:
+        notify.collect_until("READY=1", timeout=120)
+        ready_at = notify.messages[-1][0]
+        ready = notify.messages[-1][1]
+        assert "STATUS=" in ready
+        time.sleep(2.6)
+        daemon.proc.send_signal(signal.SIGTERM)
+        notify.collect_until("STOPPING=1", timeout=30)
+        assert daemon.proc.wait(30) == 0
+    finally:
+        daemon.stop()
+    pings = [t for t, m in notify.messages if "WATCHDOG=1" in m.split("\n") and t > ready_at]
+    # Half of WATCHDOG_USEC = 0.5 s: about five pings in 2.6 s, and never a gap near 1 s.
+    assert len(pings) >= 4
+    gaps = [b - a for a, b in itertools.pairwise(pings)]
+    assert max(gaps) < 0.9
+    assert any(m.startswith("STATUS=") or "\nSTATUS=" in m for _, m in notify.messages)
