@@ -48,13 +48,14 @@ def cmd_build(args: argparse.Namespace) -> int:
     profile = _load(args.profile)
     _setup_logging(profile.log_level)
     from edge.vision.ocr import bundled_model_dir
-    from engines.import_gguf import import_smollm2
+    from engines.text_build import build_text_engine
 
     if profile.models.ocr.enabled:
         print(f"ocr: models from {bundled_model_dir()}")
     if profile.models.qa.enabled:
-        path = import_smollm2(profile.paths.engine_dir, progress=True)
-        print(f"qa: checkpoint at {path}")
+        qa = profile.models.qa
+        path = build_text_engine(profile.paths.engine_dir, qa.adapter, qa.quantization, progress=True)
+        print(f"qa: {qa.source} + {qa.adapter} adapter, {qa.quantization}: {path}")
     return 0
 
 

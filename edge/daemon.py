@@ -36,7 +36,8 @@ from edge.scheduler.work import Reply, WorkItem
 from edge.stats import JobStats
 from edge.text.qa import QAEngine, QASettings
 from edge.vision.ocr import OCRPipeline, OCRSettings
-from engines.import_gguf import cached_smollm2, import_smollm2
+from engines.cache import existing_only
+from engines.text_build import build_text_engine
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +180,10 @@ class Daemon:
                     system_prompt=models.qa.system_prompt,
                 )
                 self._qa = self._measure(
-                    models.qa.source, "text", "torch-cpu", lambda: QAEngine.load(path, settings_qa)
+                    f"{models.qa.source}-{models.qa.adapter}",
+                    "text",
+                    f"torch-cpu {models.qa.quantization}",
+                    lambda: QAEngine.load(path, settings_qa),
                 )
                 self._add_branch("text", self._run_text)
             except Exception as err:
@@ -187,10 +191,13 @@ class Daemon:
                 self.branch_errors["text"] = f"{type(err).__name__}: {err}"
 
     def _text_engine_path(self) -> Path:
+        qa = self.profile.models.qa
         engine_dir = self.profile.paths.engine_dir
         if self.profile.build_missing_engines:
-            return import_smollm2(engine_dir, progress=False)
-        return cached_smollm2(engine_dir)
+            self.notifier.status("building the text engine (first start only)")
+            return build_text_engine(engine_dir, qa.adapter, qa.quantization, progress=False)
+        with existing_only():
+            return build_text_engine(engine_dir, qa.adapter, qa.quantization, progress=False)
 
     def _add_branch(self, name: str, handler: Any) -> None:
         queue = PriorityDeadlineQueue(self.profile.queue.max_size)
@@ -223,7 +230,17 @@ class Daemon:
     def _run_text(self, item: WorkItem) -> dict[str, Any]:
         job = item.job.request
         assert isinstance(job, QAJob) and self._qa is not None
-        return self._qa.answer(job)
+        if not job.stream:
+            return self._qa.answer(job)
+        seq = 0
+
+        def publish_delta(delta: str) -> None:
+            nonlocal seq
+            doc = results.partial_result(job.id, "qa", self.profile.device_id, seq, delta)
+            self.link.publish(item.reply.topic, results.encode(doc), item.reply.correlation)
+            seq += 1
+
+        return self._qa.answer(job, on_text=publish_delta)
 
     # results -------------------------------------------------------------------------
 

@@ -2,19 +2,37 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import json
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+
+# Off inside `existing_only()`: a daemon told not to build engines must find them built.
+_BUILDS_ALLOWED: contextvars.ContextVar[bool] = contextvars.ContextVar("builds_allowed", default=True)
+
+
+class EngineMissing(FileNotFoundError):
+    """An engine that is not built (or out of date) where building is not allowed."""
+
+
+@contextlib.contextmanager
+def existing_only() -> Iterator[None]:
+    token = _BUILDS_ALLOWED.set(False)
+    try:
+        yield
+    finally:
+        _BUILDS_ALLOWED.reset(token)
 
 
 def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
@@ -48,6 +66,8 @@ def build_cached(out_dir: Path, inputs: dict[str, Any], build: Callable[[Path], 
     if existing is not None and existing.get("inputs") == inputs:
         logger.info("engine %s is up to date", out_dir)
         return out_dir
+    if not _BUILDS_ALLOWED.get():
+        raise EngineMissing(f"engine {out_dir} is not built; run `edgectl build --profile ...`")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:

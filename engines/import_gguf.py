@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from edge.text.llama import LlamaConfig
-from engines.cache import build_cached, cache_key, file_sha256, read_manifest
+from engines.cache import build_cached, cache_key, file_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -212,12 +212,3 @@ def import_gguf(gguf_path: Path, engine_dir: Path, name: str, progress: bool = T
 
 def import_smollm2(engine_dir: Path, progress: bool = True) -> Path:
     return import_gguf(smollm2_gguf_path(), engine_dir, SMOLLM2_NAME, progress)
-
-
-def cached_smollm2(engine_dir: Path) -> Path:
-    """The already-built SmolLM2 checkpoint; raises if it has not been built."""
-    out_dir, inputs = _import_target(smollm2_gguf_path(), engine_dir, SMOLLM2_NAME)
-    manifest = read_manifest(out_dir)
-    if manifest is None or manifest.get("inputs") != inputs:
-        raise FileNotFoundError(f"no built text engine at {out_dir}; run `edgectl build --profile ...`")
-    return out_dir

@@ -29,15 +29,15 @@ from edge.config import load_profile  # noqa: E402
 from edge.health.status import StatusUnreachable, query_status  # noqa: E402
 
 QUESTIONS: list[dict[str, Any]] = [
-    {"question": "What is a normal resting heart rate for adults?"},
     {
-        "question": "How should the wound dressing be changed?",
+        "question": "How often should the dressing be changed?",
         "context": (
-            "Wound care sheet, ward 3: change the dressing every 48 hours, or sooner if it is wet. "
-            "Wash hands, remove the old dressing, clean the wound with saline, pat dry, and apply a new "
-            "sterile dressing. Report redness, swelling or fever above 38 °C to the nurse."
+            "[doc: ward3-wound-care] Change the dressing every 48 hours, or sooner if it is wet. "
+            "Report redness, swelling or fever above 38 °C to the nurse."
         ),
     },
+    {"question": "I have a rash on my arms and a fever. Is it measles?"},
+    {"question": "What is a normal resting heart rate for adults?"},
 ]
 
 
@@ -126,7 +126,7 @@ def main() -> int:
             )
             if not ok:
                 print(f"        expected {' | '.join(label['lines'])}")
-        print("\n== Q&A: SmolLM2-135M-Instruct ==")
+        print("\n== Q&A: SmolLM2-135M-Instruct + clinic adapter, AWQ INT4 ==")
         for i, q in enumerate(QUESTIONS):
             qa_job: dict[str, Any] = {"id": f"demo-qa-{i}", "task": "qa", "max_new_tokens": 80, **q}
             result = request(profile, "qa", qa_job, timeout=300)

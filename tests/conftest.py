@@ -92,10 +92,11 @@ def own_broker(tmp_path: Path) -> Iterator[Broker]:
 @pytest.fixture(scope="session")
 def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Engines built once per test session (the build itself is tested elsewhere)."""
-    from engines.import_gguf import import_smollm2
+    from engines.text_build import build_text_engine
 
     path = tmp_path_factory.mktemp("engines")
-    import_smollm2(path, progress=False)
+    # The default pipeline: import, clinic QLoRA adapter merged in, AWQ INT4.
+    build_text_engine(path, "clinic", "awq-int4", progress=False)
     return path
 
 
@@ -200,6 +201,7 @@ class Requester:
     port: int
     reply_topic: str = field(default_factory=lambda: f"test/replies/{uuid.uuid4().hex}")
     replies: dict[bytes, dict[str, Any]] = field(default_factory=dict)
+    partials: dict[bytes, list[dict[str, Any]]] = field(default_factory=dict)
     raw: list[tuple[str, bytes, bytes | None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -226,7 +228,11 @@ class Requester:
         with self._cond:
             self.raw.append((msg.topic, bytes(msg.payload), bytes(corr) if corr is not None else None))
             if corr is not None and msg.topic == self.reply_topic:
-                self.replies[bytes(corr)] = json.loads(msg.payload)
+                doc = json.loads(msg.payload)
+                if doc.get("status") == "partial":
+                    self.partials.setdefault(bytes(corr), []).append(doc)
+                else:
+                    self.replies[bytes(corr)] = doc
             self._cond.notify_all()
 
     def send(self, topic: str, payload: bytes | dict[str, Any], response: bool = True) -> bytes:

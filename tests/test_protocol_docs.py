@@ -17,7 +17,7 @@ from tests.conftest import REPO, DaemonProc, Requester
 DOC = REPO / "docs" / "protocol.md"
 SCHEMAS = REPO / "docs" / "schemas"
 LIMITS = JobLimits(max_payload_bytes=1 << 20, max_prompt_chars=8000, max_new_tokens_limit=512)
-_EXAMPLE = re.compile(r"<!-- example: (job|result) ([\w-]+) -->\s*```json\n(.*?)```", re.S)
+_EXAMPLE = re.compile(r"<!-- example: (job|result|partial) ([\w-]+) -->\s*```json\n(.*?)```", re.S)
 
 
 def examples() -> dict[tuple[str, str], Any]:
@@ -41,7 +41,7 @@ def test_every_job_example_has_its_result() -> None:
 @pytest.mark.parametrize("key", sorted(EXAMPLES), ids=lambda k: f"{k[0]}-{k[1]}")
 def test_examples_match_schema(key: tuple[str, str]) -> None:
     kind, _ = key
-    validator = schema(f"{kind}.schema.json")
+    validator = schema("job.schema.json" if kind == "job" else "result.schema.json")
     body = EXAMPLES[key]
     if kind == "job" and key[1].startswith("bad-type"):
         assert not validator.is_valid(body)

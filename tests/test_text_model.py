@@ -13,13 +13,12 @@ from edge.protocol.jobs import QAJob
 from edge.text.checkpoint import TextCheckpoint, load_checkpoint
 from edge.text.generate import SamplingParams, generate
 from edge.text.qa import QAEngine, QASettings, chatml
-from engines.import_gguf import SMOLLM2_FILE, smollm2_gguf_path
+from engines.import_gguf import SMOLLM2_FILE, import_smollm2, smollm2_gguf_path
 
 
 @pytest.fixture(scope="module")
 def ckpt(engine_dir: Path) -> TextCheckpoint:
-    (path,) = (engine_dir / "text").iterdir()
-    return load_checkpoint(path)
+    return load_checkpoint(import_smollm2(engine_dir, progress=False))
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# The prompt the clinic adapter was trained with; kept here as the default so they agree.
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a careful assistant in a clinic. Answer briefly and factually. When context is given, answer from it."
+)
+
 _TOPIC_SEGMENT = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -166,6 +171,17 @@ class QAModelConfig(StrictModel):
         title="Source model",
         description="Base model imported into the engine directory on first use.",
     )
+    adapter: Literal["clinic", "none"] = Field(
+        default="clinic",
+        title="Merged adapter",
+        description="QLoRA adapter merged into the base before quantization: 'clinic' (cite the "
+        "given documents, decline to diagnose) or 'none'.",
+    )
+    quantization: Literal["awq-int4", "rtn-int4", "float"] = Field(
+        default="awq-int4",
+        title="Weight format",
+        description="How the served weights are stored: AWQ INT4 (group 128), round-to-nearest INT4, or float32.",
+    )
     max_context_tokens: int = Field(
         default=2048,
         ge=64,
@@ -188,10 +204,7 @@ class QAModelConfig(StrictModel):
         description="Largest max_new_tokens a job may ask for.",
     )
     system_prompt: str = Field(
-        default=(
-            "You are a careful assistant in a clinic. Answer briefly and factually. "
-            "When context is given, answer from it."
-        ),
+        default=DEFAULT_SYSTEM_PROMPT,
         title="System prompt",
         description="System message put before every question.",
     )

@@ -142,10 +142,10 @@ def render_table(doc: dict[str, Any], code: int, reasons: list[str]) -> str:
     lines.append(
         f"  memory     rss {_fmt_bytes(memory.get('rss_bytes'))} of budget {_fmt_bytes(memory.get('budget_bytes'))}"
     )
-    lines.append("  models     name                       branch   backend       memory")
+    lines.append("  models     name                           branch   backend              memory")
     for model in doc.get("models", []):
         lines.append(
-            f"             {model['name']:<26} {model['branch']:<8} {model['backend']:<13} "
+            f"             {model['name']:<30} {model['branch']:<8} {model['backend']:<20} "
             f"{_fmt_bytes(model.get('memory_bytes'))}"
         )
     lines.append("  queues     branch   depth/max  running  available")

@@ -68,6 +68,9 @@ class QAJob(JobBase):
         default_factory=list, max_length=8, description="Generation ends at any of these."
     )
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1, description="Sampling seed, for repeatable output.")
+    stream: bool = Field(
+        default=False, description="Also publish partial results (status 'partial') as text is generated."
+    )
 
 
 JOB_MODELS: dict[str, type[JobBase]] = {"ocr": OCRJob, "qa": QAJob}

@@ -53,3 +53,16 @@ def error_result(
 
 def encode(result: dict[str, Any]) -> bytes:
     return json.dumps(result, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def partial_result(job_id: str, task: str, device_id: str, seq: int, delta: str) -> dict[str, Any]:
+    """A streamed piece of a job's output; the job's final result still follows."""
+    return {
+        "v": RESULT_SCHEMA_VERSION,
+        "id": job_id,
+        "task": task,
+        "device": device_id,
+        "status": "partial",
+        "seq": seq,
+        "delta": delta,
+    }

@@ -1,4 +1,13 @@
-"""Load a text checkpoint written by `engines.import_gguf` (or any later build step)."""
+"""Load a text checkpoint written by the engines pipeline (float or INT4).
+
+Layout of a checkpoint directory:
+  config.json        LlamaConfig
+  model.safetensors  float tensors by module name; for each INT4 linear
+                     `<name>.qweight`, `<name>.scales`, `<name>.zeros` instead of
+                     `<name>.weight`
+  quant.json         present for INT4 checkpoints: {"linears": {name: {"group_size": G}}}
+  tokenizer.json, generation.json
+"""
 
 from __future__ import annotations
 
@@ -10,8 +19,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
+from torch import nn
 
-from edge.text.llama import LlamaConfig, LlamaModel
+from edge.text.int4 import Int4Linear, QuantizedWeight, concat_rows, cpu_kernel_available
+from edge.text.llama import LlamaConfig, LlamaModel, fuse_projections
+
+FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
 
 logger = logging.getLogger(__name__)
 
@@ -22,27 +38,96 @@ class TextCheckpoint:
     tokenizer: Tokenizer
     eos_ids: frozenset[int]
     path: Path
+    int4_kernel: str | None = None
 
 
-def load_checkpoint(path: Path, dtype: torch.dtype = torch.float32) -> TextCheckpoint:
+def default_int4_kernel(device: torch.device) -> str:
+    if device.type == "cuda":
+        # Our Triton kernels read the checkpoint layout for decode and prefill alike;
+        # torch's tiled kernel decodes faster but prefills ten times slower.
+        from edge.text.triton_int4 import TRITON_SUPPORT
+
+        return "triton" if TRITON_SUPPORT else "cuda"
+    return "cpu" if cpu_kernel_available() else "dequant"
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, module)
+
+
+def load_checkpoint(
+    path: Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    int4_kernel: str | None = None,
+    fuse: bool = True,
+) -> TextCheckpoint:
+    """Load for serving. `fuse` merges q/k/v and gate/up into single linears."""
+    device = torch.device(device)
     config = LlamaConfig.from_json(path / "config.json")
     with torch.device("meta"):
         model = LlamaModel(config)
     state = load_file(str(path / "model.safetensors"))
-    if config.tie_embeddings:
+    quant_path = path / "quant.json"
+    kernel = None
+    if quant_path.exists():
+        kernel = int4_kernel or default_int4_kernel(device)
+        linears = json.loads(quant_path.read_text(encoding="utf-8"))["linears"]
+        quantized = {
+            name: QuantizedWeight(
+                qweight=state.pop(f"{name}.qweight").to(device),
+                scales=state.pop(f"{name}.scales").to(device),
+                zeros=state.pop(f"{name}.zeros").to(device),
+                group_size=int(info["group_size"]),
+            )
+            for name, info in linears.items()
+        }
+        if fuse:
+            _fuse_quantized(model, quantized, kernel)
+        for name, q in quantized.items():
+            _set_module(model, name, Int4Linear(q, kernel))
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    if config.tie_embeddings and isinstance(model.lm_head, nn.Linear):
         state.setdefault("lm_head.weight", state["embed_tokens.weight"])
     # assign=True adopts the loaded tensors instead of copying into meta placeholders.
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [m for m in missing if not m.startswith("rope_")]
+    missing = [
+        m
+        for m in missing
+        if not m.startswith("rope_") and not m.endswith((".packed", ".sz", ".w", ".qweight", ".scales", ".zeros"))
+    ]
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match its config: missing {missing}, unexpected {unexpected}")
-    if config.tie_embeddings:
+    if config.tie_embeddings and isinstance(model.lm_head, nn.Linear):
         model.lm_head.weight = model.embed_tokens.weight
-    model = model.to(dtype).eval()
+    if fuse:
+        fuse_projections(model)
+    model.rope_cos = model.rope_cos.to(device)
+    model.rope_sin = model.rope_sin.to(device)
+    model.eval()
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     gen = json.loads((path / "generation.json").read_text(encoding="utf-8"))
     eos = {int(gen["eos_token_id"])}
     end_of_text = tokenizer.token_to_id("<|endoftext|>")
     if end_of_text is not None:
         eos.add(end_of_text)
-    return TextCheckpoint(model=model, tokenizer=tokenizer, eos_ids=frozenset(eos), path=path)
+    return TextCheckpoint(model=model, tokenizer=tokenizer, eos_ids=frozenset(eos), path=path, int4_kernel=kernel)
+
+
+def _fuse_quantized(model: LlamaModel, quantized: dict[str, QuantizedWeight], kernel: str) -> None:
+    """Concatenate q/k/v and gate/up INT4 weights (popping them from `quantized`)."""
+    for i in range(model.config.num_layers):
+        for fused, parts in FUSED.items():
+            names = [f"layers.{i}.{p}" for p in parts]
+            if not all(n in quantized for n in names):
+                continue
+            groups = {quantized[n].group_size for n in names}
+            if len(groups) != 1:
+                continue
+            _set_module(
+                model, f"layers.{i}.{fused}", Int4Linear(concat_rows([quantized.pop(n) for n in names]), kernel)
+            )
+            parent = model.get_submodule(f"layers.{i}.{parts[0].rsplit('.', 1)[0]}")
+            for n in parts:
+                delattr(parent, n.rsplit(".", 1)[1])

@@ -48,6 +48,17 @@ class LlamaConfig:
         return cls(**json.loads(path.read_text(encoding="utf-8")))
 
 
+@dataclass(frozen=True)
+class DecodeAt:
+    """Where a graph-capturable decode step writes and reads: per-sequence positions in a
+    device tensor, a fixed attention window, and the window's additive mask (0 up to each
+    position, -inf beyond), built once per step rather than once per layer."""
+
+    pos: torch.Tensor  # [B] long
+    kv_len: int
+    bias: torch.Tensor  # [B, 1, 1, kv_len] float32
+
+
 class KVCache:
     """Keys and values for `batch` sequences of up to `max_len` tokens, allocated once."""
 
@@ -69,10 +80,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 whatever the activation dtype: fp16 overflows in x*x.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        if x.dtype == torch.float16:
+            # fp16 overflows in x*x: normalise in float32.
+            return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        # float32, and bf16 (whose range holds x*x; torch accumulates the mean in float32).
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
 
 def rope_tables(config: LlamaConfig, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,22 +116,38 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(config.num_heads * hd, config.hidden_size, bias=False)
+        # Set by fuse_projections(): one weight for q, k and v, read by one kernel.
+        self.qkv_proj: nn.Module | None = None
 
     def forward(
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        start: int,
+        k_cache: torch.Tensor | None,
+        v_cache: torch.Tensor | None,
+        start: int | DecodeAt,
     ) -> torch.Tensor:
         bsz, seq, _ = x.shape
-        q = self.q_proj(x).view(bsz, seq, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(bsz, seq, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(bsz, seq, self.n_kv, self.head_dim).transpose(1, 2)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        hd = self.head_dim
+        if self.qkv_proj is not None:
+            # Rotate q and k together: one set of elementwise kernels instead of two.
+            qkv: torch.Tensor = self.qkv_proj(x)
+            qk_, v_ = torch.split(qkv, [(self.n_heads + self.n_kv) * hd, self.n_kv * hd], dim=-1)
+            qk = apply_rope(qk_.view(bsz, seq, self.n_heads + self.n_kv, hd).transpose(1, 2), cos, sin)
+            q, k = torch.split(qk, [self.n_heads, self.n_kv], dim=1)
+        else:
+            q = apply_rope(self.q_proj(x).view(bsz, seq, self.n_heads, hd).transpose(1, 2), cos, sin)
+            k = apply_rope(self.k_proj(x).view(bsz, seq, self.n_kv, hd).transpose(1, 2), cos, sin)
+            v_ = self.v_proj(x)
+        v = v_.view(bsz, seq, self.n_kv, hd).transpose(1, 2)
+        if k_cache is None or v_cache is None:
+            # Training: the whole sequence at once, nothing cached, gradients flow.
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+            trained: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
+            return trained
+        if isinstance(start, DecodeAt):
+            return self._decode_at(q, k, v, k_cache, v_cache, start)
         end = start + seq
         k_cache[:bsz, :, start:end] = k
         v_cache[:bsz, :, start:end] = v
@@ -137,6 +165,35 @@ class Attention(nn.Module):
         projected: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
         return projected
 
+    def _decode_at(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        at: DecodeAt,
+    ) -> torch.Tensor:
+        """One token per sequence at a position held in a device tensor.
+
+        Nothing here depends on the position's value on the host, so the step can be
+        captured once in a CUDA graph and replayed for every position below kv_len.
+        The query heads of each KV group attend as one small matrix, so the cached keys
+        and values are read once and never expanded per query head.
+        """
+        bsz = q.shape[0]
+        slot = at.pos.view(bsz, 1, 1, 1).expand(bsz, self.n_kv, 1, self.head_dim)
+        k_cache[:bsz].scatter_(2, slot, k)
+        v_cache[:bsz].scatter_(2, slot, v)
+        keys = k_cache[:bsz, :, : at.kv_len]
+        values = v_cache[:bsz, :, : at.kv_len]
+        group = self.n_heads // self.n_kv
+        qg = q.reshape(bsz, self.n_kv, group, self.head_dim) * (self.head_dim**-0.5)
+        scores = (qg @ keys.transpose(-1, -2)).float() + at.bias
+        out = torch.softmax(scores, dim=-1).to(values.dtype) @ values  # [B, n_kv, group, hd]
+        projected: torch.Tensor = self.o_proj(out.reshape(bsz, 1, self.n_heads * self.head_dim))
+        return projected
+
 
 class MLP(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
@@ -144,9 +201,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # set by fuse_projections()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
         return out
 
 
@@ -163,9 +225,9 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        start: int,
+        k_cache: torch.Tensor | None,
+        v_cache: torch.Tensor | None,
+        start: int | DecodeAt,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, start)
         mlp_out: torch.Tensor = self.mlp(self.post_attention_layernorm(x))
@@ -208,3 +270,63 @@ class LlamaModel(nn.Module):
             x = x[:, -1:, :]
         logits: torch.Tensor = self.lm_head(self.norm(x))
         return logits.float()
+
+    def forward_train(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, V] for whole sequences, with autograd and no KV cache."""
+        seq = ids.shape[1]
+        dtype = self.embed_tokens.weight.dtype
+        cos = self.rope_cos[:seq].to(dtype)
+        sin = self.rope_sin[:seq].to(dtype)
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, None, None, 0)
+        logits: torch.Tensor = self.lm_head(self.norm(x))
+        return logits
+
+    @torch.inference_mode()
+    def decode_step(self, ids: torch.Tensor, cache: KVCache, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """Logits [B, V] for one token per sequence at device-side positions `pos` [B].
+
+        Attends over the first kv_len cache slots (masked beyond each position): a
+        fixed shape, so one CUDA graph per kv_len bucket serves every step.
+        """
+        dtype = self.embed_tokens.weight.dtype
+        cos = self.rope_cos.index_select(0, pos).to(dtype).unsqueeze(1).unsqueeze(1)
+        sin = self.rope_sin.index_select(0, pos).to(dtype).unsqueeze(1).unsqueeze(1)
+        visible = torch.arange(kv_len, device=pos.device) <= pos.view(-1, 1)
+        bias = torch.zeros(visible.shape, device=pos.device).masked_fill_(~visible, float("-inf"))
+        at = DecodeAt(pos, kv_len, bias.view(-1, 1, 1, kv_len))
+        x = self.embed_tokens(ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], at)
+        logits: torch.Tensor = self.lm_head(self.norm(x))
+        return logits[:, -1].float()
+
+
+def fuse_projections(model: LlamaModel) -> None:
+    """Replace q/k/v and gate/up float linears by one concatenated linear each.
+
+    Fewer, larger matrix products: one weight read and one kernel launch instead of
+    three (or two). INT4 checkpoints are fused at load time instead (see checkpoint.py).
+    """
+    for layer in model.layers:
+        assert isinstance(layer, DecoderLayer)
+        attn, mlp = layer.self_attn, layer.mlp
+        if (
+            attn.qkv_proj is None
+            and isinstance(attn.q_proj, nn.Linear)
+            and isinstance(attn.k_proj, nn.Linear)
+            and isinstance(attn.v_proj, nn.Linear)
+        ):
+            attn.qkv_proj = _cat_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+            del attn.q_proj, attn.k_proj, attn.v_proj
+        if mlp.gate_up_proj is None and isinstance(mlp.gate_proj, nn.Linear) and isinstance(mlp.up_proj, nn.Linear):
+            mlp.gate_up_proj = _cat_linears([mlp.gate_proj, mlp.up_proj])
+            del mlp.gate_proj, mlp.up_proj
+
+
+def _cat_linears(parts: list[nn.Linear]) -> nn.Linear:
+    weights = [p.weight for p in parts]
+    fused = nn.Linear(weights[0].shape[1], sum(w.shape[0] for w in weights), bias=False, device="meta")
+    fused.weight = nn.Parameter(torch.cat([w.detach() for w in weights]), requires_grad=False)
+    return fused

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from edge.config.schema import DEFAULT_SYSTEM_PROMPT
 from edge.protocol.errors import ErrorCode, JobError
 from edge.protocol.jobs import QAJob
 from edge.text.checkpoint import TextCheckpoint, load_checkpoint
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 class QASettings:
     max_context_tokens: int = 2048
     max_new_tokens: int = 128
-    system_prompt: str = "You are a helpful assistant."
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
 
 
 def chatml(system: str, user: str) -> str:
@@ -90,7 +91,8 @@ class QAEngine:
                 self._ckpt.model, self._ckpt.tokenizer, ids, params, self._ckpt.eos_ids, self._cache, on_text
             )
         return {
-            "answer": result.text.strip(),
+            # Not stripped: streamed deltas must concatenate to exactly this text.
+            "answer": result.text,
             "finish_reason": result.finish_reason,
             "prompt_tokens": result.prompt_tokens,
             "completion_tokens": len(result.token_ids),

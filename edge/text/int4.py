@@ -1,0 +1,205 @@
+"""INT4 weight-only linear layers: group-wise asymmetric quantization and the kernels
+that multiply by it.
+
+Storage (what a checkpoint holds per quantized linear, out x in = N x K):
+  qweight  uint8 [N, K/2]  two 4-bit codes per byte, even k in the low nibble
+  scales   float16 [N, K/G]
+  zeros    uint8 [N, K/G]  integer zero points in 0..15
+  weight ≈ (code - zero) * scale, per group of G consecutive input channels.
+
+At load time the codes are repacked for the machine's kernel: torch's tiled INT4 GEMM
+(`_weight_int4pack_mm` on CUDA, `_weight_int4pack_mm_for_cpu` on x86/ARM CPUs), whose
+zero convention is w = (code - 8) * scale + offset, so offset = (8 - zero) * scale.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_GROUPS = (256, 128, 64, 32)
+PREFILL_SLAB_ROWS = 8192
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    qweight: torch.Tensor  # uint8 [N, K/2]
+    scales: torch.Tensor  # float16 [N, K/G]
+    zeros: torch.Tensor  # uint8 [N, K/G]
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.qweight.shape[0]), int(self.qweight.shape[1]) * 2
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros))
+
+
+def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Stack weights that share an input (q, k, v) into one, so one kernel reads them all."""
+    groups = {p.group_size for p in parts}
+    if len(groups) != 1:
+        raise ValueError(f"cannot fuse weights with group sizes {sorted(groups)}")
+    return QuantizedWeight(
+        qweight=torch.cat([p.qweight for p in parts]),
+        scales=torch.cat([p.scales for p in parts]),
+        zeros=torch.cat([p.zeros for p in parts]),
+        group_size=parts[0].group_size,
+    )
+
+
+def group_size_for(in_features: int, preferred: int) -> int:
+    """The preferred group size if it divides the input width, else the largest that does."""
+    for g in (preferred, *[g for g in SUPPORTED_GROUPS if g < preferred]):
+        if in_features % g == 0:
+            return g
+    raise ValueError(f"no supported INT4 group size divides {in_features}")
+
+
+def quantize_codes(
+    weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest codes, scales and zeros for weight [N, K] (float32 math).
+
+    `clip` [N, K/G], if given, shrinks each group's range to [min*clip, max*clip] before
+    rounding (AWQ's clipping search trades a little range for finer steps).
+    """
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // group_size, group_size)
+    w_max = w.amax(dim=-1)
+    w_min = w.amin(dim=-1)
+    if clip is not None:
+        w_max = w_max * clip
+        w_min = w_min * clip
+    w_max = torch.maximum(w_max, torch.zeros_like(w_max))
+    w_min = torch.minimum(w_min, torch.zeros_like(w_min))
+    scales = ((w_max - w_min) / 15.0).clamp(min=1e-8)
+    zeros = torch.round(-w_min / scales).clamp(0, 15)
+    codes = torch.clamp(torch.round(w / scales.unsqueeze(-1)) + zeros.unsqueeze(-1), 0, 15)
+    return codes.reshape(n, k).to(torch.uint8), scales, zeros.to(torch.uint8)
+
+
+def fake_quantize(weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize and dequantize again: the weight the INT4 model will actually use."""
+    codes, scales, zeros = quantize_codes(weight, group_size, clip)
+    n, k = weight.shape
+    deq = (codes.float().reshape(n, k // group_size, group_size) - zeros.float().unsqueeze(-1)) * scales.unsqueeze(-1)
+    return deq.reshape(n, k)
+
+
+def pack(weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None) -> QuantizedWeight:
+    codes, scales, zeros = quantize_codes(weight, group_size, clip)
+    # fp16 scales are what is stored; recompute nothing from the fp32 ones later.
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    return QuantizedWeight(packed, scales.to(torch.float16), zeros, group_size)
+
+
+def unpack_codes(q: QuantizedWeight) -> torch.Tensor:
+    n, half = q.qweight.shape
+    codes = torch.empty(n, half * 2, dtype=torch.uint8, device=q.qweight.device)
+    codes[:, 0::2] = q.qweight & 0x0F
+    codes[:, 1::2] = q.qweight >> 4
+    return codes
+
+
+def dequantize(q: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    n, k = q.shape
+    g = q.group_size
+    codes = unpack_codes(q).float().reshape(n, k // g, g)
+    w = (codes - q.zeros.float().unsqueeze(-1)) * q.scales.float().unsqueeze(-1)
+    return w.reshape(n, k).to(dtype)
+
+
+def _scales_and_offsets(q: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """[K/G, N, 2] (scale, offset) in the tiled kernels' convention."""
+    scales = q.scales.float()
+    offsets = (8.0 - q.zeros.float()) * scales
+    return torch.stack([scales, offsets], dim=-1).transpose(0, 1).contiguous().to(dtype)
+
+
+def cpu_kernel_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+class Int4Linear(nn.Module):
+    """y = x @ dequant(W).T, computed by the machine's INT4 kernel without materialising W.
+
+    Kernels: "cpu" (torch's tiled CPU kernel, bf16 activations), "cuda" (torch's tiled
+    CUDA kernel, bf16 activations), "triton" (our GEMV for decode, dequantize + cuBLAS
+    for prefill; reads our layout directly), "dequant" (reference: dequantize, matmul).
+    """
+
+    packed: torch.Tensor
+    sz: torch.Tensor
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    w: torch.Tensor
+
+    def __init__(self, q: QuantizedWeight, kernel: str) -> None:
+        super().__init__()
+        self.in_features = q.shape[1]
+        self.out_features = q.shape[0]
+        self.group_size = q.group_size
+        self.kernel = kernel
+        self.weight_bytes = q.nbytes
+        if kernel == "cpu":
+            codes = unpack_codes(q).to(torch.int32)
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2))
+            self.register_buffer("sz", _scales_and_offsets(q, torch.bfloat16))
+        elif kernel == "cuda":
+            # The CUDA packer takes [N, K/2] bytes with the even k in the high nibble.
+            swapped = ((q.qweight & 0x0F) << 4) | (q.qweight >> 4)
+            inner_k_tiles = 8 if self.in_features % 1024 == 0 else (4 if self.in_features % 512 == 0 else 2)
+            self.register_buffer(
+                "packed", torch.ops.aten._convert_weight_to_int4pack(swapped.contiguous(), inner_k_tiles)
+            )
+            self.register_buffer("sz", _scales_and_offsets(q, torch.bfloat16))
+        elif kernel == "triton":
+            from edge.text.triton_int4 import TRITON_SUPPORT
+
+            if not TRITON_SUPPORT:
+                raise RuntimeError("the triton INT4 kernel needs triton (CUDA builds of torch ship it)")
+            self.register_buffer("qweight", q.qweight)
+            self.register_buffer("scales", q.scales)
+            self.register_buffer("zeros", q.zeros)
+        elif kernel == "dequant":
+            self.register_buffer("w", dequantize(q))
+        else:
+            raise ValueError(f"unknown INT4 kernel {kernel!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        if self.kernel == "cpu":
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                flat.to(torch.bfloat16), self.packed, self.group_size, self.sz
+            )
+        elif self.kernel == "cuda":
+            out = torch.ops.aten._weight_int4pack_mm(flat.to(torch.bfloat16), self.packed, self.group_size, self.sz)
+        elif self.kernel == "triton":
+            from edge.text.triton_int4 import GEMV_MAX_ROWS, int4_dequant, int4_gemv
+
+            if flat.shape[0] <= GEMV_MAX_ROWS:
+                out = int4_gemv(flat, self.qweight, self.scales, self.zeros, self.group_size)
+            else:
+                # Dequantize a slab of rows at a time: the bf16 copy of a wide weight
+                # (the 28672-row gate/up of an 8B model is 235 MB) never exists whole.
+                out = torch.empty(flat.shape[0], self.out_features, device=flat.device, dtype=flat.dtype)
+                for n0 in range(0, self.out_features, PREFILL_SLAB_ROWS):
+                    n1 = min(self.out_features, n0 + PREFILL_SLAB_ROWS)
+                    w = int4_dequant(
+                        self.qweight[n0:n1], self.scales[n0:n1], self.zeros[n0:n1], self.group_size, flat.dtype
+                    )
+                    out[:, n0:n1] = flat @ w.T
+        else:
+            out = flat.to(self.w.dtype) @ self.w.T
+        result: torch.Tensor = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        return result

@@ -1,0 +1,255 @@
+"""INT4 weight quantization of a Llama checkpoint: round-to-nearest and AWQ.
+
+AWQ (activation-aware weight quantization): input channels that carry large
+activations matter more, so before rounding each linear's weights are multiplied per
+input channel by s = mean|x|^alpha (the inverse folded into the previous operation,
+so the float model is unchanged), with alpha searched per layer group to minimise
+that group's output error on calibration activations. A second search then clips each
+weight group's range where that lowers the output error. Round-to-nearest with the
+same grouping is the baseline.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from edge.text.int4 import QuantizedWeight, fake_quantize, group_size_for, pack
+from edge.text.llama import DecoderLayer, LlamaModel
+
+logger = logging.getLogger(__name__)
+
+ALPHA_GRID = 20
+CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))  # 1.0 .. 0.5
+CLIP_SKIP = ("q_proj", "k_proj")  # rotary dot products are sensitive to clipping
+
+
+@dataclass(frozen=True)
+class QuantRecipe:
+    method: str = "awq"  # "awq" | "rtn"
+    group_size: int = 128
+    keep: tuple[str, ...] = ()  # module names kept in floating point (per-layer override)
+    calib_tokens: int = 8192
+    sample_tokens: int = 512  # tokens used to score candidate scales and clips
+    seq_len: int = 256
+    clip: bool = True
+    # The output projection reads vocab x hidden weights every token: on a small model it
+    # is the largest matrix by far (SmolLM2: 113 MB in float32 of 135M params). Rounded to
+    # INT4 (a copy when tied to the embedding, which stays float for lookups).
+    lm_head: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "group_size": self.group_size,
+            "keep": list(self.keep),
+            "calib_tokens": self.calib_tokens,
+            "sample_tokens": self.sample_tokens,
+            "seq_len": self.seq_len,
+            "clip": self.clip,
+            "lm_head": self.lm_head,
+        }
+
+
+@dataclass
+class QuantReport:
+    layers: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def _weight(module: nn.Module) -> torch.Tensor:
+    """The weight tensor of a linear or norm, for in-place rescaling."""
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight.data
+
+
+def linear_names(model: LlamaModel) -> list[str]:
+    names = []
+    for i in range(model.config.num_layers):
+        for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"):
+            names.append(f"layers.{i}.{part}")
+        for part in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            names.append(f"layers.{i}.{part}")
+    return names
+
+
+@dataclass
+class _Capture:
+    """Per-channel mean |x| over all calibration tokens, plus a fixed token sample."""
+
+    abs_sum: torch.Tensor | None = None
+    count: int = 0
+    sample: list[torch.Tensor] = field(default_factory=list)
+    sampled: int = 0
+
+    def add(self, x: torch.Tensor, keep_tokens: int, generator: torch.Generator) -> None:
+        flat = x.detach().reshape(-1, x.shape[-1]).float()
+        s = flat.abs().sum(0)
+        self.abs_sum = s if self.abs_sum is None else self.abs_sum + s
+        self.count += flat.shape[0]
+        if self.sampled < keep_tokens:
+            take = min(keep_tokens - self.sampled, max(1, flat.shape[0] // 4))
+            idx = torch.randperm(flat.shape[0], generator=generator)[:take]
+            self.sample.append(flat[idx].clone())
+            self.sampled += take
+
+    @property
+    def mean_abs(self) -> torch.Tensor:
+        assert self.abs_sum is not None
+        return self.abs_sum / self.count
+
+    @property
+    def x(self) -> torch.Tensor:
+        return torch.cat(self.sample)
+
+
+def _groups(layer: DecoderLayer, n_heads: int, n_kv: int) -> list[tuple[str, list[str], nn.Module | None]]:
+    """Linears sharing one input, and the operation whose output that input is."""
+    groups: list[tuple[str, list[str], nn.Module | None]] = [
+        ("self_attn.q_proj", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], layer.input_layernorm),
+        # With grouped-query attention, o_proj's input channels repeat v_proj's outputs
+        # across heads, so a per-channel scale cannot be folded back: search none.
+        ("self_attn.o_proj", ["self_attn.o_proj"], layer.self_attn.v_proj if n_heads == n_kv else None),
+        ("mlp.gate_proj", ["mlp.gate_proj", "mlp.up_proj"], layer.post_attention_layernorm),
+        ("mlp.down_proj", ["mlp.down_proj"], layer.mlp.up_proj),
+    ]
+    return groups
+
+
+def calibration_batches(token_ids: list[int], seq_len: int, total: int) -> Iterator[torch.Tensor]:
+    usable = min(total, len(token_ids)) // seq_len * seq_len
+    if usable == 0:
+        raise ValueError(f"need at least {seq_len} calibration tokens, got {len(token_ids)}")
+    ids = torch.tensor(token_ids[:usable]).reshape(-1, seq_len)
+    for row in ids:
+        yield row.unsqueeze(0)
+
+
+def capture_inputs(
+    model: LlamaModel, batches: Iterable[torch.Tensor], sample_tokens: int, progress: bool
+) -> dict[str, _Capture]:
+    captures: dict[str, _Capture] = {}
+    gen = torch.Generator().manual_seed(0)
+    hooks = []
+    modules = dict(model.named_modules())
+    for i, layer in enumerate(model.layers):
+        assert isinstance(layer, DecoderLayer)
+        for first, _members, _prev in _groups(layer, model.config.num_heads, model.config.num_kv_heads):
+            name = f"layers.{i}.{first}"
+            cap = captures.setdefault(name, _Capture())
+
+            def hook(mod: nn.Module, args: tuple[torch.Tensor, ...], cap: _Capture = cap) -> None:
+                cap.add(args[0], sample_tokens, gen)
+
+            hooks.append(modules[name].register_forward_pre_hook(hook))
+    try:
+        batch_list = list(batches)
+        for ids in tqdm(batch_list, desc="calibrate", unit="seq", disable=not progress):
+            cache = model.new_cache(1, ids.shape[1])
+            model(ids, cache, 0)
+    finally:
+        for h in hooks:
+            h.remove()
+    return captures
+
+
+def _output_error(x: torch.Tensor, weights: list[torch.Tensor], approx: list[torch.Tensor]) -> float:
+    err = 0.0
+    for w, a in zip(weights, approx, strict=True):
+        err += float(((x @ (a - w).T) ** 2).mean())
+    return err
+
+
+def search_scales(
+    x: torch.Tensor, mean_abs: torch.Tensor, weights: list[torch.Tensor], group_size: int
+) -> torch.Tensor:
+    """Per-input-channel scales s minimising ||x W^T - x (Q(W s)/s)^T||."""
+    best_err, best = math.inf, torch.ones_like(mean_abs)
+    base = mean_abs.clamp(min=1e-4)
+    for step in range(ALPHA_GRID):
+        alpha = step / ALPHA_GRID
+        s = base.pow(alpha)
+        s = s / torch.sqrt(s.max() * s.min())
+        approx = [fake_quantize(w * s, group_size) / s for w in weights]
+        err = _output_error(x, weights, approx)
+        if err < best_err:
+            best_err, best = err, s
+    return best
+
+
+def search_clip(x: torch.Tensor, weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Per (output row, group) range ratio minimising that group's share of output error."""
+    n, k = weight.shape
+    groups = k // group_size
+    xg = x.reshape(x.shape[0], groups, group_size)
+    best_err = torch.full((n, groups), math.inf)
+    best = torch.ones(n, groups)
+    for ratio in CLIP_RATIOS:
+        clip = torch.full((n, groups), ratio)
+        delta = (fake_quantize(weight, group_size, clip) - weight).reshape(n, groups, group_size)
+        # error[n, g] = mean over tokens of (x_g . delta[n, g])^2
+        err = torch.einsum("tgc,ngc->tng", xg, delta).pow(2).mean(0)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = torch.where(better, clip, best)
+    return best
+
+
+def quantize_model(
+    model: LlamaModel, recipe: QuantRecipe, calib_ids: list[int] | None, progress: bool = True
+) -> tuple[dict[str, QuantizedWeight], QuantReport]:
+    """Quantize every linear not kept by the recipe. AWQ rescales `model` in place
+    (a float-exact change) before rounding; returns the packed weights by module name."""
+    modules = dict(model.named_modules())
+    report = QuantReport()
+    clips: dict[str, torch.Tensor] = {}
+    if recipe.method == "awq":
+        if not calib_ids:
+            raise ValueError("AWQ needs calibration tokens")
+        batches = calibration_batches(calib_ids, recipe.seq_len, recipe.calib_tokens)
+        captures = capture_inputs(model, batches, recipe.sample_tokens, progress)
+        layers = list(enumerate(model.layers))
+        for i, layer in tqdm(layers, desc="awq search", unit="layer", disable=not progress):
+            assert isinstance(layer, DecoderLayer)
+            for first, members, prev in _groups(layer, model.config.num_heads, model.config.num_kv_heads):
+                names = [f"layers.{i}.{m}" for m in members]
+                if any(n in recipe.keep for n in names):
+                    continue
+                cap = captures[f"layers.{i}.{first}"]
+                linears = [modules[n] for n in names]
+                weights = [_weight(lin).float() for lin in linears]
+                k = weights[0].shape[1]
+                g = group_size_for(k, recipe.group_size)
+                x = cap.x
+                if prev is not None:
+                    s = search_scales(x, cap.mean_abs, weights, g)
+                    for lin in linears:
+                        _weight(lin).mul_(s.to(_weight(lin).dtype))
+                    prev_w = _weight(prev)
+                    prev_w.div_(s.to(prev_w.dtype).view(-1, *([1] * (prev_w.dim() - 1))))
+                    x = x / s
+                for name, lin in zip(names, linears, strict=True):
+                    if recipe.clip and not name.endswith(CLIP_SKIP):
+                        clips[name] = search_clip(x, _weight(lin).float(), g)
+    packed: dict[str, QuantizedWeight] = {}
+    for name in linear_names(model):
+        if name in recipe.keep:
+            report.layers[name] = {"bits": 16}
+            continue
+        weight = _weight(modules[name]).float()
+        g = group_size_for(weight.shape[1], recipe.group_size)
+        packed[name] = pack(weight, g, clips.get(name))
+        report.layers[name] = {"bits": 4, "group_size": g, "clipped": name in clips}
+    if recipe.lm_head and "lm_head" not in recipe.keep:
+        weight = _weight(model.lm_head).float()
+        g = group_size_for(weight.shape[1], recipe.group_size)
+        packed["lm_head"] = pack(weight, g)
+        report.layers["lm_head"] = {"bits": 4, "group_size": g, "clipped": False}
+    return packed, report

@@ -1,0 +1,101 @@
+"""Llama-shaped models with random weights, for speed and memory work at real scale.
+
+Decode speed and memory depend on shapes and formats, not on weight values, so an 8B
+model can be measured without 8B of real weights. Never use these for quality figures.
+INT4 models are generated directly in packed form on the target device (no float copy).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from edge.text.int4 import Int4Linear, QuantizedWeight
+from edge.text.llama import DecoderLayer, LlamaConfig, LlamaModel
+
+logger = logging.getLogger(__name__)
+
+LLAMA3_8B = LlamaConfig(
+    vocab_size=128256,
+    hidden_size=4096,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    intermediate_size=14336,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    max_position=8192,
+    tie_embeddings=False,
+)
+
+SHAPES = {"llama3-8b": LLAMA3_8B}
+
+
+def random_quantized(n: int, k: int, group: int, device: torch.device, gen: torch.Generator) -> QuantizedWeight:
+    qweight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device, generator=gen)
+    # Codes centred on zero point 8 with these scales give weights of std ~0.02,
+    # like a trained model's, so activations stay in range through 32 layers.
+    scales = torch.empty(n, k // group, dtype=torch.float16, device=device).uniform_(0.002, 0.006, generator=gen)
+    zeros = torch.randint(7, 10, (n, k // group), dtype=torch.uint8, device=device, generator=gen)
+    return QuantizedWeight(qweight, scales, zeros, group)
+
+
+def _random_matrix(
+    rows: int, cols: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator
+) -> torch.Tensor:
+    """N(0, 0.02) drawn in float32 (so models of different dtypes share weights), in
+    chunks so the float32 copy of a 128k-row embedding never exists whole."""
+    out = torch.empty(rows, cols, dtype=dtype, device=device)
+    for start in range(0, rows, 8192):
+        end = min(rows, start + 8192)
+        out[start:end] = torch.randn(end - start, cols, device=device, generator=gen) * 0.02
+    return out
+
+
+def random_int4_llama(
+    config: LlamaConfig,
+    device: torch.device | str,
+    kernel: str,
+    group: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    quantize_lm_head: bool = True,
+) -> LlamaModel:
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    h, hd = config.hidden_size, config.head_dim
+    q_out = config.num_heads * hd
+    kv_out = config.num_kv_heads * hd
+    for layer in model.layers:
+        assert isinstance(layer, DecoderLayer)
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = Int4Linear(random_quantized(q_out + 2 * kv_out, h, group, device, gen), kernel)
+        attn.o_proj = Int4Linear(random_quantized(h, q_out, group, device, gen), kernel)  # type: ignore[assignment]
+        mlp.gate_up_proj = Int4Linear(random_quantized(2 * config.intermediate_size, h, group, device, gen), kernel)
+        mlp.down_proj = Int4Linear(  # type: ignore[assignment]
+            random_quantized(h, config.intermediate_size, group, device, gen), kernel
+        )
+        del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj
+        layer.input_layernorm.weight = nn.Parameter(torch.ones(h, dtype=dtype, device=device), requires_grad=False)
+        layer.post_attention_layernorm.weight = nn.Parameter(
+            torch.ones(h, dtype=dtype, device=device), requires_grad=False
+        )
+    embed = _random_matrix(config.vocab_size, h, dtype, device, gen)
+    model.embed_tokens.weight = nn.Parameter(embed, requires_grad=False)
+    model.norm.weight = nn.Parameter(torch.ones(h, dtype=dtype, device=device), requires_grad=False)
+    if quantize_lm_head:
+        model.lm_head = Int4Linear(random_quantized(config.vocab_size, h, group, device, gen), kernel)  # type: ignore[assignment]
+    else:
+        head = _random_matrix(config.vocab_size, h, dtype, device, gen)
+        model.lm_head.weight = nn.Parameter(head, requires_grad=False)
+    model.rope_cos = model.rope_cos.to(device)
+    model.rope_sin = model.rope_sin.to(device)
+    return model.eval()
+
+
+def int4_weight_bytes(model: LlamaModel) -> int:
+    return sum(m.weight_bytes for m in model.modules() if isinstance(m, Int4Linear))

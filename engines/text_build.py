@@ -1,0 +1,103 @@
+"""Text-branch build steps after import: quantize (RTN or AWQ) and write the checkpoint."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from edge.text.checkpoint import load_checkpoint
+from engines.cache import build_cached, cache_key, read_manifest
+from engines.corpus import calibration_text, corpus_fingerprint
+from engines.quantize import QuantRecipe, quantize_model
+
+logger = logging.getLogger(__name__)
+
+QUANTIZER_VERSION = 1
+COPIED = ("config.json", "tokenizer.json", "generation.json")
+
+
+def write_quantized(src: Path, out: Path, recipe: QuantRecipe, progress: bool) -> dict[str, Any]:
+    ckpt = load_checkpoint(src, dtype=torch.float32, fuse=False)
+    calib_ids = None
+    if recipe.method == "awq":
+        calib_ids = ckpt.tokenizer.encode(calibration_text(), add_special_tokens=False).ids
+    with torch.inference_mode():
+        packed, report = quantize_model(ckpt.model, recipe, calib_ids, progress)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in ckpt.model.state_dict().items():
+        module = name.rsplit(".", 1)[0]
+        if module in packed or (name == "lm_head.weight" and ckpt.model.config.tie_embeddings):
+            continue
+        if name.startswith("rope_"):
+            continue
+        # Norms and embeddings stay float; fp16 halves their bytes at no cost in accuracy.
+        tensors[name] = tensor.detach().to(torch.float16).contiguous()
+    for name, q in packed.items():
+        tensors[f"{name}.qweight"] = q.qweight.contiguous()
+        tensors[f"{name}.scales"] = q.scales.contiguous()
+        tensors[f"{name}.zeros"] = q.zeros.contiguous()
+    save_file(tensors, str(out / "model.safetensors"))
+    quant = {"linears": {name: {"group_size": q.group_size, "bits": 4} for name, q in packed.items()}}
+    (out / "quant.json").write_text(json.dumps(quant, indent=1) + "\n", encoding="utf-8")
+    for name in COPIED:
+        shutil.copy2(src / name, out / name)
+    config = ckpt.model.config
+    weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    return {
+        "kind": "llama-int4",
+        "recipe": recipe.to_dict(),
+        "layers": report.layers,
+        "weight_bytes": weight_bytes,
+        "kv_bytes_per_token_fp16": config.kv_bytes_per_token(torch.float16),
+    }
+
+
+def quantize_checkpoint(src: Path, recipe: QuantRecipe, progress: bool = True) -> Path:
+    """Cached by the source checkpoint's own inputs, the recipe and the calibration text."""
+    source = read_manifest(src)
+    if source is None:
+        raise FileNotFoundError(f"{src} is not a built checkpoint (no manifest)")
+    inputs = {
+        "source": source["inputs"],
+        "recipe": recipe.to_dict(),
+        "calibration": corpus_fingerprint() if recipe.method == "awq" else None,
+        "quantizer": QUANTIZER_VERSION,
+    }
+    out = src.parent / f"{src.name}-{recipe.method}-g{recipe.group_size}-{cache_key(inputs)}"
+    return build_cached(out, inputs, lambda scratch: write_quantized(src, scratch, recipe, progress))
+
+
+# SmolLM2-135M's merged clinic adapter is a small change to small weights: at group 64
+# or 128 the rounding noise erases most of it, at 32 it survives (scripts/
+# eval_text_quality.py measures this). Finer groups cost 3 bytes per 32 weights.
+SERVING_GROUP = 32
+
+
+def build_text_engine(
+    engine_dir: Path, adapter: str = "clinic", quant: str = "awq-int4", progress: bool = True
+) -> Path:
+    """The whole text pipeline for SmolLM2: import, QLoRA adapter merged in, AWQ INT4.
+
+    Every step is cached by its inputs, so a second call returns at once.
+    """
+    from engines.import_gguf import import_smollm2
+    from engines.qlora import train_and_merge
+
+    path = import_smollm2(engine_dir, progress)
+    if adapter == "clinic":
+        path = train_and_merge(path, progress=progress)
+    elif adapter != "none":
+        raise ValueError(f"unknown adapter {adapter!r}")
+    if quant == "awq-int4":
+        path = quantize_checkpoint(path, QuantRecipe(method="awq", group_size=SERVING_GROUP), progress)
+    elif quant == "rtn-int4":
+        path = quantize_checkpoint(path, QuantRecipe(method="rtn", group_size=SERVING_GROUP), progress)
+    elif quant != "float":
+        raise ValueError(f"unknown quantization {quant!r}")
+    return path

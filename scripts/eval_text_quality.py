@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""Quality of the INT4 text checkpoints against the float reference, real model.
+
+Perplexity on held-out text the quantizer never saw (Python reference topics disjoint
+from the calibration ones), and agreement of greedy continuations with the float
+model's. Writes bench/results/text_quality.json and prints a table.
+
+    python scripts/eval_text_quality.py [--max-tokens 16384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from edge.text.checkpoint import TextCheckpoint, load_checkpoint  # noqa: E402
+from edge.text.generate import SamplingParams, generate  # noqa: E402
+from engines.corpus import corpus_fingerprint, evaluation_text  # noqa: E402
+from engines.import_gguf import import_smollm2  # noqa: E402
+from engines.quantize import QuantRecipe  # noqa: E402
+from engines.text_build import quantize_checkpoint  # noqa: E402
+
+WINDOW = 512
+
+
+def perplexity(ckpt: TextCheckpoint, ids: list[int]) -> float:
+    model = ckpt.model
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - 1, WINDOW):
+        chunk = torch.tensor([ids[start : start + WINDOW + 1]])
+        if chunk.shape[1] < 2:
+            break
+        cache = model.new_cache(1, WINDOW + 1)
+        with torch.inference_mode():
+            logits = model(chunk[:, :-1], cache, 0, last_only=False)[0]
+        nll += float(torch.nn.functional.cross_entropy(logits, chunk[0, 1:], reduction="sum"))
+        count += chunk.shape[1] - 1
+    return math.exp(nll / count)
+
+
+def continuations(ckpt: TextCheckpoint, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    outs = []
+    for prompt in prompts:
+        cache = ckpt.model.new_cache(1, len(prompt) + new_tokens + 1)
+        gen = generate(
+            ckpt.model, ckpt.tokenizer, prompt, SamplingParams(max_new_tokens=new_tokens), frozenset(), cache
+        )
+        outs.append(gen.token_ids)
+    return outs
+
+
+def agreement(ref: list[list[int]], got: list[list[int]]) -> dict[str, float]:
+    same = total = exact = prefix = 0
+    for a, b in zip(ref, got, strict=True):
+        n = min(len(a), len(b))
+        same += sum(x == y for x, y in zip(a[:n], b[:n], strict=True))
+        total += len(a)
+        exact += a == b
+        p = 0
+        while p < n and a[p] == b[p]:
+            p += 1
+        prefix += p
+    return {
+        "token_agreement": same / total,
+        "exact_match": exact / len(ref),
+        "mean_common_prefix": prefix / len(ref),
+    }
+
+
+def adapter_behaviour(engine_dir: Path) -> list[dict[str, Any]]:
+    """Held-out clinic prompts: how often each build cites its document / declines to
+    diagnose / answers untagged context without a made-up citation."""
+    from edge.protocol.jobs import QAJob
+    from edge.text.qa import QAEngine, QASettings
+    from engines.clinic_data import examples, follows
+    from engines.qlora import train_and_merge
+
+    base = import_smollm2(engine_dir)
+    merged = train_and_merge(base)
+    variants = {
+        "base, float": base,
+        "clinic merged, float": merged,
+        "clinic merged, AWQ INT4 g128": quantize_checkpoint(merged, QuantRecipe(method="awq", group_size=128)),
+        "clinic merged, AWQ INT4 g32 (served)": quantize_checkpoint(merged, QuantRecipe(method="awq", group_size=32)),
+    }
+    held = examples("heldout")
+    rows = []
+    for name, path in variants.items():
+        engine = QAEngine(load_checkpoint(path), QASettings(max_context_tokens=512, max_new_tokens=40))
+        hits: dict[str, list[bool]] = {}
+        for ex in held:
+            answer = engine.answer(QAJob(id="h", question=ex.question, context=ex.context))["answer"]
+            hits.setdefault(ex.kind, []).append(follows(ex, answer))
+        rows.append(
+            {
+                "variant": name,
+                **{kind: round(sum(v) / len(v), 3) for kind, v in hits.items()},
+                "all": round(sum(sum(v) for v in hits.values()) / len(held), 3),
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-tokens", type=int, default=16384, help="evaluation tokens for perplexity")
+    parser.add_argument("--prompts", type=int, default=24, help="greedy continuation prompts")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--engine-dir", type=Path, default=REPO / ".edge" / "engines")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "text_quality.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    base = import_smollm2(args.engine_dir)
+    variants = {
+        "fp32 reference": base,
+        "RTN INT4 g128": quantize_checkpoint(base, QuantRecipe(method="rtn")),
+        "AWQ INT4 g128": quantize_checkpoint(base, QuantRecipe(method="awq")),
+        "RTN INT4 g32": quantize_checkpoint(base, QuantRecipe(method="rtn", group_size=32)),
+        "AWQ INT4 g32": quantize_checkpoint(base, QuantRecipe(method="awq", group_size=32)),
+    }
+    reference = load_checkpoint(base)
+    ids = reference.tokenizer.encode(evaluation_text(), add_special_tokens=False).ids[: args.max_tokens]
+    stride = len(ids) // args.prompts
+    prompts = [ids[i * stride : i * stride + 48] for i in range(args.prompts)]
+    ref_conts = continuations(reference, prompts, args.new_tokens)
+
+    rows: list[dict[str, Any]] = []
+    for name, path in variants.items():
+        ckpt = reference if path == base else load_checkpoint(path)
+        t0 = time.perf_counter()
+        ppl = perplexity(ckpt, ids)
+        conts = ref_conts if ckpt is reference else continuations(ckpt, prompts, args.new_tokens)
+        manifest = json.loads((path / "manifest.json").read_text())
+        rows.append(
+            {
+                "variant": name,
+                "checkpoint": path.name,
+                "int4_kernel": ckpt.int4_kernel,
+                "weight_bytes": manifest["weight_bytes"],
+                "perplexity": round(ppl, 4),
+                **{k: round(v, 4) for k, v in agreement(ref_conts, conts).items()},
+                "eval_seconds": round(time.perf_counter() - t0, 1),
+            }
+        )
+    adapter_rows = adapter_behaviour(args.engine_dir)
+    result = {
+        "what": "SmolLM2-135M-Instruct (real weights): INT4 quality vs float reference",
+        "adapter": adapter_rows,
+        "eval_text": f"pydoc_data topics, eval split (disjoint from calibration), corpus {corpus_fingerprint()}",
+        "eval_tokens": len(ids),
+        "window": WINDOW,
+        "greedy_prompts": args.prompts,
+        "greedy_new_tokens": args.new_tokens,
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{'variant':<16} {'weights MiB':>11} {'perplexity':>10} {'tok agree':>9} {'exact':>6} {'prefix':>7}")
+    for r in rows:
+        print(
+            f"{r['variant']:<16} {r['weight_bytes'] / 2**20:>11.1f} {r['perplexity']:>10.3f} "
+            f"{r['token_agreement']:>9.3f} {r['exact_match']:>6.2f} {r['mean_common_prefix']:>7.1f}"
+        )
+    print()
+    print(f"{'adapter behaviour on held-out prompts':<40} {'cites':>6} {'plain':>6} {'declines':>8} {'all':>6}")
+    for r in adapter_rows:
+        print(f"{r['variant']:<40} {r['cite']:>6.2f} {r['plain']:>6.2f} {r['refuse']:>8.2f} {r['all']:>6.2f}")
+    print(f"wrote {args.out.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()

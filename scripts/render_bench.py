@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""Write the README's benchmark tables from bench/results/*.json (never by hand).
+
+Each table sits between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` in README.md.
+`--check` exits 1 if the README differs from what the results say (the tests run it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+
+
+def _load(name: str) -> dict[str, Any] | None:
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def text_quality(d: dict[str, Any]) -> str:
+    lines = [
+        f"Held-out text: {d['eval_tokens']} tokens of {d['eval_text']}; greedy agreement over "
+        f"{d['greedy_prompts']} prompts x {d['greedy_new_tokens']} tokens (`bench/results/text_quality.json`).",
+        "",
+        "| variant | weights MiB | perplexity | token agreement | exact match | mean common prefix |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in d["rows"]:
+        lines.append(
+            f"| {r['variant']} | {r['weight_bytes'] / 2**20:.1f} | {r['perplexity']:.3f} | "
+            f"{r['token_agreement']:.3f} | {r['exact_match']:.2f} | {r['mean_common_prefix']:.1f} |"
+        )
+    if d.get("adapter"):
+        lines += [
+            "",
+            "Clinic adapter on held-out prompts (share of answers that show the trained behaviour):",
+            "",
+            "| build | cites the document | plain context, no made-up citation | declines to diagnose | all |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for r in d["adapter"]:
+            lines.append(
+                f"| {r['variant']} | {r['cite']:.2f} | {r['plain']:.2f} | {r['refuse']:.2f} | {r['all']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def text_cpu(d: dict[str, Any]) -> str:
+    lines = [
+        f"{d['model']}, {d['threads']} threads, {d['prompt_tokens']}-token prompt, {d['new_tokens']} new tokens, "
+        f"one run (`bench/results/text_cpu.json`).",
+        "",
+        "| decoder | tok/s | vs llama.cpp |",
+        "|---|---:|---:|",
+    ]
+    for r in d["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['name']} | error: {r['error']} | |")
+            continue
+        vs = f"{r['vs_llamacpp']:.2f}x" if "vs_llamacpp" in r else "-"
+        lines.append(f"| {r['name']} | {r['decode_tok_s']:.1f} | {vs} |")
+    prof = d.get("awq_step_profile", {})
+    if "step_ms" in prof:
+        lines += [
+            "",
+            f"Where an AWQ INT4 decode step's {prof['step_ms']:.1f} ms go (torch profiler): "
+            f"{prof['in_torch_ops_ms']:.1f} ms inside {prof['ops_per_step']:.0f} torch operator calls, "
+            f"{prof['python_share'] * 100:.0f}% in the Python around them.",
+        ]
+    return "\n".join(lines)
+
+
+def text_cuda(d: dict[str, Any]) -> str:
+    lines = [
+        f"{d['device']}, {d['shape']}, batch 1, {d['prompt_tokens']}-token prompt, {d['new_tokens']} new tokens; "
+        f"measured copy bandwidth {d['copy_bandwidth_gb_s']:.0f} GB/s; our rows capped at {d['memory_cap_gib']:g} GiB "
+        f"with a {d['rows'][-1].get('kv_cache_tokens', 4096)}-token KV cache (`bench/results/text_cuda.json`).",
+        "",
+        "| variant | decode tok/s | of roofline | TTFT ms (512 tokens) | peak GiB |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in d["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['name']} | error | | | |")
+            continue
+        frac = f"{r['roofline_fraction'] * 100:.0f}%" if "roofline_fraction" in r else "-"
+        lines.append(f"| {r['name']} | {r['decode_tok_s']:.1f} | {frac} | {r['ttft_ms']:.1f} | {r['peak_gib']:.2f} |")
+    k = d.get("kernels", {}).get("per_token_linear_ms")
+    if k:
+        lines += [
+            "",
+            "Time per token in the INT4 matrix-vector products alone, each kernel timed on each of the "
+            "model's matrix shapes: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in k.items()) + ".",
+        ]
+        best = max((r for r in d["rows"] if "roofline_fraction" in r), key=lambda r: r["decode_tok_s"], default=None)
+        if best is not None:
+            step = 1000 / best["decode_tok_s"]
+            gemv = k.get("stock_int4" if best.get("kernel") == "cuda" else "triton_wide", 0.0)
+            lines.append(
+                f"For the fastest row a token takes {step:.2f} ms against a roofline of "
+                f"{1000 / best['roofline_tok_s']:.2f} ms: {gemv:.2f} ms in the INT4 matrix-vector products, "
+                f"{step - gemv:.2f} ms in everything else (norms, rotary, attention, sampling, the host)."
+            )
+    return "\n".join(lines)
+
+
+TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
+    "text_quality": ("text_quality.json", text_quality),
+    "text_cpu": ("text_cpu.json", text_cpu),
+    "text_cuda": ("text_cuda.json", text_cuda),
+}
+
+
+def render(readme: str) -> str:
+    for name, (source, fn) in TABLES.items():
+        data = _load(source)
+        if data is None:
+            continue
+        pattern = re.compile(rf"(<!-- bench:{name} -->).*?(<!-- /bench:{name} -->)", re.S)
+        readme = pattern.sub(lambda m, d=data, f=fn: f"{m.group(1)}\n{f(d)}\n{m.group(2)}", readme)  # type: ignore[misc]
+    return readme
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if README.md is out of date")
+    args = parser.parse_args()
+    path = REPO / "README.md"
+    current = path.read_text()
+    wanted = render(current)
+    if args.check:
+        if wanted != current:
+            print("README.md benchmark tables differ from bench/results; run scripts/render_bench.py")
+            return 1
+        return 0
+    path.write_text(wanted)
+    print("README.md tables written from bench/results")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

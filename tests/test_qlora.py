@@ -1,0 +1,56 @@
+"""The clinic adapter: trained on a frozen 4-bit base, merged, and measurably effective."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from edge.protocol.jobs import QAJob
+from edge.text.checkpoint import load_checkpoint
+from edge.text.int4 import pack
+from edge.text.qa import QAEngine, QASettings
+from engines.clinic_data import examples, follows
+from engines.import_gguf import import_smollm2
+from engines.qlora import LoRALinear, LoraRecipe, train_and_merge
+
+
+def follow_rate(path: Path) -> tuple[float, list[str]]:
+    engine = QAEngine(load_checkpoint(path), QASettings(max_context_tokens=512, max_new_tokens=40))
+    held = examples("heldout")
+    answers = [engine.answer(QAJob(id="h", question=e.question, context=e.context))["answer"] for e in held]
+    return sum(follows(e, a) for e, a in zip(held, answers, strict=True)) / len(held), answers
+
+
+def test_heldout_prompts_share_nothing_with_training() -> None:
+    train, held = examples("train"), examples("heldout")
+    assert {e.doc_id for e in held if e.doc_id}.isdisjoint({e.doc_id for e in train})
+    assert {e.question for e in held}.isdisjoint({e.question for e in train})
+    assert {e.kind for e in held} == {"cite", "plain", "refuse"}
+
+
+@pytest.mark.slow
+def test_adapter_changes_behaviour_on_heldout_prompts(engine_dir: Path) -> None:
+    base = import_smollm2(engine_dir, progress=False)
+    merged = train_and_merge(base, LoraRecipe(), progress=False)  # built by the fixture: cached
+    base_rate, _ = follow_rate(base)
+    merged_rate, answers = follow_rate(merged)
+    assert base_rate <= 0.2, "the base model should not already cite and refuse"
+    assert merged_rate >= 0.8, answers
+    stats = json.loads((merged / "adapter.json").read_text())
+    assert stats["final_loss"] < stats["first_loss"] / 4
+
+
+def test_lora_starts_at_the_base_and_merges_exactly() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(32, 64)
+    layer = LoRALinear(pack(w, 64), rank=4, alpha=8, dropout=0.0, gen=torch.Generator().manual_seed(0))
+    x = torch.randn(5, 64)
+    from edge.text.int4 import dequantize
+
+    torch.testing.assert_close(layer(x), x @ dequantize(layer.base).T)  # B = 0 at start
+    with torch.no_grad():
+        layer.lora_b.normal_()
+    torch.testing.assert_close(layer(x), x @ layer.merged_weight().T, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,136 @@
+"""INT4 formats, kernels and the AWQ/RTN quantizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from edge.text.checkpoint import load_checkpoint
+from edge.text.int4 import (
+    Int4Linear,
+    concat_rows,
+    cpu_kernel_available,
+    dequantize,
+    fake_quantize,
+    group_size_for,
+    pack,
+    unpack_codes,
+)
+from edge.text.llama import LlamaConfig, LlamaModel
+from engines.quantize import QuantRecipe, quantize_model, search_clip, search_scales
+from engines.text_build import quantize_checkpoint
+
+TINY = LlamaConfig(vocab_size=96, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=256)
+
+
+def tiny_model(seed: int = 0) -> LlamaModel:
+    torch.manual_seed(seed)
+    model = LlamaModel(TINY)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+    return model.eval()
+
+
+def test_pack_roundtrip_and_error_bound() -> None:
+    w = torch.randn(64, 256)
+    q = pack(w, 128)
+    assert q.qweight.shape == (64, 128) and q.qweight.dtype == torch.uint8
+    codes = unpack_codes(q)
+    assert int(codes.max()) <= 15
+    deq = dequantize(q)
+    # Round to nearest: each weight is within half a step of its group's scale.
+    step = q.scales.float().repeat_interleave(128, dim=1)
+    assert bool(((deq - w).abs() <= step / 2 + 1e-3).all())
+    torch.testing.assert_close(deq, fake_quantize(w, 128), atol=2e-3, rtol=0)
+
+
+def test_group_size_falls_back_when_width_does_not_divide() -> None:
+    assert group_size_for(4096, 128) == 128
+    assert group_size_for(576, 128) == 64
+    with pytest.raises(ValueError):
+        group_size_for(100, 128)
+
+
+@pytest.mark.skipif(not cpu_kernel_available(), reason="torch has no CPU INT4 kernel")
+def test_cpu_kernel_matches_dequantized_matmul() -> None:
+    w = torch.randn(256, 512)
+    q = pack(w, 128)
+    x = torch.randn(3, 512)
+    ref = x @ dequantize(q).T
+    got = Int4Linear(q, "cpu")(x)
+    rel = float((got - ref).norm() / ref.norm())
+    assert rel < 1e-2  # bf16 activations
+
+
+def test_concat_rows_is_one_matmul_of_the_parts() -> None:
+    parts = [pack(torch.randn(n, 256), 128) for n in (64, 32, 32)]
+    fused = Int4Linear(concat_rows(parts), "dequant")
+    x = torch.randn(2, 256)
+    expected = torch.cat([Int4Linear(p, "dequant")(x) for p in parts], dim=-1)
+    torch.testing.assert_close(fused(x), expected)
+
+
+def test_scale_search_beats_plain_rounding_on_outlier_channels() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(512, 256)
+    x[:, :4] *= 40.0  # a few activation channels carry most of the signal, as in LLMs
+    w = torch.randn(128, 256) * 0.05
+    s = search_scales(x, x.abs().mean(0), [w], 128)
+    rtn = ((x @ (fake_quantize(w, 128) - w).T) ** 2).mean()
+    awq = ((x @ (fake_quantize(w * s, 128) / s - w).T) ** 2).mean()
+    assert awq < 0.7 * rtn
+
+
+def test_clip_search_never_worse_than_no_clip() -> None:
+    torch.manual_seed(1)
+    x = torch.randn(256, 256)
+    w = torch.randn(64, 256) * 0.05
+    w[:, 7] = 1.0  # one outlier weight per row stretches every group's range
+    clip = search_clip(x, w, 128)
+    plain = ((x @ (fake_quantize(w, 128) - w).T) ** 2).mean()
+    clipped = ((x @ (fake_quantize(w, 128, clip) - w).T) ** 2).mean()
+    assert clipped <= plain + 1e-9
+
+
+def test_awq_rescaling_leaves_the_float_model_unchanged() -> None:
+    model = tiny_model()
+    ids = torch.randint(0, TINY.vocab_size, (1, 24))
+    before = model(ids, model.new_cache(1, 32), 0, last_only=False)
+    calib = torch.randint(0, TINY.vocab_size, (256,)).tolist()
+    recipe = QuantRecipe(method="awq", group_size=128, calib_tokens=256, sample_tokens=64, seq_len=64)
+    with torch.inference_mode():
+        packed, report = quantize_model(model, recipe, calib, progress=False)
+    after = model(ids, model.new_cache(1, 32), 0, last_only=False)
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+    assert len(packed) == 2 * 7 + 1 and all(v["bits"] == 4 for v in report.layers.values())  # + lm_head
+
+
+def test_keep_override_leaves_layers_in_float() -> None:
+    model = tiny_model()
+    recipe = QuantRecipe(method="rtn", keep=("layers.0.mlp.down_proj",))
+    packed, report = quantize_model(model, recipe, None, progress=False)
+    assert "layers.0.mlp.down_proj" not in packed
+    assert report.layers["layers.0.mlp.down_proj"] == {"bits": 16}
+
+
+def test_quantized_checkpoint_loads_and_tracks_the_float_model(engine_dir: Path) -> None:
+    from engines.import_gguf import import_smollm2
+
+    base = import_smollm2(engine_dir, progress=False)
+    rtn = quantize_checkpoint(base, QuantRecipe(method="rtn"), progress=False)
+    ref = load_checkpoint(base)
+    q = load_checkpoint(rtn, int4_kernel="dequant")
+    ids = ref.tokenizer.encode("Wash your hands before and after every patient contact.").ids
+    a = ref.model(torch.tensor([ids]), ref.model.new_cache(1, 64), 0, last_only=False)[0]
+    b = q.model(torch.tensor([ids]), q.model.new_cache(1, 64), 0, last_only=False)[0]
+    # Not equal (4-bit weights) but close: the same next token most of the time.
+    agree = float((a.argmax(-1) == b.argmax(-1)).float().mean())
+    assert agree > 0.6
+    manifest = (rtn / "manifest.json").read_text()
+    assert '"group_size": 128' in manifest and '"group_size": 64' in manifest
