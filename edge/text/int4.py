@@ -20,6 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+# Import-safe without triton (it sets TRITON_SUPPORT = False); the kernel is then refused.
+from edge.text import triton_int4
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_GROUPS = (256, 128, 64, 32)
@@ -163,9 +166,7 @@ class Int4Linear(nn.Module):
             )
             self.register_buffer("sz", _scales_and_offsets(q, torch.bfloat16))
         elif kernel == "triton":
-            from edge.text.triton_int4 import TRITON_SUPPORT
-
-            if not TRITON_SUPPORT:
+            if not triton_int4.TRITON_SUPPORT:
                 raise RuntimeError("the triton INT4 kernel needs triton (CUDA builds of torch ship it)")
             self.register_buffer("qweight", q.qweight)
             self.register_buffer("scales", q.scales)
@@ -185,17 +186,15 @@ class Int4Linear(nn.Module):
         elif self.kernel == "cuda":
             out = torch.ops.aten._weight_int4pack_mm(flat.to(torch.bfloat16), self.packed, self.group_size, self.sz)
         elif self.kernel == "triton":
-            from edge.text.triton_int4 import GEMV_MAX_ROWS, int4_dequant, int4_gemv
-
-            if flat.shape[0] <= GEMV_MAX_ROWS:
-                out = int4_gemv(flat, self.qweight, self.scales, self.zeros, self.group_size)
+            if flat.shape[0] <= triton_int4.GEMV_MAX_ROWS:
+                out = triton_int4.int4_gemv(flat, self.qweight, self.scales, self.zeros, self.group_size)
             else:
                 # Dequantize a slab of rows at a time: the bf16 copy of a wide weight
                 # (the 28672-row gate/up of an 8B model is 235 MB) never exists whole.
                 out = torch.empty(flat.shape[0], self.out_features, device=flat.device, dtype=flat.dtype)
                 for n0 in range(0, self.out_features, PREFILL_SLAB_ROWS):
                     n1 = min(self.out_features, n0 + PREFILL_SLAB_ROWS)
-                    w = int4_dequant(
+                    w = triton_int4.int4_dequant(
                         self.qweight[n0:n1], self.scales[n0:n1], self.zeros[n0:n1], self.group_size, flat.dtype
                     )
                     out[:, n0:n1] = flat @ w.T
