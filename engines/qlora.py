@@ -26,7 +26,7 @@ from torch import nn
 from tqdm import tqdm
 
 from edge.config.schema import DEFAULT_SYSTEM_PROMPT
-from edge.text.checkpoint import load_checkpoint
+from edge.text.checkpoint import SIDE_FILES, load_checkpoint
 from edge.text.int4 import QuantizedWeight, dequantize, group_size_for, pack
 from edge.text.llama import LlamaModel
 from edge.text.qa import chatml, user_message
@@ -178,7 +178,7 @@ def _build(src: Path, out: Path, recipe: LoraRecipe, progress: bool) -> dict[str
         if not k.startswith("rope_") and not (k == "lm_head.weight" and ckpt.model.config.tie_embeddings)
     }
     save_file(tensors, str(out / "model.safetensors"))
-    for name in ("config.json", "tokenizer.json", "generation.json"):
+    for name in SIDE_FILES:
         shutil.copy2(src / name, out / name)
     (out / "adapter.json").write_text(json.dumps({"recipe": asdict(recipe), **stats}, indent=2) + "\n")
     config = ckpt.model.config

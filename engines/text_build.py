@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from edge.text.checkpoint import load_checkpoint
+from edge.text.checkpoint import SIDE_FILES, load_checkpoint
 from engines.cache import build_cached, cache_key, read_manifest
 from engines.corpus import calibration_text, corpus_fingerprint
 from engines.quantize import QuantRecipe, quantize_model
@@ -19,7 +19,6 @@ from engines.quantize import QuantRecipe, quantize_model
 logger = logging.getLogger(__name__)
 
 QUANTIZER_VERSION = 1
-COPIED = ("config.json", "tokenizer.json", "generation.json")
 
 
 def write_quantized(src: Path, out: Path, recipe: QuantRecipe, progress: bool) -> dict[str, Any]:
@@ -45,7 +44,7 @@ def write_quantized(src: Path, out: Path, recipe: QuantRecipe, progress: bool) -
     save_file(tensors, str(out / "model.safetensors"))
     quant = {"linears": {name: {"group_size": q.group_size, "bits": 4} for name, q in packed.items()}}
     (out / "quant.json").write_text(json.dumps(quant, indent=1) + "\n", encoding="utf-8")
-    for name in COPIED:
+    for name in SIDE_FILES:
         shutil.copy2(src / name, out / name)
     config = ckpt.model.config
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())

@@ -24,6 +24,9 @@ from torch import nn
 from edge.text.int4 import Int4Linear, QuantizedWeight, concat_rows, cpu_kernel_available
 from edge.text.llama import LlamaConfig, LlamaModel, fuse_projections
 
+# Files every checkpoint carries beside its weights; build steps copy them forward.
+SIDE_FILES = ("config.json", "tokenizer.json", "generation.json")
+
 FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),

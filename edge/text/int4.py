@@ -89,12 +89,16 @@ def quantize_codes(
     return codes.reshape(n, k).to(torch.uint8), scales, zeros.to(torch.uint8)
 
 
+def _codes_to_weights(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(code - zero) * scale per group, in float32, for codes [N, K]."""
+    n, k = codes.shape
+    grouped = codes.float().reshape(n, k // group_size, group_size)
+    return ((grouped - zeros.float().unsqueeze(-1)) * scales.float().unsqueeze(-1)).reshape(n, k)
+
+
 def fake_quantize(weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize and dequantize again: the weight the INT4 model will actually use."""
-    codes, scales, zeros = quantize_codes(weight, group_size, clip)
-    n, k = weight.shape
-    deq = (codes.float().reshape(n, k // group_size, group_size) - zeros.float().unsqueeze(-1)) * scales.unsqueeze(-1)
-    return deq.reshape(n, k)
+    return _codes_to_weights(*quantize_codes(weight, group_size, clip), group_size)
 
 
 def pack(weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None) -> QuantizedWeight:
@@ -113,11 +117,7 @@ def unpack_codes(q: QuantizedWeight) -> torch.Tensor:
 
 
 def dequantize(q: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    n, k = q.shape
-    g = q.group_size
-    codes = unpack_codes(q).float().reshape(n, k // g, g)
-    w = (codes - q.zeros.float().unsqueeze(-1)) * q.scales.float().unsqueeze(-1)
-    return w.reshape(n, k).to(dtype)
+    return _codes_to_weights(unpack_codes(q), q.scales, q.zeros, q.group_size).to(dtype)
 
 
 def _scales_and_offsets(q: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
