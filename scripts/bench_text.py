@@ -31,6 +31,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from edge.text import triton_int4  # noqa: E402
 from edge.text.llama import KVCache, LlamaConfig  # noqa: E402
 from engines.random_llama import LLAMA3_8B, int4_weight_bytes, random_int4_llama  # noqa: E402
 
@@ -140,13 +141,12 @@ def ours_cuda(
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    compiled = kernel.endswith("+compile")
-    kernel = kernel.removesuffix("+compile")
+    variant = kernel
+    per_op = kernel.endswith("+ops")
+    kernel = kernel.removesuffix("+ops")
     model = random_int4_llama(config, "cuda", kernel)
-    if compiled:
-        # Inductor fuses the small elementwise kernels (norms, rotary, casts) between
-        # the INT4 matmuls; our graph capture then replays the fused step.
-        model.decode_step = torch.compile(model.decode_step, dynamic=False)  # type: ignore[method-assign]
+    if per_op:
+        model.fused_decode = False  # the torch per-op step around the same INT4 GEMVs
     cache = KVCache(config, 1, cache_len, torch.bfloat16, torch.device("cuda"))
     ids = torch.randint(0, config.vocab_size, (1, prompt_len), device="cuda")
 
@@ -154,7 +154,7 @@ def ours_cuda(
         logits: torch.Tensor = model(ids, cache, 0)
         return logits[0, -1].argmax()
 
-    ttft = cuda_time(prefill, repeat=5)
+    ttft = cuda_time(prefill, repeat=10, warmup=3)
     decoder = GraphDecoder(model, cache)
     token = prefill().view(1)
     # Capture the buckets the timed run will use before timing it.
@@ -178,8 +178,9 @@ def ours_cuda(
     peak = torch.cuda.max_memory_allocated()
     reserved = torch.cuda.max_memory_reserved()
     return {
-        "name": f"edge INT4 g128 ({kernel}{'+compile' if compiled else ''}) + CUDA graphs",
-        "kernel": kernel,
+        "name": f"edge INT4 g128, {DECODE_NAMES[variant]}, CUDA graphs",
+        "kernel": variant,
+        "fused_decode": bool(model.fused_decode),
         "decode_tok_s": tok_s,
         "bytes_per_token": bytes_per_token,
         "roofline_tok_s": roofline,
@@ -189,6 +190,13 @@ def ours_cuda(
         "peak_reserved_gib": reserved / GIB,
         "kv_cache_tokens": cache_len,
     }
+
+
+DECODE_NAMES = {
+    "triton": "fused Triton step",
+    "triton+ops": "Triton GEMV + torch ops",
+    "cuda": "torch tiled INT4 + torch ops",
+}
 
 
 def check_cuda(kernels: list[str]) -> dict[str, float]:
@@ -205,7 +213,8 @@ def check_cuda(kernels: list[str]) -> dict[str, float]:
     for kernel in kernels:
         from edge.text.cuda_graphs import GraphDecoder
 
-        model = random_int4_llama(config, "cuda", kernel, seed=3)
+        model = random_int4_llama(config, "cuda", kernel.removesuffix("+ops"), seed=3)
+        model.fused_decode = False if kernel.endswith("+ops") else None
         cache = KVCache(config, 1, 64, torch.bfloat16, torch.device("cuda"))
         got = model(ids[:, :32], cache, 0, last_only=False)[0]
         errors[f"{kernel}_prefill"] = float((got - ref[:32]).norm() / ref[:32].norm())
@@ -217,6 +226,8 @@ def check_cuda(kernels: list[str]) -> dict[str, float]:
         errors[f"{kernel}_graph_decode"] = worst
     return errors
 
+
+GEMV_LABELS = ("triton_auto", "triton_bits", "triton_wide", "stock_int4")
 
 KERNEL_SHAPES = {  # (N, K) of the 8B model's INT4 matrices, and how many per token
     "qkv": (6144, 4096, 32),
@@ -239,9 +250,9 @@ def _bench_shape(n: int, k: int, gen: torch.Generator) -> dict[str, Any]:
     stock = Int4Linear(q, "cuda")
     dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     fns: dict[str, Callable[[], Any]] = {
-        "triton_dot": lambda: int4_gemv(x, q.qweight, q.scales, q.zeros, 128, variant="dot"),
+        "triton_auto": lambda: int4_gemv(x, q.qweight, q.scales, q.zeros, 128, variant="auto"),
+        "triton_bits": lambda: int4_gemv(x, q.qweight, q.scales, q.zeros, 128, variant="bits"),
         "triton_wide": lambda: int4_gemv(x, q.qweight, q.scales, q.zeros, 128, variant="wide"),
-        "triton_narrow": lambda: int4_gemv(x, q.qweight, q.scales, q.zeros, 128, variant="narrow"),
         "stock_int4": lambda: stock(x),
         "bf16_cublas": lambda: x @ dense.T,
         "dequant_bf16": lambda: int4_dequant(q.qweight, q.scales, q.zeros, 128, torch.bfloat16),
@@ -263,7 +274,7 @@ def bench_kernels() -> dict[str, Any]:
         _release()
     rows["per_token_linear_ms"] = {
         label: sum(rows[name][label]["us"] * rows[name]["per_token"] for name in KERNEL_SHAPES) / 1000
-        for label in ("triton_dot", "triton_wide", "triton_narrow", "stock_int4")
+        for label in GEMV_LABELS
     }
     return rows
 
@@ -271,7 +282,7 @@ def bench_kernels() -> dict[str, Any]:
 def run_cuda(args: argparse.Namespace) -> dict[str, Any]:
     config = LLAMA3_8B
     props = torch.cuda.get_device_properties(0)
-    checks = check_cuda(sorted({k.removesuffix("+compile") for k in args.kernels}))
+    checks = check_cuda(args.kernels)
     print("kernel checks (relative error vs float reference):", json.dumps(checks))
     if any(not (e < 2e-2) for e in checks.values()):
         raise SystemExit("a kernel disagrees with the reference; not timing it")
@@ -280,6 +291,7 @@ def run_cuda(args: argparse.Namespace) -> dict[str, Any]:
     kernels = bench_kernels()
     _release()
     print("per-token time in INT4 linears (ms):", json.dumps(kernels["per_token_linear_ms"]))
+    print("Triton decode rows use the", triton_int4.DEFAULT_GEMV, "GEMV choice")
     for name in KERNEL_SHAPES:
         e = kernels[name]
         print(
@@ -304,6 +316,7 @@ def run_cuda(args: argparse.Namespace) -> dict[str, Any]:
         "torch": torch.__version__,
         "kernel_checks": checks,
         "kernels": kernels,
+        "triton_gemv": triton_int4.DEFAULT_GEMV,
         "shape": "Llama-3-8B (hidden 4096, 32 layers, 32 heads, 8 KV heads, FFN 14336, vocab 128256), random weights",
         "copy_bandwidth_gb_s": bandwidth / 1e9,
         "memory_cap_gib": args.cap_gib,
@@ -483,7 +496,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--cache", type=int, default=4096, help="cuda: KV cache tokens")
     parser.add_argument("--cap-gib", type=float, default=8.0, help="cuda: per-process memory cap")
-    parser.add_argument("--kernels", nargs="+", default=["triton", "cuda"], help="cuda: INT4 kernels to measure")
+    parser.add_argument(
+        "--kernels",
+        nargs="+",
+        default=list(DECODE_NAMES),
+        choices=list(DECODE_NAMES),
+        help="cuda: decode variants to measure",
+    )
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--threads", type=int, default=2, help="cpu: threads for every variant")
     parser.add_argument("--engine-dir", type=Path, default=REPO / ".edge" / "engines")

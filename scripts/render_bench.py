@@ -102,7 +102,8 @@ def text_cuda(d: dict[str, Any]) -> str:
         best = max((r for r in d["rows"] if "roofline_fraction" in r), key=lambda r: r["decode_tok_s"], default=None)
         if best is not None:
             step = 1000 / best["decode_tok_s"]
-            gemv = k.get("stock_int4" if best.get("kernel") == "cuda" else "triton_wide", 0.0)
+            label = "stock_int4" if best.get("kernel") == "cuda" else f"triton_{d.get('triton_gemv', 'auto')}"
+            gemv = k.get(label, 0.0)
             lines.append(
                 f"For the fastest row a token takes {step:.2f} ms against a roofline of "
                 f"{1000 / best['roofline_tok_s']:.2f} ms: {gemv:.2f} ms in the INT4 matrix-vector products, "

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
+
+import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter (set before triton is imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import json
 import shutil
 import signal
 import socket

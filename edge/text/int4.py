@@ -176,6 +176,13 @@ class Int4Linear(nn.Module):
         else:
             raise ValueError(f"unknown INT4 kernel {kernel!r}")
 
+    def gemv(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] (a few rows) -> [M, N] float32, straight from the Triton GEMV: the
+        fused decode step reads the float32 sums without a cast kernel in between."""
+        if self.kernel != "triton":
+            raise RuntimeError(f"gemv() is the Triton kernel's entry point; this layer uses {self.kernel!r}")
+        return triton_int4.int4_gemv(x, self.qweight, self.scales, self.zeros, self.group_size)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edge.text import triton_decode
+
 logger = logging.getLogger(__name__)
 
 
@@ -250,6 +252,10 @@ class LlamaModel(nn.Module):
         cos, sin = rope_tables(config, config.max_position, torch.device("cpu"))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # Whether decode_step runs the fused Triton step: decided on first use (the
+        # projections are swapped for INT4 ones after construction); set False to
+        # force the per-op torch path.
+        self.fused_decode: bool | None = None
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         weight = self.embed_tokens.weight
@@ -290,6 +296,10 @@ class LlamaModel(nn.Module):
         Attends over the first kv_len cache slots (masked beyond each position): a
         fixed shape, so one CUDA graph per kv_len bucket serves every step.
         """
+        if self.fused_decode is None:
+            self.fused_decode = triton_decode.can_fuse(self)
+        if self.fused_decode:
+            return triton_decode.fused_decode_step(self, ids, cache, pos, kv_len)
         dtype = self.embed_tokens.weight.dtype
         cos = self.rope_cos.index_select(0, pos).to(dtype).unsqueeze(1).unsqueeze(1)
         sin = self.rope_sin.index_select(0, pos).to(dtype).unsqueeze(1).unsqueeze(1)

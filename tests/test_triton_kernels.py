@@ -1,0 +1,98 @@
+"""Our Triton kernels against plain torch: the INT4 GEMV and the fused decode step.
+
+On a machine without CUDA, conftest runs Triton in its interpreter, so the same kernel
+code (masks, bit tricks, online softmax) is checked on CPU; on a GPU it runs compiled.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from edge.text import triton_decode, triton_int4
+from edge.text.int4 import dequantize, pack
+from edge.text.llama import KVCache, LlamaConfig
+from engines.random_llama import random_int4_llama
+
+pytestmark = pytest.mark.skipif(not triton_int4.TRITON_SUPPORT, reason="triton is not installed")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "group", "rows", "block_w"),
+    [
+        (64, 256, 32, 1, 32),  # one tile per split
+        (48, 576, 32, 3, 64),  # SmolLM2's width: a partial last tile, odd row count
+        (40, 512, 128, 1, 32),  # a group spans the whole tile
+        (33, 1536, 64, 8, 64),  # N not a multiple of the block, the most rows a GEMV takes
+    ],
+)
+def test_gemv_matches_dequantized_matmul(n: int, k: int, group: int, rows: int, block_w: int) -> None:
+    gen = torch.Generator().manual_seed(n + k)
+    q = pack(torch.randn(n, k, generator=gen), group)
+    x = torch.randn(rows, k, generator=gen)
+    ref = x @ dequantize(q).T
+    configs = [("bits", {"BLOCK_N": 16, "BLOCK_W": block_w, "SPLIT_K": split}) for split in (1, 2)]
+    if k % 256 == 0:
+        configs += [("wide", {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": split}) for split in (1, 2)]
+    for variant, config in configs:
+        out = triton_int4.int4_gemv(
+            x.to(DEVICE),
+            q.qweight.to(DEVICE),
+            q.scales.to(DEVICE),
+            q.zeros.to(DEVICE),
+            group,
+            config=config,
+            variant=variant,
+        ).cpu()
+        assert out.shape == (rows, n)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4 * float(ref.abs().max()))
+
+
+def test_gemv_refuses_too_many_rows() -> None:
+    q = pack(torch.randn(16, 64), 32)
+    with pytest.raises(ValueError, match="at most"):
+        triton_int4.int4_gemv(torch.randn(triton_int4.GEMV_MAX_ROWS + 1, 64), q.qweight, q.scales, q.zeros, 32)
+
+
+# Grouped-query attention with 3 query heads per KV head, like SmolLM2.
+GQA = LlamaConfig(vocab_size=256, hidden_size=192, num_layers=2, num_heads=6, num_kv_heads=2, intermediate_size=384)
+
+
+def test_fused_decode_step_matches_reference() -> None:
+    """Decode tokens through the fused step and through the float32 dequantized model
+    with the same weights; the logits agree at every position, including positions in
+    later attention chunks and a second sequence at a different position."""
+    config = GQA
+    batch = 2
+    fused = random_int4_llama(config, DEVICE, "triton", group=32, seed=5)
+    ref = random_int4_llama(config, DEVICE, "dequant", group=32, dtype=torch.float32, seed=5)
+    ref.fused_decode = False
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (batch, 44), generator=gen).to(DEVICE)
+    want = torch.stack(
+        [ref(ids[b : b + 1], ref.new_cache(1, 64), 0, last_only=False)[0] for b in range(batch)]
+    )  # [B, T, V]
+    cache = KVCache(config, batch, 64, torch.bfloat16, DEVICE)
+    kv_len = 64  # two chunks of 32 positions: a chunk past a position must contribute nothing
+    # Sequences at different positions: the second one holds at position 0 (rewriting
+    # the same token) for 7 steps, then runs 7 positions behind the first.
+    offsets = [0, 7][:batch]
+    for step in range(44):
+        pos = torch.tensor([max(0, step - o) for o in offsets], device=DEVICE)
+        tokens = torch.stack([ids[b, int(pos[b])] for b in range(batch)]).view(batch, 1)
+        got = triton_decode.fused_decode_step(fused, tokens, cache, pos, kv_len)
+        for b in range(batch):
+            expect = want[b, int(pos[b])]
+            err = float((got[b].float().cpu() - expect.cpu()).norm() / expect.norm())
+            assert err < 2e-2, f"sequence {b} position {int(pos[b])}: relative error {err:.4f}"
+
+
+def test_attention_splits_cover_the_window() -> None:
+    for kv_len in (32, 100, 256, 4096):
+        for bsz in (1, 4):
+            splits, chunk = triton_decode.attn_splits(kv_len, bsz, 8, 132)
+            assert splits & (splits - 1) == 0 and splits <= triton_decode.MAX_ATTN_SPLITS
+            assert splits * chunk >= kv_len and chunk % triton_decode.ATTN_BLOCK_T == 0
+            assert (splits - 1) * chunk < kv_len  # no chunk lies wholly past the window
