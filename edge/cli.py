@@ -52,6 +52,12 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     if profile.models.ocr.enabled:
         print(f"ocr: models from {bundled_model_dir()}")
+    if profile.models.inspect.enabled:
+        from engines.vision_build import build_student
+
+        size = profile.models.inspect.build_size
+        path = build_student(profile.paths.engine_dir, size, progress=True)
+        print(f"inspect: distilled ViT student ({size} build): {path}")
     if profile.models.qa.enabled:
         qa = profile.models.qa
         path = build_text_engine(profile.paths.engine_dir, qa.adapter, qa.quantization, progress=True)
@@ -116,13 +122,16 @@ def _job_from_args(args: argparse.Namespace) -> dict[str, Any]:
         job["priority"] = args.priority
     if args.deadline_ms is not None:
         job["deadline_ms"] = args.deadline_ms
-    if args.task == "ocr":
+    if args.task in ("ocr", "inspect"):
         if bool(args.image) == bool(args.media_path):
-            raise SystemExit("edgectl submit ocr: give exactly one of --image FILE or --media-path NAME")
+            raise SystemExit(f"edgectl submit {args.task}: give exactly one of --image FILE or --media-path NAME")
         if args.image:
             job["image"] = {"data": base64.b64encode(Path(args.image).read_bytes()).decode()}
         else:
             job["image"] = {"path": args.media_path}
+        if args.task == "inspect":
+            job["heatmap"] = bool(args.heatmap)
+            job["ocr"] = bool(args.read_labels)
     else:
         if not args.question:
             raise SystemExit("edgectl submit qa: --question is required")
@@ -150,6 +159,11 @@ def _print_result(result: dict[str, Any]) -> None:
         print(f"  error {err.get('code')}: {err.get('message')}{where}")
         return
     output = result.get("output", {})
+    if "class" in output:
+        verdict = "DEFECT" if output.get("defect") else "ok"
+        scores = f"score {output['score']:.3f}, defect score {output['defect_score']:.3f}"
+        print(f"  {verdict}: {output['class']} ({scores})")
+        output = output.get("ocr", {})
     if "lines" in output:
         for line in output["lines"]:
             print(f"  {line['text']:<32} score {line['score']:.3f}  box {line['box']}")
@@ -195,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(func=cmd_status)
 
     submit = sub.add_parser("submit", help="send one job and print its result")
-    submit.add_argument("task", choices=["ocr", "qa"])
+    submit.add_argument("task", choices=["ocr", "inspect", "qa"])
     submit.add_argument("--profile", type=Path, help="take broker and device from a profile")
     submit.add_argument("--broker", default="127.0.0.1:1883", help="HOST:PORT")
     submit.add_argument("--device", default="dev", help="device id")
@@ -203,8 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--id", help="job id (random by default)")
     submit.add_argument("--priority", type=int)
     submit.add_argument("--deadline-ms", type=int)
-    submit.add_argument("--image", help="ocr: image file to send inline")
-    submit.add_argument("--media-path", help="ocr: image path inside the device's media directory")
+    submit.add_argument("--image", help="ocr, inspect: image file to send inline")
+    submit.add_argument("--media-path", help="ocr, inspect: image path inside the device's media directory")
+    submit.add_argument("--heatmap", action="store_true", help="inspect: return the per-patch defect map")
+    submit.add_argument("--read-labels", action="store_true", help="inspect: also OCR the labels on the part")
     submit.add_argument("--question", help="qa: the question")
     submit.add_argument("--context", help="qa: reference text")
     submit.add_argument("--context-file", help="qa: file with reference text")

@@ -29,15 +29,17 @@ from edge.memory import rss_bytes
 from edge.protocol import results
 from edge.protocol.errors import ErrorCode, JobError
 from edge.protocol.images import ImageLimits, decode_base64, decode_image, read_media_file, resolve_media_path
-from edge.protocol.jobs import OCRJob, QAJob
-from edge.scheduler.branch import BranchWorker, Outcome
-from edge.scheduler.queue import PriorityDeadlineQueue
+from edge.protocol.jobs import InspectJob, OCRJob, QAJob
+from edge.scheduler.branch import Batching, BranchWorker, Outcome
+from edge.scheduler.queue import BatchPolicy, PriorityDeadlineQueue
 from edge.scheduler.work import Reply, WorkItem
 from edge.stats import JobStats
 from edge.text.qa import QAEngine, QASettings
+from edge.vision.inspect import InspectPipeline
 from edge.vision.ocr import OCRPipeline, OCRSettings
 from engines.cache import existing_only
 from engines.text_build import build_text_engine
+from engines.vision_build import build_student
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,7 @@ class Daemon:
         self.queues: dict[str, PriorityDeadlineQueue] = {}
         self.workers: dict[str, BranchWorker] = {}
         self._ocr: OCRPipeline | None = None
+        self._inspect: InspectPipeline | None = None
         self._qa: QAEngine | None = None
         self._stop = threading.Event()
         self._image_limits = ImageLimits(profile.limits.max_image_bytes, profile.limits.max_image_pixels)
@@ -165,10 +168,28 @@ class Daemon:
                     models.ocr.backend,
                     lambda: OCRPipeline.load(settings, models.ocr.backend, opts),
                 )
-                self._add_branch("vision", self._run_vision)
-            except Exception as err:  # one branch failing must not take the other down
-                logger.exception("vision branch unavailable")
-                self.branch_errors["vision"] = f"{type(err).__name__}: {err}"
+            except Exception as err:  # one model failing must not take the others down
+                logger.exception("OCR unavailable")
+                self.branch_errors["vision"] = f"ocr: {type(err).__name__}: {err}"
+        if models.inspect.enabled and not self._stop.is_set():
+            try:
+                student = self._student_path()
+                cfg = models.inspect
+                opts_i = BackendOptions(threads=cfg.threads, max_batch=cfg.max_batch)
+                self._inspect = self._measure(
+                    "inspect-vit-student",
+                    "vision",
+                    cfg.backend,
+                    lambda: InspectPipeline.load(student, cfg.backend, opts_i),
+                )
+            except Exception as err:
+                logger.exception("inspection model unavailable")
+                reason = f"inspect: {type(err).__name__}: {err}"
+                self.branch_errors["vision"] = "; ".join(filter(None, [self.branch_errors.get("vision"), reason]))
+        if self._ocr is not None or self._inspect is not None:
+            cfg = models.inspect
+            policy = BatchPolicy(cfg.max_batch, cfg.max_queue_delay_ms / 1000.0, frozenset(cfg.preferred_batch_sizes))
+            self._add_branch("vision", self._run_vision, Batching("inspect", policy, self._run_inspect_batch))
         if models.qa.enabled and not self._stop.is_set():
             try:
                 if models.qa.threads:
@@ -199,14 +220,23 @@ class Daemon:
         with existing_only():
             return build_text_engine(engine_dir, qa.adapter, qa.quantization, progress=False)
 
-    def _add_branch(self, name: str, handler: Any) -> None:
+    def _student_path(self) -> Path:
+        engine_dir = self.profile.paths.engine_dir
+        size = self.profile.models.inspect.build_size
+        if self.profile.build_missing_engines:
+            self.notifier.status("building the inspection model (first start only)")
+            return build_student(engine_dir, size, progress=False)
+        with existing_only():
+            return build_student(engine_dir, size, progress=False)
+
+    def _add_branch(self, name: str, handler: Any, batching: Batching | None = None) -> None:
         queue = PriorityDeadlineQueue(self.profile.queue.max_size)
         self.queues[name] = queue
-        self.workers[name] = BranchWorker(name, queue, handler, self._complete)
+        self.workers[name] = BranchWorker(name, queue, handler, self._complete, batching)
 
     # job handlers (worker threads) ---------------------------------------------------
 
-    def _load_image(self, job: OCRJob) -> Any:
+    def _load_image(self, job: OCRJob | InspectJob) -> Any:
         ref = job.image
         if ref.data is not None:
             raw = decode_base64(ref.data, self._image_limits, "image.data")
@@ -217,15 +247,52 @@ class Daemon:
         return decode_image(raw, self._image_limits, "image.path")
 
     def _run_vision(self, item: WorkItem) -> dict[str, Any]:
+        """OCR jobs (inspect jobs arrive in batches at _run_inspect_batch)."""
         job = item.job.request
-        assert isinstance(job, OCRJob) and self._ocr is not None
+        assert isinstance(job, OCRJob)
+        if self._ocr is None:
+            raise JobError(ErrorCode.UNAVAILABLE, "OCR is not loaded on this device", "task")
         img = self._load_image(job)
+        return {**self._read_text(img), "image": {"width": int(img.shape[1]), "height": int(img.shape[0])}}
+
+    def _read_text(self, img: Any) -> dict[str, Any]:
+        assert self._ocr is not None
         lines = self._ocr(img)
-        return {
-            "lines": [line.to_dict() for line in lines],
-            "text": "\n".join(line.text for line in lines),
-            "image": {"width": int(img.shape[1]), "height": int(img.shape[0])},
-        }
+        return {"lines": [line.to_dict() for line in lines], "text": "\n".join(line.text for line in lines)}
+
+    def _run_inspect_batch(self, items: list[WorkItem]) -> list[dict[str, Any] | JobError]:
+        """Decode every image (a bad one fails its own job), run the student once on
+        the good ones, then OCR the jobs that asked for it."""
+        out: list[dict[str, Any] | JobError] = []
+        images: list[Any] = []
+        slots: list[int] = []
+        for item in items:
+            job = item.job.request
+            assert isinstance(job, InspectJob)
+            try:
+                if self._inspect is None:
+                    raise JobError(ErrorCode.UNAVAILABLE, "the inspection model is not loaded on this device", "task")
+                if job.ocr and self._ocr is None:
+                    raise JobError(ErrorCode.UNAVAILABLE, "OCR is not loaded on this device", "ocr")
+                images.append(self._load_image(job))
+                slots.append(len(out))
+                out.append({})
+            except JobError as err:
+                out.append(err)
+        if images:
+            assert self._inspect is not None
+            # Decoded images are BGR (the OCR models' order); the student was trained on RGB.
+            found_all = self._inspect.run([img[:, :, ::-1] for img in images])
+            for slot, img, found in zip(slots, images, found_all, strict=True):
+                job = items[slot].job.request
+                assert isinstance(job, InspectJob)
+                doc = found.to_dict(heatmap=job.heatmap)
+                doc["image"] = {"width": int(img.shape[1]), "height": int(img.shape[0])}
+                doc["batch_size"] = len(images)
+                if job.ocr:
+                    doc["ocr"] = self._read_text(img)
+                out[slot] = doc
+        return out
 
     def _run_text(self, item: WorkItem) -> dict[str, Any]:
         job = item.job.request

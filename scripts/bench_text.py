@@ -31,7 +31,6 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from edge.text import triton_int4  # noqa: E402
 from edge.text.llama import KVCache, LlamaConfig  # noqa: E402
 from engines.random_llama import LLAMA3_8B, int4_weight_bytes, random_int4_llama  # noqa: E402
 
@@ -227,7 +226,7 @@ def check_cuda(kernels: list[str]) -> dict[str, float]:
     return errors
 
 
-GEMV_LABELS = ("triton_auto", "triton_bits", "triton_wide", "stock_int4")
+GEMV_LABELS = ("triton_bits", "stock_int4")
 
 KERNEL_SHAPES = {  # (N, K) of the 8B model's INT4 matrices, and how many per token
     "qkv": (6144, 4096, 32),
@@ -250,9 +249,7 @@ def _bench_shape(n: int, k: int, gen: torch.Generator) -> dict[str, Any]:
     stock = Int4Linear(q, "cuda")
     dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     fns: dict[str, Callable[[], Any]] = {
-        "triton_auto": lambda: int4_gemv(x, q.qweight, q.scales, q.zeros, 128, variant="auto"),
-        "triton_bits": lambda: int4_gemv(x, q.qweight, q.scales, q.zeros, 128, variant="bits"),
-        "triton_wide": lambda: int4_gemv(x, q.qweight, q.scales, q.zeros, 128, variant="wide"),
+        "triton_bits": lambda: int4_gemv(x, q.qweight, q.scales, q.zeros, 128),
         "stock_int4": lambda: stock(x),
         "bf16_cublas": lambda: x @ dense.T,
         "dequant_bf16": lambda: int4_dequant(q.qweight, q.scales, q.zeros, 128, torch.bfloat16),
@@ -291,7 +288,6 @@ def run_cuda(args: argparse.Namespace) -> dict[str, Any]:
     kernels = bench_kernels()
     _release()
     print("per-token time in INT4 linears (ms):", json.dumps(kernels["per_token_linear_ms"]))
-    print("Triton decode rows use the", triton_int4.DEFAULT_GEMV, "GEMV choice")
     for name in KERNEL_SHAPES:
         e = kernels[name]
         print(
@@ -316,7 +312,6 @@ def run_cuda(args: argparse.Namespace) -> dict[str, Any]:
         "torch": torch.__version__,
         "kernel_checks": checks,
         "kernels": kernels,
-        "triton_gemv": triton_int4.DEFAULT_GEMV,
         "shape": "Llama-3-8B (hidden 4096, 32 layers, 32 heads, 8 KV heads, FFN 14336, vocab 128256), random weights",
         "copy_bandwidth_gb_s": bandwidth / 1e9,
         "memory_cap_gib": args.cap_gib,

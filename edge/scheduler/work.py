@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from edge.protocol.jobs import ParsedJob
 
-TASK_BRANCH = {"ocr": "vision", "qa": "text"}
+TASK_BRANCH = {"ocr": "vision", "inspect": "vision", "qa": "text"}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,102 @@
+"""The `inspect` task: an image of a part in, its defect class, score and (if asked) a
+per-patch heat map out, for a batch of images at a time.
+
+The student runs through the backend seam: its ONNX export on onnxruntime (CPU
+default) or its FP16 weights with CUDA graphs on torch-cuda. Both return probabilities
+(`class_probs` [B, C], `patch_probs` [B, g, g]), so nothing here depends on which.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+
+from edge.backends import BackendOptions, InferenceSession, get_backend
+from edge.vision.vit import IMAGE_MEAN, IMAGE_STD
+
+logger = logging.getLogger(__name__)
+
+STUDENT_ONNX = "student.onnx"
+CLEAN = "clean"
+
+
+@dataclass(frozen=True)
+class Inspection:
+    label: str
+    score: float
+    defect_score: float
+    probabilities: dict[str, float]
+    heatmap: list[list[float]]
+
+    def to_dict(self, heatmap: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "class": self.label,
+            "score": round(self.score, 5),
+            "defect": self.label != CLEAN,
+            "defect_score": round(self.defect_score, 5),
+            "probabilities": {k: round(v, 5) for k, v in self.probabilities.items()},
+        }
+        if heatmap:
+            out["heatmap"] = self.heatmap
+        return out
+
+
+def preprocess(images: list[np.ndarray], size: int) -> np.ndarray:
+    """RGB uint8 images of any size -> float32 [B, 3, size, size], normalised.
+
+    Parts are framed by the camera; the whole view is resized (area filter when
+    shrinking) rather than cropped, so a defect at the edge is never cut off.
+    """
+    batch = np.empty((len(images), 3, size, size), np.float32)
+    mean = np.array(IMAGE_MEAN, np.float32)
+    std = np.array(IMAGE_STD, np.float32)
+    for i, img in enumerate(images):
+        h, w = img.shape[:2]
+        interp = cv2.INTER_AREA if h > size or w > size else cv2.INTER_LINEAR
+        resized = cv2.resize(img, (size, size), interpolation=interp) if (h, w) != (size, size) else img
+        batch[i] = ((resized.astype(np.float32) / 255.0 - mean) / std).transpose(2, 0, 1)
+    return batch
+
+
+class InspectPipeline:
+    def __init__(self, session: InferenceSession, classes: list[str], image_size: int) -> None:
+        self.session = session
+        self.classes = classes
+        self.image_size = image_size
+        if CLEAN not in classes:
+            raise ValueError(f"the student's classes {classes} have no {CLEAN!r} class")
+
+    @classmethod
+    def load(cls, student_dir: Path, backend: str, options: BackendOptions) -> InspectPipeline:
+        manifest = json.loads((student_dir / "manifest.json").read_text(encoding="utf-8"))
+        config = json.loads((student_dir / "config.json").read_text(encoding="utf-8"))
+        model_path = student_dir / STUDENT_ONNX if backend == "onnxruntime" else student_dir
+        session = get_backend(backend).load(model_path, options)
+        return cls(session, list(manifest["classes"]), int(config["image_size"]))
+
+    def run(self, images: list[np.ndarray]) -> list[Inspection]:
+        """One inspection per RGB uint8 image, all through the model as one batch."""
+        if not images:
+            return []
+        pixels = preprocess(images, self.image_size)
+        class_probs, patch_probs = self.session.run({"pixels": pixels})
+        clean = self.classes.index(CLEAN)
+        results = []
+        for probs, patches in zip(class_probs, patch_probs, strict=True):
+            best = int(np.argmax(probs))
+            results.append(
+                Inspection(
+                    label=self.classes[best],
+                    score=float(probs[best]),
+                    defect_score=float(1.0 - probs[clean]),
+                    probabilities={c: float(p) for c, p in zip(self.classes, probs, strict=True)},
+                    heatmap=np.round(patches.astype(np.float64), 3).tolist(),
+                )
+            )
+        return results

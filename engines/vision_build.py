@@ -1,0 +1,210 @@
+"""The vision build, one command: data -> teacher tokens -> teacher probe -> distilled
+student -> ONNX with a dynamic batch axis, verified against PyTorch -> manifest.
+
+    python -m engines.vision_build --engine-dir .edge/engines [--size default|quick]
+
+Every step is cached by its inputs (generator version and seed, split sizes, the
+teacher file's hash, the training recipe), so a second call returns at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from edge.vision.vit import ExportWrapper, InspectViT, ViTConfig
+from engines.cache import build_cached, cache_key, file_sha256
+from engines.distill import TrainData, TrainRecipe, predict, train_student
+from engines.factory_data import CLASSES, iter_split, patch_targets
+from engines.vision_teacher import probe_features, teacher_onnx_path, teacher_tokens, teacher_weights, train_probe
+
+logger = logging.getLogger(__name__)
+
+GENERATOR_VERSION = 1
+STUDENT_ONNX = "student.onnx"
+ONNX_INPUT = "pixels"
+ONNX_OUTPUTS = ("class_probs", "patch_probs")
+
+
+@dataclass(frozen=True)
+class VisionSize:
+    train: int
+    val: int
+    test: int
+    epochs: int
+    seed: int = 0
+
+
+# default: what the accuracy figures are measured on (a few minutes on two CPU cores);
+# quick: a smoke-sized build for tests of the serving path, never for accuracy figures.
+SIZES = {
+    "default": VisionSize(train=600, val=150, test=500, epochs=8),
+    "quick": VisionSize(train=60, val=20, test=20, epochs=1),
+}
+
+
+def _split_arrays(seed: int, split: str, count: int, grid: int) -> dict[str, np.ndarray]:
+    samples = list(iter_split(seed, split, count))
+    return {
+        "images": np.stack([s.image for s in samples]),
+        "labels": np.array([s.label for s in samples], np.int64),
+        "targets": np.stack([patch_targets(s.mask, grid) for s in samples]).astype(np.float32),
+    }
+
+
+def build_dataset(engine_dir: Path, size: VisionSize, progress: bool = True) -> Path:
+    """Images, labels, patch targets and the teacher's tokens for every split."""
+    grid = ViTConfig().grid
+    teacher = teacher_onnx_path()
+    inputs = {
+        "generator": GENERATOR_VERSION,
+        "size": asdict(size),
+        "grid": grid,
+        "teacher_sha256": file_sha256(teacher),
+    }
+
+    def build(out: Path) -> dict[str, Any]:
+        counts = {"train": size.train, "val": size.val, "test": size.test}
+        for split, count in counts.items():
+            arrays = _split_arrays(size.seed, split, count, grid)
+            cls, patches = teacher_tokens(arrays["images"], grid, progress=progress, desc=f"teacher tokens ({split})")
+            np.savez(out / f"{split}.npz", teacher_cls=cls, teacher_patches=patches, **arrays)  # type: ignore[arg-type]
+        return {"kind": "vision-dataset", "classes": list(CLASSES), "counts": counts}
+
+    return build_cached(engine_dir / f"vision-data-{cache_key(inputs)}", inputs, build)
+
+
+def load_split(data_dir: Path, split: str) -> dict[str, np.ndarray]:
+    with np.load(data_dir / f"{split}.npz") as f:
+        return {k: f[k] for k in f.files}
+
+
+def accuracy(probs: np.ndarray, labels: np.ndarray) -> float:
+    return float((probs.argmax(1) == labels).mean())
+
+
+def export_onnx(model: InspectViT, path: Path) -> float:
+    """Export with a dynamic batch axis; returns the largest difference from PyTorch
+    over batches of 1 and 3 (the export is refused above 1e-4)."""
+    import onnxruntime as ort
+
+    wrapper = ExportWrapper(model).eval()
+    size = model.config.image_size
+    example = torch.randn(2, 3, size, size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript exporter announces its deprecation
+        torch.onnx.export(
+            wrapper,
+            (example,),
+            str(path),
+            input_names=[ONNX_INPUT],
+            output_names=list(ONNX_OUTPUTS),
+            dynamic_axes={name: {0: "batch"} for name in (ONNX_INPUT, *ONNX_OUTPUTS)},
+            opset_version=17,
+            dynamo=False,
+        )
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    worst = 0.0
+    gen = torch.Generator().manual_seed(0)
+    for batch in (1, 3):
+        x = torch.randn(batch, 3, size, size, generator=gen)
+        with torch.inference_mode():
+            ref = [t.numpy() for t in wrapper(x)]
+        got = session.run(list(ONNX_OUTPUTS), {ONNX_INPUT: x.numpy()})
+        worst = max(worst, *(float(np.abs(a - b).max()) for a, b in zip(got, ref, strict=True)))
+    if worst > 1e-4:
+        raise RuntimeError(f"ONNX export disagrees with PyTorch by {worst:.2e}")
+    return worst
+
+
+def teacher_probe(data_dir: Path) -> tuple[torch.nn.Linear, dict[str, Any]]:
+    splits = {s: load_split(data_dir, s) for s in ("train", "val", "test")}
+    feats = {s: probe_features(d["teacher_cls"], d["teacher_patches"]) for s, d in splits.items()}
+    labels = {s: torch.from_numpy(d["labels"]) for s, d in splits.items()}
+    probe, info = train_probe(feats["train"], labels["train"], feats["val"], labels["val"], len(CLASSES))
+    with torch.no_grad():
+        info["test_accuracy"] = float((probe(feats["test"]).argmax(1) == labels["test"]).float().mean())
+    return probe, info
+
+
+def build_student(engine_dir: Path, size_name: str = "default", distill: bool = True, progress: bool = True) -> Path:
+    size = SIZES[size_name]
+    data_dir = build_dataset(engine_dir, size, progress)
+    config = ViTConfig(num_classes=len(CLASSES))
+    recipe = TrainRecipe(epochs=size.epochs, distill=distill, init="teacher" if distill else "random")
+    inputs = {"data": json.loads((data_dir / "manifest.json").read_text())["inputs"], "recipe": recipe.to_dict()}
+    inputs["model"] = asdict(config)
+
+    def build(out: Path) -> dict[str, Any]:
+        train = load_split(data_dir, "train")
+        probe, probe_info = teacher_probe(data_dir)
+        with torch.no_grad():
+            t_logits = probe(probe_features(train["teacher_cls"], train["teacher_patches"])).numpy()
+        data = TrainData(
+            images=train["images"],
+            labels=train["labels"],
+            patch_targets=train["targets"],
+            teacher_cls=train["teacher_cls"],
+            teacher_patches=train["teacher_patches"],
+            teacher_logits=t_logits,
+        )
+        t0 = time.perf_counter()
+        model, info = train_student(data, config, recipe, progress, teacher_weights() if distill else None)
+        train_s = time.perf_counter() - t0
+        state = {k: v for k, v in model.state_dict().items() if not k.startswith("distill_proj.")}
+        torch.save(state, out / "student.pt")
+        model.distill_proj = torch.nn.Identity()  # type: ignore[assignment]
+        (out / "config.json").write_text(config.to_json() + "\n", encoding="utf-8")
+        onnx_error = export_onnx(model, out / STUDENT_ONNX)
+        scores: dict[str, float] = {}
+        for split in ("val", "test"):
+            d = load_split(data_dir, split)
+            probs, _ = predict(model, d["images"])
+            scores[f"{split}_accuracy"] = accuracy(probs, d["labels"])
+        params = sum(p.numel() for n, p in model.named_parameters())
+        return {
+            "kind": "vision-student",
+            "classes": list(CLASSES),
+            "distilled": distill,
+            "size": size_name,
+            "parameters": params,
+            "train_seconds": train_s,
+            "onnx_max_abs_diff": onnx_error,
+            "teacher_probe": probe_info,
+            **scores,
+            "history": info["history"],
+        }
+
+    tag = "distilled" if distill else "plain"
+    return build_cached(engine_dir / f"vision-student-{tag}-{size_name}-{cache_key(inputs)}", inputs, build)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Build the inspection student (cached by its inputs).")
+    parser.add_argument("--engine-dir", type=Path, default=Path(".edge/engines"))
+    parser.add_argument("--size", choices=sorted(SIZES), default="default")
+    parser.add_argument("--no-distill", action="store_true", help="the baseline: same student, true labels only")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    path = build_student(args.engine_dir, args.size, distill=not args.no_distill)
+    manifest = json.loads((path / "manifest.json").read_text())
+    print(
+        f"{path}\n  test accuracy {manifest['test_accuracy']:.3f} "
+        f"(teacher probe {manifest['teacher_probe']['test_accuracy']:.3f}), "
+        f"{manifest['parameters'] / 1e6:.2f}M parameters, trained in {manifest['train_seconds']:.0f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""Vision branch: synthetic data, the teacher's tokens, the student's export, the
+inspect pipeline and the dynamic batcher."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from edge.backends import BackendOptions
+from edge.protocol.jobs import JobLimits, parse_job
+from edge.scheduler.queue import BatchPolicy, PriorityDeadlineQueue
+from edge.scheduler.work import Reply, WorkItem
+from edge.vision.inspect import InspectPipeline, preprocess
+from edge.vision.vit import ExportWrapper, load_student
+from engines.factory_data import CLASSES, make_sample, patch_targets
+from engines.vision_build import ONNX_OUTPUTS, SIZES, build_student
+from engines.vision_teacher import TEACHER_DIM, pool_patches, teacher_tokens
+
+LIMITS = JobLimits(max_payload_bytes=1 << 20, max_prompt_chars=1000, max_new_tokens_limit=64)
+
+
+def test_generator_is_reproducible_and_splits_differ() -> None:
+    a, b = make_sample(7, "train", 3), make_sample(7, "train", 3)
+    assert np.array_equal(a.image, b.image) and a.serial == b.serial and a.label == b.label
+    other = make_sample(7, "test", 3)
+    assert not np.array_equal(a.image, other.image)
+    labels = [make_sample(0, "val", i).label for i in range(2 * len(CLASSES))]
+    assert sorted(set(labels)) == list(range(len(CLASSES))) and labels.count(0) == 2
+
+
+@pytest.mark.parametrize("index", range(len(CLASSES)))
+def test_defect_masks_mark_the_defect(index: int) -> None:
+    sample = make_sample(1, "train", index)
+    assert sample.image.shape == (224, 224, 3) and sample.image.dtype == np.uint8
+    if CLASSES[sample.label] == "clean":
+        assert not sample.mask.any()
+    else:
+        assert sample.mask.sum() >= 20, CLASSES[sample.label]
+        targets = patch_targets(sample.mask, 14)
+        assert targets.shape == (14, 14) and targets.max() > 0
+
+
+def test_teacher_tokens_shapes() -> None:
+    images = np.stack([make_sample(0, "val", i).image for i in range(2)])
+    cls, patches = teacher_tokens(images, grid=14, batch=2, progress=False)
+    assert cls.shape == (2, TEACHER_DIM) and patches.shape == (2, 196, TEACHER_DIM)
+    assert np.isfinite(cls).all() and float(np.abs(cls).max()) > 0
+    # Pooling a constant grid keeps the constant; it is an average, not a resample.
+    const = np.ones((1, 256, 4), np.float32) * 3.0
+    assert np.allclose(pool_patches(const, 14), 3.0)
+
+
+@pytest.fixture(scope="module")
+def student(engine_dir: Path) -> Path:
+    return build_student(engine_dir, "quick", progress=False)
+
+
+def test_student_is_vit_tiny_sized_and_exported(student: Path) -> None:
+    manifest = json.loads((student / "manifest.json").read_text())
+    assert 5.0e6 <= manifest["parameters"] <= 6.0e6
+    assert manifest["onnx_max_abs_diff"] < 1e-4
+    assert manifest["inputs"]["data"]["size"] == json.loads(json.dumps(SIZES["quick"].__dict__))
+
+
+def test_onnx_matches_torch_at_any_batch(student: Path) -> None:
+    """The dynamic batch axis: batches the export never saw agree with PyTorch."""
+    import onnxruntime as ort
+
+    model = ExportWrapper(load_student(student)).eval()
+    session = ort.InferenceSession(str(student / "student.onnx"), providers=["CPUExecutionProvider"])
+    images = [make_sample(3, "test", i).image for i in range(5)]
+    pixels = preprocess(images, 224)
+    got = session.run(list(ONNX_OUTPUTS), {"pixels": pixels})
+    with torch.inference_mode():
+        ref = [t.numpy() for t in model(torch.from_numpy(pixels))]
+    for g, r in zip(got, ref, strict=True):
+        assert g.shape[0] == 5
+        np.testing.assert_allclose(g, r, atol=1e-4)
+
+
+def test_pipeline_answers_each_image(student: Path) -> None:
+    pipeline = InspectPipeline.load(student, "onnxruntime", BackendOptions(threads=1))
+    # Different sizes in one batch: each is resized to the model's input.
+    images = [make_sample(4, "test", 0).image, np.zeros((300, 500, 3), np.uint8), np.full((64, 64, 3), 200, np.uint8)]
+    found = pipeline.run(images)
+    assert len(found) == 3
+    for f in found:
+        assert f.label in CLASSES and 0.0 <= f.score <= 1.0
+        assert abs(sum(f.probabilities.values()) - 1.0) < 1e-4
+        assert f.score == max(f.probabilities.values())
+        assert len(f.heatmap) == 14 and all(len(row) == 14 for row in f.heatmap)
+        doc = f.to_dict(heatmap=False)
+        assert "heatmap" not in doc and doc["defect"] == (f.label != "clean")
+    assert pipeline.run([]) == []
+
+
+def test_inspect_job_schema() -> None:
+    job = parse_job({"id": "a", "image": {"path": "x.png"}, "heatmap": True}, "inspect", LIMITS)
+    assert job.task == "inspect"
+    from edge.protocol.errors import JobError
+
+    with pytest.raises(JobError) as err:
+        parse_job({"id": "a", "image": {"path": "x.png"}, "heatmap": "yes"}, "inspect", LIMITS)
+    assert err.value.field == "heatmap"
+
+
+def _item(task: str, job_id: str, priority: int = 5) -> WorkItem:
+    payload = {"id": job_id, "image": {"path": "x.png"}, "priority": priority}
+    if task == "qa":
+        payload = {"id": job_id, "question": "q?", "priority": priority}
+    return WorkItem(parse_job(payload, task, LIMITS), Reply("r"))
+
+
+def test_batch_fills_up_and_leaves_other_tasks_queued() -> None:
+    q = PriorityDeadlineQueue(100)
+    for i in range(5):
+        q.put(_item("inspect", f"i{i}"))
+    q.put(_item("ocr", "o1"))
+    q.put(_item("inspect", "urgent", priority=0))
+    first = q.get(timeout=0.1)
+    assert first is not None and first.job.id == "urgent"
+    batch = q.take_batch(first, BatchPolicy(4, 1.0), lambda it: it.job.task == "inspect")
+    assert [it.job.id for it in batch] == ["urgent", "i0", "i1", "i2"]  # full: no waiting
+    rest = q.drain()
+    assert [it.job.id for it in rest] == ["i3", "i4", "o1"]
+
+
+def test_batch_waits_at_most_the_queue_delay() -> None:
+    q = PriorityDeadlineQueue(100)
+    first = _item("inspect", "a")
+    t0 = time.monotonic()
+    batch = q.take_batch(first, BatchPolicy(8, 0.15), lambda it: True)
+    waited = time.monotonic() - first.received_at
+    assert [it.job.id for it in batch] == ["a"]
+    assert 0.13 <= waited < 0.6, waited
+    assert time.monotonic() - t0 < 0.6
+
+
+def test_batch_takes_late_arrivals_within_the_delay() -> None:
+    q = PriorityDeadlineQueue(100)
+    first = _item("inspect", "a")
+
+    def late() -> None:
+        time.sleep(0.05)
+        q.put(_item("inspect", "b"))
+
+    threading.Thread(target=late).start()
+    batch = q.take_batch(first, BatchPolicy(2, 2.0), lambda it: True)
+    assert [it.job.id for it in batch] == ["a", "b"]
+    assert time.monotonic() - first.received_at < 1.0  # full at 2: did not sit out the delay
+
+
+def test_preferred_size_dispatches_without_waiting() -> None:
+    q = PriorityDeadlineQueue(100)
+    q.put(_item("inspect", "b"))
+    first = _item("inspect", "a")
+    batch = q.take_batch(first, BatchPolicy(8, 2.0, frozenset({2})), lambda it: True)
+    assert len(batch) == 2
+    assert time.monotonic() - first.received_at < 1.0
