@@ -25,12 +25,13 @@ from edge.comms.mqtt import DaemonLink
 from edge.config.schema import Profile
 from edge.health.notify import Notifier, watchdog_interval_s
 from edge.health.status import STATUS_SCHEMA_VERSION, StatusServer
-from edge.memory import rss_bytes
+from edge.memory import RssProbe, rss_bytes
 from edge.protocol import results
 from edge.protocol.errors import ErrorCode, JobError
 from edge.protocol.images import ImageLimits, decode_base64, decode_image, read_media_file, resolve_media_path
 from edge.protocol.jobs import InspectJob, OCRJob, QAJob
 from edge.scheduler.branch import Batching, BranchWorker, Outcome
+from edge.scheduler.ledger import MemoryLedger, measure
 from edge.scheduler.queue import BatchPolicy, PriorityDeadlineQueue
 from edge.scheduler.work import Reply, WorkItem
 from edge.stats import JobStats
@@ -70,6 +71,8 @@ class Daemon:
         self._inspect: InspectPipeline | None = None
         self._qa: QAEngine | None = None
         self._stop = threading.Event()
+        headroom = min(profile.memory_headroom_mib, profile.memory_budget_mib - 1)
+        self.ledger = MemoryLedger(profile.memory_budget_mib * 2**20, headroom * 2**20)
         self._image_limits = ImageLimits(profile.limits.max_image_bytes, profile.limits.max_image_pixels)
         from edge.intake import Intake
 
@@ -94,6 +97,10 @@ class Daemon:
         )
         self.status_server.start()
         self.notifier.status("loading models")
+        # What the process holds before any model (interpreter, libraries) counts too.
+        if not self.ledger.add_model("runtime", "daemon", rss_bytes(), keep_alive_s=float("inf")):
+            logger.error("the process alone (%d bytes) exceeds the memory budget", rss_bytes())
+            return 1
         try:
             self._load_models()
             if self._stop.is_set():
@@ -143,11 +150,18 @@ class Daemon:
     # models --------------------------------------------------------------------------
 
     def _measure(self, name: str, branch: str, backend: str, load: Any) -> Any:
-        before = rss_bytes()
+        """Load a model and enter its measured footprint in the ledger; a model the
+        budget cannot hold is dropped again and its load fails with the figures."""
         t0 = time.perf_counter()
-        obj = load()
+        obj, used = measure(RssProbe(), load)
         elapsed = (time.perf_counter() - t0) * 1000.0
-        used = max(0, rss_bytes() - before)
+        if not self.ledger.add_model(name, branch, used, keep_alive_s=float("inf")):
+            snap = self.ledger.snapshot()
+            del obj
+            raise MemoryError(
+                f"{name} needs {used} bytes; the ledger holds {snap['used_bytes']} of {self.ledger.capacity_bytes} "
+                f"usable ({snap['budget_bytes']} budget - {snap['headroom_bytes']} headroom)"
+            )
         self.models.append(LoadedModel(name, branch, backend, used, elapsed))
         logger.info("loaded %s (%s) in %.0f ms, %.1f MiB resident", name, backend, elapsed, used / 2**20)
         return obj
@@ -381,7 +395,7 @@ class Daemon:
                 "since": self.link.changed_at,
                 "connects": self.link.connects,
             },
-            "memory": {"budget_bytes": self.profile.memory_budget_mib * 2**20, "rss_bytes": rss_bytes()},
+            "memory": {**self.ledger.snapshot(), "rss_bytes": rss_bytes()},
             "models": [
                 {
                     "name": m.name,

@@ -11,3 +11,10 @@ def rss_bytes() -> int:
     """Resident set size of this process, from /proc (Linux, including Jetson)."""
     with open("/proc/self/statm", encoding="ascii") as fh:
         return int(fh.read().split()[1]) * _PAGE
+
+
+class RssProbe:
+    """The ledger's probe on a CPU box: the process's resident set."""
+
+    def used_bytes(self) -> int:
+        return rss_bytes()

@@ -171,18 +171,9 @@ def print_cpu(result: dict[str, Any]) -> None:
 
 
 def _cuda_rate(fn: Callable[[], Any], images: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1000.0)
-    return float(images / statistics.median(times))
+    from bench_text import cuda_time  # the same CUDA-event timing as the text benchmark
+
+    return images / cuda_time(fn, repeat=20, warmup=3)
 
 
 def run_cuda(args: argparse.Namespace) -> dict[str, Any]:

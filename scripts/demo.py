@@ -131,9 +131,13 @@ def main() -> int:
         print("\n== Inspect: distilled ViT student on held-out generated parts ==")
         parts = json.loads((REPO / "samples" / "parts" / "parts.json").read_text())
         for i, part in enumerate(parts):
-            job = {"id": f"demo-inspect-{i}", "task": "inspect", "image": {"path": f"parts/{part['name']}"}}
-            job["ocr"] = i == 0  # the first one also reads its label in the same job
-            result = request(profile, "inspect", job, timeout=60)
+            inspect_job: dict[str, Any] = {
+                "id": f"demo-inspect-{i}",
+                "task": "inspect",
+                "image": {"path": f"parts/{part['name']}"},
+                "ocr": i == 0,  # the first one also reads its label in the same job
+            }
+            result = request(profile, "inspect", inspect_job, timeout=60)
             ok = result.get("status") == "ok"
             failures += not ok
             if not ok:

@@ -230,9 +230,38 @@ def test_status_json_and_ok_exit(daemon: DaemonProc) -> None:
     assert {m["branch"] for m in doc["models"]} == {"vision", "text"}
     assert all(m["memory_bytes"] > 0 for m in doc["models"])
     assert set(doc["branches"]) == {"vision", "text"}
+    # The ledger holds every loaded model at its measured size, within the budget.
+    memory = doc["memory"]
+    assert set(memory["models"]) == {m["name"] for m in doc["models"]} | {"runtime"}
+    runtime = memory["models"]["runtime"]["bytes"]
+    assert 0 < runtime and memory["used_bytes"] == runtime + sum(m["memory_bytes"] for m in doc["models"])
+    assert 0 < memory["peak_bytes"] <= memory["budget_bytes"] - memory["headroom_bytes"]
     table = edgectl("status", "--socket", str(daemon.socket))
     assert table.returncode == 0
-    assert "OK" in table.stdout and "pp-ocrv6-small" in table.stdout
+    assert "OK" in table.stdout and "pp-ocrv6-small" in table.stdout and "ledger" in table.stdout
+
+
+def test_models_over_the_budget_are_refused_with_figures(
+    tmp_path: Path, broker: Broker, engine_dir: Path, daemon: DaemonProc
+) -> None:
+    """A budget that holds the process but no model: each load is refused by the ledger
+    with the figures, and the daemon exits 1 instead of running over budget."""
+    runtime = json.loads(daemon.status().stdout)["memory"]["models"]["runtime"]["bytes"]
+    budget_mib = max(256, runtime // 2**20 + 40)  # +40 MiB: far less than the OCR models measure
+    profile = write_profile(
+        tmp_path,
+        broker.port,
+        engine_dir,
+        device_id="tiny",
+        memory_budget_mib=budget_mib,
+        memory_headroom_mib=0,
+        models={"inspect": {"enabled": False}, "qa": {"enabled": False}},
+    )
+    d = start_daemon(profile)
+    assert d.proc.wait(120) == 1
+    log = d.log.read_text()
+    assert "the ledger holds" in log and f"usable ({budget_mib * 2**20} budget - 0 headroom)" in log
+    assert "no branch could be started" in log
 
 
 def test_edgectl_submit(daemon: DaemonProc, broker: Broker) -> None:

@@ -377,6 +377,12 @@ class Profile(StrictModel):
         title="Memory budget",
         description="Memory the daemon may use for models and jobs, in MiB.",
     )
+    memory_headroom_mib: int = Field(
+        default=256,
+        ge=0,
+        title="Memory headroom",
+        description="Part of the budget the ledger never hands out (allocator slack, the runtime itself), in MiB.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         default="info", title="Log level", description="Daemon log verbosity."
     )

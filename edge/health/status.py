@@ -139,8 +139,11 @@ def render_table(doc: dict[str, Any], code: int, reasons: list[str]) -> str:
         f"{'connected' if broker.get('connected') else 'DISCONNECTED'} (connects: {broker.get('connects', 0)})"
     )
     memory = doc.get("memory", {})
+    used, budget = _fmt_bytes(memory.get("used_bytes")), _fmt_bytes(memory.get("budget_bytes"))
     lines.append(
-        f"  memory     rss {_fmt_bytes(memory.get('rss_bytes'))} of budget {_fmt_bytes(memory.get('budget_bytes'))}"
+        f"  memory     ledger {used} of budget {budget} "
+        f"(headroom {_fmt_bytes(memory.get('headroom_bytes'))}, peak {_fmt_bytes(memory.get('peak_bytes'))}), "
+        f"rss {_fmt_bytes(memory.get('rss_bytes'))}"
     )
     lines.append("  models     name                           branch   backend              memory")
     for model in doc.get("models", []):

@@ -142,5 +142,7 @@ def load_student(directory: Path, device: torch.device | str = "cpu") -> Inspect
     config = ViTConfig.from_json(directory / "config.json")
     model = InspectViT(config)
     state = torch.load(directory / "student.pt", map_location="cpu", weights_only=True)
+    # The distillation projection is a training aid and is not saved.
+    model.distill_proj = nn.Identity()  # type: ignore[assignment]
     model.load_state_dict(state)
     return model.to(device).eval()
