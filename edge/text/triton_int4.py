@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 try:
     import triton
     import triton.language as tl
+    import triton.testing
 
     TRITON_SUPPORT = True
 except ImportError:  # CPU-only boxes: the kernel is simply not offered
@@ -27,6 +28,21 @@ except ImportError:  # CPU-only boxes: the kernel is simply not offered
 GEMV_MAX_ROWS = 8
 
 if TRITON_SUPPORT:
+
+    @triton.jit
+    def _code_floats(v, hi, J: tl.constexpr):
+        """Code J of every word as a float, times the power of 16 its bits sit at, and
+        the unit that undoes that power (folded into the activation by the caller).
+        OR-ing the masked code into the bits of 2**23 gives 2**23 + code * 16**s exactly;
+        one subtraction leaves code * 16**s. Codes 5..7 come from `hi` (the word >> 12),
+        so every code's bits stay inside the 23-bit mantissa."""
+        if J < 5:
+            bits = (v & (15 << (4 * J))) | 0x4B000000
+            unit = 1.0 / (1 << (4 * J))
+        else:
+            bits = (hi & (15 << (4 * (J - 3)))) | 0x4B000000
+            unit = 1.0 / (1 << (4 * (J - 3)))
+        return bits.to(tl.float32, bitcast=True) - 8388608.0, unit
 
     @triton.jit
     def _int4_gemv_bits_kernel(
@@ -93,13 +109,7 @@ if TRITON_SUPPORT:
                 part1 = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
                 xsum_w1 = tl.zeros((BLOCK_W,), dtype=tl.float32)
                 for j in tl.static_range(8):
-                    if j < 5:
-                        bits = (v & (15 << (4 * j))) | 0x4B000000
-                        unit = 1.0 / (1 << (4 * j))
-                    else:
-                        bits = (hi & (15 << (4 * (j - 3)))) | 0x4B000000
-                        unit = 1.0 / (1 << (4 * (j - 3)))
-                    wj = bits.to(tl.float32, bitcast=True) - 8388608.0
+                    wj, unit = _code_floats(v, hi, j)
                     xj = tl.load(x_ptr + 8 * w_idx + j, mask=w_mask, other=0.0).to(tl.float32)
                     xsum_w1 += xj
                     part1 += wj * (xj * unit)[None, :]
@@ -112,13 +122,7 @@ if TRITON_SUPPORT:
                 part = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)
                 xsum_w = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.float32)
                 for j in tl.static_range(8):
-                    if j < 5:
-                        bits = (v & (15 << (4 * j))) | 0x4B000000
-                        unit = 1.0 / (1 << (4 * j))
-                    else:
-                        bits = (hi & (15 << (4 * (j - 3)))) | 0x4B000000
-                        unit = 1.0 / (1 << (4 * (j - 3)))
-                    wj = bits.to(tl.float32, bitcast=True) - 8388608.0
+                    wj, unit = _code_floats(v, hi, j)
                     xj = tl.load(x_rows + j, mask=x_mask, other=0.0).to(tl.float32)
                     xsum_w += xj
                     part += wj[None, :, :] * (xj * unit)[:, None, :]
@@ -148,6 +152,11 @@ if TRITON_SUPPORT:
         ],
         key=["N", "K", "M"],
         reset_to_zero=["out_ptr"],
+        # Timed inside a CUDA graph, as decode runs it: launch overhead would otherwise
+        # dominate a 10-40 us kernel and the choice would swing from run to run.
+        do_bench=lambda kernel_call, quantiles: triton.testing.do_bench_cudagraph(
+            kernel_call, rep=100, quantiles=quantiles
+        ),
     )(triton.heuristics({"EVEN_W": lambda a: a["words"] % a["BLOCK_W"] == 0})(_int4_gemv_bits_kernel))
 
     @triton.jit
