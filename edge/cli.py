@@ -132,6 +132,10 @@ def _job_from_args(args: argparse.Namespace) -> dict[str, Any]:
         if args.task == "inspect":
             job["heatmap"] = bool(args.heatmap)
             job["ocr"] = bool(args.read_labels)
+    elif args.task == "cancel":
+        if not args.job:
+            raise SystemExit("edgectl submit cancel: --job ID is required")
+        job["job"] = args.job
     else:
         if not args.question:
             raise SystemExit("edgectl submit qa: --question is required")
@@ -169,6 +173,9 @@ def _print_result(result: dict[str, Any]) -> None:
             print(f"  {line['text']:<32} score {line['score']:.3f}  box {line['box']}")
     if "answer" in output:
         print(f"  {output['answer']}")
+    if "cancelled" in output:
+        done = "withdrawn from the queue" if output["cancelled"] else "not queued (nothing done)"
+        print(f"  job {output['job']}: {done}")
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -209,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(func=cmd_status)
 
     submit = sub.add_parser("submit", help="send one job and print its result")
-    submit.add_argument("task", choices=["ocr", "inspect", "qa"])
+    submit.add_argument("task", choices=["ocr", "inspect", "qa", "cancel"])
     submit.add_argument("--profile", type=Path, help="take broker and device from a profile")
     submit.add_argument("--broker", default="127.0.0.1:1883", help="HOST:PORT")
     submit.add_argument("--device", default="dev", help="device id")
@@ -220,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--image", help="ocr, inspect: image file to send inline")
     submit.add_argument("--media-path", help="ocr, inspect: image path inside the device's media directory")
     submit.add_argument("--heatmap", action="store_true", help="inspect: return the per-patch defect map")
+    submit.add_argument("--job", help="cancel: id of the queued job to withdraw")
     submit.add_argument("--read-labels", action="store_true", help="inspect: also OCR the labels on the part")
     submit.add_argument("--question", help="qa: the question")
     submit.add_argument("--context", help="qa: reference text")

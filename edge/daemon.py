@@ -76,7 +76,7 @@ class Daemon:
         self._image_limits = ImageLimits(profile.limits.max_image_bytes, profile.limits.max_image_pixels)
         from edge.intake import Intake
 
-        self.link = DaemonLink(profile, Intake(profile, self.queues, self._reject))
+        self.link = DaemonLink(profile, Intake(profile, self.queues, self._reject, self._answer))
         self.status_server: StatusServer | None = None
 
     # lifecycle ---------------------------------------------------------------------
@@ -352,6 +352,13 @@ class Daemon:
             doc = results.error_result(job.id, job.task, self.profile.device_id, err, timings)
             self.stats.record_error(job.task, err.code.value)
         self.link.publish(item.reply.topic, results.encode(doc), item.reply.correlation)
+
+    def _answer(self, reply: Reply, job_id: str, task: str, output: dict[str, Any], received: float) -> None:
+        """An ok result for a request the intake answers itself (cancel)."""
+        timings = results.Timings(0.0, 0.0, (time.monotonic() - received) * 1000.0)
+        doc = results.ok_result(job_id, task, self.profile.device_id, output, timings)
+        self.stats.record_ok(task, timings.total_ms)
+        self.link.publish(reply.topic, results.encode(doc), reply.correlation)
 
     def _reject(self, reply: Reply, job_id: str | None, task: str | None, error: JobError, received: float) -> None:
         now = time.monotonic()

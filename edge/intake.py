@@ -10,20 +10,24 @@ from typing import Any
 from edge.comms.mqtt import IncomingJob
 from edge.config.schema import Profile
 from edge.protocol.errors import ErrorCode, JobError
-from edge.protocol.jobs import JOB_MODELS, JobLimits, decode_payload, parse_job, recover_id
+from edge.protocol.jobs import JOB_MODELS, CancelJob, JobLimits, decode_payload, parse_job, recover_id
 from edge.scheduler.queue import PriorityDeadlineQueue, QueueFull
 from edge.scheduler.work import TASK_BRANCH, Reply, WorkItem
 
 logger = logging.getLogger(__name__)
 
 Rejector = Callable[[Reply, str | None, str | None, JobError, float], None]
+Answerer = Callable[[Reply, str, str, dict[str, Any], float], None]
 
 
 class Intake:
-    def __init__(self, profile: Profile, queues: dict[str, PriorityDeadlineQueue], reject: Rejector) -> None:
+    def __init__(
+        self, profile: Profile, queues: dict[str, PriorityDeadlineQueue], reject: Rejector, answer: Answerer
+    ) -> None:
         self._profile = profile
         self._queues = queues
         self._reject = reject
+        self._answer = answer
         self._limits = JobLimits(
             max_payload_bytes=profile.limits.max_payload_bytes,
             max_prompt_chars=profile.limits.max_prompt_chars,
@@ -43,6 +47,9 @@ class Intake:
             job_id = recover_id(data)
             logger.warning("rejected job %s on %s: %s", job_id, msg.topic, err)
             self._reject(reply, job_id, known_task, err, received)
+            return
+        if isinstance(job.request, CancelJob):
+            self._cancel(job.id, job.request.job, reply, received)
             return
         queue = self._queues.get(TASK_BRANCH[job.task])
         if queue is None:
@@ -65,3 +72,16 @@ class Intake:
             self._reject(reply, job.id, job.task, busy, received)
             return
         logger.debug("queued job %s (%s, priority %s)", job.id, job.task, job.priority)
+
+    def _cancel(self, request_id: str, target: str, reply: Reply, received: float) -> None:
+        """Withdraw a queued job: it is answered `cancelled` on its own reply topic, and
+        the cancel request says whether it found it. A job already running finishes."""
+        for queue in self._queues.values():
+            item = queue.cancel(target)
+            if item is not None:
+                why = JobError(ErrorCode.CANCELLED, f"withdrawn while queued by cancel request {request_id!r}")
+                self._reject(item.reply, item.job.id, item.job.task, why, item.received_at)
+                logger.info("cancelled job %s at the request of %s", target, request_id)
+                self._answer(reply, request_id, "cancel", {"job": target, "cancelled": True}, received)
+                return
+        self._answer(reply, request_id, "cancel", {"job": target, "cancelled": False}, received)

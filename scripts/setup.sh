@@ -13,8 +13,9 @@ sudo_cmd=""
 if [ "$(id -u)" -ne 0 ]; then sudo_cmd="sudo"; fi
 
 # mosquitto: the broker; libsystemd-dev + pkg-config + gcc: to build systemd-python;
-# systemd: systemd-analyze for the unit test; fonts: to render sample labels.
-packages=(mosquitto libsystemd-dev pkg-config gcc fonts-dejavu-core systemd)
+# systemd: systemd-analyze for the unit test; fonts: to render sample labels;
+# openssl: the TLS test makes its own certificate authority.
+packages=(mosquitto libsystemd-dev pkg-config gcc fonts-dejavu-core systemd openssl)
 python_bin="${PYTHON:-python3}"
 if ! "$python_bin" -c "import venv, ensurepip" >/dev/null 2>&1; then
   packages+=(python3-venv)

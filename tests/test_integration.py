@@ -87,6 +87,19 @@ def test_inspect_jobs_are_batched_and_a_bad_image_fails_alone(daemon: DaemonProc
     assert failed["error"]["field"] == "image.data"
 
 
+def test_cancel_withdraws_a_queued_job(daemon: DaemonProc, requester: Requester) -> None:
+    """Three questions queue behind each other on the text branch; cancelling the last one
+    answers it `cancelled` on its own correlation, the others are answered normally."""
+    corrs = [requester.send(f"{JOBS}/qa", {"id": f"c{i}", "question": "Name three fruits."}) for i in range(3)]
+    cancel = requester.request(f"{JOBS}/cancel", {"id": "stop-c2", "job": "c2"})
+    assert cancel["status"] == "ok" and cancel["output"] == {"job": "c2", "cancelled": True}
+    results = [requester.wait(c) for c in corrs]
+    assert [r["status"] for r in results] == ["ok", "ok", "error"]
+    assert results[2]["error"]["code"] == "cancelled" and results[2]["id"] == "c2"
+    again = requester.request(f"{JOBS}/cancel", {"id": "stop-c2-again", "job": "c2"})
+    assert again["output"] == {"job": "c2", "cancelled": False}
+
+
 def test_qa_request_response(daemon: DaemonProc, requester: Requester) -> None:
     result = requester.request(
         f"{JOBS}/qa",

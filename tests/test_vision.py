@@ -65,7 +65,9 @@ def test_student_is_vit_tiny_sized_and_exported(student: Path) -> None:
     manifest = json.loads((student / "manifest.json").read_text())
     assert 5.0e6 <= manifest["parameters"] <= 6.0e6
     assert manifest["onnx_max_abs_diff"] < 1e-4
-    assert manifest["inputs"]["data"]["size"] == json.loads(json.dumps(SIZES["quick"].__dict__))
+    quick = SIZES["quick"]
+    assert manifest["inputs"]["data"]["counts"] == {"train": quick.train, "val": quick.val, "test": quick.test}
+    assert manifest["inputs"]["recipe"]["epochs"] == quick.epochs
 
 
 def test_onnx_matches_torch_at_any_batch(student: Path) -> None:
@@ -163,3 +165,14 @@ def test_preferred_size_dispatches_without_waiting() -> None:
     batch = q.take_batch(first, BatchPolicy(8, 2.0, frozenset({2})), lambda it: True)
     assert len(batch) == 2
     assert time.monotonic() - first.received_at < 1.0
+
+
+def test_cancel_takes_a_queued_job_out_by_id() -> None:
+    q = PriorityDeadlineQueue(10)
+    for i in range(3):
+        q.put(_item("ocr", f"j{i}", priority=i))
+    taken = q.cancel("j1")
+    assert taken is not None and taken.job.id == "j1"
+    assert q.cancel("j1") is None and q.cancel("nope") is None
+    order = [q.get(timeout=0.1), q.get(timeout=0.1)]
+    assert [it.job.id for it in order if it is not None] == ["j0", "j2"]  # still in priority order

@@ -19,6 +19,7 @@ class ErrorCode(StrEnum):
     PROMPT_TOO_LONG = "prompt_too_long"
     BUSY = "busy"
     EXPIRED = "expired"
+    CANCELLED = "cancelled"
     UNAVAILABLE = "unavailable"
     INTERNAL = "internal"
 

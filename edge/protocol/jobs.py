@@ -17,8 +17,8 @@ from edge.protocol.errors import ErrorCode, JobError
 
 logger = logging.getLogger(__name__)
 
-TASKS = ("ocr", "inspect", "qa")
-Task = Literal["ocr", "inspect", "qa"]
+TASKS = ("ocr", "inspect", "qa", "cancel")
+Task = Literal["ocr", "inspect", "qa", "cancel"]
 MAX_ID_CHARS = 128
 
 JobId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_CHARS)]
@@ -81,10 +81,14 @@ class QAJob(JobBase):
     )
 
 
-JOB_MODELS: dict[str, type[JobBase]] = {"ocr": OCRJob, "inspect": InspectJob, "qa": QAJob}
+class CancelJob(JobBase):
+    job: JobId = Field(description="Id of the queued job to withdraw; it is answered `cancelled`.")
 
 
-_TASK_NAMES: dict[str, Task] = {"ocr": "ocr", "inspect": "inspect", "qa": "qa"}
+JOB_MODELS: dict[str, type[JobBase]] = {"ocr": OCRJob, "inspect": InspectJob, "qa": QAJob, "cancel": CancelJob}
+
+
+_TASK_NAMES: dict[str, Task] = {"ocr": "ocr", "inspect": "inspect", "qa": "qa", "cancel": "cancel"}
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,16 @@ class PriorityDeadlineQueue:
             self._heap = [e for e in ordered if id(e) not in keep]  # sorted: still a heap
         return [e.item for e in taken]
 
+    def cancel(self, job_id: str) -> WorkItem | None:
+        """Take a queued job out by id (None if it is not queued here)."""
+        with self._cond:
+            for i, entry in enumerate(self._heap):
+                if entry.item.job.id == job_id:
+                    self._heap.pop(i)
+                    heapq.heapify(self._heap)
+                    return entry.item
+            return None
+
     def drain(self) -> list[WorkItem]:
         with self._cond:
             items = [e.item for e in sorted(self._heap)]
