@@ -1,0 +1,93 @@
+"""docs/mosquitto-acl.example in a real Mosquitto: each box is confined to its own topics."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+
+from tests.conftest import REPO, free_port, wait_port
+
+pytestmark = pytest.mark.integration
+
+USERS = {"press-1": "pw-1", "press-2": "pw-2", "line-3": "pw-3"}
+
+
+@pytest.fixture
+def acl_broker(tmp_path: Path) -> Iterator[int]:
+    shutil.copy(REPO / "docs" / "mosquitto-acl.example", tmp_path / "acl")
+    for i, (user, pw) in enumerate(USERS.items()):
+        args = ["mosquitto_passwd", "-b", str(tmp_path / "passwd"), user, pw]
+        subprocess.run(args[:1] + (["-c"] if i == 0 else []) + args[1:], check=True)
+    port = free_port()
+    conf = tmp_path / "mosquitto.conf"
+    conf.write_text(
+        f"listener {port} 127.0.0.1\nallow_anonymous false\npassword_file {tmp_path / 'passwd'}\n"
+        f"acl_file {tmp_path / 'acl'}\npersistence false\nuser root\n",
+        encoding="utf-8",
+    )
+    proc = subprocess.Popen(["mosquitto", "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_port(port)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+class Peer:
+    """A connected client that records (topic, payload) of what it is delivered."""
+
+    def __init__(self, port: int, user: str) -> None:
+        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=user, protocol=mqtt.MQTTv5)
+        self.client.username_pw_set(user, USERS[user])
+        self.got: list[tuple[str, str]] = []
+        ready = threading.Event()
+        self.client.on_connect = lambda c, u, f, rc, p: ready.set()
+        self.client.on_message = lambda c, u, m: self.got.append((m.topic, m.payload.decode()))
+        self.client.connect("127.0.0.1", port)
+        self.client.loop_start()
+        assert ready.wait(5)
+
+    def subscribe(self, *topics: str) -> None:
+        for topic in topics:
+            self.client.subscribe(topic, qos=1)  # a refused grant or a filtered delivery: both count as denied
+        time.sleep(0.2)
+
+    def publish(self, topic: str, tag: str) -> None:
+        self.client.publish(topic, tag.encode(), qos=1).wait_for_publish(5)
+
+    def close(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def test_boxes_and_requesters_are_confined(acl_broker: int) -> None:
+    """Whatever a client subscribes to or publishes, only what the ACL allows is delivered."""
+    press1, press2, line3 = (Peer(acl_broker, u) for u in USERS)
+    try:
+        press1.subscribe("edge/press-1/jobs/#", "edge/press-2/jobs/#")  # the second is not its own
+        press2.subscribe("edge/press-2/jobs/#")
+        line3.subscribe("replies/line-3/#", "replies/line-4/#", "edge/press-1/jobs/#")
+        line3.publish("edge/press-1/jobs/ocr", "job-for-1")
+        line3.publish("edge/press-2/jobs/ocr", "job-for-2")
+        press1.publish("edge/press-2/jobs/ocr", "injected-by-1")  # boxes do not send jobs
+        press1.publish("replies/line-3/r1", "answer-to-3")
+        press1.publish("replies/line-4/r2", "answer-to-4")
+        press1.publish("edge/press-2/available", "spoofed")  # cannot speak for another box
+        line3.subscribe("edge/+/available")
+        press1.publish("edge/press-2/available", "spoofed-again")
+        time.sleep(0.5)
+        assert press1.got == [("edge/press-1/jobs/ocr", "job-for-1")]
+        assert press2.got == [("edge/press-2/jobs/ocr", "job-for-2")]
+        assert line3.got == [("replies/line-3/r1", "answer-to-3")]
+    finally:
+        for p in (press1, press2, line3):
+            p.close()
