@@ -69,6 +69,7 @@ class Daemon:
         self.workers: dict[str, BranchWorker] = {}
         self._ocr: OCRPipeline | None = None
         self._inspect: InspectPipeline | None = None
+        self._stalls: list[str] = []
         self._qa: QAEngine | None = None
         self._stop = threading.Event()
         headroom = min(profile.memory_headroom_mib, profile.memory_budget_mib - 1)
@@ -121,12 +122,21 @@ class Daemon:
 
     def _supervise(self) -> None:
         # WATCHDOG=1 comes from this loop on purpose: if the loop hangs, systemd sees it.
+        # It also vouches for the workers: while one is stalled (a job past the stall
+        # limit, a hung kernel, a dead thread) no ping goes out, so systemd restarts us.
         interval = watchdog_interval_s()
         tick = min(interval, 1.0) if interval else 1.0
         last_ping = 0.0
         while not self._stop.wait(tick):
             now = time.monotonic()
-            if interval and now - last_ping >= interval * 0.95:
+            stalls = [r for w in self.workers.values() if (r := w.stalled(now, self.profile.watchdog.stall_s))]
+            if stalls != self._stalls:
+                if stalls:
+                    logger.error("not vouching to the watchdog: %s", "; ".join(stalls))
+                elif self._stalls:
+                    logger.warning("workers progressing again; watchdog pings resume")
+                self._stalls = stalls
+            if interval and not stalls and now - last_ping >= interval * 0.95:
                 self.notifier.watchdog()
                 last_ping = now
             self.notifier.status(self._one_line_status())
@@ -373,7 +383,8 @@ class Daemon:
         snap = self.stats.snapshot()
         depth = sum(len(q) for q in self.queues.values())
         broker = "connected" if self.link.connected else "broker down"
-        return f"{self.state}, {broker}, queued {depth}, ok {snap['ok']}, failed {snap['failed']}"
+        line = f"{self.state}, {broker}, queued {depth}, ok {snap['ok']}, failed {snap['failed']}"
+        return f"{line}, STALLED: {'; '.join(self._stalls)}" if self._stalls else line
 
     def snapshot(self) -> dict[str, Any]:
         branches: dict[str, Any] = {}

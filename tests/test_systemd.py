@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import base64
 import itertools
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import cv2
+import numpy as np
 import pytest
 
-from tests.conftest import REPO, Broker, start_daemon, write_profile
+from tests.conftest import REPO, Broker, Requester, start_daemon, write_profile
 
 UNIT = REPO / "systemd" / "edged.service"
 
@@ -58,6 +62,14 @@ class FakeNotifySocket:
                 return
         raise TimeoutError(f"no {predicate!r} in {self.messages}")
 
+    def collect_while(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                data = self.sock.recv(4096).decode()
+            except TimeoutError:
+                continue
+            self.messages.append((time.monotonic(), data))
+
     def count(self, key: str) -> int:
         return sum(1 for _, m in self.messages if key in m.split("\n"))
 
@@ -84,3 +96,52 @@ def test_ready_watchdog_status_stopping(tmp_path: Path, broker: Broker, engine_d
     gaps = [b - a for a, b in itertools.pairwise(pings)]
     assert max(gaps) < 0.9
     assert any(m.startswith("STATUS=") or "\nSTATUS=" in m for _, m in notify.messages)
+
+
+@pytest.mark.integration
+def test_watchdog_pings_stop_while_a_job_is_stalled(tmp_path: Path, broker: Broker, requester: Requester) -> None:
+    """A job running past watchdog.stall_s (here a large OCR page against a 0.5 s limit,
+    standing in for a hung kernel) stops WATCHDOG=1 until it finishes; systemd would
+    restart the daemon. Pings resume once the worker progresses again."""
+    notify = FakeNotifySocket(tmp_path / "notify.sock")
+    profile = write_profile(
+        tmp_path,
+        broker.port,
+        tmp_path / "engines",  # only OCR runs: nothing to build
+        device_id="wd",
+        watchdog={"stall_s": 0.5},
+        models={
+            "ocr": {"threads": 1, "det_limit_side_len": 4096},
+            "inspect": {"enabled": False},
+            "qa": {"enabled": False},
+        },
+    )
+    daemon = start_daemon(profile, {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "400000"})
+    try:
+        notify.collect_until("READY=1", timeout=120)
+        img = np.full((2400, 2400, 3), 255, np.uint8)
+        for i in range(60):
+            text = f"LOT {1000 + i} SN-{i * 37 % 9999:04d}-QX{i % 10}"
+            cv2.putText(img, text, (40 + (i % 2) * 1200, 40 + i * 38), cv2.FONT_HERSHEY_SIMPLEX, 1.0, (0, 0, 0), 2)
+        png = base64.b64encode(cv2.imencode(".png", img)[1].tobytes()).decode()
+        corr = requester.send("edge/wd/jobs/ocr", {"id": "big", "image": {"data": png}})
+        stop = threading.Event()
+        collector = threading.Thread(target=notify.collect_while, args=(stop,))
+        collector.start()
+        result = requester.wait(corr, timeout=180)
+        done_at = time.monotonic()
+        time.sleep(1.5)
+        stop.set()
+        collector.join()
+    finally:
+        daemon.stop()
+    assert result["status"] == "ok" and len(result["output"]["lines"]) >= 30
+    run_s = result["timings"]["run_ms"] / 1000
+    assert run_s > 1.5, f"the page took only {run_s:.2f} s: too fast to show a stall"
+    started = done_at - run_s
+    pings = [t for t, m in notify.messages if "WATCHDOG=1" in m.split("\n")]
+    # Pings every 0.2 s normally; none from the stall limit (plus a tick) to the end of the job.
+    silent = [t for t in pings if started + 0.5 + 1.0 < t < done_at - 0.3]
+    assert not silent, f"pinged during a stalled job at {[round(t - started, 2) for t in silent]}"
+    assert any(t > done_at + 0.3 for t in pings), "pings did not resume after the job"
+    assert any("STALLED: vision busy with one job" in m for _, m in notify.messages)

@@ -366,6 +366,17 @@ class StatusConfig(StrictModel):
     )
 
 
+class WatchdogConfig(StrictModel):
+    stall_s: float = Field(
+        default=300.0,
+        gt=0.0,
+        le=86400.0,
+        title="Stall limit",
+        description="A branch worker busy with one job (or one batch) for longer than this, or a worker "
+        "thread that died, counts as hung: the daemon stops sending WATCHDOG=1 so that systemd restarts it.",
+    )
+
+
 class Profile(StrictModel):
     device_id: str = Field(
         title="Device id",
@@ -397,6 +408,11 @@ class Profile(StrictModel):
     limits: LimitsConfig = Field(default_factory=LimitsConfig, title="Limits", description="Input size limits.")
     queue: QueueConfig = Field(default_factory=QueueConfig, title="Queues", description="Queue limits per branch.")
     paths: PathsConfig = Field(default_factory=PathsConfig, title="Paths", description="Directories the daemon uses.")
+    watchdog: WatchdogConfig = Field(
+        default_factory=WatchdogConfig,
+        title="Watchdog",
+        description="When the daemon stops vouching for itself to systemd's watchdog.",
+    )
     status: StatusConfig = Field(
         default_factory=StatusConfig,
         title="Status socket",

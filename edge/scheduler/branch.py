@@ -63,6 +63,15 @@ class BranchWorker:
     def start(self) -> None:
         self._thread.start()
 
+    def stalled(self, now: float, limit_s: float) -> str | None:
+        """Why this worker looks hung (a job running past limit_s, or a dead thread), or None."""
+        if not self._thread.is_alive() and not self._stop.is_set():
+            return f"{self.name} worker thread died"
+        since = self.running_since
+        if since is not None and now - since > limit_s:
+            return f"{self.name} busy with one job for {now - since:.1f} s (limit {limit_s:g} s)"
+        return None
+
     def stop(self, timeout: float) -> bool:
         """Finish the job in hand (not the queue), then exit; True if it exited in time."""
         self._stop.set()
