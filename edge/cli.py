@@ -41,7 +41,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level or profile.log_level)
     from edge.daemon import Daemon
 
-    return Daemon(profile).run()
+    daemon = Daemon(profile)
+    code = daemon.run()
+    if daemon.abandoned_work:
+        # A worker is still inside a native kernel past the drain timeout; tearing the
+        # interpreter down under it aborts the process. Leave without finalization:
+        # results and the offline message are already published, logs flushed here.
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 def cmd_build(args: argparse.Namespace) -> int:

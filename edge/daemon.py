@@ -44,8 +44,6 @@ from engines.vision_build import build_student
 
 logger = logging.getLogger(__name__)
 
-DRAIN_TIMEOUT_S = 10.0
-
 
 @dataclass(frozen=True)
 class LoadedModel:
@@ -70,6 +68,7 @@ class Daemon:
         self._ocr: OCRPipeline | None = None
         self._inspect: InspectPipeline | None = None
         self._stalls: list[str] = []
+        self.abandoned_work = False  # a worker still ran when the drain timeout ended
         self._qa: QAEngine | None = None
         self._stop = threading.Event()
         headroom = min(profile.memory_headroom_mib, profile.memory_budget_mib - 1)
@@ -146,8 +145,13 @@ class Daemon:
         self.notifier.stopping("stopping: finishing jobs in hand")
         self.link.stop_intake()
         for worker in self.workers.values():
-            if not worker.stop(DRAIN_TIMEOUT_S):
-                logger.warning("%s branch did not finish its job within %.0f s", worker.name, DRAIN_TIMEOUT_S)
+            drain = self.profile.queue.drain_timeout_s
+            if not worker.stop(drain):
+                self.abandoned_work = True
+                logger.warning("%s branch did not finish its job within %.0f s", worker.name, drain)
+                for item in worker.abandon():
+                    why = JobError(ErrorCode.UNAVAILABLE, "daemon stopping before the job finished; resubmit")
+                    self._finish(item, None, why, time.monotonic())
         # Until the journal keeps them for the next start, say so rather than drop them.
         for queue in self.queues.values():
             for item in queue.drain():

@@ -98,6 +98,48 @@ def test_ready_watchdog_status_stopping(tmp_path: Path, broker: Broker, engine_d
     assert any(m.startswith("STATUS=") or "\nSTATUS=" in m for _, m in notify.messages)
 
 
+def big_page_png() -> str:
+    """A 2400x2400 page of 60 printed lines, base64 PNG: seconds of OCR with the
+    detector at full size (a stand-in for a job that takes too long)."""
+    img = np.full((2400, 2400, 3), 255, np.uint8)
+    for i in range(60):
+        text = f"LOT {1000 + i} SN-{i * 37 % 9999:04d}-QX{i % 10}"
+        cv2.putText(img, text, (40 + (i % 2) * 1200, 40 + i * 38), cv2.FONT_HERSHEY_SIMPLEX, 1.0, (0, 0, 0), 2)
+    return base64.b64encode(cv2.imencode(".png", img)[1].tobytes()).decode()
+
+
+SLOW_OCR_ONLY = {
+    "ocr": {"threads": 1, "det_limit_side_len": 4096},
+    "inspect": {"enabled": False},
+    "qa": {"enabled": False},
+}
+
+
+@pytest.mark.integration
+def test_sigterm_waits_at_most_the_drain_timeout(tmp_path: Path, broker: Broker, requester: Requester) -> None:
+    profile = write_profile(
+        tmp_path, broker.port, tmp_path / "engines", device_id="dr", queue={"drain_timeout_s": 0.3},
+        models=SLOW_OCR_ONLY,
+    )  # fmt: skip
+    daemon = start_daemon(profile)
+    try:
+        daemon.wait_ready()
+        corr = requester.send("edge/dr/jobs/ocr", {"id": "long", "image": {"data": big_page_png()}})
+        time.sleep(1.0)  # the page is being read now
+        t0 = time.monotonic()
+        daemon.proc.send_signal(signal.SIGTERM)
+        assert daemon.proc.wait(30) == 0
+        assert time.monotonic() - t0 < 5.0
+        # The job in hand is answered (not silently dropped), once.
+        answer = requester.wait(corr, timeout=10)
+        assert answer["status"] == "error" and answer["error"]["code"] == "unavailable"
+        time.sleep(0.5)
+        assert sum(1 for _, _, c in requester.raw if c == corr) == 1
+    finally:
+        daemon.stop()
+    assert "vision branch did not finish its job within 0 s" in daemon.log.read_text()
+
+
 @pytest.mark.integration
 def test_watchdog_pings_stop_while_a_job_is_stalled(tmp_path: Path, broker: Broker, requester: Requester) -> None:
     """A job running past watchdog.stall_s (here a large OCR page against a 0.5 s limit,
@@ -110,21 +152,12 @@ def test_watchdog_pings_stop_while_a_job_is_stalled(tmp_path: Path, broker: Brok
         tmp_path / "engines",  # only OCR runs: nothing to build
         device_id="wd",
         watchdog={"stall_s": 0.5},
-        models={
-            "ocr": {"threads": 1, "det_limit_side_len": 4096},
-            "inspect": {"enabled": False},
-            "qa": {"enabled": False},
-        },
+        models=SLOW_OCR_ONLY,
     )
     daemon = start_daemon(profile, {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "400000"})
     try:
         notify.collect_until("READY=1", timeout=120)
-        img = np.full((2400, 2400, 3), 255, np.uint8)
-        for i in range(60):
-            text = f"LOT {1000 + i} SN-{i * 37 % 9999:04d}-QX{i % 10}"
-            cv2.putText(img, text, (40 + (i % 2) * 1200, 40 + i * 38), cv2.FONT_HERSHEY_SIMPLEX, 1.0, (0, 0, 0), 2)
-        png = base64.b64encode(cv2.imencode(".png", img)[1].tobytes()).decode()
-        corr = requester.send("edge/wd/jobs/ocr", {"id": "big", "image": {"data": png}})
+        corr = requester.send("edge/wd/jobs/ocr", {"id": "big", "image": {"data": big_page_png()}})
         stop = threading.Event()
         collector = threading.Thread(target=notify.collect_while, args=(stop,))
         collector.start()

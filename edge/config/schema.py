@@ -325,6 +325,14 @@ class QueueConfig(StrictModel):
         title="Default deadline",
         description="Deadline for jobs that carry none; unset means no deadline.",
     )
+    drain_timeout_s: float = Field(
+        default=10.0,
+        ge=0.0,
+        le=3600.0,
+        title="Drain timeout",
+        description="On SIGTERM, how long each branch may take to finish the job in hand before the daemon "
+        "stops anyway (keep it below systemd's TimeoutStopSec).",
+    )
 
 
 class PathsConfig(StrictModel):

@@ -59,6 +59,11 @@ class BranchWorker:
         self._thread = threading.Thread(target=self._run, name=f"branch-{name}", daemon=True)
         self.last_progress = time.monotonic()
         self.running_since: float | None = None
+        # Jobs in hand, and whether the daemon has answered them itself (stopping):
+        # the worker then drops its late outcome so nothing is answered twice.
+        self._hand_lock = threading.Lock()
+        self._in_hand: list[WorkItem] = []
+        self._abandoned = False
 
     def start(self) -> None:
         self._thread.start()
@@ -92,7 +97,31 @@ class BranchWorker:
             else:
                 self._process(item)
 
+    def abandon(self) -> list[WorkItem]:
+        """The jobs in hand, handed over for the daemon to answer; their outcomes, should
+        the worker still finish them, are dropped."""
+        with self._hand_lock:
+            self._abandoned = True
+            items, self._in_hand = self._in_hand, []
+            return items
+
+    def _take(self, items: list[WorkItem]) -> None:
+        with self._hand_lock:
+            self._in_hand = list(items)
+
+    def _deliver(self, item: WorkItem, outcome: Outcome) -> None:
+        with self._hand_lock:
+            if self._abandoned or not any(held is item for held in self._in_hand):
+                logger.warning("dropping the late outcome of job %s: already answered at stop", item.job.id)
+                return
+            self._in_hand = [held for held in self._in_hand if held is not item]
+        try:
+            self._complete(item, outcome)
+        except Exception:
+            logger.exception("could not complete job %s", item.job.id)
+
     def _process_batch(self, items: list[WorkItem], handler: BatchHandler) -> None:
+        self._take(items)
         started = time.monotonic()
         self.running_since = started
         live = [it for it in items if not it.expired(started)]
@@ -116,17 +145,13 @@ class BranchWorker:
         self.last_progress = finished
         for it in items:
             res = results[id(it)]
-            outcome = (
-                Outcome(None, res, started, finished)
-                if isinstance(res, JobError)
-                else Outcome(res, None, started, finished)
-            )
-            try:
-                self._complete(it, outcome)
-            except Exception:
-                logger.exception("could not complete job %s", it.job.id)
+            if isinstance(res, JobError):
+                self._deliver(it, Outcome(None, res, started, finished))
+            else:
+                self._deliver(it, Outcome(res, None, started, finished))
 
     def _process(self, item: WorkItem) -> None:
+        self._take([item])
         started = time.monotonic()
         self.running_since = started
         output: dict[str, Any] | None = None
@@ -144,10 +169,7 @@ class BranchWorker:
         finished = time.monotonic()
         self.running_since = None
         self.last_progress = finished
-        try:
-            self._complete(item, Outcome(output, error, started, finished))
-        except Exception:
-            logger.exception("could not complete job %s", item.job.id)
+        self._deliver(item, Outcome(output, error, started, finished))
 
 
 def _expired(item: WorkItem, now: float) -> JobError:
