@@ -97,11 +97,11 @@ class Daemon:
         )
         self.status_server.start()
         self.notifier.status("loading models")
-        # What the process holds before any model (interpreter, libraries) counts too.
-        if not self.ledger.add_model("runtime", "daemon", rss_bytes(), keep_alive_s=float("inf")):
-            logger.error("the process alone (%d bytes) exceeds the memory budget", rss_bytes())
-            return 1
         try:
+            # What the process holds before any model (interpreter, libraries) counts too.
+            if not self.ledger.add_model("runtime", "daemon", rss_bytes(), keep_alive_s=float("inf")):
+                logger.error("the process alone (%d bytes) exceeds the memory budget", rss_bytes())
+                return 1
             self._load_models()
             if self._stop.is_set():
                 return 0
