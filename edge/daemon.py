@@ -71,8 +71,7 @@ class Daemon:
         self.abandoned_work = False  # a worker still ran when the drain timeout ended
         self._qa: QAEngine | None = None
         self._stop = threading.Event()
-        headroom = min(profile.memory_headroom_mib, profile.memory_budget_mib - 1)
-        self.ledger = MemoryLedger(profile.memory_budget_mib * 2**20, headroom * 2**20)
+        self.ledger = MemoryLedger(profile.memory_budget_mib * 2**20, profile.memory_headroom_mib * 2**20)
         self._image_limits = ImageLimits(profile.limits.max_image_bytes, profile.limits.max_image_pixels)
         from edge.intake import Intake
 

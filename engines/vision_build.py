@@ -162,9 +162,8 @@ def build_student(engine_dir: Path, size_name: str = "default", distill: bool = 
         t0 = time.perf_counter()
         model, info = train_student(data, config, recipe, progress, teacher_weights() if distill else None)
         train_s = time.perf_counter() - t0
-        state = {k: v for k, v in model.state_dict().items() if not k.startswith("distill_proj.")}
-        torch.save(state, out / "student.pt")
-        model.distill_proj = torch.nn.Identity()  # type: ignore[assignment]
+        torch.save(model.serving_state(), out / "student.pt")
+        model.drop_distillation()
         (out / "config.json").write_text(config.to_json() + "\n", encoding="utf-8")
         onnx_error = export_onnx(model, out / STUDENT_ONNX)
         scores: dict[str, float] = {}

@@ -103,12 +103,12 @@ def train_probe(
 ) -> tuple[torch.nn.Linear, dict[str, float]]:
     """Multinomial logistic regression; the weight decay is picked on the validation split."""
     mean, std = train_x.mean(0), train_x.std(0) + 1e-6
+    xs, val_xs = (train_x - mean) / std, (val_x - mean) / std
     best: tuple[float, float, torch.nn.Linear] | None = None
     for wd in (1e-4, 1e-3, 1e-2, 1e-1):
         torch.manual_seed(0)
         probe = torch.nn.Linear(train_x.shape[1], classes)
         opt = torch.optim.LBFGS(probe.parameters(), max_iter=200, line_search_fn="strong_wolfe")
-        xs = (train_x - mean) / std
 
         def closure(
             p: torch.nn.Linear = probe, o: torch.optim.LBFGS = opt, w: float = wd, x: torch.Tensor = xs
@@ -120,7 +120,7 @@ def train_probe(
 
         opt.step(closure)  # type: ignore[no-untyped-call]
         with torch.no_grad():
-            acc = float((probe((val_x - mean) / std).argmax(1) == val_y).float().mean())
+            acc = float((probe(val_xs).argmax(1) == val_y).float().mean())
         if best is None or acc > best[0]:
             best = (acc, wd, probe)
     assert best is not None

@@ -35,6 +35,8 @@ def test_defaults_and_derived_topics() -> None:
         ({"device_id": "a", "broker": {"tls": {"cert_file": "/x.pem"}}}, "broker.tls"),
         ({"device_id": "a", "broker": {"password": "x", "password_file": "/y"}}, "broker"),
         ({"device_id": "a", "topics": {"shared_group": "a/+"}}, "topics.shared_group"),
+        ({"device_id": "a", "memory_budget_mib": 512, "memory_headroom_mib": 512}, "memory_headroom_mib"),
+        ({"device_id": "a", "models": {"inspect": {"max_batch": 4, "preferred_batch_sizes": [8]}}}, "max_batch"),
     ],
 )
 def test_bad_profile_names_the_field(data: dict[str, object], path_in_message: str) -> None:

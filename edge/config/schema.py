@@ -463,3 +463,12 @@ class Profile(StrictModel):
     @property
     def status_socket(self) -> Path:
         return self.paths.runtime_dir / "status.sock"
+
+    @model_validator(mode="after")
+    def _headroom_below_budget(self) -> Profile:
+        if self.memory_headroom_mib >= self.memory_budget_mib:
+            raise ValueError(
+                f"memory_headroom_mib ({self.memory_headroom_mib}) must be below memory_budget_mib "
+                f"({self.memory_budget_mib}): nothing would be left for models and jobs"
+            )
+        return self

@@ -194,7 +194,7 @@ class Int4Linear(nn.Module):
             out = torch.ops.aten._weight_int4pack_mm(flat.to(torch.bfloat16), self.packed, self.group_size, self.sz)
         elif self.kernel == "triton":
             if flat.shape[0] <= triton_int4.GEMV_MAX_ROWS:
-                out = triton_int4.int4_gemv(flat, self.qweight, self.scales, self.zeros, self.group_size)
+                out = self.gemv(flat)
             else:
                 # Dequantize a slab of rows at a time: the bf16 copy of a wide weight
                 # (the 28672-row gate/up of an 8B model is 235 MB) never exists whole.

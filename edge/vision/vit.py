@@ -95,6 +95,14 @@ class InspectViT(nn.Module):
         self.distill_proj = nn.Linear(config.dim, config.teacher_dim)  # training only
         self.apply(_init)
 
+    def drop_distillation(self) -> None:
+        """Remove the training-only projection (it is neither saved nor exported)."""
+        self.distill_proj = nn.Identity()  # type: ignore[assignment]
+
+    def serving_state(self) -> dict[str, torch.Tensor]:
+        """The weights a student checkpoint carries: everything but the projection."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("distill_proj.")}
+
     def tokens(self, pixels: torch.Tensor) -> torch.Tensor:
         """[B, 3, H, W] normalised pixels -> [B, 1 + grid**2, dim] final tokens (CLS first)."""
         x = self.patch_embed(pixels).flatten(2).transpose(1, 2)
@@ -142,7 +150,6 @@ def load_student(directory: Path, device: torch.device | str = "cpu") -> Inspect
     config = ViTConfig.from_json(directory / "config.json")
     model = InspectViT(config)
     state = torch.load(directory / "student.pt", map_location="cpu", weights_only=True)
-    # The distillation projection is a training aid and is not saved.
-    model.distill_proj = nn.Identity()  # type: ignore[assignment]
+    model.drop_distillation()
     model.load_state_dict(state)
     return model.to(device).eval()
