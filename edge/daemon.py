@@ -25,16 +25,20 @@ from edge.comms.mqtt import DaemonLink
 from edge.config.schema import Profile
 from edge.health.notify import Notifier, watchdog_interval_s
 from edge.health.status import STATUS_SCHEMA_VERSION, StatusServer
+from edge.intake import Intake, make_item
+from edge.journal.store import QUEUED, SENT, Entry, Journal, JournalFull
 from edge.memory import RssProbe, rss_bytes
 from edge.protocol import results
 from edge.protocol.errors import ErrorCode, JobError
 from edge.protocol.images import ImageLimits, decode_base64, decode_image, read_media_file, resolve_media_path
-from edge.protocol.jobs import InspectJob, OCRJob, QAJob
-from edge.scheduler.branch import Batching, BranchWorker, Outcome
-from edge.scheduler.ledger import MemoryLedger, measure
+from edge.protocol.jobs import InspectJob, JobLimits, OCRJob, QAJob, decode_payload, parse_job
+from edge.scheduler.branch import Batching, BranchWorker, Outcome, Worker
+from edge.scheduler.ledger import MemoryLedger, Reservation, measure
 from edge.scheduler.queue import BatchPolicy, PriorityDeadlineQueue
-from edge.scheduler.work import Reply, WorkItem
+from edge.scheduler.text_worker import TextMemory, TextWorker
+from edge.scheduler.work import TASK_BRANCH, Reply, WorkItem
 from edge.stats import JobStats
+from edge.text.continuous import Sequence
 from edge.text.qa import QAEngine, QASettings
 from edge.vision.inspect import InspectPipeline
 from edge.vision.ocr import OCRPipeline, OCRSettings
@@ -43,6 +47,8 @@ from engines.text_build import build_text_engine
 from engines.vision_build import build_student
 
 logger = logging.getLogger(__name__)
+
+TEXT_KV_POOL = "text-kv"
 
 
 @dataclass(frozen=True)
@@ -64,7 +70,7 @@ class Daemon:
         self.models: list[LoadedModel] = []
         self.branch_errors: dict[str, str] = {}
         self.queues: dict[str, PriorityDeadlineQueue] = {}
-        self.workers: dict[str, BranchWorker] = {}
+        self.workers: dict[str, Worker] = {}
         self._ocr: OCRPipeline | None = None
         self._inspect: InspectPipeline | None = None
         self._stalls: list[str] = []
@@ -73,9 +79,12 @@ class Daemon:
         self._stop = threading.Event()
         self.ledger = MemoryLedger(profile.memory_budget_mib * 2**20, profile.memory_headroom_mib * 2**20)
         self._image_limits = ImageLimits(profile.limits.max_image_bytes, profile.limits.max_image_pixels)
-        from edge.intake import Intake
-
-        self.link = DaemonLink(profile, Intake(profile, self.queues, self._reject, self._answer))
+        profile.paths.state_dir.mkdir(parents=True, exist_ok=True)
+        jcfg = profile.journal
+        self.journal = Journal(profile.paths.state_dir / "journal.sqlite3", jcfg.max_mib * 2**20, jcfg.dedup_window_s)
+        self.replayed = {"jobs": 0, "results": 0, "given_up": 0}
+        self.intake = Intake(profile, self.queues, self._reject, self._answer, self.journal, self._resend)
+        self.link = DaemonLink(profile, self.intake, on_delivered=self.journal.mark_answered)
         self.status_server: StatusServer | None = None
 
     # lifecycle ---------------------------------------------------------------------
@@ -107,6 +116,7 @@ class Daemon:
             if not self.queues:
                 logger.error("no branch could be started: %s", self.branch_errors)
                 return 1
+            self._replay()
             for worker in self.workers.values():
                 worker.start()
             self.link.start()
@@ -125,8 +135,15 @@ class Daemon:
         interval = watchdog_interval_s()
         tick = min(interval, 1.0) if interval else 1.0
         last_ping = 0.0
+        last_compact = time.monotonic()
         while not self._stop.wait(tick):
             now = time.monotonic()
+            if now - last_compact >= self.profile.journal.compact_interval_s:
+                last_compact = now
+                try:
+                    self.journal.compact()
+                except Exception:  # compaction is housekeeping; serving goes on
+                    logger.exception("journal compaction failed")
             stalls = [r for w in self.workers.values() if (r := w.stalled(now, self.profile.watchdog.stall_s))]
             if stalls != self._stalls:
                 if stalls:
@@ -142,23 +159,84 @@ class Daemon:
     def _shutdown(self) -> None:
         self.state = "stopping"
         self.notifier.stopping("stopping: finishing jobs in hand")
+        self.intake.accepting = False
         self.link.stop_intake()
         for worker in self.workers.values():
             drain = self.profile.queue.drain_timeout_s
             if not worker.stop(drain):
                 self.abandoned_work = True
-                logger.warning("%s branch did not finish its job within %.0f s", worker.name, drain)
-                for item in worker.abandon():
-                    why = JobError(ErrorCode.UNAVAILABLE, "daemon stopping before the job finished; resubmit")
-                    self._finish(item, None, why, time.monotonic())
-        # Until the journal keeps them for the next start, say so rather than drop them.
-        for queue in self.queues.values():
-            for item in queue.drain():
-                self._finish(item, None, JobError(ErrorCode.UNAVAILABLE, "daemon stopping; resubmit"), time.monotonic())
+                left = worker.abandon()
+                logger.warning(
+                    "%s branch did not finish within %.0f s; %d job(s) in hand stay journalled for the next start",
+                    worker.name,
+                    drain,
+                    len(left),
+                )
+        # Queued jobs are in the journal: the next start takes them up again.
+        left_queued = sum(len(queue.drain()) for queue in self.queues.values())
+        if left_queued:
+            logger.info("%d queued job(s) stay journalled for the next start", left_queued)
         self.link.close()
+        self.journal.close()
         if self.status_server is not None:
             self.status_server.close()
         logger.info("stopped")
+
+    def _replay(self) -> None:
+        """Take up what the journal holds unfinished: results not yet confirmed by the
+        broker are published again as stored; jobs without a result run again (up to
+        journal.max_replays starts, so a job that brings the daemon down cannot do it
+        forever)."""
+        entries = self.journal.pending()
+        if not entries:
+            return
+        limits = JobLimits(
+            max_payload_bytes=self.profile.limits.max_payload_bytes,
+            max_prompt_chars=self.profile.limits.max_prompt_chars,
+            max_new_tokens_limit=self.profile.models.qa.max_new_tokens_limit,
+        )
+        for entry in entries:
+            reply = Reply(entry.reply_topic, entry.correlation)
+            if entry.state == SENT and entry.result is not None:
+                self.link.publish(reply.topic, entry.result, reply.correlation, entry.id)
+                self.replayed["results"] += 1
+            elif entry.state == QUEUED:
+                self._replay_job(entry, reply, limits)
+        logger.info(
+            "journal: %d job(s) taken up again, %d result(s) sent again, %d given up",
+            self.replayed["jobs"],
+            self.replayed["results"],
+            self.replayed["given_up"],
+        )
+
+    def _replay_job(self, entry: Entry, reply: Reply, limits: JobLimits) -> None:
+        # The job's age carries over: its deadline counts from when it first arrived.
+        received = time.monotonic() - max(0.0, time.time() - entry.received)
+        try:
+            attempts = self.journal.replayed(entry.id)
+        except JournalFull:
+            attempts = entry.attempts + 1
+        task = entry.topic.rsplit("/", 1)[-1]
+        if attempts > self.profile.journal.max_replays:
+            self.replayed["given_up"] += 1
+            why = JobError(
+                ErrorCode.INTERNAL,
+                f"the daemon stopped {attempts - 1} times before this job finished; not running it again",
+            )
+            self._reject(reply, entry.id, task, why, received)
+            return
+        try:
+            job = parse_job(decode_payload(entry.payload or b"", limits.max_payload_bytes), task, limits)
+        except JobError as err:  # the profile's limits may have changed since it was accepted
+            self._reject(reply, entry.id, task, err, received)
+            return
+        queue = self.queues.get(TASK_BRANCH.get(job.task, ""))
+        if queue is None:
+            why = JobError(ErrorCode.UNAVAILABLE, f"task {job.task!r} is not served on this device", "task")
+            self._reject(reply, entry.id, job.task, why, received)
+            return
+        queue.put(make_item(job, reply, received, self.profile.queue.default_deadline_ms), force=True)
+        self.replayed["jobs"] += 1
 
     # models --------------------------------------------------------------------------
 
@@ -226,14 +304,22 @@ class Daemon:
                     max_context_tokens=models.qa.max_context_tokens,
                     max_new_tokens=models.qa.max_new_tokens,
                     system_prompt=models.qa.system_prompt,
+                    max_sequences=models.qa.max_sequences,
                 )
-                self._qa = self._measure(
-                    f"{models.qa.source}-{models.qa.adapter}",
-                    "text",
-                    f"torch-cpu {models.qa.quantization}",
-                    lambda: QAEngine.load(path, settings_qa),
+                name = f"{models.qa.source}-{models.qa.adapter}"
+                qa = self._measure(
+                    name, "text", f"torch-cpu {models.qa.quantization}", lambda: QAEngine.load(path, settings_qa)
                 )
-                self._add_branch("text", self._run_text)
+                self._qa = qa
+                # The KV cache was allocated (and zeroed, so resident) inside the measured
+                # load; jobs reserve their KV from it.
+                self.ledger.add_pool(TEXT_KV_POOL, name, qa.kv_cache_bytes)
+                queue = PriorityDeadlineQueue(self.profile.queue.max_size)
+                memory = TextMemory(self.ledger, name, TEXT_KV_POOL, self.profile.queue.memory_wait_ms / 1000.0)
+                self.queues["text"] = queue
+                self.workers["text"] = TextWorker(
+                    "text", queue, qa.batcher, self._prepare_text, qa.output, qa.kv_tokens, memory, self._complete
+                )
             except Exception as err:
                 logger.exception("text branch unavailable")
                 self.branch_errors["text"] = f"{type(err).__name__}: {err}"
@@ -256,7 +342,7 @@ class Daemon:
         with existing_only():
             return build_student(engine_dir, size, progress=False)
 
-    def _add_branch(self, name: str, handler: Any, batching: Batching | None = None) -> None:
+    def _add_branch(self, name: str, handler: Any, batching: Batching) -> None:
         queue = PriorityDeadlineQueue(self.profile.queue.max_size)
         self.queues[name] = queue
         self.workers[name] = BranchWorker(name, queue, handler, self._complete, batching)
@@ -273,14 +359,36 @@ class Daemon:
         raw = read_media_file(path, self._image_limits, "image.path")
         return decode_image(raw, self._image_limits, "image.path")
 
+    def _reserve(self, owner: str, task: str, nbytes: int) -> Reservation:
+        """A job's own buffers, all or nothing, before it runs. The vision branch runs one
+        batch at a time and the text branch draws on its own pool, so a refusal here
+        cannot be cured by waiting: it is answered over_budget at once, with the figures."""
+        res = self.ledger.reserve(owner, task, nbytes)
+        if res is None:
+            snap = self.ledger.snapshot()
+            raise JobError(
+                ErrorCode.OVER_BUDGET,
+                f"needs {nbytes} bytes; the ledger holds {snap['used_bytes']} of {self.ledger.capacity_bytes} "
+                f"usable ({snap['budget_bytes']} budget - {snap['headroom_bytes']} headroom)",
+            )
+        return res
+
+    def _image_bytes(self) -> int:
+        """The most a decoded image can take (the decoder refuses more pixels), BGR uint8."""
+        return self.profile.limits.max_image_pixels * 3
+
     def _run_vision(self, item: WorkItem) -> dict[str, Any]:
         """OCR jobs (inspect jobs arrive in batches at _run_inspect_batch)."""
         job = item.job.request
         assert isinstance(job, OCRJob)
         if self._ocr is None:
             raise JobError(ErrorCode.UNAVAILABLE, "OCR is not loaded on this device", "task")
-        img = self._load_image(job)
-        return {**self._read_text(img), "image": {"width": int(img.shape[1]), "height": int(img.shape[0])}}
+        res = self._reserve(item.job.id, "ocr", self._image_bytes())
+        try:
+            img = self._load_image(job)
+            return {**self._read_text(img), "image": {"width": int(img.shape[1]), "height": int(img.shape[0])}}
+        finally:
+            self.ledger.release(res)
 
     def _read_text(self, img: Any) -> dict[str, Any]:
         assert self._ocr is not None
@@ -288,8 +396,22 @@ class Daemon:
         return {"lines": [line.to_dict() for line in lines], "text": "\n".join(line.text for line in lines)}
 
     def _run_inspect_batch(self, items: list[WorkItem]) -> list[dict[str, Any] | JobError]:
-        """Decode every image (a bad one fails its own job), run the student once on
-        the good ones, then OCR the jobs that asked for it."""
+        """Reserve the batch's buffers, decode every image (a bad one fails its own job),
+        run the student once on the good ones, then OCR the jobs that asked for it."""
+        if self._inspect is None:
+            missing = JobError(ErrorCode.UNAVAILABLE, "the inspection model is not loaded on this device", "task")
+            return [missing for _ in items]
+        need = len(items) * self._image_bytes() + self._inspect.batch_bytes(len(items))
+        try:
+            res = self._reserve(items[0].job.id, "inspect", need)
+        except JobError as err:
+            return [err for _ in items]
+        try:
+            return self._inspect_reserved(items)
+        finally:
+            self.ledger.release(res)
+
+    def _inspect_reserved(self, items: list[WorkItem]) -> list[dict[str, Any] | JobError]:
         out: list[dict[str, Any] | JobError] = []
         images: list[Any] = []
         slots: list[int] = []
@@ -297,8 +419,6 @@ class Daemon:
             job = item.job.request
             assert isinstance(job, InspectJob)
             try:
-                if self._inspect is None:
-                    raise JobError(ErrorCode.UNAVAILABLE, "the inspection model is not loaded on this device", "task")
                 if job.ocr and self._ocr is None:
                     raise JobError(ErrorCode.UNAVAILABLE, "OCR is not loaded on this device", "ocr")
                 images.append(self._load_image(job))
@@ -321,11 +441,11 @@ class Daemon:
                 out[slot] = doc
         return out
 
-    def _run_text(self, item: WorkItem) -> dict[str, Any]:
+    def _prepare_text(self, item: WorkItem) -> Sequence:
         job = item.job.request
         assert isinstance(job, QAJob) and self._qa is not None
         if not job.stream:
-            return self._qa.answer(job)
+            return self._qa.prepare(job, item)
         seq = 0
 
         def publish_delta(delta: str) -> None:
@@ -334,7 +454,7 @@ class Daemon:
             self.link.publish(item.reply.topic, results.encode(doc), item.reply.correlation)
             seq += 1
 
-        return self._qa.answer(job, on_text=publish_delta)
+        return self._qa.prepare(job, item, on_text=publish_delta)
 
     # results -------------------------------------------------------------------------
 
@@ -364,21 +484,42 @@ class Daemon:
             logger.warning("job %s failed: %s", job.id, err)
             doc = results.error_result(job.id, job.task, self.profile.device_id, err, timings)
             self.stats.record_error(job.task, err.code.value)
-        self.link.publish(item.reply.topic, results.encode(doc), item.reply.correlation)
+        self._send(item.reply, job.id, results.encode(doc))
 
     def _answer(self, reply: Reply, job_id: str, task: str, output: dict[str, Any], received: float) -> None:
         """An ok result for a request the intake answers itself (cancel)."""
         timings = results.Timings(0.0, 0.0, (time.monotonic() - received) * 1000.0)
         doc = results.ok_result(job_id, task, self.profile.device_id, output, timings)
         self.stats.record_ok(task, timings.total_ms)
-        self.link.publish(reply.topic, results.encode(doc), reply.correlation)
+        self._send(reply, job_id, results.encode(doc))
 
-    def _reject(self, reply: Reply, job_id: str | None, task: str | None, error: JobError, received: float) -> None:
+    def _reject(
+        self, reply: Reply, job_id: str | None, task: str | None, error: JobError, received: float, keep: bool = True
+    ) -> None:
+        """An error result for a job refused before it ran. `keep=False` leaves the
+        journal alone: the refusal concerns another request that holds this id."""
         now = time.monotonic()
         timings = results.Timings(0.0, 0.0, (now - received) * 1000.0)
         doc = results.error_result(job_id, task, self.profile.device_id, error, timings)
         self.stats.record_error(task, error.code.value)
-        self.link.publish(reply.topic, results.encode(doc), reply.correlation)
+        if keep:
+            self._send(reply, job_id, results.encode(doc))
+        else:
+            self.link.publish(reply.topic, results.encode(doc), reply.correlation)
+
+    def _send(self, reply: Reply, job_id: str | None, payload: bytes) -> None:
+        """Publish a final result. With an id it is stored in the journal first, so a
+        crash before the broker's PUBACK sends the same bytes again at the next start,
+        and the PUBACK marks the job answered."""
+        if job_id is None:
+            self.link.publish(reply.topic, payload, reply.correlation)
+            return
+        self.journal.store_result(job_id, reply.topic, reply.correlation, payload)
+        self.link.publish(reply.topic, payload, reply.correlation, job_id)
+
+    def _resend(self, reply: Reply, job_id: str, payload: bytes) -> None:
+        """A finished job's stored result, for a repeat of its id within the dedup window."""
+        self.link.publish(reply.topic, payload, reply.correlation)
 
     # status --------------------------------------------------------------------------
 
@@ -398,8 +539,12 @@ class Daemon:
                     "available": True,
                     "depth": len(worker.queue),
                     "max": worker.queue.max_size,
-                    "running": 1 if worker.running_since is not None else 0,
+                    "running": worker.running,
+                    "batch_sizes": {str(k): v for k, v in sorted(worker.batch_sizes.items())},
                 }
+                if isinstance(worker, TextWorker):
+                    branches[name]["paused"] = worker.paused
+                    branches[name]["over_budget"] = worker.over_budget
             elif name in self.branch_errors:
                 branches[name] = {"available": False, "reason": self.branch_errors[name], "depth": 0, "max": 0}
         return {
@@ -417,6 +562,14 @@ class Daemon:
                 "connects": self.link.connects,
             },
             "memory": {**self.ledger.snapshot(), "rss_bytes": rss_bytes()},
+            "journal": {
+                "path": str(self.journal.path),
+                **self.journal.counts(),
+                "awaiting_puback": self.link.awaiting_puback,
+                "duplicates": self.intake.duplicates,
+                "replayed": dict(self.replayed),
+                "full": self.journal.full_since is not None,
+            },
             "models": [
                 {
                     "name": m.name,

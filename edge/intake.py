@@ -1,40 +1,67 @@
-"""From an MQTT message to a queued job, or to an error result naming the field."""
+"""From an MQTT message to a queued job, or to an error result naming the field.
+
+Each accepted job is written to the journal before it is queued, and the intake only
+returns True (acknowledge to the broker) once the job is kept or answered. A job id
+already in the journal within the dedup window is not run again: a finished one is
+answered with the stored result, one still in progress is left to finish.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from edge.comms.mqtt import IncomingJob
 from edge.config.schema import Profile
+from edge.journal.store import QUEUED, Journal, JournalFull, digest
 from edge.protocol.errors import ErrorCode, JobError
-from edge.protocol.jobs import JOB_MODELS, CancelJob, JobLimits, decode_payload, parse_job, recover_id
+from edge.protocol.jobs import JOB_MODELS, CancelJob, JobLimits, ParsedJob, decode_payload, parse_job, recover_id
 from edge.scheduler.queue import PriorityDeadlineQueue, QueueFull
 from edge.scheduler.work import TASK_BRANCH, Reply, WorkItem
 
 logger = logging.getLogger(__name__)
 
-Rejector = Callable[[Reply, str | None, str | None, JobError, float], None]
+
+class Rejector(Protocol):
+    def __call__(
+        self, reply: Reply, job_id: str | None, task: str | None, error: JobError, received: float, keep: bool = True
+    ) -> None: ...
+
+
 Answerer = Callable[[Reply, str, str, dict[str, Any], float], None]
+Resender = Callable[[Reply, str, bytes], None]
 
 
 class Intake:
     def __init__(
-        self, profile: Profile, queues: dict[str, PriorityDeadlineQueue], reject: Rejector, answer: Answerer
+        self,
+        profile: Profile,
+        queues: dict[str, PriorityDeadlineQueue],
+        reject: Rejector,
+        answer: Answerer,
+        journal: Journal,
+        resend: Resender,
     ) -> None:
         self._profile = profile
         self._queues = queues
         self._reject = reject
         self._answer = answer
+        self._journal = journal
+        self._resend = resend
+        self.accepting = True
+        self.duplicates = 0
         self._limits = JobLimits(
             max_payload_bytes=profile.limits.max_payload_bytes,
             max_prompt_chars=profile.limits.max_prompt_chars,
             max_new_tokens_limit=profile.models.qa.max_new_tokens_limit,
         )
 
-    def __call__(self, msg: IncomingJob) -> None:
+    def __call__(self, msg: IncomingJob) -> bool:
+        """Take one message; True once it is kept or answered (acknowledge it)."""
+        if not self.accepting:
+            return False  # stopping: the broker delivers it again to the next start
         received = time.monotonic()
         topic_task = msg.topic.rsplit("/", 1)[-1]
         reply = Reply(msg.response_topic or self._profile.results_topic, msg.correlation)
@@ -42,36 +69,75 @@ class Intake:
         known_task = topic_task if topic_task in JOB_MODELS else None
         try:
             data = decode_payload(msg.payload, self._limits.max_payload_bytes)
+        except JobError as err:
+            logger.warning("rejected a message on %s: %s", msg.topic, err)
+            self._reject(reply, None, known_task, err, received)
+            return True
+        if self._seen(recover_id(data), known_task, msg.payload, reply, received):
+            return True
+        try:
             job = parse_job(data, topic_task, self._limits)
         except JobError as err:
             job_id = recover_id(data)
             logger.warning("rejected job %s on %s: %s", job_id, msg.topic, err)
             self._reject(reply, job_id, known_task, err, received)
-            return
+            return True
         if isinstance(job.request, CancelJob):
             self._cancel(job.id, job.request.job, reply, received)
-            return
+            return True
         queue = self._queues.get(TASK_BRANCH[job.task])
         if queue is None:
             unavailable = JobError(ErrorCode.UNAVAILABLE, f"task {job.task!r} is not served on this device", "task")
             logger.warning("rejected job %s: %s", job.id, unavailable)
             self._reject(reply, job.id, job.task, unavailable, received)
-            return
-        deadline_ms = job.deadline_ms or self._profile.queue.default_deadline_ms
-        item = WorkItem(
-            job=job,
-            reply=reply,
-            received_at=received,
-            deadline_at=received + deadline_ms / 1000.0 if deadline_ms else None,
-        )
+            return True
+        try:
+            self._journal.accept(job.id, msg.topic, msg.payload, reply.topic, reply.correlation)
+        except JournalFull as full:
+            refused = JobError(ErrorCode.STORAGE_FULL, f"not accepted: {full}; free space in the state directory")
+            logger.error("refused job %s: %s", job.id, refused)
+            self._reject(reply, job.id, job.task, refused, received)
+            return True
+        item = make_item(job, reply, received, self._profile.queue.default_deadline_ms)
         try:
             queue.put(item)
         except QueueFull as full:
             busy = JobError(ErrorCode.BUSY, str(full))
             logger.warning("rejected job %s: %s", job.id, busy)
             self._reject(reply, job.id, job.task, busy, received)
-            return
+            return True
         logger.debug("queued job %s (%s, priority %s)", job.id, job.task, job.priority)
+        return True
+
+    def _seen(self, job_id: str | None, task: str | None, payload: bytes, reply: Reply, received: float) -> bool:
+        """Whether this id is already in the journal (within the dedup window). Then it
+        is not run again: a repeat of a finished job gets the stored result; a repeat of
+        one in progress gets its one result when done if it is a redelivery (same reply
+        and correlation), else a `duplicate` error saying so; an id reused for a different
+        request is refused, since answering it with another job's result would be wrong."""
+        if job_id is None:
+            return False
+        entry = self._journal.lookup(job_id)
+        if entry is None or entry.received < time.time() - self._journal.dedup_window_s:
+            return False
+        self.duplicates += 1
+        if entry.digest is not None and entry.digest != digest(payload):
+            reused = JobError(
+                ErrorCode.INVALID_FIELD, "this id belongs to another job within the dedup window; use a new id", "id"
+            )
+            logger.warning("rejected job %s: %s", job_id, reused)
+            self._reject(reply, job_id, task, reused, received, keep=False)
+        elif entry.state != QUEUED and entry.result is not None:
+            logger.info("job %s seen again within the dedup window: answering from the journal", job_id)
+            self._resend(reply, job_id, entry.result)
+        elif (entry.reply_topic, entry.correlation) != (reply.topic, reply.correlation):
+            pending = JobError(
+                ErrorCode.DUPLICATE, "this job is already in progress; its result goes to the first request's reply"
+            )
+            self._reject(reply, job_id, task, pending, received, keep=False)
+        else:
+            logger.info("job %s delivered again while in progress: it is answered once, when done", job_id)
+        return True
 
     def _cancel(self, request_id: str, target: str, reply: Reply, received: float) -> None:
         """Withdraw a queued job: it is answered `cancelled` on its own reply topic, and
@@ -85,3 +151,13 @@ class Intake:
                 self._answer(reply, request_id, "cancel", {"job": target, "cancelled": True}, received)
                 return
         self._answer(reply, request_id, "cancel", {"job": target, "cancelled": False}, received)
+
+
+def make_item(job: ParsedJob, reply: Reply, received: float, default_deadline_ms: int | None) -> WorkItem:
+    deadline_ms = job.deadline_ms or default_deadline_ms
+    return WorkItem(
+        job=job,
+        reply=reply,
+        received_at=received,
+        deadline_at=received + deadline_ms / 1000.0 if deadline_ms else None,
+    )

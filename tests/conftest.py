@@ -57,12 +57,17 @@ def wait_port(port: int, timeout: float = 10.0) -> None:
 class Broker:
     """A real mosquitto process; stop() and start() keep the same port."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, persistence: bool = False) -> None:
         self.port = free_port()
         self.conf = workdir / "mosquitto.conf"
-        self.conf.write_text(
-            f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence false\n", encoding="utf-8"
+        # With persistence the broker writes its sessions and queued messages to disk
+        # when it stops, and reads them back when it starts: what production brokers do.
+        # Started as root, mosquitto switches to its own user, which cannot write the
+        # test's directory; `user root` keeps it as is (for any other user it does nothing).
+        keep = (
+            f"persistence true\npersistence_location {workdir}/\nuser root\n" if persistence else "persistence false\n"
         )
+        self.conf.write_text(f"listener {self.port} 127.0.0.1\nallow_anonymous true\n{keep}", encoding="utf-8")
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -102,7 +107,10 @@ def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engines.text_build import build_text_engine
     from engines.vision_build import build_student
 
-    path = tmp_path_factory.mktemp("engines")
+    # EDGE_TEST_ENGINE_DIR reuses a developer's engine cache (builds are keyed by their
+    # inputs, so a cached engine is the same engine); CI builds afresh.
+    reuse = os.environ.get("EDGE_TEST_ENGINE_DIR")
+    path = Path(reuse) if reuse else tmp_path_factory.mktemp("engines")
     # The default pipeline: import, clinic QLoRA adapter merged in, AWQ INT4.
     build_text_engine(path, "clinic", "awq-int4", progress=False)
     # The inspection student at smoke size: the serving path, not accuracy, is tested with it.
@@ -214,17 +222,26 @@ class Requester:
 
     port: int
     reply_topic: str = field(default_factory=lambda: f"test/replies/{uuid.uuid4().hex}")
+    persistent: bool = False  # a session the broker keeps (and its replies) across a reconnect
     replies: dict[bytes, dict[str, Any]] = field(default_factory=dict)
     partials: dict[bytes, list[dict[str, Any]]] = field(default_factory=dict)
     raw: list[tuple[str, bytes, bytes | None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._cond = threading.Condition()
-        self._client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+        self._client = mqtt.Client(
+            CallbackAPIVersion.VERSION2, client_id=f"req-{uuid.uuid4().hex[:12]}", protocol=mqtt.MQTTv5
+        )
         self._client.on_message = self._on_message
+        self._client.reconnect_delay_set(1, 2)
         subscribed = threading.Event()
         self._client.on_subscribe = lambda *a: subscribed.set()
-        self._client.connect("127.0.0.1", self.port)
+        if self.persistent:
+            props = Properties(PacketTypes.CONNECT)
+            props.SessionExpiryInterval = 600
+            self._client.connect("127.0.0.1", self.port, clean_start=False, properties=props)
+        else:
+            self._client.connect("127.0.0.1", self.port)
         self._client.loop_start()
         self._client.subscribe([(self.reply_topic, SubscribeOptions(qos=1))])
         if not subscribed.wait(10):
@@ -249,7 +266,9 @@ class Requester:
                     self.replies[bytes(corr)] = doc
             self._cond.notify_all()
 
-    def send(self, topic: str, payload: bytes | dict[str, Any], response: bool = True) -> bytes:
+    def send(self, topic: str, payload: bytes | dict[str, Any], response: bool = True, wait: bool = True) -> bytes:
+        """Publish one request at QoS 1 (waiting for the broker's PUBACK unless not `wait`:
+        paho then keeps it queued through a broker outage)."""
         corr = uuid.uuid4().bytes
         props = None
         if response:
@@ -257,8 +276,15 @@ class Requester:
             props.ResponseTopic = self.reply_topic
             props.CorrelationData = corr
         body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-        self._client.publish(topic, body, qos=1, properties=props).wait_for_publish(10)
+        info = self._client.publish(topic, body, qos=1, properties=props)
+        if wait:
+            info.wait_for_publish(10)
         return corr
+
+    def answers(self, corr: bytes) -> list[bytes]:
+        """Every reply payload that arrived for one request, duplicates included."""
+        with self._cond:
+            return [p for t, p, c in self.raw if c == corr and t == self.reply_topic]
 
     def wait(self, corr: bytes, timeout: float = 60.0) -> dict[str, Any]:
         deadline = time.monotonic() + timeout

@@ -73,7 +73,7 @@ def test_inspect_with_heatmap_and_label_reading(daemon: DaemonProc, requester: R
 
 def test_inspect_jobs_are_batched_and_a_bad_image_fails_alone(daemon: DaemonProc, requester: Requester) -> None:
     corrs = [
-        requester.send(f"{JOBS}/inspect", {"id": f"b{i}", "image": {"path": f"labels/{LABELS[i % 4]['name']}"}})
+        requester.send(f"{JOBS}/inspect", {"id": f"batch-{i}", "image": {"path": f"labels/{LABELS[i % 4]['name']}"}})
         for i in range(12)
     ]
     bad = requester.send(f"{JOBS}/inspect", {"id": "bad", "image": {"data": base64.b64encode(b"no image").decode()}})
@@ -88,16 +88,17 @@ def test_inspect_jobs_are_batched_and_a_bad_image_fails_alone(daemon: DaemonProc
 
 
 def test_cancel_withdraws_a_queued_job(daemon: DaemonProc, requester: Requester) -> None:
-    """Three questions queue behind each other on the text branch; cancelling the last one
-    answers it `cancelled` on its own correlation, the others are answered normally."""
-    corrs = [requester.send(f"{JOBS}/qa", {"id": f"c{i}", "question": "Name three fruits."}) for i in range(3)]
-    cancel = requester.request(f"{JOBS}/cancel", {"id": "stop-c2", "job": "c2"})
-    assert cancel["status"] == "ok" and cancel["output"] == {"job": "c2", "cancelled": True}
+    """Three questions on the text branch: two decode together (two KV rows), the third
+    waits; cancelling it answers it `cancelled` on its own correlation, the others are
+    answered normally."""
+    corrs = [requester.send(f"{JOBS}/qa", {"id": f"fruit-{i}", "question": "Name three fruits."}) for i in range(3)]
+    cancel = requester.request(f"{JOBS}/cancel", {"id": "stop-c2", "job": "fruit-2"})
+    assert cancel["status"] == "ok" and cancel["output"] == {"job": "fruit-2", "cancelled": True}
     results = [requester.wait(c) for c in corrs]
     assert [r["status"] for r in results] == ["ok", "ok", "error"]
-    assert results[2]["error"]["code"] == "cancelled" and results[2]["id"] == "c2"
-    again = requester.request(f"{JOBS}/cancel", {"id": "stop-c2-again", "job": "c2"})
-    assert again["output"] == {"job": "c2", "cancelled": False}
+    assert results[2]["error"]["code"] == "cancelled" and results[2]["id"] == "fruit-2"
+    again = requester.request(f"{JOBS}/cancel", {"id": "stop-c2-again", "job": "fruit-2"})
+    assert again["output"] == {"job": "fruit-2", "cancelled": False}
 
 
 def test_qa_request_response(daemon: DaemonProc, requester: Requester) -> None:
@@ -186,9 +187,9 @@ BAD_INPUTS: list[tuple[str, bytes | dict[str, Any], str, str | None]] = [
         "image_invalid",
         "image.data",
     ),
-    ("ocr", {"id": "p1", "image": {"path": "../pyproject.toml"}}, "path_forbidden", "image.path"),
+    ("ocr", {"id": "bad-path-1", "image": {"path": "../pyproject.toml"}}, "path_forbidden", "image.path"),
     ("ocr", {"id": "p2", "image": {"path": "/etc/passwd"}}, "path_forbidden", "image.path"),
-    ("qa", {"id": "q1", "question": "x" * 9000}, "prompt_too_long", "question"),
+    ("qa", {"id": "long-q1", "question": "x" * 9000}, "prompt_too_long", "question"),
     ("qa", {"id": "q2", "question": "why?", "max_new_tokens": 100000}, "invalid_field", "max_new_tokens"),
     ("qa", {"id": "q3", "question": "why?", "temperature": "hot"}, "invalid_field", "temperature"),
 ]

@@ -3,6 +3,13 @@
 paho runs its network loop in its own thread and reconnects by itself with
 exponential backoff; this class only keeps what the rest of the daemon needs to know
 (connected or not, since when) and routes messages to one intake callback.
+
+Durability: the session is persistent (Clean Start false, a session expiry), so the
+broker keeps jobs for us while the daemon restarts, and jobs are acknowledged by hand:
+the PUBACK goes out only once the intake callback says the job is kept (journalled or
+answered). A job the intake does not take (while stopping) stays unacknowledged and
+the broker delivers it again in the next session. Results are QoS 1; the broker's
+PUBACK for each is reported to `on_delivered`, which marks the job answered.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from edge.config.schema import Profile
 
 logger = logging.getLogger(__name__)
 
+_EARLY_TTL_S = 5.0
 ONLINE = b"online"
 OFFLINE = b"offline"
 
@@ -37,7 +45,9 @@ class IncomingJob:
     correlation: bytes | None
 
 
-IntakeCallback = Callable[[IncomingJob], None]
+# Returns whether the job is kept (acknowledge it to the broker) or left with the broker.
+IntakeCallback = Callable[[IncomingJob], bool]
+DeliveredCallback = Callable[[str], None]
 
 
 def _read_password(profile: Profile) -> str | None:
@@ -47,9 +57,9 @@ def _read_password(profile: Profile) -> str | None:
     return broker.password
 
 
-def make_client(client_id: str, profile: Profile) -> mqtt.Client:
+def make_client(client_id: str, profile: Profile, manual_ack: bool = False) -> mqtt.Client:
     """A paho v5 client with the profile's credentials and TLS; not yet connected."""
-    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5, manual_ack=manual_ack)
     broker = profile.broker
     if broker.username is not None:
         client.username_pw_set(broker.username, _read_password(profile))
@@ -69,15 +79,24 @@ def make_client(client_id: str, profile: Profile) -> mqtt.Client:
 
 
 class DaemonLink:
-    def __init__(self, profile: Profile, on_job: IntakeCallback) -> None:
+    def __init__(self, profile: Profile, on_job: IntakeCallback, on_delivered: DeliveredCallback | None = None) -> None:
         self._profile = profile
         self._on_job = on_job
-        self._client = make_client(profile.client_id, profile)
+        self._on_delivered = on_delivered
+        self._client = make_client(profile.client_id, profile, manual_ack=True)
         self._client.will_set(profile.available_topic, OFFLINE, qos=1, retain=True)
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
         self._client.on_message = self._on_message
+        self._client.on_publish = self._on_publish
         self._lock = threading.Lock()
+        # Results awaiting the broker's PUBACK: message id -> job id. A PUBACK can beat
+        # publish() back to us (paho calls on_publish under its own lock, so ours cannot
+        # be held across publish()); such ids wait in _early, with the time they came,
+        # until the mapping arrives. Ids are reused only after 65,535 messages, so an
+        # entry older than a few seconds belongs to an untracked message and is pruned.
+        self._awaiting: dict[int, str] = {}
+        self._early: dict[int, float] = {}
         self._connected = False
         self._changed_at = time.time()
         self._accepting = True
@@ -96,17 +115,23 @@ class DaemonLink:
     def start(self) -> None:
         broker = self._profile.broker
         logger.info("connecting to broker %s:%s as %s", broker.host, broker.port, self._profile.client_id)
-        self._client.connect_async(broker.host, broker.port, keepalive=broker.keepalive_s, clean_start=True)
+        props = Properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = broker.session_expiry_s
+        self._client.connect_async(
+            broker.host, broker.port, keepalive=broker.keepalive_s, clean_start=False, properties=props
+        )
         self._client.loop_start()
 
     def stop_intake(self) -> None:
-        """Stop taking new jobs (unsubscribe) while results can still be published."""
+        """Stop taking new jobs while results can still be published. The subscriptions
+        stay in the session (unsubscribing would make the broker drop the jobs that
+        arrive while we restart); what arrives now is left unacknowledged for the next."""
         self._accepting = False
-        filters = [self._profile.jobs_filter]
-        if self._profile.shared_jobs_filter:
-            filters.append(self._profile.shared_jobs_filter)
-        if self.connected:
-            self._client.unsubscribe(filters)
+
+    @property
+    def awaiting_puback(self) -> int:
+        with self._lock:
+            return len(self._awaiting)
 
     def close(self, timeout: float = 2.0) -> None:
         if self.connected:
@@ -118,16 +143,25 @@ class DaemonLink:
         self._client.disconnect()
         self._client.loop_stop()
 
-    def publish(self, topic: str, payload: bytes, correlation: bytes | None) -> None:
+    def publish(self, topic: str, payload: bytes, correlation: bytes | None, job_id: str | None = None) -> None:
+        """Publish at QoS 1; with a job id, on_delivered(job_id) follows the broker's PUBACK."""
         props = None
         if correlation is not None:
             props = Properties(PacketTypes.PUBLISH)
             props.CorrelationData = correlation
         info = self._client.publish(topic, payload, qos=1, properties=props)
-        if info.rc != mqtt.MQTT_ERR_SUCCESS:
-            # paho keeps QoS 1 messages queued while disconnected; anything else is a bug
-            # worth a log line, not a crash.
+        if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
+            # paho keeps QoS 1 messages queued while disconnected (NO_CONN) and sends
+            # them on reconnect; anything else is a bug worth a log line, not a crash.
             logger.warning("publish to %s returned %s", topic, mqtt.error_string(info.rc))
+        if job_id is None or self._on_delivered is None:
+            return
+        with self._lock:
+            early = self._early.pop(info.mid, None) is not None
+            if not early:
+                self._awaiting[info.mid] = job_id
+        if early:
+            self._on_delivered(job_id)
 
     # paho callbacks (network thread) -------------------------------------------------
 
@@ -154,6 +188,22 @@ class DaemonLink:
             client.subscribe(subs)
         client.publish(self._profile.available_topic, ONLINE, qos=1, retain=True)
 
+    def _on_publish(
+        self, client: mqtt.Client, userdata: object, mid: int, reason_code: ReasonCode, properties: Properties | None
+    ) -> None:
+        with self._lock:
+            job_id = self._awaiting.pop(mid, None)
+            if job_id is None:
+                now = time.monotonic()
+                self._early[mid] = now
+                for stale in [m for m, t in self._early.items() if now - t > _EARLY_TTL_S]:
+                    del self._early[stale]
+        if job_id is not None and self._on_delivered is not None:
+            try:
+                self._on_delivered(job_id)
+            except Exception:
+                logger.exception("could not record the delivery of %s", job_id)
+
     def _on_disconnect(
         self,
         client: mqtt.Client,
@@ -179,7 +229,10 @@ class DaemonLink:
             response_topic=response_topic or None,
             correlation=bytes(correlation) if correlation is not None else None,
         )
+        keep = True
         try:
-            self._on_job(job)
+            keep = self._on_job(job)
         except Exception:  # never let one message kill paho's network thread
             logger.exception("intake failed for a message on %s", msg.topic)
+        if keep:
+            client.ack(msg.mid, msg.qos)

@@ -85,6 +85,15 @@ class BrokerConfig(StrictModel):
     tls: TLSConfig | None = Field(
         default=None, title="TLS", description="Enable TLS to the broker with these settings."
     )
+    session_expiry_s: int = Field(
+        default=86400,
+        ge=0,
+        le=4294967295,
+        title="Session expiry",
+        description="How long the broker keeps this daemon's session (its subscriptions and the jobs that "
+        "arrive for it) after a disconnect, in seconds. The broker must also persist sessions across its own "
+        "restarts (Mosquitto: `persistence true`).",
+    )
     reconnect_min_s: float = Field(
         default=0.5,
         gt=0,
@@ -239,6 +248,15 @@ class QAModelConfig(StrictModel):
         title="Context window",
         description="Prompt plus generated tokens allowed per job; sizes the KV cache.",
     )
+    max_sequences: int = Field(
+        default=2,
+        ge=1,
+        le=64,
+        title="Concurrent sequences",
+        description="Sequences decoded together (continuous batching). The KV cache holds this many "
+        "sequences of max_context_tokens, allocated once at load: max_sequences x max_context_tokens is the "
+        "KV budget in tokens.",
+    )
     max_new_tokens: int = Field(
         default=128,
         ge=1,
@@ -325,6 +343,13 @@ class QueueConfig(StrictModel):
         title="Default deadline",
         description="Deadline for jobs that carry none; unset means no deadline.",
     )
+    memory_wait_ms: int = Field(
+        default=100,
+        ge=0,
+        title="Memory wait",
+        description="How long a text job that does not fit the KV budget waits before a running sequence of "
+        "lower priority is paused for it. It answers `over_budget` if its deadline passes while it waits.",
+    )
     drain_timeout_s: float = Field(
         default=10.0,
         ge=0.0,
@@ -332,6 +357,36 @@ class QueueConfig(StrictModel):
         title="Drain timeout",
         description="On SIGTERM, how long each branch may take to finish the job in hand before the daemon "
         "stops anyway (keep it below systemd's TimeoutStopSec).",
+    )
+
+
+class JournalConfig(StrictModel):
+    dedup_window_s: float = Field(
+        default=86400.0,
+        gt=0.0,
+        title="Dedup window",
+        description="A job id seen again within this many seconds is answered from the journal instead of "
+        "running again; answered jobs older than this are compacted away.",
+    )
+    max_mib: int = Field(
+        default=256,
+        ge=1,
+        title="Journal size limit",
+        description="Largest size of the journal file, in MiB. When it (or the disk) is full, new jobs are "
+        "refused with `storage_full` instead of being accepted unkept.",
+    )
+    max_replays: int = Field(
+        default=3,
+        ge=1,
+        title="Replays per job",
+        description="Starts of the daemon that may take up one unfinished job again. A job still unfinished "
+        "after this many (one that brings the daemon down, say) is answered `internal` instead.",
+    )
+    compact_interval_s: float = Field(
+        default=60.0,
+        gt=0.0,
+        title="Compaction interval",
+        description="How often answered jobs past the dedup window are removed from the journal.",
     )
 
 
@@ -415,6 +470,11 @@ class Profile(StrictModel):
     models: ModelsConfig = Field(default_factory=ModelsConfig, title="Models", description="Models per branch.")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, title="Limits", description="Input size limits.")
     queue: QueueConfig = Field(default_factory=QueueConfig, title="Queues", description="Queue limits per branch.")
+    journal: JournalConfig = Field(
+        default_factory=JournalConfig,
+        title="Journal",
+        description="The on-disk job journal in state_dir: dedup window, size bound, replays.",
+    )
     paths: PathsConfig = Field(default_factory=PathsConfig, title="Paths", description="Directories the daemon uses.")
     watchdog: WatchdogConfig = Field(
         default_factory=WatchdogConfig,

@@ -44,6 +44,9 @@ def evaluate(doc: dict[str, Any]) -> tuple[int, list[str]]:
         if not info.get("available", False):
             reasons.append(f"{branch} branch unavailable: {info.get('reason', 'unknown')}")
             code = max(code, WARNING)
+    if doc.get("journal", {}).get("full", False):
+        reasons.append("job journal full: new jobs are refused (storage_full)")
+        code = max(code, WARNING)
     return code, reasons
 
 

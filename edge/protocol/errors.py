@@ -18,9 +18,12 @@ class ErrorCode(StrEnum):
     PATH_FORBIDDEN = "path_forbidden"
     PROMPT_TOO_LONG = "prompt_too_long"
     BUSY = "busy"
+    DUPLICATE = "duplicate"
     EXPIRED = "expired"
+    OVER_BUDGET = "over_budget"
     CANCELLED = "cancelled"
     UNAVAILABLE = "unavailable"
+    STORAGE_FULL = "storage_full"
     INTERNAL = "internal"
 
 

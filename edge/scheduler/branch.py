@@ -1,4 +1,4 @@
-"""One worker thread per branch: take the most urgent job, run it, hand back the outcome."""
+"""Worker threads, one per branch: take the most urgent job, run it, hand back the outcome."""
 
 from __future__ import annotations
 
@@ -40,20 +40,14 @@ class Batching:
         return item.job.task == self.task
 
 
-class BranchWorker:
-    def __init__(
-        self,
-        name: str,
-        queue: PriorityDeadlineQueue,
-        handler: Handler,
-        complete: Completion,
-        batching: Batching | None = None,
-    ) -> None:
+class Worker:
+    """What every branch worker shares: its thread, the jobs in hand, stall detection and
+    the hand-over of unfinished jobs at stop. Subclasses implement `_run`."""
+
+    def __init__(self, name: str, queue: PriorityDeadlineQueue, complete: Completion) -> None:
         self.name = name
         self.queue = queue
-        self._handler = handler
         self._complete = complete
-        self._batching = batching
         self.batch_sizes: dict[int, int] = {}  # batch size -> batches run, for status
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"branch-{name}", daemon=True)
@@ -65,8 +59,16 @@ class BranchWorker:
         self._in_hand: list[WorkItem] = []
         self._abandoned = False
 
+    def _run(self) -> None:
+        raise NotImplementedError
+
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def running(self) -> int:
+        with self._hand_lock:
+            return len(self._in_hand)
 
     def stalled(self, now: float, limit_s: float) -> str | None:
         """Why this worker looks hung (a job running past limit_s, or a dead thread), or None."""
@@ -78,11 +80,56 @@ class BranchWorker:
         return None
 
     def stop(self, timeout: float) -> bool:
-        """Finish the job in hand (not the queue), then exit; True if it exited in time."""
+        """Finish the work in hand (not the queue), then exit; True if it exited in time."""
         self._stop.set()
         self.queue.close()
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def abandon(self) -> list[WorkItem]:
+        """The jobs in hand, handed over for the daemon to deal with; their outcomes,
+        should the worker still finish them, are dropped."""
+        with self._hand_lock:
+            self._abandoned = True
+            items, self._in_hand = self._in_hand, []
+            return items
+
+    def _take(self, items: list[WorkItem]) -> None:
+        with self._hand_lock:
+            self._in_hand.extend(items)
+
+    def _deliver(self, item: WorkItem, outcome: Outcome) -> None:
+        with self._hand_lock:
+            if self._abandoned or not any(held is item for held in self._in_hand):
+                logger.warning("dropping the late outcome of job %s: already answered at stop", item.job.id)
+                return
+            self._in_hand = [held for held in self._in_hand if held is not item]
+        try:
+            self._complete(item, outcome)
+        except Exception:
+            logger.exception("could not complete job %s", item.job.id)
+
+    def _answer_now(self, item: WorkItem, error: JobError) -> None:
+        """An error for a job taken from the queue but never run."""
+        self._take([item])
+        now = time.monotonic()
+        self._deliver(item, Outcome(None, error, now, now))
+
+
+class BranchWorker(Worker):
+    """One job (or one dynamic batch) at a time: take the most urgent, run it, hand back."""
+
+    def __init__(
+        self,
+        name: str,
+        queue: PriorityDeadlineQueue,
+        handler: Handler,
+        complete: Completion,
+        batching: Batching | None = None,
+    ) -> None:
+        super().__init__(name, queue, complete)
+        self._handler = handler
+        self._batching = batching
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -97,29 +144,6 @@ class BranchWorker:
             else:
                 self._process(item)
 
-    def abandon(self) -> list[WorkItem]:
-        """The jobs in hand, handed over for the daemon to answer; their outcomes, should
-        the worker still finish them, are dropped."""
-        with self._hand_lock:
-            self._abandoned = True
-            items, self._in_hand = self._in_hand, []
-            return items
-
-    def _take(self, items: list[WorkItem]) -> None:
-        with self._hand_lock:
-            self._in_hand = list(items)
-
-    def _deliver(self, item: WorkItem, outcome: Outcome) -> None:
-        with self._hand_lock:
-            if self._abandoned or not any(held is item for held in self._in_hand):
-                logger.warning("dropping the late outcome of job %s: already answered at stop", item.job.id)
-                return
-            self._in_hand = [held for held in self._in_hand if held is not item]
-        try:
-            self._complete(item, outcome)
-        except Exception:
-            logger.exception("could not complete job %s", item.job.id)
-
     def _process_batch(self, items: list[WorkItem], handler: BatchHandler) -> None:
         self._take(items)
         started = time.monotonic()
@@ -128,7 +152,7 @@ class BranchWorker:
         results: dict[int, dict[str, Any] | JobError] = {}
         for it in items:
             if it.expired(started):
-                results[id(it)] = _expired(it, started)
+                results[id(it)] = expired_error(it, started)
         if live:
             try:
                 outputs = handler(live)
@@ -157,7 +181,7 @@ class BranchWorker:
         output: dict[str, Any] | None = None
         error: JobError | None = None
         if item.expired(started):
-            error = _expired(item, started)
+            error = expired_error(item, started)
         else:
             try:
                 output = self._handler(item)
@@ -172,7 +196,7 @@ class BranchWorker:
         self._deliver(item, Outcome(output, error, started, finished))
 
 
-def _expired(item: WorkItem, now: float) -> JobError:
+def expired_error(item: WorkItem, now: float) -> JobError:
     return JobError(
         ErrorCode.EXPIRED,
         f"deadline passed after {(now - item.received_at) * 1000:.0f} ms in the queue",

@@ -7,6 +7,11 @@ it holds can never exceed the budget, and says so in figures; choosing what to d
 a refusal (wait, evict, pause, answer over_budget) is the scheduler's business. Idle
 models are offered for eviction least recently used first, and only once their
 keep-alive has run out (Ollama's order, with measured sizes instead of its estimates).
+
+A pool is memory a model allocated once, as part of its measured footprint, and hands
+out to jobs piece by piece: the text branch's KV cache, from which each sequence reserves
+KV for its prompt plus max_new_tokens (vLLM's block manager, in bytes). A reservation can
+take bytes from the free budget and from a pool at once, still all or nothing.
 """
 
 from __future__ import annotations
@@ -54,7 +59,18 @@ class Reservation:
     owner: str  # the job id
     job_class: str  # the task, for the status figures
     model: str | None
-    nbytes: int
+    nbytes: int  # from the free budget
+    pool: str | None = None
+    pool_bytes: int = 0  # from the pool (already inside its model's footprint)
+
+
+@dataclass
+class Pool:
+    name: str
+    model: str
+    capacity_bytes: int
+    reserved_bytes: int = 0
+    peak_bytes: int = 0
 
 
 @dataclass
@@ -71,6 +87,7 @@ class MemoryLedger:
     clock: Callable[[], float] = time.monotonic
     _models: dict[str, ModelEntry] = field(default_factory=dict)
     _reservations: dict[int, Reservation] = field(default_factory=dict)
+    _pools: dict[str, Pool] = field(default_factory=dict)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     stats: LedgerStats = field(default_factory=LedgerStats)
@@ -122,6 +139,25 @@ class MemoryLedger:
             self._note_peak()
             return True
 
+    def add_pool(self, name: str, model: str, capacity_bytes: int) -> None:
+        """Declare memory inside a loaded model's footprint that jobs reserve from."""
+        with self._lock:
+            entry = self._models.get(model)
+            if entry is None:
+                raise KeyError(f"model {model!r} is not loaded")
+            if not 0 < capacity_bytes <= entry.nbytes:
+                raise ValueError(f"pool of {capacity_bytes} bytes does not fit inside {model!r} ({entry.nbytes} bytes)")
+            self._pools[name] = Pool(name, model, capacity_bytes)
+
+    def pool_free(self, name: str) -> int:
+        with self._lock:
+            pool = self._pools[name]
+            return pool.capacity_bytes - pool.reserved_bytes
+
+    def pool_capacity(self, name: str) -> int:
+        with self._lock:
+            return self._pools[name].capacity_bytes
+
     def remove_model(self, name: str) -> int:
         """Drop an unloaded model; returns the bytes freed. Refused while jobs use it."""
         with self._lock:
@@ -129,18 +165,42 @@ class MemoryLedger:
             if entry.active:
                 raise RuntimeError(f"model {name!r} is in use by {entry.active} job(s)")
             del self._models[name]
+            for pool in [p for p in self._pools.values() if p.model == name]:
+                del self._pools[pool.name]
             self.stats.evictions += 1
             return entry.nbytes
 
-    def reserve(self, owner: str, job_class: str, nbytes: int, model: str | None = None) -> Reservation | None:
-        """All or nothing: the whole reservation, or None and nothing changed."""
+    def reserve(
+        self,
+        owner: str,
+        job_class: str,
+        nbytes: int,
+        model: str | None = None,
+        pool: str | None = None,
+        pool_bytes: int = 0,
+    ) -> Reservation | None:
+        """All or nothing: nbytes of the free budget and pool_bytes of the pool, or None
+        and nothing changed."""
         with self._lock:
             if model is not None and model not in self._models:
                 raise KeyError(f"model {model!r} is not loaded")
+            held = None
+            if pool is not None:
+                held = self._pools.get(pool)
+                if held is None:
+                    raise KeyError(f"pool {pool!r} does not exist")
+                if pool_bytes < 0:
+                    raise ValueError(f"cannot hold a negative size ({pool_bytes})")
+                if held.reserved_bytes + pool_bytes > held.capacity_bytes:
+                    self.stats.refusals += 1
+                    return None
             if not self._admit(nbytes):
                 return None
-            res = Reservation(next(self._ids), owner, job_class, model, nbytes)
+            res = Reservation(next(self._ids), owner, job_class, model, nbytes, pool, pool_bytes if pool else 0)
             self._reservations[res.id] = res
+            if held is not None:
+                held.reserved_bytes += res.pool_bytes
+                held.peak_bytes = max(held.peak_bytes, held.reserved_bytes)
             if model is not None:
                 entry = self._models[model]
                 entry.active += 1
@@ -152,6 +212,8 @@ class MemoryLedger:
         with self._lock:
             if self._reservations.pop(res.id, None) is None:
                 raise KeyError(f"reservation {res.id} is not held (released twice?)")
+            if res.pool is not None and res.pool in self._pools:
+                self._pools[res.pool].reserved_bytes -= res.pool_bytes
             if res.model is not None and res.model in self._models:
                 entry = self._models[res.model]
                 entry.active -= 1
@@ -173,7 +235,7 @@ class MemoryLedger:
         with self._lock:
             per_class: dict[str, int] = {}
             for r in self._reservations.values():
-                per_class[r.job_class] = per_class.get(r.job_class, 0) + r.nbytes
+                per_class[r.job_class] = per_class.get(r.job_class, 0) + r.nbytes + r.pool_bytes
             return {
                 "budget_bytes": self.budget_bytes,
                 "headroom_bytes": self.headroom_bytes,
@@ -187,4 +249,13 @@ class MemoryLedger:
                     for m in self._models.values()
                 },
                 "jobs_by_class": per_class,
+                "pools": {
+                    p.name: {
+                        "model": p.model,
+                        "capacity_bytes": p.capacity_bytes,
+                        "reserved_bytes": p.reserved_bytes,
+                        "peak_bytes": p.peak_bytes,
+                    }
+                    for p in self._pools.values()
+                },
             }

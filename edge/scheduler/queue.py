@@ -51,9 +51,11 @@ class PriorityDeadlineQueue:
         with self._cond:
             return len(self._heap)
 
-    def put(self, item: WorkItem) -> None:
+    def put(self, item: WorkItem, force: bool = False) -> None:
+        """Queue an item; QueueFull at the size limit unless `force` (jobs taken up again
+        from the journal at start were accepted once already and are never refused)."""
         with self._cond:
-            if len(self._heap) >= self._max:
+            if len(self._heap) >= self._max and not force:
                 raise QueueFull(f"queue holds {len(self._heap)} jobs, limit {self._max}")
             deadline = item.deadline_at if item.deadline_at is not None else math.inf
             heapq.heappush(self._heap, _Entry(item.job.priority, deadline, next(self._seq), item))

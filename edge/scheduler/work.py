@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from edge.protocol.jobs import ParsedJob
 
@@ -23,6 +24,10 @@ class WorkItem:
     received_at: float = field(default_factory=time.monotonic)
     deadline_at: float | None = None
     stream: bool = False
+    # Carried between admissions by the worker that owns the job (the text branch's
+    # prepared or paused sequence), and since when it has waited for memory.
+    progress: Any = None
+    waiting_since: float | None = None
 
     @property
     def branch(self) -> str:

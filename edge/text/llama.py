@@ -74,6 +74,14 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
+    def rows(self, first: int, count: int) -> KVCache:
+        """A cache over sequences first..first+count-1 that shares this one's memory."""
+        view = KVCache.__new__(KVCache)
+        view.k = self.k[:, first : first + count]
+        view.v = self.v[:, first : first + count]
+        view.max_len = self.max_len
+        return view
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:

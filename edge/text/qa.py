@@ -8,13 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from edge.config.schema import DEFAULT_SYSTEM_PROMPT
 from edge.protocol.errors import ErrorCode, JobError
 from edge.protocol.jobs import QAJob
 from edge.text.checkpoint import TextCheckpoint, load_checkpoint
-from edge.text.generate import SamplingParams, generate
+from edge.text.continuous import ContinuousBatcher, Sequence
+from edge.text.generate import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +23,7 @@ class QASettings:
     max_context_tokens: int = 2048
     max_new_tokens: int = 128
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    max_sequences: int = 1
 
 
 def chatml(system: str, user: str) -> str:
@@ -38,12 +38,21 @@ def user_message(question: str, context: str | None) -> str:
 
 
 class QAEngine:
-    """One sequence at a time on one worker thread; the KV cache is allocated once."""
+    """The qa task over a continuous batcher: `prepare` turns a job into a sequence (all
+    checks done), the text worker admits and steps sequences, `output` makes the result.
+    `answer` runs one job alone, start to finish (tools, tests). The KV cache is
+    allocated once: max_sequences rows of max_context_tokens."""
 
     def __init__(self, checkpoint: TextCheckpoint, settings: QASettings) -> None:
         self._ckpt = checkpoint
         self._settings = settings
-        self._cache = checkpoint.model.new_cache(1, settings.max_context_tokens)
+        self.batcher = ContinuousBatcher(
+            checkpoint.model,
+            checkpoint.tokenizer,
+            checkpoint.eos_ids,
+            slots=settings.max_sequences,
+            slot_len=settings.max_context_tokens,
+        )
 
     @classmethod
     def load(cls, path: Path, settings: QASettings) -> QAEngine:
@@ -54,19 +63,17 @@ class QAEngine:
     def warm_up(self) -> None:
         """One short generation, so every weight page is resident before memory is
         measured and the first real job does not pay for page faults."""
-        ids = self.prompt_ids("Hello", None)
-        params = SamplingParams(max_new_tokens=2)
-        generate(self._ckpt.model, self._ckpt.tokenizer, ids, params, self._ckpt.eos_ids, self._cache)
+        self.answer(QAJob(id="warm-up", question="Hello", max_new_tokens=2))
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self._cache.nbytes
+        return self.batcher.cache.nbytes
 
     def prompt_ids(self, question: str, context: str | None) -> list[int]:
         text = chatml(self._settings.system_prompt, user_message(question, context))
         return list(self._ckpt.tokenizer.encode(text, add_special_tokens=False).ids)
 
-    def answer(self, job: QAJob, on_text: Callable[[str], None] | None = None) -> dict[str, Any]:
+    def prepare(self, job: QAJob, owner: Any = None, on_text: Callable[[str], None] | None = None) -> Sequence:
         ids = self.prompt_ids(job.question, job.context)
         new_tokens = job.max_new_tokens or self._settings.max_new_tokens
         window = self._settings.max_context_tokens
@@ -86,16 +93,28 @@ class QAEngine:
             stop=tuple(job.stop),
             seed=job.seed,
         )
-        with torch.inference_mode():
-            result = generate(
-                self._ckpt.model, self._ckpt.tokenizer, ids, params, self._ckpt.eos_ids, self._cache, on_text
-            )
+        return Sequence(owner, ids, params, on_text)
+
+    def kv_tokens(self, seq: Sequence) -> int:
+        """KV positions the sequence can ever occupy: what it reserves before it runs."""
+        return min(len(seq.prompt) + seq.params.max_new_tokens, self.batcher.slot_len)
+
+    @staticmethod
+    def output(seq: Sequence) -> dict[str, Any]:
         return {
             # Not stripped: streamed deltas must concatenate to exactly this text.
-            "answer": result.text,
-            "finish_reason": result.finish_reason,
-            "prompt_tokens": result.prompt_tokens,
-            "completion_tokens": len(result.token_ids),
-            "prefill_ms": round(result.prefill_ms, 3),
-            "decode_tokens_per_s": round(result.tokens_per_s, 2),
+            "answer": seq.text,
+            "finish_reason": seq.finish,
+            "prompt_tokens": len(seq.prompt),
+            "completion_tokens": len(seq.tokens),
+            "prefill_ms": round(seq.prefill_ms, 3),
+            "decode_tokens_per_s": round(seq.tokens_per_s, 2),
         }
+
+    def answer(self, job: QAJob, on_text: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """Run one job to completion alone (the batcher must be idle)."""
+        seq = self.prepare(job, on_text=on_text)
+        self.batcher.admit(seq)
+        while seq.finish is None:
+            self.batcher.step()
+        return self.output(seq)

@@ -78,7 +78,19 @@ class InspectPipeline:
         config = json.loads((student_dir / "config.json").read_text(encoding="utf-8"))
         model_path = student_dir / STUDENT_ONNX if backend == "onnxruntime" else student_dir
         session = get_backend(backend).load(model_path, options)
-        return cls(session, list(manifest["classes"]), int(config["image_size"]))
+        pipeline = cls(session, list(manifest["classes"]), int(config["image_size"]))
+        pipeline.warm_up(options.max_batch)
+        return pipeline
+
+    def warm_up(self, max_batch: int) -> None:
+        """Run the largest batch once, so the runtime's working memory for it is held
+        (and measured into the model's footprint) before the first job."""
+        size = self.image_size
+        self.run([np.zeros((size, size, 3), np.uint8)] * max(1, max_batch))
+
+    def batch_bytes(self, count: int) -> int:
+        """The input tensor a batch of `count` images needs (float32, NCHW)."""
+        return count * 3 * self.image_size * self.image_size * 4
 
     def run(self, images: list[np.ndarray]) -> list[Inspection]:
         """One inspection per RGB uint8 image, all through the model as one batch."""

@@ -1,0 +1,228 @@
+"""The text branch's worker: continuous batching under the memory ledger.
+
+Between decode steps it admits queued jobs, most urgent first, while a KV row is free
+and the ledger grants the job's KV (prompt plus max_new_tokens, from the KV pool the
+model allocated at load) all or nothing. When a job does not fit:
+
+  1. it waits (stays queued, retried between steps) for up to `memory_wait_s`;
+  2. then a running sequence of lower priority is paused: its KV is dropped, its row and
+     reservation given back, and it goes back in the queue with its tokens, to be
+     prefilled again when it is admitted (recomputation; see edge/text/continuous.py);
+  3. if nothing can be paused it keeps waiting, and is answered `over_budget`, with the
+     figures, if its deadline passes first.
+
+Models are not evicted for the text branch: its KV comes from its own pool, which
+evicting another model would not enlarge. A job can never outgrow a row (the engine
+caps max_new_tokens to the context window), so none is refused for size.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from edge.protocol.errors import ErrorCode, JobError
+from edge.scheduler.branch import Completion, Outcome, Worker, expired_error
+from edge.scheduler.ledger import MemoryLedger, Reservation
+from edge.scheduler.queue import PriorityDeadlineQueue
+from edge.scheduler.work import WorkItem
+from edge.text.continuous import ContinuousBatcher, Sequence
+
+logger = logging.getLogger(__name__)
+
+Prepare = Callable[[WorkItem], Sequence]
+Output = Callable[[Sequence], dict[str, Any]]
+KVTokens = Callable[[Sequence], int]
+
+
+@dataclass
+class _Running:
+    item: WorkItem
+    res: Reservation
+    started: float
+
+
+@dataclass(frozen=True)
+class TextMemory:
+    """Where the text branch's KV comes from in the ledger."""
+
+    ledger: MemoryLedger
+    model: str
+    pool: str
+    memory_wait_s: float
+
+
+class TextWorker(Worker):
+    def __init__(
+        self,
+        name: str,
+        queue: PriorityDeadlineQueue,
+        batcher: ContinuousBatcher,
+        prepare: Prepare,
+        output: Output,
+        kv_tokens: KVTokens,
+        memory: TextMemory,
+        complete: Completion,
+    ) -> None:
+        super().__init__(name, queue, complete)
+        self.batcher = batcher
+        self._prepare = prepare
+        self._output = output
+        self._kv_tokens = kv_tokens
+        self._memory = memory
+        self._running: dict[int, _Running] = {}  # id(sequence) ->
+        self.paused = 0
+        self.over_budget = 0
+
+    def _run(self) -> None:
+        while not self._stop.is_set() or self.batcher.running:
+            self.last_progress = time.monotonic()
+            if not self._stop.is_set():
+                self._admit()
+            if not self.batcher.running:
+                if self._stop.is_set():
+                    break
+                self._wait_for_work()
+                continue
+            self.running_since = time.monotonic()
+            try:
+                done = self.batcher.step()
+            except Exception as err:  # a model bug costs the sequences in this step, not the worker
+                logger.exception("decode step failed on %s", self.name)
+                self._fail_running(JobError(ErrorCode.INTERNAL, f"{type(err).__name__}: {err}"))
+                done = []
+            finally:
+                self.running_since = None
+            self.batch_sizes = dict(self.batcher.batch_sizes)
+            for seq in done:
+                self._finish(seq)
+
+    def _wait_for_work(self) -> None:
+        item = self.queue.get(timeout=0.2)
+        if item is not None:
+            self._try_admit(item)
+
+    def _admit(self) -> None:
+        while True:
+            item = self.queue.get(timeout=0)
+            if item is None or not self._try_admit(item):
+                return
+
+    def _try_admit(self, item: WorkItem) -> bool:
+        """Admit the job, or answer it (an error), and return True; or put it back in the
+        queue to wait for memory and return False."""
+        now = time.monotonic()
+        # A paused job already ran once: its deadline was met, it finishes.
+        resumed = isinstance(item.progress, Sequence) and item.progress.pauses > 0
+        if item.expired(now) and not resumed:
+            error = self._over_budget(item, now) if item.waiting_since is not None else expired_error(item, now)
+            self._answer_now(item, error)
+            return True
+        seq = item.progress
+        if not isinstance(seq, Sequence):
+            try:
+                seq = self._prepare(item)
+            except JobError as err:
+                self._answer_now(item, err)
+                return True
+            except Exception as err:
+                logger.exception("could not prepare job %s", item.job.id)
+                self._answer_now(item, JobError(ErrorCode.INTERNAL, f"{type(err).__name__}: {err}"))
+                return True
+        mem = self._memory
+        kv_bytes = self._kv_tokens(seq) * self.batcher.kv_bytes_per_token
+        while True:
+            if self.batcher.free_slots:
+                res = mem.ledger.reserve(item.job.id, item.job.task, 0, mem.model, mem.pool, kv_bytes)
+                if res is not None:
+                    self._start(item, seq, res)
+                    return True
+            if item.waiting_since is None:
+                item.waiting_since = now
+            if now - item.waiting_since < mem.memory_wait_s or not self._pause_one_below(item):
+                break
+        item.progress = seq
+        self.queue.put(item, force=True)
+        return False
+
+    def _start(self, item: WorkItem, seq: Sequence, res: Reservation) -> None:
+        item.waiting_since = None
+        item.progress = None
+        self._take([item])
+        try:
+            self.batcher.admit(seq)
+        except Exception as err:
+            self._memory.ledger.release(res)
+            logger.exception("could not start job %s", item.job.id)
+            now = time.monotonic()
+            failed = JobError(ErrorCode.INTERNAL, f"{type(err).__name__}: {err}")
+            self._deliver(item, Outcome(None, failed, now, now))
+            return
+        self._running[id(seq)] = _Running(item, res, time.monotonic())
+
+    def _pause_one_below(self, item: WorkItem) -> bool:
+        """Pause the least urgent running sequence that is less urgent than `item`."""
+
+        def urgency(run: _Running) -> tuple[int, float]:
+            deadline = run.item.deadline_at if run.item.deadline_at is not None else math.inf
+            return (run.item.job.priority, deadline)
+
+        lower = [(seq, run) for seq in self.batcher.running if (run := self._running[id(seq)])]
+        lower = [(s, r) for s, r in lower if urgency(r) > (item.job.priority, item.deadline_at or math.inf)]
+        if not lower:
+            return False
+        seq, run = max(lower, key=lambda pair: urgency(pair[1]))
+        self.batcher.pause(seq)
+        self._memory.ledger.release(run.res)
+        del self._running[id(seq)]
+        with self._hand_lock:
+            self._in_hand = [held for held in self._in_hand if held is not run.item]
+        run.item.progress = seq
+        self.queue.put(run.item, force=True)
+        self.paused += 1
+        logger.info(
+            "paused job %s (priority %d, %d tokens so far) for job %s (priority %d)",
+            run.item.job.id,
+            run.item.job.priority,
+            len(seq.tokens),
+            item.job.id,
+            item.job.priority,
+        )
+        return True
+
+    def _over_budget(self, item: WorkItem, now: float) -> JobError:
+        self.over_budget += 1
+        mem = self._memory
+        seq = item.progress
+        need = self._kv_tokens(seq) * self.batcher.kv_bytes_per_token if isinstance(seq, Sequence) else 0
+        free = mem.ledger.pool_free(mem.pool)
+        return JobError(
+            ErrorCode.OVER_BUDGET,
+            f"deadline passed waiting for memory: needs {need} bytes of KV, {free} of "
+            f"{mem.ledger.pool_capacity(mem.pool)} free, {self.batcher.free_slots} of {self.batcher.slots} "
+            f"sequence rows free, after {(now - item.received_at) * 1000:.0f} ms",
+            "deadline_ms",
+        )
+
+    def _finish(self, seq: Sequence) -> None:
+        run = self._running.pop(id(seq))
+        self._memory.ledger.release(run.res)
+        try:
+            output = self._output(seq)
+            outcome = Outcome(output, None, run.started, time.monotonic())
+        except Exception as err:
+            logger.exception("could not finish job %s", run.item.job.id)
+            failed = JobError(ErrorCode.INTERNAL, f"{type(err).__name__}: {err}")
+            outcome = Outcome(None, failed, run.started, time.monotonic())
+        self._deliver(run.item, outcome)
+
+    def _fail_running(self, error: JobError) -> None:
+        for seq in list(self.batcher.running):
+            run = self._running.pop(id(seq))
+            self.batcher.pause(seq)
+            self._memory.ledger.release(run.res)
+            self._deliver(run.item, Outcome(None, error, run.started, time.monotonic()))

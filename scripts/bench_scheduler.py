@@ -1,0 +1,385 @@
+#!/usr/bin/env python3
+"""Both branches under one memory budget: cameras send bursts of inspect jobs with
+deadlines, alone and while a Q&A stream runs.
+
+    python scripts/bench_scheduler.py cpu    # ViT student on onnxruntime + SmolLM2 INT4, 2 cores
+    python scripts/bench_scheduler.py cuda   # student FP16 + CUDA graphs + Llama-3-8B shape INT4
+                                             # (random weights), process capped at 8 GiB
+
+The scheduler's own parts run as the daemon runs them (the vision worker's dynamic
+batcher, the text worker's continuous batching, the memory ledger with the text KV pool);
+MQTT is left out so the figures are the scheduler's. Reported per run: p50/p99 latency
+per task, deadline misses, throughput, evictions, the ledger's peak against the budget
+and the process's peak memory (resident on CPU, CUDA allocator on GPU). Also vision
+throughput at batch 1 and at the best batch. Writes bench/results/scheduler_<device>.json
+and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import resource
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from edge.backends import BackendOptions  # noqa: E402
+from edge.protocol.errors import ErrorCode, JobError  # noqa: E402
+from edge.protocol.jobs import ImageRef, InspectJob, ParsedJob, QAJob  # noqa: E402
+from edge.scheduler.branch import Batching, BranchWorker, Outcome  # noqa: E402
+from edge.scheduler.ledger import MemoryLedger, measure  # noqa: E402
+from edge.scheduler.queue import BatchPolicy, PriorityDeadlineQueue  # noqa: E402
+from edge.scheduler.text_worker import TextMemory, TextWorker  # noqa: E402
+from edge.scheduler.work import Reply, WorkItem  # noqa: E402
+from edge.text.continuous import ContinuousBatcher, Sequence  # noqa: E402
+from edge.text.generate import SamplingParams  # noqa: E402
+from edge.vision.inspect import InspectPipeline  # noqa: E402
+
+GIB = 1 << 30
+BUDGET = 8 * GIB
+
+
+@dataclass(frozen=True)
+class Load:
+    cameras: int
+    burst: int  # images per burst
+    period_s: float  # between bursts, per camera
+    deadline_ms: int
+    qa_every_s: float
+    qa_new_tokens: int
+    max_batch: int
+    seconds: float
+
+
+LOADS = {
+    "cpu": Load(
+        cameras=4, burst=4, period_s=1.6, deadline_ms=2000, qa_every_s=2.0, qa_new_tokens=32, max_batch=8, seconds=30
+    ),
+    "cuda": Load(
+        cameras=8, burst=8, period_s=0.25, deadline_ms=200, qa_every_s=0.1, qa_new_tokens=64, max_batch=32, seconds=20
+    ),
+}
+
+
+class Probe:
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def used_bytes(self) -> int:
+        if self.device == "cuda":
+            return int(torch.cuda.memory_allocated())
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+
+    def peak_bytes(self) -> int:
+        if self.device == "cuda":
+            return int(torch.cuda.max_memory_allocated())
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def part_images() -> list[np.ndarray]:
+    out = []
+    for path in sorted((REPO / "samples" / "parts").glob("*.png")):
+        img = cv2.imread(str(path))
+        if img is None:
+            raise FileNotFoundError(path)
+        out.append(cv2.cvtColor(img, cv2.COLOR_BGR2RGB))
+    return out
+
+
+@dataclass
+class Record:
+    task: str
+    latency_ms: float
+    missed: bool
+    error: str | None
+
+
+@dataclass
+class Collector:
+    records: list[Record] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def complete(self, item: WorkItem, outcome: Outcome) -> None:
+        latency = (outcome.finished_at - item.received_at) * 1000.0
+        late = item.deadline_at is not None and outcome.finished_at > item.deadline_at
+        code = outcome.error.code.value if outcome.error else None
+        with self.lock:
+            self.records.append(Record(item.job.task, latency, late or code is not None, code))
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def vision_throughput(pipeline: InspectPipeline, images: list[np.ndarray], batches: list[int]) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for b in batches:
+        batch = [images[i % len(images)] for i in range(b)]
+        pipeline.run(batch)
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 3.0:
+            pipeline.run(batch)
+            n += b
+        out[b] = n / (time.perf_counter() - t0)
+    return out
+
+
+def build_text_cpu(ledger: MemoryLedger, probe: Probe) -> tuple[ContinuousBatcher, Callable[[WorkItem], Sequence], Any]:
+    from edge.text.qa import QAEngine, QASettings
+    from engines.text_build import build_text_engine
+
+    path = build_text_engine(REPO / ".edge" / "engines", "clinic", "awq-int4", progress=False)
+    settings = QASettings(max_context_tokens=1024, max_new_tokens=32, max_sequences=4)
+    engine, used = measure(probe, lambda: QAEngine.load(path, settings))
+    assert ledger.add_model("text", "text", used), "text model over budget"
+    ledger.add_pool("kv", "text", engine.kv_cache_bytes)
+
+    def prepare(item: WorkItem) -> Sequence:
+        assert isinstance(item.job.request, QAJob)
+        return engine.prepare(item.job.request, item)
+
+    return engine.batcher, prepare, engine
+
+
+def build_text_cuda(
+    ledger: MemoryLedger, probe: Probe, new_tokens: int
+) -> tuple[ContinuousBatcher, Callable[[WorkItem], Sequence], Any]:
+    from engines.random_llama import LLAMA3_8B, random_int4_llama
+
+    def load() -> ContinuousBatcher:
+        model = random_int4_llama(LLAMA3_8B, "cuda", "triton", dtype=torch.float16)
+        # 4 sequences x 1,024 positions: the 4,096-token KV budget.
+        return ContinuousBatcher(model, None, frozenset(), slots=4, slot_len=1024)
+
+    batcher, used = measure(probe, load)
+    assert ledger.add_model("text", "text", used), "text model over budget"
+    ledger.add_pool("kv", "text", batcher.cache.nbytes)
+    rng = random.Random(0)
+
+    def prepare(item: WorkItem) -> Sequence:
+        prompt = [rng.randrange(1000, 100000) for _ in range(256)]
+        return Sequence(item, prompt, SamplingParams(max_new_tokens=new_tokens))
+
+    return batcher, prepare, None
+
+
+def run_load(
+    load: Load,
+    with_qa: bool,
+    pipeline: InspectPipeline,
+    images: list[np.ndarray],
+    ledger: MemoryLedger,
+    text: tuple[ContinuousBatcher, Callable[[WorkItem], Sequence], Any],
+) -> dict[str, Any]:
+    collector = Collector()
+    per_image = pipeline.batch_bytes(1) + max(img.nbytes for img in images)
+
+    def inspect_batch(items: list[WorkItem]) -> list[dict[str, Any] | JobError]:
+        res = ledger.reserve(items[0].job.id, "inspect", per_image * len(items))
+        if res is None:
+            return [JobError(ErrorCode.OVER_BUDGET, "batch buffers do not fit") for _ in items]
+        try:
+            found = pipeline.run([images[int(it.job.id.rsplit("-", 1)[1]) % len(images)] for it in items])
+            return [{"label": f.label} for f in found]
+        finally:
+            ledger.release(res)
+
+    def no_single(item: WorkItem) -> dict[str, Any]:
+        raise JobError(ErrorCode.UNAVAILABLE, "only inspect jobs here")
+
+    vq = PriorityDeadlineQueue(4096)
+    policy = BatchPolicy(load.max_batch, 0.005, frozenset({load.max_batch}))
+    vision = BranchWorker("vision", vq, no_single, collector.complete, Batching("inspect", policy, inspect_batch))
+    tq = PriorityDeadlineQueue(4096)
+    batcher, prepare, engine = text
+    output = engine.output if engine is not None else (lambda seq: {"tokens": len(seq.tokens)})
+    kv_tokens = engine.kv_tokens if engine is not None else (lambda seq: len(seq.prompt) + seq.params.max_new_tokens)
+    text_worker = TextWorker(
+        "text", tq, batcher, prepare, output, kv_tokens, TextMemory(ledger, "text", "kv", 0.05), collector.complete
+    )
+    vision.start()
+    text_worker.start()
+    stop = threading.Event()
+    counter = iter(range(10**9))
+
+    def camera(cam: int) -> None:
+        rng = random.Random(cam)
+        time.sleep(rng.random() * load.period_s)
+        while not stop.is_set():
+            for _ in range(load.burst):
+                n = next(counter)
+                job = ParsedJob(
+                    f"cam{cam}-{n}",
+                    "inspect",
+                    1,
+                    load.deadline_ms,
+                    InspectJob(id=f"cam{cam}-{n}", image=ImageRef(path="part.png")),
+                )
+                now = time.monotonic()
+                vq.put(WorkItem(job, Reply("r"), now, now + load.deadline_ms / 1000.0))
+            stop.wait(load.period_s * (0.8 + 0.4 * rng.random()))
+
+    def questions() -> None:
+        n = 0
+        while not stop.is_set():
+            job_id = f"qa-{n}"
+            req = QAJob(id=job_id, question="What are the signs of dehydration?", max_new_tokens=load.qa_new_tokens)
+            tq.put(WorkItem(ParsedJob(job_id, "qa", 5, None, req), Reply("r")))
+            n += 1
+            stop.wait(load.qa_every_s)
+
+    threads = [threading.Thread(target=camera, args=(c,)) for c in range(load.cameras)]
+    if with_qa:
+        threads.append(threading.Thread(target=questions))
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    time.sleep(load.seconds)
+    stop.set()
+    for t in threads:
+        t.join()
+    # Let what was accepted finish: nothing is dropped at the end of a run.
+    deadline = time.monotonic() + 120
+    while (len(vq) or len(tq) or vision.running or text_worker.running) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    elapsed = time.monotonic() - t0
+    vision.stop(10)
+    text_worker.stop(60)
+    tasks: dict[str, Any] = {}
+    for task in ("inspect", "qa"):
+        recs = [r for r in collector.records if r.task == task]
+        if not recs:
+            continue
+        lat = [r.latency_ms for r in recs if r.error is None]
+        tasks[task] = {
+            "jobs": len(recs),
+            "p50_ms": _pct(lat, 0.5),
+            "p99_ms": _pct(lat, 0.99),
+            "missed": sum(r.missed for r in recs),
+            "errors": sorted({r.error for r in recs if r.error}),
+            "per_s": len(recs) / elapsed,
+        }
+    if "qa" in tasks:
+        tasks["qa"]["tokens_per_s"] = sum(s * n for s, n in batcher.batch_sizes.items()) / elapsed
+    return {
+        "with_qa": with_qa,
+        "seconds": elapsed,
+        "tasks": tasks,
+        "vision_batches": dict(sorted(vision.batch_sizes.items())),
+        "text_batches": dict(sorted(batcher.batch_sizes.items())),
+        "paused": text_worker.paused,
+        "over_budget": text_worker.over_budget,
+    }
+
+
+def run(device: str, seconds: float | None) -> dict[str, Any]:
+    load = LOADS[device]
+    if seconds:
+        load = Load(**{**load.__dict__, "seconds": seconds})
+    probe = Probe(device)
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        torch.cuda.set_per_process_memory_fraction(BUDGET / props.total_memory)
+    else:
+        torch.set_num_threads(1)
+    ledger = MemoryLedger(BUDGET, 256 << 20)
+    assert ledger.add_model("runtime", "daemon", probe.used_bytes(), keep_alive_s=float("inf"))
+    images = part_images()
+    student = student_dir(device)
+    backend = "torch-cuda" if device == "cuda" else "onnxruntime"
+    pipeline, used = measure(
+        probe, lambda: InspectPipeline.load(student, backend, BackendOptions(threads=1, max_batch=load.max_batch))
+    )
+    assert ledger.add_model("inspect", "vision", used), "student over budget"
+    batches = [1, 8, 32] if device == "cuda" else [1, 8]
+    throughput = vision_throughput(pipeline, images, batches)
+    text = build_text_cuda(ledger, probe, load.qa_new_tokens) if device == "cuda" else build_text_cpu(ledger, probe)
+    resident = ledger.snapshot()
+    alone = run_load(load, False, pipeline, images, ledger, text)
+    mixed = run_load(load, True, pipeline, images, ledger, text)
+    best = max(throughput, key=lambda b: throughput[b])
+    snap = ledger.snapshot()
+    return {
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "load": load.__dict__,
+        "budget_bytes": BUDGET,
+        "resident_models": {k: v["bytes"] for k, v in resident["models"].items()},
+        "kv_pool_bytes": resident["pools"]["kv"]["capacity_bytes"],
+        "kv_pool_tokens": text[0].slots * text[0].slot_len,
+        "ledger_peak_bytes": snap["peak_bytes"],
+        "process_peak_bytes": probe.peak_bytes(),
+        "evictions": snap["evictions"],
+        "vision_images_per_s": {str(b): v for b, v in throughput.items()},
+        "vision_best_batch": best,
+        "vision_best_over_batch1": throughput[best] / throughput[1],
+        "alone": alone,
+        "with_qa": mixed,
+        "inspect_p99_ratio": mixed["tasks"]["inspect"]["p99_ms"] / alone["tasks"]["inspect"]["p99_ms"],
+    }
+
+
+def student_dir(device: str) -> Path:
+    if device == "cuda":
+        carried = REPO / ".edge" / "exp" / "student"
+        if carried.is_dir():
+            return carried
+    from engines.vision_build import build_student
+
+    return build_student(REPO / ".edge" / "engines", "default", progress=False)
+
+
+def print_result(r: dict[str, Any]) -> None:
+    print(f"{r['device']}, torch {r['torch']}, budget {r['budget_bytes'] / GIB:.0f} GiB")
+    print("| run | task | jobs | p50 ms | p99 ms | missed | jobs/s |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for name in ("alone", "with_qa"):
+        for task, t in r[name]["tasks"].items():
+            print(
+                f"| {name} | {task} | {t['jobs']} | {t['p50_ms']:.0f} | {t['p99_ms']:.0f} | {t['missed']} | "
+                f"{t['per_s']:.1f} |"
+            )
+    print(f"inspect p99 with Q&A / alone: {r['inspect_p99_ratio']:.2f}x")
+    ips = r["vision_images_per_s"]
+    print(f"vision images/s by batch: {ips}; best/batch 1: {r['vision_best_over_batch1']:.1f}x")
+    print(
+        f"ledger peak {r['ledger_peak_bytes'] / GIB:.2f} GiB, process peak {r['process_peak_bytes'] / GIB:.2f} GiB "
+        f"of {r['budget_bytes'] / GIB:.0f} GiB; KV pool {r['kv_pool_tokens']} tokens; evictions {r['evictions']}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("device", choices=["cpu", "cuda"])
+    parser.add_argument("--seconds", type=float, default=None, help="length of each load run")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    result = run(args.device, args.seconds)
+    out = args.out or REPO / "bench" / "results" / f"scheduler_{args.device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    print_result(result)
+    assert result["ledger_peak_bytes"] <= BUDGET and result["process_peak_bytes"] <= BUDGET, "over budget"
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

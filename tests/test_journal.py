@@ -1,0 +1,87 @@
+"""The job journal on its own: states, durability across reopening, dedup window,
+compaction and the size bound (a real SQLite file, filled for real)."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from edge.journal.store import ANSWERED, QUEUED, SENT, Journal, JournalFull
+
+
+def test_a_job_goes_queued_sent_answered(tmp_path: Path) -> None:
+    j = Journal(tmp_path / "j.sqlite3", 2**20, 60.0)
+    j.accept("a", "edge/t1/jobs/ocr", b'{"id": "a"}', "replies", b"corr")
+    entry = j.lookup("a")
+    assert entry is not None and entry.state == QUEUED and entry.payload == b'{"id": "a"}'
+    assert entry.correlation == b"corr" and entry.reply_topic == "replies"
+    j.store_result("a", "replies", b"corr", b"result-a")
+    entry = j.lookup("a")
+    assert entry is not None and entry.state == SENT and entry.result == b"result-a"
+    assert entry.payload is None  # the request is not needed once its result is kept
+    j.mark_answered("a")
+    entry = j.lookup("a")
+    assert entry is not None and entry.state == ANSWERED
+    assert j.counts() == {QUEUED: 0, SENT: 0, ANSWERED: 1}
+
+
+def test_unfinished_jobs_survive_reopening_in_arrival_order(tmp_path: Path) -> None:
+    path = tmp_path / "j.sqlite3"
+    j = Journal(path, 2**20, 60.0)
+    for name in ("first", "second", "third"):
+        j.accept(name, "edge/t1/jobs/ocr", name.encode(), "r", None)
+        time.sleep(0.01)
+    j.store_result("second", "r", None, b"done")
+    j.store_result("third", "r", None, b"done")
+    j.mark_answered("third")
+    j.close()  # what a restart sees: only what reached the file
+    again = Journal(path, 2**20, 60.0)
+    pending = again.pending()
+    assert [(e.id, e.state) for e in pending] == [("first", QUEUED), ("second", SENT)]
+    assert again.replayed("first") == 1 and again.replayed("first") == 2
+
+
+def test_wal_mode_and_full_sync(tmp_path: Path) -> None:
+    path = tmp_path / "j.sqlite3"
+    Journal(path, 2**20, 60.0).accept("a", "t", b"x", "r", None)
+    db = sqlite3.connect(str(path))
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_compaction_forgets_only_answered_jobs_past_the_window(tmp_path: Path) -> None:
+    j = Journal(tmp_path / "j.sqlite3", 2**20, 100.0)
+    for name in ("old-answered", "old-queued", "new-answered"):
+        j.accept(name, "t", b"x", "r", None)
+    for name in ("old-answered", "new-answered"):
+        j.store_result(name, "r", None, b"ok")
+        j.mark_answered(name)
+    assert j.compact(now=time.time() + 50) == 0  # all within the window
+    # Pretend time moved on past the window for the first two.
+    with sqlite3.connect(str(j.path)) as db:
+        db.execute("UPDATE jobs SET received = received - 1000 WHERE id LIKE 'old-%'")
+    assert j.compact() == 1
+    assert j.lookup("old-answered") is None
+    assert j.lookup("old-queued") is not None  # never answered: kept whatever its age
+    assert j.lookup("new-answered") is not None
+
+
+def test_a_full_journal_refuses_then_recovers_when_space_is_freed(tmp_path: Path) -> None:
+    j = Journal(tmp_path / "j.sqlite3", 256 * 1024, 60.0)
+    payload = b"p" * 20_000
+    accepted = 0
+    with pytest.raises(JournalFull, match="full"):
+        for i in range(100):
+            j.accept(f"job-{i}", "t", payload, "r", None)
+            accepted += 1
+    assert 3 <= accepted < 20
+    assert j.full_since is not None
+    assert j.lookup(f"job-{accepted}") is None  # refused means not kept, not half-kept
+    # Answering jobs drops their payloads; the space is reused.
+    for i in range(accepted):
+        j.store_result(f"job-{i}", "r", None, b"ok")
+    j.accept("after", "t", payload, "r", None)
+    assert j.full_since is None
+    assert all(j.lookup(f"job-{i}") is not None for i in range(accepted))

@@ -1,0 +1,140 @@
+"""The text branch's worker on the real SmolLM2 weights, with real ledger and queue
+objects (no broker, no GPU): continuous batching, pausing a lower-priority sequence for an
+urgent one, over_budget when a deadline passes waiting for KV, the pool never exceeded."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from edge.protocol.errors import ErrorCode
+from edge.protocol.jobs import ParsedJob, QAJob
+from edge.scheduler.branch import Outcome
+from edge.scheduler.ledger import MemoryLedger
+from edge.scheduler.queue import PriorityDeadlineQueue
+from edge.scheduler.text_worker import TextMemory, TextWorker
+from edge.scheduler.work import Reply, WorkItem
+from edge.text.checkpoint import load_checkpoint
+from edge.text.qa import QAEngine, QASettings
+from engines.import_gguf import import_smollm2
+
+
+def _engine(engine_dir: Path, sequences: int) -> QAEngine:
+    ckpt = load_checkpoint(import_smollm2(engine_dir, progress=False))
+    return QAEngine(ckpt, QASettings(max_context_tokens=192, max_new_tokens=16, max_sequences=sequences))
+
+
+def _item(job_id: str, question: str, priority: int = 5, new: int = 16, deadline_ms: int | None = None) -> WorkItem:
+    job = ParsedJob(job_id, "qa", priority, deadline_ms, QAJob(id=job_id, question=question, max_new_tokens=new))
+    received = time.monotonic()
+    return WorkItem(job, Reply("r"), received, received + deadline_ms / 1000 if deadline_ms else None)
+
+
+@dataclass
+class Harness:
+    engine: QAEngine
+    ledger: MemoryLedger
+    queue: PriorityDeadlineQueue
+    worker: TextWorker
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def wait(self, count: int, timeout: float = 120) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: len(self.outcomes) >= count, timeout), self.outcomes.keys()
+
+
+@pytest.fixture
+def harness(request: pytest.FixtureRequest, engine_dir: Path) -> Iterator[Harness]:
+    sequences, wait_s = request.param
+    engine = _engine(engine_dir, sequences)
+    ledger = MemoryLedger(2**34)
+    assert ledger.add_model("llm", "text", engine.kv_cache_bytes)
+    ledger.add_pool("kv", "llm", engine.kv_cache_bytes)
+    queue = PriorityDeadlineQueue(64)
+    h: Harness
+
+    def complete(item: WorkItem, outcome: Outcome) -> None:
+        with h.cond:
+            h.outcomes[item.job.id] = outcome
+            h.cond.notify_all()
+
+    def prepare(item: WorkItem):  # type: ignore[no-untyped-def]
+        assert isinstance(item.job.request, QAJob)
+        return engine.prepare(item.job.request, item)
+
+    memory = TextMemory(ledger, "llm", "kv", wait_s)
+    worker = TextWorker("text", queue, engine.batcher, prepare, engine.output, engine.kv_tokens, memory, complete)
+    h = Harness(engine, ledger, queue, worker)
+    yield h
+    worker.stop(30)
+
+
+def _alone(engine: QAEngine, question: str, new: int) -> str:
+    return str(engine.answer(QAJob(id="ref", question=question, max_new_tokens=new))["answer"])
+
+
+@pytest.mark.parametrize("harness", [(1, 0.05)], indirect=True)
+def test_an_urgent_job_pauses_a_lower_priority_one(harness: Harness) -> None:
+    h = harness
+    low_q, urgent_q = "List the bones of the human arm.", "Is 38.5 C a fever?"
+    low_ref, urgent_ref = _alone(h.engine, low_q, 40), _alone(h.engine, urgent_q, 8)
+    h.worker.start()
+    h.queue.put(_item("low", low_q, priority=8, new=40))
+    deadline = time.monotonic() + 30
+    while not (h.engine.batcher.running and len(h.engine.batcher.running[0].tokens) >= 3):
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    h.queue.put(_item("urgent", urgent_q, priority=0, new=8))
+    h.wait(2)
+    low, urgent = h.outcomes["low"], h.outcomes["urgent"]
+    assert urgent.error is None and low.error is None
+    assert urgent.finished_at < low.finished_at, "the urgent job waited for the long one"
+    assert h.worker.paused == 1
+    # Paused and resumed (its KV recomputed), the low job still says what it says alone.
+    assert low.output is not None and low.output["answer"] == low_ref
+    assert urgent.output is not None and urgent.output["answer"] == urgent_ref
+    snap = h.ledger.snapshot()["pools"]["kv"]
+    assert snap["reserved_bytes"] == 0 and snap["peak_bytes"] <= snap["capacity_bytes"]
+
+
+@pytest.mark.parametrize("harness", [(1, 0.01)], indirect=True)
+def test_over_budget_when_the_deadline_passes_waiting_for_kv(harness: Harness) -> None:
+    h = harness
+    h.worker.start()
+    h.queue.put(_item("long", "Describe the heart in detail.", priority=5, new=60))
+    while not h.engine.batcher.running:
+        time.sleep(0.005)
+    # Same priority: nothing may be paused for it, so it waits, and its deadline passes.
+    h.queue.put(_item("late", "Hello?", priority=5, new=4, deadline_ms=60))
+    h.wait(2)
+    late = h.outcomes["late"]
+    assert late.error is not None and late.error.code == ErrorCode.OVER_BUDGET
+    assert "bytes of KV" in late.error.message and "sequence rows free" in late.error.message
+    assert h.outcomes["long"].error is None and h.worker.paused == 0
+
+
+@pytest.mark.parametrize("harness", [(3, 0.02)], indirect=True)
+def test_mixed_jobs_all_finish_within_the_pool(harness: Harness) -> None:
+    h = harness
+    rng = random.Random(7)
+    questions = ["What is insulin?", "Name a vitamin.", "What does a nurse do?", "Why sleep?"]
+    items = [
+        _item(f"m{i}", rng.choice(questions), priority=rng.randrange(10), new=rng.randrange(2, 20)) for i in range(24)
+    ]
+    h.worker.start()
+    for item in items:
+        h.queue.put(item)
+        time.sleep(rng.random() * 0.02)
+    h.wait(len(items))
+    assert all(o.error is None and o.output is not None for o in h.outcomes.values())
+    assert max(h.worker.batch_sizes) >= 2  # sequences really decoded together
+    snap = h.ledger.snapshot()["pools"]["kv"]
+    assert snap["reserved_bytes"] == 0 and 0 < snap["peak_bytes"] <= snap["capacity_bytes"]
+    assert h.engine.batcher.free_slots == 3
