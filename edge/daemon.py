@@ -31,7 +31,7 @@ from edge.memory import RssProbe, rss_bytes
 from edge.protocol import results
 from edge.protocol.errors import ErrorCode, JobError
 from edge.protocol.images import ImageLimits, decode_base64, decode_image, read_media_file, resolve_media_path
-from edge.protocol.jobs import InspectJob, JobLimits, OCRJob, QAJob, decode_payload, parse_job
+from edge.protocol.jobs import InspectJob, JobLimits, OCRJob, ParsedJob, QAJob, decode_payload, parse_job
 from edge.scheduler.branch import Batching, BranchWorker, Outcome, Worker
 from edge.scheduler.ledger import MemoryLedger, Reservation, measure
 from edge.scheduler.queue import BatchPolicy, PriorityDeadlineQueue
@@ -459,7 +459,39 @@ class Daemon:
     # results -------------------------------------------------------------------------
 
     def _complete(self, item: WorkItem, outcome: Outcome) -> None:
-        self._finish(item, outcome.output, outcome.error, outcome.finished_at, outcome.started_at)
+        job = item.job.request
+        if isinstance(job, InspectJob) and job.ask is not None and outcome.output is not None:
+            self._ask_text(item, job, outcome.output)
+            return
+        output = outcome.output
+        if item.carry is not None and output is not None:
+            output = {**item.carry["output"], "answer": output}
+        self._finish(item, output, outcome.error, outcome.finished_at, outcome.started_at)
+
+    def _ask_text(self, item: WorkItem, job: InspectJob, inspected: dict[str, Any]) -> None:
+        """A pipeline job's second stage: the verdict and the label's text become the
+        context of a question on the text branch, queued at the job's priority; the one
+        result comes when the answer does."""
+        assert job.ask is not None
+        ocr = inspected.get("ocr", {}).get("text") if job.ocr else None
+        context = (
+            f"Inspection result: {inspected['class']} (confidence {inspected['score']:.2f}), "
+            f"defect score {inspected['defect_score']:.2f}."
+            + (f" Label text: {' / '.join(ocr.splitlines())}." if ocr else "")
+        )
+        question = QAJob(id=job.id, question=job.ask.question, context=context, max_new_tokens=job.ask.max_new_tokens)
+        stage = WorkItem(
+            job=ParsedJob(job.id, "qa", job.priority, None, question),
+            reply=item.reply,
+            received_at=item.received_at,
+            carry={"task": "inspect", "output": inspected},
+        )
+        queue = self.queues.get("text")
+        if queue is None:  # the intake refuses these; the text branch may have gone since
+            why = JobError(ErrorCode.UNAVAILABLE, "the text branch is not served on this device", "ask")
+            self._finish(item, None, why, time.monotonic())
+            return
+        queue.put(stage, force=True)  # accepted once already: never refused for queue size
 
     def _finish(
         self,
@@ -476,14 +508,15 @@ class Daemon:
             total_ms=(finished_at - item.received_at) * 1000.0,
         )
         job = item.job
+        task = item.carry["task"] if item.carry is not None else job.task
         if error is None and output is not None:
-            doc = results.ok_result(job.id, job.task, self.profile.device_id, output, timings)
-            self.stats.record_ok(job.task, timings.total_ms)
+            doc = results.ok_result(job.id, task, self.profile.device_id, output, timings)
+            self.stats.record_ok(task, timings.total_ms)
         else:
             err = error or JobError(ErrorCode.INTERNAL, "no output")
             logger.warning("job %s failed: %s", job.id, err)
-            doc = results.error_result(job.id, job.task, self.profile.device_id, err, timings)
-            self.stats.record_error(job.task, err.code.value)
+            doc = results.error_result(job.id, task, self.profile.device_id, err, timings)
+            self.stats.record_error(task, err.code.value)
         self._send(item.reply, job.id, results.encode(doc))
 
     def _answer(self, reply: Reply, job_id: str, task: str, output: dict[str, Any], received: float) -> None:

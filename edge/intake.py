@@ -17,7 +17,16 @@ from edge.comms.mqtt import IncomingJob
 from edge.config.schema import Profile
 from edge.journal.store import QUEUED, Journal, JournalFull, digest
 from edge.protocol.errors import ErrorCode, JobError
-from edge.protocol.jobs import JOB_MODELS, CancelJob, JobLimits, ParsedJob, decode_payload, parse_job, recover_id
+from edge.protocol.jobs import (
+    JOB_MODELS,
+    CancelJob,
+    InspectJob,
+    JobLimits,
+    ParsedJob,
+    decode_payload,
+    parse_job,
+    recover_id,
+)
 from edge.scheduler.queue import PriorityDeadlineQueue, QueueFull
 from edge.scheduler.work import TASK_BRANCH, Reply, WorkItem
 
@@ -90,6 +99,10 @@ class Intake:
             unavailable = JobError(ErrorCode.UNAVAILABLE, f"task {job.task!r} is not served on this device", "task")
             logger.warning("rejected job %s: %s", job.id, unavailable)
             self._reject(reply, job.id, job.task, unavailable, received)
+            return True
+        if isinstance(job.request, InspectJob) and job.request.ask is not None and "text" not in self._queues:
+            no_text = JobError(ErrorCode.UNAVAILABLE, "the text branch is not served on this device", "ask")
+            self._reject(reply, job.id, job.task, no_text, received)
             return True
         try:
             self._journal.accept(job.id, msg.topic, msg.payload, reply.topic, reply.correlation)

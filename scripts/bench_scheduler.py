@@ -160,12 +160,18 @@ def build_text_cpu(ledger: MemoryLedger, probe: Probe) -> tuple[ContinuousBatche
 
 
 def build_text_cuda(
-    ledger: MemoryLedger, probe: Probe, new_tokens: int
+    ledger: MemoryLedger,
+    probe: Probe,
+    new_tokens: int,
+    config: Any = None,
+    device: str = "cuda",
+    kernel: str = "triton",
+    dtype: torch.dtype = torch.float16,
 ) -> tuple[ContinuousBatcher, Callable[[WorkItem], Sequence], Any]:
     from engines.random_llama import LLAMA3_8B, random_int4_llama
 
     def load() -> ContinuousBatcher:
-        model = random_int4_llama(LLAMA3_8B, "cuda", "triton", dtype=torch.float16)
+        model = random_int4_llama(config or LLAMA3_8B, device, kernel, dtype=dtype)
         # 4 sequences x 1,024 positions: the 4,096-token KV budget.
         return ContinuousBatcher(model, None, frozenset(), slots=4, slot_len=1024)
 
@@ -175,7 +181,7 @@ def build_text_cuda(
     rng = random.Random(0)
 
     def prepare(item: WorkItem) -> Sequence:
-        prompt = [rng.randrange(1000, 100000) for _ in range(256)]
+        prompt = [rng.randrange(1000, batcher.model.config.vocab_size) for _ in range(256)]
         return Sequence(item, prompt, SamplingParams(max_new_tokens=new_tokens))
 
     return batcher, prepare, None

@@ -171,7 +171,42 @@ def vision_cuda(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def scheduler(d: dict[str, Any], source: str) -> str:
+    load = d["load"]
+    gib = 2**30
+    lines = [
+        f"{d['device']}, torch {d['torch']}; {load['cameras']} cameras, bursts of {load['burst']} inspect jobs "
+        f"every ~{load['period_s']:g} s each, deadline {load['deadline_ms']} ms; Q&A stream: one question every "
+        f"{load['qa_every_s']:g} s, {load['qa_new_tokens']} new tokens; {load['seconds']:g} s per run (`{source}`).",
+        "",
+        "| run | task | jobs | p50 ms | p99 ms | deadline misses | jobs/s |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for run, label in (("alone", "cameras alone"), ("with_qa", "cameras + Q&A")):
+        for task, t in d[run]["tasks"].items():
+            lines.append(
+                f"| {label} | {task} | {t['jobs']} | {t['p50_ms']:.0f} | {t['p99_ms']:.0f} | {t['missed']} | "
+                f"{t['per_s']:.1f} |"
+            )
+    ips = d["vision_images_per_s"]
+    by_batch = ", ".join(f"batch {b} {v:.0f}" for b, v in ips.items())
+    lines += [
+        "",
+        f"- inspect p99 with the Q&A stream / alone: **{d['inspect_p99_ratio']:.2f}x** (target: at most 2x)",
+        f"- vision images/s (decode-free, preprocessing included): {by_batch}; best / batch 1: "
+        f"**{d['vision_best_over_batch1']:.1f}x** (target: at least 3x)",
+        f"- memory: ledger peak {d['ledger_peak_bytes'] / gib:.2f} GiB, process peak "
+        f"{d['process_peak_bytes'] / gib:.2f} GiB, budget {d['budget_bytes'] / gib:.0f} GiB; both branches "
+        f"resident ({', '.join(f'{k} {v / gib:.2f} GiB' for k, v in d['resident_models'].items())}), KV pool "
+        f"{d['kv_pool_tokens']} tokens ({d['kv_pool_bytes'] / gib:.2f} GiB); evictions {d['evictions']}; "
+        f"text sequences paused {d['with_qa']['paused']}",
+    ]
+    return "\n".join(lines)
+
+
 TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
+    "scheduler_cpu": ("scheduler_cpu.json", lambda d: scheduler(d, "bench/results/scheduler_cpu.json")),
+    "scheduler_cuda": ("scheduler_cuda.json", lambda d: scheduler(d, "bench/results/scheduler_cuda.json")),
     "text_quality": ("text_quality.json", text_quality),
     "text_cpu": ("text_cpu.json", text_cpu),
     "text_cuda": ("text_cuda.json", text_cuda),

@@ -414,3 +414,31 @@ def test_clean_stop_publishes_offline(tmp_path: Path, broker: Broker, engine_dir
         assert requester.wait_topic("edge/cs/available")[-1] == b"offline"
     finally:
         requester.close()
+
+
+def test_pipeline_job_inspects_then_asks_the_text_branch(daemon: DaemonProc, requester: Requester) -> None:
+    """One inspect job with `ask`: the verdict and the label's text go to the text branch
+    as context, and one result carries the inspection and the answer."""
+    lab = LABELS[1]
+    result = requester.request(
+        f"{JOBS}/inspect",
+        {
+            "id": "pipe-1",
+            "image": {"path": f"labels/{lab['name']}"},
+            "ocr": True,
+            "ask": {"question": "Write the rework note for this part.", "max_new_tokens": 24},
+        },
+        timeout=120,
+    )
+    assert result["status"] == "ok" and result["task"] == "inspect", result
+    out = result["output"]
+    assert out["class"] in ("clean", "scratch", "dent", "stain", "missing_print")
+    assert [line["text"] for line in out["ocr"]["lines"]] == lab["lines"]
+    answer = out["answer"]
+    assert answer["answer"] and answer["completion_tokens"] >= 1
+    # The text branch saw the inspection: the prompt is the question plus the verdict and
+    # the label's text, longer than the same question asked alone.
+    alone = requester.request(f"{JOBS}/qa", {"id": "pipe-alone", "question": "Write the rework note for this part."})
+    assert answer["prompt_tokens"] >= alone["output"]["prompt_tokens"] + 15
+    bad = requester.request(f"{JOBS}/inspect", {"id": "pipe-bad", "image": {"path": "x.png"}, "ask": {"question": ""}})
+    assert bad["status"] == "error" and bad["error"]["field"] == "ask.question"

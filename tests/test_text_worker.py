@@ -108,16 +108,17 @@ def test_an_urgent_job_pauses_a_lower_priority_one(harness: Harness) -> None:
 def test_over_budget_when_the_deadline_passes_waiting_for_kv(harness: Harness) -> None:
     h = harness
     h.worker.start()
-    h.queue.put(_item("long", "Describe the heart in detail.", priority=5, new=60))
+    h.queue.put(_item("long", "Count from 1 to 200, separated by commas.", priority=5, new=120))
     while not h.engine.batcher.running:
         time.sleep(0.005)
     # Same priority: nothing may be paused for it, so it waits, and its deadline passes.
-    h.queue.put(_item("late", "Hello?", priority=5, new=4, deadline_ms=60))
+    h.queue.put(_item("late", "Hello?", priority=5, new=4, deadline_ms=400))
     h.wait(2)
     late = h.outcomes["late"]
     assert late.error is not None and late.error.code == ErrorCode.OVER_BUDGET
     assert "bytes of KV" in late.error.message and "sequence rows free" in late.error.message
     assert h.outcomes["long"].error is None and h.worker.paused == 0
+    assert h.outcomes["long"].finished_at > late.finished_at, "the long job ended first: nothing was tested"
 
 
 @pytest.mark.parametrize("harness", [(3, 0.02)], indirect=True)

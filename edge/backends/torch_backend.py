@@ -62,7 +62,9 @@ class TorchCudaSession(InferenceSession):
                 self._model(static_in)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the text branch's thread may be launching its own work meanwhile;
+        # the default (global) mode would fail its calls during the capture.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             outputs = self._model(static_in)
         logger.debug("captured the student for batch %d", batch)
         return graph, static_in, tuple(outputs)

@@ -56,12 +56,26 @@ class OCRJob(JobBase):
     image: ImageRef = Field(description="The image to read.")
 
 
+class AskSpec(_JobModel):
+    question: Annotated[str, StringConstraints(min_length=1)] = Field(
+        description="What the text branch is asked about the inspected part, e.g. 'Write the rework note.'"
+    )
+    max_new_tokens: int | None = Field(
+        default=None, ge=1, description="Tokens to generate at most (device cap applies)."
+    )
+
+
 class InspectJob(JobBase):
     image: ImageRef = Field(description="The image of the part to inspect.")
     heatmap: bool = Field(
         default=False, description="Also return the per-patch defect probabilities (a 14x14 grid, row-major)."
     )
     ocr: bool = Field(default=False, description="Also read the text on the part's labels (OCR) in the same job.")
+    ask: AskSpec | None = Field(
+        default=None,
+        description="A pipeline job: once inspected, the verdict and the label's text are handed to the text "
+        "branch with this question, and the answer comes back in the same result.",
+    )
 
 
 class QAJob(JobBase):
@@ -179,6 +193,12 @@ def parse_job(data: Any, topic_task: str | None, limits: JobLimits) -> ParsedJob
         raise _validation_to_job_error(err) from err
     if isinstance(request, QAJob):
         _check_qa_limits(request, limits)
+    if isinstance(request, InspectJob) and request.ask is not None:
+        _check_qa_limits(
+            QAJob(id=request.id, question=request.ask.question, max_new_tokens=request.ask.max_new_tokens),
+            limits,
+            "ask.",
+        )
     return ParsedJob(
         id=request.id,
         task=_TASK_NAMES[task],
@@ -188,18 +208,18 @@ def parse_job(data: Any, topic_task: str | None, limits: JobLimits) -> ParsedJob
     )
 
 
-def _check_qa_limits(job: QAJob, limits: JobLimits) -> None:
+def _check_qa_limits(job: QAJob, limits: JobLimits, prefix: str = "") -> None:
     chars = len(job.question) + len(job.context or "")
     if chars > limits.max_prompt_chars:
         field = "context" if job.context and len(job.question) <= limits.max_prompt_chars else "question"
         raise JobError(
             ErrorCode.PROMPT_TOO_LONG,
             f"question and context are {chars} characters, limit {limits.max_prompt_chars}",
-            field,
+            prefix + field,
         )
     if job.max_new_tokens is not None and job.max_new_tokens > limits.max_new_tokens_limit:
         raise JobError(
             ErrorCode.INVALID_FIELD,
             f"max_new_tokens {job.max_new_tokens} exceeds this device's limit {limits.max_new_tokens_limit}",
-            "max_new_tokens",
+            prefix + "max_new_tokens",
         )

@@ -165,14 +165,16 @@ class TextWorker(Worker):
         self._running[id(seq)] = _Running(item, res, time.monotonic())
 
     def _pause_one_below(self, item: WorkItem) -> bool:
-        """Pause the least urgent running sequence that is less urgent than `item`."""
+        """Pause the least urgent running sequence of lower priority than `item` (a
+        larger number). Deadlines order the queue but never preempt: a sequence of the
+        same priority runs to its end."""
 
         def urgency(run: _Running) -> tuple[int, float]:
             deadline = run.item.deadline_at if run.item.deadline_at is not None else math.inf
             return (run.item.job.priority, deadline)
 
         lower = [(seq, run) for seq in self.batcher.running if (run := self._running[id(seq)])]
-        lower = [(s, r) for s, r in lower if urgency(r) > (item.job.priority, item.deadline_at or math.inf)]
+        lower = [(s, r) for s, r in lower if r.item.job.priority > item.job.priority]
         if not lower:
             return False
         seq, run = max(lower, key=lambda pair: urgency(pair[1]))

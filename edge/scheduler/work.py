@@ -28,6 +28,9 @@ class WorkItem:
     # prepared or paused sequence), and since when it has waited for memory.
     progress: Any = None
     waiting_since: float | None = None
+    # A pipeline job's second stage carries the first stage's task and output, to be
+    # answered together as one result.
+    carry: dict[str, Any] | None = None
 
     @property
     def branch(self) -> str:

@@ -83,10 +83,16 @@ class InspectPipeline:
         return pipeline
 
     def warm_up(self, max_batch: int) -> None:
-        """Run the largest batch once, so the runtime's working memory for it is held
-        (and measured into the model's footprint) before the first job."""
+        """Run every batch size a backend may specialise for (powers of two up to the
+        largest, and the largest), so the runtime's working memory is held and measured
+        into the model's footprint, and no CUDA graph is captured later while another
+        branch's thread launches work on the GPU."""
         size = self.image_size
-        self.run([np.zeros((size, size, 3), np.uint8)] * max(1, max_batch))
+        blank = np.zeros((size, size, 3), np.uint8)
+        top = max(1, max_batch)
+        sizes = sorted({1 << i for i in range(top.bit_length()) if 1 << i <= top} | {top})
+        for n in sizes:
+            self.run([blank] * n)
 
     def batch_bytes(self, count: int) -> int:
         """The input tensor a batch of `count` images needs (float32, NCHW)."""
