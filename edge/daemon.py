@@ -12,7 +12,6 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -33,7 +32,8 @@ from edge.protocol.errors import ErrorCode, JobError
 from edge.protocol.images import ImageLimits, decode_base64, decode_image, read_media_file, resolve_media_path
 from edge.protocol.jobs import InspectJob, JobLimits, OCRJob, ParsedJob, QAJob, decode_payload, parse_job
 from edge.scheduler.branch import Batching, BranchWorker, Outcome, Worker
-from edge.scheduler.ledger import MemoryLedger, Reservation, measure
+from edge.scheduler.ledger import MemoryLedger, Reservation
+from edge.scheduler.models import ModelManager
 from edge.scheduler.queue import BatchPolicy, PriorityDeadlineQueue
 from edge.scheduler.text_worker import TextMemory, TextWorker
 from edge.scheduler.work import TASK_BRANCH, Reply, WorkItem
@@ -49,15 +49,12 @@ from engines.vision_build import build_student
 logger = logging.getLogger(__name__)
 
 TEXT_KV_POOL = "text-kv"
+OCR_MODEL = "pp-ocrv6-small"
+INSPECT_MODEL = "inspect-vit-student"
 
 
-@dataclass(frozen=True)
-class LoadedModel:
-    name: str
-    branch: str
-    backend: str
-    memory_bytes: int
-    load_ms: float
+def _wants_ocr(item: WorkItem) -> bool:
+    return isinstance(item.job.request, InspectJob) and item.job.request.ocr
 
 
 class Daemon:
@@ -67,17 +64,17 @@ class Daemon:
         self.notifier = Notifier()
         self.state = "starting"
         self.started_at = time.time()
-        self.models: list[LoadedModel] = []
+        self._image_size = 0  # the student's input side, known once it loads
         self.branch_errors: dict[str, str] = {}
         self.queues: dict[str, PriorityDeadlineQueue] = {}
         self.workers: dict[str, Worker] = {}
-        self._ocr: OCRPipeline | None = None
-        self._inspect: InspectPipeline | None = None
+        self._served: set[str] = set()  # tasks whose model loaded at start
         self._stalls: list[str] = []
         self.abandoned_work = False  # a worker still ran when the drain timeout ended
         self._qa: QAEngine | None = None
         self._stop = threading.Event()
         self.ledger = MemoryLedger(profile.memory_budget_mib * 2**20, profile.memory_headroom_mib * 2**20)
+        self.manager = ModelManager(self.ledger, RssProbe())
         self._image_limits = ImageLimits(profile.limits.max_image_bytes, profile.limits.max_image_pixels)
         profile.paths.state_dir.mkdir(parents=True, exist_ok=True)
         jcfg = profile.journal
@@ -240,22 +237,12 @@ class Daemon:
 
     # models --------------------------------------------------------------------------
 
-    def _measure(self, name: str, branch: str, backend: str, load: Any) -> Any:
-        """Load a model and enter its measured footprint in the ledger; a model the
-        budget cannot hold is dropped again and its load fails with the figures."""
-        t0 = time.perf_counter()
-        obj, used = measure(RssProbe(), load)
-        elapsed = (time.perf_counter() - t0) * 1000.0
-        if not self.ledger.add_model(name, branch, used, keep_alive_s=float("inf")):
-            snap = self.ledger.snapshot()
-            del obj
-            raise MemoryError(
-                f"{name} needs {used} bytes; the ledger holds {snap['used_bytes']} of {self.ledger.capacity_bytes} "
-                f"usable ({snap['budget_bytes']} budget - {snap['headroom_bytes']} headroom)"
-            )
-        self.models.append(LoadedModel(name, branch, backend, used, elapsed))
-        logger.info("loaded %s (%s) in %.0f ms, %.1f MiB resident", name, backend, elapsed, used / 2**20)
-        return obj
+    def _load(self, name: str, branch: str, backend: str, load: Any, keep_alive_s: float | None = None) -> Any:
+        """Load a model through the manager: its measured footprint enters the ledger; a
+        model the budget cannot hold fails its load with the figures."""
+        keep = float("inf") if keep_alive_s is None else keep_alive_s
+        self.manager.register(name, branch, backend, load, keep)
+        return self.manager.load(name)
 
     def _load_models(self) -> None:
         models = self.profile.models
@@ -267,12 +254,14 @@ class Daemon:
                     text_score=models.ocr.text_score,
                 )
                 opts = BackendOptions(threads=models.ocr.threads)
-                self._ocr = self._measure(
-                    "pp-ocrv6-small",
+                self._load(
+                    OCR_MODEL,
                     "vision",
                     models.ocr.backend,
                     lambda: OCRPipeline.load(settings, models.ocr.backend, opts),
+                    models.ocr.keep_alive_s,
                 )
+                self._served.add("ocr")
             except Exception as err:  # one model failing must not take the others down
                 logger.exception("OCR unavailable")
                 self.branch_errors["vision"] = f"ocr: {type(err).__name__}: {err}"
@@ -281,17 +270,21 @@ class Daemon:
                 student = self._student_path()
                 cfg = models.inspect
                 opts_i = BackendOptions(threads=cfg.threads, max_batch=cfg.max_batch)
-                self._inspect = self._measure(
-                    "inspect-vit-student",
+                pipeline: InspectPipeline = self._load(
+                    INSPECT_MODEL,
                     "vision",
                     cfg.backend,
                     lambda: InspectPipeline.load(student, cfg.backend, opts_i),
+                    cfg.keep_alive_s,
                 )
+                self._image_size = pipeline.image_size
+                del pipeline  # the manager holds it (and may evict it)
+                self._served.add("inspect")
             except Exception as err:
                 logger.exception("inspection model unavailable")
                 reason = f"inspect: {type(err).__name__}: {err}"
                 self.branch_errors["vision"] = "; ".join(filter(None, [self.branch_errors.get("vision"), reason]))
-        if self._ocr is not None or self._inspect is not None:
+        if self._served & {"ocr", "inspect"}:
             cfg = models.inspect
             policy = BatchPolicy(cfg.max_batch, cfg.max_queue_delay_ms / 1000.0, frozenset(cfg.preferred_batch_sizes))
             self._add_branch("vision", self._run_vision, Batching("inspect", policy, self._run_inspect_batch))
@@ -307,7 +300,7 @@ class Daemon:
                     max_sequences=models.qa.max_sequences,
                 )
                 name = f"{models.qa.source}-{models.qa.adapter}"
-                qa = self._measure(
+                qa = self._load(
                     name, "text", f"torch-cpu {models.qa.quantization}", lambda: QAEngine.load(path, settings_qa)
                 )
                 self._qa = qa
@@ -359,11 +352,14 @@ class Daemon:
         raw = read_media_file(path, self._image_limits, "image.path")
         return decode_image(raw, self._image_limits, "image.path")
 
-    def _reserve(self, owner: str, task: str, nbytes: int) -> Reservation:
+    def _reserve(self, owner: str, task: str, nbytes: int, needs: set[str]) -> Reservation:
         """A job's own buffers, all or nothing, before it runs. The vision branch runs one
-        batch at a time and the text branch draws on its own pool, so a refusal here
-        cannot be cured by waiting: it is answered over_budget at once, with the figures."""
+        batch at a time and the text branch draws on its own pool, so waiting cannot cure
+        a refusal here; evicting idle models (not those the job `needs`) can. If that is
+        not enough it is answered over_budget at once, with the figures."""
         res = self.ledger.reserve(owner, task, nbytes)
+        if res is None and self.manager.make_room(nbytes, keep=needs):
+            res = self.ledger.reserve(owner, task, nbytes)
         if res is None:
             snap = self.ledger.snapshot()
             raise JobError(
@@ -381,9 +377,9 @@ class Daemon:
         """OCR jobs (inspect jobs arrive in batches at _run_inspect_batch)."""
         job = item.job.request
         assert isinstance(job, OCRJob)
-        if self._ocr is None:
+        if "ocr" not in self._served:
             raise JobError(ErrorCode.UNAVAILABLE, "OCR is not loaded on this device", "task")
-        res = self._reserve(item.job.id, "ocr", self._image_bytes())
+        res = self._reserve(item.job.id, "ocr", self._image_bytes(), {OCR_MODEL})
         try:
             img = self._load_image(job)
             return {**self._read_text(img), "image": {"width": int(img.shape[1]), "height": int(img.shape[0])}}
@@ -391,27 +387,29 @@ class Daemon:
             self.ledger.release(res)
 
     def _read_text(self, img: Any) -> dict[str, Any]:
-        assert self._ocr is not None
-        lines = self._ocr(img)
+        ocr: OCRPipeline = self.manager.get(OCR_MODEL)  # loaded again if it was evicted
+        lines = ocr(img)
         return {"lines": [line.to_dict() for line in lines], "text": "\n".join(line.text for line in lines)}
 
     def _run_inspect_batch(self, items: list[WorkItem]) -> list[dict[str, Any] | JobError]:
         """Reserve the batch's buffers, decode every image (a bad one fails its own job),
         run the student once on the good ones, then OCR the jobs that asked for it."""
-        if self._inspect is None:
+        if "inspect" not in self._served:
             missing = JobError(ErrorCode.UNAVAILABLE, "the inspection model is not loaded on this device", "task")
             return [missing for _ in items]
-        need = len(items) * self._image_bytes() + self._inspect.batch_bytes(len(items))
+        needs = {INSPECT_MODEL} | ({OCR_MODEL} if any(_wants_ocr(it) for it in items) else set())
+        need = len(items) * self._image_bytes() + InspectPipeline.batch_bytes_at(self._image_size, len(items))
         try:
-            res = self._reserve(items[0].job.id, "inspect", need)
+            res = self._reserve(items[0].job.id, "inspect", need, needs)
+            pipeline: InspectPipeline = self.manager.get(INSPECT_MODEL)  # loaded again if evicted
         except JobError as err:
             return [err for _ in items]
         try:
-            return self._inspect_reserved(items)
+            return self._inspect_reserved(items, pipeline)
         finally:
             self.ledger.release(res)
 
-    def _inspect_reserved(self, items: list[WorkItem]) -> list[dict[str, Any] | JobError]:
+    def _inspect_reserved(self, items: list[WorkItem], pipeline: InspectPipeline) -> list[dict[str, Any] | JobError]:
         out: list[dict[str, Any] | JobError] = []
         images: list[Any] = []
         slots: list[int] = []
@@ -419,7 +417,7 @@ class Daemon:
             job = item.job.request
             assert isinstance(job, InspectJob)
             try:
-                if job.ocr and self._ocr is None:
+                if job.ocr and "ocr" not in self._served:
                     raise JobError(ErrorCode.UNAVAILABLE, "OCR is not loaded on this device", "ocr")
                 images.append(self._load_image(job))
                 slots.append(len(out))
@@ -427,9 +425,8 @@ class Daemon:
             except JobError as err:
                 out.append(err)
         if images:
-            assert self._inspect is not None
             # Decoded images are BGR (the OCR models' order); the student was trained on RGB.
-            found_all = self._inspect.run([img[:, :, ::-1] for img in images])
+            found_all = pipeline.run([img[:, :, ::-1] for img in images])
             for slot, img, found in zip(slots, images, found_all, strict=True):
                 job = items[slot].job.request
                 assert isinstance(job, InspectJob)
@@ -610,8 +607,11 @@ class Daemon:
                     "backend": m.backend,
                     "memory_bytes": m.memory_bytes,
                     "load_ms": round(m.load_ms, 1),
+                    "loaded": m.obj is not None,
+                    "loads": m.loads,
+                    "keep_alive_s": None if m.keep_alive_s == float("inf") else m.keep_alive_s,
                 }
-                for m in self.models
+                for m in self.manager.models()
             ],
             "branches": branches,
             "jobs": self.stats.snapshot(),

@@ -139,6 +139,14 @@ class TopicsConfig(StrictModel):
 
 class OCRModelConfig(StrictModel):
     enabled: bool = Field(default=True, title="Enabled", description="Serve the `ocr` task.")
+    keep_alive_s: float | None = Field(
+        default=None,
+        ge=0.0,
+        title="Keep-alive",
+        description="Seconds the OCR model stays loaded after its last use before it may be evicted to make "
+        "room for another job; unset keeps it loaded for good. An evicted model is loaded again (and measured "
+        "again) when a job needs it.",
+    )
     backend: Literal["onnxruntime"] = Field(
         default="onnxruntime",
         title="Backend",
@@ -175,6 +183,14 @@ class OCRModelConfig(StrictModel):
 
 class InspectModelConfig(StrictModel):
     enabled: bool = Field(default=True, title="Enabled", description="Serve the `inspect` task.")
+    keep_alive_s: float | None = Field(
+        default=None,
+        ge=0.0,
+        title="Keep-alive",
+        description="Seconds the inspection model stays loaded after its last use before it may be evicted to make "
+        "room for another job; unset keeps it loaded for good. An evicted model is loaded again (and measured "
+        "again) when a job needs it.",
+    )
     backend: Literal["onnxruntime", "torch-cuda"] = Field(
         default="onnxruntime",
         title="Backend",

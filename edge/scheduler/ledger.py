@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+RETAINED = "retained"  # memory evicted models left behind in the process (allocator caches)
+
 
 class MemoryProbe(Protocol):
     """Bytes the process holds in the memory the budget covers (RSS on a CPU box, the
@@ -138,6 +140,31 @@ class MemoryLedger:
             self._models[name] = ModelEntry(name, branch, nbytes, keep_alive_s, self.clock())
             self._note_peak()
             return True
+
+    def evict(self, name: str, retained_bytes: int) -> int:
+        """Drop an unloaded model, keeping `retained_bytes` of it that the process still
+        holds (measured: what unloading did not give back) on the pinned "retained"
+        entry, in one step; returns the bytes freed. Refused while jobs use it."""
+        with self._lock:
+            entry = self._models[name]
+            if entry.active:
+                raise RuntimeError(f"model {name!r} is in use by {entry.active} job(s)")
+            kept = min(max(0, retained_bytes), entry.nbytes)
+            del self._models[name]
+            for pool in [p for p in self._pools.values() if p.model == name]:
+                del self._pools[pool.name]
+            if kept:
+                held = self._models.get(RETAINED)
+                if held is None:
+                    self._models[RETAINED] = ModelEntry(RETAINED, "daemon", kept, float("inf"), self.clock())
+                else:
+                    held.nbytes += kept
+            self.stats.evictions += 1
+            return entry.nbytes - kept
+
+    def is_loaded(self, name: str) -> bool:
+        with self._lock:
+            return name in self._models
 
     def add_pool(self, name: str, model: str, capacity_bytes: int) -> None:
         """Declare memory inside a loaded model's footprint that jobs reserve from."""

@@ -96,7 +96,11 @@ class InspectPipeline:
 
     def batch_bytes(self, count: int) -> int:
         """The input tensor a batch of `count` images needs (float32, NCHW)."""
-        return count * 3 * self.image_size * self.image_size * 4
+        return self.batch_bytes_at(self.image_size, count)
+
+    @staticmethod
+    def batch_bytes_at(image_size: int, count: int) -> int:
+        return count * 3 * image_size * image_size * 4
 
     def run(self, images: list[np.ndarray]) -> list[Inspection]:
         """One inspection per RGB uint8 image, all through the model as one batch."""

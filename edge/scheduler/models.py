@@ -1,0 +1,128 @@
+"""Loaded models under the ledger: measured loads, eviction of idle ones, reloads.
+
+A model enters the ledger at the size the probe saw its load add. When a job's
+reservation does not fit, idle models are evicted, least recently used first and only
+once their keep-alive has run out (the ledger picks them; a model a job is using is never
+a candidate), until the shortfall is covered. What unloading gives back is measured too:
+an allocator that keeps freed pages means the process still holds them, and the ledger
+keeps counting that part (its "retained" entry) instead of believing the model's whole
+size came back. An evicted model is loaded again, measured again, when a job needs it;
+if it cannot fit even after evicting what may go, the job is answered over_budget.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from edge.protocol.errors import ErrorCode, JobError
+from edge.scheduler.ledger import MemoryLedger, MemoryProbe, measure
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ManagedModel:
+    name: str
+    branch: str
+    backend: str
+    load: Callable[[], Any]
+    keep_alive_s: float
+    obj: Any = None
+    memory_bytes: int = 0
+    load_ms: float = 0.0
+    loads: int = 0
+
+
+class ModelManager:
+    def __init__(self, ledger: MemoryLedger, probe: MemoryProbe) -> None:
+        self.ledger = ledger
+        self.probe = probe
+        self._models: dict[str, ManagedModel] = {}
+        self._lock = threading.RLock()
+
+    def register(self, name: str, branch: str, backend: str, load: Callable[[], Any], keep_alive_s: float) -> None:
+        with self._lock:
+            self._models[name] = ManagedModel(name, branch, backend, load, keep_alive_s)
+
+    def models(self) -> list[ManagedModel]:
+        with self._lock:
+            return list(self._models.values())
+
+    def loaded(self, name: str) -> bool:
+        with self._lock:
+            return self._models[name].obj is not None
+
+    def get(self, name: str) -> Any:
+        """The model, loaded again first if it was evicted (JobError over_budget if it
+        cannot be made to fit)."""
+        with self._lock:
+            model = self._models[name]
+            if model.obj is None:
+                self._load(model, evict=True)
+            return model.obj
+
+    def load(self, name: str) -> Any:
+        """The first load at start: MemoryError with the figures if it does not fit."""
+        with self._lock:
+            model = self._models[name]
+            try:
+                self._load(model, evict=False)
+            except JobError as err:
+                raise MemoryError(err.message) from None
+            return model.obj
+
+    def _load(self, model: ManagedModel, evict: bool) -> None:
+        t0 = time.perf_counter()
+        obj, used = measure(self.probe, model.load)
+        while not self.ledger.add_model(model.name, model.branch, used, model.keep_alive_s):
+            if not (evict and self.make_room(used, keep={model.name})):
+                del obj
+                gc.collect()
+                snap = self.ledger.snapshot()
+                raise JobError(
+                    ErrorCode.OVER_BUDGET,
+                    f"{model.name} needs {used} bytes; the ledger holds {snap['used_bytes']} of "
+                    f"{self.ledger.capacity_bytes} usable ({snap['budget_bytes']} budget - "
+                    f"{snap['headroom_bytes']} headroom) and nothing idle can be evicted",
+                )
+        model.obj, model.memory_bytes = obj, used
+        model.load_ms = (time.perf_counter() - t0) * 1000.0
+        model.loads += 1
+        logger.info(
+            "loaded %s (%s) in %.0f ms, %.1f MiB measured", model.name, model.backend, model.load_ms, used / 2**20
+        )
+
+    def make_room(self, nbytes: int, keep: frozenset[str] | set[str] = frozenset()) -> bool:
+        """Evict idle models (least recently used, keep-alive over) until nbytes fits;
+        True if it does now."""
+        with self._lock:
+            for name in self.ledger.eviction_candidates():
+                if self.ledger.shortfall(nbytes) == 0:
+                    return True
+                if name in keep or name not in self._models:
+                    continue
+                self.evict(name)
+            return self.ledger.shortfall(nbytes) == 0
+
+    def evict(self, name: str) -> int:
+        """Unload a model; returns the bytes the ledger freed (what the probe saw go)."""
+        with self._lock:
+            model = self._models[name]
+            before = self.probe.used_bytes()
+            model.obj = None
+            gc.collect()
+            given_back = max(0, before - self.probe.used_bytes())
+            freed = self.ledger.evict(name, model.memory_bytes - given_back)
+            logger.info(
+                "evicted idle %s: %.1f MiB freed of %.1f MiB measured at load",
+                name,
+                freed / 2**20,
+                model.memory_bytes / 2**20,
+            )
+            return freed

@@ -1,0 +1,92 @@
+"""Eviction and reload of idle models under the ledger. The memory probe is the hardware
+seam faked here (it reports what the loaders say they hold); the ledger and the manager
+are the real ones."""
+
+from __future__ import annotations
+
+import pytest
+
+from edge.protocol.errors import ErrorCode, JobError
+from edge.scheduler.ledger import RETAINED, MemoryLedger
+from edge.scheduler.models import ModelManager
+
+MIB = 2**20
+
+
+class FakeProbe:
+    def __init__(self) -> None:
+        self.held = 0
+
+    def used_bytes(self) -> int:
+        return self.held
+
+
+class Weights:
+    """A loaded model as the probe sees it: it holds `size` bytes until dropped, of which
+    the process gives back all but `sticky` (an allocator that keeps freed pages)."""
+
+    def __init__(self, probe: FakeProbe, size: int, sticky: int = 0) -> None:
+        self.probe, self.size, self.sticky = probe, size, sticky
+        probe.held += size
+
+    def __del__(self) -> None:
+        self.probe.held -= self.size - self.sticky
+
+
+def _manager(budget_mib: int, clock: list[float]) -> tuple[ModelManager, FakeProbe]:
+    probe = FakeProbe()
+    ledger = MemoryLedger(budget_mib * MIB, 0, clock=lambda: clock[0])
+    return ModelManager(ledger, probe), probe
+
+
+def test_idle_models_are_evicted_least_recently_used_first_and_reloaded() -> None:
+    clock = [0.0]
+    mm, probe = _manager(300, clock)
+    mm.register("ocr", "vision", "cpu", lambda: Weights(probe, 100 * MIB), keep_alive_s=10)
+    mm.register("inspect", "vision", "cpu", lambda: Weights(probe, 100 * MIB), keep_alive_s=10)
+    mm.register("text", "text", "cpu", lambda: Weights(probe, 80 * MIB), keep_alive_s=float("inf"))
+    for name in ("ocr", "inspect", "text"):
+        mm.load(name)
+        clock[0] += 1
+    clock[0] = 5.0
+    assert not mm.make_room(60 * MIB)  # keep-alive not over: nothing may go
+    assert mm.ledger.eviction_candidates() == []
+    clock[0] = 20.0
+    assert mm.make_room(60 * MIB)
+    assert not mm.loaded("ocr") and mm.loaded("inspect") and mm.loaded("text")  # oldest first, only as needed
+    assert mm.ledger.used_bytes() == 180 * MIB and probe.held == 180 * MIB
+    res = mm.ledger.reserve("job", "inspect", 60 * MIB, model="inspect")
+    assert res is not None
+    # The OCR job that follows needs its model back: inspect is in use, text pinned,
+    # so nothing can go and it is refused with the figures.
+    with pytest.raises(JobError) as err:
+        mm.get("ocr")
+    assert err.value.code == ErrorCode.OVER_BUDGET and "nothing idle can be evicted" in err.value.message
+    assert probe.held == 180 * MIB  # the refused load was dropped again
+    mm.ledger.release(res)
+    held = mm.ledger.reserve("buffers", "ocr", 60 * MIB)  # the OCR job's own buffers
+    assert held is not None
+    clock[0] = 40.0
+    assert isinstance(mm.get("ocr"), Weights)  # inspect is idle again: it goes, ocr comes back
+    assert mm.loaded("ocr") and not mm.loaded("inspect")
+    assert mm.ledger.stats.evictions == 2 and mm.models()[0].loads == 2
+
+
+def test_what_an_unload_does_not_give_back_stays_counted() -> None:
+    clock = [0.0]
+    mm, probe = _manager(256, clock)
+    mm.register("ocr", "vision", "cpu", lambda: Weights(probe, 100 * MIB, sticky=30 * MIB), keep_alive_s=0)
+    mm.load("ocr")
+    freed = mm.evict("ocr")
+    assert freed == 70 * MIB
+    snap = mm.ledger.snapshot()
+    assert snap["models"][RETAINED]["bytes"] == 30 * MIB
+    assert mm.ledger.used_bytes() == probe.held == 30 * MIB  # the ledger matches the process
+
+
+def test_a_model_too_big_at_start_is_refused_with_figures() -> None:
+    mm, probe = _manager(256, [0.0])
+    mm.register("big", "text", "cpu", lambda: Weights(probe, 300 * MIB), keep_alive_s=0)
+    with pytest.raises(MemoryError, match="needs 314572800 bytes"):
+        mm.load("big")
+    assert probe.held == 0 and not mm.loaded("big")
