@@ -136,6 +136,7 @@ def test_sigterm_waits_at_most_the_drain_timeout(tmp_path: Path, broker: Broker,
         assert daemon.proc.wait(30) == 0
         assert time.monotonic() - t0 < 5.0
         assert not requester.answers(corr) and not requester.answers(queued)
+        log = daemon.log.read_text()  # the next start writes the same log file
         again = start_daemon(profile)
         long_done = requester.wait(corr, timeout=180)
         behind = requester.wait(queued, timeout=60)
@@ -147,7 +148,6 @@ def test_sigterm_waits_at_most_the_drain_timeout(tmp_path: Path, broker: Broker,
     assert long_done["status"] == "ok" and len(long_done["output"]["lines"]) >= 30
     assert behind["status"] == "ok" and LABELS[0]["lines"][0] in behind["output"]["text"]
     assert len(requester.answers(corr)) == 1 and len(requester.answers(queued)) == 1
-    log = daemon.log.read_text()
     assert "vision branch did not finish within 0 s; 1 job(s) in hand stay journalled" in log
     assert "1 queued job(s) stay journalled" in log
 
