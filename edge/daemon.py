@@ -187,11 +187,7 @@ class Daemon:
         entries = self.journal.pending()
         if not entries:
             return
-        limits = JobLimits(
-            max_payload_bytes=self.profile.limits.max_payload_bytes,
-            max_prompt_chars=self.profile.limits.max_prompt_chars,
-            max_new_tokens_limit=self.profile.models.qa.max_new_tokens_limit,
-        )
+        limits = self.intake.limits
         for entry in entries:
             reply = Reply(entry.reply_topic, entry.correlation)
             if entry.state == SENT and entry.result is not None:
@@ -369,6 +365,12 @@ class Daemon:
             )
         return res
 
+    def _release(self, res: Reservation, used: set[str]) -> None:
+        """Give a job's buffers back; the models it used count as used now, so their
+        keep-alive (before they may be evicted) starts from here."""
+        self.ledger.release(res)
+        self.ledger.touch(*used)
+
     def _image_bytes(self) -> int:
         """The most a decoded image can take (the decoder refuses more pixels), BGR uint8."""
         return self.profile.limits.max_image_pixels * 3
@@ -384,7 +386,7 @@ class Daemon:
             img = self._load_image(job)
             return {**self._read_text(img), "image": {"width": int(img.shape[1]), "height": int(img.shape[0])}}
         finally:
-            self.ledger.release(res)
+            self._release(res, {OCR_MODEL})
 
     def _read_text(self, img: Any) -> dict[str, Any]:
         ocr: OCRPipeline = self.manager.get(OCR_MODEL)  # loaded again if it was evicted
@@ -407,7 +409,7 @@ class Daemon:
         try:
             return self._inspect_reserved(items, pipeline)
         finally:
-            self.ledger.release(res)
+            self._release(res, needs)
 
     def _inspect_reserved(self, items: list[WorkItem], pipeline: InspectPipeline) -> list[dict[str, Any] | JobError]:
         out: list[dict[str, Any] | JobError] = []

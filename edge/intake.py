@@ -61,7 +61,7 @@ class Intake:
         self._resend = resend
         self.accepting = True
         self.duplicates = 0
-        self._limits = JobLimits(
+        self.limits = JobLimits(
             max_payload_bytes=profile.limits.max_payload_bytes,
             max_prompt_chars=profile.limits.max_prompt_chars,
             max_new_tokens_limit=profile.models.qa.max_new_tokens_limit,
@@ -77,7 +77,7 @@ class Intake:
         data: Any = None
         known_task = topic_task if topic_task in JOB_MODELS else None
         try:
-            data = decode_payload(msg.payload, self._limits.max_payload_bytes)
+            data = decode_payload(msg.payload, self.limits.max_payload_bytes)
         except JobError as err:
             logger.warning("rejected a message on %s: %s", msg.topic, err)
             self._reject(reply, None, known_task, err, received)
@@ -85,7 +85,7 @@ class Intake:
         if self._seen(recover_id(data), known_task, msg.payload, reply, received):
             return True
         try:
-            job = parse_job(data, topic_task, self._limits)
+            job = parse_job(data, topic_task, self.limits)
         except JobError as err:
             job_id = recover_id(data)
             logger.warning("rejected job %s on %s: %s", job_id, msg.topic, err)

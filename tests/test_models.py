@@ -72,6 +72,21 @@ def test_idle_models_are_evicted_least_recently_used_first_and_reloaded() -> Non
     assert mm.ledger.stats.evictions == 2 and mm.models()[0].loads == 2
 
 
+def test_keep_alive_counts_from_the_last_use() -> None:
+    clock = [0.0]
+    mm, probe = _manager(256, clock)
+    mm.register("ocr", "vision", "cpu", lambda: Weights(probe, 100 * MIB), keep_alive_s=10)
+    mm.register("inspect", "vision", "cpu", lambda: Weights(probe, 100 * MIB), keep_alive_s=10)
+    mm.load("ocr")
+    mm.load("inspect")
+    clock[0] = 8.0
+    mm.ledger.touch("ocr")  # an OCR job just finished
+    clock[0] = 15.0
+    assert mm.ledger.eviction_candidates() == ["inspect"]  # idle 15 s; ocr only 7 s
+    clock[0] = 30.0
+    assert mm.ledger.eviction_candidates() == ["inspect", "ocr"]
+
+
 def test_what_an_unload_does_not_give_back_stays_counted() -> None:
     clock = [0.0]
     mm, probe = _manager(256, clock)

@@ -162,6 +162,14 @@ class MemoryLedger:
             self.stats.evictions += 1
             return entry.nbytes - kept
 
+    def touch(self, *names: str) -> None:
+        """Mark models as just used (their keep-alive counts from now)."""
+        now = self.clock()
+        with self._lock:
+            for name in names:
+                if name in self._models:
+                    self._models[name].last_used = now
+
     def is_loaded(self, name: str) -> bool:
         with self._lock:
             return name in self._models
@@ -187,15 +195,7 @@ class MemoryLedger:
 
     def remove_model(self, name: str) -> int:
         """Drop an unloaded model; returns the bytes freed. Refused while jobs use it."""
-        with self._lock:
-            entry = self._models[name]
-            if entry.active:
-                raise RuntimeError(f"model {name!r} is in use by {entry.active} job(s)")
-            del self._models[name]
-            for pool in [p for p in self._pools.values() if p.model == name]:
-                del self._pools[pool.name]
-            self.stats.evictions += 1
-            return entry.nbytes
+        return self.evict(name, 0)
 
     def reserve(
         self,

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from edge.text.generate import SamplingParams, _find_stop, sample_next
+from edge.text.generate import SamplingParams, _find_stop, sample_next, streamable_end
 from edge.text.llama import KVCache, LlamaModel
 
 logger = logging.getLogger(__name__)
@@ -191,12 +191,7 @@ class ContinuousBatcher:
                 seq.on_text(seq.text[seq.emitted :])
                 seq.emitted = len(seq.text)
             return
-        # Hold back a tail that could still become a stop string, and an incomplete
-        # UTF-8 sequence the byte-level decoder shows as U+FFFD.
-        hold = max((len(s) - 1 for s in seq.params.stop), default=0)
-        safe = len(seq.text) - hold
-        while safe > seq.emitted and seq.text[safe - 1] == "\ufffd":
-            safe -= 1
+        safe = streamable_end(seq.text, seq.emitted, seq.params.stop)
         if safe > seq.emitted:
             seq.on_text(seq.text[seq.emitted : safe])
             seq.emitted = safe

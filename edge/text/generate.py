@@ -55,6 +55,17 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generat
     return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
+def streamable_end(text: str, emitted: int, stops: tuple[str, ...]) -> int:
+    """How far `text` may be streamed while generation goes on: not a tail that could
+    still turn into a stop string, nor an incomplete UTF-8 sequence the byte-level
+    decoder shows as U+FFFD."""
+    hold = max((len(s) - 1 for s in stops), default=0)
+    safe = len(text) - hold
+    while safe > emitted and text[safe - 1] == "\ufffd":
+        safe -= 1
+    return safe
+
+
 def _find_stop(text: str, stops: tuple[str, ...]) -> int:
     hits = [text.find(s) for s in stops]
     hits = [h for h in hits if h >= 0]
@@ -97,12 +108,7 @@ def generate(
             finish = "stop"
             break
         if on_text is not None:
-            # Hold back a tail that could still turn into a stop string, and any
-            # incomplete UTF-8 sequence the byte-level decoder shows as U+FFFD.
-            hold = max((len(s) - 1 for s in params.stop), default=0)
-            safe = len(text) - hold
-            while safe > emitted and text[safe - 1] == "\ufffd":
-                safe -= 1
+            safe = streamable_end(text, emitted, params.stop)
             if safe > emitted:
                 on_text(text[emitted:safe])
                 emitted = safe
