@@ -442,3 +442,25 @@ def test_pipeline_job_inspects_then_asks_the_text_branch(daemon: DaemonProc, req
     assert answer["prompt_tokens"] >= alone["output"]["prompt_tokens"] + 15
     bad = requester.request(f"{JOBS}/inspect", {"id": "pipe-bad", "image": {"path": "x.png"}, "ask": {"question": ""}})
     assert bad["status"] == "error" and bad["error"]["field"] == "ask.question"
+
+
+def test_mixed_load_both_branches_under_the_budget(daemon: DaemonProc, requester: Requester) -> None:
+    """A burst of camera jobs and questions at once: every job answered, the text branch
+    decodes sequences together, the vision branch batches, and the ledger's peak stays
+    within the budget less its headroom."""
+    inspect = [
+        requester.send(f"{JOBS}/inspect", {"id": f"mix-i{i}", "image": {"path": f"labels/{LABELS[i % 4]['name']}"}})
+        for i in range(10)
+    ]
+    questions = [
+        requester.send(f"{JOBS}/qa", {"id": f"mix-q{i}", "question": f"Name {i + 2} fruits.", "max_new_tokens": 12})
+        for i in range(4)
+    ]
+    results = [requester.wait(c, 120) for c in inspect + questions]
+    assert all(r["status"] == "ok" for r in results), [r for r in results if r["status"] != "ok"]
+    status = json.loads(daemon.status().stdout)
+    memory = status["memory"]
+    assert memory["peak_bytes"] <= memory["budget_bytes"] - memory["headroom_bytes"]
+    assert memory["reserved_bytes"] == 0 and memory["pools"]["text-kv"]["reserved_bytes"] == 0
+    assert max(int(k) for k in status["branches"]["text"]["batch_sizes"]) >= 2
+    assert max(int(k) for k in status["branches"]["vision"]["batch_sizes"]) >= 2
