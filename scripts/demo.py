@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -111,12 +112,15 @@ def main() -> int:
             stderr=subprocess.STDOUT,
         )
     failures = 0
+    # Job ids are unique per run: the daemon answers a repeated id from its journal
+    # instead of running the job again, which is not what a demo should show.
+    run = uuid.uuid4().hex[:6]
     try:
         wait_ready(daemon, REPO / profile.status_socket, log)
         labels = json.loads((REPO / "samples" / "labels" / "labels.json").read_text())
         print("\n== OCR: factory labels ==")
         for i, label in enumerate(labels):
-            job = {"id": f"demo-ocr-{i}", "task": "ocr", "image": {"path": f"labels/{label['name']}"}}
+            job = {"id": f"demo-{run}-ocr-{i}", "task": "ocr", "image": {"path": f"labels/{label['name']}"}}
             result = request(profile, "ocr", job, timeout=60)
             got = [line["text"] for line in result.get("output", {}).get("lines", [])]
             ok = result.get("status") == "ok" and got == label["lines"]
@@ -132,7 +136,7 @@ def main() -> int:
         parts = json.loads((REPO / "samples" / "parts" / "parts.json").read_text())
         for i, part in enumerate(parts):
             inspect_job: dict[str, Any] = {
-                "id": f"demo-inspect-{i}",
+                "id": f"demo-{run}-inspect-{i}",
                 "task": "inspect",
                 "image": {"path": f"parts/{part['name']}"},
                 "ocr": i == 0,  # the first one also reads its label in the same job
@@ -152,9 +156,28 @@ def main() -> int:
             if "ocr" in out:
                 line += f"  label: {out['ocr']['text'] or '-'}"
             print(line)
+        print("\n== Pipeline: inspect a part, then ask the text branch about it (one job) ==")
+        scratched = next(p for p in parts if p["class"] != "clean")
+        pipeline_job: dict[str, Any] = {
+            "id": f"demo-{run}-pipeline",
+            "task": "inspect",
+            "image": {"path": f"parts/{scratched['name']}"},
+            "ocr": True,
+            "ask": {"question": "Write a one-line rework note for this part.", "max_new_tokens": 48},
+        }
+        result = request(profile, "inspect", pipeline_job, timeout=300)
+        ok = result.get("status") == "ok" and bool(result["output"].get("answer", {}).get("answer", "").strip())
+        failures += not ok
+        if ok:
+            out = result["output"]
+            label_text = out["ocr"]["text"] or "-"
+            print(f"  {scratched['name']} -> {out['class']} (score {out['score']:.2f}), label: {label_text}")
+            print(f"  note: {out['answer']['answer'].strip()}  ({result['timings']['total_ms']:.0f} ms)")
+        else:
+            print(f"  [BAD] {result.get('error')}")
         print("\n== Q&A: SmolLM2-135M-Instruct + clinic adapter, AWQ INT4 ==")
         for i, q in enumerate(QUESTIONS):
-            qa_job: dict[str, Any] = {"id": f"demo-qa-{i}", "task": "qa", "max_new_tokens": 80, **q}
+            qa_job: dict[str, Any] = {"id": f"demo-{run}-qa-{i}", "task": "qa", "max_new_tokens": 80, **q}
             result = request(profile, "qa", qa_job, timeout=300)
             ok = result.get("status") == "ok" and bool(result["output"]["answer"].strip())
             failures += not ok
