@@ -36,7 +36,7 @@ from edge.scheduler.ledger import MemoryLedger, Reservation
 from edge.scheduler.models import ModelManager
 from edge.scheduler.queue import BatchPolicy, PriorityDeadlineQueue
 from edge.scheduler.text_worker import TextMemory, TextWorker
-from edge.scheduler.work import TASK_BRANCH, Reply, WorkItem
+from edge.scheduler.work import Reply, WorkItem
 from edge.stats import JobStats
 from edge.text.continuous import Sequence
 from edge.text.qa import QAEngine, QASettings
@@ -219,14 +219,11 @@ class Daemon:
             self._reject(reply, entry.id, task, why, received)
             return
         try:
+            # The profile's limits, or the branches served, may have changed since.
             job = parse_job(decode_payload(entry.payload or b"", limits.max_payload_bytes), task, limits)
-        except JobError as err:  # the profile's limits may have changed since it was accepted
+            queue = self.intake.route(job)
+        except JobError as err:
             self._reject(reply, entry.id, task, err, received)
-            return
-        queue = self.queues.get(TASK_BRANCH.get(job.task, ""))
-        if queue is None:
-            why = JobError(ErrorCode.UNAVAILABLE, f"task {job.task!r} is not served on this device", "task")
-            self._reject(reply, entry.id, job.task, why, received)
             return
         queue.put(make_item(job, reply, received, self.profile.queue.default_deadline_ms), force=True)
         self.replayed["jobs"] += 1

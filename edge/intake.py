@@ -94,15 +94,11 @@ class Intake:
         if isinstance(job.request, CancelJob):
             self._cancel(job.id, job.request.job, reply, received)
             return True
-        queue = self._queues.get(TASK_BRANCH[job.task])
-        if queue is None:
-            unavailable = JobError(ErrorCode.UNAVAILABLE, f"task {job.task!r} is not served on this device", "task")
+        try:
+            queue = self.route(job)
+        except JobError as unavailable:
             logger.warning("rejected job %s: %s", job.id, unavailable)
             self._reject(reply, job.id, job.task, unavailable, received)
-            return True
-        if isinstance(job.request, InspectJob) and job.request.ask is not None and "text" not in self._queues:
-            no_text = JobError(ErrorCode.UNAVAILABLE, "the text branch is not served on this device", "ask")
-            self._reject(reply, job.id, job.task, no_text, received)
             return True
         try:
             self._journal.accept(job.id, msg.topic, msg.payload, reply.topic, reply.correlation)
@@ -121,6 +117,16 @@ class Intake:
             return True
         logger.debug("queued job %s (%s, priority %s)", job.id, job.task, job.priority)
         return True
+
+    def route(self, job: ParsedJob) -> PriorityDeadlineQueue:
+        """The queue of the branch that runs the job; JobError `unavailable` if a branch
+        it needs is not served here."""
+        queue = self._queues.get(TASK_BRANCH[job.task])
+        if queue is None:
+            raise JobError(ErrorCode.UNAVAILABLE, f"task {job.task!r} is not served on this device", "task")
+        if isinstance(job.request, InspectJob) and job.request.ask is not None and "text" not in self._queues:
+            raise JobError(ErrorCode.UNAVAILABLE, "the text branch is not served on this device", "ask")
+        return queue
 
     def _seen(self, job_id: str | None, task: str | None, payload: bytes, reply: Reply, received: float) -> bool:
         """Whether this id is already in the journal (within the dedup window). Then it
