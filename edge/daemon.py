@@ -26,12 +26,12 @@ from edge.health.notify import Notifier, watchdog_interval_s
 from edge.health.status import STATUS_SCHEMA_VERSION, StatusServer
 from edge.intake import Intake, make_item
 from edge.journal.store import QUEUED, SENT, Entry, Journal, JournalFull
-from edge.memory import RssProbe, rss_bytes
+from edge.memory import RssProbe, peak_rss_bytes, rss_bytes
 from edge.protocol import results
 from edge.protocol.errors import ErrorCode, JobError
 from edge.protocol.images import ImageLimits, decode_base64, decode_image, read_media_file, resolve_media_path
 from edge.protocol.jobs import InspectJob, JobLimits, OCRJob, ParsedJob, QAJob, decode_payload, parse_job
-from edge.scheduler.branch import Batching, BranchWorker, Outcome, Worker
+from edge.scheduler.branch import Batching, BranchWorker, Outcome, Worker, share_interpreter_between_branches
 from edge.scheduler.ledger import MemoryLedger, Reservation
 from edge.scheduler.models import ModelManager
 from edge.scheduler.queue import BatchPolicy, PriorityDeadlineQueue
@@ -71,6 +71,7 @@ class Daemon:
         self._served: set[str] = set()  # tasks whose model loaded at start
         self._stalls: list[str] = []
         self.abandoned_work = False  # a worker still ran when the drain timeout ended
+        self.split_batches = 0  # vision batches run in parts because the budget held no more
         self._qa: QAEngine | None = None
         self._stop = threading.Event()
         self.ledger = MemoryLedger(profile.memory_budget_mib * 2**20, profile.memory_headroom_mib * 2**20)
@@ -114,6 +115,7 @@ class Daemon:
                 logger.error("no branch could be started: %s", self.branch_errors)
                 return 1
             self._replay()
+            share_interpreter_between_branches()
             for worker in self.workers.values():
                 worker.start()
             self.link.start()
@@ -345,14 +347,15 @@ class Daemon:
         raw = read_media_file(path, self._image_limits, "image.path")
         return decode_image(raw, self._image_limits, "image.path")
 
-    def _reserve(self, owner: str, task: str, nbytes: int, needs: set[str]) -> Reservation:
+    def _reserve(self, owner: str, task: str, nbytes: int, needs: set[str], model: str) -> Reservation:
         """A job's own buffers, all or nothing, before it runs. The vision branch runs one
         batch at a time and the text branch draws on its own pool, so waiting cannot cure
         a refusal here; evicting idle models (not those the job `needs`) can. If that is
-        not enough it is answered over_budget at once, with the figures."""
-        res = self.ledger.reserve(owner, task, nbytes)
+        not enough it is answered over_budget at once, with the figures. `model` (loaded
+        by the caller) counts as in use while the reservation is held: nothing evicts it."""
+        res = self.ledger.reserve(owner, task, nbytes, model=model)
         if res is None and self.manager.make_room(nbytes, keep=needs):
-            res = self.ledger.reserve(owner, task, nbytes)
+            res = self.ledger.reserve(owner, task, nbytes, model=model)
         if res is None:
             snap = self.ledger.snapshot()
             raise JobError(
@@ -378,7 +381,8 @@ class Daemon:
         assert isinstance(job, OCRJob)
         if "ocr" not in self._served:
             raise JobError(ErrorCode.UNAVAILABLE, "OCR is not loaded on this device", "task")
-        res = self._reserve(item.job.id, "ocr", self._image_bytes(), {OCR_MODEL})
+        self.manager.get(OCR_MODEL)  # loaded again if it was evicted
+        res = self._reserve(item.job.id, "ocr", self._image_bytes(), {OCR_MODEL}, OCR_MODEL)
         try:
             img = self._load_image(job)
             return {**self._read_text(img), "image": {"width": int(img.shape[1]), "height": int(img.shape[0])}}
@@ -392,21 +396,53 @@ class Daemon:
 
     def _run_inspect_batch(self, items: list[WorkItem]) -> list[dict[str, Any] | JobError]:
         """Reserve the batch's buffers, decode every image (a bad one fails its own job),
-        run the student once on the good ones, then OCR the jobs that asked for it."""
+        run the student once on the good ones, then OCR the jobs that asked for it. A
+        batch the budget cannot hold whole, even after evicting idle models, runs in the
+        largest parts that fit, one after another; only jobs that cannot fit even one at
+        a time are answered over_budget."""
         if "inspect" not in self._served:
             missing = JobError(ErrorCode.UNAVAILABLE, "the inspection model is not loaded on this device", "task")
             return [missing for _ in items]
         needs = {INSPECT_MODEL} | ({OCR_MODEL} if any(_wants_ocr(it) for it in items) else set())
-        need = len(items) * self._image_bytes() + InspectPipeline.batch_bytes_at(self._image_size, len(items))
+        out: list[dict[str, Any] | JobError] = []
+        start = 0
+        while start < len(items):
+            rest = items[start:]
+            try:
+                # Models first (loaded again if evicted), then the buffers: a model a
+                # reservation names cannot be evicted while the batch runs.
+                for name in sorted(needs):
+                    self.manager.get(name)
+                pipeline: InspectPipeline = self.manager.get(INSPECT_MODEL)
+                res, count = self._reserve_batch(rest, needs)
+            except JobError as err:
+                return out + [err for _ in rest]
+            if count < len(rest):
+                self.split_batches += 1
+                logger.debug("batch of %d runs as %d now, the rest after: the budget holds no more", len(rest), count)
+            try:
+                out += self._inspect_reserved(rest[:count], pipeline)
+            finally:
+                self._release(res, needs)
+            start += count
+        return out
+
+    def _batch_need(self, count: int) -> int:
+        return count * self._image_bytes() + InspectPipeline.batch_bytes_at(self._image_size, count)
+
+    def _reserve_batch(self, items: list[WorkItem], needs: set[str]) -> tuple[Reservation, int]:
+        """A reservation for all of `items`, or for as many as fit once idle models are
+        evicted; (reservation, how many it covers)."""
+        owner = items[0].job.id
         try:
-            res = self._reserve(items[0].job.id, "inspect", need, needs)
-            pipeline: InspectPipeline = self.manager.get(INSPECT_MODEL)  # loaded again if evicted
-        except JobError as err:
-            return [err for _ in items]
-        try:
-            return self._inspect_reserved(items, pipeline)
-        finally:
-            self._release(res, needs)
+            return self._reserve(owner, "inspect", self._batch_need(len(items)), needs, INSPECT_MODEL), len(items)
+        except JobError:
+            if len(items) == 1:
+                raise
+        # make_room has evicted what it could; take the largest part that fits now.
+        free = self.ledger.free_bytes()
+        count = max((n for n in range(1, len(items)) if self._batch_need(n) <= free), default=1)
+        return self._reserve(owner, "inspect", self._batch_need(count), needs, INSPECT_MODEL), count
 
     def _inspect_reserved(self, items: list[WorkItem], pipeline: InspectPipeline) -> list[dict[str, Any] | JobError]:
         out: list[dict[str, Any] | JobError] = []
@@ -432,9 +468,12 @@ class Daemon:
                 doc = found.to_dict(heatmap=job.heatmap)
                 doc["image"] = {"width": int(img.shape[1]), "height": int(img.shape[0])}
                 doc["batch_size"] = len(images)
-                if job.ocr:
-                    doc["ocr"] = self._read_text(img)
-                out[slot] = doc
+                try:
+                    if job.ocr:
+                        doc["ocr"] = self._read_text(img)
+                    out[slot] = doc
+                except JobError as err:  # this job's OCR part failed; the others stand
+                    out[slot] = err
         return out
 
     def _prepare_text(self, item: WorkItem) -> Sequence:
@@ -571,6 +610,8 @@ class Daemon:
                     "running": worker.running,
                     "batch_sizes": {str(k): v for k, v in sorted(worker.batch_sizes.items())},
                 }
+                if name == "vision":
+                    branches[name]["split_batches"] = self.split_batches
                 if isinstance(worker, TextWorker):
                     branches[name]["paused"] = worker.paused
                     branches[name]["over_budget"] = worker.over_budget
@@ -590,7 +631,7 @@ class Daemon:
                 "since": self.link.changed_at,
                 "connects": self.link.connects,
             },
-            "memory": {**self.ledger.snapshot(), "rss_bytes": rss_bytes()},
+            "memory": {**self.ledger.snapshot(), "rss_bytes": rss_bytes(), "peak_rss_bytes": peak_rss_bytes()},
             "journal": {
                 "path": str(self.journal.path),
                 **self.journal.counts(),

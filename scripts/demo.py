@@ -54,7 +54,8 @@ def listening(host: str, port: int) -> bool:
 def start_broker(port: int) -> subprocess.Popen[bytes]:
     binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
     conf = Path(tempfile.mkdtemp(prefix="edge-demo-")) / "mosquitto.conf"
-    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
+    settings = (REPO / "docs" / "mosquitto-edge.conf").read_text(encoding="utf-8")
+    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n{settings}")
     proc = subprocess.Popen([binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(100):
         if listening("127.0.0.1", port):

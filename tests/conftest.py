@@ -67,7 +67,10 @@ class Broker:
         keep = (
             f"persistence true\npersistence_location {workdir}/\nuser root\n" if persistence else "persistence false\n"
         )
-        self.conf.write_text(f"listener {self.port} 127.0.0.1\nallow_anonymous true\n{keep}", encoding="utf-8")
+        settings = (REPO / "docs" / "mosquitto-edge.conf").read_text(encoding="utf-8")  # what we ship
+        self.conf.write_text(
+            f"listener {self.port} 127.0.0.1\nallow_anonymous true\n{keep}{settings}", encoding="utf-8"
+        )
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:

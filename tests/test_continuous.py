@@ -38,6 +38,10 @@ def test_sequences_joining_between_steps_match_each_alone(ckpt: TextCheckpoint) 
     prompts = [_prompt(ckpt, q) for q in QUESTIONS]
     news = [20, 12, 16]
     batcher = ContinuousBatcher(ckpt.model, ckpt.tokenizer, frozenset(), slots=3, slot_len=256)
+    # Warm-up (4 prefill lengths; 3 batch sizes x KV lengths 1..256) leaves nothing that
+    # changes what the sequences below decode, nor any row taken.
+    assert batcher.warm_up() == 4 + 3 * 9
+    assert batcher.free_slots == 3 and not batcher.batch_sizes
     streamed: dict[int, list[str]] = {i: [] for i in range(3)}
     seqs = [
         Sequence(i, p, SamplingParams(max_new_tokens=n), streamed[i].append)

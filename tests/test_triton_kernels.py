@@ -92,3 +92,25 @@ def test_attention_splits_cover_the_window() -> None:
             assert splits & (splits - 1) == 0 and splits <= triton_decode.MAX_ATTN_SPLITS
             assert splits * chunk >= kv_len and chunk % triton_decode.ATTN_BLOCK_T == 0
             assert (splits - 1) * chunk < kv_len  # no chunk lies wholly past the window
+
+
+@pytest.mark.gpu
+def test_tune_gemv_tunes_every_shape_and_row_bucket_at_load() -> None:
+    """After tune_gemv, decode at any batch size finds its configuration cached: the
+    autotuner (which captures CUDA graphs) never runs while other threads use the GPU."""
+    from edge.text.int4 import Int4Linear, tune_gemv
+
+    model = random_int4_llama(GQA, "cuda", "triton", group=32, dtype=torch.float16, seed=3)
+    tuner = triton_int4._int4_gemv_bits_tuned
+    tuned = tune_gemv(model, torch.float16)
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    shapes = {(m.out_features, m.in_features) for m in layers}
+    assert tuned == len(shapes) * 4
+    before = dict(tuner.cache)
+    x = torch.randn(3, GQA.hidden_size, device="cuda", dtype=torch.float16)
+    for layer in layers:
+        if layer.in_features == GQA.hidden_size:
+            layer.gemv(x)  # 3 rows: the 4-row bucket, tuned already
+    assert dict(tuner.cache) == before
+    keys = {(k[0], k[1], k[2]) for k in before}
+    assert {(n, k, b) for n, k in shapes for b in (1, 2, 4, 8)} <= keys

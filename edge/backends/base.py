@@ -41,6 +41,15 @@ class InferenceSession(abc.ABC):
     def metadata(self) -> dict[str, str]:
         """Custom metadata stored with the model (e.g. the recogniser's character list)."""
 
+    # A session on an accelerator may take raw images and resize/normalise them there:
+    # on the host that work caps a batch's throughput long before the model does.
+    accepts_images = False
+
+    def run_images(self, images: list[np.ndarray], size: int) -> list[np.ndarray]:
+        """RGB uint8 images of any size in, the model's outputs out (sessions that set
+        `accepts_images`)."""
+        raise NotImplementedError(f"{type(self).__name__} takes preprocessed arrays only")
+
 
 class Backend(abc.ABC):
     name: str = ""

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from edge.backends.base import Backend, BackendOptions, InferenceSession, register_backend
-from edge.vision.vit import ExportWrapper, load_student
+from edge.vision.vit import IMAGE_MEAN, IMAGE_STD, ExportWrapper, load_student
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,12 @@ class TorchCudaSession(InferenceSession):
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple[torch.Tensor, ...]]] = {}
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self._size = model.model.config.image_size
+        self._mean = torch.tensor(IMAGE_MEAN, device=self._device).view(1, 3, 1, 1)
+        self._std = torch.tensor(IMAGE_STD, device=self._device).view(1, 3, 1, 1)
+        # Camera jobs have deadlines; the text branch's decode kernels do not. A stream of
+        # higher priority lets the GPU start this model's blocks ahead of queued decode
+        # blocks instead of after them (the text branch uses the default stream).
+        self._stream = torch.cuda.Stream(self._device, priority=-1)
 
     @property
     def input_names(self) -> list[str]:
@@ -71,7 +78,21 @@ class TorchCudaSession(InferenceSession):
 
     @torch.inference_mode()
     def run_tensor(self, pixels: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Device-side entry point: pixels [B, 3, H, W] on the GPU -> outputs on the GPU."""
+        """Device-side entry point: pixels [B, 3, H, W] on the GPU -> outputs on the GPU,
+        ready for the caller's stream."""
+        caller = torch.cuda.current_stream(self._device)
+        if caller == self._stream:
+            return self._forward(pixels)
+        self._stream.wait_stream(caller)
+        pixels.record_stream(self._stream)
+        with torch.cuda.stream(self._stream):
+            out = self._forward(pixels)
+        caller.wait_stream(self._stream)
+        for t in out:
+            t.record_stream(caller)
+        return out
+
+    def _forward(self, pixels: torch.Tensor) -> tuple[torch.Tensor, ...]:
         n = pixels.shape[0]
         if not self._use_graphs:
             return tuple(t.float() for t in self._model(pixels.to(self._dtype)))
@@ -88,9 +109,36 @@ class TorchCudaSession(InferenceSession):
                 slot.append(t[: chunk.shape[0]].float())
         return tuple(torch.cat(parts) for parts in out)
 
+    @torch.inference_mode()
     def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
-        pixels = torch.from_numpy(inputs[INPUT_NAME]).to(self._device, non_blocking=True)
-        return [t.cpu().numpy() for t in self.run_tensor(pixels)]
+        with torch.cuda.stream(self._stream):
+            pixels = torch.from_numpy(inputs[INPUT_NAME]).to(self._device)
+            return [t.cpu().numpy() for t in self._forward(pixels)]
+
+    accepts_images = True
+
+    @torch.inference_mode()
+    def run_images(self, images: list[np.ndarray], size: int) -> list[np.ndarray]:
+        """Uploads uint8 pixels (a third of float32's bytes) and resizes and normalises on
+        the GPU. Images of one shape go up as one tensor, one resize for all of them."""
+        with torch.cuda.stream(self._stream):
+            return self._run_images(images, size)
+
+    def _run_images(self, images: list[np.ndarray], size: int) -> list[np.ndarray]:
+        pixels = torch.empty(len(images), 3, size, size, device=self._device, dtype=self._dtype)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, img in enumerate(images):
+            groups.setdefault(img.shape, []).append(i)
+        for shape, index in groups.items():
+            host = torch.from_numpy(np.stack([images[i] for i in index]))
+            batch = host.to(self._device, non_blocking=False).permute(0, 3, 1, 2).float()
+            if tuple(shape[:2]) != (size, size):
+                # Antialiased when shrinking, as the CPU path's area filter: a defect a few
+                # pixels wide must not vanish between samples.
+                batch = F.interpolate(batch, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+            batch = (batch / 255.0 - self._mean) / self._std
+            pixels[torch.tensor(index, device=self._device)] = batch.to(self._dtype)
+        return [t.cpu().numpy() for t in self._forward(pixels)]
 
 
 if TORCH_CUDA_SUPPORT:

@@ -146,7 +146,7 @@ def render_table(doc: dict[str, Any], code: int, reasons: list[str]) -> str:
     lines.append(
         f"  memory     ledger {used} of budget {budget} "
         f"(headroom {_fmt_bytes(memory.get('headroom_bytes'))}, peak {_fmt_bytes(memory.get('peak_bytes'))}), "
-        f"rss {_fmt_bytes(memory.get('rss_bytes'))}"
+        f"rss {_fmt_bytes(memory.get('rss_bytes'))} (peak {_fmt_bytes(memory.get('peak_rss_bytes'))})"
     )
     lines.append("  models     name                           branch   backend              memory")
     for model in doc.get("models", []):

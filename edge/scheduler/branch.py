@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -12,6 +13,16 @@ from typing import Any
 from edge.protocol.errors import ErrorCode, JobError
 from edge.scheduler.queue import BatchPolicy, PriorityDeadlineQueue
 from edge.scheduler.work import WorkItem
+
+# Both branches are threads of one process. A thread waiting for the interpreter lock
+# gets it after at most this long; Python's default (5 ms) is paid at every hand-over,
+# and a camera job's path hands over several times while the text branch decodes.
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
+def share_interpreter_between_branches() -> None:
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+
 
 logger = logging.getLogger(__name__)
 

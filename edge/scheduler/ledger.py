@@ -162,6 +162,20 @@ class MemoryLedger:
             self.stats.evictions += 1
             return entry.nbytes - kept
 
+    def reclaim_retained(self, nbytes: int) -> int:
+        """A load took up to nbytes less from the system than its model's known size:
+        it reused memory an earlier unload left in the process, so that much of the
+        retained figure is now inside the model's entry. Returns the bytes moved."""
+        with self._lock:
+            held = self._models.get(RETAINED)
+            if held is None or nbytes <= 0:
+                return 0
+            moved = min(held.nbytes, nbytes)
+            held.nbytes -= moved
+            if held.nbytes == 0:
+                del self._models[RETAINED]
+            return moved
+
     def touch(self, *names: str) -> None:
         """Mark models as just used (their keep-alive counts from now)."""
         now = self.clock()
@@ -252,6 +266,11 @@ class MemoryLedger:
         with self._lock:
             idle = [m for m in self._models.values() if m.active == 0 and now - m.last_used >= m.keep_alive_s]
             return [m.name for m in sorted(idle, key=lambda m: m.last_used)]
+
+    def free_bytes(self) -> int:
+        """What a reservation could take now."""
+        with self._lock:
+            return max(0, self.capacity_bytes - self._used())
 
     def shortfall(self, nbytes: int) -> int:
         """Bytes that would have to be freed for nbytes to fit now (0 if it fits)."""

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from edge.memory import return_free_memory
 from edge.protocol.errors import ErrorCode, JobError
 from edge.scheduler.ledger import MemoryLedger, MemoryProbe, measure
 
@@ -78,24 +79,41 @@ class ModelManager:
             return model.obj
 
     def _load(self, model: ManagedModel, evict: bool) -> None:
+        # A reload's size is known from the first load: room is made before loading, so
+        # the load itself never takes the process past the budget.
+        known = model.memory_bytes if model.loads else 0
+        if known and self.ledger.shortfall(known) and not (evict and self.make_room(known, keep={model.name})):
+            raise self._over_budget(model.name, known)
         t0 = time.perf_counter()
         obj, used = measure(self.probe, model.load)
+        # The first load ran alone, so its figure stands unless a reload measures more. A
+        # reload that took less from the system reused what the last unload left behind
+        # (the allocator's free pages), which the ledger counts as retained: that part
+        # moves back into the model's entry instead of being counted twice.
+        reused = max(0, known - used)
+        used = max(used, known)
         while not self.ledger.add_model(model.name, model.branch, used, model.keep_alive_s):
             if not (evict and self.make_room(used, keep={model.name})):
                 del obj
                 gc.collect()
-                snap = self.ledger.snapshot()
-                raise JobError(
-                    ErrorCode.OVER_BUDGET,
-                    f"{model.name} needs {used} bytes; the ledger holds {snap['used_bytes']} of "
-                    f"{self.ledger.capacity_bytes} usable ({snap['budget_bytes']} budget - "
-                    f"{snap['headroom_bytes']} headroom) and nothing idle can be evicted",
-                )
+                return_free_memory()
+                raise self._over_budget(model.name, used)
+        if reused:
+            self.ledger.reclaim_retained(reused)
         model.obj, model.memory_bytes = obj, used
         model.load_ms = (time.perf_counter() - t0) * 1000.0
         model.loads += 1
         logger.info(
             "loaded %s (%s) in %.0f ms, %.1f MiB measured", model.name, model.backend, model.load_ms, used / 2**20
+        )
+
+    def _over_budget(self, name: str, nbytes: int) -> JobError:
+        snap = self.ledger.snapshot()
+        return JobError(
+            ErrorCode.OVER_BUDGET,
+            f"{name} needs {nbytes} bytes; the ledger holds {snap['used_bytes']} of "
+            f"{self.ledger.capacity_bytes} usable ({snap['budget_bytes']} budget - "
+            f"{snap['headroom_bytes']} headroom) and nothing idle can be evicted",
         )
 
     def make_room(self, nbytes: int, keep: frozenset[str] | set[str] = frozenset()) -> bool:
@@ -117,6 +135,7 @@ class ModelManager:
             before = self.probe.used_bytes()
             model.obj = None
             gc.collect()
+            return_free_memory()
             given_back = max(0, before - self.probe.used_bytes())
             freed = self.ledger.evict(name, model.memory_bytes - given_back)
             logger.info(

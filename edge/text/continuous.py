@@ -94,6 +94,36 @@ class ContinuousBatcher:
     def kv_bytes_per_token(self) -> int:
         return self.cache.nbytes // (self.slots * self.slot_len)
 
+    @torch.inference_mode()
+    def warm_up(self, prefill_lengths: tuple[int, ...] = (1, 8, 9, 64)) -> int:
+        """Run every shape serving will run, before any job: prefills of a few lengths
+        (either side of the INT4 GEMV's row limit) and one decode step at every batch
+        size and every power-of-two KV length. Kernels compiled on first use (Triton's,
+        on CUDA) are built now, while no other branch's thread is waiting on the
+        interpreter, and their memory is inside the model's measured footprint. Writes
+        only to free rows, which a prefill overwrites; returns the steps run."""
+        if self.running:
+            raise RuntimeError("warm_up runs before any sequence is admitted")
+        device = self.model.embed_tokens.weight.device
+        runs = 0
+        for length in prefill_lengths:
+            if length < self.slot_len:
+                self.model(torch.zeros((1, length), dtype=torch.long, device=device), self._row(0), 0)
+                runs += 1
+        for batch in range(1, self.slots + 1):
+            ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
+            pos = torch.zeros(batch, dtype=torch.long, device=device)
+            kv_len = 1
+            while True:
+                self.model.decode_step(ids, self.cache, pos, min(kv_len, self.slot_len))
+                runs += 1
+                if kv_len >= self.slot_len:
+                    break
+                kv_len *= 2
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return runs
+
     def _row(self, slot: int) -> KVCache:
         return self.cache.rows(slot, 1)
 

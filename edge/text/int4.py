@@ -209,3 +209,26 @@ class Int4Linear(nn.Module):
             out = flat.to(self.w.dtype) @ self.w.T
         result: torch.Tensor = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return result
+
+
+def tune_gemv(model: nn.Module, dtype: torch.dtype, max_rows: int = triton_int4.GEMV_MAX_ROWS) -> int:
+    """Run the Triton GEMV's autotuner now, for every INT4 layer shape at every row
+    bucket up to `max_rows` (the decode batch; activations in `dtype`); returns how
+    many (shape, bucket) pairs were tuned.
+
+    The tuner times candidates inside CUDA graphs it captures. Left to first use, that
+    capture would happen while another branch's thread works on the same GPU, and the
+    other thread's synchronising calls fail during a capture. Call it at load, before
+    any worker starts."""
+    shapes: dict[tuple[int, int], Int4Linear] = {}
+    for module in model.modules():
+        if isinstance(module, Int4Linear) and module.kernel == "triton":
+            shapes.setdefault((module.out_features, module.in_features), module)
+    top = min(max_rows, triton_int4.GEMV_MAX_ROWS)
+    rows = [1 << i for i in range((top - 1).bit_length() + 1)]
+    for layer in shapes.values():
+        for m in rows:
+            layer.gemv(torch.zeros(m, layer.in_features, device=layer.qweight.device, dtype=dtype))
+    if shapes:
+        torch.cuda.synchronize()
+    return len(shapes) * len(rows)

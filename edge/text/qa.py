@@ -61,8 +61,10 @@ class QAEngine:
         return engine
 
     def warm_up(self) -> None:
-        """One short generation, so every weight page is resident before memory is
-        measured and the first real job does not pay for page faults."""
+        """Every serving shape once (ContinuousBatcher.warm_up) and one short generation,
+        so every weight page is resident before memory is measured and the first real
+        job does not pay for page faults or kernel builds."""
+        self.batcher.warm_up()
         self.answer(QAJob(id="warm-up", question="Hello", max_new_tokens=2))
 
     @property

@@ -150,12 +150,15 @@ if TRITON_SUPPORT:
             for bw in (32, 64)
             for sk in (1, 2, 4, 8, 16)
         ],
-        key=["N", "K", "M"],
+        # Keyed by the row count's power-of-two bucket (the kernel is compiled per
+        # BLOCK_M anyway): four tunings per weight shape cover every decode batch, so
+        # tune_gemv can run them all at load.
+        key=["N", "K", "BLOCK_M"],
         reset_to_zero=["out_ptr"],
         # Timed inside a CUDA graph, as decode runs it: launch overhead would otherwise
         # dominate a 10-40 us kernel and the choice would swing from run to run.
         do_bench=lambda kernel_call, quantiles: triton.testing.do_bench_cudagraph(
-            kernel_call, rep=100, quantiles=quantiles
+            kernel_call, rep=20, quantiles=quantiles
         ),
     )(triton.heuristics({"EVEN_W": lambda a: a["words"] % a["BLOCK_W"] == 0})(_int4_gemv_bits_kernel))
 

@@ -106,8 +106,10 @@ class InspectPipeline:
         """One inspection per RGB uint8 image, all through the model as one batch."""
         if not images:
             return []
-        pixels = preprocess(images, self.image_size)
-        class_probs, patch_probs = self.session.run({"pixels": pixels})
+        if self.session.accepts_images:
+            class_probs, patch_probs = self.session.run_images(images, self.image_size)
+        else:
+            class_probs, patch_probs = self.session.run({"pixels": preprocess(images, self.image_size)})
         clean = self.classes.index(CLEAN)
         results = []
         for probs, patches in zip(class_probs, patch_probs, strict=True):

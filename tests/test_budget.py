@@ -1,0 +1,134 @@
+"""Thousands of mixed jobs through the broker to a daemon whose budget barely holds its
+models: a full camera batch does not fit even once the idle OCR model is evicted, so it
+runs in parts; OCR jobs load the evicted model again; questions decode alongside. Every
+job is answered exactly once (a result, or `over_budget` / `expired` with the reason),
+the ledger never passes its capacity, and the process's own peak resident memory,
+measured by the kernel, stays within the budget."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import LABELS, Broker, DaemonProc, Requester, start_daemon, write_profile
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+MIB = 1 << 20
+JOBS = "edge/bg/jobs"
+TOTAL = 2000
+MAX_PIXELS = 50_000_000  # each job reserves its largest decodable image: 150 MB as BGR
+MAX_BATCH = 8
+IMAGE_SIDE = 224  # the student's input
+HEADROOM_MIB = 96  # what the ledger does not track (threads, MQTT, journal, Python objects)
+
+
+def _job_bytes() -> int:
+    return MAX_PIXELS * 3 + 3 * IMAGE_SIDE * IMAGE_SIDE * 4
+
+
+@pytest.fixture(scope="module")
+def squeezed(
+    broker: Broker, engine_dir: Path, daemon: DaemonProc, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DaemonProc]:
+    # What the same models measured in the shared daemon: the budget is set from those
+    # figures, with room for four or five jobs' buffers and not a full batch's. A job's
+    # 150 MB dwarfs how much a model's measured size varies from one process to the next
+    # (up to ~100 MB here: allocator arenas, thread pools), so three to five jobs fit.
+    measured = json.loads(daemon.status().stdout)["memory"]["models"]
+    resident = sum(int(m["bytes"]) for m in measured.values())
+    budget_mib = math.ceil((resident + 4.5 * _job_bytes()) / MIB) + HEADROOM_MIB
+    directory = tmp_path_factory.mktemp("budget")
+    profile = write_profile(
+        directory,
+        broker.port,
+        engine_dir,
+        device_id="bg",
+        memory_budget_mib=budget_mib,
+        memory_headroom_mib=HEADROOM_MIB,
+        limits={"max_image_pixels": MAX_PIXELS},
+        queue={"memory_wait_ms": 200, "max_size": 4096},
+        models={
+            "ocr": {"threads": 1, "keep_alive_s": 0},
+            "inspect": {
+                "build_size": "quick",
+                "threads": 1,
+                "max_batch": MAX_BATCH,
+                "max_queue_delay_ms": 20,
+                "keep_alive_s": 0,
+            },
+            "qa": {"max_new_tokens": 8, "max_context_tokens": 256, "max_sequences": 2},
+        },
+    )
+    d = start_daemon(profile)
+    d.wait_ready()
+    yield d
+    d.stop()
+
+
+def _jobs(rng: random.Random) -> list[tuple[str, dict[str, Any]]]:
+    parts = [f"parts/part_0{i}_{n}.png" for i, n in enumerate(["clean", "scratch", "dent", "stain", "missing_print"])]
+    jobs: list[tuple[str, dict[str, Any]]] = []
+    for i in range(TOTAL):
+        roll = rng.random()
+        job: dict[str, Any] = {"id": f"bg-{i}", "priority": rng.randrange(10)}
+        if rng.random() < 0.05:
+            job["deadline_ms"] = rng.choice([1, 20, 100])  # some cannot be met: `expired`
+        if roll < 0.025:  # each one after a full batch loads the evicted OCR model again
+            jobs.append(("ocr", {**job, "image": {"path": f"labels/{rng.choice(LABELS)['name']}"}}))
+        elif roll < 0.075:
+            question = rng.choice(["What is insulin?", "Name a vitamin.", "Why sleep?"])
+            jobs.append(("qa", {**job, "question": question, "max_new_tokens": rng.randrange(2, 8)}))
+        else:
+            job["image"] = {"path": rng.choice(parts)}
+            if rng.random() < 0.01:
+                job["ocr"] = True
+            jobs.append(("inspect", job))
+    return jobs
+
+
+def test_thousands_of_mixed_jobs_never_exceed_the_budget(squeezed: DaemonProc, requester: Requester) -> None:
+    rng = random.Random(2026)
+    jobs = _jobs(rng)
+    sent = [(task, requester.send(f"{JOBS}/{task}", job, wait=False)) for task, job in jobs]
+    results = [(task, requester.wait(corr, timeout=600)) for task, corr in sent]
+
+    outcomes: Counter[str] = Counter()
+    for task, doc in results:
+        if doc["status"] == "ok":
+            outcomes[f"{task} ok"] += 1
+            continue
+        err = doc["error"]
+        assert err["code"] in ("over_budget", "expired"), doc
+        assert err["message"], doc
+        outcomes[f"{task} {err['code']}"] += 1
+    # Exactly once: no job answered twice, none lost.
+    assert all(len(requester.answers(corr)) == 1 for _, corr in sent)
+    assert sum(outcomes.values()) == TOTAL
+    for task in ("inspect", "ocr", "qa"):
+        assert outcomes[f"{task} ok"] > 0, outcomes
+
+    status = json.loads(squeezed.status().stdout)
+    memory = status["memory"]
+    capacity = memory["budget_bytes"] - memory["headroom_bytes"]
+    assert 0 < memory["peak_bytes"] <= capacity
+    assert memory["reserved_bytes"] == 0 and memory["pools"]["text-kv"]["reserved_bytes"] == 0
+    # The kernel's own figure for the process, model loads included: within the budget.
+    assert memory["peak_rss_bytes"] <= memory["budget_bytes"], (memory["peak_rss_bytes"], memory["budget_bytes"])
+    # The squeeze happened: full batches evicted the idle OCR model and still ran in
+    # parts; OCR jobs loaded it again. Jobs without a deadline all ran.
+    assert memory["evictions"] > 0
+    ocr = next(m for m in status["models"] if m["name"].startswith("pp-ocr"))
+    assert ocr["loads"] >= 2
+    vision = status["branches"]["vision"]
+    assert vision["split_batches"] > 0 and max(int(k) for k in vision["batch_sizes"]) >= 2
+    no_deadline = sum(1 for _, job in jobs if "deadline_ms" not in job)
+    assert sum(n for key, n in outcomes.items() if key.endswith(" ok")) >= no_deadline, outcomes
+    assert squeezed.proc.poll() is None
