@@ -74,6 +74,72 @@ def _lr_at(step: int, total: int, recipe: TrainRecipe) -> float:
     return recipe.lr * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
 
 
+@dataclass
+class Targets:
+    """The teacher's side of a batch: CLS [B, D], patch tokens on the student's grid
+    [B, g*g, D] (already flipped with the image), probe logits [B, C]."""
+
+    cls: torch.Tensor
+    patches: torch.Tensor
+    logits: torch.Tensor
+
+
+def distill_losses(
+    model: InspectViT,
+    pixels: torch.Tensor,
+    labels: torch.Tensor,
+    patch_targets: torch.Tensor,
+    teacher: Targets | None,
+    recipe: TrainRecipe,
+) -> dict[str, torch.Tensor]:
+    """The loss terms of one batch (see the module docstring); the teacher's terms only
+    with `teacher`."""
+    tokens = model.tokens(pixels)
+    logits, patch_logits = model.heads(tokens)
+    losses = {
+        "ce": F.cross_entropy(logits, labels),
+        "patch": recipe.patch_weight * F.binary_cross_entropy_with_logits(patch_logits, patch_targets),
+    }
+    if teacher is not None:
+        t = recipe.temperature
+        losses["kd"] = (
+            recipe.kd_weight
+            * F.kl_div(
+                F.log_softmax(logits / t, dim=-1), F.log_softmax(teacher.logits / t, dim=-1), log_target=True,
+                reduction="batchmean",
+            )
+            * t * t
+        )  # fmt: skip
+        projected = model.distill_proj(tokens)
+        cls_loss = (1 - F.cosine_similarity(projected[:, 0], teacher.cls, dim=-1)).mean()
+        patch_loss = (1 - F.cosine_similarity(projected[:, 1:], teacher.patches, dim=-1)).mean()
+        losses["feat"] = recipe.feature_weight * (cls_loss + patch_loss)
+    return losses
+
+
+def make_optimizer(model: InspectViT, recipe: TrainRecipe) -> torch.optim.AdamW:
+    """AdamW with no decay on norms, biases and positions; each group carries the scale
+    of the schedule's rate it takes (`lr_scale`)."""
+    # Heads (new) learn at head_lr_scale x the rate of the body (selected from the teacher):
+    # a large rate on a pretrained body in the first steps undoes what it brought.
+    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
+    for name, p in model.named_parameters():
+        is_head = name.split(".")[0] in ("head", "patch_head", "distill_proj")
+        decays = p.ndim >= 2 and "pos_embed" not in name
+        groups.setdefault((is_head, decays), []).append(p)
+    return torch.optim.AdamW(
+        [
+            {
+                "params": params,
+                "weight_decay": recipe.weight_decay if decays else 0.0,
+                "lr_scale": recipe.head_lr_scale if is_head else 1.0,
+            }
+            for (is_head, decays), params in groups.items()
+        ],
+        lr=recipe.lr,
+    )
+
+
 def train_student(
     data: TrainData,
     config: ViTConfig,
@@ -92,24 +158,7 @@ def train_student(
         init_from_teacher(model, teacher_weights)
     elif recipe.init != "random":
         raise ValueError(f"unknown init {recipe.init!r}")
-    # Heads (new) learn at head_lr_scale x the rate of the body (selected from the teacher):
-    # a large rate on a pretrained body in the first steps undoes what it brought.
-    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
-    for name, p in model.named_parameters():
-        is_head = name.split(".")[0] in ("head", "patch_head", "distill_proj")
-        decays = p.ndim >= 2 and "pos_embed" not in name
-        groups.setdefault((is_head, decays), []).append(p)
-    opt = torch.optim.AdamW(
-        [
-            {
-                "params": params,
-                "weight_decay": recipe.weight_decay if decays else 0.0,
-                "lr_scale": recipe.head_lr_scale if is_head else 1.0,
-            }
-            for (is_head, decays), params in groups.items()
-        ],
-        lr=recipe.lr,
-    )
+    opt = make_optimizer(model, recipe)
     n = len(data.labels)
     steps_per_epoch = math.ceil(n / recipe.batch_size)
     total = steps_per_epoch * recipe.epochs
@@ -130,33 +179,18 @@ def train_student(
             targets = torch.where(flip[:, None, None], targets.flip(2), targets)
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, total, recipe) * group["lr_scale"]
-            tokens = model.tokens(pixels)
-            logits, patch_logits = model.heads(tokens)
-            losses = {
-                "ce": F.cross_entropy(logits, labels),
-                "patch": recipe.patch_weight * F.binary_cross_entropy_with_logits(patch_logits, targets),
-            }
+            teacher = None
             if recipe.distill:
                 assert data.teacher_cls is not None and data.teacher_patches is not None
                 assert data.teacher_logits is not None
-                t_logits = torch.from_numpy(data.teacher_logits[idx])
-                t = recipe.temperature
-                losses["kd"] = (
-                    recipe.kd_weight
-                    * F.kl_div(
-                        F.log_softmax(logits / t, dim=-1), F.log_softmax(t_logits / t, dim=-1), log_target=True,
-                        reduction="batchmean",
-                    )
-                    * t * t
-                )  # fmt: skip
-                projected = model.distill_proj(tokens)
-                t_cls = torch.from_numpy(data.teacher_cls[idx])
                 t_patch = torch.from_numpy(data.teacher_patches[idx].astype(np.float32))
-                t_patch = torch.where(flip[:, None, None], _flip_grid(t_patch, g), t_patch)
-                cls_loss = (1 - F.cosine_similarity(projected[:, 0], t_cls, dim=-1)).mean()
-                patch_loss = (1 - F.cosine_similarity(projected[:, 1:], t_patch, dim=-1)).mean()
-                losses["feat"] = recipe.feature_weight * (cls_loss + patch_loss)
-            loss = sum(losses.values(), torch.zeros(()))
+                teacher = Targets(
+                    torch.from_numpy(data.teacher_cls[idx]),
+                    torch.where(flip[:, None, None], _flip_grid(t_patch, g), t_patch),
+                    torch.from_numpy(data.teacher_logits[idx]),
+                )
+            losses = distill_losses(model, pixels, labels, targets, teacher, recipe)
+            loss = sum(losses.values(), torch.zeros((), device=pixels.device))
             opt.zero_grad(set_to_none=True)
             loss.backward()  # type: ignore[no-untyped-call]
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

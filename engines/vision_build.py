@@ -26,6 +26,7 @@ from edge.vision.vit import ExportWrapper, InspectViT, ViTConfig
 from engines.cache import build_cached, cache_key, file_sha256
 from engines.distill import TrainData, TrainRecipe, predict, train_student
 from engines.factory_data import CLASSES, iter_split, patch_targets
+from engines.vision_stream import StreamPlan, train_student_streaming
 from engines.vision_teacher import probe_features, teacher_onnx_path, teacher_tokens, teacher_weights, train_probe
 
 logger = logging.getLogger(__name__)
@@ -43,13 +44,19 @@ class VisionSize:
     test: int
     epochs: int
     seed: int = 0
+    stream_steps: int = 0  # > 0: distil on freshly generated images instead (vision_stream)
+    stream_batch: int = 128
 
 
 # default: what the accuracy figures are measured on (a few minutes on two CPU cores);
-# quick: a smoke-sized build for tests of the serving path, never for accuracy figures.
+# quick: a smoke-sized build for tests of the serving path, never for accuracy figures;
+# stream: distilled on 768,000 freshly generated images with the teacher on the same
+# device (meant for a GPU: `--device cuda`); quick-stream: its smoke-sized test.
 SIZES = {
     "default": VisionSize(train=600, val=150, test=500, epochs=16),
     "quick": VisionSize(train=60, val=20, test=20, epochs=1),
+    "stream": VisionSize(train=600, val=150, test=500, epochs=0, stream_steps=6000),
+    "quick-stream": VisionSize(train=60, val=20, test=20, epochs=0, stream_steps=2, stream_batch=4),
 }
 
 
@@ -138,13 +145,26 @@ def teacher_probe(data_dir: Path) -> tuple[torch.nn.Linear, dict[str, Any]]:
     return probe, info
 
 
-def build_student(engine_dir: Path, size_name: str = "default", distill: bool = True, progress: bool = True) -> Path:
+def build_student(
+    engine_dir: Path, size_name: str = "default", distill: bool = True, progress: bool = True, device: str = "cpu"
+) -> Path:
+    """`device` trains a stream size there (the result is the same build wherever it was
+    trained, so it is not part of the cache key)."""
     size = SIZES[size_name]
+    if size.stream_steps and not distill:
+        raise ValueError(f"size {size_name!r} distils on a stream; its baseline is the 'default' size's")
     data_dir = build_dataset(engine_dir, size, progress)
     config = ViTConfig(num_classes=len(CLASSES))
-    recipe = TrainRecipe(epochs=size.epochs, distill=distill, init="teacher" if distill else "random")
+    batch = size.stream_batch if size.stream_steps else TrainRecipe.batch_size
+    recipe = TrainRecipe(epochs=size.epochs, batch_size=batch, distill=distill, init="teacher" if distill else "random")
     inputs = {"data": json.loads((data_dir / "manifest.json").read_text())["inputs"], "recipe": recipe.to_dict()}
     inputs["model"] = asdict(config)
+    plan = StreamPlan(steps=size.stream_steps, first_index=size.train, seed=size.seed) if size.stream_steps else None
+    if plan is not None and device == "cpu" and plan.steps > 100:
+        why = "size %r trains %d steps of %d new images; on the CPU that takes hours"
+        logger.warning(why, size_name, plan.steps, size.stream_batch)
+    if plan is not None:
+        inputs["stream"] = {"steps": plan.steps, "first_index": plan.first_index, "seed": plan.seed}
 
     def build(out: Path) -> dict[str, Any]:
         train = load_split(data_dir, "train")
@@ -160,7 +180,10 @@ def build_student(engine_dir: Path, size_name: str = "default", distill: bool = 
             teacher_logits=t_logits,
         )
         t0 = time.perf_counter()
-        model, info = train_student(data, config, recipe, progress, teacher_weights() if distill else None)
+        if plan is not None:
+            model, info = train_student_streaming(config, recipe, plan, probe, teacher_weights(), device, progress)
+        else:
+            model, info = train_student(data, config, recipe, progress, teacher_weights() if distill else None)
         train_s = time.perf_counter() - t0
         torch.save(model.serving_state(), out / "student.pt")
         model.drop_distillation()
@@ -179,6 +202,8 @@ def build_student(engine_dir: Path, size_name: str = "default", distill: bool = 
             "size": size_name,
             "parameters": params,
             "train_seconds": train_s,
+            "trained_on": device if plan is not None else "cpu",
+            "train_images": info.get("images", len(data.labels)),
             "onnx_max_abs_diff": onnx_error,
             "teacher_probe": probe_info,
             **scores,
@@ -194,9 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-dir", type=Path, default=Path(".edge/engines"))
     parser.add_argument("--size", choices=sorted(SIZES), default="default")
     parser.add_argument("--no-distill", action="store_true", help="the baseline: same student, true labels only")
+    parser.add_argument("--device", default="cpu", help="where a stream size trains (cuda on a GPU machine)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    path = build_student(args.engine_dir, args.size, distill=not args.no_distill)
+    path = build_student(args.engine_dir, args.size, distill=not args.no_distill, device=args.device)
     manifest = json.loads((path / "manifest.json").read_text())
     print(
         f"{path}\n  test accuracy {manifest['test_accuracy']:.3f} "

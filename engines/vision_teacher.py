@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from edge.vision.vit import IMAGE_MEAN, IMAGE_STD
+from edge.vision.vit import IMAGE_MEAN, IMAGE_STD, InspectViT, ViTConfig
+from engines.weight_select import init_from_teacher
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,23 @@ def teacher_tokens(
         cls_out[start : start + len(chunk)] = tokens[:, 0]
         patch_out[start : start + len(chunk)] = pool_patches(tokens[:, 1:], grid).astype(np.float16)
     return cls_out, patch_out
+
+
+def torch_teacher(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> InspectViT:
+    """The teacher as a PyTorch model: the student's architecture at the teacher's full
+    width and depth (14-pixel patches, 384 channels, 6 heads, 12 blocks), every weight
+    taken from the ONNX file by the same mapping the student's initialisation uses (a
+    full-width selection keeps all of them). Its `tokens(pixels)` equal the ONNX
+    backbone's tokens (tested); on a GPU it makes tokens for a large stream of generated
+    images at a rate onnxruntime on the CPU cannot."""
+    weights = teacher_weights()
+    depth = 1 + max(int(k.split(".")[3]) for k in weights if k.startswith("backbone.encoder.layer."))
+    config = ViTConfig(patch_size=14, dim=TEACHER_DIM, heads=TEACHER_DIM // 64, depth=depth)
+    model = InspectViT(config)
+    with torch.no_grad():
+        init_from_teacher(model, weights)
+    model.drop_distillation()
+    return model.eval().to(device=device, dtype=dtype)
 
 
 def probe_features(cls: np.ndarray, patches: np.ndarray) -> torch.Tensor:

@@ -17,10 +17,19 @@ from edge.protocol.jobs import JobLimits, parse_job
 from edge.scheduler.queue import BatchPolicy, PriorityDeadlineQueue
 from edge.scheduler.work import Reply, WorkItem
 from edge.vision.inspect import InspectPipeline, preprocess
-from edge.vision.vit import ExportWrapper, load_student
+from edge.vision.vit import ExportWrapper, InspectViT, ViTConfig, load_student
 from engines.factory_data import CLASSES, make_sample, patch_targets
 from engines.vision_build import ONNX_OUTPUTS, SIZES, build_student
-from engines.vision_teacher import TEACHER_DIM, pool_patches, teacher_tokens
+from engines.vision_teacher import (
+    TEACHER_DIM,
+    TOKENS_OUTPUT,
+    normalise,
+    pool_patches,
+    probe_features,
+    teacher_tokens,
+    token_model_bytes,
+    torch_teacher,
+)
 
 LIMITS = JobLimits(max_payload_bytes=1 << 20, max_prompt_chars=1000, max_new_tokens_limit=64)
 
@@ -54,6 +63,22 @@ def test_teacher_tokens_shapes() -> None:
     # Pooling a constant grid keeps the constant; it is an average, not a resample.
     const = np.ones((1, 256, 4), np.float32) * 3.0
     assert np.allclose(pool_patches(const, 14), 3.0)
+
+
+def test_torch_teacher_gives_the_onnx_teachers_tokens() -> None:
+    """The teacher rebuilt in PyTorch from the ONNX file's weights (for GPU-side token
+    making) gives the same backbone tokens as the shipped graph on onnxruntime."""
+    import onnxruntime as ort
+
+    images = np.stack([make_sample(5, "test", i).image for i in range(3)])
+    pixels = normalise(images)
+    session = ort.InferenceSession(token_model_bytes(), providers=["CPUExecutionProvider"])
+    (ref,) = session.run([TOKENS_OUTPUT], {"input_image": pixels})
+    teacher = torch_teacher()
+    with torch.inference_mode():
+        got = teacher.tokens(torch.from_numpy(pixels)).numpy()
+    assert got.shape == ref.shape == (3, 257, TEACHER_DIM)
+    np.testing.assert_allclose(got, ref, atol=1e-3)
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +201,54 @@ def test_cancel_takes_a_queued_job_out_by_id() -> None:
     assert q.cancel("j1") is None and q.cancel("nope") is None
     order = [q.get(timeout=0.1), q.get(timeout=0.1)]
     assert [it.job.id for it in order if it is not None] == ["j0", "j2"]  # still in priority order
+
+
+def test_streaming_teacher_targets_match_the_stored_ones() -> None:
+    """On-the-fly teacher targets (torch teacher, pooled on the device) are what the CPU
+    build stores (ONNX tokens, pooled, float16) and feeds its probe."""
+    from engines.vision_stream import TeacherTargets
+
+    torch.manual_seed(0)
+    probe = torch.nn.Linear(2 * TEACHER_DIM, len(CLASSES))
+    images = np.stack([make_sample(6, "train", 1000 + i).image for i in range(3)])
+    cls, patches = teacher_tokens(images, grid=14, batch=3, progress=False)
+    with torch.no_grad():
+        ref_logits = probe(probe_features(cls, patches))
+    got = TeacherTargets(probe, 14, torch.device("cpu"), torch.float32)(torch.from_numpy(normalise(images)))
+    np.testing.assert_allclose(got.cls.numpy(), cls, atol=1e-3)
+    np.testing.assert_allclose(got.patches.numpy(), patches.astype(np.float32), atol=2e-2)
+    np.testing.assert_allclose(got.logits.numpy(), ref_logits.numpy(), atol=2e-2)
+
+
+def test_streaming_distillation_trains_on_new_images() -> None:
+    """Two steps on four freshly generated images each (worker processes, the torch
+    teacher on the same device): every loss term present and finite, the weights moved."""
+    from engines.distill import TrainRecipe
+    from engines.vision_stream import StreamPlan, train_student_streaming
+    from engines.vision_teacher import teacher_weights
+    from engines.weight_select import init_from_teacher
+
+    config = ViTConfig(num_classes=len(CLASSES))
+    weights = teacher_weights()
+    start = InspectViT(config)
+    with torch.no_grad():
+        init_from_teacher(start, weights)
+    probe = torch.nn.Linear(2 * TEACHER_DIM, len(CLASSES))
+    plan = StreamPlan(steps=2, first_index=5000, workers=1)
+    model, info = train_student_streaming(config, TrainRecipe(batch_size=4), plan, probe, weights, "cpu", False)
+    assert info["images"] == 8 and [h["step"] for h in info["history"]] == [1, 2]
+    for entry in info["history"]:
+        assert set(entry) == {"step", "ce", "patch", "kd", "feat"} and all(np.isfinite(v) for v in entry.values())
+    key = "blocks.0.attn.qkv.weight"
+    assert not torch.equal(model.state_dict()[key], start.state_dict()[key])
+
+
+def test_a_stream_size_builds_exports_and_records_its_stream(engine_dir: Path) -> None:
+    path = build_student(engine_dir, "quick-stream", progress=False)
+    manifest = json.loads((path / "manifest.json").read_text())
+    stream = SIZES["quick-stream"]
+    assert manifest["inputs"]["stream"] == {"steps": stream.stream_steps, "first_index": stream.train, "seed": 0}
+    assert manifest["train_images"] == stream.stream_steps * stream.stream_batch
+    assert manifest["onnx_max_abs_diff"] < 1e-4 and 0.0 <= manifest["test_accuracy"] <= 1.0
+    with pytest.raises(ValueError, match="distils on a stream"):
+        build_student(engine_dir, "quick-stream", distill=False, progress=False)
