@@ -10,8 +10,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -42,7 +45,7 @@ from edge.text.continuous import Sequence
 from edge.text.qa import QAEngine, QASettings
 from edge.vision.inspect import InspectPipeline
 from edge.vision.ocr import OCRPipeline, OCRSettings
-from engines.cache import existing_only
+from engines.cache import EngineMissing, existing_only
 from engines.text_build import build_text_engine
 from engines.vision_build import build_student
 
@@ -51,6 +54,10 @@ logger = logging.getLogger(__name__)
 TEXT_KV_POOL = "text-kv"
 OCR_MODEL = "pp-ocrv6-small"
 INSPECT_MODEL = "inspect-vit-student"
+
+
+class BuildStopped(Exception):
+    """A first-start build ended by a stop request."""
 
 
 def _wants_ocr(item: WorkItem) -> bool:
@@ -275,6 +282,8 @@ class Daemon:
                 self._image_size = pipeline.image_size
                 del pipeline  # the manager holds it (and may evict it)
                 self._served.add("inspect")
+            except BuildStopped:
+                return
             except Exception as err:
                 logger.exception("inspection model unavailable")
                 reason = f"inspect: {type(err).__name__}: {err}"
@@ -308,27 +317,64 @@ class Daemon:
                 self.workers["text"] = TextWorker(
                     "text", queue, qa.batcher, self._prepare_text, qa.output, qa.kv_tokens, memory, self._complete
                 )
+            except BuildStopped:
+                return
             except Exception as err:
                 logger.exception("text branch unavailable")
                 self.branch_errors["text"] = f"{type(err).__name__}: {err}"
 
     def _text_engine_path(self) -> Path:
         qa = self.profile.models.qa
-        engine_dir = self.profile.paths.engine_dir
-        if self.profile.build_missing_engines:
-            self.notifier.status("building the text engine (first start only)")
-            return build_text_engine(engine_dir, qa.adapter, qa.quantization, progress=False)
-        with existing_only():
-            return build_text_engine(engine_dir, qa.adapter, qa.quantization, progress=False)
+
+        def cached() -> Path:
+            with existing_only():
+                return build_text_engine(self.profile.paths.engine_dir, qa.adapter, qa.quantization, progress=False)
+
+        args = ["--adapter", qa.adapter, "--quantization", qa.quantization]
+        return self._engine(cached, "the text engine", "engines.text_build", args)
 
     def _student_path(self) -> Path:
-        engine_dir = self.profile.paths.engine_dir
         size = self.profile.models.inspect.build_size
-        if self.profile.build_missing_engines:
-            self.notifier.status("building the inspection model (first start only)")
-            return build_student(engine_dir, size, progress=False)
-        with existing_only():
-            return build_student(engine_dir, size, progress=False)
+
+        def cached() -> Path:
+            with existing_only():
+                return build_student(self.profile.paths.engine_dir, size, progress=False)
+
+        return self._engine(cached, "the inspection model", "engines.vision_build", ["--size", size])
+
+    def _engine(self, cached: Callable[[], Path], what: str, module: str, args: list[str]) -> Path:
+        """A built engine from the cache; if it is missing and the profile allows, built
+        first (in a child process, see _build_in_child)."""
+        try:
+            path: Path = cached()
+            return path
+        except EngineMissing:
+            if not self.profile.build_missing_engines:
+                raise
+        self.notifier.status(f"building {what} (first start only)")
+        self._build_in_child(module, args)
+        path = cached()
+        return path
+
+    def _build_in_child(self, module: str, args: list[str]) -> None:
+        """Run a build (a no-op when its result is cached) in a child process: a first
+        build takes minutes, and a stop request must end it, which a build running in
+        this process could not be made to do. Builds write to a scratch directory and
+        rename it when done, so a stopped one leaves nothing half-built."""
+        cmd = [sys.executable, "-m", module, "--engine-dir", str(self.profile.paths.engine_dir), "--no-progress", *args]
+        child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)  # its log lines go to stderr, as ours do
+        while child.poll() is None:
+            if self._stop.wait(0.2):
+                logger.info("stopping the %s build (pid %d)", module, child.pid)
+                child.terminate()
+                try:
+                    child.wait(10)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    child.wait()
+                raise BuildStopped(module)
+        if child.returncode != 0:
+            raise RuntimeError(f"{module} exited with {child.returncode}; its log is above")
 
     def _add_branch(self, name: str, handler: Any, batching: Batching) -> None:
         queue = PriorityDeadlineQueue(self.profile.queue.max_size)

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +25,17 @@ _BUILDS_ALLOWED: contextvars.ContextVar[bool] = contextvars.ContextVar("builds_a
 
 class EngineMissing(FileNotFoundError):
     """An engine that is not built (or out of date) where building is not allowed."""
+
+
+def stop_on_sigterm() -> None:
+    """In a build process: SIGTERM ends it as an exception would, so the scratch
+    directory of the build in progress is removed on the way out (the default action
+    would end the process where it stands and leave it)."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from edge.text.checkpoint import SIDE_FILES, load_checkpoint
-from engines.cache import build_cached, cache_key, read_manifest
+from engines.cache import build_cached, cache_key, read_manifest, stop_on_sigterm
 from engines.corpus import calibration_text, corpus_fingerprint
 from engines.quantize import QuantRecipe, quantize_model
 
@@ -100,3 +100,23 @@ def build_text_engine(
     elif quant != "float":
         raise ValueError(f"unknown quantization {quant!r}")
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import logging
+
+    parser = argparse.ArgumentParser(description="Build the text engine (cached by its inputs).")
+    parser.add_argument("--engine-dir", type=Path, default=Path(".edge/engines"))
+    parser.add_argument("--adapter", choices=["clinic", "none"], default="clinic")
+    parser.add_argument("--quantization", choices=["awq-int4", "rtn-int4", "float"], default="awq-int4")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, services)")
+    args = parser.parse_args(argv)
+    stop_on_sigterm()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    print(build_text_engine(args.engine_dir, args.adapter, args.quantization, progress=not args.no_progress))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from edge.vision.vit import ExportWrapper, InspectViT, ViTConfig
-from engines.cache import build_cached, cache_key, file_sha256
+from engines.cache import build_cached, cache_key, file_sha256, stop_on_sigterm
 from engines.distill import TrainData, TrainRecipe, predict, train_student
 from engines.factory_data import CLASSES, iter_split, patch_targets
 from engines.vision_stream import StreamPlan, train_student_streaming
@@ -220,9 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=sorted(SIZES), default="default")
     parser.add_argument("--no-distill", action="store_true", help="the baseline: same student, true labels only")
     parser.add_argument("--device", default="cpu", help="where a stream size trains (cuda on a GPU machine)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, services)")
     args = parser.parse_args(argv)
+    stop_on_sigterm()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    path = build_student(args.engine_dir, args.size, distill=not args.no_distill, device=args.device)
+    path = build_student(
+        args.engine_dir, args.size, distill=not args.no_distill, progress=not args.no_progress, device=args.device
+    )
     manifest = json.loads((path / "manifest.json").read_text())
     print(
         f"{path}\n  test accuracy {manifest['test_accuracy']:.3f} "

@@ -190,3 +190,37 @@ def test_watchdog_pings_stop_while_a_job_is_stalled(tmp_path: Path, broker: Brok
     assert not silent, f"pinged during a stalled job at {[round(t - started, 2) for t in silent]}"
     assert any(t > done_at + 0.3 for t in pings), "pings did not resume after the job"
     assert any("STALLED: vision busy with one job" in m for _, m in notify.messages)
+
+
+@pytest.mark.integration
+def test_sigterm_stops_a_first_start_build(tmp_path: Path, broker: Broker) -> None:
+    """A first start builds the inspection model (minutes) in a child process; SIGTERM
+    ends the build and the daemon promptly, leaves no build process behind and nothing
+    half-built in the engine directory (the next start builds again)."""
+    engines = tmp_path / "engines"
+    profile = write_profile(
+        tmp_path, broker.port, engines, device_id="bs",
+        models={"ocr": {"enabled": False}, "inspect": {"build_size": "default"}, "qa": {"enabled": False}},
+    )  # fmt: skip
+    daemon = start_daemon(profile)
+    try:
+        deadline = time.monotonic() + 60
+        child = None
+        while child is None and time.monotonic() < deadline:
+            found = subprocess.run(
+                ["pgrep", "-f", f"engines.vision_build --engine-dir {engines}"], capture_output=True, text=True
+            )
+            child = int(found.stdout.split()[0]) if found.stdout.strip() else None
+            time.sleep(0.2)
+        assert child is not None, daemon.log.read_text()
+        time.sleep(3)  # into the build: the teacher's tokens for the first split
+        t0 = time.monotonic()
+        daemon.proc.send_signal(signal.SIGTERM)
+        assert daemon.proc.wait(30) == 0
+        assert time.monotonic() - t0 < 15
+    finally:
+        daemon.stop()
+    assert not Path(f"/proc/{child}").exists(), "the build process outlived the daemon"
+    assert "stopping the engines.vision_build build" in daemon.log.read_text()
+    left = sorted(p.name for p in engines.iterdir()) if engines.exists() else []
+    assert not [name for name in left if name.startswith(".") or name.startswith("vision-")], left
