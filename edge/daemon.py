@@ -455,11 +455,12 @@ class Daemon:
         while start < len(items):
             rest = items[start:]
             try:
-                # Models first (loaded again if evicted), then the buffers: a model a
-                # reservation names cannot be evicted while the batch runs.
-                for name in sorted(needs):
-                    self.manager.get(name)
-                pipeline: InspectPipeline = self.manager.get(INSPECT_MODEL)
+                # Models first (loaded again if evicted, never evicting each other), then
+                # the buffers: a model a reservation names cannot be evicted while the
+                # batch runs.
+                pipeline: InspectPipeline = self.manager.get(INSPECT_MODEL, keep=needs)
+                if OCR_MODEL in needs:
+                    self.manager.get(OCR_MODEL, keep=needs)
                 res, count = self._reserve_batch(rest, needs)
             except JobError as err:
                 return out + [err for _ in rest]

@@ -173,3 +173,21 @@ def test_a_reload_that_reuses_retained_memory_is_not_counted_twice() -> None:
     models = mm.ledger.snapshot()["models"]
     assert RETAINED not in models and models["ocr"]["bytes"] == 100 * MIB
     assert mm.ledger.used_bytes() == probe.held == 100 * MIB  # the ledger agrees with the process again
+
+
+def test_a_reload_never_evicts_a_model_the_same_job_needs() -> None:
+    clock = [0.0]
+    mm, probe = _manager(150, clock)
+    mm.register("ocr", "vision", "cpu", lambda: Weights(probe, 100 * MIB), keep_alive_s=0)
+    mm.register("inspect", "vision", "cpu", lambda: Weights(probe, 40 * MIB), keep_alive_s=0)
+    mm.load("ocr")
+    mm.load("inspect")
+    clock[0] = 1.0
+    mm.evict("ocr")
+    assert mm.ledger.reserve("buffers", "inspect", 20 * MIB) is not None
+    # Loading OCR back would need the idle inspect model gone; the job needs both.
+    with pytest.raises(JobError) as err:
+        mm.get("ocr", keep={"ocr", "inspect"})
+    assert err.value.code == ErrorCode.OVER_BUDGET and mm.loaded("inspect")
+    mm.get("ocr")  # with nothing to keep, inspect goes
+    assert mm.loaded("ocr") and not mm.loaded("inspect")

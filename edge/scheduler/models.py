@@ -59,13 +59,14 @@ class ModelManager:
         with self._lock:
             return self._models[name].obj is not None
 
-    def get(self, name: str) -> Any:
+    def get(self, name: str, keep: frozenset[str] | set[str] = frozenset()) -> Any:
         """The model, loaded again first if it was evicted (JobError over_budget if it
-        cannot be made to fit)."""
+        cannot be made to fit). Making room never evicts a model in `keep` (the others a
+        job is about to use)."""
         with self._lock:
             model = self._models[name]
             if model.obj is None:
-                self._load(model, evict=True)
+                self._load(model, evict=True, keep=frozenset(keep))
             return model.obj
 
     def load(self, name: str) -> Any:
@@ -78,11 +79,11 @@ class ModelManager:
                 raise MemoryError(err.message) from None
             return model.obj
 
-    def _load(self, model: ManagedModel, evict: bool) -> None:
+    def _load(self, model: ManagedModel, evict: bool, keep: frozenset[str] = frozenset()) -> None:
         # A reload's size is known from the first load: room is made before loading, so
         # the load itself never takes the process past the budget.
         known = model.memory_bytes if model.loads else 0
-        if known and self.ledger.shortfall(known) and not (evict and self.make_room(known, keep={model.name})):
+        if known and self.ledger.shortfall(known) and not (evict and self.make_room(known, keep=keep | {model.name})):
             raise self._over_budget(model.name, known)
         t0 = time.perf_counter()
         obj, used = measure(self.probe, model.load)
@@ -93,7 +94,7 @@ class ModelManager:
         reused = max(0, known - used)
         used = max(used, known)
         while not self.ledger.add_model(model.name, model.branch, used, model.keep_alive_s):
-            if not (evict and self.make_room(used, keep={model.name})):
+            if not (evict and self.make_room(used, keep=keep | {model.name})):
                 del obj
                 gc.collect()
                 return_free_memory()
