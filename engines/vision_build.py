@@ -50,14 +50,19 @@ class VisionSize:
 
 # default: what the accuracy figures are measured on (a few minutes on two CPU cores);
 # quick: a smoke-sized build for tests of the serving path, never for accuracy figures;
-# stream: distilled on 768,000 freshly generated images with the teacher on the same
-# device (meant for a GPU: `--device cuda`); quick-stream: its smoke-sized test.
+# stream: trained on 768,000 freshly generated images, distilled with the teacher on the
+# same device, or with --no-distill the baseline on the same images (meant for a GPU:
+# `--device cuda`, about 13 minutes on an H200 with 16 cores generating images; the
+# result is an ordinary build directory to copy into another box's engine directory);
+# quick-stream: its smoke-sized test.
 SIZES = {
     "default": VisionSize(train=600, val=150, test=500, epochs=16),
     "quick": VisionSize(train=60, val=20, test=20, epochs=1),
     "stream": VisionSize(train=600, val=150, test=500, epochs=0, stream_steps=6000),
     "quick-stream": VisionSize(train=60, val=20, test=20, epochs=0, stream_steps=2, stream_batch=4),
 }
+
+LONG_ON_CPU = 100  # stream steps beyond which a CPU build takes too long to start unasked
 
 
 def _split_arrays(seed: int, split: str, count: int, grid: int) -> dict[str, np.ndarray]:
@@ -69,18 +74,23 @@ def _split_arrays(seed: int, split: str, count: int, grid: int) -> dict[str, np.
     }
 
 
-def build_dataset(engine_dir: Path, size: VisionSize, progress: bool = True) -> Path:
-    """Images, labels, patch targets and the teacher's tokens for every split."""
-    grid = ViTConfig().grid
-    teacher = teacher_onnx_path()
-    counts = {"train": size.train, "val": size.val, "test": size.test}
-    inputs = {
+def dataset_inputs(size: VisionSize) -> dict[str, Any]:
+    """What a dataset build is cached by (and a student build, through it); not the
+    epochs: retraining must not regenerate the data."""
+    return {
         "generator": GENERATOR_VERSION,
         "seed": size.seed,
-        "counts": counts,  # not the epochs: retraining must not regenerate the data
-        "grid": grid,
-        "teacher_sha256": file_sha256(teacher),
+        "counts": {"train": size.train, "val": size.val, "test": size.test},
+        "grid": ViTConfig().grid,
+        "teacher_sha256": file_sha256(teacher_onnx_path()),
     }
+
+
+def build_dataset(engine_dir: Path, size: VisionSize, progress: bool = True) -> Path:
+    """Images, labels, patch targets and the teacher's tokens for every split."""
+    inputs = dataset_inputs(size)
+    counts: dict[str, int] = inputs["counts"]
+    grid: int = inputs["grid"]
 
     def build(out: Path) -> dict[str, Any]:
         for split, count in counts.items():
@@ -146,27 +156,36 @@ def teacher_probe(data_dir: Path) -> tuple[torch.nn.Linear, dict[str, Any]]:
 
 
 def build_student(
-    engine_dir: Path, size_name: str = "default", distill: bool = True, progress: bool = True, device: str = "cpu"
+    engine_dir: Path, size_name: str = "default", distill: bool = True, progress: bool = True, device: str = "auto"
 ) -> Path:
-    """`device` trains a stream size there (the result is the same build wherever it was
-    trained, so it is not part of the cache key)."""
+    """`device` trains a stream size there, "auto" on CUDA if there is a GPU (the result
+    is the same build wherever it was trained, so it is not part of the cache key)."""
     size = SIZES[size_name]
-    if size.stream_steps and not distill:
-        raise ValueError(f"size {size_name!r} distils on a stream; its baseline is the 'default' size's")
-    data_dir = build_dataset(engine_dir, size, progress)
+    # Where it would train: "auto" on a machine without CUDA refuses a long stream build
+    # (in build() below, so a build copied here from a GPU machine is still found).
+    refuse_on_cpu = device == "auto" and size.stream_steps > LONG_ON_CPU
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     config = ViTConfig(num_classes=len(CLASSES))
     batch = size.stream_batch if size.stream_steps else TrainRecipe.batch_size
     recipe = TrainRecipe(epochs=size.epochs, batch_size=batch, distill=distill, init="teacher" if distill else "random")
-    inputs = {"data": json.loads((data_dir / "manifest.json").read_text())["inputs"], "recipe": recipe.to_dict()}
+    # The dataset's inputs, not the dataset: finding a built student needs no data.
+    inputs = {"data": dataset_inputs(size), "recipe": recipe.to_dict()}
     inputs["model"] = asdict(config)
     plan = StreamPlan(steps=size.stream_steps, first_index=size.train, seed=size.seed) if size.stream_steps else None
-    if plan is not None and device == "cpu" and plan.steps > 100:
-        why = "size %r trains %d steps of %d new images; on the CPU that takes hours"
-        logger.warning(why, size_name, plan.steps, size.stream_batch)
     if plan is not None:
         inputs["stream"] = {"steps": plan.steps, "first_index": plan.first_index, "seed": plan.seed}
 
     def build(out: Path) -> dict[str, Any]:
+        if refuse_on_cpu and device == "cpu":
+            # Refused rather than started: nobody asking for a build expects it to take
+            # hours, and a daemon's first start would sit in it.
+            raise ValueError(
+                f"size {size_name!r} trains on {size.stream_steps * size.stream_batch:,} generated images and "
+                "there is no CUDA device here: build it on a GPU machine and copy the build directory into "
+                "this engine directory, or pass device 'cpu' (--device cpu) to train here anyway (hours)"
+            )
+        data_dir = build_dataset(engine_dir, size, progress)
         train = load_split(data_dir, "train")
         probe, probe_info = teacher_probe(data_dir)
         with torch.no_grad():
@@ -181,7 +200,11 @@ def build_student(
         )
         t0 = time.perf_counter()
         if plan is not None:
-            model, info = train_student_streaming(config, recipe, plan, probe, teacher_weights(), device, progress)
+            if device == "cpu" and plan.steps > LONG_ON_CPU:
+                why = "size %r trains %d steps of %d new images; on the CPU that takes hours"
+                logger.warning(why, size_name, plan.steps, size.stream_batch)
+            weights = teacher_weights() if distill else None
+            model, info = train_student_streaming(config, recipe, plan, probe, weights, device, progress)
         else:
             model, info = train_student(data, config, recipe, progress, teacher_weights() if distill else None)
         train_s = time.perf_counter() - t0
@@ -219,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-dir", type=Path, default=Path(".edge/engines"))
     parser.add_argument("--size", choices=sorted(SIZES), default="default")
     parser.add_argument("--no-distill", action="store_true", help="the baseline: same student, true labels only")
-    parser.add_argument("--device", default="cpu", help="where a stream size trains (cuda on a GPU machine)")
+    parser.add_argument(
+        "--device", default="auto", help="where a stream size trains: cpu, cuda, or auto (cuda if there is a GPU)"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, services)")
     args = parser.parse_args(argv)
     stop_on_sigterm()

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import cv2
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,13 @@ class StreamPlan:
     workers: int = 0  # generator processes; 0: all cores but one
 
 
+def _one_thread() -> None:
+    # Each generator process is one core's worth of work; OpenCV's own thread pool in
+    # every one of them oversubscribed a 16-core machine fourfold and halved the rate.
+    cv2.setNumThreads(1)
+    torch.set_num_threads(1)
+
+
 def _sample(args: tuple[int, int, int]) -> tuple[np.ndarray, int, np.ndarray]:
     seed, index, grid = args
     s = make_sample(seed, "train", index)
@@ -48,7 +56,7 @@ def _sample(args: tuple[int, int, int]) -> tuple[np.ndarray, int, np.ndarray]:
 def _batches(plan: StreamPlan, batch: int, grid: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     work = ((plan.seed, plan.first_index + i, grid) for i in range(plan.steps * batch))
     workers = plan.workers or max(1, (mp.cpu_count() or 2) - 1)
-    with mp.get_context("spawn").Pool(workers) as pool:
+    with mp.get_context("spawn").Pool(workers, initializer=_one_thread) as pool:
         items = pool.imap(_sample, work, chunksize=16)
         for _ in range(plan.steps):
             chunk = [next(items) for _ in range(batch)]
@@ -85,20 +93,27 @@ def train_student_streaming(
     config: ViTConfig,
     recipe: TrainRecipe,
     plan: StreamPlan,
-    probe: torch.nn.Linear,
-    teacher_weights: dict[str, np.ndarray],
+    probe: torch.nn.Linear | None,
+    teacher_weights: dict[str, np.ndarray] | None,
     device: torch.device | str,
     progress: bool = True,
 ) -> tuple[InspectViT, dict[str, Any]]:
-    """The distilled student, trained for plan.steps steps of recipe.batch_size new
-    images each, on `device` (bfloat16 autocast on CUDA). Returns it on the CPU."""
+    """The student, trained for plan.steps steps of recipe.batch_size new images each,
+    on `device` (bfloat16 autocast on CUDA). Returns it on the CPU. With
+    recipe.distill the teacher (`probe` and `teacher_weights`) gives targets for every
+    batch and the student starts from its weights; without, this is the baseline: the
+    same images, true labels only, random initial weights."""
     device = torch.device(device)
     torch.manual_seed(recipe.seed)
     model = InspectViT(config)
-    init_from_teacher(model, teacher_weights)
-    model = model.to(device).train()
     cuda = device.type == "cuda"
-    teacher = TeacherTargets(probe, config.grid, device, torch.bfloat16 if cuda else torch.float32)
+    teacher: TeacherTargets | None = None
+    if recipe.distill:
+        if probe is None or teacher_weights is None:
+            raise ValueError("a distilled stream build needs the teacher's probe and weights")
+        init_from_teacher(model, teacher_weights)
+        teacher = TeacherTargets(probe, config.grid, device, torch.bfloat16 if cuda else torch.float32)
+    model = model.to(device).train()
     opt = make_optimizer(model, recipe)
     mean = torch.tensor(IMAGE_MEAN, device=device).view(1, 3, 1, 1)
     std = torch.tensor(IMAGE_STD, device=device).view(1, 3, 1, 1)
@@ -107,7 +122,8 @@ def train_student_streaming(
     since = 0
     history: list[dict[str, float]] = []
     report = max(1, plan.steps // 20)
-    bar = tqdm(total=plan.steps, desc="student (stream)", disable=not progress)
+    desc = "student (stream)" if recipe.distill else "student, no distillation (stream)"
+    bar = tqdm(total=plan.steps, desc=desc, disable=not progress)
     for step, (images, labels, targets) in enumerate(_batches(plan, recipe.batch_size, config.grid)):
         raw = torch.from_numpy(images).to(device).permute(0, 3, 1, 2).float() / 255.0
         pixels = (raw - mean) / std
@@ -120,7 +136,8 @@ def train_student_streaming(
         # The teacher sees the flipped image too: its tokens are those of what the
         # student sees, no grid flipping needed.
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            losses = distill_losses(model, pixels, torch.from_numpy(labels).to(device), patch, teacher(pixels), recipe)
+            teacher_side = teacher(pixels) if teacher is not None else None
+            losses = distill_losses(model, pixels, torch.from_numpy(labels).to(device), patch, teacher_side, recipe)
             loss = sum(losses.values(), torch.zeros((), device=device))
         opt.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]

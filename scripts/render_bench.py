@@ -119,19 +119,24 @@ def text_cuda(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _where(device: str) -> str:
+    return {"cpu": "the CPU", "cuda": "a GPU"}.get(device, device)
+
+
 def vision_cpu(d: dict[str, Any]) -> str:
     acc = d["accuracy"]
     lines = [
-        f"Held-out test split: {acc['test_images']} generated images, 5 classes; students trained on "
-        f"{acc['train_images']} (`bench/results/vision_cpu.json`).",
+        f"Held-out test split: {acc['test_images']} generated images, 5 classes (`bench/results/vision_cpu.json`).",
         "",
-        "| model | test accuracy | parameters | CPU training time |",
-        "|---|---:|---:|---:|",
+        "| model | test accuracy | parameters | training images | training time |",
+        "|---|---:|---:|---:|---:|",
     ]
     for r in acc["rows"]:
         params = f"{r['parameters'] / 1e6:.2f}M" if "parameters" in r else "-"
-        train = f"{r['train_seconds'] / 60:.1f} min" if "train_seconds" in r else "-"
-        lines.append(f"| {r['model']} | {r['test_accuracy'] * 100:.1f}% | {params} | {train} |")
+        train = f"{r['train_seconds'] / 60:.1f} min on {_where(r['trained_on'])}" if "train_seconds" in r else "-"
+        lines.append(f"| {r['model']} | {r['test_accuracy'] * 100:.1f}% | {params} | {r['train_images']:,} | {train} |")
+    for name in acc.get("not_built", []):
+        lines.append(f"| {name} | not built | | | |")
     speed = d["speed"]
     batches = list(speed["images_per_s"]["student"])
     lines += [

@@ -66,16 +66,17 @@ def test_fused_decode_step_matches_reference() -> None:
     ref = random_int4_llama(config, DEVICE, "dequant", group=32, dtype=torch.float32, seed=5)
     ref.fused_decode = False
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, config.vocab_size, (batch, 44), generator=gen).to(DEVICE)
+    steps = 38  # both sequences reach the second chunk of 32 positions
+    ids = torch.randint(0, config.vocab_size, (batch, steps), generator=gen).to(DEVICE)
     want = torch.stack(
         [ref(ids[b : b + 1], ref.new_cache(1, 64), 0, last_only=False)[0] for b in range(batch)]
     )  # [B, T, V]
     cache = KVCache(config, batch, 64, torch.bfloat16, DEVICE)
     kv_len = 64  # two chunks of 32 positions: a chunk past a position must contribute nothing
     # Sequences at different positions: the second one holds at position 0 (rewriting
-    # the same token) for 7 steps, then runs 7 positions behind the first.
-    offsets = [0, 7][:batch]
-    for step in range(44):
+    # the same token) for 5 steps, then runs 5 positions behind the first.
+    offsets = [0, 5][:batch]
+    for step in range(steps):
         pos = torch.tensor([max(0, step - o) for o in offsets], device=DEVICE)
         tokens = torch.stack([ids[b, int(pos[b])] for b in range(batch)]).view(batch, 1)
         got = triton_decode.fused_decode_step(fused, tokens, cache, pos, kv_len)

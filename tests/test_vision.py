@@ -4,6 +4,7 @@ inspect pipeline and the dynamic batcher."""
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from edge.scheduler.queue import BatchPolicy, PriorityDeadlineQueue
 from edge.scheduler.work import Reply, WorkItem
 from edge.vision.inspect import InspectPipeline, preprocess
 from edge.vision.vit import ExportWrapper, InspectViT, ViTConfig, load_student
+from engines.cache import existing_only
 from engines.factory_data import CLASSES, make_sample, patch_targets
 from engines.vision_build import ONNX_OUTPUTS, SIZES, build_student
 from engines.vision_teacher import (
@@ -243,12 +245,30 @@ def test_streaming_distillation_trains_on_new_images() -> None:
     assert not torch.equal(model.state_dict()[key], start.state_dict()[key])
 
 
-def test_a_stream_size_builds_exports_and_records_its_stream(engine_dir: Path) -> None:
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_a_long_stream_build_is_refused_without_a_gpu(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"no CUDA device here.*--device cpu"):
+        build_student(tmp_path, "stream", progress=False)
+    assert list(tmp_path.iterdir()) == []  # refused before any data was generated
+
+
+def test_a_stream_size_builds_exports_and_records_its_stream(engine_dir: Path, tmp_path: Path) -> None:
     path = build_student(engine_dir, "quick-stream", progress=False)
     manifest = json.loads((path / "manifest.json").read_text())
     stream = SIZES["quick-stream"]
     assert manifest["inputs"]["stream"] == {"steps": stream.stream_steps, "first_index": stream.train, "seed": 0}
     assert manifest["train_images"] == stream.stream_steps * stream.stream_batch
     assert manifest["onnx_max_abs_diff"] < 1e-4 and 0.0 <= manifest["test_accuracy"] <= 1.0
-    with pytest.raises(ValueError, match="distils on a stream"):
-        build_student(engine_dir, "quick-stream", distill=False, progress=False)
+    assert manifest["trained_on"] == ("cuda" if torch.cuda.is_available() else "cpu")  # device "auto"
+    assert {k for h in manifest["history"] for k in h} == {"step", "ce", "patch", "kd", "feat"}
+    # The baseline on the same stream: its own build, true labels only (no teacher terms).
+    plain = build_student(engine_dir, "quick-stream", distill=False, progress=False)
+    assert plain != path and plain.name.startswith("vision-student-plain-quick-stream-")
+    plain_manifest = json.loads((plain / "manifest.json").read_text())
+    assert not plain_manifest["distilled"] and plain_manifest["train_images"] == manifest["train_images"]
+    assert {k for h in plain_manifest["history"] for k in h} == {"step", "ce", "patch"}
+    # A build copied to another box's engine directory is found there by its inputs,
+    # without the dataset it was trained on.
+    shutil.copytree(path, tmp_path / path.name)
+    with existing_only():
+        assert build_student(tmp_path, "quick-stream", progress=False) == tmp_path / path.name
