@@ -89,6 +89,109 @@ class TeacherTargets:
         return Targets(tokens[:, 0].clone(), pooled.contiguous(), logits)
 
 
+class StreamStudent:
+    """One student on a stream: its model, optimiser and schedule, and its loss history."""
+
+    def __init__(
+        self,
+        config: ViTConfig,
+        recipe: TrainRecipe,
+        steps: int,
+        teacher_weights: dict[str, np.ndarray] | None,
+        device: torch.device,
+    ) -> None:
+        torch.manual_seed(recipe.seed)
+        model = InspectViT(config)
+        if recipe.distill:
+            if teacher_weights is None:
+                raise ValueError("a distilled stream build needs the teacher's weights")
+            init_from_teacher(model, teacher_weights)
+        self.model = model.to(device).train()
+        self.recipe = recipe
+        self.steps = steps
+        self.opt = make_optimizer(self.model, recipe)
+        self.history: list[dict[str, float]] = []
+        self._sums: dict[str, float] = {}
+        self._since = 0
+        self._report = max(1, steps // 20)
+
+    def step(
+        self, step: int, pixels: torch.Tensor, labels: torch.Tensor, patch: torch.Tensor, teacher: Targets | None
+    ) -> float:
+        """One optimiser step on a batch (teacher: its targets, used if the recipe distils);
+        returns the loss."""
+        for group in self.opt.param_groups:
+            group["lr"] = _lr_at(step, self.steps, self.recipe) * group["lr_scale"]
+        cuda = pixels.device.type == "cuda"
+        with torch.autocast(pixels.device.type, dtype=torch.bfloat16, enabled=cuda):
+            side = teacher if self.recipe.distill else None
+            losses = distill_losses(self.model, pixels, labels, patch, side, self.recipe)
+            loss = sum(losses.values(), torch.zeros((), device=pixels.device))
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        for k, v in losses.items():
+            self._sums[k] = self._sums.get(k, 0.0) + float(v.detach())
+        self._since += 1
+        if (step + 1) % self._report == 0 or step + 1 == self.steps:
+            self.history.append({"step": step + 1, **{k: v / self._since for k, v in self._sums.items()}})
+            logger.info("step %d: %s", step + 1, self.history[-1])
+            self._sums, self._since = {}, 0
+        return float(loss.detach())
+
+
+def train_students_streaming(
+    config: ViTConfig,
+    recipes: list[TrainRecipe],
+    plan: StreamPlan,
+    probe: torch.nn.Linear | None,
+    teacher_weights: dict[str, np.ndarray] | None,
+    device: torch.device | str,
+    progress: bool = True,
+) -> list[tuple[InspectViT, dict[str, Any]]]:
+    """Several students on one stream: every batch is generated once, the teacher's
+    targets made once (if any recipe distils), and each student takes its step on it,
+    so they are compared on exactly the same images. The recipes share a batch size."""
+    if len({r.batch_size for r in recipes}) != 1:
+        raise ValueError("students on one stream share a batch size")
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    teacher: TeacherTargets | None = None
+    if any(r.distill for r in recipes):
+        if probe is None:
+            raise ValueError("a distilled stream build needs the teacher's probe")
+        teacher = TeacherTargets(probe, config.grid, device, torch.bfloat16 if cuda else torch.float32)
+    students = [StreamStudent(config, r, plan.steps, teacher_weights, device) for r in recipes]
+    mean = torch.tensor(IMAGE_MEAN, device=device).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGE_STD, device=device).view(1, 3, 1, 1)
+    gen = torch.Generator(device="cpu").manual_seed(recipes[0].seed)
+    distilled = any(r.distill for r in recipes)
+    desc = "student (stream)" if distilled else "student, no distillation (stream)"
+    desc = desc if len(recipes) == 1 else f"{len(recipes)} students (stream)"
+    bar = tqdm(total=plan.steps, desc=desc, disable=not progress)
+    for step, (images, labels, targets) in enumerate(_batches(plan, recipes[0].batch_size, config.grid)):
+        raw = torch.from_numpy(images).to(device).permute(0, 3, 1, 2).float() / 255.0
+        pixels = (raw - mean) / std
+        flip = (torch.rand(len(labels), generator=gen) < 0.5).to(device)
+        pixels = torch.where(flip[:, None, None, None], pixels.flip(3), pixels)
+        patch = torch.from_numpy(targets).to(device)
+        patch = torch.where(flip[:, None, None], patch.flip(2), patch)
+        y = torch.from_numpy(labels).to(device)
+        # The teacher sees the flipped image too: its tokens are those of what the
+        # student sees, no grid flipping needed.
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            teacher_side = teacher(pixels) if teacher is not None else None
+        losses = [s.step(step, pixels, y, patch, teacher_side) for s in students]
+        bar.update(1)
+        bar.set_postfix(loss=" ".join(f"{v:.3f}" for v in losses))
+    bar.close()
+    images_seen = plan.steps * recipes[0].batch_size
+    return [
+        (s.model.cpu().eval(), {"history": s.history, "steps": plan.steps, "images": images_seen}) for s in students
+    ]
+
+
 def train_student_streaming(
     config: ViTConfig,
     recipe: TrainRecipe,
@@ -103,54 +206,4 @@ def train_student_streaming(
     recipe.distill the teacher (`probe` and `teacher_weights`) gives targets for every
     batch and the student starts from its weights; without, this is the baseline: the
     same images, true labels only, random initial weights."""
-    device = torch.device(device)
-    torch.manual_seed(recipe.seed)
-    model = InspectViT(config)
-    cuda = device.type == "cuda"
-    teacher: TeacherTargets | None = None
-    if recipe.distill:
-        if probe is None or teacher_weights is None:
-            raise ValueError("a distilled stream build needs the teacher's probe and weights")
-        init_from_teacher(model, teacher_weights)
-        teacher = TeacherTargets(probe, config.grid, device, torch.bfloat16 if cuda else torch.float32)
-    model = model.to(device).train()
-    opt = make_optimizer(model, recipe)
-    mean = torch.tensor(IMAGE_MEAN, device=device).view(1, 3, 1, 1)
-    std = torch.tensor(IMAGE_STD, device=device).view(1, 3, 1, 1)
-    gen = torch.Generator(device="cpu").manual_seed(recipe.seed)
-    sums: dict[str, float] = {}
-    since = 0
-    history: list[dict[str, float]] = []
-    report = max(1, plan.steps // 20)
-    desc = "student (stream)" if recipe.distill else "student, no distillation (stream)"
-    bar = tqdm(total=plan.steps, desc=desc, disable=not progress)
-    for step, (images, labels, targets) in enumerate(_batches(plan, recipe.batch_size, config.grid)):
-        raw = torch.from_numpy(images).to(device).permute(0, 3, 1, 2).float() / 255.0
-        pixels = (raw - mean) / std
-        flip = (torch.rand(len(labels), generator=gen) < 0.5).to(device)
-        pixels = torch.where(flip[:, None, None, None], pixels.flip(3), pixels)
-        patch = torch.from_numpy(targets).to(device)
-        patch = torch.where(flip[:, None, None], patch.flip(2), patch)
-        for group in opt.param_groups:
-            group["lr"] = _lr_at(step, plan.steps, recipe) * group["lr_scale"]
-        # The teacher sees the flipped image too: its tokens are those of what the
-        # student sees, no grid flipping needed.
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            teacher_side = teacher(pixels) if teacher is not None else None
-            losses = distill_losses(model, pixels, torch.from_numpy(labels).to(device), patch, teacher_side, recipe)
-            loss = sum(losses.values(), torch.zeros((), device=device))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        for k, v in losses.items():
-            sums[k] = sums.get(k, 0.0) + float(v.detach())
-        since += 1
-        if (step + 1) % report == 0 or step + 1 == plan.steps:
-            history.append({"step": step + 1, **{k: v / since for k, v in sums.items()}})
-            logger.info("step %d: %s", step + 1, history[-1])
-            sums, since = {}, 0
-        bar.update(1)
-        bar.set_postfix(loss=f"{float(loss.detach()):.3f}")
-    bar.close()
-    return model.cpu().eval(), {"history": history, "steps": plan.steps, "images": plan.steps * recipe.batch_size}
+    return train_students_streaming(config, [recipe], plan, probe, teacher_weights, device, progress)[0]

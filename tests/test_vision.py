@@ -224,9 +224,13 @@ def test_streaming_teacher_targets_match_the_stored_ones() -> None:
 
 def test_streaming_distillation_trains_on_new_images() -> None:
     """Two steps on four freshly generated images each (worker processes, the torch
-    teacher on the same device): every loss term present and finite, the weights moved."""
+    teacher on the same device), a distilled student and the baseline on the same
+    stream: every loss term present and finite, the distilled one moved from the
+    teacher's selected weights, the baseline from random ones with no teacher terms."""
+    from dataclasses import replace
+
     from engines.distill import TrainRecipe
-    from engines.vision_stream import StreamPlan, train_student_streaming
+    from engines.vision_stream import StreamPlan, train_students_streaming
     from engines.vision_teacher import teacher_weights
     from engines.weight_select import init_from_teacher
 
@@ -237,12 +241,21 @@ def test_streaming_distillation_trains_on_new_images() -> None:
         init_from_teacher(start, weights)
     probe = torch.nn.Linear(2 * TEACHER_DIM, len(CLASSES))
     plan = StreamPlan(steps=2, first_index=5000, workers=1)
-    model, info = train_student_streaming(config, TrainRecipe(batch_size=4), plan, probe, weights, "cpu", False)
-    assert info["images"] == 8 and [h["step"] for h in info["history"]] == [1, 2]
+    distilled = TrainRecipe(batch_size=4)
+    plain = replace(distilled, distill=False, init="random")
+    with pytest.raises(ValueError, match="share a batch size"):
+        train_students_streaming(config, [distilled, replace(plain, batch_size=8)], plan, probe, weights, "cpu")
+    (model, info), (base, base_info) = train_students_streaming(
+        config, [distilled, plain], plan, probe, weights, "cpu", False
+    )
+    assert info["images"] == base_info["images"] == 8 and [h["step"] for h in info["history"]] == [1, 2]
     for entry in info["history"]:
         assert set(entry) == {"step", "ce", "patch", "kd", "feat"} and all(np.isfinite(v) for v in entry.values())
+    assert {k for h in base_info["history"] for k in h} == {"step", "ce", "patch"}
     key = "blocks.0.attn.qkv.weight"
-    assert not torch.equal(model.state_dict()[key], start.state_dict()[key])
+    moved = (model.state_dict()[key] - start.state_dict()[key]).abs().max()
+    assert 0 < moved < 0.1  # a step or two from the teacher's weights
+    assert (base.state_dict()[key] - start.state_dict()[key]).abs().max() > 0.1  # never started there
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
