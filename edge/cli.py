@@ -61,10 +61,14 @@ def cmd_build(args: argparse.Namespace) -> int:
     if profile.models.ocr.enabled:
         print(f"ocr: models from {bundled_model_dir()}")
     if profile.models.inspect.enabled:
-        from engines.vision_build import build_student
+        from engines.vision_build import BuildRefused, build_student
 
         size = profile.models.inspect.build_size
-        path = build_student(profile.paths.engine_dir, size, progress=True)
+        try:
+            path = build_student(profile.paths.engine_dir, size, progress=True)
+        except BuildRefused as err:  # a stream size on a machine without CUDA
+            print(f"edgectl: models.inspect.build_size: {err}", file=sys.stderr)
+            return EXIT_USAGE
         print(f"inspect: distilled ViT student ({size} build): {path}")
     if profile.models.qa.enabled:
         qa = profile.models.qa

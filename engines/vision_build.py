@@ -65,6 +65,10 @@ SIZES = {
 LONG_ON_CPU = 100  # stream steps beyond which a CPU build takes too long to start unasked
 
 
+class BuildRefused(ValueError):
+    """A build this machine should not attempt as asked (a long stream build without CUDA)."""
+
+
 def _split_arrays(seed: int, split: str, count: int, grid: int) -> dict[str, np.ndarray]:
     samples = list(iter_split(seed, split, count))
     return {
@@ -180,7 +184,7 @@ def build_student(
         if refuse_on_cpu and device == "cpu":
             # Refused rather than started: nobody asking for a build expects it to take
             # hours, and a daemon's first start would sit in it.
-            raise ValueError(
+            raise BuildRefused(
                 f"size {size_name!r} trains on {size.stream_steps * size.stream_batch:,} generated images and "
                 "there is no CUDA device here: build it on a GPU machine and copy the build directory into "
                 "this engine directory, or pass device 'cpu' (--device cpu) to train here anyway (hours)"
@@ -249,9 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     stop_on_sigterm()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    path = build_student(
-        args.engine_dir, args.size, distill=not args.no_distill, progress=not args.no_progress, device=args.device
-    )
+    try:
+        path = build_student(
+            args.engine_dir, args.size, distill=not args.no_distill, progress=not args.no_progress, device=args.device
+        )
+    except BuildRefused as err:  # said as a usage error, not a traceback
+        parser.error(str(err))
     manifest = json.loads((path / "manifest.json").read_text())
     print(
         f"{path}\n  test accuracy {manifest['test_accuracy']:.3f} "

@@ -32,6 +32,7 @@ from engines.vision_teacher import (
     token_model_bytes,
     torch_teacher,
 )
+from tests.conftest import edgectl, write_profile
 
 LIMITS = JobLimits(max_payload_bytes=1 << 20, max_prompt_chars=1000, max_new_tokens_limit=64)
 
@@ -259,10 +260,22 @@ def test_streaming_distillation_trains_on_new_images() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
-def test_a_long_stream_build_is_refused_without_a_gpu(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"no CUDA device here.*--device cpu"):
+def test_a_long_stream_build_is_refused_without_a_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from engines import vision_build
+
+    with pytest.raises(vision_build.BuildRefused, match=r"no CUDA device here.*--device cpu"):
         build_student(tmp_path, "stream", progress=False)
     assert list(tmp_path.iterdir()) == []  # refused before any data was generated
+    # The command says so as a usage error (exit 2), not with a traceback.
+    with pytest.raises(SystemExit) as stop:
+        vision_build.main(["--engine-dir", str(tmp_path), "--size", "stream", "--no-progress"])
+    assert stop.value.code == 2 and "no CUDA device here" in capsys.readouterr().err
+    # So does `edgectl build` for a profile that asks for it, naming the field.
+    models = {"inspect": {"build_size": "stream"}, "qa": {"enabled": False}}
+    done = edgectl("build", "--profile", str(write_profile(tmp_path, 1883, tmp_path / "engines", models=models)))
+    assert done.returncode == 2, done.stderr
+    assert "models.inspect.build_size" in done.stderr and "no CUDA device here" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_a_stream_size_builds_exports_and_records_its_stream(engine_dir: Path, tmp_path: Path) -> None:
