@@ -165,11 +165,12 @@ def build_student(
     """`device` trains a stream size there, "auto" on CUDA if there is a GPU (the result
     is the same build wherever it was trained, so it is not part of the cache key)."""
     size = SIZES[size_name]
-    # Where it would train: "auto" on a machine without CUDA refuses a long stream build
-    # (in build() below, so a build copied here from a GPU machine is still found).
-    refuse_on_cpu = device == "auto" and size.stream_steps > LONG_ON_CPU
-    if device == "auto":
+    auto = device == "auto"
+    if auto:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    # "auto" on a machine without CUDA refuses a long stream build (in build() below, so
+    # a build copied here from a GPU machine is still found).
+    refuse = auto and device == "cpu" and size.stream_steps > LONG_ON_CPU
     config = ViTConfig(num_classes=len(CLASSES))
     batch = size.stream_batch if size.stream_steps else TrainRecipe.batch_size
     recipe = TrainRecipe(epochs=size.epochs, batch_size=batch, distill=distill, init="teacher" if distill else "random")
@@ -181,7 +182,7 @@ def build_student(
         inputs["stream"] = {"steps": plan.steps, "first_index": plan.first_index, "seed": plan.seed}
 
     def build(out: Path) -> dict[str, Any]:
-        if refuse_on_cpu and device == "cpu":
+        if refuse:
             # Refused rather than started: nobody asking for a build expects it to take
             # hours, and a daemon's first start would sit in it.
             raise BuildRefused(

@@ -76,7 +76,8 @@ def _accuracy(engine_dir: Path) -> dict[str, Any]:
     probe, info = teacher_probe(data_dir)
     with torch.no_grad():
         probe_pred = probe(probe_features(test["teacher_cls"], test["teacher_patches"])).argmax(1).numpy()
-    train_images = json.loads((data_dir / "manifest.json").read_text())["counts"]["train"]
+    data_manifest = json.loads((data_dir / "manifest.json").read_text())
+    train_images = data_manifest["counts"]["train"]
     rows: list[dict[str, Any]] = [
         {
             "model": "teacher ViT-S linear probe",
@@ -96,7 +97,7 @@ def _accuracy(engine_dir: Path) -> dict[str, Any]:
         else:
             path = build_student(engine_dir, size, distill=distill)
         manifest = json.loads((path / "manifest.json").read_text())
-        if json.loads((data_dir / "manifest.json").read_text())["inputs"] != manifest["inputs"]["data"]:
+        if data_manifest["inputs"] != manifest["inputs"]["data"]:
             raise RuntimeError(f"{path} was not built on this test split")
         probs, _ = predict(load_student(path), test["images"])
         rows.append(
