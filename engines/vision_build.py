@@ -191,27 +191,30 @@ def build_student(
                 "this engine directory, or pass device 'cpu' (--device cpu) to train here anyway (hours)"
             )
         data_dir = build_dataset(engine_dir, size, progress)
-        train = load_split(data_dir, "train")
         probe, probe_info = teacher_probe(data_dir)
-        with torch.no_grad():
-            t_logits = probe(probe_features(train["teacher_cls"], train["teacher_patches"])).numpy()
-        data = TrainData(
-            images=train["images"],
-            labels=train["labels"],
-            patch_targets=train["targets"],
-            teacher_cls=train["teacher_cls"],
-            teacher_patches=train["teacher_patches"],
-            teacher_logits=t_logits,
-        )
+        weights = teacher_weights() if distill else None
         t0 = time.perf_counter()
         if plan is not None:
             if device == "cpu" and plan.steps > LONG_ON_CPU:
                 why = "size %r trains %d steps of %d new images; on the CPU that takes hours"
                 logger.warning(why, size_name, plan.steps, size.stream_batch)
-            weights = teacher_weights() if distill else None
             model, info = train_student_streaming(config, recipe, plan, probe, weights, device, progress)
         else:
-            model, info = train_student(data, config, recipe, progress, teacher_weights() if distill else None)
+            # The stored training split, with the probe's logits for it (a stream's
+            # teacher targets are made batch by batch instead).
+            train = load_split(data_dir, "train")
+            with torch.no_grad():
+                t_logits = probe(probe_features(train["teacher_cls"], train["teacher_patches"])).numpy()
+            data = TrainData(
+                images=train["images"],
+                labels=train["labels"],
+                patch_targets=train["targets"],
+                teacher_cls=train["teacher_cls"],
+                teacher_patches=train["teacher_patches"],
+                teacher_logits=t_logits,
+            )
+            model, info = train_student(data, config, recipe, progress, weights)
+            info["images"] = len(data.labels)
         train_s = time.perf_counter() - t0
         torch.save(model.serving_state(), out / "student.pt")
         model.drop_distillation()
@@ -231,7 +234,7 @@ def build_student(
             "parameters": params,
             "train_seconds": train_s,
             "trained_on": device if plan is not None else "cpu",
-            "train_images": info.get("images", len(data.labels)),
+            "train_images": info["images"],
             "onnx_max_abs_diff": onnx_error,
             "teacher_probe": probe_info,
             **scores,

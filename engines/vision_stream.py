@@ -157,8 +157,9 @@ def train_students_streaming(
         raise ValueError("students on one stream share a batch size")
     device = torch.device(device)
     cuda = device.type == "cuda"
+    distilled = any(r.distill for r in recipes)
     teacher: TeacherTargets | None = None
-    if any(r.distill for r in recipes):
+    if distilled:
         if probe is None:
             raise ValueError("a distilled stream build needs the teacher's probe")
         teacher = TeacherTargets(probe, config.grid, device, torch.bfloat16 if cuda else torch.float32)
@@ -166,7 +167,6 @@ def train_students_streaming(
     mean = torch.tensor(IMAGE_MEAN, device=device).view(1, 3, 1, 1)
     std = torch.tensor(IMAGE_STD, device=device).view(1, 3, 1, 1)
     gen = torch.Generator(device="cpu").manual_seed(recipes[0].seed)
-    distilled = any(r.distill for r in recipes)
     desc = "student (stream)" if distilled else "student, no distillation (stream)"
     desc = desc if len(recipes) == 1 else f"{len(recipes)} students (stream)"
     bar = tqdm(total=plan.steps, desc=desc, disable=not progress)
