@@ -77,11 +77,13 @@ def _lr_at(step: int, total: int, recipe: TrainRecipe) -> float:
 @dataclass
 class Targets:
     """The teacher's side of a batch: CLS [B, D], patch tokens on the student's grid
-    [B, g*g, D] (already flipped with the image), probe logits [B, C]."""
+    [B, g*g, D] (already flipped with the image), probe logits [B, C], and, where the
+    teacher runs alongside, the probe's input [B, 2D] (another head's logits come from it)."""
 
     cls: torch.Tensor
     patches: torch.Tensor
     logits: torch.Tensor
+    features: torch.Tensor | None = None
 
 
 def distill_losses(
@@ -208,10 +210,12 @@ def train_student(
 
 @torch.inference_mode()
 def predict(model: InspectViT, images: np.ndarray, batch: int = 64) -> tuple[np.ndarray, np.ndarray]:
-    """(class probabilities [N, C], patch defect probabilities [N, g, g])."""
+    """(class probabilities [N, C], patch defect probabilities [N, g, g]), computed where
+    the model's weights are."""
+    device = next(model.parameters()).device
     probs, patches = [], []
     for start in range(0, len(images), batch):
-        logits, patch = model(torch.from_numpy(normalise(images[start : start + batch])))
-        probs.append(torch.softmax(logits, -1).numpy())
-        patches.append(torch.sigmoid(patch).numpy())
+        logits, patch = model(torch.from_numpy(normalise(images[start : start + batch])).to(device))
+        probs.append(torch.softmax(logits, -1).float().cpu().numpy())
+        patches.append(torch.sigmoid(patch).float().cpu().numpy())
     return np.concatenate(probs), np.concatenate(patches)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import cv2
@@ -47,16 +47,31 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _sample(args: tuple[int, int, int]) -> tuple[np.ndarray, int, np.ndarray]:
-    seed, index, grid = args
-    s = make_sample(seed, "train", index)
+def _sample(args: tuple[int, str, int, int]) -> tuple[np.ndarray, int, np.ndarray]:
+    seed, split, index, grid = args
+    s = make_sample(seed, split, index)
     return s.image, s.label, patch_targets(s.mask, grid)
 
 
+def _pool(workers: int) -> Any:
+    return mp.get_context("spawn").Pool(workers or max(1, (mp.cpu_count() or 2) - 1), initializer=_one_thread)
+
+
+def generate(seed: int, split: str, indices: range, grid: int, workers: int = 0) -> dict[str, np.ndarray]:
+    """Images, labels and patch targets of a split's samples at `indices`, made by
+    worker processes (as the stream's are)."""
+    with _pool(workers) as pool:
+        samples = pool.map(_sample, [(seed, split, i, grid) for i in indices], chunksize=16)
+    return {
+        "images": np.stack([s[0] for s in samples]),
+        "labels": np.array([s[1] for s in samples], np.int64),
+        "targets": np.stack([s[2] for s in samples]).astype(np.float32),
+    }
+
+
 def _batches(plan: StreamPlan, batch: int, grid: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    work = ((plan.seed, plan.first_index + i, grid) for i in range(plan.steps * batch))
-    workers = plan.workers or max(1, (mp.cpu_count() or 2) - 1)
-    with mp.get_context("spawn").Pool(workers, initializer=_one_thread) as pool:
+    work = ((plan.seed, "train", plan.first_index + i, grid) for i in range(plan.steps * batch))
+    with _pool(plan.workers) as pool:
         items = pool.imap(_sample, work, chunksize=16)
         for _ in range(plan.steps):
             chunk = [next(items) for _ in range(batch)]
@@ -78,15 +93,55 @@ class TeacherTargets:
 
     @torch.inference_mode()
     def __call__(self, pixels: torch.Tensor) -> Targets:
-        tokens = self.model.tokens(pixels.to(self.dtype)).float()
-        b, n, d = tokens.shape
-        side = round((n - 1) ** 0.5)
-        grid_tokens = tokens[:, 1:].transpose(1, 2).reshape(b, d, side, side)
-        pooled = F.adaptive_avg_pool2d(grid_tokens, self.grid).reshape(b, d, -1).transpose(1, 2)
+        cls, pooled = _teacher_side(self.model, pixels.to(self.dtype), self.grid)
         # What the probe was trained on (probe_features): the CLS token and the mean patch
         # token of the pooled grid.
-        logits = self.probe(torch.cat([tokens[:, 0], pooled.mean(dim=1)], dim=1))
-        return Targets(tokens[:, 0].clone(), pooled.contiguous(), logits)
+        features = torch.cat([cls, pooled.mean(dim=1)], dim=1)
+        return Targets(cls, pooled, self.probe(features), features)
+
+
+def _teacher_side(model: InspectViT, pixels: torch.Tensor, grid: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's CLS token [B, D] and its patch tokens pooled to the student's grid
+    [B, grid*grid, D], in float32."""
+    tokens = model.tokens(pixels).float()
+    b, n, d = tokens.shape
+    side = round((n - 1) ** 0.5)
+    grid_tokens = tokens[:, 1:].transpose(1, 2).reshape(b, d, side, side)
+    pooled = F.adaptive_avg_pool2d(grid_tokens, grid).reshape(b, d, -1).transpose(1, 2)
+    return tokens[:, 0].contiguous(), pooled.contiguous()
+
+
+class TeacherFeatures:
+    """The linear probe's input (CLS token and mean pooled patch token) for uint8
+    images, from the PyTorch teacher on `device`: a probe trained on streamed images
+    is fitted and validated on features from this one implementation."""
+
+    def __init__(self, grid: int, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.model = torch_teacher(self.device, self.dtype)
+        self.grid = grid
+        self.mean = torch.tensor(IMAGE_MEAN, device=self.device).view(1, 3, 1, 1)
+        self.std = torch.tensor(IMAGE_STD, device=self.device).view(1, 3, 1, 1)
+
+    @torch.inference_mode()
+    def __call__(self, images: np.ndarray, batch: int = 128) -> torch.Tensor:
+        out = []
+        for start in range(0, len(images), batch):
+            raw = torch.from_numpy(images[start : start + batch]).to(self.device).permute(0, 3, 1, 2).float() / 255.0
+            cls, pooled = _teacher_side(self.model, ((raw - self.mean) / self.std).to(self.dtype), self.grid)
+            out.append(torch.cat([cls, pooled.mean(dim=1)], dim=1).cpu())
+        return torch.cat(out)
+
+    def stream(self, plan: StreamPlan, batch: int, progress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features [N, 2D], labels [N]) of the plan's streamed images, unflipped."""
+        feats, labels = [], []
+        for images, y, _ in tqdm(
+            _batches(plan, batch, self.grid), total=plan.steps, desc="teacher features (stream)", disable=not progress
+        ):
+            feats.append(self(images, batch))
+            labels.append(torch.from_numpy(y))
+        return torch.cat(feats), torch.cat(labels)
 
 
 class StreamStudent:
@@ -149,12 +204,17 @@ def train_students_streaming(
     teacher_weights: dict[str, np.ndarray] | None,
     device: torch.device | str,
     progress: bool = True,
+    probes: Sequence[torch.nn.Linear | None] | None = None,
 ) -> list[tuple[InspectViT, dict[str, Any]]]:
     """Several students on one stream: every batch is generated once, the teacher's
     targets made once (if any recipe distils), and each student takes its step on it,
-    so they are compared on exactly the same images. The recipes share a batch size."""
+    so they are compared on exactly the same images. The recipes share a batch size.
+    `probes`, one per recipe, gives a distilling student soft labels from a teacher head
+    of its own instead of `probe`."""
     if len({r.batch_size for r in recipes}) != 1:
         raise ValueError("students on one stream share a batch size")
+    if probes is not None and len(probes) != len(recipes):
+        raise ValueError("one probe per recipe, or none")
     device = torch.device(device)
     cuda = device.type == "cuda"
     distilled = any(r.distill for r in recipes)
@@ -164,6 +224,7 @@ def train_students_streaming(
             raise ValueError("a distilled stream build needs the teacher's probe")
         teacher = TeacherTargets(probe, config.grid, device, torch.bfloat16 if cuda else torch.float32)
     students = [StreamStudent(config, r, plan.steps, teacher_weights, device) for r in recipes]
+    heads = [p.to(device) if p is not None else None for p in probes] if probes else [None] * len(recipes)
     mean = torch.tensor(IMAGE_MEAN, device=device).view(1, 3, 1, 1)
     std = torch.tensor(IMAGE_STD, device=device).view(1, 3, 1, 1)
     gen = torch.Generator(device="cpu").manual_seed(recipes[0].seed)
@@ -182,7 +243,10 @@ def train_students_streaming(
         # student sees, no grid flipping needed.
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
             teacher_side = teacher(pixels) if teacher is not None else None
-        losses = [s.step(step, pixels, y, patch, teacher_side) for s in students]
+        losses = [
+            s.step(step, pixels, y, patch, _soft_labels_from(head, teacher_side))
+            for s, head in zip(students, heads, strict=True)
+        ]
         bar.update(1)
         bar.set_postfix(loss=" ".join(f"{v:.3f}" for v in losses))
     bar.close()
@@ -190,6 +254,13 @@ def train_students_streaming(
     return [
         (s.model.cpu().eval(), {"history": s.history, "steps": plan.steps, "images": images_seen}) for s in students
     ]
+
+
+@torch.inference_mode()
+def _soft_labels_from(head: torch.nn.Linear | None, targets: Targets | None) -> Targets | None:
+    if head is None or targets is None or targets.features is None:
+        return targets
+    return replace(targets, logits=head(targets.features))
 
 
 def train_student_streaming(

@@ -176,6 +176,42 @@ def vision_cuda(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+VISION_DATA_COLUMNS = {
+    "distilled": "distilled",
+    "distilled_stream_head": "distilled, stream-trained head",
+    "features": "features only (no soft labels)",
+    "plain": "no distillation",
+}
+
+
+def vision_data(d: dict[str, Any]) -> str:
+    variants = [v for v in VISION_DATA_COLUMNS if any(r["variant"] == v for r in d["rows"])]
+    heads = d["teacher_heads"]
+    lines = [
+        f"{d['device']}, torch {d['torch']}, batch {d['batch']}; every student at a length trained on the same "
+        "images (`bench/results/vision_data.json`). Test accuracy on "
+        + " and on ".join(f"{n:,} held-out images" for n in d["test_images"].values())
+        + " (`a / b`). Teacher linear probe: "
+        + "; ".join(
+            f"{'stored' if name == 'stored' else 'stream-trained'} head ({h['train_images']:,} training images) "
+            + " / ".join(f"{h[f'{t}_accuracy'] * 100:.1f}%" for t in d["test_images"])
+            for name, h in heads.items()
+        )
+        + ".",
+        "",
+        "| training images | " + " | ".join(VISION_DATA_COLUMNS[v] for v in variants) + " | distilled - none |",
+        "|---:|" + "---:|" * (len(variants) + 1),
+    ]
+    for images in sorted({r["images"] for r in d["rows"]}):
+        by = {r["variant"]: r for r in d["rows"] if r["images"] == images}
+        cells = [" / ".join(f"{by[v][f'{t}_accuracy'] * 100:.1f}%" for t in d["test_images"]) for v in variants]
+        gain = " / ".join(
+            f"{(by['distilled'][f'{t}_accuracy'] - by['plain'][f'{t}_accuracy']) * 100:+.1f}" for t in d["test_images"]
+        )
+        lines.append(f"| {images:,} | " + " | ".join(cells) + f" | {gain} |")
+    return "\n".join(lines)
+
+
 def scheduler(d: dict[str, Any], source: str) -> str:
     load = d["load"]
     gib = 2**30
@@ -217,6 +253,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "text_cuda": ("text_cuda.json", text_cuda),
     "vision_cpu": ("vision_cpu.json", vision_cpu),
     "vision_cuda": ("vision_cuda.json", vision_cuda),
+    "vision_data": ("vision_data.json", vision_data),
 }
 
 

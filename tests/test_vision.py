@@ -209,7 +209,7 @@ def test_cancel_takes_a_queued_job_out_by_id() -> None:
 def test_streaming_teacher_targets_match_the_stored_ones() -> None:
     """On-the-fly teacher targets (torch teacher, pooled on the device) are what the CPU
     build stores (ONNX tokens, pooled, float16) and feeds its probe."""
-    from engines.vision_stream import TeacherTargets
+    from engines.vision_stream import TeacherFeatures, TeacherTargets
 
     torch.manual_seed(0)
     probe = torch.nn.Linear(2 * TEACHER_DIM, len(CLASSES))
@@ -221,6 +221,52 @@ def test_streaming_teacher_targets_match_the_stored_ones() -> None:
     np.testing.assert_allclose(got.cls.numpy(), cls, atol=1e-3)
     np.testing.assert_allclose(got.patches.numpy(), patches.astype(np.float32), atol=2e-2)
     np.testing.assert_allclose(got.logits.numpy(), ref_logits.numpy(), atol=2e-2)
+    # The probe's input, as a head trained on streamed images is fitted on it, is the
+    # stored probe's input too; from uint8 images directly (TeacherFeatures) as well.
+    assert got.features is not None
+    np.testing.assert_allclose(got.features.numpy(), probe_features(cls, patches).numpy(), atol=2e-2)
+    direct = TeacherFeatures(14, "cpu")(images, batch=2)  # two batches
+    np.testing.assert_allclose(direct.numpy(), got.features.numpy(), atol=1e-4)
+
+
+def test_generated_samples_are_the_generators_own() -> None:
+    """Worker processes make exactly what make_sample makes, in index order."""
+    from engines.vision_stream import generate
+
+    made = generate(3, "test", range(500, 503), 14, workers=2)
+    for k, i in enumerate(range(500, 503)):
+        s = make_sample(3, "test", i)
+        assert np.array_equal(made["images"][k], s.image) and made["labels"][k] == s.label
+        np.testing.assert_array_equal(made["targets"][k], patch_targets(s.mask, 14))
+
+
+def test_students_on_one_stream_can_take_soft_labels_from_their_own_heads() -> None:
+    """Two distilled students on one stream from the same start, each with its teacher
+    head: same images, so the same cross-entropy at the first step, but each its own
+    soft-label loss; a missing head for one of them is refused."""
+    from engines.distill import TrainRecipe
+    from engines.vision_stream import StreamPlan, train_students_streaming
+    from engines.vision_teacher import teacher_weights
+
+    config = ViTConfig(num_classes=len(CLASSES))
+    weights = teacher_weights()
+    torch.manual_seed(0)
+    head = torch.nn.Linear(2 * TEACHER_DIM, len(CLASSES))
+    uniform = torch.nn.Linear(2 * TEACHER_DIM, len(CLASSES))
+    with torch.no_grad():
+        uniform.weight.zero_()
+        uniform.bias.zero_()
+    plan = StreamPlan(steps=1, first_index=7000, workers=1)
+    recipe = TrainRecipe(batch_size=4)
+    with pytest.raises(ValueError, match="one probe per recipe"):
+        train_students_streaming(config, [recipe, recipe], plan, head, weights, "cpu", False, probes=[head])
+    (_, a), (_, b) = train_students_streaming(
+        config, [recipe, recipe], plan, head, weights, "cpu", False, probes=[head, uniform]
+    )
+    first_a, first_b = a["history"][0], b["history"][0]
+    assert first_a["ce"] == pytest.approx(first_b["ce"], rel=1e-5)
+    assert first_a["feat"] == pytest.approx(first_b["feat"], rel=1e-5)
+    assert abs(first_a["kd"] - first_b["kd"]) > 1e-3
 
 
 def test_streaming_distillation_trains_on_new_images() -> None:

@@ -197,14 +197,15 @@ class InspectModelConfig(StrictModel):
         description="onnxruntime runs the student's ONNX export (the CPU default); torch-cuda runs it "
         "in FP16 on a CUDA GPU with one CUDA graph per batch size.",
     )
-    build_size: Literal["default", "quick", "stream"] = Field(
+    build_size: Literal["default", "quick", "stream", "stream-long"] = Field(
         default="default",
         title="Build size",
         description="Training set the student is distilled on when it is built: 'default' (600 "
-        "images, a few minutes on two cores), 'stream' (768,000 freshly generated images with the "
+        "images, a few minutes on two cores), 'stream' (256,000 freshly generated images with the "
         "teacher on the GPU: the accurate one; built on a CUDA machine, on the CPU it would take "
-        "hours; a build directory copied from another machine is found by its inputs) or 'quick' "
-        "(a smoke-sized build for tests).",
+        "hours; a build directory copied from another machine is found by its inputs), "
+        "'stream-long' (768,000 such images: a little more accurate again) or 'quick' (a "
+        "smoke-sized build for tests).",
     )
     max_batch: int = Field(
         default=8,
