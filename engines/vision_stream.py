@@ -15,6 +15,7 @@ import logging
 import multiprocessing as mp
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from multiprocessing.pool import Pool
 from typing import Any
 
 import cv2
@@ -53,7 +54,7 @@ def _sample(args: tuple[int, str, int, int]) -> tuple[np.ndarray, int, np.ndarra
     return s.image, s.label, patch_targets(s.mask, grid)
 
 
-def _pool(workers: int) -> Any:
+def _pool(workers: int) -> Pool:
     return mp.get_context("spawn").Pool(workers or max(1, (mp.cpu_count() or 2) - 1), initializer=_one_thread)
 
 

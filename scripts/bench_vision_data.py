@@ -2,7 +2,7 @@
 """Inspection accuracy against the number of training images, with and without
 distillation, on one GPU (`--device cuda`; the CPU takes hours at these sizes).
 
-    python scripts/bench_vision_data.py [--images 16000,32000,64000,128000,256000]
+    python scripts/bench_vision_data.py [--images 16000,32000,64000,128000,256000] [--variants ...]
 
 For each stream length the students below train on exactly the same freshly generated
 images (engines/vision_stream.train_students_streaming: each batch made once, the
