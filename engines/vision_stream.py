@@ -94,22 +94,32 @@ class TeacherTargets:
 
     @torch.inference_mode()
     def __call__(self, pixels: torch.Tensor) -> Targets:
-        cls, pooled = _teacher_side(self.model, pixels.to(self.dtype), self.grid)
-        # What the probe was trained on (probe_features): the CLS token and the mean patch
-        # token of the pooled grid.
-        features = torch.cat([cls, pooled.mean(dim=1)], dim=1)
+        cls, pooled, features = _teacher_side(self.model, pixels.to(self.dtype), self.grid)
         return Targets(cls, pooled, self.probe(features), features)
 
 
-def _teacher_side(model: InspectViT, pixels: torch.Tensor, grid: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The teacher's CLS token [B, D] and its patch tokens pooled to the student's grid
-    [B, grid*grid, D], in float32."""
+def _teacher_side(
+    model: InspectViT, pixels: torch.Tensor, grid: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The teacher's CLS token [B, D], its patch tokens pooled to the student's grid
+    [B, grid*grid, D], and the probe's input [B, 2D], in float32."""
     tokens = model.tokens(pixels).float()
     b, n, d = tokens.shape
     side = round((n - 1) ** 0.5)
     grid_tokens = tokens[:, 1:].transpose(1, 2).reshape(b, d, side, side)
-    pooled = F.adaptive_avg_pool2d(grid_tokens, grid).reshape(b, d, -1).transpose(1, 2)
-    return tokens[:, 0].contiguous(), pooled.contiguous()
+    pooled = F.adaptive_avg_pool2d(grid_tokens, grid).reshape(b, d, -1).transpose(1, 2).contiguous()
+    cls = tokens[:, 0].contiguous()
+    # What the probe is trained on (probe_features): the CLS token and the mean patch
+    # token of the pooled grid.
+    return cls, pooled, torch.cat([cls, pooled.mean(dim=1)], dim=1)
+
+
+def _pixels(images: np.ndarray, device: torch.device) -> torch.Tensor:
+    """uint8 images [B, H, W, 3] -> the normalised [B, 3, H, W] float32 input, on `device`."""
+    raw = torch.from_numpy(images).to(device).permute(0, 3, 1, 2).float() / 255.0
+    mean = torch.tensor(IMAGE_MEAN, device=device).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGE_STD, device=device).view(1, 3, 1, 1)
+    return (raw - mean) / std
 
 
 class TeacherFeatures:
@@ -122,16 +132,13 @@ class TeacherFeatures:
         self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.model = torch_teacher(self.device, self.dtype)
         self.grid = grid
-        self.mean = torch.tensor(IMAGE_MEAN, device=self.device).view(1, 3, 1, 1)
-        self.std = torch.tensor(IMAGE_STD, device=self.device).view(1, 3, 1, 1)
 
     @torch.inference_mode()
     def __call__(self, images: np.ndarray, batch: int = 128) -> torch.Tensor:
         out = []
         for start in range(0, len(images), batch):
-            raw = torch.from_numpy(images[start : start + batch]).to(self.device).permute(0, 3, 1, 2).float() / 255.0
-            cls, pooled = _teacher_side(self.model, ((raw - self.mean) / self.std).to(self.dtype), self.grid)
-            out.append(torch.cat([cls, pooled.mean(dim=1)], dim=1).cpu())
+            pixels = _pixels(images[start : start + batch], self.device).to(self.dtype)
+            out.append(_teacher_side(self.model, pixels, self.grid)[2].cpu())
         return torch.cat(out)
 
     def stream(self, plan: StreamPlan, batch: int, progress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,15 +233,12 @@ def train_students_streaming(
         teacher = TeacherTargets(probe, config.grid, device, torch.bfloat16 if cuda else torch.float32)
     students = [StreamStudent(config, r, plan.steps, teacher_weights, device) for r in recipes]
     heads = [p.to(device) if p is not None else None for p in probes] if probes else [None] * len(recipes)
-    mean = torch.tensor(IMAGE_MEAN, device=device).view(1, 3, 1, 1)
-    std = torch.tensor(IMAGE_STD, device=device).view(1, 3, 1, 1)
     gen = torch.Generator(device="cpu").manual_seed(recipes[0].seed)
     desc = "student (stream)" if distilled else "student, no distillation (stream)"
     desc = desc if len(recipes) == 1 else f"{len(recipes)} students (stream)"
     bar = tqdm(total=plan.steps, desc=desc, disable=not progress)
     for step, (images, labels, targets) in enumerate(_batches(plan, recipes[0].batch_size, config.grid)):
-        raw = torch.from_numpy(images).to(device).permute(0, 3, 1, 2).float() / 255.0
-        pixels = (raw - mean) / std
+        pixels = _pixels(images, device)
         flip = (torch.rand(len(labels), generator=gen) < 0.5).to(device)
         pixels = torch.where(flip[:, None, None, None], pixels.flip(3), pixels)
         patch = torch.from_numpy(targets).to(device)
