@@ -7,4 +7,4 @@ scripts/setup.sh --dev
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy edge engines scripts tests
-.venv/bin/python -m pytest -m "not gpu and not jetson" "$@"
+.venv/bin/python -m pytest -m "not gpu and not jetson" --durations=15 "$@"
