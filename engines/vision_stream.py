@@ -11,6 +11,7 @@ and the student takes one step on the same loss as the CPU build (distill_losses
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing as mp
 from collections.abc import Iterator, Sequence
@@ -114,11 +115,17 @@ def _teacher_side(
     return cls, pooled, torch.cat([cls, pooled.mean(dim=1)], dim=1)
 
 
+@functools.cache
+def _mean_std(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # Made once per device, not copied to it again for every batch of a stream.
+    mean = torch.tensor(IMAGE_MEAN, device=device).view(1, 3, 1, 1)
+    return mean, torch.tensor(IMAGE_STD, device=device).view(1, 3, 1, 1)
+
+
 def _pixels(images: np.ndarray, device: torch.device) -> torch.Tensor:
     """uint8 images [B, H, W, 3] -> the normalised [B, 3, H, W] float32 input, on `device`."""
     raw = torch.from_numpy(images).to(device).permute(0, 3, 1, 2).float() / 255.0
-    mean = torch.tensor(IMAGE_MEAN, device=device).view(1, 3, 1, 1)
-    std = torch.tensor(IMAGE_STD, device=device).view(1, 3, 1, 1)
+    mean, std = _mean_std(device)
     return (raw - mean) / std
 
 

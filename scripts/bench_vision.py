@@ -7,8 +7,9 @@
 cpu: accuracy on the held-out test split of the teacher's linear probe, the distilled
 student and the same student trained without distillation: the default builds (600
 training images, built if missing) and the stream builds (256,000 generated images, and
-768,000 for stream-long, trained on a GPU; reported if they are in the engine directory); images/s at batch 1,
-8 and 32 for teacher and student on onnxruntime; OCR lines/s on the sample labels.
+768,000 for stream-long, trained on a GPU; reported if they are in the engine
+directory); images/s at batch 1, 8 and 32 for teacher and student on onnxruntime; OCR
+lines/s on the sample labels.
 cuda: the student's images/s at batch 1, 8 and 32, optimised path (FP16 weights, SDPA,
 one CUDA graph per batch size) against plain eager FP32, same weights, same run (speed
 does not depend on weight values, so the student here has random weights).

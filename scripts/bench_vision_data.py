@@ -83,6 +83,8 @@ def run(
     progress: bool,
     out: Path,
 ) -> dict[str, Any]:
+    if "distilled_stream_head" in variants and not probe_images:
+        raise ValueError("variant distilled_stream_head needs --probe-images")  # before any work
     size = SIZES["stream"]
     data_dir = build_dataset(engine_dir, size, progress)
     # Two test sets: the stored split every other figure is measured on, and, with
@@ -113,8 +115,6 @@ def run(
         val_x, val_y = features(val["images"]), torch.from_numpy(val["labels"])
         stream_head, head_info = train_probe(xs, ys, val_x, val_y, len(CLASSES))
         heads["stream"] = {**head_info, "train_images": len(ys), **head_scores(stream_head)}
-    elif "distilled_stream_head" in variants:
-        raise ValueError("variant distilled_stream_head needs --probe-images")
     config = ViTConfig(num_classes=len(CLASSES))
     weights = teacher_weights()
     by_name = recipes(batch)
