@@ -53,27 +53,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
+    """Build what the profile needs, each build in its own process (the same commands a
+    first start runs), with progress on the terminal; already-built engines return at
+    once (every build is cached by its inputs)."""
+    import subprocess
+
+    from edge import builds
+    from edge.vision.ocr import bundled_model_dir
+
     profile = _load(args.profile)
     _setup_logging(profile.log_level)
-    from edge.vision.ocr import bundled_model_dir
-    from engines.text_build import build_text_engine
-
     if profile.models.ocr.enabled:
         print(f"ocr: models from {bundled_model_dir()}")
-    if profile.models.inspect.enabled:
-        from engines.vision_build import BuildRefused, build_student
-
-        size = profile.models.inspect.build_size
-        try:
-            path = build_student(profile.paths.engine_dir, size, progress=True)
-        except BuildRefused as err:  # a stream size on a machine without CUDA
-            print(f"edgectl: models.inspect.build_size: {err}", file=sys.stderr)
+    wanted = [
+        ("inspect", profile.models.inspect.enabled, profile.models.inspect.engine),
+        ("qa", profile.models.qa.enabled, profile.models.qa.engine),
+    ]
+    for task, enabled, named in wanted:
+        if not enabled:
+            continue
+        if named is not None:
+            print(f"{task}: serves {named} as it is (models.{task}.engine); nothing to build")
+            continue
+        cmd = builds.build_command(task, profile)
+        done = subprocess.run(builds.command_line(cmd, profile.paths.engine_dir, progress=True), check=False)
+        if done.returncode == EXIT_USAGE and task == "inspect":
+            # The build refused what the profile asks (said above, by the build itself).
+            print(f"edgectl: models.inspect.build_size: {profile.models.inspect.build_size!r} refused", file=sys.stderr)
             return EXIT_USAGE
-        print(f"inspect: distilled ViT student ({size} build): {path}")
-    if profile.models.qa.enabled:
-        qa = profile.models.qa
-        path = build_text_engine(profile.paths.engine_dir, qa.adapter, qa.quantization, progress=True)
-        print(f"qa: {qa.source} + {qa.adapter} adapter, {qa.quantization}: {path}")
+        if done.returncode != 0:
+            print(f"edgectl: building {cmd.what} failed (exit {done.returncode})", file=sys.stderr)
+            return 1
+        print(f"{task}: {cmd.what} in {builds.locate(profile, task, None)}")
     return 0
 
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
-from edge.comms.mqtt import IncomingJob
+from edge.comms.message import IncomingJob
 from edge.config.schema import Profile
-from edge.journal.store import QUEUED, Journal, JournalFull, digest
+from edge.journal.store import QUEUED, SENT, Entry, Journal, JournalFull, digest
 from edge.protocol.errors import ErrorCode, JobError
 from edge.protocol.jobs import (
     JOB_MODELS,
@@ -27,38 +26,30 @@ from edge.protocol.jobs import (
     parse_job,
     recover_id,
 )
+from edge.responder import Responder
 from edge.scheduler.queue import PriorityDeadlineQueue, QueueFull
 from edge.scheduler.work import TASK_BRANCH, Reply, WorkItem
 
 logger = logging.getLogger(__name__)
 
 
-class Rejector(Protocol):
-    def __call__(
-        self, reply: Reply, job_id: str | None, task: str | None, error: JobError, received: float, keep: bool = True
-    ) -> None: ...
-
-
-Answerer = Callable[[Reply, str, str, dict[str, Any], float], None]
-Resender = Callable[[Reply, str, bytes], None]
-
-
 class Intake:
+    """`queues` maps a branch name to its queue; it may be filled in after the intake is
+    built (the branches come up as their models load)."""
+
     def __init__(
         self,
         profile: Profile,
         queues: dict[str, PriorityDeadlineQueue],
-        reject: Rejector,
-        answer: Answerer,
+        responder: Responder,
         journal: Journal,
-        resend: Resender,
     ) -> None:
         self._profile = profile
         self._queues = queues
-        self._reject = reject
-        self._answer = answer
+        self._responder = responder
+        self._reject = responder.reject
+        self._answer = responder.answer
         self._journal = journal
-        self._resend = resend
         self.accepting = True
         self.duplicates = 0
         self.limits = JobLimits(
@@ -118,6 +109,54 @@ class Intake:
         logger.debug("queued job %s (%s, priority %s)", job.id, job.task, job.priority)
         return True
 
+    def replay(self) -> dict[str, int]:
+        """Take up what the journal holds unfinished, at start: results not yet confirmed
+        by the broker are published again as stored; jobs without a result run again (up
+        to journal.max_replays starts, so a job that brings the daemon down cannot do it
+        forever). Returns the counts: jobs queued again, results sent again, jobs given
+        up, jobs refused now (the profile changed: a task no longer served, say)."""
+        counts = {"jobs": 0, "results": 0, "given_up": 0, "refused": 0}
+        for entry in self._journal.pending():
+            reply = Reply(entry.reply_topic, entry.correlation)
+            if entry.state == SENT and entry.result is not None:
+                self._responder.replay(reply, entry.id, entry.result)
+                counts["results"] += 1
+            elif entry.state == QUEUED:
+                counts[self._replay_job(entry, reply)] += 1
+        if any(counts.values()):
+            logger.info(
+                "journal: %d job(s) taken up again, %d result(s) sent again, %d given up",
+                counts["jobs"],
+                counts["results"],
+                counts["given_up"],
+            )
+        return counts
+
+    def _replay_job(self, entry: Entry, reply: Reply) -> str:
+        # The job's age carries over: its deadline counts from when it first arrived.
+        received = time.monotonic() - max(0.0, time.time() - entry.received)
+        try:
+            attempts = self._journal.replayed(entry.id)
+        except JournalFull:
+            attempts = entry.attempts + 1
+        task = entry.topic.rsplit("/", 1)[-1]
+        if attempts > self._profile.journal.max_replays:
+            why = JobError(
+                ErrorCode.INTERNAL,
+                f"the daemon stopped {attempts - 1} times before this job finished; not running it again",
+            )
+            self._reject(reply, entry.id, task, why, received)
+            return "given_up"
+        try:
+            # The profile's limits, or the branches served, may have changed since.
+            job = parse_job(decode_payload(entry.payload or b"", self.limits.max_payload_bytes), task, self.limits)
+            queue = self.route(job)
+        except JobError as err:
+            self._reject(reply, entry.id, task, err, received)
+            return "refused"
+        queue.put(make_item(job, reply, received, self._profile.queue.default_deadline_ms), force=True)
+        return "jobs"
+
     def route(self, job: ParsedJob) -> PriorityDeadlineQueue:
         """The queue of the branch that runs the job; JobError `unavailable` if a branch
         it needs is not served here."""
@@ -148,7 +187,7 @@ class Intake:
             self._reject(reply, job_id, task, reused, received, keep=False)
         elif entry.state != QUEUED and entry.result is not None:
             logger.info("job %s seen again within the dedup window: answering from the journal", job_id)
-            self._resend(reply, job_id, entry.result)
+            self._responder.resend(reply, entry.result)
         elif (entry.reply_topic, entry.correlation) != (reply.topic, reply.correlation):
             pending = JobError(
                 ErrorCode.DUPLICATE, "this job is already in progress; its result goes to the first request's reply"

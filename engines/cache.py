@@ -11,13 +11,16 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from edge import engines as engine_index
+
 logger = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
+MANIFEST = engine_index.MANIFEST
 
 # Off inside `existing_only()`: a daemon told not to build engines must find them built.
 _BUILDS_ALLOWED: contextvars.ContextVar[bool] = contextvars.ContextVar("builds_allowed", default=True)
@@ -61,11 +64,8 @@ def cache_key(inputs: dict[str, Any]) -> str:
 
 
 def read_manifest(out_dir: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+    """The manifest of a complete build (serving reads them the same way)."""
+    return engine_index.read_manifest(out_dir)
 
 
 def build_cached(out_dir: Path, inputs: dict[str, Any], build: Callable[[Path], dict[str, Any]]) -> Path:
@@ -84,7 +84,7 @@ def build_cached(out_dir: Path, inputs: dict[str, Any], build: Callable[[Path], 
     scratch = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         details = build(scratch)
-        manifest = {"inputs": inputs, **details}
+        manifest = {"inputs": inputs, **details, "built_at": time.time()}
         (scratch / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -94,3 +94,20 @@ def build_cached(out_dir: Path, inputs: dict[str, Any], build: Callable[[Path], 
         raise
     logger.info("built engine %s", out_dir)
     return out_dir
+
+
+def tag_serves(out_dir: Path, selector: dict[str, Any]) -> None:
+    """Record in a built directory's manifest that it serves `selector` (what serving
+    finds it by, edge/engines.py), if it does not say so already. One checkpoint can
+    serve several selectors (the imported base is also the float model without an
+    adapter). The manifest is replaced atomically: a reader sees the old one or the new."""
+    manifest = read_manifest(out_dir)
+    if manifest is None:
+        raise FileNotFoundError(f"{out_dir} is not a built engine (no manifest)")
+    serves = [s for s in manifest.get("serves", []) if isinstance(s, dict)]
+    if selector in serves:
+        return
+    manifest["serves"] = [*serves, selector]
+    tmp = out_dir / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, out_dir / MANIFEST)

@@ -7,7 +7,12 @@ INT4 models are generated directly in packed form on the target device (no float
 
 from __future__ import annotations
 
+import json
 import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -99,3 +104,77 @@ def random_int4_llama(
 
 def int4_weight_bytes(model: LlamaModel) -> int:
     return sum(m.weight_bytes for m in model.modules() if isinstance(m, Int4Linear))
+
+
+def word_tokenizer(vocab_size: int) -> Any:
+    """A real tokenizer for a random-weight model: word i is token i ("t0", "t1", ...),
+    split on whitespace, decoded with spaces. It makes prompts of a chosen length and
+    turns generated ids into text; it carries no language."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    return tok
+
+
+def write_random_checkpoint(
+    out_dir: Path, config: LlamaConfig, device: torch.device | str = "cpu", group: int = 128, seed: int = 0
+) -> Path:
+    """An INT4 text checkpoint of `config`'s shape with random weights, in the serving
+    format (what edge/text/checkpoint.py loads), with a manifest that says it is random:
+    for speed and memory figures of a real-size model through the whole daemon. The
+    weights are drawn on `device` (fast on a GPU) and written once."""
+    from safetensors.torch import save_file
+
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    h, hd = config.hidden_size, config.head_dim
+    shapes = {
+        "self_attn.q_proj": (config.num_heads * hd, h),
+        "self_attn.k_proj": (config.num_kv_heads * hd, h),
+        "self_attn.v_proj": (config.num_kv_heads * hd, h),
+        "self_attn.o_proj": (h, config.num_heads * hd),
+        "mlp.gate_proj": (config.intermediate_size, h),
+        "mlp.up_proj": (config.intermediate_size, h),
+        "mlp.down_proj": (h, config.intermediate_size),
+    }
+    tensors: dict[str, torch.Tensor] = {}
+    linears: dict[str, dict[str, int]] = {}
+
+    def add(name: str, n: int, k: int) -> None:
+        q = random_quantized(n, k, group, device, gen)
+        tensors[f"{name}.qweight"] = q.qweight.cpu()
+        tensors[f"{name}.scales"] = q.scales.cpu()
+        tensors[f"{name}.zeros"] = q.zeros.cpu()
+        linears[name] = {"group_size": group, "bits": 4}
+
+    ones = torch.ones(h, dtype=torch.float16)
+    for i in range(config.num_layers):
+        for part, (n, k) in shapes.items():
+            add(f"layers.{i}.{part}", n, k)
+        tensors[f"layers.{i}.input_layernorm.weight"] = ones.clone()
+        tensors[f"layers.{i}.post_attention_layernorm.weight"] = ones.clone()
+    tensors["embed_tokens.weight"] = _random_matrix(config.vocab_size, h, torch.float16, device, gen).cpu()
+    tensors["norm.weight"] = ones.clone()
+    add("lm_head", config.vocab_size, h)
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    (out_dir / "config.json").write_text(config.to_json() + "\n", encoding="utf-8")
+    (out_dir / "quant.json").write_text(json.dumps({"linears": linears}) + "\n", encoding="utf-8")
+    word_tokenizer(config.vocab_size).save(str(out_dir / "tokenizer.json"))
+    eos = config.vocab_size - 1
+    (out_dir / "generation.json").write_text(json.dumps({"eos_token_id": eos}) + "\n", encoding="utf-8")
+    weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    manifest = {
+        "kind": "llama-int4",
+        "random_weights": True,
+        "shape": asdict(config),
+        "group_size": group,
+        "seed": seed,
+        "weight_bytes": weight_bytes,
+        "serves": [{"task": "qa", "source": "random", "adapter": "none", "quantization": "rtn-int4"}],
+        "built_at": time.time(),
+    }
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    return out_dir

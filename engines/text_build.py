@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from edge.text.checkpoint import SIDE_FILES, load_checkpoint
-from engines.cache import build_cached, cache_key, read_manifest, stop_on_sigterm
+from engines.cache import build_cached, cache_key, read_manifest, stop_on_sigterm, tag_serves
 from engines.corpus import calibration_text, corpus_fingerprint
 from engines.quantize import QuantRecipe, quantize_model
 
@@ -99,7 +99,16 @@ def build_text_engine(
         path = quantize_checkpoint(path, QuantRecipe(method="rtn", group_size=SERVING_GROUP), progress)
     elif quant != "float":
         raise ValueError(f"unknown quantization {quant!r}")
+    # What serving looks the checkpoint up by (edge/engines.py): the profile's words.
+    tag_serves(path, text_selector(SMOLLM2_SOURCE, adapter, quant))
     return path
+
+
+SMOLLM2_SOURCE = "smollm2-135m-instruct"
+
+
+def text_selector(source: str, adapter: str, quant: str) -> dict[str, Any]:
+    return {"task": "qa", "source": source, "adapter": adapter, "quantization": quant}
 
 
 def main(argv: list[str] | None = None) -> int:

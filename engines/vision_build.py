@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from edge.vision import student as artifact
 from edge.vision.vit import ExportWrapper, InspectViT, ViTConfig
 from engines.cache import build_cached, cache_key, file_sha256, stop_on_sigterm
 from engines.distill import TrainData, TrainRecipe, predict, train_student
@@ -32,9 +33,10 @@ from engines.vision_teacher import probe_features, teacher_onnx_path, teacher_to
 logger = logging.getLogger(__name__)
 
 GENERATOR_VERSION = 1
-STUDENT_ONNX = "student.onnx"
-ONNX_INPUT = "pixels"
-ONNX_OUTPUTS = ("class_probs", "patch_probs")
+# The files and names serving reads (edge/vision/student.py is the contract).
+STUDENT_ONNX = artifact.ONNX
+ONNX_INPUT = artifact.INPUT
+ONNX_OUTPUTS = artifact.OUTPUTS
 
 
 @dataclass(frozen=True)
@@ -220,9 +222,9 @@ def build_student(
             model, info = train_student(data, config, recipe, progress, weights)
             info["images"] = len(data.labels)
         train_s = time.perf_counter() - t0
-        torch.save(model.serving_state(), out / "student.pt")
+        torch.save(model.serving_state(), out / artifact.WEIGHTS)
         model.drop_distillation()
-        (out / "config.json").write_text(config.to_json() + "\n", encoding="utf-8")
+        (out / artifact.CONFIG).write_text(config.to_json() + "\n", encoding="utf-8")
         onnx_error = export_onnx(model, out / STUDENT_ONNX)
         scores: dict[str, float] = {}
         for split in ("val", "test"):
@@ -231,7 +233,7 @@ def build_student(
             scores[f"{split}_accuracy"] = accuracy(probs, d["labels"])
         params = sum(p.numel() for n, p in model.named_parameters())
         return {
-            "kind": "vision-student",
+            "kind": artifact.KIND,
             "classes": list(CLASSES),
             "distilled": distill,
             "size": size_name,

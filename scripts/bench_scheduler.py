@@ -41,7 +41,6 @@ from edge.backends import BackendOptions  # noqa: E402
 from edge.protocol.errors import ErrorCode, JobError  # noqa: E402
 from edge.protocol.jobs import ImageRef, InspectJob, ParsedJob, QAJob  # noqa: E402
 from edge.scheduler.branch import (  # noqa: E402
-    Batching,
     BranchWorker,
     Outcome,
     share_interpreter_between_branches,
@@ -155,7 +154,6 @@ def build_text_cpu(ledger: MemoryLedger, probe: Probe) -> tuple[ContinuousBatche
     settings = QASettings(max_context_tokens=1024, max_new_tokens=32, max_sequences=4)
     engine, used = measure(probe, lambda: QAEngine.load(path, settings))
     assert ledger.add_model("text", "text", used), "text model over budget"
-    ledger.add_pool("kv", "text", engine.kv_cache_bytes)
 
     def prepare(item: WorkItem) -> Sequence:
         assert isinstance(item.job.request, QAJob)
@@ -190,7 +188,6 @@ def build_text_cuda(
 
     batcher, used = measure(probe, load)
     assert ledger.add_model("text", "text", used), "text model over budget"
-    ledger.add_pool("kv", "text", batcher.cache.nbytes)
     rng = random.Random(0)
 
     def prepare(item: WorkItem) -> Sequence:
@@ -221,19 +218,30 @@ def run_load(
         finally:
             ledger.release(res)
 
-    def no_single(item: WorkItem) -> dict[str, Any]:
-        raise JobError(ErrorCode.UNAVAILABLE, "only inspect jobs here")
+    @dataclass
+    class InspectBatches:
+        name: str
+        policy: BatchPolicy
+
+        def run(self, items: list[WorkItem]) -> list[dict[str, Any] | JobError]:
+            return inspect_batch(items)
+
+    @dataclass
+    class Questions:
+        name: str
+        prepare: Callable[[WorkItem], Sequence]
+        output: Callable[[Sequence], dict[str, Any]]
+        kv_tokens: Callable[[Sequence], int]
 
     vq = PriorityDeadlineQueue(4096)
     policy = BatchPolicy(load.max_batch, 0.005, frozenset({load.max_batch}))
-    vision = BranchWorker("vision", vq, no_single, collector.complete, Batching("inspect", policy, inspect_batch))
+    vision = BranchWorker("vision", vq, {"inspect": InspectBatches("inspect", policy)}, collector.complete)
     tq = PriorityDeadlineQueue(4096)
     batcher, prepare, engine = text
     output = engine.output if engine is not None else (lambda seq: {"tokens": len(seq.tokens)})
     kv_tokens = engine.kv_tokens if engine is not None else (lambda seq: len(seq.prompt) + seq.params.max_new_tokens)
-    text_worker = TextWorker(
-        "text", tq, batcher, prepare, output, kv_tokens, TextMemory(ledger, "text", "kv", 0.05), collector.complete
-    )
+    questions_task = Questions("qa", prepare, output, kv_tokens)
+    text_worker = TextWorker("text", tq, questions_task, batcher, TextMemory(ledger, "text", 0.05), collector.complete)
     vision.start()
     text_worker.start()
     stop = threading.Event()
@@ -343,7 +351,7 @@ def run(device: str, seconds: float | None) -> dict[str, Any]:
         "load": load.__dict__,
         "budget_bytes": BUDGET,
         "resident_models": {k: v["bytes"] for k, v in resident["models"].items()},
-        "kv_pool_bytes": resident["pools"]["kv"]["capacity_bytes"],
+        "kv_pool_bytes": text[0].kv.capacity_bytes,
         "kv_pool_tokens": text[0].slots * text[0].slot_len,
         "ledger_peak_bytes": snap["peak_bytes"],
         "process_peak_bytes": probe.peak_bytes(),

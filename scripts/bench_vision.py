@@ -223,13 +223,14 @@ def _cuda_rate(fn: Callable[[], Any], images: int) -> float:
 
 def run_cuda(args: argparse.Namespace) -> dict[str, Any]:
     from edge.backends.torch_backend import TorchCudaSession
+    from edge.vision import student as student_artifact
 
     torch.manual_seed(0)
     model = InspectViT(ViTConfig()).eval()
     eager = ExportWrapper(model).cuda().eval()  # float32, no graphs: the baseline
     fp16 = ExportWrapper(InspectViT(ViTConfig()).eval()).eval()
     fp16.model.load_state_dict(model.state_dict())
-    session = TorchCudaSession(fp16.cuda().half(), max_batch=max(BATCHES))
+    session = TorchCudaSession(fp16.cuda().half(), max(BATCHES), (student_artifact.INPUT,), student_artifact.OUTPUTS)
     rows: dict[str, dict[str, float]] = {"eager fp32": {}, "fp16 + CUDA graphs": {}}
     worst = 0.0
     for batch in BATCHES:

@@ -245,7 +245,50 @@ def scheduler(d: dict[str, Any], source: str) -> str:
     return "\n".join(lines)
 
 
+def daemon(d: dict[str, Any], source: str) -> str:
+    load = d["load"]
+    gib = 2**30
+    lines = [
+        f"{d['device']}; {d['models']}; `edgectl serve` as a process, a real Mosquitto, an outside MQTT v5 client. "
+        f"{load['cameras']} cameras, bursts of {load['burst']} inspect jobs every ~{load['period_s']:g} s each, "
+        f"deadline {load['deadline_ms']} ms; Q&A stream: one question every {load['qa_every_s']:g} s, "
+        f"{load['qa_new_tokens']} new tokens; {load['seconds']:g} s per run; latency as the requester sees it, "
+        f"publish to result (`{source}`).",
+        "",
+        "| run | task | jobs | p50 ms | p99 ms | daemon p99 ms | deadline misses | jobs/s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run, label in (("alone", "cameras alone"), ("with_qa", "cameras + Q&A")):
+        for task, t in d[run]["tasks"].items():
+            lines.append(
+                f"| {label} | {task} | {t['jobs']} | {t['p50_ms']:.0f} | {t['p99_ms']:.0f} | {t['daemon_p99_ms']:.0f} "
+                f"| {t['missed']} | {t['per_s']:.1f} |"
+            )
+    solo = d["solo"]
+    models = ", ".join(
+        f"{m['name']} {m['memory_bytes'] / gib:.2f} GiB counted ({m['device_bytes'] / gib:.2f} GiB device, "
+        f"{m['host_bytes'] / gib:.2f} GiB host)"
+        for m in d["models_in_status"]
+    )
+    lines += [
+        "",
+        f"- Q&A decode through the daemon (questions one at a time, {solo['prompt_tokens']}-token prompts, "
+        f"{solo['completion_tokens']:.0f} new tokens): {d['decode_tok_s_daemon']:.1f} tok/s; the bare decode loop "
+        f"on the same checkpoint in the same run ({d['kernel_loop']}): {d['decode_tok_s_kernel']:.1f} tok/s: "
+        f"**{d['decode_daemon_over_kernel']:.2f}x** (target: at least 0.9x)",
+        f"- inspect p99 with the Q&A stream / alone: **{d['camera_p99_ratio']:.2f}x** (target: at most 2x)",
+        f"- memory ({d['memory_scope']}): process peak {d['process_peak_bytes'] / gib:.2f} GiB, ledger peak "
+        f"{d['ledger_peak_bytes'] / gib:.2f} GiB (**{d['ledger_over_process_peak']:.2f}** of the measured peak), "
+        f"budget {d['budget_bytes'] / gib:.0f} GiB; at ready: {models}; KV pool {d['kv']['capacity_tokens']} "
+        f"tokens ({d['kv']['capacity_bytes'] / gib:.2f} GiB)",
+        f"- start to ready: {d['daemon_start_s']:.0f} s",
+    ]
+    return "\n".join(lines)
+
+
 TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
+    "daemon_cpu": ("daemon_cpu.json", lambda d: daemon(d, "bench/results/daemon_cpu.json")),
+    "daemon_cuda": ("daemon_cuda.json", lambda d: daemon(d, "bench/results/daemon_cuda.json")),
     "scheduler_cpu": ("scheduler_cpu.json", lambda d: scheduler(d, "bench/results/scheduler_cpu.json")),
     "scheduler_cuda": ("scheduler_cuda.json", lambda d: scheduler(d, "bench/results/scheduler_cuda.json")),
     "text_quality": ("text_quality.json", text_quality),

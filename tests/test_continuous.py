@@ -34,6 +34,21 @@ def _alone(ckpt: TextCheckpoint, ids: list[int], new: int) -> list[int]:
     return generate(ckpt.model, ckpt.tokenizer, ids, SamplingParams(max_new_tokens=new), frozenset(), cache).token_ids
 
 
+def admit(batcher: ContinuousBatcher, seq: Sequence) -> None:
+    """What the text worker does: a row from the KV manager, then the prefill into it."""
+    slot = batcher.kv.allocate_slots(str(seq.owner), len(seq.prompt) + seq.params.max_new_tokens)
+    assert slot is not None
+    batcher.admit(seq, slot)
+
+
+def finish(batcher: ContinuousBatcher, done: list[Sequence]) -> list[Sequence]:
+    for seq in done:
+        assert seq.kv is not None and seq.slot is None
+        batcher.kv.free(seq.kv)
+        seq.kv = None
+    return done
+
+
 def test_sequences_joining_between_steps_match_each_alone(ckpt: TextCheckpoint) -> None:
     prompts = [_prompt(ckpt, q) for q in QUESTIONS]
     news = [20, 12, 16]
@@ -41,26 +56,26 @@ def test_sequences_joining_between_steps_match_each_alone(ckpt: TextCheckpoint) 
     # Warm-up (4 prefill lengths; 3 batch sizes x KV lengths 1..256) leaves nothing that
     # changes what the sequences below decode, nor any row taken.
     assert batcher.warm_up() == 4 + 3 * 9
-    assert batcher.free_slots == 3 and not batcher.batch_sizes
+    assert batcher.kv.rows_free == 3 and not batcher.batch_sizes
     streamed: dict[int, list[str]] = {i: [] for i in range(3)}
     seqs = [
         Sequence(i, p, SamplingParams(max_new_tokens=n), streamed[i].append)
         for i, (p, n) in enumerate(zip(prompts, news, strict=True))
     ]
-    batcher.admit(seqs[0])
-    batcher.admit(seqs[1])
+    admit(batcher, seqs[0])
+    admit(batcher, seqs[1])
     done: list[Sequence] = []
     for _ in range(3):
-        done += batcher.step()
-    batcher.admit(seqs[2])  # joins two sequences already decoding
+        done += finish(batcher, batcher.step())
+    admit(batcher, seqs[2])  # joins two sequences already decoding
     while batcher.running:
-        done += batcher.step()
+        done += finish(batcher, batcher.step())
     assert {s.owner for s in done} == {0, 1, 2}
     assert max(batcher.batch_sizes) == 3  # three decoded in one step
     for i, seq in enumerate(seqs):
         assert seq.tokens == _alone(ckpt, prompts[i], news[i]), f"sequence {i} differs from decoding it alone"
         assert seq.finish == "length" and "".join(streamed[i]) == seq.text
-    assert batcher.free_slots == 3
+    assert batcher.kv.rows_free == 3
 
 
 def test_a_paused_sequence_resumes_where_it_was(ckpt: TextCheckpoint) -> None:
@@ -68,17 +83,20 @@ def test_a_paused_sequence_resumes_where_it_was(ckpt: TextCheckpoint) -> None:
     batcher = ContinuousBatcher(ckpt.model, ckpt.tokenizer, frozenset(), slots=1, slot_len=256)
     low = Sequence("low", prompts[0], SamplingParams(max_new_tokens=16))
     urgent = Sequence("urgent", prompts[1], SamplingParams(max_new_tokens=8))
-    batcher.admit(low)
+    admit(batcher, low)
     for _ in range(5):
         batcher.step()
-    assert batcher.free_slots == 0
-    batcher.pause(low)  # the only row goes to the urgent one; low's KV is dropped
-    assert batcher.free_slots == 1 and low.slot is None and len(low.tokens) == 5
-    batcher.admit(urgent)
+    assert batcher.kv.rows_free == 0
+    assert batcher.kv.allocate_slots("urgent", 8) is None  # the one row is held
+    slot = batcher.pause(low)  # the only row goes to the urgent one; low's KV is dropped
+    assert slot is not None and low.slot is None and len(low.tokens) == 5
+    batcher.kv.free(slot)
+    assert batcher.kv.rows_free == 1
+    admit(batcher, urgent)
     while batcher.running:
-        batcher.step()
-    batcher.admit(low)  # prompt and its 5 tokens are prefilled again
+        finish(batcher, batcher.step())
+    admit(batcher, low)  # prompt and its 5 tokens are prefilled again
     while batcher.running:
-        batcher.step()
+        finish(batcher, batcher.step())
     assert urgent.tokens == _alone(ckpt, prompts[1], 8)
     assert low.tokens == _alone(ckpt, prompts[0], 16) and low.pauses == 1

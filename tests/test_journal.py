@@ -85,3 +85,14 @@ def test_a_full_journal_refuses_then_recovers_when_space_is_freed(tmp_path: Path
     j.accept("after", "t", payload, "r", None)
     assert j.full_since is None
     assert all(j.lookup(f"job-{i}") is not None for i in range(accepted))
+
+
+def test_a_batch_of_results_is_kept_in_one_commit(tmp_path: Path) -> None:
+    j = Journal(tmp_path / "j.sqlite3", 2**20, 60.0)
+    for name in ("a", "b"):
+        j.accept(name, "t", name.encode(), "r", None)
+    j.store_results([("a", "r", b"ca", b"result-a"), ("b", "r", None, b"result-b"), ("refused", "r", None, b"err")])
+    got = {e.id: (e.state, e.result) for e in j.pending()}
+    assert got == {"a": (SENT, b"result-a"), "b": (SENT, b"result-b"), "refused": (SENT, b"err")}
+    entry = j.lookup("a")
+    assert entry is not None and entry.payload is None  # the request is not needed once its result is kept

@@ -24,10 +24,7 @@ def follow_rate(path: Path) -> tuple[float, list[str]]:
     # All prompts decoded together (each answer is the one it would get alone, greedy:
     # tests/test_continuous.py), a few times faster than one after another.
     seqs = [engine.prepare(QAJob(id=f"h{i}", question=e.question, context=e.context)) for i, e in enumerate(held)]
-    for seq in seqs:
-        engine.batcher.admit(seq)
-    while engine.batcher.running:
-        engine.batcher.step()
+    engine.batcher.run_all(seqs)
     answers = [engine.output(seq)["answer"] for seq in seqs]
     return sum(follows(e, a) for e, a in zip(held, answers, strict=True)) / len(held), answers
 

@@ -193,16 +193,25 @@ def test_watchdog_pings_stop_while_a_job_is_stalled(tmp_path: Path, broker: Brok
 
 
 @pytest.mark.integration
-def test_sigterm_stops_a_first_start_build(tmp_path: Path, broker: Broker) -> None:
-    """A first start builds the inspection model (minutes) in a child process; SIGTERM
-    ends the build and the daemon promptly, leaves no build process behind and nothing
-    half-built in the engine directory (the next start builds again)."""
+def test_a_first_start_build_extends_the_start_timeout_and_sigterm_stops_it(tmp_path: Path, broker: Broker) -> None:
+    """A first start builds the inspection model (minutes) in a child process. Meanwhile
+    the daemon asks systemd for more start time (EXTEND_TIMEOUT_USEC, again before each
+    extension runs out: TimeoutStartSec alone would kill the build and restart it
+    forever) and says what it builds. SIGTERM ends the build and the daemon promptly,
+    leaves no build process behind and nothing half-built in the engine directory (the
+    next start builds again)."""
+    from edge.builds import EXTEND_EVERY_S, EXTEND_S
+
+    notify = FakeNotifySocket(tmp_path / "notify.sock")
     engines = tmp_path / "engines"
     profile = write_profile(
         tmp_path, broker.port, engines, device_id="bs",
         models={"ocr": {"enabled": False}, "inspect": {"build_size": "default"}, "qa": {"enabled": False}},
     )  # fmt: skip
-    daemon = start_daemon(profile)
+    daemon = start_daemon(profile, {"NOTIFY_SOCKET": str(notify.path)})
+    stop = threading.Event()
+    collector = threading.Thread(target=notify.collect_while, args=(stop,))
+    collector.start()
     try:
         deadline = time.monotonic() + 60
         child = None
@@ -213,14 +222,23 @@ def test_sigterm_stops_a_first_start_build(tmp_path: Path, broker: Broker) -> No
             child = int(found.stdout.split()[0]) if found.stdout.strip() else None
             time.sleep(0.2)
         assert child is not None, daemon.log.read_text()
-        time.sleep(3)  # into the build: the teacher's tokens for the first split
+        time.sleep(EXTEND_EVERY_S + 2)  # into the build, past the second extension
         t0 = time.monotonic()
         daemon.proc.send_signal(signal.SIGTERM)
         assert daemon.proc.wait(30) == 0
         assert time.monotonic() - t0 < 15
     finally:
+        stop.set()
+        collector.join()
         daemon.stop()
     assert not Path(f"/proc/{child}").exists(), "the build process outlived the daemon"
     assert "stopping the engines.vision_build build" in daemon.log.read_text()
     left = sorted(p.name for p in engines.iterdir()) if engines.exists() else []
     assert not [name for name in left if name.startswith(".") or name.startswith("vision-")], left
+    extends = [(t, m) for t, m in notify.messages if "EXTEND_TIMEOUT_USEC=" in m]
+    assert len(extends) >= 2, notify.messages
+    assert all(f"EXTEND_TIMEOUT_USEC={int(EXTEND_S * 1e6)}" in m.split("\n") for _, m in extends)
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(extends)]
+    assert max(gaps) < EXTEND_S / 2  # each extension renewed well before it runs out
+    assert any("STATUS=building the inspection model" in m for _, m in notify.messages)
+    assert not any("READY=1" in m.split("\n") for _, m in notify.messages)

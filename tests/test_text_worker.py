@@ -20,9 +20,11 @@ from edge.scheduler.ledger import MemoryLedger
 from edge.scheduler.queue import PriorityDeadlineQueue
 from edge.scheduler.text_worker import TextMemory, TextWorker
 from edge.scheduler.work import Reply, WorkItem
+from edge.tasks.qa import QATask
 from edge.text.checkpoint import load_checkpoint
 from edge.text.qa import QAEngine, QASettings
 from engines.import_gguf import import_smollm2
+from tests import fakes
 
 
 def _engine(engine_dir: Path, sequences: int) -> QAEngine:
@@ -51,12 +53,11 @@ class Harness:
 
 
 @pytest.fixture
-def harness(request: pytest.FixtureRequest, engine_dir: Path) -> Iterator[Harness]:
+def harness(request: pytest.FixtureRequest, engine_dir: Path, tmp_path: Path) -> Iterator[Harness]:
     sequences, wait_s = request.param
     engine = _engine(engine_dir, sequences)
     ledger = MemoryLedger(2**34)
     assert ledger.add_model("llm", "text", engine.kv_cache_bytes)
-    ledger.add_pool("kv", "llm", engine.kv_cache_bytes)
     queue = PriorityDeadlineQueue(64)
     h: Harness
 
@@ -65,12 +66,9 @@ def harness(request: pytest.FixtureRequest, engine_dir: Path) -> Iterator[Harnes
             h.outcomes[item.job.id] = outcome
             h.cond.notify_all()
 
-    def prepare(item: WorkItem):  # type: ignore[no-untyped-def]
-        assert isinstance(item.job.request, QAJob)
-        return engine.prepare(item.job.request, item)
-
-    memory = TextMemory(ledger, "llm", "kv", wait_s)
-    worker = TextWorker("text", queue, engine.batcher, prepare, engine.output, engine.kv_tokens, memory, complete)
+    memory = TextMemory(ledger, "llm", wait_s)
+    task = QATask(engine, fakes.responder(tmp_path)[0])
+    worker = TextWorker("text", queue, task, engine.batcher, memory, complete)
     h = Harness(engine, ledger, queue, worker)
     yield h
     worker.stop(30)
@@ -100,8 +98,8 @@ def test_an_urgent_job_pauses_a_lower_priority_one(harness: Harness) -> None:
     # Paused and resumed (its KV recomputed), the low job still says what it says alone.
     assert low.output is not None and low.output["answer"] == low_ref
     assert urgent.output is not None and urgent.output["answer"] == urgent_ref
-    snap = h.ledger.snapshot()["pools"]["kv"]
-    assert snap["reserved_bytes"] == 0 and snap["peak_bytes"] <= snap["capacity_bytes"]
+    snap = h.engine.batcher.kv.snapshot()
+    assert snap["reserved_tokens"] == 0 and snap["rows_free"] == 1 and snap["peak_tokens"] <= snap["row_tokens"]
 
 
 @pytest.mark.parametrize("harness", [(1, 0.01)], indirect=True)
@@ -136,6 +134,6 @@ def test_mixed_jobs_all_finish_within_the_pool(harness: Harness) -> None:
     h.wait(len(items))
     assert all(o.error is None and o.output is not None for o in h.outcomes.values())
     assert max(h.worker.batch_sizes) >= 2  # sequences really decoded together
-    snap = h.ledger.snapshot()["pools"]["kv"]
+    snap = h.engine.batcher.kv.snapshot()
     assert snap["reserved_bytes"] == 0 and 0 < snap["peak_bytes"] <= snap["capacity_bytes"]
-    assert h.engine.batcher.free_slots == 3
+    assert snap["rows_free"] == 3 and snap["peak_rows"] >= 2  # several rows held at once

@@ -5,9 +5,21 @@ from edge.backends import torch_backend as _torch_backend  # noqa: F401  (regist
 from edge.backends.base import (
     Backend,
     BackendOptions,
+    BackendUnavailable,
+    ImageInput,
     InferenceSession,
+    ModelSource,
     available_backends,
     get_backend,
 )
 
-__all__ = ["Backend", "BackendOptions", "InferenceSession", "available_backends", "get_backend"]
+__all__ = [
+    "Backend",
+    "BackendOptions",
+    "BackendUnavailable",
+    "ImageInput",
+    "InferenceSession",
+    "ModelSource",
+    "available_backends",
+    "get_backend",
+]

@@ -1,7 +1,10 @@
-"""The backend seam: a model file in, a session that maps named arrays to arrays out.
+"""The backend seam: a model's artifacts in, a session that maps named arrays to arrays out.
 
 Vision models go through this interface so the same pipeline code runs on onnxruntime
-(CPU default), TensorRT plans on a Jetson, or torch CUDA, chosen by the profile.
+(CPU default), torch CUDA, or TensorRT plans, chosen by the profile. A backend knows
+nothing of a particular model: what it gets is a `ModelSource` (the files a build wrote
+and, for the torch backends, a function that builds the module), which the model's own
+artifact contract fills in (edge/vision/student.py, edge/vision/ocr.py).
 """
 
 from __future__ import annotations
@@ -9,22 +12,52 @@ from __future__ import annotations
 import abc
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from edge.backends.configs import BackendConfig, OnnxRuntimeConfig
+
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """A model whose one input is normalised RGB images: what a session needs to take raw
+    uint8 images and prepare them itself (on the GPU, say)."""
+
+    size: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What a backend may load a model from. `torch_module` returns the float module
+    (an nn.Module whose forward maps the inputs to a tuple of the outputs, in order)."""
+
+    name: str
+    onnx: Path | None = None
+    torch_module: Callable[[], Any] | None = None
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    image: ImageInput | None = None
 
 
 @dataclass(frozen=True)
 class BackendOptions:
     threads: int = 0
     max_batch: int = 0  # largest batch the caller will send (0: unknown)
+    config: BackendConfig = field(default_factory=OnnxRuntimeConfig)
 
 
 class InferenceSession(abc.ABC):
     """One loaded model. `run` is called from one worker thread at a time."""
+
+    # Where the session's working memory lives: "cpu", or a CUDA device ("cuda:0").
+    device = "cpu"
 
     @property
     @abc.abstractmethod
@@ -45,17 +78,21 @@ class InferenceSession(abc.ABC):
     # on the host that work caps a batch's throughput long before the model does.
     accepts_images = False
 
-    def run_images(self, images: list[np.ndarray], size: int) -> list[np.ndarray]:
+    def run_images(self, images: list[np.ndarray]) -> list[np.ndarray]:
         """RGB uint8 images of any size in, the model's outputs out (sessions that set
-        `accepts_images`)."""
+        `accepts_images`, for a source with an `image` input)."""
         raise NotImplementedError(f"{type(self).__name__} takes preprocessed arrays only")
+
+
+class BackendUnavailable(RuntimeError):
+    """A backend that cannot load this model on this machine, with the reason."""
 
 
 class Backend(abc.ABC):
     name: str = ""
 
     @abc.abstractmethod
-    def load(self, model_path: Path, options: BackendOptions) -> InferenceSession: ...
+    def load(self, source: ModelSource, options: BackendOptions) -> InferenceSession: ...
 
 
 _REGISTRY: dict[str, type[Backend]] = {}
@@ -76,9 +113,6 @@ def get_backend(name: str) -> Backend:
     try:
         return _REGISTRY[name]()
     except KeyError:
-        raise KeyError(
+        raise BackendUnavailable(
             f"backend {name!r} is not available here; available: {', '.join(available_backends())}"
         ) from None
-
-
-BackendFactory = Callable[[], Backend]

@@ -1,13 +1,20 @@
-"""onnxruntime backend: the CPU default, and CUDA where an onnxruntime-gpu build exists."""
+"""onnxruntime backend: the CPU default."""
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import numpy as np
 
-from edge.backends.base import Backend, BackendOptions, InferenceSession, register_backend
+from edge.backends.base import (
+    Backend,
+    BackendOptions,
+    BackendUnavailable,
+    InferenceSession,
+    ModelSource,
+    register_backend,
+)
+from edge.backends.configs import OnnxRuntimeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -46,17 +53,16 @@ if ORT_SUPPORT:
     class OrtBackend(Backend):
         name = "onnxruntime"
 
-        def load(self, model_path: Path, options: BackendOptions) -> InferenceSession:
+        def load(self, source: ModelSource, options: BackendOptions) -> InferenceSession:
+            if source.onnx is None:
+                raise BackendUnavailable(f"{source.name} has no ONNX file for onnxruntime")
+            config = options.config if isinstance(options.config, OnnxRuntimeConfig) else OnnxRuntimeConfig()
             opts = ort.SessionOptions()
-            # Shapes vary per image; an arena sized for the largest one is never returned.
-            opts.enable_cpu_mem_arena = False
+            opts.enable_cpu_mem_arena = config.cpu_arena
             opts.log_severity_level = 3
             if options.threads:
                 opts.intra_op_num_threads = options.threads
                 opts.inter_op_num_threads = 1
-            providers = ["CPUExecutionProvider"]
-            if "CUDAExecutionProvider" in ort.get_available_providers():
-                providers.insert(0, "CUDAExecutionProvider")
-            session = ort.InferenceSession(str(model_path), sess_options=opts, providers=providers)
-            logger.info("loaded %s on %s", model_path.name, session.get_providers()[0])
+            session = ort.InferenceSession(str(source.onnx), sess_options=opts, providers=["CPUExecutionProvider"])
+            logger.info("loaded %s (%s) on onnxruntime's CPU provider", source.name, source.onnx.name)
             return OrtSession(session)

@@ -1,28 +1,36 @@
-"""torch CUDA backend for the inspection student: FP16 weights, fused SDPA attention,
-and one CUDA graph per batch size.
+"""torch CUDA backend: a model's PyTorch module on a CUDA GPU, in FP16 by default, with
+one CUDA graph per batch size.
 
 A batch is padded up to the next captured size (1, 2, 4, ... max) and replayed, so the
-launch work of the ~150 kernels of a ViT forward is paid once at capture instead of on
-every batch. Registered only where torch sees a CUDA device.
+launch work of a forward pass (about 150 kernels for a small ViT) is paid once at capture
+instead of on every batch. For a model that takes normalised images, raw uint8 images go
+up and are resized and normalised on the GPU. Registered only where torch sees a CUDA
+device; knows nothing of any particular model (the `ModelSource` says what to build).
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from edge.backends.base import Backend, BackendOptions, InferenceSession, register_backend
-from edge.vision.vit import IMAGE_MEAN, IMAGE_STD, ExportWrapper, load_student
+from edge.backends.base import (
+    Backend,
+    BackendOptions,
+    BackendUnavailable,
+    ImageInput,
+    InferenceSession,
+    ModelSource,
+    register_backend,
+)
+from edge.backends.configs import TorchCudaConfig
 
 logger = logging.getLogger(__name__)
 
 TORCH_CUDA_SUPPORT = torch.cuda.is_available()
-INPUT_NAME = "pixels"
-OUTPUT_NAMES = ("class_probs", "patch_probs")
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def graph_sizes(max_batch: int) -> list[int]:
@@ -33,35 +41,53 @@ def graph_sizes(max_batch: int) -> list[int]:
 
 
 class TorchCudaSession(InferenceSession):
-    def __init__(self, model: ExportWrapper, max_batch: int, use_graphs: bool = True) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_batch: int,
+        inputs: tuple[str, ...],
+        outputs: tuple[str, ...],
+        image: ImageInput | None = None,
+        use_graphs: bool = True,
+        high_priority: bool = True,
+    ) -> None:
+        if len(inputs) != 1:
+            raise BackendUnavailable(f"torch-cuda runs models of one input, not {len(inputs)}")
         self._model = model
+        self._inputs = inputs
+        self._outputs = outputs
         self._device = next(model.parameters()).device
+        self.device = str(self._device)
         self._dtype = next(model.parameters()).dtype
         self._sizes = graph_sizes(max_batch)
         self._use_graphs = use_graphs
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple[torch.Tensor, ...]]] = {}
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
-        self._size = model.model.config.image_size
-        self._mean = torch.tensor(IMAGE_MEAN, device=self._device).view(1, 3, 1, 1)
-        self._std = torch.tensor(IMAGE_STD, device=self._device).view(1, 3, 1, 1)
+        self._image = image
+        self.accepts_images = image is not None
+        if image is not None:
+            self._mean = torch.tensor(image.mean, device=self._device).view(1, 3, 1, 1)
+            self._std = torch.tensor(image.std, device=self._device).view(1, 3, 1, 1)
         # Camera jobs have deadlines; the text branch's decode kernels do not. A stream of
         # higher priority lets the GPU start this model's blocks ahead of queued decode
         # blocks instead of after them (the text branch uses the default stream).
-        self._stream = torch.cuda.Stream(self._device, priority=-1)
+        self._stream = torch.cuda.Stream(self._device, priority=-1 if high_priority else 0)
 
     @property
     def input_names(self) -> list[str]:
-        return [INPUT_NAME]
+        return list(self._inputs)
 
     @property
     def output_names(self) -> list[str]:
-        return list(OUTPUT_NAMES)
+        return list(self._outputs)
 
     def metadata(self) -> dict[str, str]:
         return {"dtype": str(self._dtype), "graph_sizes": ",".join(map(str, self._sizes))}
 
-    def _capture(self, batch: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple[torch.Tensor, ...]]:
-        static_in = torch.zeros(batch, 3, self._size, self._size, device=self._device, dtype=self._dtype)
+    def _capture(
+        self, batch: int, example: torch.Tensor
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple[torch.Tensor, ...]]:
+        static_in = torch.zeros((batch, *example.shape[1:]), device=self._device, dtype=self._dtype)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -73,12 +99,12 @@ class TorchCudaSession(InferenceSession):
         # the default (global) mode would fail its calls during the capture.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             outputs = self._model(static_in)
-        logger.debug("captured the student for batch %d", batch)
+        logger.debug("captured batch %d", batch)
         return graph, static_in, tuple(outputs)
 
     @torch.inference_mode()
     def run_tensor(self, pixels: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Device-side entry point: pixels [B, 3, H, W] on the GPU -> outputs on the GPU,
+        """Device-side entry point: the input [B, ...] on the GPU -> outputs on the GPU,
         ready for the caller's stream."""
         caller = torch.cuda.current_stream(self._device)
         if caller == self._stream:
@@ -92,16 +118,16 @@ class TorchCudaSession(InferenceSession):
             t.record_stream(caller)
         return out
 
-    def _forward(self, pixels: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        n = pixels.shape[0]
+    def _forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n = x.shape[0]
         if not self._use_graphs:
-            return tuple(t.float() for t in self._model(pixels.to(self._dtype)))
-        out: list[list[torch.Tensor]] = [[] for _ in OUTPUT_NAMES]
+            return tuple(t.float() for t in self._model(x.to(self._dtype)))
+        out: list[list[torch.Tensor]] = [[] for _ in self._outputs]
         for start in range(0, n, self._sizes[-1]):
-            chunk = pixels[start : start + self._sizes[-1]]
+            chunk = x[start : start + self._sizes[-1]]
             size = next(s for s in self._sizes if s >= chunk.shape[0])
             if size not in self._graphs:
-                self._graphs[size] = self._capture(size)
+                self._graphs[size] = self._capture(size, chunk)
             graph, static_in, static_out = self._graphs[size]
             static_in[: chunk.shape[0]].copy_(chunk)
             graph.replay()
@@ -112,19 +138,20 @@ class TorchCudaSession(InferenceSession):
     @torch.inference_mode()
     def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
         with torch.cuda.stream(self._stream):
-            pixels = torch.from_numpy(inputs[INPUT_NAME]).to(self._device)
-            return [t.cpu().numpy() for t in self._forward(pixels)]
-
-    accepts_images = True
+            x = torch.from_numpy(inputs[self._inputs[0]]).to(self._device)
+            return [t.cpu().numpy() for t in self._forward(x)]
 
     @torch.inference_mode()
-    def run_images(self, images: list[np.ndarray], size: int) -> list[np.ndarray]:
+    def run_images(self, images: list[np.ndarray]) -> list[np.ndarray]:
         """Uploads uint8 pixels (a third of float32's bytes) and resizes and normalises on
         the GPU. Images of one shape go up as one tensor, one resize for all of them."""
+        if self._image is None:
+            raise NotImplementedError("this model does not take images")
         with torch.cuda.stream(self._stream):
-            return self._run_images(images, size)
+            return self._run_images(images, self._image)
 
-    def _run_images(self, images: list[np.ndarray], size: int) -> list[np.ndarray]:
+    def _run_images(self, images: list[np.ndarray], spec: ImageInput) -> list[np.ndarray]:
+        size = spec.size
         pixels = torch.empty(len(images), 3, size, size, device=self._device, dtype=self._dtype)
         groups: dict[tuple[int, ...], list[int]] = {}
         for i, img in enumerate(images):
@@ -147,8 +174,17 @@ if TORCH_CUDA_SUPPORT:
     class TorchCudaBackend(Backend):
         name = "torch-cuda"
 
-        def load(self, model_path: Path, options: BackendOptions) -> InferenceSession:
-            """`model_path` is the student's directory (config.json + student.pt)."""
-            directory = model_path if model_path.is_dir() else model_path.parent
-            model = load_student(directory, "cuda").half()
-            return TorchCudaSession(ExportWrapper(model).eval(), max_batch=options.max_batch or 32)
+        def load(self, source: ModelSource, options: BackendOptions) -> InferenceSession:
+            if source.torch_module is None:
+                raise BackendUnavailable(f"{source.name} has no PyTorch weights for torch-cuda")
+            config = options.config if isinstance(options.config, TorchCudaConfig) else TorchCudaConfig()
+            module = source.torch_module().to("cuda").to(DTYPES[config.dtype]).eval()
+            return TorchCudaSession(
+                module,
+                max_batch=options.max_batch or 32,
+                inputs=source.inputs,
+                outputs=source.outputs,
+                image=source.image,
+                use_graphs=config.cuda_graphs,
+                high_priority=config.high_priority_stream,
+            )

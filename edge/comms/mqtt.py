@@ -18,8 +18,6 @@ import logging
 import ssl
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
@@ -28,6 +26,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
+from edge.comms.message import DeliveredCallback, IncomingJob, IntakeCallback
 from edge.config.schema import Profile
 
 logger = logging.getLogger(__name__)
@@ -37,17 +36,7 @@ ONLINE = b"online"
 OFFLINE = b"offline"
 
 
-@dataclass(frozen=True)
-class IncomingJob:
-    topic: str
-    payload: bytes
-    response_topic: str | None
-    correlation: bytes | None
-
-
-# Returns whether the job is kept (acknowledge it to the broker) or left with the broker.
-IntakeCallback = Callable[[IncomingJob], bool]
-DeliveredCallback = Callable[[str], None]
+__all__ = ["DaemonLink", "IncomingJob", "make_client"]
 
 
 def _read_password(profile: Profile) -> str | None:

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from edge.backends.configs import BACKEND_DEVICES, BackendConfig, OnnxRuntimeConfig, backend_section
+from edge.schema_base import StrictModel
 
 # The prompt the clinic adapter was trained with; kept here as the default so they agree.
 DEFAULT_SYSTEM_PROMPT = (
@@ -20,8 +23,21 @@ DEFAULT_SYSTEM_PROMPT = (
 _TOPIC_SEGMENT = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
-class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+Device = Literal["cpu", "cuda"]
+
+
+def _fill_backend(data: Any) -> Any:
+    """`backend: NAME` is short for `backend: {type: NAME}`; no backend at all means the
+    default for the model's device."""
+    if isinstance(data, dict):
+        data = dict(data)
+        data["backend"] = backend_section(data.get("backend"), str(data.get("device", "cpu")))
+    return data
+
+
+def _backend_on_device(backend: str, device: str) -> None:
+    if device not in BACKEND_DEVICES.get(backend, (device,)):
+        raise ValueError(f"backend {backend!r} does not run on device {device!r}")
 
 
 class TLSConfig(StrictModel):
@@ -147,10 +163,16 @@ class OCRModelConfig(StrictModel):
         "room for another job; unset keeps it loaded for good. An evicted model is loaded again (and measured "
         "again) when a job needs it.",
     )
-    backend: Literal["onnxruntime"] = Field(
-        default="onnxruntime",
+    device: Literal["cpu"] = Field(
+        default="cpu",
+        title="Device",
+        description="Where the OCR models run. Only the CPU for now: onnxruntime here is its CPU build.",
+    )
+    backend: OnnxRuntimeConfig = Field(
+        default_factory=OnnxRuntimeConfig,
         title="Backend",
-        description="Inference backend for the detection, angle and recognition models.",
+        description="Inference backend for the detection, angle and recognition models, with its own settings "
+        "(`onnxruntime`, or `{type: onnxruntime, ...}`).",
     )
     det_limit_side_len: int = Field(
         default=960,
@@ -180,6 +202,8 @@ class OCRModelConfig(StrictModel):
         description="Intra-op threads per model; 0 lets the backend choose.",
     )
 
+    _backend_form = model_validator(mode="before")(_fill_backend)
+
 
 class InspectModelConfig(StrictModel):
     enabled: bool = Field(default=True, title="Enabled", description="Serve the `inspect` task.")
@@ -191,11 +215,24 @@ class InspectModelConfig(StrictModel):
         "room for another job; unset keeps it loaded for good. An evicted model is loaded again (and measured "
         "again) when a job needs it.",
     )
-    backend: Literal["onnxruntime", "torch-cuda"] = Field(
-        default="onnxruntime",
+    device: Device = Field(
+        default="cpu",
+        title="Device",
+        description="Where the student runs: 'cpu', or 'cuda' (its FP16 weights on the GPU, images resized "
+        "and normalised there).",
+    )
+    backend: BackendConfig = Field(
+        default_factory=OnnxRuntimeConfig,
         title="Backend",
-        description="onnxruntime runs the student's ONNX export (the CPU default); torch-cuda runs it "
-        "in FP16 on a CUDA GPU with one CUDA graph per batch size.",
+        description="The backend and its own settings: onnxruntime runs the student's ONNX export (the CPU "
+        "default); torch-cuda runs its weights on a CUDA GPU (the default for device 'cuda'), by default "
+        "in FP16 with one CUDA graph per batch size. `backend: NAME` is short for `{type: NAME}`.",
+    )
+    engine: Path | None = Field(
+        default=None,
+        title="Engine directory",
+        description="A student build to serve as it is (its manifest says what it is), instead of the one "
+        "built for build_size in paths.engine_dir.",
     )
     build_size: Literal["default", "quick", "stream", "stream-long"] = Field(
         default="default",
@@ -234,12 +271,23 @@ class InspectModelConfig(StrictModel):
         title="Threads",
         description="Intra-op threads for the student on onnxruntime; 0 lets the backend choose.",
     )
+    decode_threads: int = Field(
+        default=4,
+        ge=1,
+        le=32,
+        title="Decode threads",
+        description="Threads that decode a batch's images at once (decoding runs outside the interpreter "
+        "lock, so they work in parallel with each other and with the text branch).",
+    )
+
+    _backend_form = model_validator(mode="before")(_fill_backend)
 
     @model_validator(mode="after")
     def _preferred_within_max(self) -> InspectModelConfig:
         too_big = [b for b in self.preferred_batch_sizes if b > self.max_batch]
         if too_big:
             raise ValueError(f"preferred_batch_sizes {too_big} exceed max_batch {self.max_batch}")
+        _backend_on_device(self.backend.type, self.device)
         return self
 
 
@@ -259,7 +307,29 @@ class QAModelConfig(StrictModel):
     quantization: Literal["awq-int4", "rtn-int4", "float"] = Field(
         default="awq-int4",
         title="Weight format",
-        description="How the served weights are stored: AWQ INT4 (group 128), round-to-nearest INT4, or float32.",
+        description="How the served weights are stored: AWQ INT4, round-to-nearest INT4, or float.",
+    )
+    engine: Path | None = Field(
+        default=None,
+        title="Engine directory",
+        description="A text checkpoint to serve as it is (its manifest says what it is), instead of the one "
+        "built for source, adapter and quantization in paths.engine_dir.",
+    )
+    device: Device = Field(
+        default="cpu",
+        title="Device",
+        description="Where the text model runs: 'cpu', or 'cuda' (INT4 Triton kernels with the fused decode "
+        "step, decode steps captured as CUDA graphs, tokens chosen on the GPU).",
+    )
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        default="auto",
+        title="Activation type",
+        description="Activations and float weights: 'auto' is float32 on the CPU and float16 on CUDA.",
+    )
+    cuda_graphs: bool = Field(
+        default=True,
+        title="CUDA graphs",
+        description="On CUDA, capture the decode step at load for every batch-size and KV-length bucket.",
     )
     max_context_tokens: int = Field(
         default=2048,

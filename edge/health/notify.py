@@ -76,6 +76,12 @@ class Notifier:
     def watchdog(self) -> None:
         notify("WATCHDOG=1")
 
+    def extend_timeout(self, seconds: float) -> None:
+        """Ask systemd for `seconds` more before it gives up on the start in progress
+        (a first-start build takes minutes; TimeoutStartSec is shorter). It must be
+        sent again within that time, or the extension runs out."""
+        notify(f"EXTEND_TIMEOUT_USEC={int(seconds * 1e6)}")
+
     def stopping(self, status: str) -> None:
         self._status = status
         notify(f"STOPPING=1\nSTATUS={status}")

@@ -60,7 +60,10 @@ class _Handler(socketserver.StreamRequestHandler):
         except Exception:
             logger.exception("status snapshot failed")
             body = json.dumps({"schema_version": STATUS_SCHEMA_VERSION, "state": "error"}).encode() + b"\n"
-        self.wfile.write(body)
+        try:
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the asker gave up waiting (a busy start); it will ask again
 
 
 class _Server(socketserver.ThreadingUnixStreamServer):
@@ -144,15 +147,30 @@ def render_table(doc: dict[str, Any], code: int, reasons: list[str]) -> str:
     memory = doc.get("memory", {})
     used, budget = _fmt_bytes(memory.get("used_bytes")), _fmt_bytes(memory.get("budget_bytes"))
     lines.append(
-        f"  memory     ledger {used} of budget {budget} "
-        f"(headroom {_fmt_bytes(memory.get('headroom_bytes'))}, peak {_fmt_bytes(memory.get('peak_bytes'))}), "
-        f"rss {_fmt_bytes(memory.get('rss_bytes'))} (peak {_fmt_bytes(memory.get('peak_rss_bytes'))})"
+        f"  memory     ledger {used} of budget {budget} ({memory.get('scope', 'host')}; "
+        f"headroom {_fmt_bytes(memory.get('headroom_bytes'))}, peak {_fmt_bytes(memory.get('peak_bytes'))}), "
+        f"process peak {_fmt_bytes(memory.get('process_peak_bytes'))}"
     )
-    lines.append("  models     name                           branch   backend              memory")
+    device = ""
+    if "device_bytes" in memory:
+        device = f"; device {_fmt_bytes(memory['device_bytes'])} (peak {_fmt_bytes(memory.get('device_peak_bytes'))})"
+    rss, rss_peak = _fmt_bytes(memory.get("rss_bytes")), _fmt_bytes(memory.get("peak_rss_bytes"))
+    lines.append(f"             rss {rss} (peak {rss_peak}){device}")
+    kv = memory.get("kv")
+    if kv:
+        lines.append(
+            f"  kv cache   {kv['rows'] - kv['rows_free']}/{kv['rows']} rows held, {kv['reserved_tokens']} of "
+            f"{kv['capacity_tokens']} tokens reserved ({_fmt_bytes(kv['capacity_bytes'])})"
+        )
+    lines.append(
+        "  models     name                           branch   backend                        device  counted    "
+        "host       device"
+    )
     for model in doc.get("models", []):
         lines.append(
-            f"             {model['name']:<30} {model['branch']:<8} {model['backend']:<20} "
-            f"{_fmt_bytes(model.get('memory_bytes'))}"
+            f"             {model['name']:<30} {model['branch']:<8} {model['backend']:<30} "
+            f"{model.get('device', 'cpu'):<7} {_fmt_bytes(model.get('memory_bytes')):>10} "
+            f"{_fmt_bytes(model.get('host_bytes')):>10} {_fmt_bytes(model.get('device_bytes')):>10}"
         )
     lines.append("  queues     branch   depth/max  running  available")
     for name, q in doc.get("branches", {}).items():

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from edge.protocol.errors import ErrorCode, JobError
 from edge.scheduler.queue import BatchPolicy, PriorityDeadlineQueue
@@ -35,20 +35,20 @@ class Outcome:
     finished_at: float
 
 
-Handler = Callable[[WorkItem], dict[str, Any]]
 # One output or one error per item, in order: a bad image fails its own job, not the batch.
 BatchHandler = Callable[[list[WorkItem]], list[dict[str, Any] | JobError]]
 Completion = Callable[[WorkItem, Outcome], None]
+# A batch's outcomes handed over together (one journal commit for all their results).
+BatchCompletion = Callable[[list[tuple[WorkItem, Outcome]]], None]
 
 
-@dataclass(frozen=True)
-class Batching:
-    task: str
+class BatchRunner(Protocol):
+    """What a batch worker runs: a task with its batching policy (edge/tasks/base.py)."""
+
+    name: str
     policy: BatchPolicy
-    handler: BatchHandler
 
-    def accepts(self, item: WorkItem) -> bool:
-        return item.job.task == self.task
+    def run(self, items: list[WorkItem]) -> list[dict[str, Any] | JobError]: ...
 
 
 class Worker:
@@ -128,19 +128,20 @@ class Worker:
 
 
 class BranchWorker(Worker):
-    """One job (or one dynamic batch) at a time: take the most urgent, run it, hand back."""
+    """One batch at a time: take the most urgent job, gather the queued jobs of the same
+    task that its policy allows (dynamic batching), run them, hand back the outcomes."""
 
     def __init__(
         self,
         name: str,
         queue: PriorityDeadlineQueue,
-        handler: Handler,
+        tasks: dict[str, BatchRunner],
         complete: Completion,
-        batching: Batching | None = None,
+        complete_batch: BatchCompletion | None = None,
     ) -> None:
         super().__init__(name, queue, complete)
-        self._handler = handler
-        self._batching = batching
+        self._tasks = tasks
+        self._complete_batch = complete_batch
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -148,12 +149,15 @@ class BranchWorker(Worker):
             item = self.queue.get(timeout=0.2)
             if item is None:
                 continue
-            batching = self._batching
-            if batching is not None and item.job.task == batching.task:
-                batch = self.queue.take_batch(item, batching.policy, batching.accepts)
-                self._process_batch(batch, batching.handler)
-            else:
-                self._process(item)
+            task = self._tasks.get(item.job.task)
+            if task is None:
+                # Intake routes only tasks this branch serves; a job taken up from the
+                # journal after the profile changed may not be one of them.
+                why = JobError(ErrorCode.UNAVAILABLE, f"task {item.job.task!r} is not served on this device", "task")
+                self._answer_now(item, why)
+                continue
+            batch = self.queue.take_batch(item, task.policy, same_task(task.name))
+            self._process_batch(batch, task.run)
 
     def _process_batch(self, items: list[WorkItem], handler: BatchHandler) -> None:
         self._take(items)
@@ -178,33 +182,36 @@ class BranchWorker(Worker):
         finished = time.monotonic()
         self.running_since = None
         self.last_progress = finished
+        pairs = []
         for it in items:
             res = results[id(it)]
             if isinstance(res, JobError):
-                self._deliver(it, Outcome(None, res, started, finished))
+                pairs.append((it, Outcome(None, res, started, finished)))
             else:
-                self._deliver(it, Outcome(res, None, started, finished))
+                pairs.append((it, Outcome(res, None, started, finished)))
+        self._deliver_batch(pairs)
 
-    def _process(self, item: WorkItem) -> None:
-        self._take([item])
-        started = time.monotonic()
-        self.running_since = started
-        output: dict[str, Any] | None = None
-        error: JobError | None = None
-        if item.expired(started):
-            error = expired_error(item, started)
-        else:
-            try:
-                output = self._handler(item)
-            except JobError as err:
-                error = err
-            except Exception as err:  # a model bug must cost one job, never the worker
-                logger.exception("job %s on %s failed", item.job.id, self.name)
-                error = JobError(ErrorCode.INTERNAL, f"{type(err).__name__}: {err}")
-        finished = time.monotonic()
-        self.running_since = None
-        self.last_progress = finished
-        self._deliver(item, Outcome(output, error, started, finished))
+    def _deliver_batch(self, pairs: list[tuple[WorkItem, Outcome]]) -> None:
+        if self._complete_batch is None:
+            for item, outcome in pairs:
+                self._deliver(item, outcome)
+            return
+        with self._hand_lock:
+            if self._abandoned:
+                logger.warning("dropping the late outcomes of %d job(s): already answered at stop", len(pairs))
+                return
+            held = {id(it) for it in self._in_hand}
+            pairs = [(it, out) for it, out in pairs if id(it) in held]
+            done = {id(it) for it, _ in pairs}
+            self._in_hand = [it for it in self._in_hand if id(it) not in done]
+        try:
+            self._complete_batch(pairs)
+        except Exception:
+            logger.exception("could not complete a batch of %d job(s)", len(pairs))
+
+
+def same_task(name: str) -> Callable[[WorkItem], bool]:
+    return lambda item: item.job.task == name
 
 
 def expired_error(item: WorkItem, now: float) -> JobError:

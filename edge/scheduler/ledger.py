@@ -8,10 +8,10 @@ a refusal (wait, evict, pause, answer over_budget) is the scheduler's business. 
 models are offered for eviction least recently used first, and only once their
 keep-alive has run out (Ollama's order, with measured sizes instead of its estimates).
 
-A pool is memory a model allocated once, as part of its measured footprint, and hands
-out to jobs piece by piece: the text branch's KV cache, from which each sequence reserves
-KV for its prompt plus max_new_tokens (vLLM's block manager, in bytes). A reservation can
-take bytes from the free budget and from a pool at once, still all or nothing.
+Memory a model allocated once as part of its measured footprint and hands out to jobs
+piece by piece (the text branch's KV cache) is not booked here a second time: its one
+owner is the KV cache manager (edge/scheduler/kv_cache.py); the ledger holds the whole
+cache inside the model's entry.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ RETAINED = "retained"  # memory evicted models left behind in the process (alloc
 
 class MemoryProbe(Protocol):
     """Bytes the process holds in the memory the budget covers (RSS on a CPU box, the
-    CUDA allocator's figure on a GPU, unified memory on a Jetson)."""
+    GPU's memory on a discrete GPU, both on a Jetson's unified memory): edge/memory.py."""
 
     def used_bytes(self) -> int: ...
 
@@ -62,17 +62,6 @@ class Reservation:
     job_class: str  # the task, for the status figures
     model: str | None
     nbytes: int  # from the free budget
-    pool: str | None = None
-    pool_bytes: int = 0  # from the pool (already inside its model's footprint)
-
-
-@dataclass
-class Pool:
-    name: str
-    model: str
-    capacity_bytes: int
-    reserved_bytes: int = 0
-    peak_bytes: int = 0
 
 
 @dataclass
@@ -89,7 +78,6 @@ class MemoryLedger:
     clock: Callable[[], float] = time.monotonic
     _models: dict[str, ModelEntry] = field(default_factory=dict)
     _reservations: dict[int, Reservation] = field(default_factory=dict)
-    _pools: dict[str, Pool] = field(default_factory=dict)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     stats: LedgerStats = field(default_factory=LedgerStats)
@@ -97,6 +85,17 @@ class MemoryLedger:
     def __post_init__(self) -> None:
         if self.budget_bytes <= 0 or not 0 <= self.headroom_bytes < self.budget_bytes:
             raise ValueError(f"budget {self.budget_bytes} and headroom {self.headroom_bytes} leave nothing to use")
+
+    def lower_budget(self, budget_bytes: int) -> bool:
+        """Shrink the budget to what the box can really give (never below what is held,
+        nor to where the headroom would leave nothing); True if it changed."""
+        with self._lock:
+            floor = max(self._used() + self.headroom_bytes, self.headroom_bytes + 1)
+            target = max(floor, budget_bytes)
+            if target >= self.budget_bytes:
+                return False
+            self.budget_bytes = target
+            return True
 
     @property
     def capacity_bytes(self) -> int:
@@ -151,8 +150,6 @@ class MemoryLedger:
                 raise RuntimeError(f"model {name!r} is in use by {entry.active} job(s)")
             kept = min(max(0, retained_bytes), entry.nbytes)
             del self._models[name]
-            for pool in [p for p in self._pools.values() if p.model == name]:
-                del self._pools[pool.name]
             if kept:
                 held = self._models.get(RETAINED)
                 if held is None:
@@ -188,25 +185,6 @@ class MemoryLedger:
         with self._lock:
             return name in self._models
 
-    def add_pool(self, name: str, model: str, capacity_bytes: int) -> None:
-        """Declare memory inside a loaded model's footprint that jobs reserve from."""
-        with self._lock:
-            entry = self._models.get(model)
-            if entry is None:
-                raise KeyError(f"model {model!r} is not loaded")
-            if not 0 < capacity_bytes <= entry.nbytes:
-                raise ValueError(f"pool of {capacity_bytes} bytes does not fit inside {model!r} ({entry.nbytes} bytes)")
-            self._pools[name] = Pool(name, model, capacity_bytes)
-
-    def pool_free(self, name: str) -> int:
-        with self._lock:
-            pool = self._pools[name]
-            return pool.capacity_bytes - pool.reserved_bytes
-
-    def pool_capacity(self, name: str) -> int:
-        with self._lock:
-            return self._pools[name].capacity_bytes
-
     def remove_model(self, name: str) -> int:
         """Drop an unloaded model; returns the bytes freed. Refused while jobs use it."""
         return self.evict(name, 0)
@@ -217,31 +195,15 @@ class MemoryLedger:
         job_class: str,
         nbytes: int,
         model: str | None = None,
-        pool: str | None = None,
-        pool_bytes: int = 0,
     ) -> Reservation | None:
-        """All or nothing: nbytes of the free budget and pool_bytes of the pool, or None
-        and nothing changed."""
+        """All or nothing: nbytes of the free budget, or None and nothing changed."""
         with self._lock:
             if model is not None and model not in self._models:
                 raise KeyError(f"model {model!r} is not loaded")
-            held = None
-            if pool is not None:
-                held = self._pools.get(pool)
-                if held is None:
-                    raise KeyError(f"pool {pool!r} does not exist")
-                if pool_bytes < 0:
-                    raise ValueError(f"cannot hold a negative size ({pool_bytes})")
-                if held.reserved_bytes + pool_bytes > held.capacity_bytes:
-                    self.stats.refusals += 1
-                    return None
             if not self._admit(nbytes):
                 return None
-            res = Reservation(next(self._ids), owner, job_class, model, nbytes, pool, pool_bytes if pool else 0)
+            res = Reservation(next(self._ids), owner, job_class, model, nbytes)
             self._reservations[res.id] = res
-            if held is not None:
-                held.reserved_bytes += res.pool_bytes
-                held.peak_bytes = max(held.peak_bytes, held.reserved_bytes)
             if model is not None:
                 entry = self._models[model]
                 entry.active += 1
@@ -253,8 +215,6 @@ class MemoryLedger:
         with self._lock:
             if self._reservations.pop(res.id, None) is None:
                 raise KeyError(f"reservation {res.id} is not held (released twice?)")
-            if res.pool is not None and res.pool in self._pools:
-                self._pools[res.pool].reserved_bytes -= res.pool_bytes
             if res.model is not None and res.model in self._models:
                 entry = self._models[res.model]
                 entry.active -= 1
@@ -281,7 +241,7 @@ class MemoryLedger:
         with self._lock:
             per_class: dict[str, int] = {}
             for r in self._reservations.values():
-                per_class[r.job_class] = per_class.get(r.job_class, 0) + r.nbytes + r.pool_bytes
+                per_class[r.job_class] = per_class.get(r.job_class, 0) + r.nbytes
             return {
                 "budget_bytes": self.budget_bytes,
                 "headroom_bytes": self.headroom_bytes,
@@ -295,13 +255,4 @@ class MemoryLedger:
                     for m in self._models.values()
                 },
                 "jobs_by_class": per_class,
-                "pools": {
-                    p.name: {
-                        "model": p.model,
-                        "capacity_bytes": p.capacity_bytes,
-                        "reserved_bytes": p.reserved_bytes,
-                        "peak_bytes": p.peak_bytes,
-                    }
-                    for p in self._pools.values()
-                },
             }

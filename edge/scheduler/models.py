@@ -20,9 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from edge.memory import return_free_memory
+from edge.memory import MemoryUse, counted_of, return_free_memory, use_of
 from edge.protocol.errors import ErrorCode, JobError
-from edge.scheduler.ledger import MemoryLedger, MemoryProbe, measure
+from edge.scheduler.ledger import MemoryLedger, MemoryProbe, Reservation
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +34,11 @@ class ManagedModel:
     backend: str
     load: Callable[[], Any]
     keep_alive_s: float
+    device: str = "cpu"
     obj: Any = None
-    memory_bytes: int = 0
+    memory_bytes: int = 0  # what the budget counts (the ledger's figure)
+    host_bytes: int = 0  # measured at the last load, on the host and on the GPU
+    device_bytes: int = 0
     load_ms: float = 0.0
     loads: int = 0
 
@@ -47,9 +50,26 @@ class ModelManager:
         self._models: dict[str, ManagedModel] = {}
         self._lock = threading.RLock()
 
-    def register(self, name: str, branch: str, backend: str, load: Callable[[], Any], keep_alive_s: float) -> None:
+    def register(
+        self,
+        name: str,
+        branch: str,
+        backend: str,
+        load: Callable[[], Any],
+        keep_alive_s: float,
+        device: str = "cpu",
+    ) -> None:
         with self._lock:
-            self._models[name] = ManagedModel(name, branch, backend, load, keep_alive_s)
+            self._models[name] = ManagedModel(name, branch, backend, load, keep_alive_s, device)
+
+    def describe(self, name: str, backend: str) -> None:
+        """Say what a loaded model actually runs on (known only once it has loaded)."""
+        with self._lock:
+            self._models[name].backend = backend
+
+    def counted(self, use: MemoryUse) -> int:
+        """Of host and device bytes, what the budget covers on this box."""
+        return counted_of(self.probe, use)
 
     def models(self) -> list[ManagedModel]:
         with self._lock:
@@ -86,7 +106,10 @@ class ModelManager:
         if known and self.ledger.shortfall(known) and not (evict and self.make_room(known, keep=keep | {model.name})):
             raise self._over_budget(model.name, known)
         t0 = time.perf_counter()
-        obj, used = measure(self.probe, model.load)
+        before = use_of(self.probe)
+        obj = model.load()
+        grown = use_of(self.probe).minus(before)
+        used = self.counted(grown)
         # The first load ran alone, so its figure stands unless a reload measures more. A
         # reload that took less from the system reused what the last unload left behind
         # (the allocator's free pages), which the ledger counts as retained: that part
@@ -102,10 +125,18 @@ class ModelManager:
         if reused:
             self.ledger.reclaim_retained(reused)
         model.obj, model.memory_bytes = obj, used
+        model.host_bytes, model.device_bytes = grown.host, grown.device
         model.load_ms = (time.perf_counter() - t0) * 1000.0
         model.loads += 1
         logger.info(
-            "loaded %s (%s) in %.0f ms, %.1f MiB measured", model.name, model.backend, model.load_ms, used / 2**20
+            "loaded %s (%s on %s) in %.0f ms: %.1f MiB counted (%.1f MiB host, %.1f MiB device)",
+            model.name,
+            model.backend,
+            model.device,
+            model.load_ms,
+            used / 2**20,
+            grown.host / 2**20,
+            grown.device / 2**20,
         )
 
     def _over_budget(self, name: str, nbytes: int) -> JobError:
@@ -129,6 +160,30 @@ class ModelManager:
                 self.evict(name)
             return self.ledger.shortfall(nbytes) == 0
 
+    def reserve(self, owner: str, job_class: str, nbytes: int, keep: set[str], model: str) -> Reservation:
+        """A job's own buffers, all or nothing, before it runs. Waiting cannot cure a
+        refusal on the vision branch (it runs one batch at a time); evicting idle models
+        (not those the job `keep`s) can. If that is not enough: JobError over_budget at
+        once, with the figures. `model` counts as in use while the reservation is held:
+        nothing evicts it."""
+        res = self.ledger.reserve(owner, job_class, nbytes, model=model)
+        if res is None and self.make_room(nbytes, keep=keep):
+            res = self.ledger.reserve(owner, job_class, nbytes, model=model)
+        if res is None:
+            snap = self.ledger.snapshot()
+            raise JobError(
+                ErrorCode.OVER_BUDGET,
+                f"needs {nbytes} bytes; the ledger holds {snap['used_bytes']} of {self.ledger.capacity_bytes} "
+                f"usable ({snap['budget_bytes']} budget - {snap['headroom_bytes']} headroom)",
+            )
+        return res
+
+    def release(self, res: Reservation, used: set[str]) -> None:
+        """Give a job's buffers back; the models it used count as used now, so their
+        keep-alive (before they may be evicted) starts from here."""
+        self.ledger.release(res)
+        self.ledger.touch(*used)
+
     def evict(self, name: str) -> int:
         """Unload a model; returns the bytes the ledger freed (what the probe saw go)."""
         with self._lock:
@@ -137,6 +192,10 @@ class ModelManager:
             model.obj = None
             gc.collect()
             return_free_memory()
+            if model.device == "cuda":
+                import torch  # only reached where a model runs on CUDA
+
+                torch.cuda.empty_cache()  # the allocator's cached blocks go back too
             given_back = max(0, before - self.probe.used_bytes())
             freed = self.ledger.evict(name, model.memory_bytes - given_back)
             logger.info(

@@ -1,19 +1,21 @@
 """The text branch's worker: continuous batching under the memory ledger.
 
-Between decode steps it admits queued jobs, most urgent first, while a KV row is free
-and the ledger grants the job's KV (prompt plus max_new_tokens, from the KV pool the
-model allocated at load) all or nothing. When a job does not fit:
+Between decode steps it admits queued jobs, most urgent first, while the KV cache
+manager grants the job a row with its KV (prompt plus max_new_tokens) and, on a GPU, the
+ledger grants the activations of its prefill (measured at warm-up), all or nothing. When
+a job does not fit:
 
   1. it waits (stays queued, retried between steps) for up to `memory_wait_s`;
-  2. then a running sequence of lower priority is paused: its KV is dropped, its row and
-     reservation given back, and it goes back in the queue with its tokens, to be
-     prefilled again when it is admitted (recomputation; see edge/text/continuous.py);
+  2. then a running sequence of lower priority is paused: its KV is dropped, its row
+     given back, and it goes back in the queue with its tokens, to be prefilled again
+     when it is admitted (recomputation; see edge/text/continuous.py);
   3. if nothing can be paused it keeps waiting, and is answered `over_budget`, with the
      figures, if its deadline passes first.
 
-Models are not evicted for the text branch: its KV comes from its own pool, which
-evicting another model would not enlarge. A job can never outgrow a row (the engine
-caps max_new_tokens to the context window), so none is refused for size.
+Models are not evicted for the text branch: its KV comes from the cache the model
+allocated at load, which evicting another model would not enlarge. A job can never
+outgrow a row (the engine caps max_new_tokens to the context window), so none is
+refused for size.
 """
 
 from __future__ import annotations
@@ -21,39 +23,49 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from edge.protocol.errors import ErrorCode, JobError
 from edge.scheduler.branch import Completion, Outcome, Worker, expired_error
-from edge.scheduler.ledger import MemoryLedger, Reservation
+from edge.scheduler.kv_cache import KVSlot
+from edge.scheduler.ledger import MemoryLedger
 from edge.scheduler.queue import PriorityDeadlineQueue
 from edge.scheduler.work import WorkItem
 from edge.text.continuous import ContinuousBatcher, Sequence
 
 logger = logging.getLogger(__name__)
 
-Prepare = Callable[[WorkItem], Sequence]
-Output = Callable[[Sequence], dict[str, Any]]
-KVTokens = Callable[[Sequence], int]
+
+class SequenceRunner(Protocol):
+    """What the text worker runs: a task that makes sequences (edge/tasks/base.py)."""
+
+    name: str
+
+    def prepare(self, item: WorkItem) -> Sequence: ...
+
+    def kv_tokens(self, seq: Sequence) -> int: ...
+
+    def output(self, seq: Sequence) -> dict[str, Any]: ...
 
 
 @dataclass
 class _Running:
     item: WorkItem
-    res: Reservation
+    seq: Sequence
+    slot: KVSlot
     started: float
 
 
 @dataclass(frozen=True)
 class TextMemory:
-    """Where the text branch's KV comes from in the ledger."""
+    """What the text branch draws on besides its KV rows: the ledger, for the prefill's
+    activations (`prefill_bytes`, 0 where they are inside the model's footprint)."""
 
     ledger: MemoryLedger
     model: str
-    pool: str
     memory_wait_s: float
+    prefill_bytes: int = 0
 
 
 class TextWorker(Worker):
@@ -61,18 +73,16 @@ class TextWorker(Worker):
         self,
         name: str,
         queue: PriorityDeadlineQueue,
+        task: SequenceRunner,
         batcher: ContinuousBatcher,
-        prepare: Prepare,
-        output: Output,
-        kv_tokens: KVTokens,
         memory: TextMemory,
         complete: Completion,
     ) -> None:
         super().__init__(name, queue, complete)
         self.batcher = batcher
-        self._prepare = prepare
-        self._output = output
-        self._kv_tokens = kv_tokens
+        self._prepare = task.prepare
+        self._output = task.output
+        self._kv_tokens = task.kv_tokens
         self._memory = memory
         self._running: dict[int, _Running] = {}  # id(sequence) ->
         self.paused = 0
@@ -134,13 +144,14 @@ class TextWorker(Worker):
                 self._answer_now(item, JobError(ErrorCode.INTERNAL, f"{type(err).__name__}: {err}"))
                 return True
         mem = self._memory
-        kv_bytes = self._kv_tokens(seq) * self.batcher.kv_bytes_per_token
+        kv = self.batcher.kv
+        tokens = self._kv_tokens(seq)
         while True:
-            if self.batcher.free_slots:
-                res = mem.ledger.reserve(item.job.id, item.job.task, 0, mem.model, mem.pool, kv_bytes)
-                if res is not None:
-                    self._start(item, seq, res)
+            slot = kv.allocate_slots(item.job.id, tokens)
+            if slot is not None:
+                if self._start(item, seq, slot):
                     return True
+                kv.free(slot)  # the prefill's activations do not fit now: wait like for KV
             if item.waiting_since is None:
                 item.waiting_since = now
             if now - item.waiting_since < mem.memory_wait_s or not self._pause_one_below(item):
@@ -149,20 +160,32 @@ class TextWorker(Worker):
         self.queue.put(item, force=True)
         return False
 
-    def _start(self, item: WorkItem, seq: Sequence, res: Reservation) -> None:
+    def _start(self, item: WorkItem, seq: Sequence, slot: KVSlot) -> bool:
+        """Prefill the job into its row; False (nothing changed) if the ledger cannot
+        hold the prefill's activations now."""
+        mem = self._memory
+        res = None
+        if mem.prefill_bytes:
+            res = mem.ledger.reserve(item.job.id, item.job.task, mem.prefill_bytes, mem.model)
+            if res is None:
+                return False
         item.waiting_since = None
         item.progress = None
         self._take([item])
         try:
-            self.batcher.admit(seq)
+            self.batcher.admit(seq, slot)
         except Exception as err:
-            self._memory.ledger.release(res)
+            self.batcher.kv.free(slot)
             logger.exception("could not start job %s", item.job.id)
             now = time.monotonic()
             failed = JobError(ErrorCode.INTERNAL, f"{type(err).__name__}: {err}")
             self._deliver(item, Outcome(None, failed, now, now))
-            return
-        self._running[id(seq)] = _Running(item, res, time.monotonic())
+            return True
+        finally:
+            if res is not None:
+                mem.ledger.release(res)
+        self._running[id(seq)] = _Running(item, seq, slot, time.monotonic())
+        return True
 
     def _pause_one_below(self, item: WorkItem) -> bool:
         """Pause the least urgent running sequence of lower priority than `item` (a
@@ -179,7 +202,7 @@ class TextWorker(Worker):
             return False
         seq, run = max(lower, key=lambda pair: urgency(pair[1]))
         self.batcher.pause(seq)
-        self._memory.ledger.release(run.res)
+        self.batcher.kv.free(run.slot)
         del self._running[id(seq)]
         with self._hand_lock:
             self._in_hand = [held for held in self._in_hand if held is not run.item]
@@ -198,21 +221,22 @@ class TextWorker(Worker):
 
     def _over_budget(self, item: WorkItem, now: float) -> JobError:
         self.over_budget += 1
-        mem = self._memory
+        kv = self.batcher.kv
         seq = item.progress
-        need = self._kv_tokens(seq) * self.batcher.kv_bytes_per_token if isinstance(seq, Sequence) else 0
-        free = mem.ledger.pool_free(mem.pool)
+        need = self._kv_tokens(seq) * kv.bytes_per_token if isinstance(seq, Sequence) else 0
+        free = (kv.capacity_tokens - kv.reserved_tokens()) * kv.bytes_per_token
         return JobError(
             ErrorCode.OVER_BUDGET,
             f"deadline passed waiting for memory: needs {need} bytes of KV, {free} of "
-            f"{mem.ledger.pool_capacity(mem.pool)} free, {self.batcher.free_slots} of {self.batcher.slots} "
-            f"sequence rows free, after {(now - item.received_at) * 1000:.0f} ms",
+            f"{kv.capacity_bytes} free, {kv.rows_free} of {kv.rows} sequence rows free, "
+            f"after {(now - item.received_at) * 1000:.0f} ms",
             "deadline_ms",
         )
 
     def _finish(self, seq: Sequence) -> None:
         run = self._running.pop(id(seq))
-        self._memory.ledger.release(run.res)
+        self.batcher.kv.free(run.slot)
+        seq.kv = None
         try:
             output = self._output(seq)
             outcome = Outcome(output, None, run.started, time.monotonic())
@@ -223,8 +247,14 @@ class TextWorker(Worker):
         self._deliver(run.item, outcome)
 
     def _fail_running(self, error: JobError) -> None:
-        for seq in list(self.batcher.running):
-            run = self._running.pop(id(seq))
-            self.batcher.pause(seq)
-            self._memory.ledger.release(run.res)
+        """A step failed: sequences that had already finished in it are answered as
+        usual; the ones still decoding get `error` (their rows given back)."""
+        for run in list(self._running.values()):
+            if run.seq.finish is not None and run.seq not in self.batcher.running:
+                self._finish(run.seq)
+                continue
+            del self._running[id(run.seq)]
+            if run.seq in self.batcher.running:
+                self.batcher.pause(run.seq)
+            self.batcher.kv.free(run.slot)
             self._deliver(run.item, Outcome(None, error, run.started, time.monotonic()))

@@ -71,7 +71,9 @@ def load_checkpoint(
     config = LlamaConfig.from_json(path / "config.json")
     with torch.device("meta"):
         model = LlamaModel(config)
-    state = load_file(str(path / "model.safetensors"))
+    # Straight onto the device, a tensor at a time: no whole host copy of the weights
+    # first (on a Jetson that copy would sit in the same DRAM as the GPU's).
+    state = load_file(str(path / "model.safetensors"), device=str(device))
     quant_path = path / "quant.json"
     kernel = None
     if quant_path.exists():

@@ -1,12 +1,19 @@
 """Continuous batching: several sequences decode in one step, and sequences join or
 leave between steps.
 
-The KV cache is allocated once with `slots` rows of `slot_len` positions each. A sequence
-is prefilled alone into a free row, then advances one token per step together with every
-other running sequence (one batched decode step, so each weight is read once per step for
-all of them). A finished or paused sequence gives its row back at once. Rows are taken
-lowest first, so the running rows stay packed at the front; a free row between running
-ones is fed a dummy token at position 0, which the next prefill of that row overwrites.
+The KV cache is allocated once with `slots` rows of `slot_len` positions each; which
+sequence holds which row is decided by the KV cache manager (`self.kv`, the one owner of
+KV memory), and the batcher only runs what it is handed. A sequence is prefilled alone
+into its row, then advances one token per step together with every other running
+sequence (one batched decode step, so each weight is read once per step for all of
+them). Rows are handed out lowest first, so the running rows stay packed at the front; a
+free row between running ones is fed a dummy token at position 0, which the next prefill
+of that row overwrites.
+
+Every step's next tokens are chosen on the model's device for all sequences at once
+(greedy or sampled) and come back to the host in one transfer. On CUDA the decode step is
+captured as CUDA graphs at load, one per batch-size and KV-length bucket
+(`capture_graphs`), and replayed per step.
 
 Pausing drops the sequence's KV and keeps its tokens: on resume its prompt and the tokens
 generated so far are prefilled again (recomputation, as vLLM does on preemption). Keeping
@@ -25,7 +32,9 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from edge.text.generate import SamplingParams, _find_stop, sample_next, streamable_end
+from edge.scheduler.kv_cache import KVCacheManager, KVSlot
+from edge.text.cuda_graphs import StepGraphs
+from edge.text.generate import SamplingParams, _find_stop, sample_rows, streamable_end
 from edge.text.llama import KVCache, LlamaModel
 
 logger = logging.getLogger(__name__)
@@ -41,20 +50,20 @@ class Sequence:
     on_text: Callable[[str], None] | None = None
     tokens: list[int] = field(default_factory=list)
     text: str = ""
+    decoded: int = 0  # tokens `text` was decoded from (it is decoded only when needed)
     emitted: int = 0
     finish: str | None = None  # "eos" | "stop" | "length" once done
-    slot: int | None = None
+    slot: int | None = None  # the cache row it decodes in, while running
+    kv: KVSlot | None = None  # the KV manager's grant for that row, while running
     logits: torch.Tensor | None = None  # next-token logits, set by prefill and by steps
     generator: torch.Generator | None = None
+    seed: int = 0
     prefill_ms: float = 0.0
     decode_s: float = 0.0
     pauses: int = 0
 
     def __post_init__(self) -> None:
-        if self.params.temperature > 0.0:
-            self.generator = torch.Generator()
-            seed = self.params.seed if self.params.seed is not None else time.time_ns() & 0x7FFFFFFF
-            self.generator.manual_seed(seed)
+        self.seed = self.params.seed if self.params.seed is not None else time.time_ns() & 0x7FFFFFFF
 
     @property
     def length(self) -> int:
@@ -77,7 +86,9 @@ class ContinuousBatcher:
         self.eos_ids = eos_ids
         self.cache = model.new_cache(slots, slot_len)
         self.slot_len = self.cache.max_len
-        self._free = list(range(slots))
+        self.kv = KVCacheManager(slots, self.slot_len, self.cache.nbytes // (slots * self.slot_len))
+        self.device = model.embed_tokens.weight.device
+        self.graphs: StepGraphs | None = None
         self.running: list[Sequence] = []
         self.steps = 0
         self.batch_sizes: dict[int, int] = {}  # sequences per decode step -> steps
@@ -87,12 +98,14 @@ class ContinuousBatcher:
         return int(self.cache.k.shape[1])
 
     @property
-    def free_slots(self) -> int:
-        return len(self._free)
-
-    @property
     def kv_bytes_per_token(self) -> int:
-        return self.cache.nbytes // (self.slots * self.slot_len)
+        return self.kv.bytes_per_token
+
+    def capture_graphs(self) -> int:
+        """Capture the decode step as CUDA graphs for every batch and KV-length bucket
+        (after warm_up, which builds and tunes every kernel); returns how many."""
+        self.graphs = StepGraphs(self.model, self.cache, self.slots)
+        return self.graphs.capture_all()
 
     @torch.inference_mode()
     def warm_up(self, prefill_lengths: tuple[int, ...] = (1, 8, 9, 64)) -> int:
@@ -128,60 +141,110 @@ class ContinuousBatcher:
         return self.cache.rows(slot, 1)
 
     @torch.inference_mode()
-    def admit(self, seq: Sequence) -> None:
-        """Prefill a sequence (its prompt plus any tokens from before a pause) into the
-        lowest free row; it decodes from the next step on."""
-        if not self._free:
-            raise RuntimeError("no free KV row")
+    def admit(self, seq: Sequence, slot: KVSlot) -> None:
+        """Prefill a sequence (its prompt plus any tokens from before a pause) into the row
+        the KV manager granted it; it decodes from the next step on."""
         ids = seq.prompt + seq.tokens
         if len(ids) + 1 > self.slot_len:
             raise ValueError(f"{len(ids)} tokens do not fit a KV row of {self.slot_len}")
-        self._free.sort()
-        seq.slot = self._free.pop(0)
-        device = self.model.embed_tokens.weight.device
+        if any(s.slot == slot.row for s in self.running):
+            raise RuntimeError(f"KV row {slot.row} is already decoding another sequence")
+        if seq.params.temperature > 0.0 and (seq.generator is None or seq.generator.device != self.device):
+            # On the device the logits are on, so drawing a token needs no copy back first.
+            seq.generator = torch.Generator(device=self.device).manual_seed(seq.seed)
         t0 = time.perf_counter()
-        seq.logits = self.model(torch.tensor([ids], device=device), self._row(seq.slot), 0)[0, -1]
+        seq.logits = self.model(torch.tensor([ids], device=self.device), self._row(slot.row), 0)[0, -1]
         seq.prefill_ms += (time.perf_counter() - t0) * 1000.0
+        seq.slot, seq.kv = slot.row, slot
         self.running.append(seq)
 
-    def pause(self, seq: Sequence) -> None:
-        """Take a running sequence out and give its row back; its KV is dropped."""
-        self._leave(seq)
+    def single(self, seq: Sequence, owner: str = "alone") -> Sequence:
+        """Run one sequence to its end alone (the batcher idle): rows from the manager."""
+        slot = self.kv.allocate_slots(owner, min(len(seq.prompt) + seq.params.max_new_tokens, self.slot_len))
+        if slot is None:
+            raise RuntimeError("no KV row free")
+        try:
+            self.admit(seq, slot)
+            while seq.finish is None:
+                self.step()
+        finally:
+            self.kv.free(slot)
+            if seq in self.running:
+                self._leave(seq)
+        return seq
+
+    def run_all(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Decode sequences to their ends together (the batcher idle before): each
+        admitted as soon as the KV manager grants it a row, the lowest first, so
+        sequences join and leave the batch as a continuous scheduler would have them
+        (tools, tests and evaluation runs; the text worker schedules for serving)."""
+        waiting = list(seqs)
+        try:
+            while waiting or self.running:
+                while waiting:
+                    seq = waiting[0]
+                    slot = self.kv.allocate_slots(
+                        f"batch-{id(seq)}", min(len(seq.prompt) + seq.params.max_new_tokens, self.slot_len)
+                    )
+                    if slot is None:
+                        break
+                    waiting.pop(0)
+                    self.admit(seq, slot)
+                for done in self.step():
+                    if done.kv is not None:
+                        self.kv.free(done.kv)
+                        done.kv = None
+        finally:
+            for seq in list(self.running):
+                slot = self._leave(seq)
+                if slot is not None:
+                    self.kv.free(slot)
+        return seqs
+
+    def pause(self, seq: Sequence) -> KVSlot | None:
+        """Take a running sequence out; its KV is dropped. Returns the grant it held, for
+        the caller to give back to the KV manager."""
+        slot = self._leave(seq)
         seq.logits = None
         seq.pauses += 1
+        return slot
 
-    def _leave(self, seq: Sequence) -> None:
+    def _leave(self, seq: Sequence) -> KVSlot | None:
         self.running.remove(seq)
-        if seq.slot is not None:
-            self._free.append(seq.slot)
-            seq.slot = None
+        slot = seq.kv
+        seq.slot = seq.kv = None
+        return slot
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
-        """Sample one token for every running sequence, then run one batched decode step
-        for those still going; returns the sequences that finished (rows given back)."""
+        """Choose one token for every running sequence, then run one batched decode step
+        for those still going; returns the sequences that finished (out of the batch,
+        their KV grants `seq.kv` still set for the caller to free)."""
         if not self.running:
             return []
         t0 = time.perf_counter()
+        running = list(self.running)
+        logits = torch.stack([s.logits for s in running if s.logits is not None])
+        tokens = sample_rows(logits, [s.params for s in running], [s.generator for s in running])
         done: list[Sequence] = []
-        for seq in list(self.running):
-            if self._advance(seq):
+        for seq, token in zip(running, tokens, strict=True):
+            if self._advance(seq, token):
                 done.append(seq)
-                self._leave(seq)
+                self.running.remove(seq)
+                seq.slot = None
         going = self.running
         if going:
             n = max(s.slot for s in going if s.slot is not None) + 1
-            device = self.model.embed_tokens.weight.device
-            ids = torch.zeros((n, 1), dtype=torch.long, device=device)
-            pos = torch.zeros(n, dtype=torch.long, device=device)
+            ids = [0] * n
+            positions = [0] * n
             for seq in going:
                 assert seq.slot is not None
-                ids[seq.slot, 0] = seq.tokens[-1]
-                pos[seq.slot] = seq.length - 1
+                ids[seq.slot] = seq.tokens[-1]
+                positions[seq.slot] = seq.length - 1
             kv_len = max(s.length for s in going)
-            logits = self.model.decode_step(ids, self.cache, pos, kv_len)
+            step_logits = self._decode(ids, positions, kv_len)
             for seq in going:
-                seq.logits = logits[seq.slot]
+                seq.logits = step_logits[seq.slot]
             self.batch_sizes[len(going)] = self.batch_sizes.get(len(going), 0) + 1
             self.steps += 1
         elapsed = time.perf_counter() - t0
@@ -189,28 +252,41 @@ class ContinuousBatcher:
             seq.decode_s += elapsed
         return done
 
-    def _advance(self, seq: Sequence) -> bool:
-        """Sample the next token from the sequence's logits; True once it is finished."""
-        assert seq.logits is not None
+    def _decode(self, ids: list[int], positions: list[int], kv_len: int) -> torch.Tensor:
+        if self.graphs is not None:
+            return self.graphs.run(ids, positions, kv_len)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device).view(-1, 1)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return self.model.decode_step(ids_t, self.cache, pos_t, kv_len)
+
+    def _advance(self, seq: Sequence, token: int) -> bool:
+        """Take the token chosen for the sequence; True once it is finished."""
         if len(seq.tokens) >= seq.params.max_new_tokens:
             seq.finish = "length"
-            return True
-        token = sample_next(seq.logits, seq.params, seq.generator)
-        if token in self.eos_ids:
+        elif token in self.eos_ids:
             seq.finish = "eos"
-            return True
-        seq.tokens.append(token)
-        cut = -1
-        if self.tokenizer is not None:
-            seq.text = self.tokenizer.decode(seq.tokens)
-            cut = _find_stop(seq.text, seq.params.stop)
-        if cut >= 0:
-            seq.text = seq.text[:cut]
-            seq.finish = "stop"
-        elif len(seq.tokens) >= seq.params.max_new_tokens or seq.length + 1 > self.slot_len:
-            seq.finish = "length"
+        else:
+            seq.tokens.append(token)
+            # The text is decoded every token only when something reads it as it grows
+            # (stop strings, streaming); otherwise once, at the end.
+            if self.tokenizer is not None and (seq.params.stop or seq.on_text is not None):
+                self._decode_text(seq)
+                cut = _find_stop(seq.text, seq.params.stop)
+                if cut >= 0:
+                    seq.text = seq.text[:cut]
+                    seq.finish = "stop"
+            if seq.finish is None and (len(seq.tokens) >= seq.params.max_new_tokens or seq.length + 1 > self.slot_len):
+                seq.finish = "length"
+        if seq.finish is not None and seq.finish != "stop" and self.tokenizer is not None:
+            self._decode_text(seq)
         self._stream(seq)
         return seq.finish is not None
+
+    def _decode_text(self, seq: Sequence) -> None:
+        if seq.decoded != len(seq.tokens):
+            assert self.tokenizer is not None
+            seq.text = self.tokenizer.decode(seq.tokens)
+            seq.decoded = len(seq.tokens)
 
     @staticmethod
     def _stream(seq: Sequence) -> None:

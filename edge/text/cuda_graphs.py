@@ -58,3 +58,79 @@ class GraphDecoder:
         graph, logits = self.graphs[kv_len]
         graph.replay()
         return logits
+
+
+def buckets_up_to(top: int, start: int = 1) -> list[int]:
+    """start, 2*start, 4*start, ... and top itself: the shapes one capture serves."""
+    sizes = [min(start, top)]
+    while sizes[-1] < top:
+        sizes.append(min(sizes[-1] * 2, top))
+    return sizes
+
+
+class StepGraphs:
+    """The continuous batcher's decode step, captured at load once per (batch bucket,
+    KV-length bucket) and replayed for every step.
+
+    Running sequences hold the lowest rows of the cache, so a step over n of them runs
+    the graph of the smallest batch bucket >= n, rows past n fed a dummy token at
+    position 0 (free rows: the next prefill there overwrites it). Token ids and positions
+    go to the device in one copy from pinned host memory; nothing else crosses per step
+    but the sampled tokens coming back.
+    """
+
+    def __init__(self, model: LlamaModel, cache: KVCache, max_batch: int, min_kv_bucket: int = 256) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("CUDA graphs need a CUDA device")
+        self.model = model
+        self.cache = cache
+        self.batch_buckets = buckets_up_to(max_batch)
+        self.kv_buckets = buckets_up_to(cache.max_len, min_kv_bucket)
+        device = model.embed_tokens.weight.device
+        self._host = torch.zeros(2, max_batch, dtype=torch.long).pin_memory()
+        self._host_np = self._host.numpy()
+        self._dev = torch.zeros(2, max_batch, dtype=torch.long, device=device)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def _inputs(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._dev[0, :batch].view(batch, 1), self._dev[1, :batch]
+
+    def capture_all(self) -> int:
+        """Capture every (batch, KV length) pair; returns how many. Kernels are built and
+        tuned by the caller's warm-up first: nothing may compile inside a capture."""
+        for batch in self.batch_buckets:
+            for kv_len in self.kv_buckets:
+                self.graphs[(batch, kv_len)] = self._capture(batch, kv_len)
+        torch.cuda.synchronize()
+        return len(self.graphs)
+
+    def _capture(self, batch: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        ids, pos = self._inputs(batch)
+        self._dev.zero_()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # lazy initialisation stays out of the capture
+                self.model.decode_step(ids, self.cache, pos, kv_len)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: another branch's thread may launch its own work meanwhile.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            logits = self.model.decode_step(ids, self.cache, pos, kv_len)
+        logger.debug("captured the decode step for batch %d, KV length %d", batch, kv_len)
+        return graph, logits
+
+    def run(self, ids: list[int], positions: list[int], kv_len: int) -> torch.Tensor:
+        """Logits [n, V] for tokens `ids` at `positions` (row i of the cache for entry i)."""
+        n = len(ids)
+        batch = next(b for b in self.batch_buckets if b >= n)
+        bucket = next(k for k in self.kv_buckets if k >= kv_len)
+        host = self._host_np
+        host[:, :batch] = 0
+        host[0, :n] = ids
+        host[1, :n] = positions
+        self._dev[:, :batch].copy_(self._host[:, :batch], non_blocking=True)
+        graph, logits = self.graphs[(batch, bucket)]
+        graph.replay()
+        return logits[:n]

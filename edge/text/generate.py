@@ -40,9 +40,9 @@ class Generation:
         return n / (self.decode_ms / 1000.0) if self.decode_ms > 0 and n else 0.0
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    if params.temperature <= 0.0:
-        return int(torch.argmax(logits).item())
+def _sampled(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:
+    """One token drawn from logits [V] with temperature and nucleus cut, as a 0-d tensor on
+    the logits' device (the generator must live there too)."""
     probs = torch.softmax(logits / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
@@ -51,8 +51,29 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generat
         keep = cumulative - sorted_p < params.top_p
         sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
         choice = torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=gen)
-        return int(order[choice].item())
-    return int(torch.multinomial(probs, 1, generator=gen).item())
+        return order[choice][0]
+    return torch.multinomial(probs, 1, generator=gen)[0]
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
+    if params.temperature <= 0.0:
+        return int(torch.argmax(logits).item())
+    return int(_sampled(logits, params, gen).item())
+
+
+def sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int]:
+    """The next token of every row of logits [n, V], chosen on the logits' device and
+    read back to the host once for the whole batch (not once per sequence)."""
+    tokens = torch.argmax(logits, dim=-1)
+    drawn = [i for i, p in enumerate(params) if p.temperature > 0.0]
+    if drawn:
+        tokens = tokens.clone()
+        for i in drawn:
+            tokens[i] = _sampled(logits[i], params[i], generators[i])
+    out: list[int] = tokens.tolist()
+    return out
 
 
 def streamable_end(text: str, emitted: int, stops: tuple[str, ...]) -> int:

@@ -1,12 +1,16 @@
-"""The `qa` task on the text branch: chat prompt, context window checks, generation."""
+"""The text branch's engine: chat prompt, context window checks, generation, on the CPU or
+on a CUDA device."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from edge.config.schema import DEFAULT_SYSTEM_PROMPT
 from edge.protocol.errors import ErrorCode, JobError
@@ -17,6 +21,8 @@ from edge.text.generate import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
 
 @dataclass(frozen=True)
 class QASettings:
@@ -24,6 +30,11 @@ class QASettings:
     max_new_tokens: int = 128
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     max_sequences: int = 1
+    device: str = "cpu"
+    # Activations and float weights: "auto" is float32 on the CPU (the INT4 kernel works
+    # in bfloat16 inside) and float16 on CUDA.
+    dtype: str = "auto"
+    cuda_graphs: bool = True
 
 
 def chatml(system: str, user: str) -> str:
@@ -37,11 +48,18 @@ def user_message(question: str, context: str | None) -> str:
     return f"Context:\n{context.strip()}\n\nQuestion: {question.strip()}"
 
 
+def resolve_dtype(settings: QASettings) -> torch.dtype:
+    if settings.dtype != "auto":
+        return DTYPES[settings.dtype]
+    return torch.float16 if settings.device == "cuda" else torch.float32
+
+
 class QAEngine:
     """The qa task over a continuous batcher: `prepare` turns a job into a sequence (all
     checks done), the text worker admits and steps sequences, `output` makes the result.
     `answer` runs one job alone, start to finish (tools, tests). The KV cache is
-    allocated once: max_sequences rows of max_context_tokens."""
+    allocated once: max_sequences rows of max_context_tokens, its rows handed out by the
+    batcher's KV cache manager."""
 
     def __init__(self, checkpoint: TextCheckpoint, settings: QASettings) -> None:
         self._ckpt = checkpoint
@@ -53,19 +71,84 @@ class QAEngine:
             slots=settings.max_sequences,
             slot_len=settings.max_context_tokens,
         )
+        # Device bytes a prefill of the longest prompt takes beyond the model (its
+        # activations): measured at warm-up on CUDA, reserved by each job while it is
+        # prefilled. On the CPU that working memory stays in the heap after warm-up,
+        # inside the model's measured footprint.
+        self.prefill_bytes = 0
+        self.graphs = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.batcher.device
+
+    @property
+    def int4_kernel(self) -> str | None:
+        return self._ckpt.int4_kernel
 
     @classmethod
     def load(cls, path: Path, settings: QASettings) -> QAEngine:
-        engine = cls(load_checkpoint(path), settings)
+        if settings.device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("models.qa.device is 'cuda' but torch sees no CUDA device here")
+        t0 = time.perf_counter()
+        ckpt = load_checkpoint(path, dtype=resolve_dtype(settings), device=settings.device)
+        engine = cls(ckpt, settings)
+        engine._stage("weights and KV cache", t0)
         engine.warm_up()
         return engine
 
+    def _stage(self, what: str, since: float) -> None:
+        """A load stage's time and, on CUDA, the device memory after it: what a slow or
+        large load is made of, in the log."""
+        took = time.perf_counter() - since
+        if self.device.type != "cuda":
+            logger.info("text model: %s in %.1f s", what, took)
+            return
+        free, total = torch.cuda.mem_get_info(self.device)
+        logger.info(
+            "text model: %s in %.1f s; allocated %.0f MiB, reserved %.0f MiB, device in use %.0f MiB",
+            what,
+            took,
+            torch.cuda.memory_allocated(self.device) / 2**20,
+            torch.cuda.memory_reserved(self.device) / 2**20,
+            (total - free) / 2**20,
+        )
+
     def warm_up(self) -> None:
-        """Every serving shape once (ContinuousBatcher.warm_up) and one short generation,
-        so every weight page is resident before memory is measured and the first real
-        job does not pay for page faults or kernel builds."""
+        """Every serving shape once before any job, so every weight page is resident
+        before memory is measured and no kernel is built or tuned mid-run: on CUDA the
+        INT4 GEMV's tuner for every row count a step or a short prefill feeds it, each
+        decode shape, the longest prefill (whose activations are measured), and the CUDA
+        graphs of the decode step. One short generation last."""
+        model = self.batcher.model
+        t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            from edge.text.int4 import tune_gemv
+
+            tune_gemv(model, resolve_dtype(self._settings))
+            self._stage("INT4 GEMV tuned", t0)
+        t0 = time.perf_counter()
         self.batcher.warm_up()
+        self._stage("every decode shape run", t0)
+        if self.device.type == "cuda":
+            t0 = time.perf_counter()
+            self.prefill_bytes = self._measure_prefill()
+            if self._settings.cuda_graphs:
+                self.graphs = self.batcher.capture_graphs()
+            torch.cuda.empty_cache()  # the warm-up's transient blocks are not the model's
+            self._stage(f"longest prefill measured ({self.prefill_bytes / 2**20:.0f} MiB), {self.graphs} graphs", t0)
         self.answer(QAJob(id="warm-up", question="Hello", max_new_tokens=2))
+
+    @torch.inference_mode()
+    def _measure_prefill(self) -> int:
+        length = self.batcher.slot_len - 1
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        ids = torch.zeros((1, length), dtype=torch.long, device=self.device)
+        self.batcher.model(ids, self.batcher.cache.rows(0, 1), 0)
+        torch.cuda.synchronize(self.device)
+        return max(0, int(torch.cuda.max_memory_allocated(self.device)) - before)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -115,8 +198,4 @@ class QAEngine:
 
     def answer(self, job: QAJob, on_text: Callable[[str], None] | None = None) -> dict[str, Any]:
         """Run one job to completion alone (the batcher must be idle)."""
-        seq = self.prepare(job, on_text=on_text)
-        self.batcher.admit(seq)
-        while seq.finish is None:
-            self.batcher.step()
-        return self.output(seq)
+        return self.output(self.batcher.single(self.prepare(job, on_text=on_text), job.id))

@@ -10,6 +10,7 @@ and lets cuBLAS do the matrix product.
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -26,6 +27,9 @@ except ImportError:  # CPU-only boxes: the kernel is simply not offered
     TRITON_SUPPORT = False
 
 GEMV_MAX_ROWS = 8
+# The largest partial-product tile (rows x BLOCK_N x BLOCK_W floats) a program of four
+# warps keeps in registers: the one-row kernel's largest (64 x 64).
+MAX_TILE_ELEMENTS = 4096
 
 if TRITON_SUPPORT:
 
@@ -142,6 +146,23 @@ if TRITON_SUPPORT:
             else:
                 tl.atomic_add(ptrs, acc, mask=mask)
 
+    def _fits_registers(
+        configs: list[triton.Config], named_args: dict[str, object], **kwargs: object
+    ) -> list[triton.Config]:
+        """Drop tiles that cannot live in registers with several activation rows: the
+        M x N x W partial products of a program, spread over its 128 threads. A tile
+        that spills is slow (the tuner would not pick it), and merely compiling and
+        running it once makes the driver reserve local memory for every thread the GPU
+        can hold, which it keeps: gigabytes, outside any allocator, on a large GPU."""
+        rows = int(named_args.get("BLOCK_M", 1))  # type: ignore[call-overload]
+        if rows == 1:
+            return configs
+        return [c for c in configs if rows * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_W"] <= MAX_TILE_ELEMENTS]
+
+    # Where this Triton can keep the tuner's choices on disk (beside its compiled
+    # kernels), a restart neither recompiles nor re-times them.
+    _cache_kw = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+
     # Tuned per weight shape on first use (a few dozen launches), then cached.
     _int4_gemv_bits_tuned = triton.autotune(
         configs=[
@@ -154,12 +175,14 @@ if TRITON_SUPPORT:
         # BLOCK_M anyway): four tunings per weight shape cover every decode batch, so
         # tune_gemv can run them all at load.
         key=["N", "K", "BLOCK_M"],
+        prune_configs_by={"early_config_prune": _fits_registers},
         reset_to_zero=["out_ptr"],
         # Timed inside a CUDA graph, as decode runs it: launch overhead would otherwise
         # dominate a 10-40 us kernel and the choice would swing from run to run.
         do_bench=lambda kernel_call, quantiles: triton.testing.do_bench_cudagraph(
             kernel_call, rep=20, quantiles=quantiles
         ),
+        **_cache_kw,
     )(triton.heuristics({"EVEN_W": lambda a: a["words"] % a["BLOCK_W"] == 0})(_int4_gemv_bits_kernel))
 
     @triton.jit

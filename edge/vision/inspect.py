@@ -3,14 +3,15 @@ per-patch heat map out, for a batch of images at a time.
 
 The student runs through the backend seam: its ONNX export on onnxruntime (CPU
 default) or its FP16 weights with CUDA graphs on torch-cuda. Both return probabilities
-(`class_probs` [B, C], `patch_probs` [B, g, g]), so nothing here depends on which.
+(`class_probs` [B, C], `patch_probs` [B, g, g]), so nothing here depends on which; what a
+student build holds is edge/vision/student.py's business.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,12 @@ import cv2
 import numpy as np
 
 from edge.backends import BackendOptions, InferenceSession, get_backend
+from edge.memory import device_working_bytes
+from edge.vision.student import INPUT, StudentArtifact
 from edge.vision.vit import IMAGE_MEAN, IMAGE_STD
 
 logger = logging.getLogger(__name__)
 
-STUDENT_ONNX = "student.onnx"
 CLEAN = "clean"
 
 
@@ -69,16 +71,17 @@ class InspectPipeline:
         self.session = session
         self.classes = classes
         self.image_size = image_size
+        # Device bytes a batch of n images takes while it runs (upload, resize, outputs),
+        # measured at warm-up for each size it ran; empty for a session on the CPU.
+        self.device_batch_bytes: dict[int, int] = {}
         if CLEAN not in classes:
             raise ValueError(f"the student's classes {classes} have no {CLEAN!r} class")
 
     @classmethod
     def load(cls, student_dir: Path, backend: str, options: BackendOptions) -> InspectPipeline:
-        manifest = json.loads((student_dir / "manifest.json").read_text(encoding="utf-8"))
-        config = json.loads((student_dir / "config.json").read_text(encoding="utf-8"))
-        model_path = student_dir / STUDENT_ONNX if backend == "onnxruntime" else student_dir
-        session = get_backend(backend).load(model_path, options)
-        pipeline = cls(session, list(manifest["classes"]), int(config["image_size"]))
+        artifact = StudentArtifact.open(student_dir)
+        session = get_backend(backend).load(artifact.source(), options)
+        pipeline = cls(session, artifact.classes, artifact.image_size)
         pipeline.warm_up(options.max_batch)
         return pipeline
 
@@ -86,13 +89,31 @@ class InspectPipeline:
         """Run every batch size a backend may specialise for (powers of two up to the
         largest, and the largest), so the runtime's working memory is held and measured
         into the model's footprint, and no CUDA graph is captured later while another
-        branch's thread launches work on the GPU."""
+        branch's thread launches work on the GPU. On a GPU each size runs once more with
+        its working memory measured: what a batch of that size reserves."""
         size = self.image_size
         blank = np.zeros((size, size, 3), np.uint8)
         top = max(1, max_batch)
         sizes = sorted({1 << i for i in range(top.bit_length()) if 1 << i <= top} | {top})
         for n in sizes:
             self.run([blank] * n)
+        if self.session.device.startswith("cuda"):
+            index = int(self.session.device.partition(":")[2] or 0)
+            for n in sizes:
+                self.device_batch_bytes[n] = device_working_bytes(partial(self.run, [blank] * n), index)
+
+    def device_bytes_for(self, count: int) -> int:
+        """A batch's device working memory: the measured figure of the smallest warm-up
+        size that holds it (a larger batch runs in chunks of the largest)."""
+        if not self.device_batch_bytes:
+            return 0
+        fitting = [n for n in self.device_batch_bytes if n >= count]
+        return self.device_batch_bytes[min(fitting)] if fitting else max(self.device_batch_bytes.values())
+
+    @property
+    def host_preprocessing(self) -> bool:
+        """Whether a batch's float input tensor is built on the host (else on the device)."""
+        return not self.session.accepts_images
 
     def batch_bytes(self, count: int) -> int:
         """The input tensor a batch of `count` images needs (float32, NCHW)."""
@@ -107,9 +128,9 @@ class InspectPipeline:
         if not images:
             return []
         if self.session.accepts_images:
-            class_probs, patch_probs = self.session.run_images(images, self.image_size)
+            class_probs, patch_probs = self.session.run_images(images)
         else:
-            class_probs, patch_probs = self.session.run({"pixels": preprocess(images, self.image_size)})
+            class_probs, patch_probs = self.session.run({INPUT: preprocess(images, self.image_size)})
         clean = self.classes.index(CLEAN)
         results = []
         for probs, patches in zip(class_probs, patch_probs, strict=True):

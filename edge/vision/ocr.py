@@ -15,7 +15,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from edge.backends import BackendOptions, InferenceSession, get_backend
+from edge.backends import BackendOptions, InferenceSession, ModelSource, get_backend
 from edge.vision.ocr_postprocess import (
     DBParams,
     crop_quad,
@@ -147,9 +147,9 @@ class OCRPipeline:
         models = model_dir or bundled_model_dir()
         engine = get_backend(backend)
         opts = options or BackendOptions()
-        det = engine.load(models / DET_MODEL, opts)
-        rec = engine.load(models / REC_MODEL, opts)
-        angle = engine.load(models / CLS_MODEL, opts) if settings.use_angle_cls else None
+        det = engine.load(ModelSource("OCR detection", onnx=models / DET_MODEL), opts)
+        rec = engine.load(ModelSource("OCR recognition", onnx=models / REC_MODEL), opts)
+        angle = engine.load(ModelSource("OCR angle", onnx=models / CLS_MODEL), opts) if settings.use_angle_cls else None
         pipeline = cls(det, rec, angle, settings)
         pipeline.warm_up()
         return pipeline

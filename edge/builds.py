@@ -1,0 +1,134 @@
+"""First-start builds: an engine the profile needs that is not built yet is built in a
+child process (`python -m engines.<build> ...`), which a stop request ends at once.
+
+A build takes minutes (the student's training, the adapter's); a build running inside
+this process could not be stopped, and systemd's start timeout (TimeoutStartSec) is
+shorter than that. So while the child runs, systemd is asked for more time
+(EXTEND_TIMEOUT_USEC, sent again before each extension runs out) and told what is being
+built (STATUS). Builds write to a scratch directory and rename it when done, so a
+stopped one leaves nothing half-built. Serving never imports the build pipeline: it only
+knows each build's module name and arguments, here.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from edge.config.schema import Profile
+from edge.engines import EngineMissing, find, open_engine
+from edge.health.notify import Notifier
+
+logger = logging.getLogger(__name__)
+
+EXTEND_S = 60.0  # each extension systemd is asked for
+EXTEND_EVERY_S = 10.0  # sent this often while building, well inside each extension
+
+
+class BuildStopped(Exception):
+    """A first-start build ended by a stop request."""
+
+
+@dataclass(frozen=True)
+class BuildCommand:
+    what: str
+    module: str
+    args: tuple[str, ...]
+
+
+def build_command(task: str, profile: Profile) -> BuildCommand:
+    """The build that makes `task`'s engine as the profile describes it."""
+    models = profile.models
+    if task == "inspect":
+        return BuildCommand("the inspection model", "engines.vision_build", ("--size", models.inspect.build_size))
+    if task == "qa":
+        qa = models.qa
+        return BuildCommand(
+            "the text engine", "engines.text_build", ("--adapter", qa.adapter, "--quantization", qa.quantization)
+        )
+    raise ValueError(f"task {task!r} has no engine to build")
+
+
+def command_line(cmd: BuildCommand, engine_dir: Path, progress: bool) -> list[str]:
+    line = [sys.executable, "-m", cmd.module, "--engine-dir", str(engine_dir), *cmd.args]
+    return line if progress else [*line, "--no-progress"]
+
+
+class ChildBuilds:
+    def __init__(self, engine_dir: Path, notifier: Notifier, stop: threading.Event) -> None:
+        self._engine_dir = engine_dir
+        self._notifier = notifier
+        self._stop = stop
+
+    def run(self, cmd: BuildCommand) -> None:
+        """Run one build to its end; BuildStopped if a stop request ended it first,
+        RuntimeError if it failed (its log lines are in ours: its stderr is ours)."""
+        line = command_line(cmd, self._engine_dir, progress=False)
+        logger.info("building %s (first start only): %s", cmd.what, " ".join(line[1:]))
+        started = time.monotonic()
+        child = subprocess.Popen(line, stdout=subprocess.DEVNULL)
+        extended_at = -EXTEND_EVERY_S
+        while child.poll() is None:
+            now = time.monotonic()
+            if now - extended_at >= EXTEND_EVERY_S:
+                self._notifier.extend_timeout(EXTEND_S)
+                self._notifier.status(f"building {cmd.what} (first start only), {now - started:.0f} s so far")
+                extended_at = now
+            if self._stop.wait(0.2):
+                logger.info("stopping the %s build (pid %d)", cmd.module, child.pid)
+                child.terminate()
+                try:
+                    child.wait(10)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    child.wait()
+                raise BuildStopped(cmd.module)
+        if child.returncode != 0:
+            raise RuntimeError(f"{cmd.module} exited with {child.returncode}; its log is above")
+        logger.info("built %s in %.0f s", cmd.what, time.monotonic() - started)
+
+
+KINDS = {"inspect": "vision-student", "qa": "llama-"}
+
+
+def selector(task: str, profile: Profile) -> dict[str, object]:
+    """What the profile asks of `task`'s engine, in the words builds tag manifests with."""
+    models = profile.models
+    if task == "inspect":
+        return {"task": "inspect", "size": models.inspect.build_size, "distilled": True}
+    if task == "qa":
+        qa = models.qa
+        return {"task": "qa", "source": qa.source, "adapter": qa.adapter, "quantization": qa.quantization}
+    raise ValueError(f"task {task!r} has no engine")
+
+
+def locate(profile: Profile, task: str, builds: ChildBuilds | None) -> Path:
+    """The engine directory `task` serves from: the one the profile names, or the newest
+    build in the engine directory that matches the profile; built first (in a child
+    process) when there is none and the profile allows it. EngineMissing otherwise."""
+    named = profile.models.inspect.engine if task == "inspect" else profile.models.qa.engine
+    if named is not None:
+        return open_engine(named, KINDS[task]).path
+    wanted = selector(task, profile)
+    engine_dir = profile.paths.engine_dir
+    found = find(engine_dir, **wanted)
+    if found is None:
+        if builds is None or not profile.build_missing_engines:
+            raise EngineMissing(
+                f"no engine for {task} ({_describe(wanted)}) in {engine_dir}; run `edgectl build --profile ...`"
+            )
+        builds.run(build_command(task, profile))
+        found = find(engine_dir, **wanted)
+        if found is None:
+            raise EngineMissing(f"the {task} build finished but no engine in {engine_dir} serves it")
+    logger.info("%s serves from %s", task, found.path)
+    return found.path
+
+
+def _describe(wanted: dict[str, object]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in wanted.items() if k != "task")

@@ -1,0 +1,27 @@
+"""What the broker link hands the rest of the daemon, and what it takes back: plain
+types, so intake and the responder can be built and tested without a broker."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class IncomingJob:
+    topic: str
+    payload: bytes
+    response_topic: str | None
+    correlation: bytes | None
+
+
+# Returns whether the job is kept (acknowledge it to the broker) or left with the broker.
+IntakeCallback = Callable[[IncomingJob], bool]
+DeliveredCallback = Callable[[str], None]
+
+
+class Publisher(Protocol):
+    """Publishes at QoS 1; with a job id, the broker's PUBACK is reported for that id."""
+
+    def publish(self, topic: str, payload: bytes, correlation: bytes | None, job_id: str | None = None) -> None: ...

@@ -1,0 +1,112 @@
+"""The one path every result takes: journalled, published, counted.
+
+A final result with a job id is stored in the journal before it is published, so a crash
+before the broker's PUBACK sends the same bytes again at the next start (and the PUBACK
+marks the job answered). Partial results (streamed pieces) are published only: the final
+result that follows is the one that counts. A refusal that concerns another request
+holding the same id (`keep=False`) leaves that job's journal row alone. Every final
+result is counted in the job statistics, by task and error code.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from edge.comms.message import Publisher
+from edge.journal.store import Journal
+from edge.protocol import results
+from edge.protocol.errors import ErrorCode, JobError
+from edge.scheduler.branch import Outcome
+from edge.scheduler.work import Reply, WorkItem
+from edge.stats import JobStats
+
+logger = logging.getLogger(__name__)
+
+
+class Responder:
+    def __init__(self, link: Publisher, journal: Journal, stats: JobStats, device_id: str) -> None:
+        self._link = link
+        self._journal = journal
+        self.stats = stats
+        self._device_id = device_id
+
+    # jobs that ran ----------------------------------------------------------------------
+
+    def finish(self, item: WorkItem, outcome: Outcome) -> None:
+        """The final result of a job a worker ran (a pipeline job's second stage carries
+        the first stage's task and output, answered together)."""
+        self.finish_batch([(item, outcome)])
+
+    def finish_batch(self, pairs: list[tuple[WorkItem, Outcome]]) -> None:
+        """The final results of a batch: journalled in one commit, then published."""
+        docs = [(item, self._document(item, outcome)) for item, outcome in pairs]
+        self._journal.store_results([(i.job.id, i.reply.topic, i.reply.correlation, d) for i, d in docs])
+        for item, payload in docs:
+            self._link.publish(item.reply.topic, payload, item.reply.correlation, item.job.id)
+
+    def _document(self, item: WorkItem, outcome: Outcome) -> bytes:
+        started = outcome.started_at
+        timings = results.Timings(
+            queued_ms=(started - item.received_at) * 1000.0,
+            run_ms=(outcome.finished_at - started) * 1000.0,
+            total_ms=(outcome.finished_at - item.received_at) * 1000.0,
+        )
+        job = item.job
+        task = item.carry["task"] if item.carry is not None else job.task
+        output = outcome.output
+        if item.carry is not None and output is not None:
+            output = {**item.carry["output"], "answer": output}
+        if outcome.error is None and output is not None:
+            doc = results.ok_result(job.id, task, self._device_id, output, timings)
+            self.stats.record_ok(task, timings.total_ms)
+        else:
+            err = outcome.error or JobError(ErrorCode.INTERNAL, "no output")
+            logger.warning("job %s failed: %s", job.id, err)
+            doc = results.error_result(job.id, task, self._device_id, err, timings)
+            self.stats.record_error(task, err.code.value)
+        return results.encode(doc)
+
+    def partial(self, item: WorkItem, seq: int, delta: str) -> None:
+        """A streamed piece of a job's output; its final result still follows."""
+        doc = results.partial_result(item.job.id, item.job.task, self._device_id, seq, delta)
+        self._link.publish(item.reply.topic, results.encode(doc), item.reply.correlation)
+
+    # jobs answered without running ----------------------------------------------------
+
+    def answer(self, reply: Reply, job_id: str, task: str, output: dict[str, Any], received: float) -> None:
+        """An ok result for a request the intake answers itself (cancel)."""
+        timings = results.Timings(0.0, 0.0, (time.monotonic() - received) * 1000.0)
+        doc = results.ok_result(job_id, task, self._device_id, output, timings)
+        self.stats.record_ok(task, timings.total_ms)
+        self._send(reply, job_id, results.encode(doc))
+
+    def reject(
+        self, reply: Reply, job_id: str | None, task: str | None, error: JobError, received: float, keep: bool = True
+    ) -> None:
+        """An error result for a job refused before it ran. `keep=False` leaves the
+        journal alone: the refusal concerns another request that holds this id."""
+        timings = results.Timings(0.0, 0.0, (time.monotonic() - received) * 1000.0)
+        doc = results.error_result(job_id, task, self._device_id, error, timings)
+        self.stats.record_error(task, error.code.value)
+        if keep:
+            self._send(reply, job_id, results.encode(doc))
+        else:
+            self._link.publish(reply.topic, results.encode(doc), reply.correlation)
+
+    def resend(self, reply: Reply, payload: bytes) -> None:
+        """A finished job's stored result, for a repeat of its id within the dedup window."""
+        self._link.publish(reply.topic, payload, reply.correlation)
+
+    def replay(self, reply: Reply, job_id: str, payload: bytes) -> None:
+        """A result stored but not confirmed by the broker before the last stop: sent
+        again as stored, and marked answered on its PUBACK."""
+        self._link.publish(reply.topic, payload, reply.correlation, job_id)
+
+    def _send(self, reply: Reply, job_id: str | None, payload: bytes) -> None:
+        if job_id is None:
+            self._link.publish(reply.topic, payload, reply.correlation)
+            return
+        self._journal.store_result(job_id, reply.topic, reply.correlation, payload)
+        self._link.publish(reply.topic, payload, reply.correlation, job_id)

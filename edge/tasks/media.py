@@ -1,0 +1,34 @@
+"""A job's image, from its payload or from the media directory, decoded within limits."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from edge.protocol.images import ImageLimits, decode_base64, decode_image, read_media_file, resolve_media_path
+from edge.protocol.jobs import ImageRef
+
+logger = logging.getLogger(__name__)
+
+
+class MediaLoader:
+    def __init__(self, limits: ImageLimits, media_dir: Path | None) -> None:
+        self.limits = limits
+        self._media_dir = media_dir
+
+    @property
+    def max_decoded_bytes(self) -> int:
+        """The most a decoded image can take (the decoder refuses more pixels), BGR uint8."""
+        return self.limits.max_pixels * 3
+
+    def load(self, ref: ImageRef) -> np.ndarray:
+        """BGR uint8; JobError naming the field for anything unusable."""
+        if ref.data is not None:
+            raw = decode_base64(ref.data, self.limits, "image.data")
+            return decode_image(raw, self.limits, "image.data")
+        assert ref.path is not None
+        path = resolve_media_path(self._media_dir, ref.path, "image.path")
+        raw = read_media_file(path, self.limits, "image.path")
+        return decode_image(raw, self.limits, "image.path")

@@ -1,0 +1,159 @@
+"""Intake, responder and pipeline in-process: a fake link instead of the broker, a real
+journal, real queues and workers. (The same paths through a real Mosquitto are in
+tests/test_integration.py and tests/test_durability.py.)"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edge.comms.message import IncomingJob
+from edge.config.schema import PathsConfig, Profile
+from edge.intake import Intake
+from edge.journal.store import ANSWERED, QUEUED, SENT
+from edge.protocol.errors import ErrorCode, JobError
+from edge.scheduler.branch import BranchWorker, Outcome
+from edge.scheduler.queue import BatchPolicy, PriorityDeadlineQueue
+from edge.scheduler.work import WorkItem
+from edge.tasks.pipeline import Pipeline, context_of
+from tests import fakes
+
+
+def _profile(tmp_path: Path) -> Profile:
+    return Profile(device_id="u1", paths=PathsConfig(state_dir=tmp_path, runtime_dir=tmp_path, engine_dir=tmp_path))
+
+
+def _msg(task: str, payload: dict[str, Any] | bytes, corr: bytes = b"c1") -> IncomingJob:
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    return IncomingJob(f"edge/u1/jobs/{task}", body, "req/replies", corr)
+
+
+def test_a_job_is_journalled_queued_answered_and_marked(tmp_path: Path) -> None:
+    responder, link, journal = fakes.responder(tmp_path, "u1")
+    queues = {"vision": PriorityDeadlineQueue(8)}
+    intake = Intake(_profile(tmp_path), queues, responder, journal)
+    assert intake(_msg("ocr", {"id": "j1", "image": {"path": "labels/label_00.png"}}))
+    entry = journal.lookup("j1")
+    assert entry is not None and entry.state == QUEUED  # on disk before the broker hears of it
+    item = queues["vision"].get(timeout=1)
+    assert item is not None and item.reply.topic == "req/replies" and item.reply.correlation == b"c1"
+    responder.finish(item, Outcome({"text": "SN-1"}, None, time.monotonic(), time.monotonic()))
+    (sent,) = link.sent
+    assert sent.topic == "req/replies" and sent.correlation == b"c1" and sent.job_id == "j1"
+    assert sent.doc["status"] == "ok" and sent.doc["output"] == {"text": "SN-1"} and sent.doc["device"] == "u1"
+    entry = journal.lookup("j1")
+    assert entry is not None and entry.state == SENT and entry.result == sent.payload
+    link.puback_all()
+    entry = journal.lookup("j1")
+    assert entry is not None and entry.state == ANSWERED
+    assert responder.stats.snapshot()["ok_by_task"] == {"ocr": 1}
+
+
+@pytest.mark.parametrize(
+    ("task", "payload", "code", "field"),
+    [
+        ("ocr", b"{not json", "bad_json", None),
+        ("ocr", {"id": "x"}, "missing_field", "image"),
+        ("qa", {"id": "x", "question": "hi", "max_new_tokens": "5"}, "invalid_field", "max_new_tokens"),
+        ("qa", {"id": "x", "question": "hi"}, "unavailable", "task"),  # no text branch here
+        ("bogus", {"id": "x"}, "unknown_task", "task"),
+    ],
+)
+def test_bad_input_gets_one_error_naming_the_field(
+    tmp_path: Path, task: str, payload: dict[str, Any] | bytes, code: str, field: str | None
+) -> None:
+    responder, link, journal = fakes.responder(tmp_path, "u1")
+    queues = {"vision": PriorityDeadlineQueue(8)}
+    intake = Intake(_profile(tmp_path), queues, responder, journal)
+    assert intake(_msg(task, payload))  # answered, so acknowledged to the broker
+    (sent,) = link.sent
+    assert sent.doc["status"] == "error" and sent.doc["error"]["code"] == code
+    assert sent.doc["error"]["field"] == field
+    assert len(queues["vision"]) == 0
+
+
+def test_a_repeated_id_is_answered_from_the_journal_byte_for_byte(tmp_path: Path) -> None:
+    responder, link, journal = fakes.responder(tmp_path, "u1")
+    queues = {"vision": PriorityDeadlineQueue(8)}
+    intake = Intake(_profile(tmp_path), queues, responder, journal)
+    job = {"id": "same", "image": {"path": "labels/label_00.png"}}
+    intake(_msg("ocr", job))
+    item = queues["vision"].get(timeout=1)
+    assert item is not None
+    responder.finish(item, Outcome({"text": "A"}, None, time.monotonic(), time.monotonic()))
+    intake(_msg("ocr", job, corr=b"c2"))  # a requester resending
+    assert len(queues["vision"]) == 0 and intake.duplicates == 1
+    first, again = link.sent
+    assert again.payload == first.payload and again.correlation == b"c2"
+
+
+def test_start_takes_up_the_journal(tmp_path: Path) -> None:
+    """What a restart finds: a stored result not confirmed is sent again as stored; a job
+    without a result is queued again with its age."""
+    responder, link, journal = fakes.responder(tmp_path, "u1")
+    journal.accept("done", "edge/u1/jobs/ocr", b"{}", "r", b"c")
+    journal.store_result("done", "r", b"c", b"stored-bytes")
+    todo = json.dumps({"id": "todo", "image": {"path": "a.png"}}).encode()
+    journal.accept("todo", "edge/u1/jobs/ocr", todo, "r", None)
+    queues = {"vision": PriorityDeadlineQueue(8)}
+    counts = Intake(_profile(tmp_path), queues, responder, journal).replay()
+    assert counts == {"jobs": 1, "results": 1, "given_up": 0, "refused": 0}
+    assert [(m.payload, m.job_id) for m in link.sent] == [(b"stored-bytes", "done")]
+    item = queues["vision"].get(timeout=1)
+    assert item is not None and item.job.id == "todo"
+
+
+class _Stub:
+    """A stand-in vision task for the worker's own logic (its real tasks are tested in
+    tests/test_tasks.py): answers each job with its id, fails jobs named 'bad'."""
+
+    name = "inspect"
+    policy = BatchPolicy(max_batch=4, max_delay_s=0.05)
+
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+
+    def run(self, items: list[WorkItem]) -> list[dict[str, Any] | JobError]:
+        self.batches.append(len(items))
+        out: list[dict[str, Any] | JobError] = []
+        for it in items:
+            if it.job.id == "bad":
+                out.append(JobError(ErrorCode.IMAGE_INVALID, "not an image", "image.data"))
+            else:
+                out.append({"class": "clean", "score": 0.9, "defect_score": 0.1, "id": it.job.id})
+        return out
+
+
+def test_a_pipeline_job_goes_on_to_the_text_queue_and_is_answered_once(tmp_path: Path) -> None:
+    responder, link, journal = fakes.responder(tmp_path, "u1")
+    queues = {"vision": PriorityDeadlineQueue(8), "text": PriorityDeadlineQueue(8)}
+    intake = Intake(_profile(tmp_path), queues, responder, journal)
+    pipeline = Pipeline(responder, queues)
+    stub = _Stub()
+    worker = BranchWorker("vision", queues["vision"], {"inspect": stub}, pipeline.complete)
+    intake(_msg("inspect", {"id": "p1", "image": {"path": "x.png"}, "ask": {"question": "Rework note?"}}, b"cp"))
+    intake(_msg("inspect", {"id": "plain", "image": {"path": "x.png"}}, b"cq"))
+    intake(_msg("inspect", {"id": "bad", "image": {"path": "x.png"}}, b"cr"))
+    worker.start()
+    try:
+        link.wait_for(2)
+        stage = queues["text"].get(timeout=5)
+    finally:
+        worker.stop(5)
+    assert stub.batches == [3]  # one batch for the three
+    by_id = {m.doc["id"]: m.doc for m in link.sent}
+    assert set(by_id) == {"plain", "bad"}  # p1 is not answered until its text stage is
+    assert by_id["bad"]["error"] == {"code": "image_invalid", "message": "not an image", "field": "image.data"}
+    assert stage is not None and stage.job.task == "qa" and stage.carry is not None
+    inspected = stage.carry["output"]
+    assert stage.job.request.context == context_of(inspected, False)  # type: ignore[attr-defined]
+    now = time.monotonic()
+    pipeline.complete(stage, Outcome({"answer": "Replace the label."}, None, now, now))
+    final = link.sent[-1].doc
+    assert final["id"] == "p1" and final["task"] == "inspect" and final["status"] == "ok"
+    assert final["output"]["class"] == "clean" and final["output"]["answer"] == {"answer": "Replace the label."}
+    assert link.sent[-1].correlation == b"cp"

@@ -1,0 +1,107 @@
+"""Task handlers built in-process, with real models, real images and a real ledger, and
+no broker: what the branch workers call."""
+
+from __future__ import annotations
+
+import base64
+import time
+from pathlib import Path
+
+import pytest
+
+from edge.backends.configs import OnnxRuntimeConfig
+from edge.config.schema import InspectModelConfig, OCRModelConfig, QAModelConfig
+from edge.memory import HostProbe
+from edge.protocol.errors import ErrorCode, JobError
+from edge.protocol.images import ImageLimits
+from edge.protocol.jobs import ImageRef, InspectJob, OCRJob, ParsedJob, QAJob
+from edge.scheduler.ledger import MemoryLedger
+from edge.scheduler.models import ModelManager
+from edge.scheduler.work import Reply, WorkItem
+from edge.tasks.inspect import INSPECT_MODEL, start_inspect
+from edge.tasks.media import MediaLoader
+from edge.tasks.ocr import OCR_MODEL, start_ocr
+from edge.tasks.qa import start_qa
+from tests import fakes
+from tests.conftest import LABELS, SAMPLES
+
+MIB = 2**20
+
+
+def _item(job: OCRJob | InspectJob | QAJob, task: str) -> WorkItem:
+    return WorkItem(ParsedJob(job.id, task, 5, None, job), Reply("r"), time.monotonic())  # type: ignore[arg-type]
+
+
+def _media() -> MediaLoader:
+    return MediaLoader(ImageLimits(6 * MIB, 4_000_000), SAMPLES)
+
+
+@pytest.fixture(scope="module")
+def manager() -> ModelManager:
+    ledger = MemoryLedger(8192 * MIB, 256 * MIB)
+    mm = ModelManager(ledger, HostProbe())
+    assert ledger.add_model("runtime", "daemon", HostProbe().used_bytes(), float("inf"))
+    return mm
+
+
+def test_ocr_task_reads_labels_and_fails_a_bad_image_alone(manager: ModelManager) -> None:
+    ocr = start_ocr(OCRModelConfig(threads=1, backend=OnnxRuntimeConfig()), manager, _media())
+    assert manager.loaded(OCR_MODEL) and manager.ledger.snapshot()["models"][OCR_MODEL]["bytes"] > 0
+    good = OCRJob(id="o1", image=ImageRef(path=f"labels/{LABELS[1]['name']}"))
+    bad = OCRJob(id="o2", image=ImageRef(data=base64.b64encode(b"not a png").decode()))
+    out_good, out_bad = ocr.run([_item(good, "ocr")]) + ocr.run([_item(bad, "ocr")])
+    assert isinstance(out_good, dict) and [line["text"] for line in out_good["lines"]] == LABELS[1]["lines"]
+    assert isinstance(out_bad, JobError) and out_bad.field == "image.data"
+    assert manager.ledger.snapshot()["reserved_bytes"] == 0  # each job's buffers given back
+
+
+def test_inspect_task_batches_reads_labels_and_splits_under_a_squeeze(engine_dir: Path) -> None:
+    from engines.vision_build import build_student
+
+    student = build_student(engine_dir, "quick", progress=False)
+    probe = HostProbe()
+    ledger = MemoryLedger(8192 * MIB, 0)
+    manager = ModelManager(ledger, probe)
+    ocr = start_ocr(OCRModelConfig(threads=1), manager, _media())
+    cfg = InspectModelConfig(threads=1, max_batch=4)
+    task = start_inspect(cfg, student, manager, _media(), ocr)
+    parts = sorted(p.name for p in (SAMPLES / "parts").glob("*.png"))
+    jobs = [InspectJob(id=f"i{i}", image=ImageRef(path=f"parts/{parts[i % len(parts)]}")) for i in range(4)]
+    jobs.append(InspectJob(id="lab", image=ImageRef(path=f"labels/{LABELS[0]['name']}"), ocr=True))
+    out = task.run([_item(j, "inspect") for j in jobs])
+    assert all(isinstance(o, dict) and o["batch_size"] == 5 for o in out)
+    last = out[-1]
+    assert isinstance(last, dict) and [line["text"] for line in last["ocr"]["lines"]] == LABELS[0]["lines"]
+    # A budget that holds the models and two jobs' buffers: the batch runs in parts.
+    pipeline = manager.get(INSPECT_MODEL)
+    two = task.batch_need(2, pipeline)
+    assert ledger.lower_budget(ledger.used_bytes() + two + two // 4)
+    before = task.split_batches
+    out = task.run([_item(j, "inspect") for j in jobs[:4]])
+    assert [o["batch_size"] for o in out if isinstance(o, dict)] == [2, 2, 2, 2]
+    assert task.split_batches == before + 1 and ledger.snapshot()["reserved_bytes"] == 0
+
+
+def test_qa_task_streams_pieces_through_the_responder(engine_dir: Path, tmp_path: Path) -> None:
+    from engines.text_build import build_text_engine
+
+    checkpoint = build_text_engine(engine_dir, "clinic", "awq-int4", progress=False)
+    responder, link, _journal = fakes.responder(tmp_path)
+    manager = ModelManager(MemoryLedger(8192 * MIB, 0), HostProbe())
+    cfg = QAModelConfig(max_context_tokens=256, max_new_tokens=16, max_sequences=1)
+    task = start_qa(cfg, checkpoint, manager, responder)
+    assert manager.models()[0].backend == "torch-cpu cpu"  # the device and the INT4 kernel
+    item = _item(QAJob(id="s1", question="Is 38.5 C a fever?", max_new_tokens=16, stream=True), "qa")
+    seq = task.engine.batcher.single(task.prepare(item), "s1")
+    output = task.output(seq)
+    pieces = [m.doc for m in link.sent]
+    assert pieces and all(p["status"] == "partial" and p["id"] == "s1" for p in pieces)
+    assert [p["seq"] for p in pieces] == list(range(len(pieces)))
+    assert "".join(p["delta"] for p in pieces) == output["answer"] and output["completion_tokens"] > 0
+    assert task.kv_tokens(seq) == len(seq.prompt) + 16
+
+
+def test_a_job_that_cannot_fit_is_over_budget_with_figures(manager: ModelManager) -> None:
+    with pytest.raises(JobError) as err:
+        manager.reserve("huge", "ocr", 10**13, {OCR_MODEL}, "runtime")
+    assert err.value.code == ErrorCode.OVER_BUDGET and "usable" in err.value.message
