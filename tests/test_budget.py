@@ -121,7 +121,8 @@ def test_thousands_of_mixed_jobs_never_exceed_the_budget(squeezed: DaemonProc, r
     memory = status["memory"]
     capacity = memory["budget_bytes"] - memory["headroom_bytes"]
     assert 0 < memory["peak_bytes"] <= capacity
-    assert memory["reserved_bytes"] == 0 and memory["kv"]["reserved_tokens"] == 0 and memory["kv"]["rows_free"] == memory["kv"]["rows"]
+    kv = memory["kv"]
+    assert memory["reserved_bytes"] == 0 and kv["reserved_tokens"] == 0 and kv["rows_free"] == kv["rows"]
     # The kernel's own figure for the process, model loads included: within the budget.
     assert memory["peak_rss_bytes"] <= memory["budget_bytes"], (memory["peak_rss_bytes"], memory["budget_bytes"])
     # The squeeze happened: full batches evicted the idle OCR model and still ran in

@@ -461,6 +461,7 @@ def test_mixed_load_both_branches_under_the_budget(daemon: DaemonProc, requester
     status = json.loads(daemon.status().stdout)
     memory = status["memory"]
     assert memory["peak_bytes"] <= memory["budget_bytes"] - memory["headroom_bytes"]
-    assert memory["reserved_bytes"] == 0 and memory["kv"]["reserved_tokens"] == 0 and memory["kv"]["rows_free"] == memory["kv"]["rows"]
+    kv = memory["kv"]
+    assert memory["reserved_bytes"] == 0 and kv["reserved_tokens"] == 0 and kv["rows_free"] == kv["rows"]
     assert max(int(k) for k in status["branches"]["text"]["batch_sizes"]) >= 2
     assert max(int(k) for k in status["branches"]["vision"]["batch_sizes"]) >= 2
