@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edge.config.schema import Profile
-from edge.engines import EngineMissing, find, open_engine
+from edge.engines import EngineMissing, damaged, find, open_engine
 from edge.health.notify import Notifier
 
 logger = logging.getLogger(__name__)
@@ -118,6 +118,13 @@ def locate(profile: Profile, task: str, builds: ChildBuilds | None) -> Path:
     engine_dir = profile.paths.engine_dir
     found = find(engine_dir, **wanted)
     if found is None:
+        broken = [p for p in damaged(engine_dir) if _could_serve(p, engine_dir, task)]
+        if broken:
+            names = ", ".join(p.name for p in broken)
+            raise EngineMissing(
+                f"no readable engine for {task}, and {names} in {engine_dir} holds an unreadable manifest: "
+                "not building over it; repair or remove it"
+            )
         if builds is None or not profile.build_missing_engines:
             raise EngineMissing(
                 f"no engine for {task} ({_describe(wanted)}) in {engine_dir}; run `edgectl build --profile ...`"
@@ -128,6 +135,14 @@ def locate(profile: Profile, task: str, builds: ChildBuilds | None) -> Path:
             raise EngineMissing(f"the {task} build finished but no engine in {engine_dir} serves it")
     logger.info("%s serves from %s", task, found.path)
     return found.path
+
+
+def _could_serve(directory: Path, engine_dir: Path, task: str) -> bool:
+    """Whether a build directory is of the kind `task`'s build writes (by where the
+    builds put them: text checkpoints under text/, students as vision-student-*)."""
+    if task == "qa":
+        return directory.parent.name == "text" and directory.parent.parent == engine_dir
+    return directory.name.startswith("vision-student-")
 
 
 def _describe(wanted: dict[str, object]) -> str:

@@ -57,7 +57,7 @@ class Daemon:
         self._stop = threading.Event()
         self._stalls: list[str] = []
         self.notifier = Notifier()
-        self.branch_errors: dict[str, str] = {}
+        self.task_errors: dict[str, str] = {}  # task -> why its model is not served
         self.queues: dict[str, PriorityDeadlineQueue] = {}
         self.workers: dict[str, Worker] = {}
         self.replayed: dict[str, int] = {"jobs": 0, "results": 0, "given_up": 0, "refused": 0}
@@ -174,7 +174,7 @@ class Daemon:
                 tasks["ocr"] = ocr
             except Exception as err:  # one model failing must not take the others down
                 logger.exception("OCR unavailable")
-                self.branch_errors["vision"] = f"ocr: {type(err).__name__}: {err}"
+                self.task_errors["ocr"] = f"{type(err).__name__}: {err}"
         if models.inspect.enabled and not self._stop.is_set():
             try:
                 student = builds.locate(self.profile, "inspect", self.builds)
@@ -184,8 +184,7 @@ class Daemon:
                 return True
             except Exception as err:
                 logger.exception("inspection model unavailable")
-                reason = f"inspect: {type(err).__name__}: {err}"
-                self.branch_errors["vision"] = "; ".join(filter(None, [self.branch_errors.get("vision"), reason]))
+                self.task_errors["inspect"] = f"{type(err).__name__}: {err}"
         if tasks:
             queue = PriorityDeadlineQueue(self.profile.queue.max_size)
             self.queues["vision"] = queue
@@ -204,7 +203,7 @@ class Daemon:
             return True
         except Exception as err:
             logger.exception("text branch unavailable")
-            self.branch_errors["text"] = f"{type(err).__name__}: {err}"
+            self.task_errors["qa"] = f"{type(err).__name__}: {err}"
             return True
         engine = self.qa.engine
         wait_s = self.profile.queue.memory_wait_ms / 1000.0
@@ -216,7 +215,7 @@ class Daemon:
 
     def _start_replay(self) -> bool:
         if not self.queues:
-            logger.error("no branch could be started: %s", self.branch_errors)
+            logger.error("no branch could be started: %s", self.task_errors)
             return False
         self.replayed = self.intake.replay()
         return True
@@ -241,6 +240,8 @@ class Daemon:
         last_compact = time.monotonic()
         while not self._stop.wait(tick):
             now = time.monotonic()
+            if not self.journal.available and self.journal.retry_open():
+                self.replayed = self.intake.replay()  # what the journal held, now it can be read
             if now - last_compact >= self.profile.journal.compact_interval_s:
                 last_compact = now
                 try:
@@ -319,8 +320,10 @@ class Daemon:
                 "duplicates": self.intake.duplicates,
                 "replayed": dict(self.replayed),
                 "full": self.journal.full_since is not None,
+                "problem": self.journal.problem,
+                "lost": self.journal.lost,
             },
             "models": models_section(self.manager),
-            "branches": branches_section(self.workers, self.branch_errors, {"vision": vision}),
+            "branches": branches_section(self.workers, self.task_errors, {"vision": vision}),
             "jobs": self.stats.snapshot(),
         }

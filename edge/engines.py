@@ -62,6 +62,19 @@ def _matches(selector: dict[str, Any], wanted: dict[str, Any]) -> bool:
     return all(selector.get(key) == value for key, value in wanted.items())
 
 
+def damaged(engine_dir: Path) -> list[Path]:
+    """Published build directories whose manifest is there but cannot be read. A build
+    writes its manifest last and publishes its directory by renaming it whole, so such a
+    directory was complete once and has been damaged since: it must be looked at, never
+    silently built over."""
+    out = []
+    for directory in _build_dirs(engine_dir):
+        path = directory / MANIFEST
+        if path.exists() and read_manifest(directory) is None:
+            out.append(directory)
+    return out
+
+
 def find(engine_dir: Path, **wanted: Any) -> Engine | None:
     """The newest complete build in `engine_dir` that serves `wanted`, or None."""
     best: Engine | None = None

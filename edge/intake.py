@@ -26,6 +26,7 @@ from edge.protocol.jobs import (
     parse_job,
     recover_id,
 )
+from edge.protocol.topics import reply_topic_error
 from edge.responder import Responder
 from edge.scheduler.queue import PriorityDeadlineQueue, QueueFull
 from edge.scheduler.work import TASK_BRANCH, Reply, WorkItem
@@ -59,44 +60,78 @@ class Intake:
         )
 
     def __call__(self, msg: IncomingJob) -> bool:
-        """Take one message; True once it is kept or answered (acknowledge it)."""
+        """Take one message; True once it is kept or answered (acknowledge it). Every
+        message gets exactly one result, whatever it holds: a fault in here is answered
+        `internal` like any other error, never left unanswered."""
         if not self.accepting:
             return False  # stopping: the broker delivers it again to the next start
         received = time.monotonic()
+        reply = Reply(self._profile.results_topic, msg.correlation)
+        try:
+            return self._take(msg, received)
+        except Exception:
+            logger.exception("intake failed for a message on %s", msg.topic)
+            why = JobError(ErrorCode.INTERNAL, "the daemon could not take this message; its log has the details")
+            if msg.response_topic is not None and self._reply_error(msg.response_topic) is None:
+                reply = Reply(msg.response_topic, msg.correlation)
+            self._refuse(reply, None, None, why, received)
+            return True
+
+    def _reply_error(self, topic: str) -> JobError | None:
+        return reply_topic_error(topic, self._profile.topic(), self._profile.results_topic)
+
+    def _refuse(self, reply: Reply, job_id: str | None, task: str | None, err: JobError, received: float) -> None:
+        """Refused on arrival: logged and answered, nothing journalled."""
+        logger.warning("rejected %s: %s", f"job {job_id}" if job_id else "a message", err)
+        self._reject(reply, job_id, task, err, received, journalled=False)
+
+    def _take(self, msg: IncomingJob, received: float) -> bool:
         topic_task = msg.topic.rsplit("/", 1)[-1]
-        reply = Reply(msg.response_topic or self._profile.results_topic, msg.correlation)
-        data: Any = None
         known_task = topic_task if topic_task in JOB_MODELS else None
+        reply = Reply(self._profile.results_topic, msg.correlation)
+        data: Any = None
         try:
             data = decode_payload(msg.payload, self.limits.max_payload_bytes)
         except JobError as err:
-            logger.warning("rejected a message on %s: %s", msg.topic, err)
-            self._reject(reply, None, known_task, err, received)
+            self._refuse(self._reply_for(msg, reply), None, known_task, err, received)
             return True
-        if self._seen(recover_id(data), known_task, msg.payload, reply, received):
+        job_id = recover_id(data)
+        if msg.response_topic is not None:
+            bad_topic = self._reply_error(msg.response_topic)
+            if bad_topic is not None:
+                # Answered where the requester can still see it: the device's results topic.
+                self._refuse(reply, job_id, known_task, bad_topic, received)
+                return True
+            reply = Reply(msg.response_topic, msg.correlation)
+        if msg.retained:
+            why = JobError(
+                ErrorCode.INVALID_FIELD,
+                "retained job messages are refused (they would run again at every start): publish jobs without "
+                "the retain flag, and clear this one with an empty retained message",
+                "retain",
+            )
+            self._refuse(reply, job_id, known_task, why, received)
+            return True
+        if self._seen(job_id, known_task, msg.payload, reply, received):
             return True
         try:
             job = parse_job(data, topic_task, self.limits)
         except JobError as err:
-            job_id = recover_id(data)
-            logger.warning("rejected job %s on %s: %s", job_id, msg.topic, err)
-            self._reject(reply, job_id, known_task, err, received)
+            self._refuse(reply, job_id, known_task, err, received)
             return True
         if isinstance(job.request, CancelJob):
-            self._cancel(job.id, job.request.job, reply, received)
+            self._cancel(job.id, job.request.job, reply, received, digest(msg.payload))
             return True
         try:
             queue = self.route(job)
         except JobError as unavailable:
-            logger.warning("rejected job %s: %s", job.id, unavailable)
-            self._reject(reply, job.id, job.task, unavailable, received)
+            self._refuse(reply, job.id, job.task, unavailable, received)
             return True
         try:
             self._journal.accept(job.id, msg.topic, msg.payload, reply.topic, reply.correlation)
         except JournalFull as full:
             refused = JobError(ErrorCode.STORAGE_FULL, f"not accepted: {full}; free space in the state directory")
-            logger.error("refused job %s: %s", job.id, refused)
-            self._reject(reply, job.id, job.task, refused, received)
+            self._refuse(reply, job.id, job.task, refused, received)
             return True
         item = make_item(job, reply, received, self._profile.queue.default_deadline_ms)
         try:
@@ -104,10 +139,15 @@ class Intake:
         except QueueFull as full:
             busy = JobError(ErrorCode.BUSY, str(full))
             logger.warning("rejected job %s: %s", job.id, busy)
-            self._reject(reply, job.id, job.task, busy, received)
+            self._reject(reply, job.id, job.task, busy, received, journalled=True)  # accepted a moment ago
             return True
         logger.debug("queued job %s (%s, priority %s)", job.id, job.task, job.priority)
         return True
+
+    def _reply_for(self, msg: IncomingJob, fallback: Reply) -> Reply:
+        if msg.response_topic is not None and self._reply_error(msg.response_topic) is None:
+            return Reply(msg.response_topic, msg.correlation)
+        return fallback
 
     def replay(self) -> dict[str, int]:
         """Take up what the journal holds unfinished, at start: results not yet confirmed
@@ -145,14 +185,14 @@ class Intake:
                 ErrorCode.INTERNAL,
                 f"the daemon stopped {attempts - 1} times before this job finished; not running it again",
             )
-            self._reject(reply, entry.id, task, why, received)
+            self._reject(reply, entry.id, task, why, received, journalled=True)
             return "given_up"
         try:
             # The profile's limits, or the branches served, may have changed since.
             job = parse_job(decode_payload(entry.payload or b"", self.limits.max_payload_bytes), task, self.limits)
             queue = self.route(job)
         except JobError as err:
-            self._reject(reply, entry.id, task, err, received)
+            self._reject(reply, entry.id, task, err, received, journalled=True)
             return "refused"
         queue.put(make_item(job, reply, received, self._profile.queue.default_deadline_ms), force=True)
         return "jobs"
@@ -184,7 +224,7 @@ class Intake:
                 ErrorCode.INVALID_FIELD, "this id belongs to another job within the dedup window; use a new id", "id"
             )
             logger.warning("rejected job %s: %s", job_id, reused)
-            self._reject(reply, job_id, task, reused, received, keep=False)
+            self._reject(reply, job_id, task, reused, received)
         elif entry.state != QUEUED and entry.result is not None:
             logger.info("job %s seen again within the dedup window: answering from the journal", job_id)
             self._responder.resend(reply, entry.result)
@@ -192,23 +232,24 @@ class Intake:
             pending = JobError(
                 ErrorCode.DUPLICATE, "this job is already in progress; its result goes to the first request's reply"
             )
-            self._reject(reply, job_id, task, pending, received, keep=False)
+            self._reject(reply, job_id, task, pending, received)
         else:
             logger.info("job %s delivered again while in progress: it is answered once, when done", job_id)
         return True
 
-    def _cancel(self, request_id: str, target: str, reply: Reply, received: float) -> None:
+    def _cancel(self, request_id: str, target: str, reply: Reply, received: float, request_digest: str) -> None:
         """Withdraw a queued job: it is answered `cancelled` on its own reply topic, and
         the cancel request says whether it found it. A job already running finishes."""
         for queue in self._queues.values():
             item = queue.cancel(target)
             if item is not None:
                 why = JobError(ErrorCode.CANCELLED, f"withdrawn while queued by cancel request {request_id!r}")
-                self._reject(item.reply, item.job.id, item.job.task, why, item.received_at)
+                self._reject(item.reply, item.job.id, item.job.task, why, item.received_at, journalled=True)
                 logger.info("cancelled job %s at the request of %s", target, request_id)
-                self._answer(reply, request_id, "cancel", {"job": target, "cancelled": True}, received)
+                output = {"job": target, "cancelled": True}
+                self._answer(reply, request_id, "cancel", output, received, request_digest)
                 return
-        self._answer(reply, request_id, "cancel", {"job": target, "cancelled": False}, received)
+        self._answer(reply, request_id, "cancel", {"job": target, "cancelled": False}, received, request_digest)
 
 
 def make_item(job: ParsedJob, reply: Reply, received: float, default_deadline_ms: int | None) -> WorkItem:

@@ -1,11 +1,15 @@
 """The one path every result takes: journalled, published, counted.
 
-A final result with a job id is stored in the journal before it is published, so a crash
-before the broker's PUBACK sends the same bytes again at the next start (and the PUBACK
-marks the job answered). Partial results (streamed pieces) are published only: the final
-result that follows is the one that counts. A refusal that concerns another request
-holding the same id (`keep=False`) leaves that job's journal row alone. Every final
-result is counted in the job statistics, by task and error code.
+A final result of a journalled job is stored in the journal before it is published, so a
+crash before the broker's PUBACK sends the same bytes again at the next start (and the
+PUBACK marks the job answered). A job refused on arrival was never journalled, and its
+refusal is not journalled either: bad input must not fill the journal that good jobs
+need (a redelivery of it is simply refused again, the same way), nor claim its id for
+the dedup window. Partial results (streamed pieces) are published only: the final result
+that follows is the one that counts. A result whose topic cannot be published to at all
+(only an old journal can hold one: intake refuses such topics) is marked answered and
+logged, so it never blocks anything. Every final result is counted in the job
+statistics, by task and error code.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ class Responder:
         docs = [(item, self._document(item, outcome)) for item, outcome in pairs]
         self._journal.store_results([(i.job.id, i.reply.topic, i.reply.correlation, d) for i, d in docs])
         for item, payload in docs:
-            self._link.publish(item.reply.topic, payload, item.reply.correlation, item.job.id)
+            self._publish_kept(item.reply, item.job.id, payload)
 
     def _document(self, item: WorkItem, outcome: Outcome) -> bytes:
         started = outcome.started_at
@@ -75,22 +79,35 @@ class Responder:
 
     # jobs answered without running ----------------------------------------------------
 
-    def answer(self, reply: Reply, job_id: str, task: str, output: dict[str, Any], received: float) -> None:
-        """An ok result for a request the intake answers itself (cancel)."""
+    def answer(
+        self, reply: Reply, job_id: str, task: str, output: dict[str, Any], received: float, request_digest: str
+    ) -> None:
+        """An ok result for a request the intake answers itself (cancel): kept with the
+        request's digest, so a repeat gets it again and an id reused for another request
+        is told so."""
         timings = results.Timings(0.0, 0.0, (time.monotonic() - received) * 1000.0)
         doc = results.ok_result(job_id, task, self._device_id, output, timings)
         self.stats.record_ok(task, timings.total_ms)
-        self._send(reply, job_id, results.encode(doc))
+        payload = results.encode(doc)
+        self._journal.store_result(job_id, reply.topic, reply.correlation, payload, request_digest)
+        self._publish_kept(reply, job_id, payload)
 
     def reject(
-        self, reply: Reply, job_id: str | None, task: str | None, error: JobError, received: float, keep: bool = True
+        self,
+        reply: Reply,
+        job_id: str | None,
+        task: str | None,
+        error: JobError,
+        received: float,
+        journalled: bool = False,
     ) -> None:
-        """An error result for a job refused before it ran. `keep=False` leaves the
-        journal alone: the refusal concerns another request that holds this id."""
+        """An error result for a job refused before it ran. `journalled`: the job is in
+        the journal (taken up at start, or withdrawn while queued) and its row gets the
+        result; else (refused on arrival) the refusal is published only."""
         timings = results.Timings(0.0, 0.0, (time.monotonic() - received) * 1000.0)
         doc = results.error_result(job_id, task, self._device_id, error, timings)
         self.stats.record_error(task, error.code.value)
-        if keep:
+        if journalled and job_id is not None:
             self._send(reply, job_id, results.encode(doc))
         else:
             self._link.publish(reply.topic, results.encode(doc), reply.correlation)
@@ -102,11 +119,13 @@ class Responder:
     def replay(self, reply: Reply, job_id: str, payload: bytes) -> None:
         """A result stored but not confirmed by the broker before the last stop: sent
         again as stored, and marked answered on its PUBACK."""
-        self._link.publish(reply.topic, payload, reply.correlation, job_id)
+        self._publish_kept(reply, job_id, payload)
 
-    def _send(self, reply: Reply, job_id: str | None, payload: bytes) -> None:
-        if job_id is None:
-            self._link.publish(reply.topic, payload, reply.correlation)
-            return
+    def _send(self, reply: Reply, job_id: str, payload: bytes) -> None:
         self._journal.store_result(job_id, reply.topic, reply.correlation, payload)
-        self._link.publish(reply.topic, payload, reply.correlation, job_id)
+        self._publish_kept(reply, job_id, payload)
+
+    def _publish_kept(self, reply: Reply, job_id: str, payload: bytes) -> None:
+        if not self._link.publish(reply.topic, payload, reply.correlation, job_id):
+            logger.error("the result of %s can never be delivered (topic refused); marking it answered", job_id)
+            self._journal.mark_answered(job_id)

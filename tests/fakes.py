@@ -36,10 +36,11 @@ class FakeLink:
     sent: list[Published] = field(default_factory=list)
     cond: threading.Condition = field(default_factory=threading.Condition)
 
-    def publish(self, topic: str, payload: bytes, correlation: bytes | None, job_id: str | None = None) -> None:
+    def publish(self, topic: str, payload: bytes, correlation: bytes | None, job_id: str | None = None) -> bool:
         with self.cond:
             self.sent.append(Published(topic, payload, correlation, job_id))
             self.cond.notify_all()
+        return True
 
     def puback_all(self) -> None:
         assert self.journal is not None

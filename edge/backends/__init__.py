@@ -1,7 +1,7 @@
-"""Inference backends; importing this package registers every one this machine supports."""
+"""Inference backends. Each plugin registers itself when imported; `get_backend` imports
+them on first use, so reading a profile (the backends' config sections) costs no
+onnxruntime or torch import."""
 
-from edge.backends import onnxruntime_backend as _onnxruntime_backend  # noqa: F401  (registers)
-from edge.backends import torch_backend as _torch_backend  # noqa: F401  (registers where CUDA is)
 from edge.backends.base import (
     Backend,
     BackendOptions,

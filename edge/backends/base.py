@@ -10,6 +10,7 @@ artifact contract fills in (edge/vision/student.py, edge/vision/ocr.py).
 from __future__ import annotations
 
 import abc
+import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -96,6 +97,17 @@ class Backend(abc.ABC):
 
 
 _REGISTRY: dict[str, type[Backend]] = {}
+# The plugins; each registers itself on import, where its runtime is installed and usable.
+PLUGINS = ("edge.backends.onnxruntime_backend", "edge.backends.torch_backend")
+_discovered = False
+
+
+def _discover() -> None:
+    global _discovered
+    if not _discovered:
+        for module in PLUGINS:
+            importlib.import_module(module)
+        _discovered = True
 
 
 def register_backend(cls: type[Backend]) -> type[Backend]:
@@ -106,10 +118,12 @@ def register_backend(cls: type[Backend]) -> type[Backend]:
 
 
 def available_backends() -> list[str]:
+    _discover()
     return sorted(_REGISTRY)
 
 
 def get_backend(name: str) -> Backend:
+    _discover()
     try:
         return _REGISTRY[name]()
     except KeyError:

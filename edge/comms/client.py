@@ -31,7 +31,9 @@ def request(profile: Profile, task: str, job: dict[str, Any], timeout: float) ->
     """Send `job` to this profile's device and return the decoded result document."""
     correlation = uuid.uuid4().bytes
     client_id = f"edgectl-{uuid.uuid4().hex[:12]}"
-    reply_topic = profile.topic("replies", client_id)
+    # Outside every device's own topics (the daemon sends results nowhere in there but its
+    # results topic), where docs/mosquitto-acl.example lets boxes write replies.
+    reply_topic = f"replies/{client_id}"
     job_topic = profile.topic("jobs", task)
     done = threading.Event()
     subscribed = threading.Event()

@@ -14,6 +14,7 @@ class IncomingJob:
     payload: bytes
     response_topic: str | None
     correlation: bytes | None
+    retained: bool = False  # delivered as the topic's retained message (at subscribe)
 
 
 # Returns whether the job is kept (acknowledge it to the broker) or left with the broker.
@@ -22,6 +23,7 @@ DeliveredCallback = Callable[[str], None]
 
 
 class Publisher(Protocol):
-    """Publishes at QoS 1; with a job id, the broker's PUBACK is reported for that id."""
+    """Publishes at QoS 1; with a job id, the broker's PUBACK is reported for that id.
+    False if the message could not be published at all (a topic no broker accepts)."""
 
-    def publish(self, topic: str, payload: bytes, correlation: bytes | None, job_id: str | None = None) -> None: ...
+    def publish(self, topic: str, payload: bytes, correlation: bytes | None, job_id: str | None = None) -> bool: ...

@@ -132,25 +132,32 @@ class DaemonLink:
         self._client.disconnect()
         self._client.loop_stop()
 
-    def publish(self, topic: str, payload: bytes, correlation: bytes | None, job_id: str | None = None) -> None:
-        """Publish at QoS 1; with a job id, on_delivered(job_id) follows the broker's PUBACK."""
+    def publish(self, topic: str, payload: bytes, correlation: bytes | None, job_id: str | None = None) -> bool:
+        """Publish at QoS 1; with a job id, on_delivered(job_id) follows the broker's PUBACK.
+        False, never an exception, for a message that cannot be published at all."""
         props = None
         if correlation is not None:
             props = Properties(PacketTypes.PUBLISH)
             props.CorrelationData = correlation
-        info = self._client.publish(topic, payload, qos=1, properties=props)
+        try:
+            info = self._client.publish(topic, payload, qos=1, properties=props)
+        except (ValueError, TypeError, UnicodeError) as err:
+            # Intake refuses such topics; one from an older journal must not stop anything.
+            logger.error("cannot publish to topic %r: %s", topic[:200], err)
+            return False
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
             # paho keeps QoS 1 messages queued while disconnected (NO_CONN) and sends
             # them on reconnect; anything else is a bug worth a log line, not a crash.
             logger.warning("publish to %s returned %s", topic, mqtt.error_string(info.rc))
         if job_id is None or self._on_delivered is None:
-            return
+            return True
         with self._lock:
             early = self._early.pop(info.mid, None) is not None
             if not early:
                 self._awaiting[info.mid] = job_id
         if early:
             self._on_delivered(job_id)
+        return True
 
     # paho callbacks (network thread) -------------------------------------------------
 
@@ -215,13 +222,14 @@ class DaemonLink:
         job = IncomingJob(
             topic=msg.topic,
             payload=bytes(msg.payload),
-            response_topic=response_topic or None,
+            response_topic=response_topic if response_topic is not None else None,
             correlation=bytes(correlation) if correlation is not None else None,
+            retained=bool(msg.retain),
         )
         keep = True
         try:
             keep = self._on_job(job)
-        except Exception:  # never let one message kill paho's network thread
+        except Exception:  # never let one message kill paho's network thread (intake answers it)
             logger.exception("intake failed for a message on %s", msg.topic)
         if keep:
             client.ack(msg.mid, msg.qos)

@@ -59,12 +59,19 @@ def models_section(manager: ModelManager) -> list[dict[str, Any]]:
     ]
 
 
+BRANCH_TASKS = {"vision": ("ocr", "inspect"), "text": ("qa",)}
+
+
 def branches_section(
-    workers: dict[str, Worker], errors: dict[str, str], extra: dict[str, dict[str, Any]]
+    workers: dict[str, Worker], task_errors: dict[str, str], extra: dict[str, dict[str, Any]]
 ) -> dict[str, Any]:
+    """Per branch its queue and batches; a task whose model did not load is named with
+    the reason (`unavailable_tasks`), and a branch none of whose tasks loaded is
+    unavailable: either is a WARNING, never a silent OK."""
     branches: dict[str, Any] = {}
     for name in ("vision", "text"):
         worker = workers.get(name)
+        errors = {t: task_errors[t] for t in BRANCH_TASKS[name] if t in task_errors}
         if worker is not None:
             branches[name] = {
                 "available": True,
@@ -74,9 +81,12 @@ def branches_section(
                 "batch_sizes": {str(k): v for k, v in sorted(worker.batch_sizes.items())},
                 **extra.get(name, {}),
             }
+            if errors:
+                branches[name]["unavailable_tasks"] = errors
             if isinstance(worker, TextWorker):
                 branches[name]["paused"] = worker.paused
                 branches[name]["over_budget"] = worker.over_budget
-        elif name in errors:
-            branches[name] = {"available": False, "reason": errors[name], "depth": 0, "max": 0}
+        elif errors:
+            reason = "; ".join(f"{t}: {why}" for t, why in errors.items())
+            branches[name] = {"available": False, "reason": reason, "depth": 0, "max": 0}
     return branches

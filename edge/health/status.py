@@ -44,9 +44,17 @@ def evaluate(doc: dict[str, Any]) -> tuple[int, list[str]]:
         if not info.get("available", False):
             reasons.append(f"{branch} branch unavailable: {info.get('reason', 'unknown')}")
             code = max(code, WARNING)
-    if doc.get("journal", {}).get("full", False):
+    journal = doc.get("journal", {})
+    if journal.get("full", False):
         reasons.append("job journal full: new jobs are refused (storage_full)")
         code = max(code, WARNING)
+    if journal.get("problem"):
+        reasons.append(str(journal["problem"]))
+        code = max(code, WARNING)
+    for branch, info in doc.get("branches", {}).items():
+        for task, why in (info.get("unavailable_tasks") or {}).items():
+            reasons.append(f"{task} unavailable on the {branch} branch: {why}")
+            code = max(code, WARNING)
     return code, reasons
 
 

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import sqlite3
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,28 +80,167 @@ def _is_full(err: sqlite3.Error) -> bool:
     return getattr(err, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "full" in str(err)
 
 
+class JournalUnavailable(JournalFull):
+    """The journal cannot be opened at all (a full or failing disk at start)."""
+
+
+_META = "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
+
+
 class Journal:
+    """The job journal. Opening it never stops the daemon: a file that is not a sound
+    SQLite database is set aside (renamed with a timestamp) and a new one started; a
+    journal that vanished or was replaced since the last run is noticed (a marker file
+    beside it carries the journal's identity); a disk too full to open it leaves the
+    journal unavailable (new jobs are refused `storage_full`) until `retry_open` succeeds.
+    Each of these is `problem`, reported loudly (log, `edgectl status` WARNING), with
+    `lost`, the unfinished jobs known to be gone (None: unknown)."""
+
     def __init__(self, path: Path, max_bytes: int, dedup_window_s: float) -> None:
         self.path = path
         self.dedup_window_s = dedup_window_s
+        self._max_bytes = max_bytes
+        self._marker = path.with_name(path.name + ".id")
         path.parent.mkdir(parents=True, exist_ok=True)
         # One connection shared by paho's thread, the workers and the supervisor; the
         # lock serialises them (SQLite would anyway, and a lock is cheaper than a retry).
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._lock = threading.Lock()
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        page = int(self._db.execute("PRAGMA page_size").fetchone()[0])
-        self._db.execute(f"PRAGMA max_page_count={max(16, max_bytes // page)}")
-        self._db.executescript(_SCHEMA)
+        self._db: sqlite3.Connection | None = None
         self.full_since: float | None = None  # set while new jobs find no room
+        self.problem: str | None = None
+        self.lost: int | None = None
+        self.set_aside: Path | None = None
+        self._open()
+
+    @property
+    def available(self) -> bool:
+        return self._db is not None
+
+    def _open(self) -> None:
+        try:
+            self._check_file()
+            self._db = self._connect()
+            self._check_identity()
+        except (sqlite3.Error, OSError) as err:
+            if self._db is not None:
+                self._db.close()
+            self._db = None
+            self.full_since = self.full_since or time.time()
+            problem = f"job journal unavailable ({err}): new jobs are refused until it opens"
+            if problem != self.problem:  # retried every second: said once, not every time
+                logger.error("%s", problem)
+            self.problem = problem
+
+    def retry_open(self) -> bool:
+        """Try again to open a journal that could not be opened; True once it is open."""
+        if self._db is not None:
+            return True
+        self._open()
+        if self._db is not None:
+            self.full_since = None
+            if self.problem is not None and self.problem.startswith("job journal unavailable"):
+                self.problem = None
+            logger.warning("job journal %s is open again", self.path)
+        return self._db is not None
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+            page = int(db.execute("PRAGMA page_size").fetchone()[0])
+            db.execute(f"PRAGMA max_page_count={max(16, self._max_bytes // page)}")
+            db.executescript(_SCHEMA + _META + ";")
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _check_file(self) -> None:
+        """Set aside a journal file that SQLite cannot read or whose integrity check
+        fails (counting, where it can be read, the unfinished jobs it held)."""
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            return
+        reason = None
+        try:
+            probe = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
+            try:
+                verdict = probe.execute("PRAGMA quick_check").fetchone()[0]
+                if verdict != "ok":
+                    reason = f"integrity check: {verdict}"
+            finally:
+                probe.close()
+        except sqlite3.DatabaseError as err:
+            reason = str(err)
+        if reason is None:
+            return
+        lost = self._count_unfinished(self.path)
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        aside = self.path.with_name(f"{self.path.name}.bad-{stamp}")
+        for suffix in ("", "-wal", "-shm"):
+            part = Path(f"{self.path}{suffix}")
+            if part.exists():
+                os.replace(part, Path(f"{aside}{suffix}"))
+        self.set_aside, self.lost = aside, lost
+        self.problem = (
+            f"the job journal was unreadable ({reason}) and was set aside as {aside.name}; a new one was started; "
+            + (f"{lost} unfinished job(s) in it are lost" if lost is not None else "what it held is lost")
+        )
+        logger.error("%s", self.problem)
+
+    @staticmethod
+    def _count_unfinished(path: Path) -> int | None:
+        try:
+            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+            try:
+                return int(db.execute("SELECT COUNT(*) FROM jobs WHERE state != ?", (ANSWERED,)).fetchone()[0])
+            finally:
+                db.close()
+        except sqlite3.Error:
+            return None
+
+    def _check_identity(self) -> None:
+        """The journal carries an identity, and a marker beside it remembers it: a
+        journal deleted, emptied or replaced since the last run is a new journal where
+        the marker expects the old one, and the jobs the old one held are gone."""
+        assert self._db is not None
+        row = self._db.execute("SELECT value FROM meta WHERE key = 'id'").fetchone()
+        try:
+            expected = self._marker.read_text(encoding="ascii").strip()
+        except FileNotFoundError:
+            expected = None
+        if row is None:
+            ident = uuid.uuid4().hex
+            self._db.execute("INSERT INTO meta (key, value) VALUES ('id', ?)", (ident,))
+            if expected is not None and self.problem is None:
+                self.problem = (
+                    "the job journal went missing or was emptied since the last run (a new one was started): "
+                    "the jobs it held are lost"
+                )
+                logger.error("%s", self.problem)
+        else:
+            ident = str(row[0])
+            if expected is not None and expected != ident and self.problem is None:
+                self.problem = "the job journal was replaced by another since the last run"
+                logger.error("%s", self.problem)
+        if expected != ident:
+            tmp = self._marker.with_name(self._marker.name + ".tmp")
+            with open(tmp, "w", encoding="ascii") as fh:
+                fh.write(ident + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self._marker)
 
     def close(self) -> None:
         with self._lock:
-            self._db.close()
+            if self._db is not None:
+                self._db.close()
+                self._db = None
 
     def _write(self, sql: str, args: tuple[object, ...]) -> int:
         with self._lock:
+            if self._db is None:
+                raise JournalUnavailable(f"the job journal {self.path} could not be opened")
             try:
                 cur = self._db.execute(sql, args)
             except sqlite3.OperationalError as err:
@@ -110,6 +251,8 @@ class Journal:
 
     def lookup(self, job_id: str) -> Entry | None:
         with self._lock:
+            if self._db is None:
+                return None
             row = self._db.execute(f"SELECT {_COLUMNS} FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return Entry(*row) if row else None
 
@@ -136,15 +279,23 @@ class Journal:
         entry = self.lookup(job_id)
         return entry.attempts if entry else 0
 
-    def store_result(self, job_id: str, reply_topic: str, correlation: bytes | None, result: bytes) -> None:
-        """The result about to be published (a job refused at intake gets a row here too,
-        so a redelivery of it is answered the same way)."""
+    def store_result(
+        self,
+        job_id: str,
+        reply_topic: str,
+        correlation: bytes | None,
+        result: bytes,
+        request_digest: str | None = None,
+    ) -> None:
+        """The result about to be published. A request answered without being accepted
+        first (a cancel) gets its row here, with its digest, so a repeat is answered the
+        same way and an id reused for a different request is refused."""
         try:
             self._write(
-                "INSERT INTO jobs (id, state, topic, reply_topic, correlation, received, result) "
-                "VALUES (?, ?, '', ?, ?, ?, ?) "
+                "INSERT INTO jobs (id, state, topic, digest, reply_topic, correlation, received, result) "
+                "VALUES (?, ?, '', ?, ?, ?, ?, ?) "
                 "ON CONFLICT (id) DO UPDATE SET state = excluded.state, result = excluded.result, payload = NULL",
-                (job_id, SENT, reply_topic, correlation, time.time(), result),
+                (job_id, SENT, request_digest, reply_topic, correlation, time.time(), result),
             )
         except JournalFull:
             # The answer still goes out; only its replay after a crash is lost.
@@ -154,6 +305,9 @@ class Journal:
         """Several results (job id, reply topic, correlation, result) in one commit: a
         batch's results cost one fsync, not one each."""
         with self._lock:
+            if self._db is None:
+                logger.error("journal unavailable: %d results are published but not kept", len(rows))
+                return
             try:
                 self._db.execute("BEGIN")
                 self._db.executemany(
@@ -179,6 +333,8 @@ class Journal:
     def pending(self) -> list[Entry]:
         """Jobs to take up again on start, oldest first."""
         with self._lock:
+            if self._db is None:
+                return []
             rows = self._db.execute(
                 f"SELECT {_COLUMNS} FROM jobs WHERE state != ? ORDER BY received", (ANSWERED,)
             ).fetchall()
@@ -187,17 +343,24 @@ class Journal:
     def compact(self, now: float | None = None) -> int:
         """Forget answered jobs older than the dedup window; returns how many."""
         cutoff = (now if now is not None else time.time()) - self.dedup_window_s
+        if self._db is None:
+            return 0
         removed = self._write("DELETE FROM jobs WHERE state = ? AND received < ?", (ANSWERED, cutoff))
         with self._lock:
             # Fold the WAL back into the database so the file does not keep growing.
-            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            if self._db is not None:
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         if removed:
             logger.info("journal compacted: %d answered jobs past the dedup window", removed)
         return removed
 
     def counts(self) -> dict[str, int]:
         with self._lock:
-            rows = self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall()
+            rows = (
+                []
+                if self._db is None
+                else self._db.execute("SELECT state, COUNT(*) FROM jobs GROUP BY state").fetchall()
+            )
         out = {QUEUED: 0, SENT: 0, ANSWERED: 0}
         out.update({state: int(n) for state, n in rows})
         return out

@@ -39,3 +39,10 @@ class JobError(Exception):
 
     def to_dict(self) -> dict[str, str | None]:
         return {"code": self.code.value, "message": self.message, "field": self.field}
+
+
+def internal_error(err: BaseException) -> JobError:
+    """What a requester is told of a fault: that it was one, and of what kind. The
+    details (messages with host paths, object reprs) go to the daemon's log, which the
+    caller writes with the traceback."""
+    return JobError(ErrorCode.INTERNAL, f"internal error ({type(err).__name__}); the daemon's log has the details")

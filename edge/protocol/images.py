@@ -11,6 +11,7 @@ import base64
 import binascii
 import io
 import logging
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,18 +63,33 @@ def resolve_media_path(media_dir: Path | None, name: str, field: str) -> Path:
     except (OSError, RuntimeError) as err:
         # Not-found and symlink loops both land here; say which without echoing the root.
         raise JobError(ErrorCode.PATH_FORBIDDEN, f"no such media file: {name}", field) from err
-    if not resolved.is_relative_to(root):
-        raise JobError(ErrorCode.PATH_FORBIDDEN, "path resolves outside the media directory", field)
-    if not resolved.is_file():
-        raise JobError(ErrorCode.PATH_FORBIDDEN, "path is not a regular file", field)
+    if not resolved.is_relative_to(root) or not resolved.is_file():
+        # The same words whether or not something exists out there: an answer must not
+        # tell the requester which of the host's files exist.
+        raise JobError(ErrorCode.PATH_FORBIDDEN, f"no such media file: {name}", field)
     return resolved
 
 
-def read_media_file(path: Path, limits: ImageLimits, field: str) -> bytes:
-    size = path.stat().st_size
-    if size > limits.max_bytes:
-        raise JobError(ErrorCode.IMAGE_TOO_LARGE, f"image is {size} bytes, limit {limits.max_bytes}", field)
-    return path.read_bytes()
+def read_media_file(path: Path, limits: ImageLimits, field: str, name: str = "") -> bytes:
+    try:
+        size = path.stat().st_size
+        if size > limits.max_bytes:
+            raise JobError(ErrorCode.IMAGE_TOO_LARGE, f"image is {size} bytes, limit {limits.max_bytes}", field)
+        return path.read_bytes()
+    except OSError as err:  # unreadable (permissions, I/O): said without the host's path
+        logger.warning("cannot read media file %s: %s", path, err)
+        raise JobError(ErrorCode.PATH_FORBIDDEN, f"cannot read media file: {name or path.name}", field) from err
+
+
+_OBJECT_REPR = re.compile(r"\s*<[^<>]* at 0x[0-9a-fA-F]+>")
+
+
+def _decoder_says(err: BaseException) -> str:
+    """A decoder's complaint without the object reprs it puts in (`<_io.BytesIO object
+    at 0x...>`): what the requester needs is what is wrong with the bytes."""
+    if isinstance(err, UnidentifiedImageError):
+        return "not a PNG or JPEG image"
+    return _OBJECT_REPR.sub("", str(err)) or type(err).__name__
 
 
 # Pixels as stored: no EXIF rotation (what the cameras send is what is inspected), any
@@ -114,7 +130,7 @@ def header_checked(raw: bytes, limits: ImageLimits, field: str) -> tuple[int, in
         # PIL refuses extreme sizes inside open() itself, before our own check runs.
         raise JobError(ErrorCode.IMAGE_TOO_LARGE, f"image exceeds {limits.max_pixels} pixels ({err})", field) from err
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as err:
-        raise JobError(ErrorCode.IMAGE_INVALID, f"cannot decode image: {err}", field) from err
+        raise JobError(ErrorCode.IMAGE_INVALID, f"cannot decode image: {_decoder_says(err)}", field) from err
     if width <= 0 or height <= 0:
         raise JobError(ErrorCode.IMAGE_INVALID, "image has no pixels", field)
     if width * height > limits.max_pixels:
@@ -132,6 +148,6 @@ def _decode_with_pil(raw: bytes, limits: ImageLimits, field: str) -> np.ndarray:
     except Image.DecompressionBombError as err:
         raise JobError(ErrorCode.IMAGE_TOO_LARGE, f"image exceeds {limits.max_pixels} pixels ({err})", field) from err
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as err:
-        raise JobError(ErrorCode.IMAGE_INVALID, f"cannot decode image: {err}", field) from err
+        raise JobError(ErrorCode.IMAGE_INVALID, f"cannot decode image: {_decoder_says(err)}", field) from err
     rgb = np.asarray(img, dtype=np.uint8)
     return np.ascontiguousarray(rgb[:, :, ::-1])

@@ -160,13 +160,28 @@ def decode_payload(payload: bytes, max_bytes: int) -> Any:
     if len(payload) > max_bytes:
         raise JobError(ErrorCode.PAYLOAD_TOO_LARGE, f"payload is {len(payload)} bytes, limit {max_bytes}")
     try:
-        return json.loads(payload.decode("utf-8"))
+        data = json.loads(payload.decode("utf-8"))
     except UnicodeDecodeError as err:
         raise JobError(ErrorCode.BAD_JSON, f"payload is not UTF-8: {err.reason}") from err
     except json.JSONDecodeError as err:
         raise JobError(ErrorCode.BAD_JSON, f"payload is not JSON: {err.msg} at {err.pos}") from err
     except RecursionError as err:
         raise JobError(ErrorCode.BAD_JSON, "payload nests too deeply") from err
+    except ValueError as err:  # e.g. an integer of more digits than Python converts
+        raise JobError(ErrorCode.BAD_JSON, f"payload is not usable JSON: {str(err)[:120]}") from err
+    if not _encodable(data):
+        # A "\ud800" escape decodes to a lone surrogate, which no UTF-8 text (a result,
+        # the journal, a topic) can hold.
+        raise JobError(ErrorCode.BAD_JSON, "payload holds a string with an unpaired surrogate (\\uD800-\\uDFFF)")
+    return data
+
+
+def _encodable(data: Any) -> bool:
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except (UnicodeEncodeError, ValueError, RecursionError):
+        return False
+    return True
 
 
 def parse_job(data: Any, topic_task: str | None, limits: JobLimits) -> ParsedJob:

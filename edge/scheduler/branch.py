@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from edge.protocol.errors import ErrorCode, JobError
+from edge.protocol.errors import ErrorCode, JobError, internal_error
 from edge.scheduler.queue import BatchPolicy, PriorityDeadlineQueue
 from edge.scheduler.work import WorkItem
 
@@ -94,6 +94,8 @@ class Worker:
         """Finish the work in hand (not the queue), then exit; True if it exited in time."""
         self._stop.set()
         self.queue.close()
+        if self._thread.ident is None:
+            return True  # never started (a stop during the start steps)
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
@@ -177,7 +179,7 @@ class BranchWorker(Worker):
             except Exception as err:  # a model bug costs this batch, never the worker
                 logger.exception("batch of %d on %s failed", len(live), self.name)
                 for it in live:
-                    results[id(it)] = JobError(ErrorCode.INTERNAL, f"{type(err).__name__}: {err}")
+                    results[id(it)] = internal_error(err)
             self.batch_sizes[len(live)] = self.batch_sizes.get(len(live), 0) + 1
         finished = time.monotonic()
         self.running_since = None

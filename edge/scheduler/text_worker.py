@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from edge.protocol.errors import ErrorCode, JobError
+from edge.protocol.errors import ErrorCode, JobError, internal_error
 from edge.scheduler.branch import Completion, Outcome, Worker, expired_error
 from edge.scheduler.kv_cache import KVSlot
 from edge.scheduler.ledger import MemoryLedger
@@ -103,7 +103,7 @@ class TextWorker(Worker):
                 done = self.batcher.step()
             except Exception as err:  # a model bug costs the sequences in this step, not the worker
                 logger.exception("decode step failed on %s", self.name)
-                self._fail_running(JobError(ErrorCode.INTERNAL, f"{type(err).__name__}: {err}"))
+                self._fail_running(internal_error(err))
                 done = []
             finally:
                 self.running_since = None
@@ -141,7 +141,7 @@ class TextWorker(Worker):
                 return True
             except Exception as err:
                 logger.exception("could not prepare job %s", item.job.id)
-                self._answer_now(item, JobError(ErrorCode.INTERNAL, f"{type(err).__name__}: {err}"))
+                self._answer_now(item, internal_error(err))
                 return True
         mem = self._memory
         kv = self.batcher.kv
@@ -178,7 +178,7 @@ class TextWorker(Worker):
             self.batcher.kv.free(slot)
             logger.exception("could not start job %s", item.job.id)
             now = time.monotonic()
-            failed = JobError(ErrorCode.INTERNAL, f"{type(err).__name__}: {err}")
+            failed = internal_error(err)
             self._deliver(item, Outcome(None, failed, now, now))
             return True
         finally:
@@ -242,7 +242,7 @@ class TextWorker(Worker):
             outcome = Outcome(output, None, run.started, time.monotonic())
         except Exception as err:
             logger.exception("could not finish job %s", run.item.job.id)
-            failed = JobError(ErrorCode.INTERNAL, f"{type(err).__name__}: {err}")
+            failed = internal_error(err)
             outcome = Outcome(None, failed, run.started, time.monotonic())
         self._deliver(run.item, outcome)
 

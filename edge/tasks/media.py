@@ -30,5 +30,5 @@ class MediaLoader:
             return decode_image(raw, self.limits, "image.data")
         assert ref.path is not None
         path = resolve_media_path(self._media_dir, ref.path, "image.path")
-        raw = read_media_file(path, self.limits, "image.path")
+        raw = read_media_file(path, self.limits, "image.path", ref.path)
         return decode_image(raw, self.limits, "image.path")
