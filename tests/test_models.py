@@ -191,3 +191,19 @@ def test_a_reload_never_evicts_a_model_the_same_job_needs() -> None:
     assert err.value.code == ErrorCode.OVER_BUDGET and mm.loaded("inspect")
     mm.get("ocr")  # with nothing to keep, inspect goes
     assert mm.loaded("ocr") and not mm.loaded("inspect")
+
+
+def test_a_load_into_reused_memory_is_counted_at_least_its_files() -> None:
+    # The process already holds pages an earlier owner freed: the load grows nothing the
+    # probe sees, yet the model holds its weights. On the CPU it is counted at its files;
+    # on a GPU the floor is not applied (its weights are not in host memory).
+    mm, probe = _manager(1024, [0.0])
+    mm.register("ocr", "vision", "cpu", lambda: object(), keep_alive_s=0, host_floor_bytes=40 * MIB)
+    mm.register("student", "vision", "cpu", lambda: Weights(probe, 90 * MIB), 0, host_floor_bytes=40 * MIB)
+    mm.register("gpu", "vision", "cpu", lambda: object(), 0, device="cuda", host_floor_bytes=40 * MIB)
+    for name in ("ocr", "student", "gpu"):
+        mm.load(name)
+    models = mm.ledger.snapshot()["models"]
+    assert models["ocr"]["bytes"] == 40 * MIB  # measured 0
+    assert models["student"]["bytes"] == 90 * MIB  # measured more than its files: the measure stands
+    assert models["gpu"]["bytes"] == 0

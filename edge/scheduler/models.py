@@ -35,6 +35,9 @@ class ManagedModel:
     load: Callable[[], Any]
     keep_alive_s: float
     device: str = "cpu"
+    # On the CPU, the bytes the model's files put in memory: a load that measures less
+    # reused pages an earlier owner freed, and the model is counted at least this.
+    host_floor_bytes: int = 0
     obj: Any = None
     memory_bytes: int = 0  # what the budget counts (the ledger's figure)
     host_bytes: int = 0  # measured at the last load, on the host and on the GPU
@@ -58,9 +61,11 @@ class ModelManager:
         load: Callable[[], Any],
         keep_alive_s: float,
         device: str = "cpu",
+        host_floor_bytes: int = 0,
     ) -> None:
         with self._lock:
-            self._models[name] = ManagedModel(name, branch, backend, load, keep_alive_s, device)
+            floor = host_floor_bytes if device == "cpu" else 0
+            self._models[name] = ManagedModel(name, branch, backend, load, keep_alive_s, device, floor)
 
     def describe(self, name: str, backend: str) -> None:
         """Say what a loaded model actually runs on (known only once it has loaded)."""
@@ -110,6 +115,15 @@ class ModelManager:
         obj = model.load()
         grown = use_of(self.probe).minus(before)
         used = self.counted(grown)
+        floor = self.counted(MemoryUse(host=model.host_floor_bytes))
+        if used < floor:
+            logger.info(
+                "%s measured %.1f MiB, less than its files (%.1f MiB): it reused freed memory; counted at its files",
+                model.name,
+                used / 2**20,
+                floor / 2**20,
+            )
+            used = floor
         # The first load ran alone, so its figure stands unless a reload measures more. A
         # reload that took less from the system reused what the last unload left behind
         # (the allocator's free pages), which the ledger counts as retained: that part

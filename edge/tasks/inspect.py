@@ -23,6 +23,7 @@ from edge.tasks.base import Output
 from edge.tasks.media import MediaLoader
 from edge.tasks.ocr import OCR_MODEL, OCRTask
 from edge.vision.inspect import InspectPipeline
+from edge.vision.student import weights_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -161,9 +162,9 @@ def start_inspect(
     opts = BackendOptions(threads=cfg.threads, max_batch=cfg.max_batch, config=cfg.backend)
     keep = float("inf") if cfg.keep_alive_s is None else cfg.keep_alive_s
     backend = cfg.backend.type
-    manager.register(
-        INSPECT_MODEL, "vision", backend, lambda: InspectPipeline.load(student, backend, opts), keep, cfg.device
-    )
+    load = lambda: InspectPipeline.load(student, backend, opts)  # noqa: E731
+    floor = weights_bytes(student)
+    manager.register(INSPECT_MODEL, "vision", backend, load, keep, cfg.device, host_floor_bytes=floor)
     pipeline: InspectPipeline = manager.load(INSPECT_MODEL)
     policy = BatchPolicy(cfg.max_batch, cfg.max_queue_delay_ms / 1000.0, frozenset(cfg.preferred_batch_sizes))
     return InspectTask(manager, media, ocr, policy, pipeline.image_size, cfg.decode_threads)

@@ -71,6 +71,8 @@ def start_ocr(cfg: OCRModelConfig, manager: ModelManager, media: MediaLoader) ->
     opts = BackendOptions(threads=cfg.threads, config=cfg.backend)
     keep = float("inf") if cfg.keep_alive_s is None else cfg.keep_alive_s
     backend = cfg.backend.type
-    manager.register(OCR_MODEL, "vision", backend, lambda: OCRPipeline.load(settings, backend, opts), keep, cfg.device)
+    load = lambda: OCRPipeline.load(settings, backend, opts)  # noqa: E731
+    floor = sum(f.stat().st_size for f in OCRPipeline.model_files(settings))
+    manager.register(OCR_MODEL, "vision", backend, load, keep, cfg.device, host_floor_bytes=floor)
     manager.load(OCR_MODEL)
     return OCRTask(manager, media)

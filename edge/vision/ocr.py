@@ -136,6 +136,14 @@ class OCRPipeline:
         # CTC index 0 is the blank; the models also emit a trailing space class.
         self._charset = ["<blank>", *chars.splitlines(), " "]
 
+    @staticmethod
+    def model_files(settings: OCRSettings, model_dir: Path | None = None) -> list[Path]:
+        """The model files a pipeline with these settings loads: detection, recognition
+        and, with the angle classifier on, angle."""
+        models = model_dir or bundled_model_dir()
+        names = [DET_MODEL, REC_MODEL] + ([CLS_MODEL] if settings.use_angle_cls else [])
+        return [models / name for name in names]
+
     @classmethod
     def load(
         cls,
@@ -144,12 +152,12 @@ class OCRPipeline:
         options: BackendOptions | None = None,
         model_dir: Path | None = None,
     ) -> OCRPipeline:
-        models = model_dir or bundled_model_dir()
+        det_file, rec_file, *cls_file = cls.model_files(settings, model_dir)
         engine = get_backend(backend)
         opts = options or BackendOptions()
-        det = engine.load(ModelSource("OCR detection", onnx=models / DET_MODEL), opts)
-        rec = engine.load(ModelSource("OCR recognition", onnx=models / REC_MODEL), opts)
-        angle = engine.load(ModelSource("OCR angle", onnx=models / CLS_MODEL), opts) if settings.use_angle_cls else None
+        det = engine.load(ModelSource("OCR detection", onnx=det_file), opts)
+        rec = engine.load(ModelSource("OCR recognition", onnx=rec_file), opts)
+        angle = engine.load(ModelSource("OCR angle", onnx=cls_file[0]), opts) if cls_file else None
         pipeline = cls(det, rec, angle, settings)
         pipeline.warm_up()
         return pipeline

@@ -34,6 +34,15 @@ INPUT = "pixels"
 OUTPUTS = ("class_probs", "patch_probs")
 
 
+def weights_bytes(directory: Path) -> int:
+    """The serving weights' size: what the student holds in memory at least on the CPU,
+    in either format (0 where the build has none)."""
+    try:
+        return (directory / WEIGHTS).stat().st_size
+    except OSError:
+        return 0
+
+
 class StudentArtifactError(ValueError):
     """A directory that is not a usable student build, with what is wrong."""
 
