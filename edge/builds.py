@@ -12,6 +12,7 @@ knows each build's module name and arguments, here.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import subprocess
 import sys
@@ -49,7 +50,9 @@ def build_command(task: str, profile: Profile) -> BuildCommand:
     if task == "qa":
         qa = models.qa
         return BuildCommand(
-            "the text engine", "engines.text_build", ("--adapter", qa.adapter, "--quantization", qa.quantization)
+            "the text engine",
+            "engines.text_build",
+            ("--source", qa.source, "--adapter", qa.adapter, "--quantization", qa.quantization),
         )
     raise ValueError(f"task {task!r} has no engine to build")
 
@@ -96,6 +99,18 @@ class ChildBuilds:
 KINDS = {"inspect": "vision-student", "qa": "llama-"}
 
 
+def source_id(source: str) -> str:
+    """How builds name a text source or adapter: the built-in's name, or a user model's
+    (or adapter's) path with the size and modification time of each file in it, so that
+    one replaced in place is built again rather than served from the old build."""
+    path = Path(source)
+    if not path.is_absolute():
+        return source
+    files = [path] if path.is_file() else sorted(f for f in path.iterdir() if f.is_file())
+    stamp = ",".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    return f"{path}@{hashlib.sha256(stamp.encode()).hexdigest()[:16]}"
+
+
 def selector(task: str, profile: Profile) -> dict[str, object]:
     """What the profile asks of `task`'s engine, in the words builds tag manifests with."""
     models = profile.models
@@ -103,7 +118,8 @@ def selector(task: str, profile: Profile) -> dict[str, object]:
         return {"task": "inspect", "size": models.inspect.build_size, "distilled": True}
     if task == "qa":
         qa = models.qa
-        return {"task": "qa", "source": qa.source, "adapter": qa.adapter, "quantization": qa.quantization}
+        adapter = source_id(qa.adapter)
+        return {"task": "qa", "source": source_id(qa.source), "adapter": adapter, "quantization": qa.quantization}
     raise ValueError(f"task {task!r} has no engine")
 
 

@@ -207,7 +207,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     profile = _submit_profile(args)
     job = _job_from_args(args)
     try:
-        result = request(profile, args.task, job, args.timeout)
+        result = request(profile, args.task, job, args.timeout, fleet=args.fleet, resend_after_s=args.resend_after)
     except RequestTimeout as err:
         print(f"edgectl submit: {err}", file=sys.stderr)
         return 3
@@ -245,6 +245,15 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--device", default="dev", help="device id")
     submit.add_argument("--prefix", default="edge", help="topic prefix")
     submit.add_argument("--id", help="job id (random by default)")
+    submit.add_argument(
+        "--fleet", action="store_true", help="send to the shared job stream (<prefix>/jobs/<task>), not one device"
+    )
+    submit.add_argument(
+        "--resend-after",
+        type=float,
+        metavar="SECONDS",
+        help="unanswered this long, send the job again with the same id (in --fleet mode to a box that is online)",
+    )
     submit.add_argument("--priority", type=int)
     submit.add_argument("--deadline-ms", type=int)
     submit.add_argument("--image", help="ocr, inspect: image file to send inline")

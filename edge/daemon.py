@@ -28,7 +28,7 @@ from edge.health.report import branches_section, memory_section, models_section
 from edge.health.status import STATUS_SCHEMA_VERSION, StatusServer
 from edge.intake import Intake
 from edge.journal.store import Journal
-from edge.memory import HostProbe, open_cuda
+from edge.memory import HostProbe, bound_heap, open_cuda
 from edge.protocol.images import ImageLimits
 from edge.responder import Responder
 from edge.scheduler.branch import BatchRunner, BranchWorker, Worker, share_interpreter_between_branches
@@ -134,6 +134,8 @@ class Daemon:
     def _start_memory(self) -> bool:
         """The probe for what the budget covers on this box; what the process holds
         before any model (interpreter, libraries, the CUDA context) enters the ledger."""
+        if not bound_heap():
+            logger.warning("cannot fix the C heap's mmap threshold: freed job buffers may stay resident")
         models = self.profile.models
         on_cuda = (models.inspect.enabled and models.inspect.device == "cuda") or (
             models.qa.enabled and models.qa.device == "cuda"
@@ -170,7 +172,7 @@ class Daemon:
         ocr: OCRTask | None = None
         if models.ocr.enabled:
             try:
-                ocr = start_ocr(models.ocr, self.manager, self.media)
+                ocr = start_ocr(models.ocr, self.manager, self.media, self.profile.paths.engine_dir)
                 tasks["ocr"] = ocr
             except Exception as err:  # one model failing must not take the others down
                 logger.exception("OCR unavailable")
@@ -311,6 +313,7 @@ class Daemon:
                 "connected": self.link.connected,
                 "since": self.link.changed_at,
                 "connects": self.link.connects,
+                **self.link.identity.snapshot(),
             },
             "memory": memory_section(self.ledger, self.probe, kv),
             "journal": {

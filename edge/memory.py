@@ -36,18 +36,35 @@ TEGRA_RELEASE = Path("/etc/nv_tegra_release")
 DEVICE_TREE_MODEL = Path("/proc/device-tree/model")
 
 
-def _malloc_trim() -> Callable[[int], int] | None:
+def _libc_call(symbol: str) -> Callable[..., int] | None:
     name = ctypes.util.find_library("c")
     if not name:
         return None
     try:
-        trim: Callable[[int], int] = ctypes.CDLL(name).malloc_trim  # glibc only
+        call: Callable[..., int] = getattr(ctypes.CDLL(name), symbol)  # glibc only
     except (OSError, AttributeError):
         return None
-    return trim
+    return call
 
 
-_TRIM = _malloc_trim()
+_TRIM = _libc_call("malloc_trim")
+_MALLOPT = _libc_call("mallopt")
+M_MMAP_THRESHOLD = -3
+# Buffers at least this large (a decoded camera frame is 15 MB) get pages of their own,
+# given back to the system the moment they are freed.
+LARGE_BUFFER_BYTES = 1 << 20
+
+
+def bound_heap() -> bool:
+    """Keep the C heap from holding freed job buffers. glibc raises its mmap threshold
+    each time a large mapped block is freed (up to 32 MiB), after which camera frames
+    come from per-thread arenas that keep the pages when the frame is freed: the process
+    then holds hundreds of MB no reservation covers (a 5 MP burst took it 540 MB past
+    its budget). A fixed threshold turns that off. False where the C library has no
+    mallopt."""
+    if _MALLOPT is None:
+        return False
+    return bool(_MALLOPT(M_MMAP_THRESHOLD, LARGE_BUFFER_BYTES))
 
 
 def return_free_memory() -> bool:
@@ -67,14 +84,46 @@ def rss_bytes() -> int:
         return int(fh.read().split()[1]) * _PAGE
 
 
-def peak_rss_bytes() -> int:
-    """The most this process has held resident since it started (VmHWM), model loads'
-    transient peaks included: what the budget must hold, not only the settled figure."""
+# The process peak from before the last reset of the kernel's high-water mark (a
+# working-memory measurement resets it): the peak since start is the larger of the two.
+_HWM_BEFORE_RESET = 0
+
+
+def _vm_hwm() -> int | None:
     with open("/proc/self/status", encoding="ascii") as fh:
         for line in fh:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
-    return rss_bytes()  # kernels without the field: the current figure is the best known
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """The most this process has held resident since it started (VmHWM), model loads'
+    transient peaks included: what the budget must hold, not only the settled figure."""
+    hwm = _vm_hwm()
+    # Kernels without the field: the current figure is the best known.
+    return max(_HWM_BEFORE_RESET, rss_bytes() if hwm is None else hwm)
+
+
+def host_working_bytes(run: Callable[[], object]) -> int:
+    """Bytes this process took at most while `run` ran, beyond what it held before: a
+    job's working memory on the host, measured (at warm-up, with nothing else running).
+    Free heap pages go back to the system first, so what `run` allocates shows as growth
+    instead of reusing them unseen. Where the high-water mark cannot be reset the
+    figure is the process's peak since start less what it holds now: larger, never
+    smaller, than the truth."""
+    global _HWM_BEFORE_RESET
+    return_free_memory()
+    _HWM_BEFORE_RESET = peak_rss_bytes()
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+            fh.write("5")  # resets VmHWM to the current resident set (Linux 4.0+)
+    except OSError:
+        logger.debug("cannot reset the resident high-water mark; working memory is over-estimated")
+    before = rss_bytes()
+    run()
+    hwm = _vm_hwm()
+    return max(0, (rss_bytes() if hwm is None else hwm) - before)
 
 
 def mem_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:

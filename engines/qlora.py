@@ -12,7 +12,6 @@ import json
 import logging
 import math
 import random
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -26,12 +25,13 @@ from torch import nn
 from tqdm import tqdm
 
 from edge.config.schema import DEFAULT_SYSTEM_PROMPT
-from edge.text.checkpoint import SIDE_FILES, load_checkpoint
+from edge.text.checkpoint import load_checkpoint
 from edge.text.int4 import QuantizedWeight, dequantize, group_size_for, pack
 from edge.text.llama import LlamaModel
 from edge.text.qa import chatml, user_message
 from engines.cache import build_cached, cache_key, read_manifest
 from engines.clinic_data import Example, examples
+from engines.float_checkpoint import write_float_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -172,23 +172,9 @@ def _build(src: Path, out: Path, recipe: LoraRecipe, progress: bool) -> dict[str
     ckpt = load_checkpoint(src, fuse=False)
     stats = train(ckpt.model, ckpt.tokenizer, recipe, progress)
     merge(ckpt.model)
-    tensors = {
-        k: v.detach().float().contiguous()
-        for k, v in ckpt.model.state_dict().items()
-        if not k.startswith("rope_") and not (k == "lm_head.weight" and ckpt.model.config.tie_embeddings)
-    }
-    save_file(tensors, str(out / "model.safetensors"))
-    for name in SIDE_FILES:
-        shutil.copy2(src / name, out / name)
+    written = write_float_checkpoint(ckpt.model, src, out)
     (out / "adapter.json").write_text(json.dumps({"recipe": asdict(recipe), **stats}, indent=2) + "\n")
-    config = ckpt.model.config
-    return {
-        "kind": "llama-checkpoint",
-        "merged_adapter": asdict(recipe),
-        "training": stats,
-        "weight_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
-        "kv_bytes_per_token_fp32": config.kv_bytes_per_token(torch.float32),
-    }
+    return {**written, "merged_adapter": asdict(recipe), "training": stats}
 
 
 def train_and_merge(src: Path, recipe: LoraRecipe | None = None, progress: bool = True) -> Path:
@@ -206,3 +192,73 @@ def train_and_merge(src: Path, recipe: LoraRecipe | None = None, progress: bool 
     }
     out = src.parent / f"{src.name}-clinic-{cache_key(inputs)}"
     return build_cached(out, inputs, lambda scratch: _build(src, scratch, recipe, progress))
+
+
+# The clinic adapter as the repo ships it: a PEFT LoRA directory, so a first start merges
+# it (seconds) instead of training it (minutes). `python -m engines.qlora --export DIR`
+# trains it again and writes it, with its hash.
+CLINIC_ADAPTER = Path(__file__).parent / "adapters" / "clinic"
+
+
+def export_peft(model: LlamaModel, recipe: LoraRecipe, out: Path) -> dict[str, Any]:
+    """The trained LoRA factors of `model` (before merge) as a PEFT adapter directory,
+    with `base_quantization.json` naming the INT4 base they were trained against."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            key = f"base_model.model.model.{name}"
+            tensors[f"{key}.lora_A.weight"] = module.lora_a.detach().float().contiguous()
+            tensors[f"{key}.lora_B.weight"] = module.lora_b.detach().float().contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": "smollm2-135m-instruct",
+        "r": recipe.rank,
+        "lora_alpha": recipe.alpha,
+        "lora_dropout": recipe.dropout,
+        "target_modules": list(TARGETS),
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    base = {"format": "edge-int4", "group_size": recipe.base_group}
+    (out / "base_quantization.json").write_text(json.dumps(base) + "\n", encoding="utf-8")
+    return {"tensors": len(tensors), "parameters": sum(t.numel() for t in tensors.values())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from engines.cache import file_sha256, stop_on_sigterm
+    from engines.import_gguf import import_smollm2
+
+    parser = argparse.ArgumentParser(description="Train the clinic QLoRA adapter and write it as a PEFT directory.")
+    parser.add_argument("--export", type=Path, default=CLINIC_ADAPTER, help="adapter directory to write")
+    parser.add_argument("--engine-dir", type=Path, default=Path(".edge/engines"))
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    stop_on_sigterm()
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    recipe = LoraRecipe()
+    ckpt = load_checkpoint(import_smollm2(args.engine_dir, not args.no_progress), fuse=False)
+    stats = train(ckpt.model, ckpt.tokenizer, recipe, not args.no_progress)
+    written = export_peft(ckpt.model, recipe, args.export)
+    provenance = {
+        "command": "python -m engines.qlora --export " + str(args.export),
+        "sha256": {"adapter_model.safetensors": file_sha256(args.export / "adapter_model.safetensors")},
+        "recipe": asdict(recipe),
+        "training": {k: v for k, v in stats.items() if k != "train_seconds"},
+        **written,
+    }
+    (args.export / "provenance.json").write_text(json.dumps(provenance, indent=2) + "\n", encoding="utf-8")
+    print(json.dumps(provenance["sha256"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -234,6 +234,9 @@ def quantize_model(
                         _weight(lin).mul_(s.to(_weight(lin).dtype))
                     prev_w = _weight(prev)
                     prev_w.div_(s.to(prev_w.dtype).view(-1, *([1] * (prev_w.dim() - 1))))
+                    prev_bias = getattr(prev, "bias", None)
+                    if isinstance(prev, nn.Linear) and prev_bias is not None:
+                        prev_bias.data.div_(s.to(prev_bias.dtype))  # v_proj's outputs, bias included
                     x = x / s
                 for name, lin in zip(names, linears, strict=True):
                     if recipe.clip and not name.endswith(CLIP_SKIP):

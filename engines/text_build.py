@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ from safetensors.torch import save_file
 from edge.text.checkpoint import SIDE_FILES, load_checkpoint
 from engines.cache import build_cached, cache_key, read_manifest, stop_on_sigterm, tag_serves
 from engines.corpus import calibration_text, corpus_fingerprint
+from engines.import_gguf import SourceModelError
+from engines.peft_adapter import AdapterError
 from engines.quantize import QuantRecipe, quantize_model
 
 logger = logging.getLogger(__name__)
@@ -30,9 +33,9 @@ def write_quantized(src: Path, out: Path, recipe: QuantRecipe, progress: bool) -
         packed, report = quantize_model(ckpt.model, recipe, calib_ids, progress)
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in ckpt.model.state_dict().items():
-        module = name.rsplit(".", 1)[0]
-        if module in packed or (name == "lm_head.weight" and ckpt.model.config.tie_embeddings):
-            continue
+        module, _, kind = name.rpartition(".")
+        if (module in packed and kind == "weight") or (name == "lm_head.weight" and ckpt.model.config.tie_embeddings):
+            continue  # a packed layer's bias (Qwen2's q/k/v) stays float beside its codes
         if name.startswith("rope_"):
             continue
         # Norms and embeddings stay float; fp16 halves their bytes at no cost in accuracy.
@@ -79,20 +82,37 @@ SERVING_GROUP = 32
 
 
 def build_text_engine(
-    engine_dir: Path, adapter: str = "clinic", quant: str = "awq-int4", progress: bool = True
+    engine_dir: Path,
+    adapter: str = "clinic",
+    quant: str = "awq-int4",
+    progress: bool = True,
+    source: str = "smollm2-135m-instruct",
 ) -> Path:
-    """The whole text pipeline for SmolLM2: import, QLoRA adapter merged in, AWQ INT4.
+    """The whole text pipeline: import (the built-in SmolLM2, a Hugging Face model
+    directory or a GGUF file), the adapter merged in (the shipped clinic adapter or a
+    PEFT directory), AWQ INT4.
 
     Every step is cached by its inputs, so a second call returns at once.
     """
-    from engines.import_gguf import import_smollm2
-    from engines.qlora import train_and_merge
+    from edge.builds import source_id
+    from engines.import_gguf import import_gguf, import_smollm2
+    from engines.import_hf import import_hf
+    from engines.peft_adapter import merge_checkpoint
+    from engines.qlora import CLINIC_ADAPTER
 
-    path = import_smollm2(engine_dir, progress)
+    if source == SMOLLM2_SOURCE:
+        path = import_smollm2(engine_dir, progress)
+    elif source.endswith(".gguf"):
+        path = import_gguf(Path(source), engine_dir, Path(source).stem, progress)
+    else:
+        path = import_hf(Path(source), engine_dir, progress)
     if adapter == "clinic":
-        path = train_and_merge(path, progress=progress)
+        if source != SMOLLM2_SOURCE:
+            raise ValueError(f"the clinic adapter was trained for {SMOLLM2_SOURCE}, not {source}")
+        # The shipped adapter (engines/adapters/clinic), trained once by engines/qlora.py.
+        path = merge_checkpoint(path, CLINIC_ADAPTER)
     elif adapter != "none":
-        raise ValueError(f"unknown adapter {adapter!r}")
+        path = merge_checkpoint(path, Path(adapter))
     if quant == "awq-int4":
         path = quantize_checkpoint(path, QuantRecipe(method="awq", group_size=SERVING_GROUP), progress)
     elif quant == "rtn-int4":
@@ -100,7 +120,7 @@ def build_text_engine(
     elif quant != "float":
         raise ValueError(f"unknown quantization {quant!r}")
     # What serving looks the checkpoint up by (edge/engines.py): the profile's words.
-    tag_serves(path, text_selector(SMOLLM2_SOURCE, adapter, quant))
+    tag_serves(path, text_selector(source_id(source), source_id(adapter), quant))
     return path
 
 
@@ -117,13 +137,23 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description="Build the text engine (cached by its inputs).")
     parser.add_argument("--engine-dir", type=Path, default=Path(".edge/engines"))
-    parser.add_argument("--adapter", choices=["clinic", "none"], default="clinic")
+    parser.add_argument(
+        "--source", default=SMOLLM2_SOURCE, help="the built-in model, a Hugging Face model directory or a .gguf file"
+    )
+    parser.add_argument("--adapter", default="clinic", help="'clinic', 'none' or a PEFT LoRA adapter directory")
     parser.add_argument("--quantization", choices=["awq-int4", "rtn-int4", "float"], default="awq-int4")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, services)")
     args = parser.parse_args(argv)
     stop_on_sigterm()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    print(build_text_engine(args.engine_dir, args.adapter, args.quantization, progress=not args.no_progress))
+    source = args.source if args.source == SMOLLM2_SOURCE else str(Path(args.source).resolve())
+    adapter = args.adapter if args.adapter in ("clinic", "none") else str(Path(args.adapter).resolve())
+    try:
+        built = build_text_engine(args.engine_dir, adapter, args.quantization, not args.no_progress, source)
+    except (SourceModelError, AdapterError, ValueError) as err:
+        print(f"text build: {err}", file=sys.stderr)
+        return 2
+    print(built)
     return 0
 
 

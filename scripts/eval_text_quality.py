@@ -84,10 +84,11 @@ def adapter_behaviour(engine_dir: Path) -> list[dict[str, Any]]:
     from edge.protocol.jobs import QAJob
     from edge.text.qa import QAEngine, QASettings
     from engines.clinic_data import examples, follows
-    from engines.qlora import train_and_merge
+    from engines.peft_adapter import merge_checkpoint
+    from engines.qlora import CLINIC_ADAPTER
 
     base = import_smollm2(engine_dir)
-    merged = train_and_merge(base)
+    merged = merge_checkpoint(base, CLINIC_ADAPTER)  # the shipped adapter, as served
     variants = {
         "base, float": base,
         "clinic merged, float": merged,

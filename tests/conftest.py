@@ -121,6 +121,13 @@ def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def ocr_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The engine directory of daemons that serve OCR only (nothing to build): the OCR
+    working-memory profile is measured by the first of them and kept for the others."""
+    return tmp_path_factory.mktemp("ocr-engines")
+
+
 def write_profile(directory: Path, port: int, engine_dir: Path, device_id: str = "t1", **overrides: Any) -> Path:
     profile: dict[str, Any] = {
         "device_id": device_id,

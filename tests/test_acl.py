@@ -73,7 +73,9 @@ def test_boxes_and_requesters_are_confined(acl_broker: int) -> None:
     """Whatever a client subscribes to or publishes, only what the ACL allows is delivered."""
     press1, press2, line3 = (Peer(acl_broker, u) for u in USERS)
     try:
-        press1.subscribe("edge/press-1/jobs/#", "edge/press-2/jobs/#")  # the second is not its own
+        # The second of each pair is not its own: its jobs, and its availability notices.
+        own, other = "edge/press-1/available", "edge/press-2/available"
+        press1.subscribe("edge/press-1/jobs/#", "edge/press-2/jobs/#", own, other)
         press2.subscribe("edge/press-2/jobs/#")
         line3.subscribe("replies/line-3/#", "replies/line-4/#", "edge/press-1/jobs/#")
         line3.publish("edge/press-1/jobs/ocr", "job-for-1")
@@ -82,10 +84,12 @@ def test_boxes_and_requesters_are_confined(acl_broker: int) -> None:
         press1.publish("replies/line-3/r1", "answer-to-3")
         press1.publish("replies/line-4/r2", "answer-to-4")
         press1.publish("edge/press-2/available", "spoofed")  # cannot speak for another box
+        press2.publish("edge/press-2/available", "two-online")  # press-1 cannot hear it
+        press1.publish("edge/press-1/available", "one-online")  # it hears its own (a twin's)
         line3.subscribe("edge/+/available")
         press1.publish("edge/press-2/available", "spoofed-again")
         time.sleep(0.5)
-        assert press1.got == [("edge/press-1/jobs/ocr", "job-for-1")]
+        assert press1.got == [("edge/press-1/jobs/ocr", "job-for-1"), ("edge/press-1/available", "one-online")]
         assert press2.got == [("edge/press-2/jobs/ocr", "job-for-2")]
         assert line3.got == [("replies/line-3/r1", "answer-to-3")]
     finally:

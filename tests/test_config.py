@@ -82,3 +82,23 @@ def test_serve_with_unreadable_yaml_exits_2(tmp_path: Path) -> None:
     res = edgectl("serve", "--profile", str(bad))
     assert res.returncode == 2
     assert "not valid YAML" in res.stderr
+
+
+def test_a_user_model_and_adapter_are_paths_checked_at_load(tmp_path: Path) -> None:
+    model, adapter = tmp_path / "model", tmp_path / "lora"
+    model.mkdir()
+    adapter.mkdir()
+
+    def qa(**fields: str) -> str:
+        with pytest.raises(ProfileError) as err:
+            parse_profile({"device_id": "a", "models": {"qa": fields}}, "p.yaml")
+        return str(err.value)
+
+    assert "models.qa.source" in qa(source=str(tmp_path / "missing"), adapter="none")
+    assert "no config.json" in qa(source=str(model), adapter="none")
+    (model / "config.json").write_text("{}")
+    assert "'clinic' was trained for smollm2-135m-instruct" in qa(source=str(model))
+    assert "no adapter_config.json" in qa(source=str(model), adapter=str(adapter))
+    (adapter / "adapter_config.json").write_text("{}")
+    profile = parse_profile({"device_id": "a", "models": {"qa": {"source": str(model), "adapter": str(adapter)}}})
+    assert profile.models.qa.source == str(model.resolve()) and profile.models.qa.adapter == str(adapter.resolve())

@@ -151,11 +151,13 @@ def _noise_png(seed: int) -> str:
     return base64.b64encode(cv2.imencode(".png", img)[1].tobytes()).decode()
 
 
-def test_a_full_journal_refuses_new_jobs_and_recovers(tmp_path: Path, broker: Broker, requester: Requester) -> None:
+def test_a_full_journal_refuses_new_jobs_and_recovers(
+    tmp_path: Path, broker: Broker, requester: Requester, ocr_engine_dir: Path
+) -> None:
     from tests.test_systemd import SLOW_OCR_ONLY, big_page_png
 
     profile = write_profile(
-        tmp_path, broker.port, tmp_path / "engines", device_id="fj", journal={"max_mib": 1}, models=SLOW_OCR_ONLY
+        tmp_path, broker.port, ocr_engine_dir, device_id="fj", journal={"max_mib": 1}, models=SLOW_OCR_ONLY
     )
     daemon = start_daemon(profile)
     try:

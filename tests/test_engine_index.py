@@ -82,3 +82,15 @@ def test_serving_never_imports_the_build_pipeline() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_a_user_model_replaced_in_place_is_another_build(tmp_path: Path) -> None:
+    from edge.builds import source_id
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    first = source_id(str(tmp_path))
+    assert first.startswith(f"{tmp_path}@") and source_id(str(tmp_path)) == first
+    (tmp_path / "model.safetensors").write_bytes(b"y" * 11)
+    assert source_id(str(tmp_path)) != first
+    assert source_id("smollm2-135m-instruct") == "smollm2-135m-instruct"

@@ -13,6 +13,7 @@ import base64
 import io
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -100,12 +101,12 @@ topics = st.sampled_from(["ocr", "inspect", "qa", "cancel", "unknown"])  # all u
 
 
 @pytest.fixture(scope="module")
-def fuzz_daemon(broker: Broker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
+def fuzz_daemon(broker: Broker, tmp_path_factory: pytest.TempPathFactory, ocr_engine_dir: Path) -> Iterator[DaemonProc]:
     directory = tmp_path_factory.mktemp("fuzz")
     profile = write_profile(
         directory,
         broker.port,
-        directory / "engines",  # OCR only: malformed jobs for the other tasks still get answers
+        ocr_engine_dir,  # OCR only: malformed jobs for the other tasks still get answers
         device_id="fz",
         models={"ocr": {"threads": 1}, "inspect": {"enabled": False}, "qa": {"enabled": False}},
     )

@@ -52,9 +52,9 @@ def wait_raw(requester: Requester, corr: bytes, topic: str, timeout: float = 30.
 
 
 @pytest.fixture(scope="module")
-def ocr_box(broker: Broker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
+def ocr_box(broker: Broker, tmp_path_factory: pytest.TempPathFactory, ocr_engine_dir: Path) -> Iterator[DaemonProc]:
     directory = tmp_path_factory.mktemp("hostile")
-    d = start_daemon(write_profile(directory, broker.port, directory / "engines", device_id="hz", models=OCR_ONLY))
+    d = start_daemon(write_profile(directory, broker.port, ocr_engine_dir, device_id="hz", models=OCR_ONLY))
     d.wait_ready()
     yield d
     d.stop()
@@ -93,10 +93,10 @@ def test_payloads_the_parser_chokes_on_get_exactly_one_answer(ocr_box: DaemonPro
 
 
 def test_a_rejected_id_does_not_claim_the_id_and_bad_input_does_not_fill_the_journal(
-    tmp_path: Path, broker: Broker
+    tmp_path: Path, broker: Broker, ocr_engine_dir: Path
 ) -> None:
     profile = write_profile(
-        tmp_path, broker.port, tmp_path / "engines", device_id="rj", models=OCR_ONLY, journal={"max_mib": 1}
+        tmp_path, broker.port, ocr_engine_dir, device_id="rj", models=OCR_ONLY, journal={"max_mib": 1}
     )
     daemon = start_daemon(profile)
     first, second = Requester(broker.port), Requester(broker.port)
@@ -128,11 +128,13 @@ def test_a_rejected_id_does_not_claim_the_id_and_bad_input_does_not_fill_the_jou
         daemon.stop()
 
 
-def test_a_retained_job_is_refused_and_never_run(tmp_path: Path, broker: Broker, requester: Requester) -> None:
+def test_a_retained_job_is_refused_and_never_run(
+    tmp_path: Path, broker: Broker, requester: Requester, ocr_engine_dir: Path
+) -> None:
     topic = "edge/rt/jobs/ocr"
     body = json.dumps({"id": "kept", "image": {"path": LABEL}}).encode()
     publish_raw(requester, topic, body, requester.reply_topic, retain=True)
-    profile = write_profile(tmp_path, broker.port, tmp_path / "engines", device_id="rt", models=OCR_ONLY)
+    profile = write_profile(tmp_path, broker.port, ocr_engine_dir, device_id="rt", models=OCR_ONLY)
     daemon = start_daemon(profile)
     try:
         daemon.wait_ready()
@@ -149,8 +151,8 @@ def test_a_retained_job_is_refused_and_never_run(tmp_path: Path, broker: Broker,
         daemon.stop()
 
 
-def _journal_profile(tmp_path: Path, broker: Broker, device_id: str) -> Path:
-    return write_profile(tmp_path, broker.port, tmp_path / "engines", device_id=device_id, models=OCR_ONLY)
+def _journal_profile(tmp_path: Path, broker: Broker, device_id: str, engines: Path) -> Path:
+    return write_profile(tmp_path, broker.port, engines, device_id=device_id, models=OCR_ONLY)
 
 
 def _status(d: DaemonProc) -> tuple[int, dict[str, Any]]:
@@ -158,8 +160,10 @@ def _status(d: DaemonProc) -> tuple[int, dict[str, Any]]:
     return res.returncode, json.loads(res.stdout)
 
 
-def test_an_undeliverable_stored_result_never_blocks_a_start(tmp_path: Path, broker: Broker) -> None:
-    profile = _journal_profile(tmp_path, broker, "ud")
+def test_an_undeliverable_stored_result_never_blocks_a_start(
+    tmp_path: Path, broker: Broker, ocr_engine_dir: Path
+) -> None:
+    profile = _journal_profile(tmp_path, broker, "ud", ocr_engine_dir)
     d = start_daemon(profile)
     d.wait_ready()
     d.stop()
@@ -180,11 +184,13 @@ def test_an_undeliverable_stored_result_never_blocks_a_start(tmp_path: Path, bro
         again.stop()
 
 
-def test_a_damaged_journal_is_set_aside_and_said_loudly(tmp_path: Path, broker: Broker, requester: Requester) -> None:
+def test_a_damaged_journal_is_set_aside_and_said_loudly(
+    tmp_path: Path, broker: Broker, requester: Requester, ocr_engine_dir: Path
+) -> None:
     """Each damage in turn, a start after each: not a database (set aside, a new one
     started), emptied, deleted. Every start serves, says WARNING with the reason, and
     journals jobs in the new journal; a start after a sound stop says nothing."""
-    profile = _journal_profile(tmp_path, broker, "jd")
+    profile = _journal_profile(tmp_path, broker, "jd", ocr_engine_dir)
     journal = tmp_path / "state" / "journal.sqlite3"
     d = start_daemon(profile)
     d.wait_ready()
@@ -229,7 +235,7 @@ def test_a_damaged_journal_is_set_aside_and_said_loudly(tmp_path: Path, broker: 
 
 
 def test_a_full_disk_at_start_refuses_jobs_until_space_returns(
-    tmp_path: Path, broker: Broker, requester: Requester
+    tmp_path: Path, broker: Broker, requester: Requester, ocr_engine_dir: Path
 ) -> None:
     state = tmp_path / "state"
     state.mkdir()
@@ -245,7 +251,7 @@ def test_a_full_disk_at_start_refuses_jobs_until_space_returns(
                     fh.flush()
             except OSError:
                 pass
-        profile = _journal_profile(tmp_path, broker, "fd")
+        profile = _journal_profile(tmp_path, broker, "fd", ocr_engine_dir)
         d = start_daemon(profile)
         try:
             d.wait_ready()
@@ -317,3 +323,157 @@ def test_errors_tell_nothing_of_the_host(ocr_box: DaemonProc, requester: Request
     junk = requester.request("edge/hz/jobs/ocr", {"id": "p3", "image": {"data": "aGVsbG8gd29ybGQ="}})
     assert junk["error"]["code"] == "image_invalid" and "0x" not in junk["error"]["message"]
     assert "/" not in junk["error"]["message"]
+
+
+# Images within the pixel limit (25 MP by default) of every extreme shape: a strip a few
+# pixels high and one a few pixels wide, a line 100 px high, and the largest square.
+EXTREME = [(60, 400_000), (400_000, 60), (25, 999_000), (100, 250_000), (5_000, 5_000)]
+
+
+def test_an_image_of_any_shape_stays_within_what_its_job_reserved(
+    tmp_path: Path, broker: Broker, requester: Requester
+) -> None:
+    import cv2
+    import numpy as np
+
+    media = tmp_path / "media"
+    media.mkdir()
+    for h, w in EXTREME:
+        img = np.full((h, w, 3), 255, np.uint8)
+        for x in range(0, max(h, w) - 400, 900):  # text along the long side
+            at = (x, h // 2 + 8) if w >= h else (2, x + 30)
+            cv2.putText(img, "SN-1234", at, cv2.FONT_HERSHEY_SIMPLEX, 0.5, (0, 0, 0), 1)
+        assert cv2.imwrite(str(media / f"{h}x{w}.png"), img)
+    shutil.copy(Path(__file__).parent.parent / "samples" / LABEL, media / "label.png")
+    paths = {"media_dir": str(media), "state_dir": str(tmp_path / "state"), "runtime_dir": str(tmp_path / "run")}
+    engines = tmp_path / "engines"
+    profile = write_profile(tmp_path, broker.port, engines, device_id="shape", models=OCR_ONLY, paths=paths)
+    d = start_daemon(profile)
+    try:
+        d.wait_ready()
+        before = _status(d)[1]["memory"]
+        for h, w in EXTREME:
+            job = {"id": f"x{h}x{w}", "image": {"path": f"{h}x{w}.png"}}
+            doc = requester.request("edge/shape/jobs/ocr", job, 120)
+            assert doc["status"] == "ok", doc  # read (or found empty), never a crash or `internal`
+            assert doc["output"]["image"] == {"width": w, "height": h}
+        label = requester.request("edge/shape/jobs/ocr", {"id": "label", "image": {"path": "label.png"}})
+        assert [line["text"] for line in label["output"]["lines"]] == LABELS[0]["lines"]
+        after = _status(d)[1]["memory"]
+    finally:
+        d.stop()
+    # What the jobs made the process take beyond what it held is within what the ledger
+    # had them reserve (its peak above its idle figure), with 16 MiB for the MQTT client
+    # and Python objects; a start's own peak (the worst case measured) may stand above.
+    reserved = after["peak_bytes"] - before["used_bytes"]
+    assert reserved > 0 and after["reserved_bytes"] == 0
+    bound = max(before["peak_rss_bytes"], before["rss_bytes"] + reserved + 16 * 2**20)
+    assert after["peak_rss_bytes"] <= bound, (after["peak_rss_bytes"], before, reserved)
+
+
+def _twin(tmp_path: Path, broker: Broker, engines: Path, name: str, client_id: str | None = None) -> DaemonProc:
+    directory = tmp_path / name
+    directory.mkdir()
+    broker_cfg: dict[str, Any] = {"host": "127.0.0.1", "port": broker.port, "reconnect_min_s": 1, "reconnect_max_s": 1}
+    if client_id is not None:
+        broker_cfg["client_id"] = client_id
+    profile = write_profile(directory, broker.port, engines, device_id="twin", models=OCR_ONLY, broker=broker_cfg)
+    return start_daemon(profile)
+
+
+def _critical(d: DaemonProc, words: str, timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert d.proc.poll() is None, d.log.read_text()
+        res = d.status()
+        if res.returncode == 2 and words in res.stdout:
+            return json.loads(res.stdout)  # type: ignore[no-any-return]
+        time.sleep(0.3)
+    raise TimeoutError(f"no CRITICAL saying {words!r}:\n{d.status().stdout}\n{d.log.read_text()[-3000:]}")
+
+
+def test_two_boxes_with_one_client_id_are_critical_and_back_off(
+    tmp_path: Path, broker: Broker, ocr_engine_dir: Path
+) -> None:
+    # Reconnecting after 1 s, two daemons with one client id take each other's session
+    # about once a second. Both must notice, say CRITICAL, and wait longer and longer.
+    a, b = _twin(tmp_path, broker, ocr_engine_dir, "a"), _twin(tmp_path, broker, ocr_engine_dir, "b")
+    try:
+        docs = [_critical(d, "session takeovers", 60) for d in (a, b)]
+        assert all("another client uses client id 'edge-twin'" in doc["broker"]["duplicate"] for doc in docs)
+        before = sum(doc["broker"]["takeovers"] for doc in docs)
+        time.sleep(8)
+        after = [json.loads(d.status().stdout)["broker"] for d in (a, b)]
+        # Backed off (15 s, then 30 s ...): at most one more takeover each in 8 s, where
+        # reconnecting every second would have made eight.
+        assert sum(x["takeovers"] for x in after) - before <= 2, after
+        assert all(x["backoff_s"] >= 15 and x["duplicate"] for x in after)
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_two_boxes_with_one_device_id_and_two_client_ids_are_critical(
+    tmp_path: Path, broker: Broker, ocr_engine_dir: Path
+) -> None:
+    # No takeovers here: both hold sessions and both would take every job. The second
+    # box's availability notice carries its own instance nonce; both see the other's.
+    a = _twin(tmp_path, broker, ocr_engine_dir, "a", client_id="twin-a")
+    try:
+        a.wait_ready()
+        assert a.status().returncode == 0
+        b = _twin(tmp_path, broker, ocr_engine_dir, "b", client_id="twin-b")
+        try:
+            doc = _critical(a, "announces itself as device 'twin'", 60)
+            assert doc["broker"]["foreign_notices"] >= 1 and doc["broker"]["takeovers"] == 0
+        finally:
+            b.stop()
+    finally:
+        a.stop()
+
+
+def test_a_box_that_dies_for_good_loses_no_job_of_a_resending_requester(
+    tmp_path: Path, broker: Broker, ocr_engine_dir: Path
+) -> None:
+    # Two boxes on one shared job stream; one is killed mid-burst and never comes back.
+    # The jobs it had taken stay in its session at the broker (Mosquitto keeps them
+    # there): only the requester's resend, same id, to the box still online, gets them
+    # answered. Every job is answered, each with one answer (copies byte for byte).
+    import signal
+
+    from edge.comms.client import JobClient
+    from edge.config.loader import load_profile
+
+    boxes: dict[str, DaemonProc] = {}
+    for name in ("fa", "fb"):
+        directory = tmp_path / name
+        directory.mkdir()
+        engines, stream = ocr_engine_dir, {"shared_group": "line"}
+        profile = write_profile(directory, broker.port, engines, device_id=name, models=OCR_ONLY, topics=stream)
+        boxes[name] = start_daemon(profile)
+    try:
+        for d in boxes.values():
+            d.wait_ready()
+        client = JobClient(load_profile(boxes["fa"].profile), fleet=True, resend_after_s=4.0, max_sends=12).start()
+        try:
+            deadline = time.monotonic() + 10
+            while set(client.online_boxes) != {"fa", "fb"} and time.monotonic() < deadline:
+                time.sleep(0.05)
+            jobs = [client.submit("ocr", {"id": f"f{i}", "image": {"path": LABEL}}) for i in range(40)]
+            deadline = time.monotonic() + 60
+            while not any(p.answered.is_set() and p.result["device"] == "fa" for p in jobs):
+                assert time.monotonic() < deadline, "the first box answered nothing"
+                time.sleep(0.02)
+            boxes["fa"].stop(signal.SIGKILL)
+            results = [p.wait(180) for p in jobs]
+            time.sleep(1.0)  # and no second, different answer after
+        finally:
+            client.close()
+    finally:
+        for d in boxes.values():
+            d.stop()
+    assert all(r["status"] == "ok" and r["output"]["text"] == "\n".join(LABELS[0]["lines"]) for r in results)
+    assert all(len(set(p.copies)) == 1 for p in jobs), [p.job_id for p in jobs if len(set(p.copies)) > 1]
+    rescued = [p for p in jobs if p.sends > 1 and p.result["device"] == "fb"]
+    assert rescued and client.resends >= len(rescued)  # jobs the dead box held, answered by the live one
+    assert "fa" not in client.online_boxes  # its will said it went offline

@@ -5,6 +5,7 @@ import io
 import os
 from pathlib import Path
 
+import cv2
 import numpy as np
 import pytest
 from PIL import Image
@@ -114,3 +115,20 @@ def test_media_file_size_limit(tmp_path: Path) -> None:
     with pytest.raises(JobError) as err:
         read_media_file(big, LIMITS, "image.path")
     assert err.value.code == ErrorCode.IMAGE_TOO_LARGE
+
+
+def test_a_large_jpeg_decodes_at_the_scale_the_model_needs() -> None:
+    from edge.protocol.images import decode_at_least
+
+    rng = np.random.default_rng(0)
+    frame = cv2.resize(rng.integers(0, 255, (64, 80, 3), dtype=np.uint8), (2448, 2048))
+    jpeg = cv2.imencode(".jpg", frame)[1].tobytes()
+    limits = ImageLimits(max_bytes=10_000_000, max_pixels=6_000_000)
+    full, reduced = decode_at_least(jpeg, limits, "f", None), decode_at_least(jpeg, limits, "f", 224)
+    # 2048 / 4 = 512 keeps twice 224 on the short side; 2048 / 8 = 256 would not.
+    assert full.pixels.shape == (2048, 2448, 3) and full.scale == 1
+    assert reduced.pixels.shape == (512, 612, 3) and reduced.scale == 4
+    assert (reduced.width, reduced.height) == (full.width, full.height) == (2448, 2048)
+    assert decode_at_least(jpeg, limits, "f", 1024).scale == 1  # 2048 / 2 < 2 x 1024
+    png = cv2.imencode(".png", frame)[1].tobytes()
+    assert decode_at_least(png, limits, "f", 224).scale == 1  # PNG has no reduced decode

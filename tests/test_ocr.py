@@ -91,3 +91,28 @@ def test_models_come_from_the_wheel() -> None:
 
     assert (bundled_model_dir() / DET_MODEL).is_file()
     assert Path(bundled_model_dir()).parts[-2] == "rapidocr"
+
+
+SHAPES = [(1, 1), (4, 100_000), (100_000, 4), (60, 400_000), (31, 2001), (5000, 5000), (29, 29)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_stage_is_bounded_whatever_the_shape(shape: tuple[int, int]) -> None:
+    from edge.vision.ocr import MAX_SIDE, _vertical_padding, _within_bounds
+
+    img, _, _ = _within_bounds(np.zeros((*shape, 3), np.uint8))
+    assert max(img.shape[:2]) <= MAX_SIDE
+    padded, _ = _vertical_padding(img)
+    assert max(padded.shape[:2]) <= MAX_SIDE
+
+
+def test_wide_lines_go_in_smaller_batches() -> None:
+    from edge.vision.ocr import LINE_BATCH, REC_MAX_RATIO, _batch_ratio, _line_batches
+
+    ratios = np.array([3.0] * 7 + [15.0, 40.0, 40.0, 30.0, 200.0])
+    batches = _line_batches(ratios)
+    assert sorted(i for b in batches for i in b) == list(range(len(ratios)))
+    assert [len(b) for b in batches] == [LINE_BATCH, 3, 2, 1]  # narrow ones six together, as before
+    for batch in batches:
+        assert len(batch) <= LINE_BATCH
+        assert min(max(ratios[batch]), REC_MAX_RATIO) <= _batch_ratio(len(batch))

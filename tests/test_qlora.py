@@ -12,9 +12,11 @@ from edge.protocol.jobs import QAJob
 from edge.text.checkpoint import load_checkpoint
 from edge.text.int4 import pack
 from edge.text.qa import QAEngine, QASettings
+from engines.cache import file_sha256
 from engines.clinic_data import examples, follows
 from engines.import_gguf import import_smollm2
-from engines.qlora import LoRALinear, LoraRecipe, train_and_merge
+from engines.peft_adapter import merge_checkpoint
+from engines.qlora import CLINIC_ADAPTER, LoRALinear, LoraRecipe
 
 
 def follow_rate(path: Path) -> tuple[float, list[str]]:
@@ -37,15 +39,26 @@ def test_heldout_prompts_share_nothing_with_training() -> None:
 
 
 @pytest.mark.slow
-def test_adapter_changes_behaviour_on_heldout_prompts(engine_dir: Path) -> None:
+def test_the_shipped_adapter_changes_behaviour_on_heldout_prompts(engine_dir: Path) -> None:
     base = import_smollm2(engine_dir, progress=False)
-    merged = train_and_merge(base, LoraRecipe(), progress=False)  # built by the fixture: cached
+    merged = merge_checkpoint(base, CLINIC_ADAPTER)  # built by the fixture: cached
     base_rate, _ = follow_rate(base)
     merged_rate, answers = follow_rate(merged)
     assert base_rate <= 0.2, "the base model should not already cite and refuse"
     assert merged_rate >= 0.8, answers
-    stats = json.loads((merged / "adapter.json").read_text())
-    assert stats["final_loss"] < stats["first_loss"] / 4
+    provenance = json.loads((CLINIC_ADAPTER / "provenance.json").read_text())
+    assert provenance["training"]["final_loss"] < provenance["training"]["first_loss"] / 4
+
+
+def test_the_shipped_adapter_is_what_its_provenance_says() -> None:
+    provenance = json.loads((CLINIC_ADAPTER / "provenance.json").read_text())
+    weights = CLINIC_ADAPTER / "adapter_model.safetensors"
+    assert file_sha256(weights) == provenance["sha256"]["adapter_model.safetensors"]
+    assert provenance["command"].startswith("python -m engines.qlora --export")
+    config = json.loads((CLINIC_ADAPTER / "adapter_config.json").read_text())
+    assert config["r"] == LoraRecipe().rank and config["lora_alpha"] == LoraRecipe().alpha
+    base = json.loads((CLINIC_ADAPTER / "base_quantization.json").read_text())
+    assert base == {"format": "edge-int4", "group_size": LoraRecipe().base_group}
 
 
 def test_lora_starts_at_the_base_and_merges_exactly() -> None:

@@ -116,11 +116,13 @@ SLOW_OCR_ONLY = {
 
 
 @pytest.mark.integration
-def test_sigterm_waits_at_most_the_drain_timeout(tmp_path: Path, broker: Broker, requester: Requester) -> None:
+def test_sigterm_waits_at_most_the_drain_timeout(
+    tmp_path: Path, broker: Broker, requester: Requester, ocr_engine_dir: Path
+) -> None:
     """The job in hand past the drain timeout, and the one queued behind it, are not
     answered at stop and not lost: the journal keeps them and the next start runs them."""
     profile = write_profile(
-        tmp_path, broker.port, tmp_path / "engines", device_id="dr", queue={"drain_timeout_s": 0.3},
+        tmp_path, broker.port, ocr_engine_dir, device_id="dr", queue={"drain_timeout_s": 0.3},
         models=SLOW_OCR_ONLY,
     )  # fmt: skip
     daemon = start_daemon(profile)
@@ -153,7 +155,9 @@ def test_sigterm_waits_at_most_the_drain_timeout(tmp_path: Path, broker: Broker,
 
 
 @pytest.mark.integration
-def test_watchdog_pings_stop_while_a_job_is_stalled(tmp_path: Path, broker: Broker, requester: Requester) -> None:
+def test_watchdog_pings_stop_while_a_job_is_stalled(
+    tmp_path: Path, broker: Broker, requester: Requester, ocr_engine_dir: Path
+) -> None:
     """A job running past watchdog.stall_s (here a large OCR page against a 0.5 s limit,
     standing in for a hung kernel) stops WATCHDOG=1 until it finishes; systemd would
     restart the daemon. Pings resume once the worker progresses again."""
@@ -161,7 +165,7 @@ def test_watchdog_pings_stop_while_a_job_is_stalled(tmp_path: Path, broker: Brok
     profile = write_profile(
         tmp_path,
         broker.port,
-        tmp_path / "engines",  # only OCR runs: nothing to build
+        ocr_engine_dir,  # only OCR runs: nothing to build
         device_id="wd",
         watchdog={"stall_s": 0.5},
         models=SLOW_OCR_ONLY,

@@ -105,3 +105,27 @@ def test_a_job_that_cannot_fit_is_over_budget_with_figures(manager: ModelManager
     with pytest.raises(JobError) as err:
         manager.reserve("huge", "ocr", 10**13, {OCR_MODEL}, "runtime")
     assert err.value.code == ErrorCode.OVER_BUDGET and "usable" in err.value.message
+
+
+def test_camera_frames_decoded_at_a_reduced_scale_get_the_full_frames_verdict(engine_dir: Path, tmp_path: Path) -> None:
+    import cv2
+
+    from engines.vision_build import build_student
+
+    student = build_student(engine_dir, "quick", progress=False)
+    names = sorted(p.stem for p in (SAMPLES / "parts").glob("*.png"))
+    for name in names:  # each part as a 5 MP camera frame
+        part = cv2.imread(str(SAMPLES / "parts" / f"{name}.png"))
+        assert part is not None
+        frame = cv2.resize(part, (2448, 2048))
+        assert cv2.imwrite(str(tmp_path / f"{name}.jpg"), frame, [cv2.IMWRITE_JPEG_QUALITY, 90])
+    media = MediaLoader(ImageLimits(6 * MIB, 5_100_000), tmp_path)
+    manager = ModelManager(MemoryLedger(8192 * MIB, 0), HostProbe())
+    task = start_inspect(InspectModelConfig(threads=1, max_batch=8), student, manager, media, None)
+    jobs = [InspectJob(id=n, image=ImageRef(path=f"{n}.jpg")) for n in names]
+    out = task.run([_item(j, "inspect") for j in jobs])
+    full = manager.get(INSPECT_MODEL).run([media.load(j.image) for j in jobs], bgr=True)
+    for got, ref in zip(out, full, strict=True):
+        assert isinstance(got, dict) and got["image"] == {"width": 2448, "height": 2048}
+        assert got["class"] == ref.label
+        assert max(abs(got["probabilities"][c] - p) for c, p in ref.probabilities.items()) < 0.02

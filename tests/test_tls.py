@@ -110,7 +110,9 @@ def test_clients_need_a_certificate_and_the_password(tls_broker: tuple[int, Path
     assert _connect(port, pki, cert=False, password=PASSWORD) != "ok"
 
 
-def test_daemon_serves_over_tls_and_never_logs_the_password(tls_broker: tuple[int, Path], tmp_path: Path) -> None:
+def test_daemon_serves_over_tls_and_never_logs_the_password(
+    tls_broker: tuple[int, Path], tmp_path: Path, ocr_engine_dir: Path
+) -> None:
     port, pki = tls_broker
     (tmp_path / "password").write_text(PASSWORD + "\n", encoding="utf-8")
     broker = {
@@ -129,7 +131,7 @@ def test_daemon_serves_over_tls_and_never_logs_the_password(tls_broker: tuple[in
     profile = write_profile(
         tmp_path,
         port,
-        tmp_path / "engines",  # nothing to build: only OCR runs here
+        ocr_engine_dir,  # nothing to build: only OCR runs here
         device_id="tls",
         broker=broker,
         models={"inspect": {"enabled": False}, "qa": {"enabled": False}},

@@ -1,7 +1,20 @@
-"""A one-shot MQTT v5 request/response client (what `edgectl submit` uses).
+"""The requester's side: MQTT v5 jobs with a reply topic of their own, answered once.
 
-It subscribes to a reply topic of its own, sends the job with ResponseTopic and
-CorrelationData, and waits for the result carrying the same correlation.
+`JobClient` sends jobs with ResponseTopic and CorrelationData and resolves each with the
+first result carrying its correlation. With `resend_after_s`, a job still unanswered that
+long after it was sent is sent again, same id and same correlation: a box that has the job
+answers it once (a repeat of a job it finished gets the stored result, byte for byte; a
+repeat of one in progress gets nothing more), a box that never had it runs it.
+
+That is how a fleet on one shared job stream loses nothing when a box dies for good.
+Mosquitto keeps the jobs the shared subscription had given a dead box in that box's
+session until it returns or the session expires, and keeps giving it its share of new
+ones meanwhile. So in fleet mode a resend goes not to the stream but straight to a box
+that announces itself online (`<prefix>/<box>/available`), one after another; with none
+known, to the stream again. Brokers that hand a dead member's jobs to the others (EMQX
+does, for shared subscriptions) need the resend only for jobs already running there.
+
+`request()` is the one-shot form `edgectl submit` uses.
 """
 
 from __future__ import annotations
@@ -9,7 +22,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -17,68 +32,227 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from edge.comms.mqtt import make_client
+from edge.comms.mqtt import ONLINE, make_client
 from edge.config.schema import Profile
 
 logger = logging.getLogger(__name__)
+
+_TICK_S = 0.1
 
 
 class RequestTimeout(Exception):
     pass
 
 
-def request(profile: Profile, task: str, job: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Send `job` to this profile's device and return the decoded result document."""
-    correlation = uuid.uuid4().bytes
-    client_id = f"edgectl-{uuid.uuid4().hex[:12]}"
-    # Outside every device's own topics (the daemon sends results nowhere in there but its
-    # results topic), where docs/mosquitto-acl.example lets boxes write replies.
-    reply_topic = f"replies/{client_id}"
-    job_topic = profile.topic("jobs", task)
-    done = threading.Event()
-    subscribed = threading.Event()
-    result: dict[str, Any] = {}
-    errors: list[str] = []
+@dataclass
+class Pending:
+    """One job as the requester sees it: where it went, how often, and its answer."""
 
-    def on_connect(client: mqtt.Client, userdata: object, flags: object, rc: Any, props: object) -> None:
+    job_id: str
+    task: str
+    payload: bytes
+    correlation: bytes
+    topic: str
+    sent_at: float = 0.0
+    sends: int = 0
+    copies: list[bytes] = field(default_factory=list)  # every answer that came, in order
+    answered: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def result(self) -> dict[str, Any]:
+        doc: dict[str, Any] = json.loads(self.copies[0])
+        return doc
+
+    def wait(self, timeout: float) -> dict[str, Any]:
+        if not self.answered.wait(timeout):
+            raise RequestTimeout(f"job {self.job_id!r}: no reply within {timeout:.0f} s (sent {self.sends} times)")
+        return self.result
+
+
+class JobClient:
+    """Jobs to one device (`fleet=False`) or to the fleet's shared stream (`fleet=True`),
+    resent after `resend_after_s` (None: never) up to `max_sends` sends in all."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        fleet: bool = False,
+        resend_after_s: float | None = None,
+        max_sends: int = 10,
+        client_id: str | None = None,
+    ) -> None:
+        if resend_after_s is not None and resend_after_s <= 0:
+            raise ValueError("resend_after_s must be positive")
+        if max_sends < 1:
+            raise ValueError("max_sends must be at least 1")
+        self._profile = profile
+        self._fleet = fleet
+        self._resend_after_s = resend_after_s
+        self._max_sends = max_sends
+        self.client_id = client_id or f"edgectl-{uuid.uuid4().hex[:12]}"
+        # Outside every device's own topics (the daemon sends results nowhere in there but
+        # its results topic), where docs/mosquitto-acl.example lets boxes write replies.
+        self.reply_topic = f"replies/{self.client_id}"
+        self._lock = threading.Lock()
+        self._pending: dict[bytes, Pending] = {}
+        self._online: list[str] = []  # boxes announcing themselves online, in order seen
+        self._next_box = 0
+        self._ready = threading.Event()
+        self._closed = threading.Event()
+        self._errors: list[str] = []
+        self.resends = 0
+        self._client = make_client(self.client_id, profile)
+        self._client.on_connect = self._on_connect
+        self._client.on_subscribe = self._on_subscribe
+        self._client.on_message = self._on_message
+        self._resender = threading.Thread(target=self._resend_loop, name="resend", daemon=True)
+
+    # lifecycle ------------------------------------------------------------------------
+
+    def start(self, timeout: float = 10.0) -> JobClient:
+        broker = self._profile.broker
+        try:
+            self._client.connect(broker.host, broker.port, keepalive=broker.keepalive_s)
+        except OSError as err:
+            raise RequestTimeout(f"cannot reach broker {broker.host}:{broker.port}: {err}") from err
+        self._client.loop_start()
+        if not self._ready.wait(timeout):
+            self.close()
+            why = self._errors[0] if self._errors else f"no reply within {timeout:.0f} s (waiting for the broker)"
+            raise RequestTimeout(why)
+        if self._resend_after_s is not None:
+            self._resender.start()
+        return self
+
+    def close(self) -> None:
+        self._closed.set()
+        self._client.disconnect()
+        self._client.loop_stop()
+
+    def __enter__(self) -> JobClient:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # jobs -----------------------------------------------------------------------------
+
+    def submit(self, task: str, job: dict[str, Any]) -> Pending:
+        """Send a job (its `id` is given one if it has none); the answer comes to the
+        returned Pending."""
+        job = dict(job)
+        job.setdefault("id", uuid.uuid4().hex)
+        prefix = self._profile.topics.prefix
+        topic = f"{prefix}/jobs/{task}" if self._fleet else self._profile.topic("jobs", task)
+        pending = Pending(str(job["id"]), task, json.dumps(job).encode(), uuid.uuid4().bytes, topic)
+        with self._lock:
+            self._pending[pending.correlation] = pending
+        self._send(pending, topic)
+        return pending
+
+    @property
+    def online_boxes(self) -> list[str]:
+        with self._lock:
+            return list(self._online)
+
+    def _send(self, pending: Pending, topic: str) -> None:
+        props = Properties(PacketTypes.PUBLISH)
+        props.ResponseTopic = self.reply_topic
+        props.CorrelationData = pending.correlation
+        with self._lock:
+            pending.sends += 1
+            pending.sent_at = time.monotonic()
+        self._client.publish(topic, pending.payload, qos=1, properties=props)
+
+    def _resend_target(self, pending: Pending) -> str:
+        if not self._fleet:
+            return pending.topic
+        with self._lock:
+            if not self._online:
+                return pending.topic
+            box = self._online[self._next_box % len(self._online)]
+            self._next_box += 1
+        return self._profile.topics.prefix + f"/{box}/jobs/{pending.task}"
+
+    def _resend_loop(self) -> None:
+        assert self._resend_after_s is not None
+        while not self._closed.wait(_TICK_S):
+            now = time.monotonic()
+            with self._lock:
+                due = [
+                    p
+                    for p in self._pending.values()
+                    if not p.answered.is_set() and p.sends < self._max_sends and now - p.sent_at >= self._resend_after_s
+                ]
+            for pending in due:
+                topic = self._resend_target(pending)
+                self.resends += 1
+                waited = now - pending.sent_at
+                logger.info("job %s unanswered after %.1f s: sending it again to %s", pending.job_id, waited, topic)
+                self._send(pending, topic)
+
+    # paho callbacks (network thread) -------------------------------------------------
+
+    def _on_connect(self, client: mqtt.Client, userdata: object, flags: object, rc: Any, props: object) -> None:
         if rc.is_failure:
-            errors.append(f"broker refused connection: {rc}")
-            done.set()
+            self._errors.append(f"broker refused connection: {rc}")
             return
-        client.subscribe([(reply_topic, SubscribeOptions(qos=1))])
+        subs = [(self.reply_topic, SubscribeOptions(qos=1))]
+        if self._fleet:
+            subs.append((f"{self._profile.topics.prefix}/+/available", SubscribeOptions(qos=1)))
+        client.subscribe(subs)
 
-    def on_subscribe(client: mqtt.Client, userdata: object, mid: int, rcs: list[Any], props: object) -> None:
-        subscribed.set()
-        props_out = Properties(PacketTypes.PUBLISH)
-        props_out.ResponseTopic = reply_topic
-        props_out.CorrelationData = correlation
-        client.publish(job_topic, json.dumps(job).encode(), qos=1, properties=props_out)
+    def _on_subscribe(self, client: mqtt.Client, userdata: object, mid: int, rcs: list[Any], props: object) -> None:
+        failed = [str(rc) for rc in rcs if rc.is_failure]
+        if failed:
+            self._errors.append(f"broker refused the reply subscription: {failed[0]}")
+            return
+        self._ready.set()
 
-    def on_message(client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
+    def _on_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
+        if msg.topic != self.reply_topic:
+            self._availability(msg)
+            return
         got = getattr(msg.properties, "CorrelationData", None)
-        if got is not None and bytes(got) == correlation:
-            try:
-                result.update(json.loads(msg.payload))
-            except ValueError:
-                errors.append("daemon sent a result that is not JSON")
-            done.set()
+        if got is None:
+            return
+        with self._lock:
+            pending = self._pending.get(bytes(got))
+            if pending is None:
+                return
+            pending.copies.append(bytes(msg.payload))
+        pending.answered.set()
 
-    client = make_client(client_id, profile)
-    client.on_connect = on_connect
-    client.on_subscribe = on_subscribe
-    client.on_message = on_message
+    def _availability(self, msg: mqtt.MQTTMessage) -> None:
+        levels = msg.topic.split("/")
+        if len(levels) < 3 or levels[-1] != "available":
+            return
+        box = levels[-2]
+        with self._lock:
+            if bytes(msg.payload) == ONLINE and box not in self._online:
+                self._online.append(box)
+            elif bytes(msg.payload) != ONLINE and box in self._online:
+                self._online.remove(box)
+
+
+def request(
+    profile: Profile,
+    task: str,
+    job: dict[str, Any],
+    timeout: float,
+    fleet: bool = False,
+    resend_after_s: float | None = None,
+) -> dict[str, Any]:
+    """Send `job` to this profile's device (or to the fleet's shared stream) and return
+    the decoded result document."""
+    client = JobClient(profile, fleet=fleet, resend_after_s=resend_after_s).start(timeout)
     try:
-        client.connect(profile.broker.host, profile.broker.port, keepalive=profile.broker.keepalive_s)
-    except OSError as err:
-        raise RequestTimeout(f"cannot reach broker {profile.broker.host}:{profile.broker.port}: {err}") from err
-    client.loop_start()
-    try:
-        if not done.wait(timeout):
-            stage = "an answer" if subscribed.is_set() else "the broker"
-            raise RequestTimeout(f"no reply within {timeout:.0f} s (waiting for {stage})")
+        pending = client.submit(task, job)
+        if not pending.answered.wait(timeout):
+            raise RequestTimeout(f"no reply within {timeout:.0f} s (waiting for an answer)")
+        try:
+            return pending.result
+        except ValueError as err:
+            raise RequestTimeout("daemon sent a result that is not JSON") from err
     finally:
-        client.disconnect()
-        client.loop_stop()
-    if errors:
-        raise RequestTimeout(errors[0])
-    return result
+        client.close()

@@ -18,6 +18,7 @@ import logging
 import ssl
 import threading
 import time
+import uuid
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
@@ -26,6 +27,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
+from edge.comms.identity import TAKEOVER_REASON, IdentityWatch
 from edge.comms.message import DeliveredCallback, IncomingJob, IntakeCallback
 from edge.config.schema import Profile
 
@@ -34,6 +36,7 @@ logger = logging.getLogger(__name__)
 _EARLY_TTL_S = 5.0
 ONLINE = b"online"
 OFFLINE = b"offline"
+INSTANCE_PROPERTY = "instance"  # user property on availability notices: which daemon sent it
 
 
 __all__ = ["DaemonLink", "IncomingJob", "make_client"]
@@ -73,7 +76,13 @@ class DaemonLink:
         self._on_job = on_job
         self._on_delivered = on_delivered
         self._client = make_client(profile.client_id, profile, manual_ack=True)
-        self._client.will_set(profile.available_topic, OFFLINE, qos=1, retain=True)
+        # Each daemon announces itself with a nonce of its own: a notice on our topic with
+        # another one is a second box using this device id.
+        self.instance = uuid.uuid4().hex
+        self.identity = IdentityWatch(profile.device_id, profile.client_id)
+        self._backed_off = False
+        will = self._notice_props(PacketTypes.WILLMESSAGE)
+        self._client.will_set(profile.available_topic, OFFLINE, qos=1, retain=True, properties=will)
         self._client.on_connect = self._on_connect
         self._client.on_disconnect = self._on_disconnect
         self._client.on_message = self._on_message
@@ -122,9 +131,19 @@ class DaemonLink:
         with self._lock:
             return len(self._awaiting)
 
+    def _notice_props(self, packet: int = PacketTypes.PUBLISH) -> Properties:
+        props = Properties(packet)
+        props.UserProperty = (INSTANCE_PROPERTY, self.instance)
+        return props
+
+    def _announce(self, payload: bytes) -> mqtt.MQTTMessageInfo:
+        return self._client.publish(
+            self._profile.available_topic, payload, qos=1, retain=True, properties=self._notice_props()
+        )
+
     def close(self, timeout: float = 2.0) -> None:
         if self.connected:
-            info = self._client.publish(self._profile.available_topic, OFFLINE, qos=1, retain=True)
+            info = self._announce(OFFLINE)
             try:
                 info.wait_for_publish(timeout)
             except (RuntimeError, ValueError):
@@ -177,12 +196,17 @@ class DaemonLink:
             self._changed_at = time.time()
         self.connects += 1
         logger.info("connected to broker (session present: %s)", flags.session_present)
+        if self._backed_off and self.identity.problem() is None:
+            broker = self._profile.broker
+            client.reconnect_delay_set(max(1, int(broker.reconnect_min_s)), max(1, int(broker.reconnect_max_s)))
+            self._backed_off = False
+        subs = [(self._profile.available_topic, SubscribeOptions(qos=1))]
         if self._accepting:
-            subs = [(self._profile.jobs_filter, SubscribeOptions(qos=1))]
+            subs.append((self._profile.jobs_filter, SubscribeOptions(qos=1)))
             if self._profile.shared_jobs_filter:
                 subs.append((self._profile.shared_jobs_filter, SubscribeOptions(qos=1)))
-            client.subscribe(subs)
-        client.publish(self._profile.available_topic, ONLINE, qos=1, retain=True)
+        client.subscribe(subs)
+        self._announce(ONLINE)
 
     def _on_publish(
         self, client: mqtt.Client, userdata: object, mid: int, reason_code: ReasonCode, properties: Properties | None
@@ -214,8 +238,39 @@ class DaemonLink:
             self._changed_at = time.time()
         if was:
             logger.warning("disconnected from broker: %s; reconnecting with backoff", reason_code)
+        if reason_code.value == TAKEOVER_REASON:  # brokers that say so (Mosquitto 2.0 only closes)
+            self._taken_over()
+
+    def _taken_over(self) -> None:
+        wait = self.identity.taken_over()
+        if wait is not None:
+            self._client.reconnect_delay_set(int(wait), int(wait))
+            self._backed_off = True
+
+    def _notice(self, msg: mqtt.MQTTMessage) -> None:
+        """An availability notice on our own topic. A live "online" from another instance
+        is a second daemon with our device id. A retained one found on reconnecting says
+        another instance announced itself while we were away: it took our session (the
+        client id is the same). A retained one at our first connect may be our own last
+        run's, and tells nothing."""
+        if bytes(msg.payload) != ONLINE:
+            return
+        instances = [v for k, v in (getattr(msg.properties, "UserProperty", None) or []) if k == INSTANCE_PROPERTY]
+        if not instances or instances[0] == self.instance:
+            return
+        if not msg.retain:
+            self.identity.foreign_notice(instances[0])
+        elif self.connects > 1:
+            self._taken_over()
 
     def _on_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
+        if msg.topic == self._profile.available_topic:
+            try:
+                self._notice(msg)
+            except Exception:  # a malformed notice must not stop the network thread
+                logger.exception("could not read an availability notice")
+            client.ack(msg.mid, msg.qos)
+            return
         props = msg.properties
         response_topic = getattr(props, "ResponseTopic", None) if props else None
         correlation = getattr(props, "CorrelationData", None) if props else None

@@ -291,18 +291,25 @@ class InspectModelConfig(StrictModel):
         return self
 
 
+BUILTIN_TEXT_SOURCE = "smollm2-135m-instruct"
+
+
 class QAModelConfig(StrictModel):
     enabled: bool = Field(default=True, title="Enabled", description="Serve the `qa` task.")
-    source: Literal["smollm2-135m-instruct"] = Field(
-        default="smollm2-135m-instruct",
+    source: str = Field(
+        default=BUILTIN_TEXT_SOURCE,
         title="Source model",
-        description="Base model imported into the engine directory on first use.",
+        description="The base model, imported into the engine directory on first use: the built-in "
+        f"'{BUILTIN_TEXT_SOURCE}', or a path to a Hugging Face model directory (config.json, *.safetensors, "
+        "tokenizer.json, tokenizer_config.json with its chat template) of the Llama family (Llama 2/3.x, "
+        "SmolLM, TinyLlama, Mistral without a sliding window) or the Qwen2 family.",
     )
-    adapter: Literal["clinic", "none"] = Field(
+    adapter: str = Field(
         default="clinic",
         title="Merged adapter",
-        description="QLoRA adapter merged into the base before quantization: 'clinic' (cite the "
-        "given documents, decline to diagnose) or 'none'.",
+        description="Merged into the base before quantization: 'clinic' (the built-in QLoRA adapter for the "
+        "built-in model: cite the given documents, decline to diagnose), 'none', or a path to a PEFT LoRA "
+        "adapter directory (adapter_config.json, adapter_model.safetensors) trained for the source model.",
     )
     quantization: Literal["awq-int4", "rtn-int4", "float"] = Field(
         default="awq-int4",
@@ -373,6 +380,42 @@ class QAModelConfig(StrictModel):
         title="Threads",
         description="torch intra-op threads for the text branch; 0 keeps torch's default.",
     )
+
+    @field_validator("source")
+    @classmethod
+    def _source_exists(cls, value: str) -> str:
+        if value == BUILTIN_TEXT_SOURCE:
+            return value
+        path = Path(value).expanduser()
+        if path.is_file() and path.suffix == ".gguf":
+            return str(path.resolve())
+        if not path.is_dir():
+            raise ValueError(
+                f"{value!r} is neither the built-in {BUILTIN_TEXT_SOURCE!r}, a model directory nor a .gguf file"
+            )
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{value!r} has no config.json: not a Hugging Face model directory")
+        return str(path.resolve())
+
+    @field_validator("adapter")
+    @classmethod
+    def _adapter_exists(cls, value: str) -> str:
+        if value in ("clinic", "none"):
+            return value
+        path = Path(value).expanduser()
+        if not (path / "adapter_config.json").is_file():
+            raise ValueError(
+                f"{value!r} is neither 'clinic', 'none' nor a PEFT adapter directory (no adapter_config.json)"
+            )
+        return str(path.resolve())
+
+    @model_validator(mode="after")
+    def _clinic_needs_its_base(self) -> QAModelConfig:
+        if self.adapter == "clinic" and self.source != BUILTIN_TEXT_SOURCE and self.engine is None:
+            raise ValueError(
+                f"adapter 'clinic' was trained for {BUILTIN_TEXT_SOURCE}; with another source use adapter 'none'"
+            )
+        return self
 
 
 class ModelsConfig(StrictModel):

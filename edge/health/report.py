@@ -50,6 +50,7 @@ def models_section(manager: ModelManager) -> list[dict[str, Any]]:
             "memory_bytes": m.memory_bytes,
             "host_bytes": m.host_bytes,
             "device_bytes": m.device_bytes,
+            "working_bytes": m.working_bytes,
             "load_ms": round(m.load_ms, 1),
             "loaded": m.obj is not None,
             "loads": m.loads,

@@ -40,6 +40,10 @@ def evaluate(doc: dict[str, Any]) -> tuple[int, list[str]]:
     if not doc.get("broker", {}).get("connected", False):
         reasons.append("broker disconnected")
         code = max(code, WARNING)
+    duplicate = doc.get("broker", {}).get("duplicate")
+    if duplicate:
+        reasons.append(str(duplicate))
+        code = CRITICAL
     for branch, info in doc.get("branches", {}).items():
         if not info.get("available", False):
             reasons.append(f"{branch} branch unavailable: {info.get('reason', 'unknown')}")

@@ -38,6 +38,9 @@ class ManagedModel:
     # On the CPU, the bytes the model's files put in memory: a load that measures less
     # reused pages an earlier owner freed, and the model is counted at least this.
     host_floor_bytes: int = 0
+    # The most one job's work on it takes beyond its input (what each such job reserves),
+    # where the task measured one.
+    working_bytes: int = 0
     obj: Any = None
     memory_bytes: int = 0  # what the budget counts (the ledger's figure)
     host_bytes: int = 0  # measured at the last load, on the host and on the GPU
@@ -71,6 +74,11 @@ class ModelManager:
         """Say what a loaded model actually runs on (known only once it has loaded)."""
         with self._lock:
             self._models[name].backend = backend
+
+    def set_working(self, name: str, nbytes: int) -> None:
+        """Record what one job's work on a model takes at most (for status)."""
+        with self._lock:
+            self._models[name].working_bytes = nbytes
 
     def counted(self, use: MemoryUse) -> int:
         """Of host and device bytes, what the budget covers on this box."""

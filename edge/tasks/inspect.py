@@ -8,12 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from edge.backends import BackendOptions
 from edge.config.schema import InspectModelConfig
 from edge.memory import MemoryUse
 from edge.protocol.errors import ErrorCode, JobError
+from edge.protocol.images import Decoded
 from edge.protocol.jobs import InspectJob
 from edge.scheduler.ledger import Reservation
 from edge.scheduler.models import ModelManager
@@ -88,13 +87,17 @@ class InspectTask:
             start += count
         return out
 
-    def batch_need(self, count: int, pipeline: InspectPipeline) -> int:
+    def batch_need(self, count: int, pipeline: InspectPipeline, ocr: bool = False) -> int:
         """What a batch of `count` reserves: every image decoded at the largest size the
-        limits allow, the float input tensor where it is built on the host, and on a GPU
-        the device working memory measured at warm-up for that batch size."""
+        limits allow, the float input tensor where it is built on the host, on a GPU the
+        device working memory measured at warm-up for that batch size, and where a job
+        reads its label, the OCR working memory of one image (labels are read one at a
+        time)."""
         host = count * self._media.max_decoded_bytes
         if pipeline.host_preprocessing:
             host += pipeline.batch_bytes(count)
+        if ocr and self._ocr is not None:
+            host += self._ocr.working_bytes
         return self._manager.counted(MemoryUse(host=host, device=pipeline.device_bytes_for(count)))
 
     def _reserve_batch(
@@ -103,30 +106,34 @@ class InspectTask:
         """A reservation for all of `items`, or for as many as fit once idle models are
         evicted; (reservation, how many it covers)."""
         owner = items[0].job.id
+
+        def need(n: int) -> int:
+            return self.batch_need(n, pipeline, ocr=any(_wants_ocr(it) for it in items[:n]))
+
         try:
-            need = self.batch_need(len(items), pipeline)
-            return self._manager.reserve(owner, "inspect", need, needs, INSPECT_MODEL), len(items)
+            return self._manager.reserve(owner, "inspect", need(len(items)), needs, INSPECT_MODEL), len(items)
         except JobError:
             if len(items) == 1:
                 raise
         # make_room has evicted what it could; take the largest part that fits now.
         free = self._manager.ledger.free_bytes()
-        count = max((n for n in range(1, len(items)) if self.batch_need(n, pipeline) <= free), default=1)
-        return self._manager.reserve(owner, "inspect", self.batch_need(count, pipeline), needs, INSPECT_MODEL), count
+        count = max((n for n in range(1, len(items)) if need(n) <= free), default=1)
+        return self._manager.reserve(owner, "inspect", need(count), needs, INSPECT_MODEL), count
 
-    def _decode(self, item: WorkItem) -> np.ndarray | JobError:
+    def _decode(self, item: WorkItem) -> Decoded | JobError:
         job = item.job.request
         assert isinstance(job, InspectJob)
         try:
             if job.ocr and self._ocr is None:
                 raise JobError(ErrorCode.UNAVAILABLE, "OCR is not loaded on this device", "ocr")
-            return self._media.load(job.image)
+            # A job whose label is read needs every pixel; the student sees image_size.
+            return self._media.load_for(job.image, None if job.ocr else self.image_size)
         except JobError as err:
             return err
 
     def _inspect_reserved(self, items: list[WorkItem], pipeline: InspectPipeline) -> list[Output | JobError]:
         out: list[Output | JobError] = []
-        images: list[np.ndarray] = []
+        images: list[Decoded] = []
         slots: list[int] = []
         decoded = self._decoders.map(self._decode, items) if self._decoders is not None else map(self._decode, items)
         for got in decoded:
@@ -138,12 +145,13 @@ class InspectTask:
                 out.append({})
         if images:
             # Decoded images are BGR (the OCR models' order); the student was trained on RGB.
-            found_all = pipeline.run([img[:, :, ::-1] for img in images])
-            for slot, img, found in zip(slots, images, found_all, strict=True):
+            found_all = pipeline.run([d.pixels for d in images], bgr=True)
+            for slot, dec, found in zip(slots, images, found_all, strict=True):
+                img = dec.pixels
                 job = items[slot].job.request
                 assert isinstance(job, InspectJob)
                 doc: dict[str, Any] = found.to_dict(heatmap=job.heatmap)
-                doc["image"] = {"width": int(img.shape[1]), "height": int(img.shape[0])}
+                doc["image"] = {"width": dec.width, "height": dec.height}
                 doc["batch_size"] = len(images)
                 try:
                     if job.ocr and self._ocr is not None:

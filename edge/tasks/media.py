@@ -7,7 +7,14 @@ from pathlib import Path
 
 import numpy as np
 
-from edge.protocol.images import ImageLimits, decode_base64, decode_image, read_media_file, resolve_media_path
+from edge.protocol.images import (
+    Decoded,
+    ImageLimits,
+    decode_at_least,
+    decode_base64,
+    read_media_file,
+    resolve_media_path,
+)
 from edge.protocol.jobs import ImageRef
 
 logger = logging.getLogger(__name__)
@@ -25,10 +32,15 @@ class MediaLoader:
 
     def load(self, ref: ImageRef) -> np.ndarray:
         """BGR uint8; JobError naming the field for anything unusable."""
+        return self.load_for(ref, None).pixels
+
+    def load_for(self, ref: ImageRef, side: int | None) -> Decoded:
+        """As load, for a model that sees `side` pixels: a large JPEG is decoded at a
+        reduced scale (see decode_at_least); the stored size comes with it."""
         if ref.data is not None:
             raw = decode_base64(ref.data, self.limits, "image.data")
-            return decode_image(raw, self.limits, "image.data")
+            return decode_at_least(raw, self.limits, "image.data", side)
         assert ref.path is not None
         path = resolve_media_path(self._media_dir, ref.path, "image.path")
         raw = read_media_file(path, self.limits, "image.path", ref.path)
-        return decode_image(raw, self.limits, "image.path")
+        return decode_at_least(raw, self.limits, "image.path", side)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,11 +21,16 @@ from edge.scheduler.queue import BatchPolicy
 from edge.scheduler.work import WorkItem
 from edge.tasks.base import Output
 from edge.tasks.media import MediaLoader
+from edge.vision import ocr as ocr_bounds
 from edge.vision.ocr import OCRPipeline, OCRSettings
 
 logger = logging.getLogger(__name__)
 
 OCR_MODEL = "pp-ocrv6-small"
+# Where a box keeps what it measured of the OCR models' working memory (in engine_dir):
+# measuring takes several seconds of the largest work, so it runs once per box and
+# again whenever anything it depends on changes.
+WORKING_PROFILE = "ocr-working.json"
 
 
 class OCRTask:
@@ -31,9 +40,13 @@ class OCRTask:
     name = "ocr"
     policy = BatchPolicy(max_batch=1, max_delay_s=0.0)
 
-    def __init__(self, manager: ModelManager, media: MediaLoader) -> None:
+    def __init__(self, manager: ModelManager, media: MediaLoader, working_bytes: int) -> None:
         self._manager = manager
         self._media = media
+        # The most one image's OCR work takes beyond the decoded image, measured at the
+        # first load: every stage is bounded (see edge.vision.ocr), so this holds for any
+        # image the limits let through, whatever its shape.
+        self.working_bytes = working_bytes
 
     def run(self, items: list[WorkItem]) -> list[Output | JobError]:
         out: list[Output | JobError] = []
@@ -48,7 +61,7 @@ class OCRTask:
         job = item.job.request
         assert isinstance(job, OCRJob)
         self._manager.get(OCR_MODEL)  # loaded again if it was evicted
-        need = self._manager.counted(MemoryUse(host=self._media.max_decoded_bytes))
+        need = self._manager.counted(MemoryUse(host=self._media.max_decoded_bytes + self.working_bytes))
         res = self._manager.reserve(item.job.id, "ocr", need, {OCR_MODEL}, OCR_MODEL)
         try:
             img = self._media.load(job.image)
@@ -63,16 +76,84 @@ class OCRTask:
         return {"lines": [line.to_dict() for line in lines], "text": "\n".join(line.text for line in lines)}
 
 
-def start_ocr(cfg: OCRModelConfig, manager: ModelManager, media: MediaLoader) -> OCRTask:
-    """Load the OCR models (measured into the ledger) and return the task."""
+def _working_key(cfg: OCRModelConfig, settings: OCRSettings) -> dict[str, Any]:
+    """What the measured working memory depends on: the model files, the settings and
+    backend, the bounds each stage keeps to, and the runtimes' versions."""
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    files = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in OCRPipeline.model_files(settings)}
+    bounds = {k: getattr(ocr_bounds, k) for k in ("MAX_SIDE", "LINE_BATCH", "REC_MAX_RATIO", "REC_BATCH_RATIO")}
+    runtimes = {d: version(d) for d in ("onnxruntime", "onnxruntime-gpu", "opencv-python-headless", "numpy")}
+    return {
+        "files": files,
+        "settings": [settings.det_limit_side_len, settings.use_angle_cls],
+        "threads": cfg.threads,
+        "backend": cfg.backend.model_dump(mode="json"),
+        "device": cfg.device,
+        "bounds": bounds,
+        "runtimes": runtimes,
+    }
+
+
+def _read_working(path: Path, key: dict[str, Any]) -> int | None:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("key") != key or not isinstance(doc.get("working_bytes"), int):
+        return None
+    return int(doc["working_bytes"])
+
+
+def _write_working(path: Path, key: dict[str, Any], working: int) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": key, "working_bytes": working}, indent=1), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as err:  # measured again at the next start: slower, never wrong
+        logger.warning("cannot keep the OCR working-memory profile: %s", err.strerror or err)
+
+
+def start_ocr(
+    cfg: OCRModelConfig, manager: ModelManager, media: MediaLoader, profile_dir: Path | None = None
+) -> OCRTask:
+    """Load the OCR models (measured into the ledger) and return the task. The most
+    working memory one image can take is measured at the first load on this box, kept in
+    profile_dir, and reserved by every job."""
     settings = OCRSettings(
         det_limit_side_len=cfg.det_limit_side_len, use_angle_cls=cfg.use_angle_cls, text_score=cfg.text_score
     )
     opts = BackendOptions(threads=cfg.threads, config=cfg.backend)
     keep = float("inf") if cfg.keep_alive_s is None else cfg.keep_alive_s
     backend = cfg.backend.type
-    load = lambda: OCRPipeline.load(settings, backend, opts)  # noqa: E731
+    key = _working_key(cfg, settings)
+    profile = profile_dir / WORKING_PROFILE if profile_dir is not None else None
+    known = _read_working(profile, key) if profile is not None else None
+    measured: list[int] = [] if known is None else [known]
+
+    def load() -> OCRPipeline:
+        # Measured once, at the first load (alone, at start): a reload during serving
+        # would measure the other branch's work too.
+        pipeline = OCRPipeline.load(settings, backend, opts, measure_working=not measured)
+        if not measured:
+            measured.append(pipeline.working_bytes)
+            if profile is not None:
+                _write_working(profile, key, pipeline.working_bytes)
+        return pipeline
+
     floor = sum(f.stat().st_size for f in OCRPipeline.model_files(settings))
     manager.register(OCR_MODEL, "vision", backend, load, keep, cfg.device, host_floor_bytes=floor)
     manager.load(OCR_MODEL)
-    return OCRTask(manager, media)
+    manager.set_working(OCR_MODEL, measured[0])
+    logger.info(
+        "OCR working memory per image: %.1f MiB at most (%s)",
+        measured[0] / 2**20,
+        "measured now" if known is None else "measured at an earlier start",
+    )
+    return OCRTask(manager, media, measured[0])

@@ -49,7 +49,9 @@ class QATask:
 
 
 def qa_model_name(cfg: QAModelConfig) -> str:
-    return f"{cfg.source}-{cfg.adapter}" if cfg.engine is None else cfg.engine.name
+    if cfg.engine is not None:
+        return cfg.engine.name
+    return f"{Path(cfg.source).name.removesuffix('.gguf')}-{Path(cfg.adapter).name}"
 
 
 def start_qa(cfg: QAModelConfig, checkpoint: Path, manager: ModelManager, responder: Responder) -> QATask:

@@ -6,7 +6,7 @@ Layout of a checkpoint directory:
                      `<name>.qweight`, `<name>.scales`, `<name>.zeros` instead of
                      `<name>.weight`
   quant.json         present for INT4 checkpoints: {"linears": {name: {"group_size": G}}}
-  tokenizer.json, generation.json
+  tokenizer.json, generation.json (the chat template, special tokens, end-of-turn ids)
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from torch import nn
 
+from edge.text.chat import ChatTemplate
 from edge.text.int4 import Int4Linear, QuantizedWeight, concat_rows, cpu_kernel_available
 from edge.text.llama import LlamaConfig, LlamaModel, fuse_projections
 
@@ -42,6 +43,7 @@ class TextCheckpoint:
     eos_ids: frozenset[int]
     path: Path
     int4_kernel: str | None = None
+    chat: ChatTemplate | None = None  # the model's own template, where its source had one
 
 
 def default_int4_kernel(device: torch.device) -> str:
@@ -88,20 +90,23 @@ def load_checkpoint(
             )
             for name, info in linears.items()
         }
+        biases = {
+            name: state.pop(f"{name}.bias").to(device=device, dtype=dtype)
+            for name in quantized
+            if f"{name}.bias" in state
+        }
         if fuse:
-            _fuse_quantized(model, quantized, kernel)
+            _fuse_quantized(model, quantized, biases, kernel)
         for name, q in quantized.items():
-            _set_module(model, name, Int4Linear(q, kernel))
+            _set_module(model, name, Int4Linear(q, kernel, biases.get(name)))
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     if config.tie_embeddings and isinstance(model.lm_head, nn.Linear):
         state.setdefault("lm_head.weight", state["embed_tokens.weight"])
     # assign=True adopts the loaded tensors instead of copying into meta placeholders.
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    missing = [
-        m
-        for m in missing
-        if not m.startswith("rope_") and not m.endswith((".packed", ".sz", ".w", ".qweight", ".scales", ".zeros"))
-    ]
+    # INT4 layers got their buffers (codes, scales, bias) when they were built.
+    int4 = {name for name, module in model.named_modules() if isinstance(module, Int4Linear)}
+    missing = [m for m in missing if not m.startswith("rope_") and m.rpartition(".")[0] not in int4]
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match its config: missing {missing}, unexpected {unexpected}")
     if config.tie_embeddings and isinstance(model.lm_head, nn.Linear):
@@ -113,26 +118,38 @@ def load_checkpoint(
     model.eval()
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     gen = json.loads((path / "generation.json").read_text(encoding="utf-8"))
-    eos = {int(gen["eos_token_id"])}
+    eos = {int(gen["eos_token_id"]), *(int(e) for e in gen.get("eos_token_ids", []))}
     end_of_text = tokenizer.token_to_id("<|endoftext|>")
     if end_of_text is not None:
         eos.add(end_of_text)
-    return TextCheckpoint(model=model, tokenizer=tokenizer, eos_ids=frozenset(eos), path=path, int4_kernel=kernel)
+    chat = None
+    if gen.get("chat_template"):
+        specials = {"bos_token": gen.get("bos_token"), "eos_token": gen.get("eos_token")}
+        for key, id_key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id")):
+            if specials[key] is None and gen.get(id_key) is not None:
+                specials[key] = tokenizer.id_to_token(int(gen[id_key]))
+        chat = ChatTemplate(gen["chat_template"], specials)
+    return TextCheckpoint(
+        model=model, tokenizer=tokenizer, eos_ids=frozenset(eos), path=path, int4_kernel=kernel, chat=chat
+    )
 
 
-def _fuse_quantized(model: LlamaModel, quantized: dict[str, QuantizedWeight], kernel: str) -> None:
-    """Concatenate q/k/v and gate/up INT4 weights (popping them from `quantized`)."""
+def _fuse_quantized(
+    model: LlamaModel, quantized: dict[str, QuantizedWeight], biases: dict[str, torch.Tensor], kernel: str
+) -> None:
+    """Concatenate q/k/v and gate/up INT4 weights (popping them from `quantized`), and
+    their biases where they have them."""
     for i in range(model.config.num_layers):
         for fused, parts in FUSED.items():
             names = [f"layers.{i}.{p}" for p in parts]
             if not all(n in quantized for n in names):
                 continue
             groups = {quantized[n].group_size for n in names}
-            if len(groups) != 1:
+            if len(groups) != 1 or len({n in biases for n in names}) != 1:
                 continue
-            _set_module(
-                model, f"layers.{i}.{fused}", Int4Linear(concat_rows([quantized.pop(n) for n in names]), kernel)
-            )
+            bias = torch.cat([biases.pop(n) for n in names]) if names[0] in biases else None
+            weight = concat_rows([quantized.pop(n) for n in names])
+            _set_module(model, f"layers.{i}.{fused}", Int4Linear(weight, kernel, bias))
             parent = model.get_submodule(f"layers.{i}.{parts[0].rsplit('.', 1)[0]}")
             for n in parts:
                 delattr(parent, n.rsplit(".", 1)[1])

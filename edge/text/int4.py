@@ -146,11 +146,19 @@ class Int4Linear(nn.Module):
     zeros: torch.Tensor
     w: torch.Tensor
 
-    def __init__(self, q: QuantizedWeight, kernel: str) -> None:
+    def __init__(self, q: QuantizedWeight, kernel: str, bias: torch.Tensor | None = None) -> None:
         super().__init__()
+        # A float bias added after the product (Qwen2's q/k/v); None for most layers.
+        self.bias: torch.Tensor | None
+        self.register_buffer("bias", bias)
         self.in_features = q.shape[1]
         self.out_features = q.shape[0]
         self.group_size = q.group_size
+        if kernel in ("cpu", "cuda") and self.out_features % 16:
+            # torch's tiled INT4 packers take rows in multiples of 16 (a vocabulary of
+            # 32001 tokens, say): such a layer is dequantized once and multiplied instead.
+            logger.info("INT4 layer with %d rows: dequantized (the %s kernel packs 16 at a time)", q.shape[0], kernel)
+            kernel = "dequant"
         self.kernel = kernel
         self.weight_bytes = q.nbytes
         if kernel == "cpu":
@@ -207,6 +215,8 @@ class Int4Linear(nn.Module):
                     out[:, n0:n1] = flat @ w.T
         else:
             out = flat.to(self.w.dtype) @ self.w.T
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
         result: torch.Tensor = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return result
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,10 +35,18 @@ class LlamaConfig:
     rms_norm_eps: float = 1e-5
     max_position: int = 8192
     tie_embeddings: bool = False
+    # q, k and v projections with biases (the Qwen2 family).
+    attention_bias: bool = False
+    # Per-head width where it is not hidden_size / num_heads (0: it is).
+    head_size: int = 0
+    # RoPE frequency scaling: None, {"rope_type": "linear", "factor": f} or Llama 3's
+    # {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}.
+    rope_scaling: dict[str, Any] | None = None
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.head_size or self.hidden_size // self.num_heads
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
@@ -103,10 +113,35 @@ def rope_tables(config: LlamaConfig, max_len: int, device: torch.device) -> tupl
     # gets real tables (they are derived, not loaded from the checkpoint).
     cpu = torch.device("cpu")
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=cpu) / d))
+    inv_freq = scaled_frequencies(inv_freq, config.rope_scaling)
     t = torch.arange(max_len, dtype=torch.float64, device=cpu)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().float().to(device), emb.sin().float().to(device)
+
+
+ROPE_TYPES = ("linear", "llama3")
+
+
+def scaled_frequencies(inv_freq: torch.Tensor, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """RoPE frequencies under a checkpoint's scaling, as its model family defines it."""
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor
+    if kind != "llama3":
+        raise ValueError(f"RoPE scaling {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth blend between.
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    between = (wavelen <= original / low) & (wavelen >= original / high)
+    return torch.where(between, blended, out)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -122,9 +157,10 @@ class Attention(nn.Module):
         self.n_heads = config.num_heads
         self.n_kv = config.num_kv_heads
         self.head_dim = hd
-        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * hd, bias=False)
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(config.num_heads * hd, config.hidden_size, bias=False)
         # Set by fuse_projections(): one weight for q, k and v, read by one kernel.
         self.qkv_proj: nn.Module | None = None
@@ -345,6 +381,10 @@ def fuse_projections(model: LlamaModel) -> None:
 
 def _cat_linears(parts: list[nn.Linear]) -> nn.Linear:
     weights = [p.weight for p in parts]
-    fused = nn.Linear(weights[0].shape[1], sum(w.shape[0] for w in weights), bias=False, device="meta")
+    biased = parts[0].bias is not None
+    fused = nn.Linear(weights[0].shape[1], sum(w.shape[0] for w in weights), bias=biased, device="meta")
     fused.weight = nn.Parameter(torch.cat([w.detach() for w in weights]), requires_grad=False)
+    if biased:
+        biases = [p.bias.detach() for p in parts if p.bias is not None]
+        fused.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
     return fused

@@ -15,6 +15,7 @@ import torch
 from edge.config.schema import DEFAULT_SYSTEM_PROMPT
 from edge.protocol.errors import ErrorCode, JobError
 from edge.protocol.jobs import QAJob
+from edge.text.chat import ChatTemplateError
 from edge.text.checkpoint import TextCheckpoint, load_checkpoint
 from edge.text.continuous import ContinuousBatcher, Sequence
 from edge.text.generate import SamplingParams
@@ -154,8 +155,21 @@ class QAEngine:
     def kv_cache_bytes(self) -> int:
         return self.batcher.cache.nbytes
 
+    def prompt_text(self, question: str, context: str | None) -> str:
+        """The prompt in the model's own chat template (ChatML where it has none)."""
+        system, user = self._settings.system_prompt, user_message(question, context)
+        if self._ckpt.chat is None:
+            return chatml(system, user)
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        try:
+            return self._ckpt.chat.render(messages, add_generation_prompt=True)
+        except ChatTemplateError as err:
+            why = f"the model's chat template refused the question: {err}"
+            raise JobError(ErrorCode.INVALID_FIELD, why, "question") from err
+
     def prompt_ids(self, question: str, context: str | None) -> list[int]:
-        text = chatml(self._settings.system_prompt, user_message(question, context))
+        # The template writes the special tokens (a BOS among them) itself, as in transformers.
+        text = self.prompt_text(question, context)
         return list(self._ckpt.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def prepare(self, job: QAJob, owner: Any = None, on_text: Callable[[str], None] | None = None) -> Sequence:

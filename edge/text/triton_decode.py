@@ -296,8 +296,8 @@ def can_fuse(model: LlamaModel) -> bool:
             return False
         attn, mlp = layer.self_attn, layer.mlp
         parts = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(isinstance(p, Int4Linear) and p.kernel == "triton" for p in parts):
-            return False
+        if not all(isinstance(p, Int4Linear) and p.kernel == "triton" and p.bias is None for p in parts):
+            return False  # biased projections (Qwen2) take the per-op path
     return True
 
 

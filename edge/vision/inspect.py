@@ -49,11 +49,15 @@ class Inspection:
         return out
 
 
-def preprocess(images: list[np.ndarray], size: int) -> np.ndarray:
-    """RGB uint8 images of any size -> float32 [B, 3, size, size], normalised.
+def preprocess(images: list[np.ndarray], size: int, bgr: bool = False) -> np.ndarray:
+    """RGB uint8 images of any size (BGR with `bgr`) -> float32 RGB [B, 3, size, size],
+    normalised.
 
     Parts are framed by the camera; the whole view is resized (area filter when
-    shrinking) rather than cropped, so a defect at the edge is never cut off.
+    shrinking) rather than cropped, so a defect at the edge is never cut off. BGR images
+    are resized first and turned to RGB after: the same pixels, without a copy of the
+    full frame (a channel-reversed view is not contiguous, and resizing one copies it
+    first: three times slower on a 5 MP frame).
     """
     batch = np.empty((len(images), 3, size, size), np.float32)
     mean = np.array(IMAGE_MEAN, np.float32)
@@ -62,6 +66,8 @@ def preprocess(images: list[np.ndarray], size: int) -> np.ndarray:
         h, w = img.shape[:2]
         interp = cv2.INTER_AREA if h > size or w > size else cv2.INTER_LINEAR
         resized = cv2.resize(img, (size, size), interpolation=interp) if (h, w) != (size, size) else img
+        if bgr:
+            resized = resized[:, :, ::-1]
         batch[i] = ((resized.astype(np.float32) / 255.0 - mean) / std).transpose(2, 0, 1)
     return batch
 
@@ -123,14 +129,16 @@ class InspectPipeline:
     def batch_bytes_at(image_size: int, count: int) -> int:
         return count * 3 * image_size * image_size * 4
 
-    def run(self, images: list[np.ndarray]) -> list[Inspection]:
-        """One inspection per RGB uint8 image, all through the model as one batch."""
+    def run(self, images: list[np.ndarray], bgr: bool = False) -> list[Inspection]:
+        """One inspection per RGB uint8 image (BGR with `bgr`, as decoded), all through
+        the model as one batch."""
         if not images:
             return []
         if self.session.accepts_images:
-            class_probs, patch_probs = self.session.run_images(images)
+            rgb = [img[:, :, ::-1] for img in images] if bgr else images
+            class_probs, patch_probs = self.session.run_images(rgb)
         else:
-            class_probs, patch_probs = self.session.run({INPUT: preprocess(images, self.image_size)})
+            class_probs, patch_probs = self.session.run({INPUT: preprocess(images, self.image_size, bgr)})
         clean = self.classes.index(CLEAN)
         results = []
         for probs, patches in zip(class_probs, patch_probs, strict=True):

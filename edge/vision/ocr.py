@@ -10,17 +10,20 @@ from __future__ import annotations
 import importlib.util
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import cv2
 import numpy as np
 
 from edge.backends import BackendOptions, InferenceSession, ModelSource, get_backend
+from edge.memory import host_working_bytes
 from edge.vision.ocr_postprocess import (
     DBParams,
     crop_quad,
     ctc_greedy_decode,
     db_boxes,
+    line_ratio,
     normalize_line,
     reading_order,
 )
@@ -32,7 +35,8 @@ REC_MODEL = "PP-OCRv6_rec_small.onnx"
 CLS_MODEL = "ch_ppocr_mobile_v2.0_cls_mobile.onnx"
 
 # Whole-image bounds before detection: tiny images are scaled up to be seen at all,
-# huge ones scaled down so the detector's input stays bounded.
+# huge ones scaled down, and no side ever passes MAX_SIDE, padding included: whatever
+# the image's shape, each stage's working memory has a bound, measured at warm-up.
 MIN_SIDE = 30
 MAX_SIDE = 2000
 # Very wide strips (a single line) get black bands above and below so the detector
@@ -43,6 +47,12 @@ PAD_MIN_HEIGHT = 30
 REC_SHAPE = (3, 48, 320)
 CLS_SHAPE = (3, 48, 192)
 LINE_BATCH = 6
+# The widest line the recogniser is fed, as width over height: a longer one is squeezed
+# to it (a line across the whole bounded image at its smallest height).
+REC_MAX_RATIO = 64
+# A recognition batch's lines together, in the same units: wide lines go in smaller
+# batches, so a batch's working memory has a bound (measured for every batch size).
+REC_BATCH_RATIO = LINE_BATCH * 16
 CLS_FLIP_THRESHOLD = 0.9
 
 
@@ -80,40 +90,57 @@ class OCRSettings:
     db: DBParams = field(default_factory=DBParams)
 
 
-def _scale_to_multiple_of_32(img: np.ndarray, ratio: float) -> np.ndarray | None:
+def _scale_to_multiple_of_32(img: np.ndarray, ratio: float) -> np.ndarray:
+    """Scaled by `ratio`, each side rounded to a multiple of 32 and at least 32."""
     h, w = img.shape[:2]
-    new_h = int(round(int(h * ratio) / 32) * 32)
-    new_w = int(round(int(w * ratio) / 32) * 32)
-    if new_h <= 0 or new_w <= 0:
-        return None
+    new_h = max(32, int(round(int(h * ratio) / 32) * 32))
+    new_w = max(32, int(round(int(w * ratio) / 32) * 32))
     return cv2.resize(img, (new_w, new_h))
 
 
 def _within_bounds(img: np.ndarray) -> tuple[np.ndarray, float, float]:
-    """Scale into [MIN_SIDE, MAX_SIDE]; returns the image and the factors back to source."""
+    """Scale into [MIN_SIDE, MAX_SIDE]; returns the image and the factors back to source.
+    An image too elongated for both bounds keeps the long side within MAX_SIDE and its
+    short side as large as that allows."""
     h, w = img.shape[:2]
-    ratio_h = ratio_w = 1.0
     if max(h, w) > MAX_SIDE:
-        scaled = _scale_to_multiple_of_32(img, MAX_SIDE / max(h, w))
-        if scaled is not None:
-            img = scaled
-            ratio_h, ratio_w = h / img.shape[0], w / img.shape[1]
+        img = _scale_to_multiple_of_32(img, MAX_SIDE / max(h, w))
     h2, w2 = img.shape[:2]
     if min(h2, w2) < MIN_SIDE:
-        scaled = _scale_to_multiple_of_32(img, MIN_SIDE / min(h2, w2))
-        if scaled is not None:
-            img = scaled
-            ratio_h, ratio_w = h2 / img.shape[0], w2 / img.shape[1]
-    return img, ratio_h, ratio_w
+        # Up only as far as the long side stays within bounds (32-multiples round down).
+        ratio = min(MIN_SIDE / min(h2, w2), (MAX_SIDE - 16) / max(h2, w2))
+        if ratio > 1.0:
+            img = _scale_to_multiple_of_32(img, ratio)
+    return img, h / img.shape[0], w / img.shape[1]
 
 
 def _vertical_padding(img: np.ndarray) -> tuple[np.ndarray, int]:
     h, w = img.shape[:2]
     if h > PAD_MIN_HEIGHT and w / h <= PAD_WIDTH_HEIGHT_RATIO:
         return img, 0
-    target = max(int(w / PAD_WIDTH_HEIGHT_RATIO), PAD_MIN_HEIGHT) * 2
-    pad = int(abs(target - h) / 2)
+    target = min(max(int(w / PAD_WIDTH_HEIGHT_RATIO), PAD_MIN_HEIGHT) * 2, MAX_SIDE)
+    pad = int(max(0, target - h) / 2)
     return cv2.copyMakeBorder(img, pad, pad, 0, 0, cv2.BORDER_CONSTANT, value=(0, 0, 0)), pad
+
+
+def _batch_ratio(n: int) -> float:
+    """The widest a batch of n lines may be fed (width over height)."""
+    return min(REC_MAX_RATIO, REC_BATCH_RATIO / n)
+
+
+def _line_batches(ratios: np.ndarray) -> list[list[int]]:
+    """Lines in order of width, cut into batches of at most LINE_BATCH whose widest line
+    stays within what a batch of that size may be fed."""
+    base = REC_SHAPE[2] / REC_SHAPE[1]
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for i in np.argsort(ratios):
+        widest = max(base, min(float(ratios[i]), REC_MAX_RATIO))
+        if current and (len(current) == LINE_BATCH or widest > _batch_ratio(len(current) + 1)):
+            batches.append(current)
+            current = []
+        current.append(int(i))
+    return [*batches, current] if current else batches
 
 
 class OCRPipeline:
@@ -135,6 +162,7 @@ class OCRPipeline:
             raise ValueError("recognition model carries no character list")
         # CTC index 0 is the blank; the models also emit a trailing space class.
         self._charset = ["<blank>", *chars.splitlines(), " "]
+        self.working_bytes = 0  # measured at warm-up: the most one image's work takes
 
     @staticmethod
     def model_files(settings: OCRSettings, model_dir: Path | None = None) -> list[Path]:
@@ -151,6 +179,7 @@ class OCRPipeline:
         backend: str = "onnxruntime",
         options: BackendOptions | None = None,
         model_dir: Path | None = None,
+        measure_working: bool = True,
     ) -> OCRPipeline:
         det_file, rec_file, *cls_file = cls.model_files(settings, model_dir)
         engine = get_backend(backend)
@@ -159,15 +188,34 @@ class OCRPipeline:
         rec = engine.load(ModelSource("OCR recognition", onnx=rec_file), opts)
         angle = engine.load(ModelSource("OCR angle", onnx=cls_file[0]), opts) if cls_file else None
         pipeline = cls(det, rec, angle, settings)
-        pipeline.warm_up()
+        pipeline.warm_up(measure_working)
         return pipeline
 
-    def warm_up(self) -> None:
+    def warm_up(self, measure: bool = True) -> None:
         """Run every model once on a synthetic line, so memory measured after loading
-        includes the backends' workspaces and the first job is not the slow one."""
+        includes the backends' workspaces and the first job is not the slow one; then,
+        if asked, measure the most working memory one image can take (working_bytes)."""
         img = np.full((96, 320, 3), 255, dtype=np.uint8)
         cv2.putText(img, "SN-0000", (10, 60), cv2.FONT_HERSHEY_SIMPLEX, 1.5, (0, 0, 0), 3)
         self(img)
+        if measure:
+            self.working_bytes = self._largest_work()
+
+    def _largest_work(self) -> int:
+        """Bytes the largest work an image can cause takes, measured: detection on the
+        largest bounded image, or after it (its buffers gone), that image and a batch's
+        crops (each at most the image) held while the recognition batch of each size
+        runs at the widest it may be."""
+        img, _, _ = _within_bounds(np.full((MAX_SIDE, MAX_SIDE, 3), 255, dtype=np.uint8))
+        img, _ = _vertical_padding(img)
+        detect = host_working_bytes(partial(self._detect, img))
+        crops = LINE_BATCH * img.nbytes
+        height = REC_SHAPE[1]
+        read = 0
+        for n in range(1, LINE_BATCH + 1):
+            line = np.full((height, int(height * _batch_ratio(n)), 3), 255, dtype=np.uint8)
+            read = max(read, host_working_bytes(partial(self._read_batch, [line] * n)))
+        return max(detect, img.nbytes + crops + read)
 
     def __call__(self, img_bgr: np.ndarray) -> list[OCRLine]:
         src_h, src_w = img_bgr.shape[:2]
@@ -176,10 +224,7 @@ class OCRPipeline:
         boxes = self._detect(img)
         if not boxes:
             return []
-        crops = [crop_quad(img, box) for box in boxes]
-        if self._cls is not None:
-            crops = self._orient(crops)
-        texts = self._recognise(crops)
+        texts = self._read_lines(img, boxes)
         lines: list[OCRLine] = []
         for box, (text, score) in zip(boxes, texts, strict=True):
             if not text.strip() or score < self._settings.text_score:
@@ -199,38 +244,31 @@ class OCRPipeline:
         limit = self._settings.det_limit_side_len
         ratio = limit / max(h, w) if max(h, w) > limit else 1.0
         resized = _scale_to_multiple_of_32(img, ratio)
-        if resized is None:
-            return []
         tensor = ((resized.astype(np.float32) / 255.0 - 0.5) / 0.5).transpose(2, 0, 1)[None]
         (prob,) = self._det.run({self._det.input_names[0]: tensor.astype(np.float32)})[:1]
         boxes, _scores = db_boxes(prob[0, 0], (h, w), self._settings.db)
         return [boxes[i] for i in reading_order(boxes)]
 
-    def _orient(self, crops: list[np.ndarray]) -> list[np.ndarray]:
-        assert self._cls is not None
-        order = np.argsort([c.shape[1] / float(c.shape[0]) for c in crops])
-        out = list(crops)
-        for start in range(0, len(crops), LINE_BATCH):
-            idx = order[start : start + LINE_BATCH]
-            batch = np.stack([normalize_line(crops[i], CLS_SHAPE, 0.0) for i in idx])
+    def _read_lines(self, img: np.ndarray, boxes: list[np.ndarray]) -> list[tuple[str, float]]:
+        """Crop, orient and recognise the lines a batch at a time, similar widths together
+        (little of each batch is padding): at most one batch of crops is held at once."""
+        ratios = np.array([line_ratio(box) for box in boxes])
+        results: list[tuple[str, float]] = [("", 0.0)] * len(boxes)
+        for idx in _line_batches(ratios):
+            for i, decoded in zip(idx, self._read_batch([crop_quad(img, boxes[i]) for i in idx]), strict=True):
+                results[i] = decoded
+        return results
+
+    def _read_batch(self, crops: list[np.ndarray]) -> list[tuple[str, float]]:
+        if self._cls is not None:
+            batch = np.stack([normalize_line(crop, CLS_SHAPE, 0.0) for crop in crops])
             probs = self._cls.run({self._cls.input_names[0]: batch})[0]
-            for i, p in zip(idx, probs, strict=True):
+            for i, p in enumerate(probs):
                 label = int(p.argmax())
                 if label == 1 and p[label] > CLS_FLIP_THRESHOLD:
-                    out[i] = cv2.rotate(crops[i], cv2.ROTATE_180)
-        return out
-
-    def _recognise(self, crops: list[np.ndarray]) -> list[tuple[str, float]]:
-        # Similar widths share a batch so little of each batch is padding.
-        ratios = [c.shape[1] / float(c.shape[0]) for c in crops]
-        order = np.argsort(np.array(ratios))
-        results: list[tuple[str, float]] = [("", 0.0)] * len(crops)
+                    crops[i] = cv2.rotate(crops[i], cv2.ROTATE_180)
         _, height, width = REC_SHAPE
-        for start in range(0, len(crops), LINE_BATCH):
-            idx = order[start : start + LINE_BATCH]
-            max_ratio = max([width / height, *(ratios[i] for i in idx)])
-            batch = np.stack([normalize_line(crops[i], REC_SHAPE, max_ratio) for i in idx])
-            probs = self._rec.run({self._rec.input_names[0]: batch})[0]
-            for i, decoded in zip(idx, ctc_greedy_decode(probs, self._charset), strict=True):
-                results[int(i)] = decoded
-        return results
+        widest = max([width / height, *(crop.shape[1] / float(crop.shape[0]) for crop in crops)])
+        batch = np.stack([normalize_line(crop, REC_SHAPE, min(widest, REC_MAX_RATIO)) for crop in crops])
+        probs = self._rec.run({self._rec.input_names[0]: batch})[0]
+        return ctc_greedy_decode(probs, self._charset)

@@ -118,10 +118,24 @@ def reading_order(boxes: list[np.ndarray]) -> list[int]:
     return [int(i) for i in by_y[within]]
 
 
-def crop_quad(img: np.ndarray, quad: np.ndarray) -> np.ndarray:
-    """Warp a (possibly rotated) text quad to an upright rectangle."""
+def quad_size(quad: np.ndarray) -> tuple[int, int]:
+    """(width, height) of the upright rectangle a quad is warped to."""
     width = int(max(np.linalg.norm(quad[0] - quad[1]), np.linalg.norm(quad[2] - quad[3])))
     height = int(max(np.linalg.norm(quad[0] - quad[3]), np.linalg.norm(quad[1] - quad[2])))
+    return width, height
+
+
+def line_ratio(quad: np.ndarray) -> float:
+    """Width over height of the line crop_quad makes from a quad (tall ones are turned)."""
+    width, height = quad_size(quad)
+    if height >= 1.5 * width:
+        width, height = height, width
+    return width / float(max(1, height))
+
+
+def crop_quad(img: np.ndarray, quad: np.ndarray) -> np.ndarray:
+    """Warp a (possibly rotated) text quad to an upright rectangle."""
+    width, height = quad_size(quad)
     target = np.array([[0, 0], [width, 0], [width, height], [0, height]], dtype=np.float32)
     matrix = cv2.getPerspectiveTransform(quad.astype(np.float32), target)
     crop = cv2.warpPerspective(img, matrix, (width, height), borderMode=cv2.BORDER_REPLICATE, flags=cv2.INTER_CUBIC)
