@@ -46,7 +46,9 @@ def build_command(task: str, profile: Profile) -> BuildCommand:
     """The build that makes `task`'s engine as the profile describes it."""
     models = profile.models
     if task == "inspect":
-        return BuildCommand("the inspection model", "engines.vision_build", ("--size", models.inspect.build_size))
+        inspect = models.inspect
+        args = ("--size", inspect.build_size, "--dataset", inspect.dataset)
+        return BuildCommand("the inspection model", "engines.vision_build", args)
     if task == "qa":
         qa = models.qa
         return BuildCommand(
@@ -100,14 +102,14 @@ KINDS = {"inspect": "vision-student", "qa": "llama-"}
 
 
 def source_id(source: str) -> str:
-    """How builds name a text source or adapter: the built-in's name, or a user model's
-    (or adapter's) path with the size and modification time of each file in it, so that
-    one replaced in place is built again rather than served from the old build."""
+    """How builds name a source (text model, adapter, image dataset): the built-in's name,
+    or the user's path with the size and modification time of each file under it, so
+    that one changed in place is built again rather than served from the old build."""
     path = Path(source)
     if not path.is_absolute():
         return source
-    files = [path] if path.is_file() else sorted(f for f in path.iterdir() if f.is_file())
-    stamp = ",".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    files = [path] if path.is_file() else sorted(f for f in path.rglob("*") if f.is_file())
+    stamp = ",".join(f"{f.relative_to(path.parent)}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
     return f"{path}@{hashlib.sha256(stamp.encode()).hexdigest()[:16]}"
 
 
@@ -115,7 +117,8 @@ def selector(task: str, profile: Profile) -> dict[str, object]:
     """What the profile asks of `task`'s engine, in the words builds tag manifests with."""
     models = profile.models
     if task == "inspect":
-        return {"task": "inspect", "size": models.inspect.build_size, "distilled": True}
+        inspect = models.inspect
+        return {"task": "inspect", "size": inspect.build_size, "distilled": True, "dataset": source_id(inspect.dataset)}
     if task == "qa":
         qa = models.qa
         adapter = source_id(qa.adapter)

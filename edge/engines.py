@@ -54,7 +54,14 @@ def selectors(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     listed = manifest.get("serves")
     found = [s for s in listed if isinstance(s, dict)] if isinstance(listed, list) else []
     if manifest.get("kind") == "vision-student":
-        found.append({"task": "inspect", "size": manifest.get("size"), "distilled": manifest.get("distilled", True)})
+        found.append(
+            {
+                "task": "inspect",
+                "size": manifest.get("size"),
+                "distilled": manifest.get("distilled", True),
+                "dataset": manifest.get("dataset", "synthetic"),  # builds before datasets: the synthetic set
+            }
+        )
     return found
 
 

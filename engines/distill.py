@@ -60,6 +60,9 @@ class TrainData:
     teacher_cls: np.ndarray | None = None  # float32 [N, 384]
     teacher_patches: np.ndarray | None = None  # float16 [N, g*g, 384]
     teacher_logits: np.ndarray | None = None  # float32 [N, C]
+    # Per image, how much its heat map target counts (0: a defect image without a mask);
+    # None: every image's does.
+    patch_weights: np.ndarray | None = None  # float32 [N]
 
 
 def _flip_grid(tokens: torch.Tensor, grid: int) -> torch.Tensor:
@@ -93,14 +96,16 @@ def distill_losses(
     patch_targets: torch.Tensor,
     teacher: Targets | None,
     recipe: TrainRecipe,
+    patch_weights: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The loss terms of one batch (see the module docstring); the teacher's terms only
-    with `teacher`."""
+    with `teacher`; the heat map's term weighted per image with `patch_weights`."""
     tokens = model.tokens(pixels)
     logits, patch_logits = model.heads(tokens)
+    weight = None if patch_weights is None else patch_weights.view(-1, 1, 1).expand_as(patch_logits)
     losses = {
         "ce": F.cross_entropy(logits, labels),
-        "patch": recipe.patch_weight * F.binary_cross_entropy_with_logits(patch_logits, patch_targets),
+        "patch": recipe.patch_weight * F.binary_cross_entropy_with_logits(patch_logits, patch_targets, weight=weight),
     }
     if teacher is not None:
         t = recipe.temperature
@@ -191,7 +196,8 @@ def train_student(
                     torch.where(flip[:, None, None], _flip_grid(t_patch, g), t_patch),
                     torch.from_numpy(data.teacher_logits[idx]),
                 )
-            losses = distill_losses(model, pixels, labels, targets, teacher, recipe)
+            weights = None if data.patch_weights is None else torch.from_numpy(data.patch_weights[idx])
+            losses = distill_losses(model, pixels, labels, targets, teacher, recipe, weights)
             loss = sum(losses.values(), torch.zeros((), device=pixels.device))
             opt.zero_grad(set_to_none=True)
             loss.backward()  # type: ignore[no-untyped-call]

@@ -22,11 +22,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from edge.builds import source_id
 from edge.vision import student as artifact
 from edge.vision.vit import ExportWrapper, InspectViT, ViTConfig
 from engines.cache import build_cached, cache_key, file_sha256, stop_on_sigterm
 from engines.distill import TrainData, TrainRecipe, predict, train_student
 from engines.factory_data import CLASSES, iter_split, patch_targets
+from engines.folder_data import DatasetError, fingerprint, scan, split_arrays
 from engines.vision_stream import StreamPlan, train_student_streaming
 from engines.vision_teacher import probe_features, teacher_onnx_path, teacher_tokens, teacher_weights, train_probe
 
@@ -96,6 +98,37 @@ def dataset_inputs(size: VisionSize) -> dict[str, Any]:
     }
 
 
+def folder_inputs(folder: Path) -> tuple[list[str], dict[str, Any], Any]:
+    """A user's dataset folder: its classes, what its builds are cached by (its content),
+    and its items."""
+    classes, items = scan(folder)
+    inputs = {
+        "folder": fingerprint(items, folder),
+        "classes": classes,
+        "grid": ViTConfig().grid,
+        "image_size": ViTConfig().image_size,
+        "teacher_sha256": file_sha256(teacher_onnx_path()),
+    }
+    return classes, inputs, items
+
+
+def build_folder_dataset(engine_dir: Path, folder: Path, progress: bool = True) -> Path:
+    """A user's labelled images, split by their names, with the teacher's tokens."""
+    classes, inputs, items = folder_inputs(folder)
+    grid, size = int(inputs["grid"]), int(inputs["image_size"])
+
+    def build(out: Path) -> dict[str, Any]:
+        counts = {}
+        for split in ("train", "val", "test"):
+            arrays = split_arrays(items, split, size, grid)
+            counts[split] = len(arrays["labels"])
+            cls, patches = teacher_tokens(arrays["images"], grid, progress=progress, desc=f"teacher tokens ({split})")
+            np.savez(out / f"{split}.npz", teacher_cls=cls, teacher_patches=patches, **arrays)  # type: ignore[arg-type]
+        return {"kind": "vision-dataset", "classes": classes, "counts": counts, "folder": folder.name}
+
+    return build_cached(engine_dir / f"vision-data-{folder.name[:32]}-{cache_key(inputs)}", inputs, build)
+
+
 def build_dataset(engine_dir: Path, size: VisionSize, progress: bool = True) -> Path:
     """Images, labels, patch targets and the teacher's tokens for every split."""
     inputs = dataset_inputs(size)
@@ -155,33 +188,48 @@ def export_onnx(model: InspectViT, path: Path) -> float:
     return worst
 
 
-def teacher_probe(data_dir: Path) -> tuple[torch.nn.Linear, dict[str, Any]]:
+def teacher_probe(data_dir: Path, classes: int = len(CLASSES)) -> tuple[torch.nn.Linear, dict[str, Any]]:
     splits = {s: load_split(data_dir, s) for s in ("train", "val", "test")}
     feats = {s: probe_features(d["teacher_cls"], d["teacher_patches"]) for s, d in splits.items()}
     labels = {s: torch.from_numpy(d["labels"]) for s, d in splits.items()}
-    probe, info = train_probe(feats["train"], labels["train"], feats["val"], labels["val"], len(CLASSES))
+    probe, info = train_probe(feats["train"], labels["train"], feats["val"], labels["val"], classes)
     with torch.no_grad():
         info["test_accuracy"] = float((probe(feats["test"]).argmax(1) == labels["test"]).float().mean())
     return probe, info
 
 
 def build_student(
-    engine_dir: Path, size_name: str = "default", distill: bool = True, progress: bool = True, device: str = "auto"
+    engine_dir: Path,
+    size_name: str = "default",
+    distill: bool = True,
+    progress: bool = True,
+    device: str = "auto",
+    dataset: Path | None = None,
 ) -> Path:
     """`device` trains a stream size there, "auto" on CUDA if there is a GPU (the result
-    is the same build wherever it was trained, so it is not part of the cache key)."""
+    is the same build wherever it was trained, so it is not part of the cache key).
+    `dataset`: a folder of the user's labelled images (engines/folder_data.py) instead
+    of the synthetic factory set; its classes are the student's, and `size_name` gives
+    the training length only (default or quick: stream sizes generate synthetic images)."""
     size = SIZES[size_name]
+    classes = list(CLASSES)
+    folder: dict[str, Any] | None = None
+    if dataset is not None:
+        if size.stream_steps:
+            raise BuildRefused(f"size {size_name!r} trains on generated images; with a dataset use default or quick")
+        dataset = dataset.resolve()
+        classes, folder, _ = folder_inputs(dataset)
     auto = device == "auto"
     if auto:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     # "auto" on a machine without CUDA refuses a long stream build (in build() below, so
     # a build copied here from a GPU machine is still found).
     refuse = auto and device == "cpu" and size.stream_steps > LONG_ON_CPU
-    config = ViTConfig(num_classes=len(CLASSES))
+    config = ViTConfig(num_classes=len(classes))
     batch = size.stream_batch if size.stream_steps else TrainRecipe.batch_size
     recipe = TrainRecipe(epochs=size.epochs, batch_size=batch, distill=distill, init="teacher" if distill else "random")
     # The dataset's inputs, not the dataset: finding a built student needs no data.
-    inputs = {"data": dataset_inputs(size), "recipe": recipe.to_dict()}
+    inputs = {"data": dataset_inputs(size) if folder is None else folder, "recipe": recipe.to_dict()}
     inputs["model"] = asdict(config)
     plan = StreamPlan(steps=size.stream_steps, first_index=size.train, seed=size.seed) if size.stream_steps else None
     if plan is not None:
@@ -196,8 +244,11 @@ def build_student(
                 "there is no CUDA device here: build it on a GPU machine and copy the build directory into "
                 "this engine directory, or pass device 'cpu' (--device cpu) to train here anyway (hours)"
             )
-        data_dir = build_dataset(engine_dir, size, progress)
-        probe, probe_info = teacher_probe(data_dir)
+        if dataset is None:
+            data_dir = build_dataset(engine_dir, size, progress)
+        else:
+            data_dir = build_folder_dataset(engine_dir, dataset, progress)
+        probe, probe_info = teacher_probe(data_dir, len(classes))
         weights = teacher_weights() if distill else None
         t0 = time.perf_counter()
         if plan is not None:
@@ -218,6 +269,7 @@ def build_student(
                 teacher_cls=train["teacher_cls"],
                 teacher_patches=train["teacher_patches"],
                 teacher_logits=t_logits,
+                patch_weights=train.get("patch_weights"),
             )
             model, info = train_student(data, config, recipe, progress, weights)
             info["images"] = len(data.labels)
@@ -234,7 +286,8 @@ def build_student(
         params = sum(p.numel() for n, p in model.named_parameters())
         return {
             "kind": artifact.KIND,
-            "classes": list(CLASSES),
+            "classes": classes,
+            "dataset": "synthetic" if dataset is None else source_id(str(dataset)),
             "distilled": distill,
             "size": size_name,
             "parameters": params,
@@ -248,7 +301,8 @@ def build_student(
         }
 
     tag = "distilled" if distill else "plain"
-    return build_cached(engine_dir / f"vision-student-{tag}-{size_name}-{cache_key(inputs)}", inputs, build)
+    where = "" if dataset is None else f"{dataset.name[:32]}-"
+    return build_cached(engine_dir / f"vision-student-{tag}-{where}{size_name}-{cache_key(inputs)}", inputs, build)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,14 +314,23 @@ def main(argv: list[str] | None = None) -> int:
         "--device", default="auto", help="where a stream size trains: cpu, cuda, or auto (cuda if there is a GPU)"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, services)")
+    parser.add_argument(
+        "--dataset", default="synthetic", help="'synthetic' (the factory set) or a folder of labelled images"
+    )
     args = parser.parse_args(argv)
     stop_on_sigterm()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    dataset = None if args.dataset == "synthetic" else Path(args.dataset)
     try:
         path = build_student(
-            args.engine_dir, args.size, distill=not args.no_distill, progress=not args.no_progress, device=args.device
+            args.engine_dir,
+            args.size,
+            distill=not args.no_distill,
+            progress=not args.no_progress,
+            device=args.device,
+            dataset=dataset,
         )
-    except BuildRefused as err:  # said as a usage error, not a traceback
+    except (BuildRefused, DatasetError) as err:  # said as a usage error, not a traceback
         parser.error(str(err))
     manifest = json.loads((path / "manifest.json").read_text())
     print(

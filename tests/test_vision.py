@@ -344,3 +344,68 @@ def test_a_stream_size_builds_exports_and_records_its_stream(engine_dir: Path, t
     shutil.copytree(path, tmp_path / path.name)
     with existing_only():
         assert build_student(tmp_path, "quick-stream", progress=False) == tmp_path / path.name
+
+
+def _user_folder(root: Path) -> Path:
+    """A plant's own folder: clean parts and two defect classes of its own naming, some
+    defect images with masks beside them, as PNG and JPEG."""
+    import cv2
+
+    names = {"clean": "clean", "scratch": "burr", "stain": "oil"}
+    for name in names.values():
+        (root / name).mkdir(parents=True)
+    made = 0
+    for i in range(120):
+        sample = make_sample(7, "train", i)
+        cls = names.get(CLASSES[sample.label])
+        if cls is None:
+            continue
+        bgr = np.ascontiguousarray(sample.image[:, :, ::-1])
+        suffix = ".jpg" if i % 4 == 0 else ".png"
+        assert cv2.imwrite(str(root / cls / f"part-{i:03d}{suffix}"), bgr)
+        if cls != "clean" and i % 2 == 0:
+            assert cv2.imwrite(str(root / cls / f"part-{i:03d}.mask.png"), sample.mask.astype(np.uint8) * 255)
+        made += 1
+    assert made == 72
+    return root
+
+
+def test_a_users_folder_trains_the_student_and_its_classes_serve(tmp_path: Path) -> None:
+    from edge.builds import locate
+    from edge.config import load_profile
+    from engines.folder_data import scan
+
+    folder = _user_folder(tmp_path / "plant-parts")
+    classes, items = scan(folder)
+    assert classes == ["burr", "clean", "oil"]
+    splits = {s: sum(1 for i in items if i.split == s) for s in ("train", "val", "test")}
+    assert all(splits.values()) and splits["train"] > splits["val"] + splits["test"]
+    assert scan(folder)[1] == items  # the same folder always splits the same way
+    models = {"inspect": {"build_size": "quick", "dataset": str(folder)}, "qa": {"enabled": False}}
+    profile = write_profile(tmp_path, 1883, tmp_path / "engines", models=models)
+    done = edgectl("build", "--profile", str(profile), timeout=600)
+    assert done.returncode == 0, done.stderr
+    student = locate(load_profile(profile), "inspect", None)  # what serving finds: this folder's build
+    manifest = json.loads((student / "manifest.json").read_text())
+    assert manifest["classes"] == classes and manifest["dataset"].startswith(str(folder))
+    assert manifest["train_images"] == splits["train"]
+    pipeline = InspectPipeline.load(student, "onnxruntime", BackendOptions(threads=1))
+    out = pipeline.run([make_sample(7, "test", i).image for i in range(3)])
+    assert all(o.label in classes and set(o.probabilities) == set(classes) for o in out)
+    # The synthetic profile is not served this student, nor the reverse.
+    (tmp_path / "s").mkdir()
+    synthetic = write_profile(tmp_path / "s", 1883, tmp_path / "engines", models={"inspect": {"build_size": "quick"}})
+    with pytest.raises(Exception, match="no engine for inspect"):
+        locate(load_profile(synthetic), "inspect", None)
+
+
+def test_a_folder_that_cannot_be_a_dataset_is_refused_by_name(tmp_path: Path) -> None:
+    from engines.folder_data import DatasetError, scan
+
+    (tmp_path / "burr").mkdir()
+    with pytest.raises(DatasetError, match="no 'clean' class folder"):
+        scan(tmp_path)
+    (tmp_path / "clean").mkdir()
+    (tmp_path / "clean" / "a.png").write_bytes(b"")
+    with pytest.raises(DatasetError, match="class 'burr' has 0 images"):
+        scan(tmp_path)

@@ -234,6 +234,14 @@ class InspectModelConfig(StrictModel):
         description="A student build to serve as it is (its manifest says what it is), instead of the one "
         "built for build_size in paths.engine_dir.",
     )
+    dataset: str = Field(
+        default="synthetic",
+        title="Training images",
+        description="What the student is distilled on when it is built: 'synthetic' (the built-in factory "
+        "parts), or a path to a folder of labelled images, one sub-folder per class (one named 'clean'), PNG "
+        "or JPEG, each defect image optionally with its mask beside it as <name>.mask.png; split by file "
+        "name into train, validation and test.",
+    )
     build_size: Literal["default", "quick", "stream", "stream-long"] = Field(
         default="default",
         title="Build size",
@@ -281,6 +289,18 @@ class InspectModelConfig(StrictModel):
     )
 
     _backend_form = model_validator(mode="before")(_fill_backend)
+
+    @field_validator("dataset")
+    @classmethod
+    def _dataset_exists(cls, value: str) -> str:
+        if value == "synthetic":
+            return value
+        path = Path(value).expanduser()
+        if not path.is_dir():
+            raise ValueError(f"{value!r} is neither 'synthetic' nor a folder of labelled images")
+        if not (path / "clean").is_dir():
+            raise ValueError(f"{value!r} has no 'clean' class folder")
+        return str(path.resolve())
 
     @model_validator(mode="after")
     def _preferred_within_max(self) -> InspectModelConfig:
