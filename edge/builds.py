@@ -13,6 +13,7 @@ knows each build's module name and arguments, here.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import subprocess
 import sys
@@ -54,7 +55,15 @@ def build_command(task: str, profile: Profile) -> BuildCommand:
         return BuildCommand(
             "the text engine",
             "engines.text_build",
-            ("--source", qa.source, "--adapter", qa.adapter, "--quantization", qa.quantization),
+            (
+                "--source",
+                qa.source,
+                "--adapter",
+                qa.adapter,
+                "--quantization",
+                qa.quantization,
+                *(("--layers", json.dumps([rule.to_selector() for rule in qa.layers])) if qa.layers else ()),
+            ),
         )
     raise ValueError(f"task {task!r} has no engine to build")
 
@@ -121,8 +130,15 @@ def selector(task: str, profile: Profile) -> dict[str, object]:
         return {"task": "inspect", "size": inspect.build_size, "distilled": True, "dataset": source_id(inspect.dataset)}
     if task == "qa":
         qa = models.qa
-        adapter = source_id(qa.adapter)
-        return {"task": "qa", "source": source_id(qa.source), "adapter": adapter, "quantization": qa.quantization}
+        wanted: dict[str, object] = {
+            "task": "qa",
+            "source": source_id(qa.source),
+            "adapter": source_id(qa.adapter),
+            "quantization": qa.quantization,
+        }
+        if qa.layers:  # only then: builds from before per-layer rules are found as they were
+            wanted["layers"] = [rule.to_selector() for rule in qa.layers]
+        return wanted
     raise ValueError(f"task {task!r} has no engine")
 
 

@@ -11,6 +11,7 @@ same grouping is the baseline.
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import math
 from collections.abc import Iterable, Iterator
@@ -35,7 +36,12 @@ CLIP_SKIP = ("q_proj", "k_proj")  # rotary dot products are sensitive to clippin
 class QuantRecipe:
     method: str = "awq"  # "awq" | "rtn"
     group_size: int = 128
-    keep: tuple[str, ...] = ()  # module names kept in floating point (per-layer override)
+    # Per-layer overrides, as module-name patterns (fnmatch: "*.self_attn.*", "lm_head"):
+    # `keep` layers stay in floating point; `groups` are ordered rules (pattern, group
+    # size), the first match deciding, a group size of 0 meaning floating point. Every
+    # other layer is INT4 at group_size.
+    keep: tuple[str, ...] = ()
+    groups: tuple[tuple[str, int], ...] = ()
     calib_tokens: int = 8192
     sample_tokens: int = 512  # tokens used to score candidate scales and clips
     seq_len: int = 256
@@ -45,8 +51,17 @@ class QuantRecipe:
     # INT4 (a copy when tied to the embedding, which stays float for lookups).
     lm_head: bool = True
 
+    def _rule(self, name: str) -> int | None:
+        return next((g for pattern, g in self.groups if fnmatch.fnmatchcase(name, pattern)), None)
+
+    def kept(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.keep) or self._rule(name) == 0
+
+    def group_for(self, name: str) -> int:
+        return self._rule(name) or self.group_size
+
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "method": self.method,
             "group_size": self.group_size,
             "keep": list(self.keep),
@@ -56,6 +71,9 @@ class QuantRecipe:
             "clip": self.clip,
             "lm_head": self.lm_head,
         }
+        if self.groups:  # only then: the key of every build without them stays as it was
+            out["groups"] = [[pattern, g] for pattern, g in self.groups]
+        return out
 
 
 @dataclass
@@ -220,13 +238,13 @@ def quantize_model(
             assert isinstance(layer, DecoderLayer)
             for first, members, prev in _groups(layer, model.config.num_heads, model.config.num_kv_heads):
                 names = [f"layers.{i}.{m}" for m in members]
-                if any(n in recipe.keep for n in names):
+                if any(recipe.kept(n) for n in names):
                     continue
                 cap = captures[f"layers.{i}.{first}"]
                 linears = [modules[n] for n in names]
                 weights = [_weight(lin).float() for lin in linears]
                 k = weights[0].shape[1]
-                g = group_size_for(k, recipe.group_size)
+                g = group_size_for(k, recipe.group_for(names[0]))
                 x = cap.x
                 if prev is not None:
                     s = search_scales(x, cap.mean_abs, weights, g)
@@ -240,19 +258,19 @@ def quantize_model(
                     x = x / s
                 for name, lin in zip(names, linears, strict=True):
                     if recipe.clip and not name.endswith(CLIP_SKIP):
-                        clips[name] = search_clip(x, _weight(lin).float(), g)
+                        clips[name] = search_clip(x, _weight(lin).float(), group_size_for(k, recipe.group_for(name)))
     packed: dict[str, QuantizedWeight] = {}
     for name in linear_names(model):
-        if name in recipe.keep:
+        if recipe.kept(name):
             report.layers[name] = {"bits": 16}
             continue
         weight = _weight(modules[name]).float()
-        g = group_size_for(weight.shape[1], recipe.group_size)
+        g = group_size_for(weight.shape[1], recipe.group_for(name))
         packed[name] = pack(weight, g, clips.get(name))
         report.layers[name] = {"bits": 4, "group_size": g, "clipped": name in clips}
-    if recipe.lm_head and "lm_head" not in recipe.keep:
+    if recipe.lm_head and not recipe.kept("lm_head"):
         weight = _weight(model.lm_head).float()
-        g = group_size_for(weight.shape[1], recipe.group_size)
+        g = group_size_for(weight.shape[1], recipe.group_for("lm_head"))
         packed["lm_head"] = pack(weight, g)
         report.layers["lm_head"] = {"bits": 4, "group_size": g, "clipped": False}
     return packed, report

@@ -87,6 +87,7 @@ def build_text_engine(
     quant: str = "awq-int4",
     progress: bool = True,
     source: str = "smollm2-135m-instruct",
+    layers: list[dict[str, Any]] | None = None,
 ) -> Path:
     """The whole text pipeline: import (the built-in SmolLM2, a Hugging Face model
     directory or a GGUF file), the adapter merged in (the shipped clinic adapter or a
@@ -113,15 +114,23 @@ def build_text_engine(
         path = merge_checkpoint(path, CLINIC_ADAPTER)
     elif adapter != "none":
         path = merge_checkpoint(path, Path(adapter))
-    if quant == "awq-int4":
-        path = quantize_checkpoint(path, QuantRecipe(method="awq", group_size=SERVING_GROUP), progress)
-    elif quant == "rtn-int4":
-        path = quantize_checkpoint(path, QuantRecipe(method="rtn", group_size=SERVING_GROUP), progress)
-    elif quant != "float":
-        raise ValueError(f"unknown quantization {quant!r}")
+    if quant in ("awq-int4", "rtn-int4"):
+        path = quantize_checkpoint(path, layer_recipe(quant.split("-")[0], layers or []), progress)
+    elif quant != "float" or layers:
+        raise ValueError(f"unknown quantization {quant!r}" if quant != "float" else "layers need INT4 quantization")
     # What serving looks the checkpoint up by (edge/engines.py): the profile's words.
-    tag_serves(path, text_selector(source_id(source), source_id(adapter), quant))
+    selector = text_selector(source_id(source), source_id(adapter), quant)
+    if layers:
+        selector["layers"] = layers
+    tag_serves(path, selector)
     return path
+
+
+def layer_recipe(method: str, layers: list[dict[str, Any]], group_size: int = SERVING_GROUP) -> QuantRecipe:
+    """The INT4 recipe with the profile's per-layer rules (models.qa.layers), in order,
+    the first rule matching a layer deciding: float, or INT4 at its own group size."""
+    rules = tuple((r["match"], 0 if r["format"] == "float" else int(r.get("group_size") or group_size)) for r in layers)
+    return QuantRecipe(method=method, group_size=group_size, groups=rules)
 
 
 SMOLLM2_SOURCE = "smollm2-135m-instruct"
@@ -143,13 +152,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--adapter", default="clinic", help="'clinic', 'none' or a PEFT LoRA adapter directory")
     parser.add_argument("--quantization", choices=["awq-int4", "rtn-int4", "float"], default="awq-int4")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, services)")
+    parser.add_argument("--layers", default="", help="per-layer rules as JSON (models.qa.layers)")
     args = parser.parse_args(argv)
     stop_on_sigterm()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     source = args.source if args.source == SMOLLM2_SOURCE else str(Path(args.source).resolve())
     adapter = args.adapter if args.adapter in ("clinic", "none") else str(Path(args.adapter).resolve())
     try:
-        built = build_text_engine(args.engine_dir, adapter, args.quantization, not args.no_progress, source)
+        layers = json.loads(args.layers) if args.layers else None
+        built = build_text_engine(args.engine_dir, adapter, args.quantization, not args.no_progress, source, layers)
     except (SourceModelError, AdapterError, ValueError) as err:
         print(f"text build: {err}", file=sys.stderr)
         return 2

@@ -131,6 +131,13 @@ def main() -> None:
         "AWQ INT4 g128": quantize_checkpoint(base, QuantRecipe(method="awq")),
         "RTN INT4 g32": quantize_checkpoint(base, QuantRecipe(method="rtn", group_size=32)),
         "AWQ INT4 g32": quantize_checkpoint(base, QuantRecipe(method="awq", group_size=32)),
+        # Mixed precision (models.qa.layers): the FFN at g128, attention kept float or at g32.
+        "AWQ g128 FFN, attention float": quantize_checkpoint(
+            base, QuantRecipe(method="awq", groups=(("*.self_attn.*", 0),))
+        ),
+        "AWQ g128 FFN, attention g32": quantize_checkpoint(
+            base, QuantRecipe(method="awq", groups=(("*.self_attn.*", 32),))
+        ),
     }
     reference = load_checkpoint(base)
     ids = reference.tokenizer.encode(evaluation_text(), add_special_tokens=False).ids[: args.max_tokens]
@@ -171,10 +178,10 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{'variant':<16} {'weights MiB':>11} {'perplexity':>10} {'tok agree':>9} {'exact':>6} {'prefix':>7}")
+    print(f"{'variant':<30} {'weights MiB':>11} {'perplexity':>10} {'tok agree':>9} {'exact':>6} {'prefix':>7}")
     for r in rows:
         print(
-            f"{r['variant']:<16} {r['weight_bytes'] / 2**20:>11.1f} {r['perplexity']:>10.3f} "
+            f"{r['variant']:<30} {r['weight_bytes'] / 2**20:>11.1f} {r['perplexity']:>10.3f} "
             f"{r['token_agreement']:>9.3f} {r['exact_match']:>6.2f} {r['mean_common_prefix']:>7.1f}"
         )
     print()

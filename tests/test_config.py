@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -102,3 +104,28 @@ def test_a_user_model_and_adapter_are_paths_checked_at_load(tmp_path: Path) -> N
     (adapter / "adapter_config.json").write_text("{}")
     profile = parse_profile({"device_id": "a", "models": {"qa": {"source": str(model), "adapter": str(adapter)}}})
     assert profile.models.qa.source == str(model.resolve()) and profile.models.qa.adapter == str(adapter.resolve())
+
+
+def test_per_layer_rules_are_checked_and_reach_the_build() -> None:
+    from edge.builds import build_command, selector
+
+    def refused(**qa: object) -> str:
+        with pytest.raises(ProfileError) as err:
+            parse_profile({"device_id": "a", "models": {"qa": qa}}, "p.yaml")
+        return str(err.value)
+
+    assert "group_size applies to format 'int4' only" in refused(
+        layers=[{"match": "*.self_attn.*", "format": "float", "group_size": 32}]
+    )
+    assert "quantization is 'float'" in refused(quantization="float", layers=[{"match": "*", "format": "float"}])
+    assert "models.qa.layers[0].group_size" in refused(layers=[{"match": "*", "format": "int4", "group_size": 48}])
+    rules: list[dict[str, Any]] = [
+        {"match": "*.self_attn.*", "format": "float"},
+        {"match": "*.mlp.*", "format": "int4", "group_size": 128},
+    ]
+    profile = parse_profile({"device_id": "a", "models": {"qa": {"layers": rules}}})
+    wanted = selector("qa", profile)
+    assert wanted["layers"] == [{**rules[0], "group_size": None}, rules[1]]
+    args = build_command("qa", profile).args
+    assert args[args.index("--layers") + 1] == json.dumps(wanted["layers"])
+    assert "layers" not in selector("qa", parse_profile({"device_id": "a"}))  # earlier builds still found

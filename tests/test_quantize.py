@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -117,6 +118,30 @@ def test_keep_override_leaves_layers_in_float() -> None:
     packed, report = quantize_model(model, recipe, None, progress=False)
     assert "layers.0.mlp.down_proj" not in packed
     assert report.layers["layers.0.mlp.down_proj"] == {"bits": 16}
+
+
+def test_per_layer_rules_in_order_the_first_match_deciding() -> None:
+    from engines.text_build import layer_recipe
+
+    rules: list[dict[str, Any]] = [
+        {"match": "*.self_attn.q_proj", "format": "int4", "group_size": 32},
+        {"match": "*.self_attn.*", "format": "float"},
+        {"match": "*.mlp.*", "format": "int4", "group_size": 128},
+    ]
+    recipe = layer_recipe("awq", rules, group_size=64)
+    calib = list(range(96)) * 8
+    packed, report = quantize_model(tiny_model(), recipe, calib, progress=False)
+    for i in range(2):
+        assert report.layers[f"layers.{i}.self_attn.q_proj"]["group_size"] == 32  # first rule, not the float one
+        for name in ("k_proj", "v_proj", "o_proj"):
+            assert report.layers[f"layers.{i}.self_attn.{name}"] == {"bits": 16}
+            assert f"layers.{i}.self_attn.{name}" not in packed
+        for name in ("gate_proj", "up_proj"):
+            assert report.layers[f"layers.{i}.mlp.{name}"]["group_size"] == 128
+        assert report.layers[f"layers.{i}.mlp.down_proj"]["group_size"] == 128  # 256 wide: 128 divides it
+    assert report.layers["lm_head"]["group_size"] == 64  # no rule: the build's own
+    assert recipe.to_dict()["groups"][1] == ["*.self_attn.*", 0]
+    assert "groups" not in layer_recipe("awq", []).to_dict()  # builds without rules keep their cache keys
 
 
 def test_quantized_checkpoint_loads_and_tracks_the_float_model(engine_dir: Path) -> None:

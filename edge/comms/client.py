@@ -10,9 +10,10 @@ That is how a fleet on one shared job stream loses nothing when a box dies for g
 Mosquitto keeps the jobs the shared subscription had given a dead box in that box's
 session until it returns or the session expires, and keeps giving it its share of new
 ones meanwhile. So in fleet mode a resend goes not to the stream but straight to a box
-that announces itself online (`<prefix>/<box>/available`), one after another; with none
-known, to the stream again. Brokers that hand a dead member's jobs to the others (EMQX
-does, for shared subscriptions) need the resend only for jobs already running there.
+that announces itself online on that stream (`<prefix>/<box>/available`, whose notice
+names the shared group), one after another; with none known, to the stream again.
+Brokers that hand a dead member's jobs to the others (EMQX does, for shared
+subscriptions) need the resend only for jobs already running there.
 
 `request()` is the one-shot form `edgectl submit` uses.
 """
@@ -32,7 +33,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from edge.comms.mqtt import ONLINE, make_client
+from edge.comms.mqtt import GROUP_PROPERTY, ONLINE, make_client
 from edge.config.schema import Profile
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,8 @@ class JobClient:
             raise ValueError("resend_after_s must be positive")
         if max_sends < 1:
             raise ValueError("max_sends must be at least 1")
+        if fleet and profile.topics.shared_group is None:
+            raise ValueError("fleet mode sends to a shared job stream: the profile needs topics.shared_group")
         self._profile = profile
         self._fleet = fleet
         self._resend_after_s = resend_after_s
@@ -224,14 +227,18 @@ class JobClient:
         pending.answered.set()
 
     def _availability(self, msg: mqtt.MQTTMessage) -> None:
+        """A box's availability: one online that takes from our stream (its notice names
+        the same shared group) is a resend target; any other box never is."""
         levels = msg.topic.split("/")
         if len(levels) < 3 or levels[-1] != "available":
             return
         box = levels[-2]
+        props = getattr(msg.properties, "UserProperty", None) or []
+        ours = (GROUP_PROPERTY, self._profile.topics.shared_group) in [tuple(p) for p in props]
         with self._lock:
-            if bytes(msg.payload) == ONLINE and box not in self._online:
+            if bytes(msg.payload) == ONLINE and ours and box not in self._online:
                 self._online.append(box)
-            elif bytes(msg.payload) != ONLINE and box in self._online:
+            elif (bytes(msg.payload) != ONLINE or not ours) and box in self._online:
                 self._online.remove(box)
 
 

@@ -37,6 +37,7 @@ _EARLY_TTL_S = 5.0
 ONLINE = b"online"
 OFFLINE = b"offline"
 INSTANCE_PROPERTY = "instance"  # user property on availability notices: which daemon sent it
+GROUP_PROPERTY = "group"  # and the shared job stream it takes from (topics.shared_group), if any
 
 
 __all__ = ["DaemonLink", "IncomingJob", "make_client"]
@@ -134,6 +135,8 @@ class DaemonLink:
     def _notice_props(self, packet: int = PacketTypes.PUBLISH) -> Properties:
         props = Properties(packet)
         props.UserProperty = (INSTANCE_PROPERTY, self.instance)
+        if self._profile.topics.shared_group is not None:
+            props.UserProperty = (GROUP_PROPERTY, self._profile.topics.shared_group)
         return props
 
     def _announce(self, payload: bytes) -> mqtt.MQTTMessageInfo:

@@ -314,6 +314,34 @@ class InspectModelConfig(StrictModel):
 BUILTIN_TEXT_SOURCE = "smollm2-135m-instruct"
 
 
+class LayerRule(StrictModel):
+    match: str = Field(
+        min_length=1,
+        title="Layers",
+        description="Module-name pattern (fnmatch) of the layers this rule is for, e.g. '*.self_attn.*', "
+        "'*.mlp.down_proj', 'lm_head'. The first matching rule wins.",
+    )
+    format: Literal["float", "int4"] = Field(
+        title="Format",
+        description="'float' keeps these layers in floating point (fp16 in the checkpoint); 'int4' quantizes "
+        "them with their own group size.",
+    )
+    group_size: Literal[32, 64, 128, 256] | None = Field(
+        default=None,
+        title="Group size",
+        description="INT4 group size for these layers (format 'int4'); the build's own otherwise.",
+    )
+
+    @model_validator(mode="after")
+    def _group_for_int4(self) -> LayerRule:
+        if self.format == "float" and self.group_size is not None:
+            raise ValueError("group_size applies to format 'int4' only")
+        return self
+
+    def to_selector(self) -> dict[str, Any]:
+        return {"match": self.match, "format": self.format, "group_size": self.group_size}
+
+
 class QAModelConfig(StrictModel):
     enabled: bool = Field(default=True, title="Enabled", description="Serve the `qa` task.")
     source: str = Field(
@@ -335,6 +363,13 @@ class QAModelConfig(StrictModel):
         default="awq-int4",
         title="Weight format",
         description="How the served weights are stored: AWQ INT4, round-to-nearest INT4, or float.",
+    )
+    layers: list[LayerRule] = Field(
+        default_factory=list,
+        title="Mixed precision",
+        description="Per-layer overrides of the INT4 recipe, e.g. attention projections in float and the "
+        "FFN at INT4 g128: [{match: '*.self_attn.*', format: float}]. Empty: every projection INT4 at the "
+        "build's group size.",
     )
     engine: Path | None = Field(
         default=None,
@@ -416,6 +451,12 @@ class QAModelConfig(StrictModel):
         if not (path / "config.json").is_file():
             raise ValueError(f"{value!r} has no config.json: not a Hugging Face model directory")
         return str(path.resolve())
+
+    @model_validator(mode="after")
+    def _layers_need_int4(self) -> QAModelConfig:
+        if self.layers and self.quantization == "float":
+            raise ValueError("layers are per-layer overrides of INT4 quantization; quantization is 'float'")
+        return self
 
     @field_validator("adapter")
     @classmethod

@@ -55,6 +55,7 @@ class InspectTask:
         # A batch's images decode side by side: one at a time they cost more than the
         # student's whole forward pass on a GPU.
         self._decoders = ThreadPoolExecutor(decode_threads, thread_name_prefix="decode") if decode_threads > 1 else None
+        self._decode_threads = max(1, decode_threads)
         self._media = media
         self._ocr = ocr
         self.policy = policy
@@ -89,11 +90,14 @@ class InspectTask:
 
     def batch_need(self, count: int, pipeline: InspectPipeline, ocr: bool = False) -> int:
         """What a batch of `count` reserves: every image decoded at the largest size the
-        limits allow, the float input tensor where it is built on the host, on a GPU the
-        device working memory measured at warm-up for that batch size, and where a job
-        reads its label, the OCR working memory of one image (labels are read one at a
-        time)."""
+        limits allow, the decoders' own buffers, the float input tensor where it is built
+        on the host, on a GPU the device working memory measured at warm-up for that
+        batch size, and where a job reads its label, the OCR working memory of one image
+        (labels are read one at a time)."""
         host = count * self._media.max_decoded_bytes
+        # Decoding takes a second buffer of the image's size while it runs, on each
+        # decoding thread at once.
+        host += min(count, self._decode_threads) * self._media.decode_extra_bytes
         if pipeline.host_preprocessing:
             host += pipeline.batch_bytes(count)
         if ocr and self._ocr is not None:

@@ -61,7 +61,12 @@ class OCRTask:
         job = item.job.request
         assert isinstance(job, OCRJob)
         self._manager.get(OCR_MODEL)  # loaded again if it was evicted
-        need = self._manager.counted(MemoryUse(host=self._media.max_decoded_bytes + self.working_bytes))
+        # The image, and the larger of what decoding it and reading it take beyond it
+        # (one after the other).
+        media = self._media
+        need = self._manager.counted(
+            MemoryUse(host=media.max_decoded_bytes + max(media.decode_extra_bytes, self.working_bytes))
+        )
         res = self._manager.reserve(item.job.id, "ocr", need, {OCR_MODEL}, OCR_MODEL)
         try:
             img = self._media.load(job.image)
@@ -87,7 +92,8 @@ def _working_key(cfg: OCRModelConfig, settings: OCRSettings) -> dict[str, Any]:
             return None
 
     files = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in OCRPipeline.model_files(settings)}
-    bounds = {k: getattr(ocr_bounds, k) for k in ("MAX_SIDE", "LINE_BATCH", "REC_MAX_RATIO", "REC_BATCH_RATIO")}
+    names = ("MAX_SIDE", "LINE_BATCH", "REC_MAX_RATIO", "REC_BATCH_RATIO", "WORKING_MEASURE_VERSION")
+    bounds = {k: getattr(ocr_bounds, k) for k in names}
     runtimes = {d: version(d) for d in ("onnxruntime", "onnxruntime-gpu", "opencv-python-headless", "numpy")}
     return {
         "files": files,

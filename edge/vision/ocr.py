@@ -53,6 +53,8 @@ REC_MAX_RATIO = 64
 # A recognition batch's lines together, in the same units: wide lines go in smaller
 # batches, so a batch's working memory has a bound (measured for every batch size).
 REC_BATCH_RATIO = LINE_BATCH * 16
+# Which way _largest_work measures: a box's kept measurement is redone when it changes.
+WORKING_MEASURE_VERSION = 3
 CLS_FLIP_THRESHOLD = 0.9
 
 
@@ -202,20 +204,30 @@ class OCRPipeline:
             self.working_bytes = self._largest_work()
 
     def _largest_work(self) -> int:
-        """Bytes the largest work an image can cause takes, measured: detection on the
-        largest bounded image, or after it (its buffers gone), that image and a batch's
-        crops (each at most the image) held while the recognition batch of each size
-        runs at the widest it may be."""
+        """Bytes the largest work an image can cause takes beyond the decoded image:
+        detection on the largest bounded image (measured) with that image and its padded
+        copy, or after it (its buffers gone), that image and a batch's crops (each at
+        most the image) held while the recognition batch of each size runs at the widest
+        it may be (measured)."""
         img, _, _ = _within_bounds(np.full((MAX_SIDE, MAX_SIDE, 3), 255, dtype=np.uint8))
         img, _ = _vertical_padding(img)
+        # Each shape runs once before it is measured: a runtime plans its memory at the
+        # first run of a shape and holds more on the runs after (onnxruntime's memory
+        # pattern), which is what jobs see.
+        self._detect(img)
         detect = host_working_bytes(partial(self._detect, img))
-        crops = LINE_BATCH * img.nbytes
+        crops = LINE_BATCH * MAX_SIDE * MAX_SIDE * 3
         height = REC_SHAPE[1]
         read = 0
         for n in range(1, LINE_BATCH + 1):
             line = np.full((height, int(height * _batch_ratio(n)), 3), 255, dtype=np.uint8)
+            self._read_batch([line] * n)
             read = max(read, host_working_bytes(partial(self._read_batch, [line] * n)))
-        return max(detect, img.nbytes + crops + read)
+        # While detection runs, the bounded image and its padded copy may both be held
+        # (each at most the largest bounded image); while lines are read, that image and
+        # a batch's crops.
+        canvas = MAX_SIDE * MAX_SIDE * 3
+        return max(2 * canvas + detect, canvas + crops + read)
 
     def __call__(self, img_bgr: np.ndarray) -> list[OCRLine]:
         src_h, src_w = img_bgr.shape[:2]
