@@ -271,7 +271,9 @@ def test_a_full_disk_at_start_refuses_jobs_until_space_returns(
         subprocess.run(["umount", str(state)], capture_output=True)
 
 
-def test_a_task_whose_model_cannot_load_is_a_warning(tmp_path: Path, broker: Broker, engine_dir: Path) -> None:
+def test_a_task_whose_model_cannot_load_is_a_warning(
+    tmp_path: Path, broker: Broker, engine_dir: Path, ocr_engine_dir: Path
+) -> None:
     from engines.vision_build import build_student
 
     built = build_student(engine_dir, "quick", progress=False)
@@ -279,7 +281,7 @@ def test_a_task_whose_model_cannot_load_is_a_warning(tmp_path: Path, broker: Bro
     shutil.copytree(built, broken)
     (broken / "student.onnx").write_bytes(b"not a model")
     models = {"ocr": {"threads": 1}, "inspect": {"engine": str(broken), "threads": 1}, "qa": {"enabled": False}}
-    d = start_daemon(write_profile(tmp_path, broker.port, tmp_path / "engines", device_id="mw", models=models))
+    d = start_daemon(write_profile(tmp_path, broker.port, ocr_engine_dir, device_id="mw", models=models))
     try:
         d.wait_ready()
         code, doc = _status(d)
@@ -325,13 +327,14 @@ def test_errors_tell_nothing_of_the_host(ocr_box: DaemonProc, requester: Request
     assert "/" not in junk["error"]["message"]
 
 
-# Images within the pixel limit (25 MP by default) of every extreme shape: a strip a few
-# pixels high and one a few pixels wide, a line 100 px high, and the largest square.
-EXTREME = [(60, 400_000), (400_000, 60), (25, 999_000), (100, 250_000), (5_000, 5_000)]
+# Images within the pixel limit (here 9 MP) of every extreme shape: a strip a few pixels
+# high and one a few pixels wide, a line 100 px high, and the largest square.
+PIXELS = 9_000_000
+EXTREME = [(25, 360_000), (360_000, 25), (9, 999_000), (100, 90_000), (3_000, 3_000)]
 
 
 def test_an_image_of_any_shape_stays_within_what_its_job_reserved(
-    tmp_path: Path, broker: Broker, requester: Requester
+    tmp_path: Path, broker: Broker, requester: Requester, ocr_engine_dir: Path
 ) -> None:
     import cv2
     import numpy as np
@@ -346,8 +349,10 @@ def test_an_image_of_any_shape_stays_within_what_its_job_reserved(
         assert cv2.imwrite(str(media / f"{h}x{w}.png"), img)
     shutil.copy(Path(__file__).parent.parent / "samples" / LABEL, media / "label.png")
     paths = {"media_dir": str(media), "state_dir": str(tmp_path / "state"), "runtime_dir": str(tmp_path / "run")}
-    engines = tmp_path / "engines"
-    profile = write_profile(tmp_path, broker.port, engines, device_id="shape", models=OCR_ONLY, paths=paths)
+    limits = {"max_image_pixels": PIXELS}
+    profile = write_profile(
+        tmp_path, broker.port, ocr_engine_dir, device_id="shape", models=OCR_ONLY, paths=paths, limits=limits
+    )
     d = start_daemon(profile)
     try:
         d.wait_ready()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -27,10 +28,11 @@ from edge.vision.ocr import OCRPipeline, OCRSettings
 logger = logging.getLogger(__name__)
 
 OCR_MODEL = "pp-ocrv6-small"
-# Where a box keeps what it measured of the OCR models' working memory (in engine_dir):
-# measuring takes several seconds of the largest work, so it runs once per box and
-# again whenever anything it depends on changes.
-WORKING_PROFILE = "ocr-working.json"
+# Where a box keeps what it measured of the OCR models' working memory (in engine_dir),
+# one file per set of inputs (ocr-working-<key>.json): measuring takes several seconds
+# of the largest work, so it runs once per box and configuration, and again whenever
+# anything it depends on changes.
+WORKING_PROFILE = "ocr-working-{key}.json"
 
 
 class OCRTask:
@@ -139,7 +141,8 @@ def start_ocr(
     keep = float("inf") if cfg.keep_alive_s is None else cfg.keep_alive_s
     backend = cfg.backend.type
     key = _working_key(cfg, settings)
-    profile = profile_dir / WORKING_PROFILE if profile_dir is not None else None
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    profile = profile_dir / WORKING_PROFILE.format(key=digest) if profile_dir is not None else None
     known = _read_working(profile, key) if profile is not None else None
     measured: list[int] = [] if known is None else [known]
 
