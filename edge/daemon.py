@@ -1,10 +1,10 @@
 """The daemon: the composition root. `run` is a flat list of named start steps, each
 building one subsystem that lives in its own module; nothing here decides or computes.
 
-Threads: paho's network thread feeds the intake; one worker thread per branch runs
-models; the status socket has its own; the main thread only supervises (watchdog
-pings, systemd STATUS, journal compaction, shutdown), so a stuck main loop is what
-systemd detects.
+Threads: paho's network thread hands job messages to the intake's thread (which takes
+what arrives together as one batch); one worker thread per branch runs models; the
+status socket has its own; the main thread only supervises (watchdog pings, systemd
+STATUS, journal compaction, shutdown), so a stuck main loop is what systemd detects.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -45,6 +46,8 @@ from edge.tasks.qa import QATask, qa_model_name, start_qa
 
 logger = logging.getLogger(__name__)
 
+GIL_SWITCH_S = 0.001
+
 MIB = 2**20
 
 
@@ -70,7 +73,7 @@ class Daemon:
         profile.paths.state_dir.mkdir(parents=True, exist_ok=True)
         self.journal = Journal(profile.paths.state_dir / "journal.sqlite3", jcfg.max_mib * MIB, jcfg.dedup_window_s)
         self.stats = JobStats()
-        self.link = DaemonLink(profile, self._on_message, on_delivered=self.journal.mark_answered)
+        self.link = DaemonLink(profile, self._on_messages, on_delivered=self.journal.mark_answered)
         self.responder = Responder(self.link, self.journal, self.stats, profile.device_id)
         self.intake = Intake(profile, self.queues, self.responder, self.journal)
         self.pipeline = Pipeline(self.responder, self.queues)
@@ -79,8 +82,8 @@ class Daemon:
         self.inspect: InspectTask | None = None
         self.qa: QATask | None = None
 
-    def _on_message(self, msg: IncomingJob) -> bool:
-        return self.intake(msg)
+    def _on_messages(self, msgs: list[IncomingJob]) -> list[bool]:
+        return self.intake.take_many(msgs)
 
     # lifecycle ---------------------------------------------------------------------
 
@@ -90,6 +93,10 @@ class Daemon:
         self._stop.set()
 
     def run(self) -> int:
+        # A thread waiting for the GIL gets it within this long: the intake, paho and the
+        # vision worker each take it briefly per job, and at Python's default (5 ms) a
+        # burst of frames waited that long at every hand-over while the text branch ran.
+        sys.setswitchinterval(GIL_SWITCH_S)
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
         steps: list[tuple[str, Callable[[], bool]]] = [

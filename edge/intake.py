@@ -4,17 +4,21 @@ Each accepted job is written to the journal before it is queued, and the intake 
 returns True (acknowledge to the broker) once the job is kept or answered. A job id
 already in the journal within the dedup window is not run again: a finished one is
 answered with the stored result, one still in progress is left to finish.
+
+Messages that arrive together are taken together (`take_many`): the jobs among them are
+journalled in one commit, so a burst of camera frames waits for one fsync, not one each.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from edge.comms.message import IncomingJob
 from edge.config.schema import Profile
-from edge.journal.store import QUEUED, SENT, Entry, Journal, JournalFull, digest
+from edge.journal.store import QUEUED, SENT, Entry, Journal, JournalFull, NewJob, digest
 from edge.protocol.errors import ErrorCode, JobError
 from edge.protocol.jobs import (
     JOB_MODELS,
@@ -32,6 +36,15 @@ from edge.scheduler.queue import PriorityDeadlineQueue, QueueFull
 from edge.scheduler.work import TASK_BRANCH, Reply, WorkItem
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A job checked and routed, waiting for the batch's journal commit."""
+
+    row: NewJob
+    item: WorkItem
+    queue: PriorityDeadlineQueue
 
 
 class Intake:
@@ -60,22 +73,65 @@ class Intake:
         )
 
     def __call__(self, msg: IncomingJob) -> bool:
-        """Take one message; True once it is kept or answered (acknowledge it). Every
-        message gets exactly one result, whatever it holds: a fault in here is answered
-        `internal` like any other error, never left unanswered."""
+        """Take one message; True once it is kept or answered (acknowledge it)."""
+        return self.take_many([msg])[0]
+
+    def take_many(self, msgs: list[IncomingJob]) -> list[bool]:
+        """Take messages in arrival order; for each, True once it is kept or answered
+        (acknowledge it). Every message gets exactly one result, whatever it holds: a
+        fault in here is answered `internal` like any other error, never left
+        unanswered. The jobs are journalled in one commit before any is queued."""
         if not self.accepting:
-            return False  # stopping: the broker delivers it again to the next start
-        received = time.monotonic()
+            return [False] * len(msgs)  # stopping: the broker delivers them again to the next start
+        held: list[_Held] = []
+        for msg in msgs:
+            received = time.monotonic()
+            try:
+                taken = self._take(msg, received, held)
+            except Exception:
+                logger.exception("intake failed for a message on %s", msg.topic)
+                self._internal(msg, received)
+                continue
+            if isinstance(taken, _Held):
+                held.append(taken)
+        self._commit(held)
+        return [True] * len(msgs)
+
+    def _internal(self, msg: IncomingJob, received: float) -> None:
         reply = Reply(self._profile.results_topic, msg.correlation)
+        why = JobError(ErrorCode.INTERNAL, "the daemon could not take this message; its log has the details")
+        if msg.response_topic is not None and self._reply_error(msg.response_topic) is None:
+            reply = Reply(msg.response_topic, msg.correlation)
+        self._refuse(reply, None, None, why, received)
+
+    def _commit(self, held: list[_Held]) -> None:
+        """Journal the held jobs in one commit, then queue those kept. Cleared after."""
+        if not held:
+            return
         try:
-            return self._take(msg, received)
+            kept = self._journal.accept_many([h.row for h in held])
         except Exception:
-            logger.exception("intake failed for a message on %s", msg.topic)
-            why = JobError(ErrorCode.INTERNAL, "the daemon could not take this message; its log has the details")
-            if msg.response_topic is not None and self._reply_error(msg.response_topic) is None:
-                reply = Reply(msg.response_topic, msg.correlation)
-            self._refuse(reply, None, None, why, received)
-            return True
+            logger.exception("could not journal %d job(s)", len(held))
+            why = JobError(ErrorCode.INTERNAL, "the daemon could not keep this job; its log has the details")
+            for h in held:
+                self._refuse(h.item.reply, h.item.job.id, h.item.job.task, why, h.item.received_at)
+            held.clear()
+            return
+        for h, full in zip(held, kept, strict=True):
+            job, reply = h.item.job, h.item.reply
+            if full is not None:
+                refused = JobError(ErrorCode.STORAGE_FULL, f"not accepted: {full}; free space in the state directory")
+                self._refuse(reply, job.id, job.task, refused, h.item.received_at)
+                continue
+            try:
+                h.queue.put(h.item)
+            except QueueFull as busy_queue:
+                busy = JobError(ErrorCode.BUSY, str(busy_queue))
+                logger.warning("rejected job %s: %s", job.id, busy)
+                self._reject(reply, job.id, job.task, busy, h.item.received_at, journalled=True)  # kept a moment ago
+                continue
+            logger.debug("queued job %s (%s, priority %s)", job.id, job.task, job.priority)
+        held.clear()
 
     def _reply_error(self, topic: str) -> JobError | None:
         return reply_topic_error(topic, self._profile.topic(), self._profile.results_topic)
@@ -85,7 +141,9 @@ class Intake:
         logger.warning("rejected %s: %s", f"job {job_id}" if job_id else "a message", err)
         self._reject(reply, job_id, task, err, received, journalled=False)
 
-    def _take(self, msg: IncomingJob, received: float) -> bool:
+    def _take(self, msg: IncomingJob, received: float, held: list[_Held]) -> bool | _Held:
+        """True once answered, or the job held for the batch's commit. `held` is
+        committed first where this message depends on it (the same id again, a cancel)."""
         topic_task = msg.topic.rsplit("/", 1)[-1]
         known_task = topic_task if topic_task in JOB_MODELS else None
         reply = Reply(self._profile.results_topic, msg.correlation)
@@ -112,6 +170,8 @@ class Intake:
             )
             self._refuse(reply, job_id, known_task, why, received)
             return True
+        if job_id is not None and any(h.row[0] == job_id for h in held):
+            self._commit(held)  # the repeat is judged against the journalled first
         if self._seen(job_id, known_task, msg.payload, reply, received):
             return True
         try:
@@ -120,6 +180,7 @@ class Intake:
             self._refuse(reply, job_id, known_task, err, received)
             return True
         if isinstance(job.request, CancelJob):
+            self._commit(held)  # its target may be among them
             self._cancel(job.id, job.request.job, reply, received, digest(msg.payload))
             return True
         try:
@@ -127,22 +188,8 @@ class Intake:
         except JobError as unavailable:
             self._refuse(reply, job.id, job.task, unavailable, received)
             return True
-        try:
-            self._journal.accept(job.id, msg.topic, msg.payload, reply.topic, reply.correlation)
-        except JournalFull as full:
-            refused = JobError(ErrorCode.STORAGE_FULL, f"not accepted: {full}; free space in the state directory")
-            self._refuse(reply, job.id, job.task, refused, received)
-            return True
         item = make_item(job, reply, received, self._profile.queue.default_deadline_ms)
-        try:
-            queue.put(item)
-        except QueueFull as full:
-            busy = JobError(ErrorCode.BUSY, str(full))
-            logger.warning("rejected job %s: %s", job.id, busy)
-            self._reject(reply, job.id, job.task, busy, received, journalled=True)  # accepted a moment ago
-            return True
-        logger.debug("queued job %s (%s, priority %s)", job.id, job.task, job.priority)
-        return True
+        return _Held((job.id, msg.topic, msg.payload, reply.topic, reply.correlation), item, queue)
 
     def _reply_for(self, msg: IncomingJob, fallback: Reply) -> Reply:
         if msg.response_topic is not None and self._reply_error(msg.response_topic) is None:

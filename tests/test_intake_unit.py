@@ -157,3 +157,74 @@ def test_a_pipeline_job_goes_on_to_the_text_queue_and_is_answered_once(tmp_path:
     assert final["id"] == "p1" and final["task"] == "inspect" and final["status"] == "ok"
     assert final["output"]["class"] == "clean" and final["output"]["answer"] == {"answer": "Replace the label."}
     assert link.sent[-1].correlation == b"cp"
+
+
+def test_messages_taken_together_are_journalled_in_one_commit_before_any_is_queued(tmp_path: Path) -> None:
+    """A burst: the jobs among it cost one journal commit. A repeat of an id in the same
+    burst and a cancel of a job in it are judged against the journalled jobs, as they
+    would be had the messages come one at a time."""
+    responder, link, journal = fakes.responder(tmp_path, "u1")
+    queues = {"vision": PriorityDeadlineQueue(16)}
+    intake = Intake(_profile(tmp_path), queues, responder, journal)
+    assert journal._db is not None
+    statements: list[str] = []
+    journal._db.set_trace_callback(statements.append)
+    burst = [_msg("ocr", {"id": f"f{i}", "image": {"path": "x.png"}}, f"c{i}".encode()) for i in range(6)]
+    burst.append(_msg("ocr", {"id": "bad"}, b"cb"))  # refused: no image
+    assert intake.take_many(burst) == [True] * 7
+    assert sum(s == "COMMIT" for s in statements) == 1
+    assert [m.doc["error"]["field"] for m in link.sent] == ["image"]
+    assert [e.id for e in journal.pending()] == [f"f{i}" for i in range(6)]
+    assert [it.job.id for it in queues["vision"].drain()] == [f"f{i}" for i in range(6)]
+
+    statements.clear()
+    again = [
+        _msg("ocr", {"id": "g0", "image": {"path": "x.png"}}, b"g0"),
+        _msg("ocr", {"id": "g0", "image": {"path": "x.png"}}, b"other"),  # the same id, another requester
+        _msg("ocr", {"id": "g1", "image": {"path": "x.png"}}, b"g1"),
+        _msg("cancel", {"id": "k", "job": "g1"}, b"k"),
+    ]
+    assert intake.take_many(again) == [True] * 4
+    docs = [m.doc for m in link.sent[1:]]
+    assert docs[0]["id"] == "g0" and docs[0]["error"]["code"] == "duplicate"
+    assert {(d["id"], d["status"]) for d in docs[1:]} == {("g1", "error"), ("k", "ok")}
+    assert next(d for d in docs if d["id"] == "k")["output"] == {"job": "g1", "cancelled": True}
+    assert [it.job.id for it in queues["vision"].drain()] == ["g0"]
+
+
+def test_a_stopping_intake_keeps_nothing_of_a_batch(tmp_path: Path) -> None:
+    responder, link, journal = fakes.responder(tmp_path, "u1")
+    intake = Intake(_profile(tmp_path), {"vision": PriorityDeadlineQueue(8)}, responder, journal)
+    intake.accepting = False
+    assert intake.take_many([_msg("ocr", {"id": "a", "image": {"path": "x.png"}})] * 2) == [False, False]
+    assert journal.lookup("a") is None and link.sent == []
+
+
+def test_the_pump_takes_what_arrived_meanwhile_as_one_batch_and_acks_in_order() -> None:
+    """paho's thread only queues; while the intake is busy with one batch, what arrives
+    waits and is taken as the next. Messages the intake does not keep are not acked."""
+    import threading
+
+    from edge.comms.pump import IntakePump
+
+    busy = threading.Event()
+    release = threading.Event()
+    batches: list[list[str]] = []
+    acks: list[int] = []
+
+    def take(msgs: list[IncomingJob]) -> list[bool]:
+        batches.append([m.topic for m in msgs])
+        busy.set()
+        release.wait(5)
+        return [not m.topic.endswith("left") for m in msgs]
+
+    pump = IntakePump(take, lambda mid, qos: acks.append(mid))
+    pump.start()
+    pump.put(IncomingJob("t/0", b"", None, None), 100, 1)
+    assert busy.wait(5)
+    for i in range(1, 6):
+        pump.put(IncomingJob("t/left" if i == 3 else f"t/{i}", b"", None, None), 100 + i, 1)
+    release.set()
+    pump.stop()
+    assert batches == [["t/0"], ["t/1", "t/2", "t/left", "t/4", "t/5"]]
+    assert acks == [100, 101, 102, 104, 105]

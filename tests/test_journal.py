@@ -96,3 +96,49 @@ def test_a_batch_of_results_is_kept_in_one_commit(tmp_path: Path) -> None:
     assert got == {"a": (SENT, b"result-a"), "b": (SENT, b"result-b"), "refused": (SENT, b"err")}
     entry = j.lookup("a")
     assert entry is not None and entry.payload is None  # the request is not needed once its result is kept
+
+
+def _statements(j: Journal) -> list[str]:
+    """Every statement the journal's connection runs from now on."""
+    seen: list[str] = []
+    assert j._db is not None
+    j._db.set_trace_callback(seen.append)
+    return seen
+
+
+def test_jobs_taken_together_are_kept_in_one_commit(tmp_path: Path) -> None:
+    j = Journal(tmp_path / "j.sqlite3", 2**20, 60.0)
+    seen = _statements(j)
+    rows = [(f"j{i}", "edge/t1/jobs/ocr", f"p{i}".encode(), "r", None) for i in range(5)]
+    assert j.accept_many(rows) == [None] * 5
+    assert sum(s == "COMMIT" for s in seen) == 1
+    j.close()  # what a restart sees: the commit reached the file
+    again = Journal(tmp_path / "j.sqlite3", 2**20, 60.0)
+    want = [(f"j{i}", QUEUED, f"p{i}".encode()) for i in range(5)]
+    assert [(e.id, e.state, e.payload) for e in again.pending()] == want
+
+
+def test_a_batch_that_does_not_fit_keeps_those_that_do(tmp_path: Path) -> None:
+    j = Journal(tmp_path / "j.sqlite3", 256 * 1024, 60.0)
+    rows = [(f"job-{i}", "t", b"p" * 20_000, "r", None) for i in range(30)]
+    refused = j.accept_many(rows)
+    kept = [i for i, why in enumerate(refused) if why is None]
+    assert 3 <= len(kept) < 20 and kept == list(range(len(kept)))  # the first ones, in order
+    assert all(isinstance(why, JournalFull) for why in refused[len(kept) :])
+    assert all(j.lookup(f"job-{i}") is not None for i in kept)
+    assert j.lookup(f"job-{len(kept)}") is None and j.full_since is not None
+
+
+def test_an_answered_mark_waits_for_the_next_durable_commit(tmp_path: Path) -> None:
+    """Marks come once per result from paho's thread: they skip the fsync (a lost mark
+    only sends a stored result again); every commit of a job or result still has it."""
+    j = Journal(tmp_path / "j.sqlite3", 2**20, 60.0)
+    j.accept("a", "t", b"x", "r", None)
+    j.store_result("a", "r", None, b"ok")
+    seen = _statements(j)
+    j.mark_answered("a")
+    update = next(i for i, s in enumerate(seen) if s.startswith("UPDATE jobs SET state"))
+    assert seen[update - 1] == "PRAGMA synchronous=NORMAL" and seen[update + 1] == "PRAGMA synchronous=FULL"
+    assert j._db is not None and j._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL again
+    entry = j.lookup("a")
+    assert entry is not None and entry.state == ANSWERED

@@ -69,6 +69,29 @@ def test_cpu_kernel_matches_dequantized_matmul() -> None:
     assert rel < 1e-2  # bf16 activations
 
 
+@pytest.mark.skipif(not cpu_kernel_available(), reason="torch has no CPU INT4 kernel")
+def test_the_output_layers_best_logits_are_exact_on_the_cpu_kernel() -> None:
+    """The CPU kernel's bfloat16 output knows a logit of 20 to 1/16; the output layer's
+    best entries per row are the float32 product of the stored weights, so greedy picks
+    the quantized model's own argmax even among near-ties."""
+    torch.manual_seed(3)
+    w = torch.randn(4096, 256) * 0.05
+    w[1:8] = w[0] + torch.randn(7, 256) * 1e-4  # near-ties with row 0
+    q = pack(w, 32)
+    x = torch.randn(64, 256) * 8
+    exact = x @ dequantize(q).T
+    plain = Int4Linear(q, "cpu")(x)
+    refined = Int4Linear(q, "cpu", exact_top=16)(x)
+    top = plain.float().topk(16, dim=-1).indices  # the candidates the kernel's figures name
+    torch.testing.assert_close(refined.gather(-1, top), exact.gather(-1, top), rtol=1e-5, atol=1e-4)
+    assert bool((refined.argmax(-1) == exact.argmax(-1)).all())
+    # Without it the bf16 rounding picks a different token for some rows.
+    assert int((plain.argmax(-1) != exact.argmax(-1)).sum()) > 0
+    # The rest of each row is the kernel's figure.
+    rest = torch.ones_like(refined, dtype=torch.bool).scatter(-1, top, False)
+    assert torch.equal(refined[rest], plain.float()[rest])
+
+
 def test_concat_rows_is_one_matmul_of_the_parts() -> None:
     parts = [pack(torch.randn(n, 256), 128) for n in (64, 32, 32)]
     fused = Int4Linear(concat_rows(parts), "dequant")

@@ -19,6 +19,8 @@ class IncomingJob:
 
 # Returns whether the job is kept (acknowledge it to the broker) or left with the broker.
 IntakeCallback = Callable[[IncomingJob], bool]
+# The same for messages taken together, one answer per message in order.
+BatchIntakeCallback = Callable[[list[IncomingJob]], list[bool]]
 DeliveredCallback = Callable[[str], None]
 
 

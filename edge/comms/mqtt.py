@@ -2,7 +2,8 @@
 
 paho runs its network loop in its own thread and reconnects by itself with
 exponential backoff; this class only keeps what the rest of the daemon needs to know
-(connected or not, since when) and routes messages to one intake callback.
+(connected or not, since when) and routes job messages to one intake callback, through
+a pump that takes what arrives together as one batch (edge/comms/pump.py).
 
 Durability: the session is persistent (Clean Start false, a session expiry), so the
 broker keeps jobs for us while the daemon restarts, and jobs are acknowledged by hand:
@@ -28,7 +29,8 @@ from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from edge.comms.identity import TAKEOVER_REASON, IdentityWatch
-from edge.comms.message import DeliveredCallback, IncomingJob, IntakeCallback
+from edge.comms.message import BatchIntakeCallback, DeliveredCallback, IncomingJob
+from edge.comms.pump import IntakePump
 from edge.config.schema import Profile
 
 logger = logging.getLogger(__name__)
@@ -72,11 +74,13 @@ def make_client(client_id: str, profile: Profile, manual_ack: bool = False) -> m
 
 
 class DaemonLink:
-    def __init__(self, profile: Profile, on_job: IntakeCallback, on_delivered: DeliveredCallback | None = None) -> None:
+    def __init__(
+        self, profile: Profile, on_jobs: BatchIntakeCallback, on_delivered: DeliveredCallback | None = None
+    ) -> None:
         self._profile = profile
-        self._on_job = on_job
         self._on_delivered = on_delivered
         self._client = make_client(profile.client_id, profile, manual_ack=True)
+        self._pump = IntakePump(on_jobs, self._client.ack)
         # Each daemon announces itself with a nonce of its own: a notice on our topic with
         # another one is a second box using this device id.
         self.instance = uuid.uuid4().hex
@@ -116,6 +120,7 @@ class DaemonLink:
         logger.info("connecting to broker %s:%s as %s", broker.host, broker.port, self._profile.client_id)
         props = Properties(PacketTypes.CONNECT)
         props.SessionExpiryInterval = broker.session_expiry_s
+        self._pump.start()
         self._client.connect_async(
             broker.host, broker.port, keepalive=broker.keepalive_s, clean_start=False, properties=props
         )
@@ -151,6 +156,7 @@ class DaemonLink:
                 info.wait_for_publish(timeout)
             except (RuntimeError, ValueError):
                 logger.warning("offline notice not delivered before shutdown")
+        self._pump.stop()
         self._client.disconnect()
         self._client.loop_stop()
 
@@ -284,10 +290,4 @@ class DaemonLink:
             correlation=bytes(correlation) if correlation is not None else None,
             retained=bool(msg.retain),
         )
-        keep = True
-        try:
-            keep = self._on_job(job)
-        except Exception:  # never let one message kill paho's network thread (intake answers it)
-            logger.exception("intake failed for a message on %s", msg.topic)
-        if keep:
-            client.ack(msg.mid, msg.qos)
+        self._pump.put(job, msg.mid, msg.qos)

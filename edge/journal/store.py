@@ -24,6 +24,7 @@ import sqlite3
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +71,15 @@ class Entry:
 
 
 _COLUMNS = "id, state, topic, payload, digest, reply_topic, correlation, received, attempts, result"
+
+
+# A new job: id, topic, payload, reply topic, correlation.
+NewJob = tuple[str, str, bytes, str, bytes | None]
+
+_ACCEPT = (
+    "INSERT OR REPLACE INTO jobs (id, state, topic, payload, digest, reply_topic, correlation, received) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
 
 
 def digest(payload: bytes) -> str:
@@ -249,6 +259,24 @@ class Journal:
                 raise
             return cur.rowcount
 
+    @staticmethod
+    def _commit_many(
+        db: sqlite3.Connection, sql: str, values: Sequence[tuple[object, ...]]
+    ) -> sqlite3.OperationalError | None:
+        """Run `sql` for every row in one transaction (one commit, one fsync); with the
+        lock held. Returns the error if the journal is full (nothing written), else None."""
+        try:
+            db.execute("BEGIN")
+            db.executemany(sql, values)
+            db.execute("COMMIT")
+        except sqlite3.OperationalError as err:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            if not _is_full(err):
+                raise
+            return err
+        return None
+
     def lookup(self, job_id: str) -> Entry | None:
         with self._lock:
             if self._db is None:
@@ -259,19 +287,37 @@ class Journal:
     def accept(self, job_id: str, topic: str, payload: bytes, reply_topic: str, correlation: bytes | None) -> None:
         """Keep a new job; durable when this returns. JournalFull if it cannot be kept.
         Whether the last new job found room is what `full_since` reports."""
+        (refused,) = self.accept_many([(job_id, topic, payload, reply_topic, correlation)])
+        if refused is not None:
+            raise refused
+
+    def accept_many(self, rows: Sequence[NewJob]) -> list[JournalFull | None]:
+        """Keep several new jobs (id, topic, payload, reply topic, correlation) in one
+        commit, so a burst of camera frames costs one fsync, not one each; durable when
+        this returns. Per row: None if kept, else why not. When the batch does not fit,
+        each is tried alone, so those that fit are still kept."""
+        if not rows:
+            return []
+        now = time.time()
+        values = [(i, QUEUED, t, p, digest(p), r, c, now) for i, t, p, r, c in rows]
         try:
-            self._write(
-                # REPLACE: a row still there for this id is past the dedup window (the
+            with self._lock:
+                if self._db is None:
+                    raise JournalUnavailable(f"the job journal {self.path} could not be opened")
+                # REPLACE: a row still there for an id is past the dedup window (the
                 # intake checked), so the id starts afresh.
-                "INSERT OR REPLACE INTO jobs (id, state, topic, payload, digest, reply_topic, correlation, received) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (job_id, QUEUED, topic, payload, digest(payload), reply_topic, correlation, time.time()),
-            )
-        except JournalFull:
+                err = self._commit_many(self._db, _ACCEPT, values)
+                if err is not None and len(rows) == 1:
+                    raise JournalFull(f"the job journal {self.path} is full: {err}") from err
+                full = err is not None
+        except JournalFull as err:
             if self.full_since is None:
                 self.full_since = time.time()
-            raise
+            return [err]
+        if full:
+            return [self.accept_many([row])[0] for row in rows]
         self.full_since = None
+        return [None] * len(rows)
 
     def replayed(self, job_id: str) -> int:
         """Count one more start that took the job up again; returns the count."""
@@ -308,27 +354,34 @@ class Journal:
             if self._db is None:
                 logger.error("journal unavailable: %d results are published but not kept", len(rows))
                 return
-            try:
-                self._db.execute("BEGIN")
-                self._db.executemany(
-                    "INSERT INTO jobs (id, state, topic, reply_topic, correlation, received, result) "
-                    "VALUES (?, ?, '', ?, ?, ?, ?) "
-                    "ON CONFLICT (id) DO UPDATE SET state = excluded.state, result = excluded.result, payload = NULL",
-                    [(job_id, SENT, topic, corr, time.time(), result) for job_id, topic, corr, result in rows],
-                )
-                self._db.execute("COMMIT")
-            except sqlite3.OperationalError as err:
-                if self._db.in_transaction:
-                    self._db.execute("ROLLBACK")
-                if not _is_full(err):
-                    raise
+            full = self._commit_many(
+                self._db,
+                "INSERT INTO jobs (id, state, topic, reply_topic, correlation, received, result) "
+                "VALUES (?, ?, '', ?, ?, ?, ?) "
+                "ON CONFLICT (id) DO UPDATE SET state = excluded.state, result = excluded.result, payload = NULL",
+                [(job_id, SENT, topic, corr, time.time(), result) for job_id, topic, corr, result in rows],
+            )
+            if full is not None:
                 logger.error("journal full: %d results are published but not kept", len(rows))
 
     def mark_answered(self, job_id: str) -> None:
-        try:
-            self._write("UPDATE jobs SET state = ?, answered = ? WHERE id = ?", (ANSWERED, time.time(), job_id))
-        except JournalFull:
-            logger.error("journal full: could not mark %s answered", job_id)
+        """The broker has the result. Written without an fsync of its own (the next
+        durable commit carries it to disk): a mark lost to a power cut only makes the
+        next start send the stored result again, which a requester takes as a repeat."""
+        with self._lock:
+            if self._db is None:
+                return
+            try:
+                self._db.execute("PRAGMA synchronous=NORMAL")
+                self._db.execute(
+                    "UPDATE jobs SET state = ?, answered = ? WHERE id = ?", (ANSWERED, time.time(), job_id)
+                )
+            except sqlite3.OperationalError as err:
+                if not _is_full(err):
+                    raise
+                logger.error("journal full: could not mark %s answered", job_id)
+            finally:
+                self._db.execute("PRAGMA synchronous=FULL")
 
     def pending(self) -> list[Entry]:
         """Jobs to take up again on start, oldest first."""

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from edge.text.chat import ChatTemplate
-from edge.text.int4 import Int4Linear, QuantizedWeight, concat_rows, cpu_kernel_available
+from edge.text.int4 import EXACT_TOP, Int4Linear, QuantizedWeight, concat_rows, cpu_kernel_available
 from edge.text.llama import LlamaConfig, LlamaModel, fuse_projections
 
 # Files every checkpoint carries beside its weights; build steps copy them forward.
@@ -98,7 +98,8 @@ def load_checkpoint(
         if fuse:
             _fuse_quantized(model, quantized, biases, kernel)
         for name, q in quantized.items():
-            _set_module(model, name, Int4Linear(q, kernel, biases.get(name)))
+            exact_top = EXACT_TOP if name == "lm_head" else 0
+            _set_module(model, name, Int4Linear(q, kernel, biases.get(name), exact_top=exact_top))
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     if config.tie_embeddings and isinstance(model.lm_head, nn.Linear):
         state.setdefault("lm_head.weight", state["embed_tokens.weight"])

@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_GROUPS = (256, 128, 64, 32)
 PREFILL_SLAB_ROWS = 8192
+# Logits recomputed exactly per position on the CPU kernel (see Int4Linear.exact_top).
+EXACT_TOP = 16
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,7 @@ class Int4Linear(nn.Module):
     zeros: torch.Tensor
     w: torch.Tensor
 
-    def __init__(self, q: QuantizedWeight, kernel: str, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, q: QuantizedWeight, kernel: str, bias: torch.Tensor | None = None, exact_top: int = 0) -> None:
         super().__init__()
         # A float bias added after the product (Qwen2's q/k/v); None for most layers.
         self.bias: torch.Tensor | None
@@ -161,10 +163,20 @@ class Int4Linear(nn.Module):
             kernel = "dequant"
         self.kernel = kernel
         self.weight_bytes = q.nbytes
+        # The CPU kernel rounds its inputs, scales and outputs to bfloat16: a logit of 20
+        # is then known to 1/16, and greedy decoding picks among near-ties by rounding
+        # (a fifth of 16-token answers differ from the exact model's on SmolLM2). For the
+        # output layer, the `exact_top` best of each row are computed again in float32
+        # from the stored codes, so the token chosen is the quantized model's own.
+        self.exact_top = exact_top if kernel == "cpu" else 0
         if kernel == "cpu":
             codes = unpack_codes(q).to(torch.int32)
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2))
             self.register_buffer("sz", _scales_and_offsets(q, torch.bfloat16))
+            if self.exact_top:
+                self.register_buffer("qweight", q.qweight)
+                self.register_buffer("scales", q.scales)
+                self.register_buffer("zeros", q.zeros)
         elif kernel == "cuda":
             # The CUDA packer takes [N, K/2] bytes with the even k in the high nibble.
             swapped = ((q.qweight & 0x0F) << 4) | (q.qweight >> 4)
@@ -215,10 +227,23 @@ class Int4Linear(nn.Module):
                     out[:, n0:n1] = flat @ w.T
         else:
             out = flat.to(self.w.dtype) @ self.w.T
+        if self.exact_top:
+            out = self._refine(flat, out.float())
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         result: torch.Tensor = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return result
+
+    def _refine(self, flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` [M, N] with each row's `exact_top` largest entries recomputed in float32
+        from the codes: the rows of the weight they need are dequantized, nothing else."""
+        top = min(self.exact_top, self.out_features)
+        idx = out.topk(top, dim=-1).indices  # [M, top]
+        rows = idx.reshape(-1)
+        q = QuantizedWeight(self.qweight[rows], self.scales[rows], self.zeros[rows], self.group_size)
+        w = dequantize(q).view(flat.shape[0], top, self.in_features)
+        exact = torch.einsum("mk,mtk->mt", flat.float(), w)
+        return out.scatter(-1, idx, exact)
 
 
 def tune_gemv(model: nn.Module, dtype: torch.dtype, max_rows: int = triton_int4.GEMV_MAX_ROWS) -> int:
