@@ -29,6 +29,7 @@ from engines.cache import build_cached, cache_key, file_sha256, stop_on_sigterm
 from engines.distill import TrainData, TrainRecipe, predict, train_student
 from engines.factory_data import CLASSES, iter_split, patch_targets
 from engines.folder_data import DatasetError, fingerprint, scan, split_arrays
+from engines.shipped_student import find_shipped, load_shipped
 from engines.vision_stream import StreamPlan, train_student_streaming
 from engines.vision_teacher import probe_features, teacher_onnx_path, teacher_tokens, teacher_weights, train_probe
 
@@ -198,6 +199,29 @@ def teacher_probe(data_dir: Path, classes: int = len(CLASSES)) -> tuple[torch.nn
     return probe, info
 
 
+def install_shipped(shipped: Path, out: Path, size: VisionSize) -> dict[str, Any]:
+    """A shipped student (engines/shipped_student.py) written as a build: its weights,
+    config and ONNX export, and its accuracy measured here on the held-out test split."""
+    model, manifest = load_shipped(shipped)
+    logger.info("installing the shipped student %s (trained on %s)", shipped.name, manifest.get("trained_on"))
+    torch.save(model.serving_state(), out / artifact.WEIGHTS)
+    (out / artifact.CONFIG).write_text(model.config.to_json() + "\n", encoding="utf-8")
+    onnx_error = export_onnx(model, out / STUDENT_ONNX)
+    test = _split_arrays(size.seed, "test", size.test, model.config.grid)
+    probs, _ = predict(model, test["images"])
+    details = {k: v for k, v in manifest.items() if k not in ("inputs", "built_at", "val_accuracy", "test_accuracy")}
+    details.update(
+        {
+            "installed_from": f"engines/students/{shipped.name}",
+            "onnx_max_abs_diff": onnx_error,
+            "test_accuracy": accuracy(probs, test["labels"]),
+            "test_accuracy_at_training": manifest.get("test_accuracy"),
+            "val_accuracy_at_training": manifest.get("val_accuracy"),
+        }
+    )
+    return details
+
+
 def build_student(
     engine_dir: Path,
     size_name: str = "default",
@@ -236,6 +260,11 @@ def build_student(
         inputs["stream"] = {"steps": plan.steps, "first_index": plan.first_index, "seed": plan.seed}
 
     def build(out: Path) -> dict[str, Any]:
+        # A student trained on a GPU and shipped with the code, from these very inputs,
+        # is installed rather than trained again (minutes on a GPU, hours on a CPU).
+        shipped = find_shipped(size_name, distill, inputs) if auto and dataset is None else None
+        if shipped is not None:
+            return install_shipped(shipped, out, size)
         if refuse:
             # Refused rather than started: nobody asking for a build expects it to take
             # hours, and a daemon's first start would sit in it.

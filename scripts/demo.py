@@ -4,8 +4,8 @@
 Starts Mosquitto on 127.0.0.1:1883 if nothing listens there, starts the daemon with
 profiles/cpu-dev.yaml, sends every sample label as an `ocr` job, every sample part as an
 `inspect` job and two `qa` jobs, prints the answers and `edgectl status`, then stops
-what it started. Exits 0 only if every label was read exactly and every inspection and
-question answered.
+what it started. Exits 0 only if every label was read exactly, every part was judged as
+its truth says, and every question answered.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def wait_ready(daemon: subprocess.Popen[bytes], socket_path: Path, log: Path, ti
         except StatusUnreachable:
             state = "starting"
         if state != last:
-            first = "first start builds the LLM and the inspection student once"
+            first = "first start builds the LLM and installs the inspection student once"
             print(f"  daemon {state} ({first}; see {log.relative_to(REPO)})")
             last = state
         time.sleep(0.3)
@@ -149,10 +149,11 @@ def main() -> int:
                 print(f"  [BAD] {part['name']}: {result.get('error')}")
                 continue
             out = result["output"]
-            verdict = "match" if out["class"] == part["class"] else "differs"
+            right = out["class"] == part["class"]
+            failures += not right
             line = (
-                f"  {part['name']:<28} -> {out['class']:<14} score {out['score']:.2f}  "
-                f"(truth {part['class']}: {verdict}; {result['timings']['total_ms']:.0f} ms)"
+                f"  [{'ok ' if right else 'BAD'}] {part['name']:<28} -> {out['class']:<14} score {out['score']:.2f}  "
+                f"(truth {part['class']}; {result['timings']['total_ms']:.0f} ms)"
             )
             if "ocr" in out:
                 line += f"  label: {out['ocr']['text'] or '-'}"

@@ -129,3 +129,13 @@ def test_per_layer_rules_are_checked_and_reach_the_build() -> None:
     args = build_command("qa", profile).args
     assert args[args.index("--layers") + 1] == json.dumps(wanted["layers"])
     assert "layers" not in selector("qa", parse_profile({"device_id": "a"}))  # earlier builds still found
+
+
+def test_the_shipped_student_is_the_default_and_a_dataset_trains_at_the_default_length(tmp_path: Path) -> None:
+    assert parse_profile({"device_id": "a"}).models.inspect.build_size == "stream"
+    folder = tmp_path / "parts"
+    (folder / "clean").mkdir(parents=True)
+    own = parse_profile({"device_id": "a", "models": {"inspect": {"dataset": str(folder)}}})
+    assert own.models.inspect.build_size == "default"  # stream sizes generate their images
+    asked = parse_profile({"device_id": "a", "models": {"inspect": {"dataset": str(folder), "build_size": "quick"}}})
+    assert asked.models.inspect.build_size == "quick"

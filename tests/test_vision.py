@@ -8,6 +8,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from edge.vision.inspect import InspectPipeline, preprocess
 from edge.vision.vit import ExportWrapper, InspectViT, ViTConfig, load_student
 from engines.cache import existing_only
 from engines.factory_data import CLASSES, make_sample, patch_targets
+from engines.shipped_student import SHIPPED
 from engines.vision_build import ONNX_OUTPUTS, SIZES, build_student
 from engines.vision_teacher import (
     TEACHER_DIM,
@@ -32,7 +34,7 @@ from engines.vision_teacher import (
     token_model_bytes,
     torch_teacher,
 )
-from tests.conftest import edgectl, write_profile
+from tests.conftest import SAMPLES, edgectl, write_profile
 
 LIMITS = JobLimits(max_payload_bytes=1 << 20, max_prompt_chars=1000, max_new_tokens_limit=64)
 
@@ -306,22 +308,82 @@ def test_streaming_distillation_trains_on_new_images() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
-def test_a_long_stream_build_is_refused_without_a_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_long_stream_build_that_is_not_shipped_is_refused_without_a_gpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from engines import vision_build
 
     with pytest.raises(vision_build.BuildRefused, match=r"no CUDA device here.*--device cpu"):
-        build_student(tmp_path, "stream", progress=False)
+        build_student(tmp_path, "stream-long", progress=False)
     assert list(tmp_path.iterdir()) == []  # refused before any data was generated
     # The command says so as a usage error (exit 2), not with a traceback.
     with pytest.raises(SystemExit) as stop:
-        vision_build.main(["--engine-dir", str(tmp_path), "--size", "stream", "--no-progress"])
+        vision_build.main(["--engine-dir", str(tmp_path), "--size", "stream-long", "--no-progress"])
     assert stop.value.code == 2 and "no CUDA device here" in capsys.readouterr().err
     # So does `edgectl build` for a profile that asks for it, naming the field.
-    models = {"inspect": {"build_size": "stream"}, "qa": {"enabled": False}}
+    models = {"inspect": {"build_size": "stream-long"}, "qa": {"enabled": False}}
     done = edgectl("build", "--profile", str(write_profile(tmp_path, 1883, tmp_path / "engines", models=models)))
     assert done.returncode == 2, done.stderr
     assert "models.inspect.build_size" in done.stderr and "no CUDA device here" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_shipped_stream_student_is_installed_and_judges_held_out_parts(tmp_path: Path) -> None:
+    """The accurate student trains on a GPU; a box asking for it is handed the shipped
+    weights (float16) as a build of its own: same directory name as a GPU build of the
+    same inputs, its accuracy measured at install on the 500 held-out test parts, and the
+    five sample parts judged as their truth says, through the ONNX model served on CPUs."""
+    import cv2
+    import onnxruntime as ort
+
+    from edge.vision.student import StudentArtifact
+    from engines.vision_build import SIZES as ALL
+
+    path = build_student(tmp_path, "stream", progress=False)
+    shipped = json.loads((SHIPPED / "distilled-stream" / "manifest.json").read_text())
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert path.name == shipped_name(shipped)
+    assert manifest["inputs"] == shipped["inputs"] and manifest["installed_from"] == "engines/students/distilled-stream"
+    assert manifest["trained_on"] == "cuda" and manifest["train_images"] == ALL["stream"].stream_steps * 128
+    assert manifest["test_accuracy"] >= 0.9, manifest["test_accuracy"]  # measured here, on 500 held-out parts
+    assert abs(manifest["test_accuracy"] - manifest["test_accuracy_at_training"]) <= 0.01
+    assert manifest["onnx_max_abs_diff"] < 1e-4
+    artifact = StudentArtifact.open(path)
+    parts = json.loads((SAMPLES / "parts" / "parts.json").read_text())
+    images = []
+    for part in parts:
+        image = cv2.imread(str(SAMPLES / "parts" / part["name"]))
+        assert image is not None
+        images.append(image)
+    pixels = preprocess(images, artifact.image_size, bgr=True)  # as the daemon does
+    session = ort.InferenceSession(str(path / "student.onnx"), providers=["CPUExecutionProvider"])
+    probs = session.run(["class_probs"], {"pixels": pixels})[0]
+    assert [artifact.classes[int(i)] for i in probs.argmax(1)] == [p["class"] for p in parts]
+    # A second call finds the installed build.
+    assert build_student(tmp_path, "stream", progress=False) == path
+
+
+def shipped_name(manifest: dict[str, Any]) -> str:
+    from engines.cache import cache_key
+
+    return f"vision-student-distilled-stream-{cache_key(manifest['inputs'])}"
+
+
+def test_a_damaged_or_foreign_shipped_student_is_not_used(tmp_path: Path) -> None:
+    from engines.shipped_student import ShippedStudentError, find_shipped, load_shipped
+
+    root = tmp_path / "students"
+    shutil.copytree(SHIPPED / "distilled-stream", root / "distilled-stream")
+    inputs = json.loads((root / "distilled-stream" / "manifest.json").read_text())["inputs"]
+    assert find_shipped("stream", True, inputs, root) == root / "distilled-stream"
+    assert find_shipped("stream", True, {**inputs, "recipe": {}}, root) is None  # built from other inputs
+    assert find_shipped("stream", False, inputs, root) is None  # none shipped
+    weights = root / "distilled-stream" / "student.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ShippedStudentError, match="damaged"):
+        load_shipped(root / "distilled-stream")
 
 
 def test_a_stream_size_builds_exports_and_records_its_stream(engine_dir: Path, tmp_path: Path) -> None:
