@@ -366,7 +366,7 @@ def status(socket_path: Path) -> dict[str, Any]:
     return query_status(socket_path, timeout=10)
 
 
-def start_daemon(profile: Path, workdir: Path) -> tuple[subprocess.Popen[bytes], Path]:
+def start_daemon(profile: Path, workdir: Path, timeout: float = 600) -> tuple[subprocess.Popen[bytes], Path]:
     import yaml
 
     data = yaml.safe_load(profile.read_text())
@@ -380,7 +380,7 @@ def start_daemon(profile: Path, workdir: Path) -> tuple[subprocess.Popen[bytes],
         cwd=REPO,
         env=env,
     )
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the daemon exited with {proc.returncode}:\n{(workdir / 'daemon.log').read_text()}")

@@ -286,7 +286,26 @@ def daemon(d: dict[str, Any], source: str) -> str:
     return "\n".join(lines)
 
 
+def first_start(d: dict[str, Any]) -> str:
+    met = "met" if d["first_start_s"] <= d["target_s"] else "**not met**"
+    lines = [
+        f"`{d['profile']}` with an empty engine directory, {d['cpus']} CPUs ({d['machine']}), a real Mosquitto, "
+        "the first answers from an outside client (`bench/results/first_start.json`).",
+        "",
+        "| stage | seconds |",
+        "|---|---:|",
+        *[f"| {name} | {s:.0f} |" for name, s in d["stages_s"].items()],
+        f"| start to ready | {d['first_start_s']:.0f} |",
+        *[f"| first {task} answer | {s:.0f} |" for task, s in d["first_answer_s"].items()],
+        "",
+        f"- first start to ready: **{d['first_start_s'] / 60:.1f} min** (target: at most "
+        f"{d['target_s'] / 60:.0f} min, {met})",
+    ]
+    return "\n".join(lines)
+
+
 TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
+    "first_start": ("first_start.json", first_start),
     "daemon_cpu": ("daemon_cpu.json", lambda d: daemon(d, "bench/results/daemon_cpu.json")),
     "daemon_cuda": ("daemon_cuda.json", lambda d: daemon(d, "bench/results/daemon_cuda.json")),
     "scheduler_cpu": ("scheduler_cpu.json", lambda d: scheduler(d, "bench/results/scheduler_cpu.json")),
