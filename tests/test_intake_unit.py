@@ -228,3 +228,16 @@ def test_the_pump_takes_what_arrived_meanwhile_as_one_batch_and_acks_in_order() 
     pump.stop()
     assert batches == [["t/0"], ["t/1", "t/2", "t/left", "t/4", "t/5"]]
     assert acks == [100, 101, 102, 104, 105]
+
+
+def test_every_job_of_a_batch_the_journal_cannot_keep_is_answered_storage_full(tmp_path: Path) -> None:
+    responder, link, journal = fakes.responder(tmp_path, "u1")
+    queues = {"vision": PriorityDeadlineQueue(8)}
+    intake = Intake(_profile(tmp_path), queues, responder, journal)
+    journal.close()  # as a journal that could not be opened
+    burst = [_msg("ocr", {"id": f"f{i}", "image": {"path": "x.png"}}, f"c{i}".encode()) for i in range(3)]
+    assert intake.take_many(burst) == [True] * 3  # answered, so acknowledged
+    assert sorted((m.doc["id"], m.doc["error"]["code"]) for m in link.sent) == [
+        (f"f{i}", "storage_full") for i in range(3)
+    ]
+    assert len(queues["vision"]) == 0

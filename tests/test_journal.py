@@ -142,3 +142,13 @@ def test_an_answered_mark_waits_for_the_next_durable_commit(tmp_path: Path) -> N
     assert j._db is not None and j._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL again
     entry = j.lookup("a")
     assert entry is not None and entry.state == ANSWERED
+
+
+def test_a_batch_finds_a_journal_that_cannot_be_opened_refused_row_by_row(tmp_path: Path) -> None:
+    from edge.journal.store import JournalUnavailable
+
+    j = Journal(tmp_path / "j.sqlite3", 2**20, 60.0)
+    j.close()  # as a journal that could not be opened
+    refused = j.accept_many([(f"j{i}", "t", b"x", "r", None) for i in range(3)])
+    assert len(refused) == 3 and all(isinstance(why, JournalUnavailable) for why in refused)
+    assert j.full_since is not None

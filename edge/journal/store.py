@@ -313,7 +313,7 @@ class Journal:
         except JournalFull as err:
             if self.full_since is None:
                 self.full_since = time.time()
-            return [err]
+            return [err] * len(rows)
         if full:
             return [self.accept_many([row])[0] for row in rows]
         self.full_since = None
