@@ -104,68 +104,19 @@ def own_broker(tmp_path: Path) -> Iterator[Broker]:
     b.stop()
 
 
-# The session's engines (the default text pipeline: import, clinic adapter merged, AWQ
-# INT4; and the smoke-sized student) are built in a child process that starts as soon as
-# the tests are collected, while the modules that need no engines run first: the build
-# takes minutes of one core, and those tests leave one free most of the time.
-_BUILD_SCRIPT = """
-import sys
-from pathlib import Path
-
-import torch
-
-torch.set_num_threads(1)
-from engines.text_build import build_text_engine
-from engines.vision_build import build_student
-
-path = Path(sys.argv[1])
-build_text_engine(path, "clinic", "awq-int4", progress=False)
-build_student(path, "quick", progress=False)
-"""
-_ENGINE_BUILD: dict[str, Any] = {}
-
-
-def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Modules whose tests need the session's engines run last (a module stays whole, so
-    its own fixtures are set up once), and the engine build starts now, beside the rest."""
-    needs = {item.nodeid.split("::")[0] for item in items if "engine_dir" in getattr(item, "fixturenames", ())}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] in needs)
-    if needs and not os.environ.get("EDGE_TEST_ENGINE_DIR") and not _ENGINE_BUILD:
-        path = Path(config._tmp_path_factory.mktemp("engines"))  # type: ignore[attr-defined]
-        log = path.parent / "engine-build.log"
-        with log.open("wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-c", _BUILD_SCRIPT, str(path)], cwd=REPO, stdout=out, stderr=subprocess.STDOUT
-            )
-        _ENGINE_BUILD.update(proc=proc, path=path, log=log)
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    proc = _ENGINE_BUILD.get("proc")
-    if proc is not None and proc.poll() is None:  # the session ended before it was needed
-        proc.kill()
-        proc.wait()
-
-
 @pytest.fixture(scope="session")
-def engine_dir() -> Path:
+def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Engines built once per test session (the build itself is tested elsewhere)."""
     from engines.text_build import build_text_engine
     from engines.vision_build import build_student
 
     # EDGE_TEST_ENGINE_DIR reuses a developer's engine cache (builds are keyed by their
-    # inputs, so a cached engine is the same engine); CI builds afresh, in the child
-    # process started at collection.
+    # inputs, so a cached engine is the same engine); CI builds afresh.
     reuse = os.environ.get("EDGE_TEST_ENGINE_DIR")
-    if reuse:
-        path = Path(reuse)
-    else:
-        proc: subprocess.Popen[bytes] = _ENGINE_BUILD["proc"]
-        path = _ENGINE_BUILD["path"]
-        if proc.wait() != 0:
-            pytest.fail(f"the session's engine build failed:\n{_ENGINE_BUILD['log'].read_text(errors='replace')}")
-    # Built already: these find the builds by their inputs and return at once.
+    path = Path(reuse) if reuse else tmp_path_factory.mktemp("engines")
+    # The default pipeline: import, clinic QLoRA adapter merged in, AWQ INT4.
     build_text_engine(path, "clinic", "awq-int4", progress=False)
+    # The inspection student at smoke size: the serving path, not accuracy, is tested with it.
     build_student(path, "quick", progress=False)
     return path
 
