@@ -230,6 +230,11 @@ def test_expired_deadline(daemon: DaemonProc, requester: Requester) -> None:
     first = requester.send(
         f"{JOBS}/qa", {"id": "slow", "question": "Tell me about hand washing.", "max_new_tokens": 24}
     )
+    # Sent once the first is running: jobs that arrive together are queued earliest
+    # deadline first, and this one would then run first, in time.
+    deadline = time.monotonic() + 60
+    while json.loads(daemon.status().stdout)["branches"]["text"]["running"] == 0:
+        assert time.monotonic() < deadline, "the first job never started"
     late = requester.send(f"{JOBS}/qa", {"id": "late", "question": "Hi", "deadline_ms": 1})
     assert requester.wait(late)["error"]["code"] == "expired"
     assert requester.wait(first, 120)["status"] == "ok"
