@@ -22,7 +22,6 @@ a build (the one `python -m engines.vision_build --size stream --device cuda` ma
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import sys
@@ -33,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from edge.vision import student as artifact
 from edge.vision.vit import InspectViT, ViTConfig, load_student
+from engines.cache import file_sha256
 
 logger = logging.getLogger(__name__)
 
@@ -62,18 +62,10 @@ def find_shipped(size_name: str, distill: bool, inputs: dict[str, Any], root: Pa
     return directory
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def load_shipped(directory: Path) -> tuple[InspectViT, dict[str, Any]]:
     """The shipped student as a float32 model ready to serve, and its manifest."""
     provenance = json.loads((directory / PROVENANCE).read_text(encoding="utf-8"))
-    digest = _sha256(directory / WEIGHTS)
+    digest = file_sha256(directory / WEIGHTS)
     if digest != provenance["sha256"]:
         raise ShippedStudentError(
             f"{directory / WEIGHTS} has SHA-256 {digest[:16]}..., its provenance says "
@@ -104,7 +96,7 @@ def export_shipped(build_dir: Path, root: Path = SHIPPED) -> Path:
     if not manifest["distilled"]:
         command += " --no-distill"
     provenance = {
-        "sha256": _sha256(out / WEIGHTS),
+        "sha256": file_sha256(out / WEIGHTS),
         "build": build_dir.name,
         "trained_on": manifest.get("trained_on"),
         "train_seconds": manifest.get("train_seconds"),

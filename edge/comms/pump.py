@@ -40,8 +40,6 @@ class IntakePump:
         self._ack = ack
         self._queue: queue.SimpleQueue[_Delivery | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self.batches = 0
-        self.largest = 0
 
     def start(self) -> None:
         if self._thread is None:
@@ -79,8 +77,6 @@ class IntakePump:
             self._take(batch)
 
     def _take(self, batch: list[_Delivery]) -> None:
-        self.batches += 1
-        self.largest = max(self.largest, len(batch))
         try:
             keep = self._on_jobs([d.job for d in batch])
         except Exception:  # never let a fault stop the intake (it answers what it can)
