@@ -203,17 +203,25 @@ def search_scales(
 
 
 def search_clip(x: torch.Tensor, weight: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Per (output row, group) range ratio minimising that group's share of output error."""
+    """Per (output row, group) range ratio minimising that group's share of output error.
+
+    A group's error is the mean over tokens of (x_g . delta)^2 = delta^T G_g delta / T,
+    with G_g = x_g^T x_g: one [group_size, group_size] matrix per group, built once,
+    instead of every token's product for every candidate ratio (16x less arithmetic at
+    512 tokens and groups of 32). float64, so the quadratic form ranks the candidates as
+    the per-token sums would.
+    """
     n, k = weight.shape
     groups = k // group_size
-    xg = x.reshape(x.shape[0], groups, group_size)
-    best_err = torch.full((n, groups), math.inf)
+    xg = x.double().reshape(x.shape[0], groups, group_size).transpose(0, 1)  # [g, t, c]
+    gram = torch.bmm(xg.transpose(1, 2), xg) / x.shape[0]  # [g, c, c]
+    best_err = torch.full((n, groups), math.inf, dtype=torch.float64)
     best = torch.ones(n, groups)
     for ratio in CLIP_RATIOS:
         clip = torch.full((n, groups), ratio)
-        delta = (fake_quantize(weight, group_size, clip) - weight).reshape(n, groups, group_size)
-        # error[n, g] = mean over tokens of (x_g . delta[n, g])^2
-        err = torch.einsum("tgc,ngc->tng", xg, delta).pow(2).mean(0)
+        delta = (fake_quantize(weight, group_size, clip) - weight).double().reshape(n, groups, group_size)
+        delta = delta.transpose(0, 1)  # [g, n, c]
+        err = (torch.bmm(delta, gram) * delta).sum(-1).transpose(0, 1)  # [n, g]
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best = torch.where(better, clip, best)

@@ -306,6 +306,19 @@ class Requester:
                 self._cond.wait(left)
             return self.replies[corr]
 
+    def wait_partial(self, corr: bytes, timeout: float = 60.0) -> dict[str, Any]:
+        """The first streamed piece of one request: proof that its job is running."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self.partials.get(corr):
+                if corr in self.replies:
+                    raise AssertionError(f"answered before any piece was streamed: {self.replies[corr]}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError("no streamed piece")
+                self._cond.wait(left)
+            return self.partials[corr][0]
+
     def wait_topic(self, topic: str, timeout: float = 30.0) -> list[bytes]:
         deadline = time.monotonic() + timeout
         with self._cond:

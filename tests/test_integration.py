@@ -228,13 +228,12 @@ def test_oversized_payload_and_image(daemon: DaemonProc, requester: Requester) -
 def test_expired_deadline(daemon: DaemonProc, requester: Requester) -> None:
     # A long Q&A job occupies the text branch; a job behind it with a 1 ms deadline expires.
     first = requester.send(
-        f"{JOBS}/qa", {"id": "slow", "question": "Tell me about hand washing.", "max_new_tokens": 24}
+        f"{JOBS}/qa",
+        {"id": "slow", "question": "Tell me about hand washing.", "max_new_tokens": 24, "stream": True},
     )
-    # Sent once the first is running: jobs that arrive together are queued earliest
-    # deadline first, and this one would then run first, in time.
-    deadline = time.monotonic() + 60
-    while json.loads(daemon.status().stdout)["branches"]["text"]["running"] == 0:
-        assert time.monotonic() < deadline, "the first job never started"
+    # Sent once the first is generating (its first streamed piece): jobs that arrive
+    # together are queued earliest deadline first, and this one would then run first, in time.
+    requester.wait_partial(first, 120)
     late = requester.send(f"{JOBS}/qa", {"id": "late", "question": "Hi", "deadline_ms": 1})
     assert requester.wait(late)["error"]["code"] == "expired"
     assert requester.wait(first, 120)["status"] == "ok"

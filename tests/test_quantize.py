@@ -122,6 +122,28 @@ def test_clip_search_never_worse_than_no_clip() -> None:
     assert clipped <= plain + 1e-9
 
 
+def test_clip_search_picks_per_group_the_ratio_with_least_per_token_error() -> None:
+    # The search's quadratic form against the definition: for each (row, group) the
+    # ratio whose clipped group gives the least mean squared per-token output error.
+    from engines.quantize import CLIP_RATIOS
+
+    torch.manual_seed(2)
+    x = torch.randn(512, 96, dtype=torch.float64).float()
+    x[:, 5] *= 20.0
+    w = torch.randn(48, 96) * 0.05
+    w[::3, 40] = 0.8
+    clip = search_clip(x, w, 32)
+    errors = []
+    for ratio in CLIP_RATIOS:
+        delta = (fake_quantize(w, 32, torch.full((48, 3), ratio)) - w).double().reshape(48, 3, 32)
+        xg = x.double().reshape(512, 3, 32)
+        errors.append(torch.einsum("tgc,ngc->tng", xg, delta).pow(2).mean(0))
+    stacked = torch.stack(errors)  # [ratio, n, g]
+    expected = torch.tensor(CLIP_RATIOS)[stacked.argmin(0)]
+    assert torch.equal(clip, expected.float())
+    assert (clip < 1.0).any() and (clip == 1.0).any()  # both outcomes occur: the test can tell
+
+
 def test_awq_rescaling_leaves_the_float_model_unchanged() -> None:
     model = tiny_model()
     ids = torch.randint(0, TINY.vocab_size, (1, 24))
