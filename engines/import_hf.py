@@ -23,18 +23,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from edge.text.llama import ROPE_TYPES, LlamaConfig
+from edge.text.llama import LlamaConfig
 from engines.cache import build_cached, cache_key, file_sha256
-from engines.import_gguf import SourceModelError
+from engines.import_gguf import MAX_POSITIONS, SourceModelError
 
 logger = logging.getLogger(__name__)
 
 IMPORTER_VERSION = 1
 FAMILIES = {"llama": "Llama", "mistral": "Llama", "qwen2": "Qwen2"}
 REQUIRED = ("config.json", "tokenizer.json", "tokenizer_config.json")
-# RoPE tables are built for this many positions at most: a 128k-token context is far past
-# what a box serves, and its tables alone would take tens of MB.
-MAX_POSITIONS = 16384
 
 _LAYER_PARTS = (
     "input_layernorm.weight",
@@ -47,6 +44,7 @@ _LAYER_PARTS = (
     "mlp.up_proj.weight",
     "mlp.down_proj.weight",
 )
+HF_ROPE_TYPES = ("linear", "llama3")  # what a Hugging Face config.json may name that we serve
 _BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 
 
@@ -95,8 +93,8 @@ def read_hf_config(directory: Path) -> LlamaConfig:
     rope.pop("rope_theta", None)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     scaling = rope if rope_type != "default" else None
-    if scaling is not None and rope_type not in ROPE_TYPES:
-        problems.append(f"rope_scaling {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
+    if scaling is not None and rope_type not in HF_ROPE_TYPES:
+        problems.append(f"rope_scaling {rope_type!r} (supported: {', '.join(HF_ROPE_TYPES)})")
     if problems:
         raise SourceModelError(f"{kind} model in {directory.name}: not supported: {'; '.join(problems)}")
     heads = int(hf["num_attention_heads"])

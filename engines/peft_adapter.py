@@ -9,9 +9,9 @@ LoRA on the embeddings, and LoRA on a head tied to the embeddings.
 
 An adapter trained on a 4-bit base (QLoRA) is merged into the dequantized base it was
 trained against, not the float one: a `base_quantization.json` beside the adapter says
-which (`{"format": "edge-int4", "group_size": 64}`: our own INT4 groups, the format
-`engines/qlora.py` trains against). The served model carries no adapter and no extra
-latency.
+which (engines/base_quantization.py: our own INT4 groups, or a bitsandbytes NF4/FP4
+base). Each adapted linear is merged into its rounded weight; the others keep their
+full-precision weights. The served model carries no adapter and no extra latency.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from edge.text.checkpoint import load_checkpoint
-from edge.text.int4 import dequantize, group_size_for, pack
 from edge.text.llama import LlamaModel
+from engines.base_quantization import FILE as BASE_QUANTIZATION
+from engines.base_quantization import BaseQuantization, BaseQuantizationError, read_base_quantization
 from engines.cache import build_cached, cache_key, file_sha256, read_manifest
 from engines.float_checkpoint import write_float_checkpoint
 
@@ -39,8 +40,6 @@ logger = logging.getLogger(__name__)
 MERGER_VERSION = 1
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
-BASE_QUANTIZATION = "base_quantization.json"
-BASE_FORMATS = ("edge-int4",)
 
 
 class AdapterError(ValueError):
@@ -61,7 +60,7 @@ class LoraUpdate:
 class Adapter:
     directory: Path
     updates: dict[str, LoraUpdate]  # by our module name (layers.3.self_attn.q_proj)
-    base_group_size: int | None  # the INT4 groups of the base it was trained on, if any
+    base: BaseQuantization | None  # the 4-bit base it was trained on, if any
     config: dict[str, Any]
 
 
@@ -136,7 +135,11 @@ def read_adapter(directory: Path, model: LlamaModel) -> Adapter:
     if not updates:
         raise AdapterError(f"adapter {directory.name} holds no LoRA weights")
     _check_targets(directory, config.get("target_modules"), set(updates))
-    return Adapter(directory, updates, _base_group(directory), config)
+    try:
+        base = read_base_quantization(directory)
+    except BaseQuantizationError as err:
+        raise AdapterError(str(err)) from err
+    return Adapter(directory, updates, base, config)
 
 
 def _check_targets(directory: Path, targets: Any, merged: set[str]) -> None:
@@ -152,20 +155,6 @@ def _check_targets(directory: Path, targets: Any, merged: set[str]) -> None:
         raise AdapterError(f"adapter {directory.name}: weights for {sorted(stray)[:3]} outside its target_modules")
 
 
-def _base_group(directory: Path) -> int | None:
-    path = directory / BASE_QUANTIZATION
-    if not path.is_file():
-        return None
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-        fmt, group = doc["format"], int(doc["group_size"])
-    except (ValueError, KeyError, TypeError) as err:
-        raise AdapterError(f"{BASE_QUANTIZATION} is not readable: {err}") from err
-    if fmt not in BASE_FORMATS:
-        raise AdapterError(f"{BASE_QUANTIZATION}: base format {fmt!r} is not supported (supported: {BASE_FORMATS})")
-    return group
-
-
 def merge_adapter(model: LlamaModel, adapter: Adapter) -> int:
     """Merge in place (an unfused float model); returns how many linears changed."""
     modules = dict(model.named_modules())
@@ -174,9 +163,12 @@ def merge_adapter(model: LlamaModel, adapter: Adapter) -> int:
             linear = modules[name]
             assert isinstance(linear, nn.Linear)
             weight = linear.weight.detach().float()
-            if adapter.base_group_size is not None:
-                # The weights the adapter was trained against: the base's INT4 groups.
-                weight = dequantize(pack(weight, group_size_for(weight.shape[1], adapter.base_group_size)))
+            if adapter.base is not None:
+                # The weights the adapter was trained against: the rounded base.
+                try:
+                    weight = adapter.base.dequantized(weight)
+                except BaseQuantizationError as err:
+                    raise AdapterError(f"adapter {adapter.directory.name}: {err}") from err
             merged = (weight.double() + update.delta()).to(linear.weight.dtype)
             linear.weight = nn.Parameter(merged, requires_grad=False)
     return len(adapter.updates)
@@ -201,7 +193,7 @@ def _build(src: Path, directory: Path, out: Path) -> dict[str, Any]:
             "lora_alpha": adapter.config.get("lora_alpha"),
             "r": adapter.config.get("r"),
             "use_rslora": bool(adapter.config.get("use_rslora", False)),
-            "base_int4_group_size": adapter.base_group_size,
+            "base_quantization": adapter.base.to_dict() if adapter.base is not None else None,
         },
     }
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,92 @@ def test_an_adapter_trained_on_our_int4_base_merges_into_that_base(base: dict[st
     q = before.q_proj.weight
     expected = (dequantize(pack(q.float(), 32)).double() + adapter.updates["layers.0.self_attn.q_proj"].delta()).float()
     assert torch.allclose(fused[:q_rows], expected, atol=1e-6)
+
+
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "double_quant"), [("nf4", True), ("nf4", False), ("fp4", False)], ids=["nf4-double", "nf4", "fp4"]
+)
+def test_an_adapter_trained_on_a_bitsandbytes_4bit_base_merges_into_that_base(
+    base: dict[str, Any], tmp_path: Path, kind: str, double_quant: bool
+) -> None:
+    # The model a QLoRA adapter is trained as: transformers loads the base 4-bit through
+    # bitsandbytes (NF4, bf16), peft puts the adapter on it. Its layers' rounded weights
+    # plus peft's own deltas, in float32, are what the merge must give.
+    import bitsandbytes.functional as bnb
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    make_adapter(base["hf"], tmp_path / "adapter", target_modules=ALL_PROJECTIONS)
+    setting = {"format": f"bnb-{kind}", "dtype": "bfloat16", "double_quant": double_quant}
+    (tmp_path / "adapter" / "base_quantization.json").write_text(json.dumps(setting))
+    merged = merge_checkpoint(base["ckpt"], tmp_path / "adapter")
+    assert json.loads((merged / "manifest.json").read_text())["merged_adapter"]["base_quantization"] == {
+        **setting,
+        "block_size": 64,
+        "compute_dtype": "bfloat16",
+    }
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=kind,
+        bnb_4bit_use_double_quant=double_quant,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    four_bit = AutoModelForCausalLM.from_pretrained(
+        str(base["root"] / "source"), quantization_config=quantization, dtype=torch.bfloat16, device_map="cpu"
+    )
+    trained: Any = PeftModel.from_pretrained(four_bit, str(tmp_path / "adapter"))
+    reference = copy.deepcopy(base["hf"])
+    modules = dict(reference.named_modules())
+    rounded = 0
+    for name, layer in trained.base_model.model.named_modules():
+        if not hasattr(layer, "get_delta_weight"):
+            continue
+        weight = layer.base_layer.weight
+        restored = bnb.dequantize_4bit(weight.data, weight.quant_state).to(torch.bfloat16).float()
+        delta = layer.get_delta_weight("default").float()
+        with torch.no_grad():
+            modules[name].weight.copy_(restored + delta)
+        rounded += 1
+    assert rounded == 7 * reference.config.num_hidden_layers
+    ids = torch.randint(0, reference.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = reference(ids).logits
+    float_base = merge_checkpoint(base["ckpt"], _without_base_file(tmp_path / "adapter", tmp_path / "plain"))
+    got, on_float = _logits(merged, ids), _logits(float_base, ids)
+    scale = expected.abs().max().item()
+    assert (got - expected).abs().max().item() <= 1e-4 * scale
+    # The rounding matters: merged into the float base instead, the model is another one.
+    assert (on_float - expected).abs().max().item() > 100 * (got - expected).abs().max().item()
+
+
+def _without_base_file(adapter: Path, copy_to: Path) -> Path:
+    import shutil
+
+    shutil.copytree(adapter, copy_to)
+    (copy_to / "base_quantization.json").unlink()
+    return copy_to
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ({"format": "gptq"}, "format 'gptq' is not supported"),
+        ({"format": "bnb-nf4", "double_quant": True}, "dtype (what the base was loaded in"),
+        ({"format": "bnb-nf4", "dtype": "bfloat16"}, "double_quant must be true or false"),
+        ({"format": "bnb-nf4", "dtype": "bfloat16", "double_quant": False, "block_size": 48}, "block_size"),
+        ({"format": "edge-int4", "group_size": 32, "dtype": "float16"}, "field 'dtype' is not a edge-int4 setting"),
+    ],
+)
+def test_a_base_quantization_that_cannot_be_applied_is_refused_by_field(
+    base: dict[str, Any], tmp_path: Path, setting: dict[str, Any], named: str
+) -> None:
+    make_adapter(base["hf"], tmp_path / "adapter")
+    (tmp_path / "adapter" / "base_quantization.json").write_text(json.dumps(setting))
+    with pytest.raises(AdapterError, match=re.escape(named)):
+        merge_checkpoint(base["ckpt"], tmp_path / "adapter")
 
 
 @pytest.mark.parametrize(

@@ -41,7 +41,8 @@ class LlamaConfig:
     head_size: int = 0
     # RoPE frequency scaling: None, {"rope_type": "linear", "factor": f} or Llama 3's
     # {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    # "original_max_position_embeddings"}.
+    # "original_max_position_embeddings"}, or {"rope_type": "freq_factors", "factors": [...]}:
+    # one divisor per frequency, which is how llama.cpp stores Llama 3's scaling.
     rope_scaling: dict[str, Any] | None = None
 
     @property
@@ -120,7 +121,7 @@ def rope_tables(config: LlamaConfig, max_len: int, device: torch.device) -> tupl
     return emb.cos().float().to(device), emb.sin().float().to(device)
 
 
-ROPE_TYPES = ("linear", "llama3")
+ROPE_TYPES = ("linear", "llama3", "freq_factors")
 
 
 def scaled_frequencies(inv_freq: torch.Tensor, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -128,6 +129,11 @@ def scaled_frequencies(inv_freq: torch.Tensor, scaling: dict[str, Any] | None) -
     if not scaling:
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "freq_factors":
+        factors = torch.tensor(scaling["factors"], dtype=inv_freq.dtype, device=inv_freq.device)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"RoPE freq_factors: {factors.numel()} factors for {inv_freq.numel()} frequencies")
+        return inv_freq / factors
     factor = float(scaling["factor"])
     if kind == "linear":
         return inv_freq / factor

@@ -1,0 +1,406 @@
+"""A user's own GGUF file, Llama or Qwen2 family, against transformers: random-weight
+models of both families are built here with transformers, with tokenizers that split
+text as those families' real ones do, and written as llama.cpp's converter writes them
+(a Llama file's q/k rows interleaved, Llama 3's RoPE scaling as a rope_freqs tensor,
+Qwen2's biases, the vocabulary, merges and the pre-tokenizer's name). Transformers' own
+GGUF reader checks that layout; engines/import_gguf.py imports the file, and its logits,
+greedy tokens, tokenizer and chat prompt must equal transformers' on the source model.
+A SentencePiece vocabulary (Llama 2, TinyLlama) is held to transformers' reading of it."""
+
+from __future__ import annotations
+
+import math
+import re
+import unicodedata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from edge.text.checkpoint import load_checkpoint
+from edge.text.generate import SamplingParams, generate
+from engines.import_gguf import SourceModelError, build_tokenizer_json, import_gguf
+from tests.test_import_hf import LLAMA_TEMPLATE, MESSAGES, QWEN_TEMPLATE, _randomise
+
+SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|header|>", "<|eot|>"]
+CORPUS = [
+    "The patient's temperature was 38.5 degrees; they'll re-check it at 14:05.",
+    "Température élevée: 39,2 °C. Café, crème brûlée and naïve résumé.",
+    "Serial SN-20417 passed inspection on line 3 with 1234567 parts counted.",
+    "Don't stop.\n\nTwo  spaces,   three spaces, and\ttabs\r\nend of line.",
+] * 25
+# Text the tokenizers must split alike: contractions in any case, long digit runs,
+# decomposed accents (NFC matters to Qwen2), blank runs and line ends, a special token.
+PROBES = [
+    "They'RE here: 1234567 units, 38.5 °C.",
+    unicodedata.normalize("NFD", "Café crème brûlée, naïve résumé."),
+    "Line one\n\n  indented   line\r\n\tand a tab",
+    "<|im_start|>user\nIs 39,2 a fever?<|im_end|>",
+    "   leading blanks and trailing ones   ",
+]
+
+
+def _split_regex(pre: str) -> str:
+    # The families' own patterns, from transformers (independent of the importer's copy).
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    return str(GGUF_PRE_TOKENIZER_SPLITS[pre])
+
+
+def _tokenizer(directory: Path, family: str) -> Any:
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    pre = "qwen2" if family == "qwen2" else "llama-bpe"
+    tok = Tokenizer(models.BPE(ignore_merges=family == "llama"))
+    if family == "qwen2":
+        tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_split_regex(pre)), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=420, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    template, eos = (QWEN_TEMPLATE, "<|im_end|>") if family == "qwen2" else (LLAMA_TEMPLATE, "<|eot|>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token=eos)
+    fast.chat_template = template
+    fast.save_pretrained(directory)
+    return fast
+
+
+def make_model(directory: Path, family: str) -> tuple[Any, Any]:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    directory.mkdir(parents=True)
+    tokenizer = _tokenizer(directory, family)
+    shape: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "bos_token_id": tokenizer.convert_tokens_to_ids("<s>"),
+        "eos_token_id": tokenizer.convert_tokens_to_ids(tokenizer.eos_token),
+    }
+    if family == "llama":
+        llama: Any = LlamaConfig  # its typed signature does not list the RoPE fields
+        config: Any = llama(
+            **shape,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            rope_theta=50000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+        model: Any = LlamaForCausalLM(config)
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True, rms_norm_eps=1e-6))
+    _randomise(model)
+    model.eval()
+    return model, tokenizer
+
+
+def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter interleaves each head's rotary halves (its NORM RoPE)."""
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
+
+
+def _llama3_rope_factors(config: Any) -> np.ndarray:
+    """Llama 3's RoPE scaling as llama.cpp's converter stores it: a divisor per frequency."""
+    scaling = config.rope_scaling
+    dim = config.hidden_size // config.num_attention_heads
+    theta = float(scaling.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    freqs = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def write_gguf(model: Any, tokenizer: Any, path: Path, family: str) -> Path:
+    """The model as llama.cpp's convert_hf_to_gguf.py writes one (float32 tensors)."""
+    import json
+
+    import gguf
+
+    cfg = model.config
+    arch = "qwen2" if family == "qwen2" else "llama"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    theta = cfg.rope_scaling.get("rope_theta") if cfg.rope_scaling else None
+    writer.add_rope_freq_base(float(theta or getattr(cfg, "rope_theta", None) or 10000.0))
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    doc = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = tokenizer.get_vocab()
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    specials = set(SPECIALS)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2" if family == "qwen2" else "llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in specials else 1 for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in doc["model"]["merges"]])
+    writer.add_bos_token_id(vocab["<s>"])
+    writer.add_eos_token_id(vocab[tokenizer.eos_token])
+    writer.add_chat_template(tokenizer.chat_template)
+    parts = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    if family == "llama":
+        writer.add_tensor("rope_freqs.weight", _llama3_rope_factors(cfg))
+    for name, tensor in model.state_dict().items():
+        data = tensor.detach().float().numpy()
+        if name == "lm_head.weight":
+            if cfg.tie_word_embeddings:
+                continue
+            writer.add_tensor("output.weight", data)
+            continue
+        if name == "model.embed_tokens.weight":
+            writer.add_tensor("token_embd.weight", data)
+            continue
+        if name == "model.norm.weight":
+            writer.add_tensor("output_norm.weight", data)
+            continue
+        match = re.match(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$", name)
+        assert match, name
+        layer, part, kind = match.groups()
+        if family == "llama" and part == "self_attn.q_proj":
+            data = _llama_cpp_permute(data, cfg.num_attention_heads)
+        elif family == "llama" and part == "self_attn.k_proj":
+            data = _llama_cpp_permute(data, cfg.num_key_value_heads)
+        writer.add_tensor(f"blk.{layer}.{parts[part]}.{kind}", data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    name = str(request.param)
+    root = tmp_path_factory.mktemp(f"gguf-{name}")
+    model, tokenizer = make_model(root / "source", name)
+    gguf_path = write_gguf(model, tokenizer, root / "source" / f"tiny-{name}.gguf", name)
+    checkpoint = import_gguf(gguf_path, root / "engines", f"tiny-{name}", progress=False)
+    return {"name": name, "hf": model, "tokenizer": tokenizer, "gguf": gguf_path, "ckpt": checkpoint}
+
+
+def _logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits  # type: ignore[no-any-return]
+
+
+def test_the_written_file_is_what_transformers_reads_as_the_source_model(family: dict[str, Any]) -> None:
+    # Transformers' own GGUF reader undoes llama.cpp's layout: reading the test's file
+    # back to the source model's logits shows the file is laid out as llama.cpp's are.
+    from transformers import AutoModelForCausalLM
+
+    path: Path = family["gguf"]
+    theirs = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    source = family["hf"]
+    if family["name"] == "llama":
+        # That reader takes no RoPE scaling from rope_freqs (the importer's own test
+        # below holds it to the scaled model): compare with the same weights unscaled.
+        assert theirs.config.rope_parameters == {"rope_theta": 50000.0, "rope_type": "default"}
+        unscaled = {"rope_parameters": theirs.config.rope_parameters, "rope_scaling": None}
+        config = type(source.config).from_dict({**source.config.to_dict(), **unscaled})
+        assert config.rope_parameters["rope_type"] == "default"
+        source = type(source)(config).eval()
+        source.load_state_dict(family["hf"].state_dict())
+    ids = torch.randint(0, source.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(_logits(theirs, ids), _logits(source, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_float_logits_equal_transformers(family: dict[str, Any]) -> None:
+    ours = load_checkpoint(family["ckpt"], dtype=torch.float32)
+    config = ours.model.config
+    assert config.attention_bias is (family["name"] == "qwen2")
+    assert config.tie_embeddings is (family["name"] == "qwen2")
+    assert (config.rope_scaling or {}).get("rope_type") == (None if family["name"] == "qwen2" else "freq_factors")
+    # Past the scaled model's original 64 positions, where Llama 3's RoPE scaling acts.
+    ids = torch.randint(0, config.vocab_size, (2, 200), generator=torch.Generator().manual_seed(1))
+    theirs = _logits(family["hf"], ids)
+    got = ours.model(ids, ours.model.new_cache(2, 256), 0, last_only=False)
+    scale = theirs.abs().max().item()
+    assert scale > 1.0  # the weights are wide enough for the comparison to mean something
+    assert (got - theirs).abs().max().item() <= 1e-4 * scale
+
+
+def test_the_tokenizer_splits_text_as_the_source_tokenizer_does(family: dict[str, Any]) -> None:
+    ours = load_checkpoint(family["ckpt"], dtype=torch.float32).tokenizer
+    theirs = family["tokenizer"]
+    for text in PROBES:
+        want = theirs(text, add_special_tokens=False)["input_ids"]
+        got = ours.encode(text, add_special_tokens=False).ids
+        assert got == want, text
+        assert ours.decode(got, skip_special_tokens=False) == theirs.decode(want)
+
+
+def test_greedy_tokens_and_the_prompt_equal_transformers(family: dict[str, Any]) -> None:
+    ours = load_checkpoint(family["ckpt"], dtype=torch.float32)
+    tokenizer = family["tokenizer"]
+    assert ours.chat is not None
+    rendered = ours.chat.render(MESSAGES)
+    assert rendered == tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    assert ours.tokenizer.encode(rendered, add_special_tokens=False).ids == prompt
+    got = generate(
+        ours.model, ours.tokenizer, prompt, SamplingParams(max_new_tokens=24), frozenset(), ours.model.new_cache(1, 128)
+    )
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = family["hf"].generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, eos_token_id=None
+        )
+    theirs = out[0, len(prompt) :].tolist()
+    assert got.token_ids == theirs and len(set(theirs)) > 3
+    assert tokenizer.convert_tokens_to_ids(tokenizer.eos_token) in ours.eos_ids
+
+
+# --- a SentencePiece vocabulary (tokenizer.ggml.model "llama") ---------------------
+
+
+def _spm_gguf(path: Path) -> Path:
+    """A Llama 2-style vocabulary: <unk>, <s>, </s>, the 256 byte tokens, then BPE pieces
+    with U+2581 word starts, scored as SentencePiece scores them (earlier merges higher)."""
+    import gguf
+    from tokenizers import SentencePieceBPETokenizer
+
+    spm = SentencePieceBPETokenizer(add_prefix_space=True)
+    spm.train_from_iterator(CORPUS, vocab_size=300, min_frequency=2, special_tokens=[], show_progress=False)
+    learned = sorted(spm.get_vocab().items(), key=lambda kv: kv[1])
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    scores = [0.0] * len(tokens)
+    for rank, (piece, _) in enumerate(learned):
+        tokens.append(piece)
+        types.append(1)
+        scores.append(-float(rank))
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_sentencepiece_vocabulary_tokenizes_as_transformers_reads_it(tmp_path: Path) -> None:
+    import json
+
+    import gguf
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    path = _spm_gguf(tmp_path / "spm.gguf")
+    ours = Tokenizer.from_str(json.dumps(build_tokenizer_json(gguf.GGUFReader(str(path)))))
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    # Not text that starts with a blank: SentencePiece (and llama.cpp) put the word-start
+    # mark before it regardless, transformers' reading only where the text has none.
+    texts = [p for p in PROBES if "<|" not in p and not p.startswith(" ")] + ["Nothing €uro-like ✓ at all"]
+    for text in texts:
+        want = theirs(text, add_special_tokens=False)["input_ids"]
+        got = ours.encode(text, add_special_tokens=False).ids
+        assert got == want, text
+        assert ours.decode(got) == theirs.decode(want)
+    assert "".join(ours.encode("  two blanks", add_special_tokens=False).tokens) == "\u2581\u2581\u2581two\u2581blanks"
+    # A character outside the vocabulary falls back to its UTF-8 bytes, and comes back.
+    euro = ours.encode("€", add_special_tokens=False).tokens
+    assert euro[-3:] == ["<0xE2>", "<0x82>", "<0xAC>"]
+    assert ours.decode(ours.encode("x € y", add_special_tokens=False).ids) == "x € y"
+
+
+# --- refusals ---------------------------------------------------------------------
+
+
+def _metadata_only(path: Path, arch: str, **fields: Any) -> Any:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in fields.items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, list):
+            writer.add_array(key, value)
+        else:
+            writer.add_uint32(key, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return gguf.GGUFReader(str(path))
+
+
+@pytest.mark.parametrize(
+    ("arch", "fields", "named"),
+    [
+        ("gemma2", {}, "architecture 'gemma2' is not supported; supported: llama, qwen2"),
+        ("llama", {"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a"]}, "tokenizer model 't5'"),
+        (
+            "llama",
+            {
+                "tokenizer.ggml.model": "gpt2",
+                "tokenizer.ggml.pre": "tekken",
+                "tokenizer.ggml.tokens": ["a", "b", "ab"],
+                "tokenizer.ggml.merges": ["a b"],
+            },
+            "pre-tokenizer 'tekken' is not supported",
+        ),
+    ],
+)
+def test_what_is_not_supported_is_refused_by_name(
+    tmp_path: Path, arch: str, fields: dict[str, Any], named: str
+) -> None:
+    from engines.import_gguf import read_config
+
+    reader = _metadata_only(tmp_path / "m.gguf", arch, **fields)
+    with pytest.raises(SourceModelError, match=re.escape(named)):
+        if arch != "llama":
+            read_config(reader)
+        else:
+            build_tokenizer_json(reader)
