@@ -296,6 +296,40 @@ def test_greedy_tokens_and_the_prompt_equal_transformers(family: dict[str, Any])
     assert tokenizer.convert_tokens_to_ids(tokenizer.eos_token) in ours.eos_ids
 
 
+def test_the_text_pipeline_builds_a_gguf_source_with_a_peft_adapter(family: dict[str, Any], tmp_path: Path) -> None:
+    # What a profile naming the file and an adapter builds: import, merge, AWQ INT4,
+    # found by the profile's words. The merge equals peft's; the INT4 model stays close.
+    import json
+
+    from edge.builds import source_id
+    from engines.text_build import build_text_engine, layer_recipe, quantize_checkpoint
+    from tests.test_peft_adapter import make_adapter
+
+    peft_model = make_adapter(family["hf"], tmp_path / "adapter")
+    source, adapter = str(family["gguf"]), str(tmp_path / "adapter")
+    built = build_text_engine(tmp_path / "engines", adapter, "awq-int4", progress=False, source=source)
+    manifest = json.loads((built / "manifest.json").read_text())
+    assert {"task": "qa", "source": source_id(source), "adapter": source_id(adapter), "quantization": "awq-int4"} in (
+        manifest["serves"]
+    )
+    merged_dir = next(
+        p for p in (tmp_path / "engines" / "text").iterdir() if "-lora-" in p.name and "-awq-" not in p.name
+    )
+    merged = load_checkpoint(merged_dir, dtype=torch.float32)
+    ids = torch.tensor([merged.tokenizer.encode(" ".join(CORPUS[:3]), add_special_tokens=False).ids[:60]])
+    with torch.no_grad():
+        expected = peft_model.merge_and_unload()(ids).logits
+    got = merged.model(ids, merged.model.new_cache(1, 64), 0, last_only=False)
+    assert (got - expected).abs().max().item() <= 1e-4 * expected.abs().max().item()
+    # The served checkpoint is the serving recipe's AWQ INT4 of that merged model (its
+    # accuracy against float is tested in tests/test_import_hf.py).
+    assert quantize_checkpoint(merged_dir, layer_recipe("awq", []), progress=False) == built
+    int4 = load_checkpoint(built, dtype=torch.float32)
+    assert int4.int4_kernel is not None
+    q = int4.model(ids, int4.model.new_cache(1, 64), 0, last_only=False)
+    assert (q.argmax(-1) == expected.argmax(-1)).float().mean().item() >= 0.2  # chance: 1 in 420
+
+
 # --- a SentencePiece vocabulary (tokenizer.ggml.model "llama") ---------------------
 
 
