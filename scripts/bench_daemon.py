@@ -409,7 +409,7 @@ def kernel_decode(device: str, text: Path, prompt_tokens: int, new_tokens: int) 
 
         ckpt = load_checkpoint(text, dtype=torch.float16, device="cuda")
         model = ckpt.model
-        tune_gemv(model, torch.float16, max_rows=1)
+        tune_gemv(model, torch.float16)
         cache = model.new_cache(1, 1024)
         ids = torch.randint(1000, model.config.vocab_size, (1, prompt_tokens), device="cuda")
         logits = model(ids, cache, 0)[0, -1]

@@ -179,7 +179,7 @@ def build_text_cuda(
         # Tuning and kernel builds before the vision thread uses the GPU.
         # Decode runs at most 4 rows, and every prompt here is 256 tokens (past the
         # GEMV's row limit), so the GEMV is tuned for up to 4 rows only.
-        tuned = tune_gemv(model, dtype, max_rows=4)
+        tuned = tune_gemv(model, dtype)
         # 4 sequences x 1,024 positions: the 4,096-token KV budget.
         batcher = ContinuousBatcher(model, None, frozenset(), slots=4, slot_len=1024)
         steps = batcher.warm_up(prefill_lengths=(256,))

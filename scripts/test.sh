@@ -7,4 +7,6 @@ scripts/setup.sh --dev
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy edge engines scripts tests
-.venv/bin/python -m pytest -m "not gpu and not jetson" --durations=15 "$@"
+# Two test processes (EDGE_TEST_WORKERS; 0 runs in this one), each taking whole files, so
+# a module's daemon and fixtures stay in one process.
+.venv/bin/python -m pytest -m "not gpu and not jetson" -n "${EDGE_TEST_WORKERS:-2}" --dist loadfile --durations=15 "$@"

@@ -10,6 +10,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import fcntl
 import json
 import shutil
 import signal
@@ -111,13 +112,19 @@ def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from engines.vision_build import build_student
 
     # EDGE_TEST_ENGINE_DIR reuses a developer's engine cache (builds are keyed by their
-    # inputs, so a cached engine is the same engine); CI builds afresh.
+    # inputs, so a cached engine is the same engine); CI builds afresh, once for all the
+    # test processes (pytest-xdist workers share the run's base directory): the first
+    # builds under the lock, the others find the builds cached.
     reuse = os.environ.get("EDGE_TEST_ENGINE_DIR")
-    path = Path(reuse) if reuse else tmp_path_factory.mktemp("engines")
-    # The default pipeline: import, clinic QLoRA adapter merged in, AWQ INT4.
-    build_text_engine(path, "clinic", "awq-int4", progress=False)
-    # The inspection student at smoke size: the serving path, not accuracy, is tested with it.
-    build_student(path, "quick", progress=False)
+    base = tmp_path_factory.getbasetemp()
+    path = Path(reuse) if reuse else (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "engines"
+    path.mkdir(parents=True, exist_ok=True)
+    with (path / ".tests.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        # The default pipeline: import, clinic QLoRA adapter merged in, AWQ INT4.
+        build_text_engine(path, "clinic", "awq-int4", progress=False)
+        # The inspection student at smoke size: the serving path, not accuracy, is tested with it.
+        build_student(path, "quick", progress=False)
     return path
 
 

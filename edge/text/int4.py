@@ -246,10 +246,10 @@ class Int4Linear(nn.Module):
         return out.scatter(-1, idx, exact)
 
 
-def tune_gemv(model: nn.Module, dtype: torch.dtype, max_rows: int = triton_int4.GEMV_MAX_ROWS) -> int:
-    """Run the Triton GEMV's autotuner now, for every INT4 layer shape at every row
-    bucket up to `max_rows` (the decode batch; activations in `dtype`); returns how
-    many (shape, bucket) pairs were tuned.
+def tune_gemv(model: nn.Module, dtype: torch.dtype) -> int:
+    """Run the Triton GEMV's autotuner now, once for every INT4 layer shape (one choice
+    serves every batch size: that keeps rows batch-invariant; activations in `dtype`);
+    returns how many shapes were tuned.
 
     The tuner times candidates inside CUDA graphs it captures. Left to first use, that
     capture would happen while another branch's thread works on the same GPU, and the
@@ -259,11 +259,8 @@ def tune_gemv(model: nn.Module, dtype: torch.dtype, max_rows: int = triton_int4.
     for module in model.modules():
         if isinstance(module, Int4Linear) and module.kernel == "triton":
             shapes.setdefault((module.out_features, module.in_features), module)
-    top = min(max_rows, triton_int4.GEMV_MAX_ROWS)
-    rows = [1 << i for i in range((top - 1).bit_length() + 1)]
     for layer in shapes.values():
-        for m in rows:
-            layer.gemv(torch.zeros(m, layer.in_features, device=layer.qweight.device, dtype=dtype))
+        layer.gemv(torch.zeros(1, layer.in_features, device=layer.qweight.device, dtype=dtype))
     if shapes:
         torch.cuda.synchronize()
-    return len(shapes) * len(rows)
+    return len(shapes)

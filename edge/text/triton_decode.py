@@ -232,10 +232,12 @@ def rope_kv_write(
     return q
 
 
-def attn_splits(kv_len: int, bsz: int, n_kv: int, sms: int) -> tuple[int, int]:
+def attn_splits(kv_len: int, n_kv: int, sms: int) -> tuple[int, int]:
     """(splits, chunk): enough chunks of the cache to give every SM work, each at least
-    one tile long; a power of two so the merge kernel can reduce over them."""
-    want = max(1, (2 * sms) // max(1, bsz * n_kv))
+    one tile long; a power of two so the merge kernel can reduce over them. Chosen as
+    for one sequence whatever the batch, so that a sequence's attention is summed in the
+    same order alone or batched (batch invariance)."""
+    want = max(1, (2 * sms) // max(1, n_kv))
     splits = 1
     while splits < min(want, MAX_ATTN_SPLITS) and kv_len // (splits * 2) >= ATTN_BLOCK_T:
         splits *= 2
@@ -252,7 +254,7 @@ def decode_attention(
     group = n_heads // n_kv
     if group > ATTN_GROUP_ROWS:
         raise ValueError(f"{group} query heads per KV head; the fused attention takes at most {ATTN_GROUP_ROWS}")
-    splits, chunk = attn_splits(kv_len, bsz, n_kv, sms)
+    splits, chunk = attn_splits(kv_len, n_kv, sms)
     rows = bsz * n_kv * splits * ATTN_GROUP_ROWS
     acc = torch.empty(rows, hd, device=q.device, dtype=torch.float32)
     ml = torch.empty(rows, 2, device=q.device, dtype=torch.float32)

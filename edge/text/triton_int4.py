@@ -1,7 +1,7 @@
 """Triton kernels for INT4 weight-only linears on CUDA (our storage layout, no repacking).
 
 Decode multiplies one (or a few) activation rows by the whole weight, so it is bound by
-reading the weight: the GEMV kernel streams the packed codes once as 32-bit words,
+reading the weight: the GEMV kernel streams the packed codes as 32-bit words,
 turns them into floats with bit operations (no conversions), applies each group's scale
 and zero point to the partial sums (not to every weight), and splits K across programs
 so that even narrow layers fill the GPU. Prefill (many rows) dequantizes to bf16 once
@@ -27,9 +27,15 @@ except ImportError:  # CPU-only boxes: the kernel is simply not offered
     TRITON_SUPPORT = False
 
 GEMV_MAX_ROWS = 8
-# The largest partial-product tile (rows x BLOCK_N x BLOCK_W floats) a program of four
-# warps keeps in registers: the one-row kernel's largest (64 x 64).
-MAX_TILE_ELEMENTS = 4096
+SPLITS = (1, 2, 4, 8, 16)
+MIN_BLOCK_N = 8
+# Outputs wider than this fill the GPU with their own tiles: no split-K.
+SPLIT_MAX_N = 8192
+
+
+def max_split(n: int) -> int:
+    return SPLITS[-1] if n <= SPLIT_MAX_N else 1
+
 
 if TRITON_SUPPORT:
 
@@ -55,27 +61,39 @@ if TRITON_SUPPORT:
         scales_ptr,
         zeros_ptr,
         out_ptr,
+        part_ptr,
+        count_ptr,
         M,
         N,
         K,
         words,
         G: tl.constexpr,
-        BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_W: tl.constexpr,
         SPLIT_K: tl.constexpr,
         EVEN_W: tl.constexpr,
     ):
-        """The packed bytes read as int32 words of eight codes each (k order, lowest
+        """One activation row by BLOCK_N weight rows over 1/SPLIT_K of K.
+
+        The packed bytes are read as int32 words of eight codes each (k order, lowest
         nibble first). A code becomes a float without an int-to-float conversion: OR-ing
         the masked nibble into the bits of 2**23 gives 2**23 + code * 16**j exactly, and
         one subtraction leaves code * 16**j. The 16**-j is folded into the activation,
         which is loaded once per tile, so each weight costs one logic op, one add and
-        one FMA. With several activation rows (continuous batching) the codes are
-        decoded once per tile and shared by the rows. `words` (K/8) is passed rather
-        than computed so that Triton sees its divisibility and issues 16-byte loads."""
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
+        one FMA. `words` (K/8) is passed rather than computed so that Triton sees its
+        divisibility and issues 16-byte loads.
+
+        Batch invariance: every row is its own program (rows vary fastest in the launch
+        order, so the programs reading one weight tile run close together and the later
+        ones can find it in L2), running the same code with the same tiles whatever the
+        number of rows. A row's result is
+        therefore bit for bit the same alone or in a batch: a sequence's answer does not
+        depend on what else the box is decoding. Split-K partial sums are added in split
+        order by the tile's last program (a counter per tile), not by float atomics,
+        whose order changes from run to run."""
+        row = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
         WG: tl.constexpr = G // 8  # words per group
         NG: tl.constexpr = BLOCK_W // WG  # groups per tile
         groups = K // G
@@ -87,12 +105,8 @@ if TRITON_SUPPORT:
         per_split = tl.cdiv(tiles, SPLIT_K)
         t_start = pid_k * per_split
         t_end = tl.minimum(t_start + per_split, tiles)
-        rm = tl.arange(0, BLOCK_M)
-        m_mask = rm < M
-        if BLOCK_M == 1:
-            acc1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        x_row = x_ptr + row * K
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for t in range(t_start, t_end):
             w_idx = tl.max_contiguous(tl.multiple_of(t * BLOCK_W + rw, BLOCK_W), BLOCK_W)
             if EVEN_W:
@@ -108,75 +122,55 @@ if TRITON_SUPPORT:
             g_mask = n_mask[:, None] & (g_idx < groups)[None, :]
             sc = tl.load(scales_ptr + rn[:, None] * groups + g_idx[None, :], mask=g_mask, other=0.0).to(tl.float32)
             zp = tl.load(zeros_ptr + rn[:, None] * groups + g_idx[None, :], mask=g_mask, other=0).to(tl.float32)
-            if BLOCK_M == 1:
-                # One activation row (batch-1 decode): plain 2-D tiles.
-                part1 = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
-                xsum_w1 = tl.zeros((BLOCK_W,), dtype=tl.float32)
-                for j in tl.static_range(8):
-                    wj, unit = _code_floats(v, hi, j)
-                    xj = tl.load(x_ptr + 8 * w_idx + j, mask=w_mask, other=0.0).to(tl.float32)
-                    xsum_w1 += xj
-                    part1 += wj * (xj * unit)[None, :]
-                dot1 = tl.sum(tl.reshape(part1, (BLOCK_N, NG, WG)), axis=2)
-                xsum1 = tl.sum(tl.reshape(xsum_w1, (NG, WG)), axis=1)
-                acc1 += tl.sum(sc * (dot1 - zp * xsum1[None, :]), axis=1)
-            else:
-                x_rows = x_ptr + rm[:, None] * K + 8 * w_idx[None, :]
-                x_mask = m_mask[:, None] & w_mask[None, :]
-                part = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_W), dtype=tl.float32)
-                xsum_w = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.float32)
-                for j in tl.static_range(8):
-                    wj, unit = _code_floats(v, hi, j)
-                    xj = tl.load(x_rows + j, mask=x_mask, other=0.0).to(tl.float32)
-                    xsum_w += xj
-                    part += wj[None, :, :] * (xj * unit)[:, None, :]
-                dot = tl.sum(tl.reshape(part, (BLOCK_M, BLOCK_N, NG, WG)), axis=3)
-                xsum = tl.sum(tl.reshape(xsum_w, (BLOCK_M, NG, WG)), axis=2)
-                acc += tl.sum(sc[None, :, :] * (dot - zp[None, :, :] * xsum[:, None, :]), axis=2)
-        if BLOCK_M == 1:
-            if SPLIT_K == 1:
-                tl.store(out_ptr + rn, acc1, mask=n_mask)
-            else:
-                tl.atomic_add(out_ptr + rn, acc1, mask=n_mask)
+            part = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+            xsum_w = tl.zeros((BLOCK_W,), dtype=tl.float32)
+            for j in tl.static_range(8):
+                wj, unit = _code_floats(v, hi, j)
+                xj = tl.load(x_row + 8 * w_idx + j, mask=w_mask, other=0.0).to(tl.float32)
+                xsum_w += xj
+                part += wj * (xj * unit)[None, :]
+            dot = tl.sum(tl.reshape(part, (BLOCK_N, NG, WG)), axis=2)
+            xsum = tl.sum(tl.reshape(xsum_w, (NG, WG)), axis=1)
+            acc += tl.sum(sc * (dot - zp * xsum[None, :]), axis=1)
+        if SPLIT_K == 1:
+            tl.store(out_ptr + row * N + rn, acc, mask=n_mask)
         else:
-            ptrs = out_ptr + rm[:, None] * N + rn[None, :]
-            mask = m_mask[:, None] & n_mask[None, :]
-            if SPLIT_K == 1:
-                tl.store(ptrs, acc, mask=mask)
-            else:
-                tl.atomic_add(ptrs, acc, mask=mask)
+            # Written through to L2 before the counter moves; the last program reads
+            # every split's part from there (volatile loads, no stale L1 lines).
+            tl.store(part_ptr + (pid_k * M + row) * N + rn, acc, mask=n_mask, cache_modifier=".wt")
+            tl.debug_barrier()
+            counter = count_ptr + row * tl.num_programs(1) + pid_n
+            if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:
+                total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):
+                    total += tl.load(part_ptr + (s * M + row) * N + rn, mask=n_mask, other=0.0, cache_modifier=".cv")
+                tl.store(out_ptr + row * N + rn, total, mask=n_mask)
+                tl.atomic_xchg(counter, 0)  # ready for the next launch (CUDA graph replays reuse it)
 
-    def _fits_registers(
+    def _split_fits(
         configs: list[triton.Config], named_args: dict[str, object], **kwargs: object
     ) -> list[triton.Config]:
-        """Drop tiles that cannot live in registers with several activation rows: the
-        M x N x W partial products of a program, spread over its 128 threads. A tile
-        that spills is slow (the tuner would not pick it), and merely compiling and
-        running it once makes the driver reserve local memory for every thread the GPU
-        can hold, which it keeps: gigabytes, outside any allocator, on a large GPU."""
-        rows = int(named_args.get("BLOCK_M", 1))  # type: ignore[call-overload]
-        if rows == 1:
-            return configs
-        return [c for c in configs if rows * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_W"] <= MAX_TILE_ELEMENTS]
+        """Split K only where the output is narrow enough to need it (and its partial
+        sums small: SPLIT_K x rows x N floats)."""
+        n = int(named_args["N"])  # type: ignore[call-overload]
+        return [c for c in configs if c.kwargs["SPLIT_K"] <= max_split(n)]
 
     # Where this Triton can keep the tuner's choices on disk (beside its compiled
     # kernels), a restart neither recompiles nor re-times them.
     _cache_kw = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
 
-    # Tuned per weight shape on first use (a few dozen launches), then cached.
+    # Tuned per weight shape on first use (a few dozen launches), then cached. One
+    # choice per shape, whatever the number of rows: that is what keeps rows
+    # batch-invariant.
     _int4_gemv_bits_tuned = triton.autotune(
         configs=[
             triton.Config({"BLOCK_N": bn, "BLOCK_W": bw, "SPLIT_K": sk}, num_warps=4)
             for bn in (8, 16, 32, 64)
             for bw in (32, 64)
-            for sk in (1, 2, 4, 8, 16)
+            for sk in SPLITS
         ],
-        # Keyed by the row count's power-of-two bucket (the kernel is compiled per
-        # BLOCK_M anyway): four tunings per weight shape cover every decode batch, so
-        # tune_gemv can run them all at load.
-        key=["N", "K", "BLOCK_M"],
-        prune_configs_by={"early_config_prune": _fits_registers},
-        reset_to_zero=["out_ptr"],
+        key=["N", "K"],
+        prune_configs_by={"early_config_prune": _split_fits},
         # Timed inside a CUDA graph, as decode runs it: launch overhead would otherwise
         # dominate a 10-40 us kernel and the choice would swing from run to run.
         do_bench=lambda kernel_call, quantiles: triton.testing.do_bench_cudagraph(
@@ -214,6 +208,7 @@ def int4_gemv(
     config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_ROWS) times the INT4 weight [N, K] -> [M, N] float32.
+    Each row's result is the same whatever M is (batch-invariant).
 
     `config` ({"BLOCK_N", "BLOCK_W", "SPLIT_K"}) skips autotuning (tests, the interpreter).
     """
@@ -221,19 +216,24 @@ def int4_gemv(
     n = qweight.shape[0]
     if m > GEMV_MAX_ROWS:
         raise ValueError(f"the INT4 GEMV takes at most {GEMV_MAX_ROWS} rows, got {m}")
-    out = torch.zeros(m, n, device=x.device, dtype=torch.float32)
+    out = torch.empty(m, n, device=x.device, dtype=torch.float32)
     x = x.contiguous()
     if config is None and not x.is_cuda:
         # CPU tensors only reach a Triton kernel in its interpreter, which cannot time
         # configurations: take a fixed one with few, wide programs (each one is a
         # Python-level loop there).
         config = {"BLOCK_N": 128, "BLOCK_W": 32, "SPLIT_K": 1}
+    # Room for the largest split this width may be tuned to, and a zeroed counter per
+    # (row, tile) at the narrowest tile (the last program of a tile resets its own).
+    splits = max_split(n) if config is None else config["SPLIT_K"]
+    parts = torch.empty(splits if splits > 1 else 0, m, n, device=x.device, dtype=torch.float32)
+    counts = torch.zeros(m * triton.cdiv(n, MIN_BLOCK_N) if splits > 1 else 1, device=x.device, dtype=torch.int32)
 
-    def grid(meta: dict[str, int]) -> tuple[int, int]:
-        return (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
+    def grid(meta: dict[str, int]) -> tuple[int, int, int]:
+        return (m, triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
 
     words = qweight.view(torch.int32)  # [N, K/8]: eight codes per word, k order
-    args = (x, words, scales, zeros, out, m, n, k, k // 8, group, triton.next_power_of_2(m))
+    args = (x, words, scales, zeros, out, parts, counts, m, n, k, k // 8, group)
     if config is None:
         _int4_gemv_bits_tuned[grid](*args)
     else:
