@@ -122,7 +122,7 @@ def test_a_rows_result_is_the_same_alone_and_in_a_batch(split: int) -> None:
     for bit, for every M (split-K partials added in a fixed order)."""
     gen = torch.Generator().manual_seed(11)
     q = pack(torch.randn(72, 576, generator=gen), 32)
-    weight = [t.to(DEVICE) for t in (q.qweight, q.scales, q.zeros)]
+    weight = (q.qweight.to(DEVICE), q.scales.to(DEVICE), q.zeros.to(DEVICE))
     x = torch.randn(8, 576, generator=gen).to(DEVICE)
     config = {"BLOCK_N": 16, "BLOCK_W": 32, "SPLIT_K": split}
     alone = [triton_int4.int4_gemv(x[i : i + 1], *weight, 32, config=config) for i in range(8)]
@@ -141,7 +141,7 @@ def test_the_tuned_gemv_is_batch_invariant_and_repeatable_on_every_shape() -> No
     gen = torch.Generator().manual_seed(12)
     for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)):
         q = pack(torch.randn(n, k, generator=gen), 32)
-        weight = [t.cuda() for t in (q.qweight, q.scales, q.zeros)]
+        weight = (q.qweight.cuda(), q.scales.cuda(), q.zeros.cuda())
         x = torch.randn(8, k, generator=gen).cuda().half()
         alone = torch.cat([triton_int4.int4_gemv(x[i : i + 1], *weight, 32) for i in range(8)])
         for rows in range(1, 9):
