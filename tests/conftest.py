@@ -38,6 +38,17 @@ SAMPLES = REPO / "samples"
 LABELS = json.loads((SAMPLES / "labels" / "labels.json").read_text(encoding="utf-8"))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """File order for two test processes taking whole files (scripts/test.sh): the file
+    marked `runs_first` (the longest, which builds the session's engines) first, the
+    files that need no engines next, so that the other process has work while the first
+    builds; then the rest, each group in its own order."""
+
+    first = {item.path for item in items if item.get_closest_marker("runs_first")}
+    built = {item.path for item in items if "engine_dir" in getattr(item, "fixturenames", ())}
+    items.sort(key=lambda item: 0 if item.path in first else 2 if item.path in built else 1)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -24,7 +24,7 @@ import pytest
 
 from tests.conftest import LABELS, SAMPLES, Broker, DaemonProc, Requester, start_daemon, write_profile
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.runs_first]
 
 MIB = 1 << 20
 JOBS = "edge/bg/jobs"

@@ -22,7 +22,7 @@ import torch
 from edge.text.checkpoint import load_checkpoint
 from edge.text.generate import SamplingParams, generate
 from engines.import_gguf import SourceModelError, build_tokenizer_json, import_gguf
-from tests.test_import_hf import LLAMA_TEMPLATE, MESSAGES, QWEN_TEMPLATE, _randomise
+from tests.test_import_hf import LLAMA_TEMPLATE, MESSAGES, QWEN_TEMPLATE, random_family_model
 
 SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|header|>", "<|eot|>"]
 CORPUS = [
@@ -76,42 +76,9 @@ def _tokenizer(directory: Path, family: str) -> Any:
 
 
 def make_model(directory: Path, family: str) -> tuple[Any, Any]:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
     directory.mkdir(parents=True)
     tokenizer = _tokenizer(directory, family)
-    shape: dict[str, Any] = {
-        "vocab_size": len(tokenizer),
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-        "bos_token_id": tokenizer.convert_tokens_to_ids("<s>"),
-        "eos_token_id": tokenizer.convert_tokens_to_ids(tokenizer.eos_token),
-    }
-    if family == "llama":
-        llama: Any = LlamaConfig  # its typed signature does not list the RoPE fields
-        config: Any = llama(
-            **shape,
-            rms_norm_eps=1e-5,
-            tie_word_embeddings=False,
-            rope_theta=50000.0,
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-        )
-        model: Any = LlamaForCausalLM(config)
-    else:
-        model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True, rms_norm_eps=1e-6))
-    _randomise(model)
-    model.eval()
-    return model, tokenizer
+    return random_family_model(family, tokenizer), tokenizer
 
 
 def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:

@@ -79,24 +79,25 @@ def _randomise(model: Any) -> None:
                 param.copy_(0.15 * torch.randn(param.shape, generator=gen))
 
 
-def make_model(directory: Path, family: str) -> tuple[Any, Any]:
-    """A small random model of `family` saved as a Hugging Face directory."""
+def random_family_model(family: str, tokenizer: Any) -> Any:
+    """A small random transformers model of `family` ("llama": Llama 3's RoPE scaling,
+    untied head; "qwen2": q/k/v biases, tied embeddings) over `tokenizer`'s vocabulary."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    directory.mkdir(parents=True)
     shape: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
         "hidden_size": 64,
         "intermediate_size": 96,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "max_position_embeddings": 512,
+        "bos_token_id": tokenizer.convert_tokens_to_ids("<s>"),
+        "eos_token_id": tokenizer.convert_tokens_to_ids(tokenizer.eos_token),
     }
     if family == "llama":
-        tokenizer = _tokenizer(directory, LLAMA_TEMPLATE, "<|eot|>")
         llama: Any = LlamaConfig  # its typed signature does not list the RoPE fields
         config: Any = llama(
-            vocab_size=len(tokenizer),
             **shape,
             rms_norm_eps=1e-5,
             tie_word_embeddings=False,
@@ -108,21 +109,21 @@ def make_model(directory: Path, family: str) -> tuple[Any, Any]:
                 "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 64,
             },
-            bos_token_id=tokenizer.convert_tokens_to_ids("<s>"),
-            eos_token_id=tokenizer.convert_tokens_to_ids("<|eot|>"),
         )
         model: Any = LlamaForCausalLM(config)
     else:
-        tokenizer = _tokenizer(directory, QWEN_TEMPLATE, "<|im_end|>")
-        config = Qwen2Config(
-            vocab_size=len(tokenizer),
-            **shape,
-            tie_word_embeddings=True,
-            eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        )
-        model = Qwen2ForCausalLM(config)
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True))
     _randomise(model)
     model.eval()
+    return model
+
+
+def make_model(directory: Path, family: str) -> tuple[Any, Any]:
+    """A small random model of `family` saved as a Hugging Face directory."""
+    directory.mkdir(parents=True)
+    template, eos = (LLAMA_TEMPLATE, "<|eot|>") if family == "llama" else (QWEN_TEMPLATE, "<|im_end|>")
+    tokenizer = _tokenizer(directory, template, eos)
+    model = random_family_model(family, tokenizer)
     model.save_pretrained(directory)
     return model, tokenizer
 
