@@ -8,5 +8,6 @@ scripts/setup.sh --dev
 .venv/bin/ruff format --check .
 .venv/bin/mypy edge engines scripts tests
 # Two test processes (EDGE_TEST_WORKERS; 0 runs in this one), each taking whole files, so
-# a module's daemon and fixtures stay in one process.
-.venv/bin/python -m pytest -m "not gpu and not jetson" -n "${EDGE_TEST_WORKERS:-2}" --dist loadfile --durations=15 "$@"
+# a module's daemon and fixtures stay in one process; files in the order tests/conftest.py
+# gives them (the longest first), not xdist's (most tests first).
+.venv/bin/python -m pytest -m "not gpu and not jetson" -n "${EDGE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --durations=15 "$@"
