@@ -9,6 +9,10 @@ import torch
 # Without a GPU, Triton kernels run in Triton's interpreter (set before triton is imported).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Two test processes on a small box (scripts/test.sh): one torch thread each, so their
+# thread pools do not spin against each other (the daemons they start set their own).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 import fcntl
 import json
