@@ -335,7 +335,7 @@ def convert(gguf_path: Path, out_dir: Path, progress: bool = True) -> dict[str, 
         else:
             raise SourceModelError(f"unexpected tensor {t.name}")
         tensors[name] = torch.from_numpy(np.array(weight, dtype=np.float32, copy=True))
-    missing = sorted(_expected(config) - set(tensors))
+    missing = sorted(expected_tensors(config) - set(tensors))
     if missing:
         raise SourceModelError(f"{gguf_path.name}: missing tensors {', '.join(missing[:5])}")
     save_file(tensors, str(out_dir / "model.safetensors"))
@@ -374,7 +374,8 @@ def generation_specials(reader: Any) -> dict[str, Any]:
     }
 
 
-def _expected(config: LlamaConfig) -> set[str]:
+def expected_tensors(config: LlamaConfig) -> set[str]:
+    """Our checkpoint's tensor names for `config` (both importers check against it)."""
     names = {"embed_tokens.weight", "norm.weight"}
     if not config.tie_embeddings:
         names.add("lm_head.weight")

@@ -25,27 +25,14 @@ from tqdm import tqdm
 
 from edge.text.llama import LlamaConfig
 from engines.cache import build_cached, cache_key, file_sha256
-from engines.import_gguf import MAX_POSITIONS, SourceModelError
+from engines.import_gguf import MAX_POSITIONS, SourceModelError, expected_tensors
 
 logger = logging.getLogger(__name__)
 
 IMPORTER_VERSION = 1
 FAMILIES = {"llama": "Llama", "mistral": "Llama", "qwen2": "Qwen2"}
 REQUIRED = ("config.json", "tokenizer.json", "tokenizer_config.json")
-
-_LAYER_PARTS = (
-    "input_layernorm.weight",
-    "post_attention_layernorm.weight",
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-)
 HF_ROPE_TYPES = ("linear", "llama3")  # what a Hugging Face config.json may name that we serve
-_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 
 
 def _load_json(path: Path) -> dict[str, Any]:
@@ -124,17 +111,6 @@ def weight_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.safetensors"))
 
 
-def _expected(config: LlamaConfig) -> set[str]:
-    names = {"embed_tokens.weight", "norm.weight"}
-    if not config.tie_embeddings:
-        names.add("lm_head.weight")
-    for i in range(config.num_layers):
-        names.update(f"layers.{i}.{part}" for part in _LAYER_PARTS)
-        if config.attention_bias:
-            names.update(f"layers.{i}.{part}" for part in _BIASES)
-    return names
-
-
 def _our_name(name: str) -> str:
     return name.removeprefix("model.")
 
@@ -190,7 +166,7 @@ def generation_settings(directory: Path) -> dict[str, Any]:
 
 def convert(directory: Path, out_dir: Path, progress: bool = True) -> dict[str, Any]:
     config = read_hf_config(directory)
-    expected = _expected(config)
+    expected = expected_tensors(config)
     tensors: dict[str, torch.Tensor] = {}
     files = weight_files(directory)
     for path in tqdm(files, desc=f"import {directory.name}", unit="file", disable=not progress):
