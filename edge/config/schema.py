@@ -398,6 +398,14 @@ class QAModelConfig(StrictModel):
         title="Activation type",
         description="Activations and float weights: 'auto' is float32 on the CPU and float16 on CUDA.",
     )
+    cpu_kernel: Literal["exact", "bf16"] = Field(
+        default="exact",
+        title="CPU INT4 kernel",
+        description="On the CPU: 'exact' (ours, built on the box: the quantized model in float32, so answers "
+        "are the model's own on every CPU and match the GPU's; slower, mostly in prefill) or "
+        "'bf16' (torch's tiled kernel: faster prefill, every product rounded to bfloat16, so about one "
+        "greedy answer in ten strays from the model's). 'exact' falls back to 'bf16' without a C compiler.",
+    )
     cuda_graphs: bool = Field(
         default=True,
         title="CUDA graphs",

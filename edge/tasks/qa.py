@@ -67,6 +67,7 @@ def start_qa(cfg: QAModelConfig, checkpoint: Path, manager: ModelManager, respon
         device=cfg.device,
         dtype=cfg.dtype,
         cuda_graphs=cfg.cuda_graphs,
+        cpu_kernel=cfg.cpu_kernel,
     )
     name = qa_model_name(cfg)
     # The backend label says what actually runs: the device and the INT4 kernel.

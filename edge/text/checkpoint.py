@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from torch import nn
 
+from edge.text import cpu_int4
 from edge.text.chat import ChatTemplate
 from edge.text.int4 import EXACT_TOP, Int4Linear, QuantizedWeight, concat_rows, cpu_kernel_available
 from edge.text.llama import LlamaConfig, LlamaModel, fuse_projections
@@ -53,6 +54,9 @@ def default_int4_kernel(device: torch.device) -> str:
         from edge.text.triton_int4 import TRITON_SUPPORT
 
         return "triton" if TRITON_SUPPORT else "cuda"
+    # Ours computes the quantized model exactly in float32; torch's rounds to bfloat16.
+    if cpu_int4.available():
+        return "cpu-f32"
     return "cpu" if cpu_kernel_available() else "dequant"
 
 

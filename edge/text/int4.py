@@ -7,8 +7,9 @@ Storage (what a checkpoint holds per quantized linear, out x in = N x K):
   zeros    uint8 [N, K/G]  integer zero points in 0..15
   weight ≈ (code - zero) * scale, per group of G consecutive input channels.
 
-At load time the codes are repacked for the machine's kernel: torch's tiled INT4 GEMM
-(`_weight_int4pack_mm` on CUDA, `_weight_int4pack_mm_for_cpu` on x86/ARM CPUs), whose
+Kernels: on the CPU our float32 kernel (cpu_int4.c, built on the box) reads this layout
+as it is. Torch's tiled INT4 GEMM (`_weight_int4pack_mm` on CUDA,
+`_weight_int4pack_mm_for_cpu` on x86/ARM CPUs) needs the codes repacked at load, and its
 zero convention is w = (code - 8) * scale + offset, so offset = (8 - zero) * scale.
 """
 
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 # Import-safe without triton (it sets TRITON_SUPPORT = False); the kernel is then refused.
-from edge.text import triton_int4
+from edge.text import cpu_int4, triton_int4
 
 logger = logging.getLogger(__name__)
 
@@ -136,9 +137,10 @@ def cpu_kernel_available() -> bool:
 class Int4Linear(nn.Module):
     """y = x @ dequant(W).T, computed by the machine's INT4 kernel without materialising W.
 
-    Kernels: "cpu" (torch's tiled CPU kernel, bf16 activations), "cuda" (torch's tiled
-    CUDA kernel, bf16 activations), "triton" (our GEMV for decode, dequantize + cuBLAS
-    for prefill; reads our layout directly), "dequant" (reference: dequantize, matmul).
+    Kernels: "cpu-f32" (ours, float32 throughout; reads our layout directly), "cpu"
+    (torch's tiled CPU kernel, bf16 activations), "cuda" (torch's tiled CUDA kernel, bf16
+    activations), "triton" (our GEMV for decode, dequantize + cuBLAS for prefill; reads
+    our layout directly), "dequant" (reference: dequantize, matmul).
     """
 
     packed: torch.Tensor
@@ -161,13 +163,16 @@ class Int4Linear(nn.Module):
             # 32001 tokens, say): such a layer is dequantized once and multiplied instead.
             logger.info("INT4 layer with %d rows: dequantized (the %s kernel packs 16 at a time)", q.shape[0], kernel)
             kernel = "dequant"
+        if kernel == "cpu-f32" and not cpu_int4.supports(self.in_features, self.group_size):
+            logger.info("INT4 layer of group %d: torch's tiled kernel (cpu-f32 takes multiples of 32)", q.group_size)
+            kernel = "cpu"
         self.kernel = kernel
         self.weight_bytes = q.nbytes
-        # The CPU kernel rounds its inputs, scales and outputs to bfloat16: a logit of 20
-        # is then known to 1/16, and greedy decoding picks among near-ties by rounding
-        # (a fifth of 16-token answers differ from the exact model's on SmolLM2). For the
-        # output layer, the `exact_top` best of each row are computed again in float32
-        # from the stored codes, so the token chosen is the quantized model's own.
+        # Torch's CPU kernel rounds its inputs, scales and outputs to bfloat16: a logit of
+        # 20 is then known to 1/16, and greedy decoding picks among near-ties by rounding.
+        # Where it serves (no C compiler for cpu-f32), the output layer's `exact_top` best
+        # of each row are computed again in float32 from the stored codes, so at least
+        # the last product's choice is the quantized model's own.
         self.exact_top = exact_top if kernel == "cpu" else 0
         if kernel == "cpu":
             codes = unpack_codes(q).to(torch.int32)
@@ -185,6 +190,10 @@ class Int4Linear(nn.Module):
                 "packed", torch.ops.aten._convert_weight_to_int4pack(swapped.contiguous(), inner_k_tiles)
             )
             self.register_buffer("sz", _scales_and_offsets(q, torch.bfloat16))
+        elif kernel == "cpu-f32":
+            self.register_buffer("qweight", q.qweight.contiguous())
+            self.register_buffer("scales", q.scales.float().contiguous())
+            self.register_buffer("zeros", q.zeros.contiguous())
         elif kernel == "triton":
             if not triton_int4.TRITON_SUPPORT:
                 raise RuntimeError("the triton INT4 kernel needs triton (CUDA builds of torch ship it)")
@@ -206,7 +215,9 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        if self.kernel == "cpu":
+        if self.kernel == "cpu-f32":
+            out = cpu_int4.linear(flat, self.qweight, self.scales, self.zeros, self.group_size)
+        elif self.kernel == "cpu":
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 flat.to(torch.bfloat16), self.packed, self.group_size, self.sz
             )

@@ -101,9 +101,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float16:
+        # A float32 residual stream under half-precision weights is normalised into the
+        # weights' dtype: what the next product reads.
+        out_dtype = self.weight.dtype if x.dtype == torch.float32 else x.dtype
+        if x.dtype == torch.float16 or out_dtype != x.dtype:
             # fp16 overflows in x*x: normalise in float32.
-            return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+            return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(out_dtype)
         # float32, and bf16 (whose range holds x*x; torch accumulates the mean in float32).
         return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
@@ -319,7 +322,10 @@ class LlamaModel(nn.Module):
             raise ValueError(f"sequence of {start + seq} tokens exceeds the cache ({cache.max_len})")
         cos = self.rope_cos[start : start + seq].to(self.embed_tokens.weight.dtype)
         sin = self.rope_sin[start : start + seq].to(self.embed_tokens.weight.dtype)
-        x = self.embed_tokens(ids)
+        # The residual stream stays in float32 between layers, as in the fused decode
+        # step: added to in half precision it loses the small updates of late layers,
+        # and a prompt's cached keys and values would not be those its decode expects.
+        x = self.embed_tokens(ids).float()
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.k[i], cache.v[i], start)
         if last_only:
@@ -356,7 +362,7 @@ class LlamaModel(nn.Module):
         visible = torch.arange(kv_len, device=pos.device) <= pos.view(-1, 1)
         bias = torch.zeros(visible.shape, device=pos.device).masked_fill_(~visible, float("-inf"))
         at = DecodeAt(pos, kv_len, bias.view(-1, 1, 1, kv_len))
-        x = self.embed_tokens(ids)
+        x = self.embed_tokens(ids).float()  # the residual stream, as in forward()
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache.k[i], cache.v[i], at)
         logits: torch.Tensor = self.lm_head(self.norm(x))

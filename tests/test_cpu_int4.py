@@ -1,0 +1,112 @@
+"""Our float32 CPU INT4 kernel (edge/text/cpu_int4.c), built here with the machine's C
+compiler: it computes the quantized model exactly (only float32 sums round), a row's
+result does not depend on its batch, and without a compiler the checkpoint falls back to
+torch's kernel instead of failing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from edge.text import cpu_int4
+from edge.text.checkpoint import default_int4_kernel
+from edge.text.int4 import Int4Linear, dequantize, pack
+
+
+def _weights(n: int, k: int, group: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * 0.05
+    x = torch.randn(9, k, generator=gen)
+    return w, x
+
+
+def _exact(q_w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ q_w.double().T).float()
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "group"),
+    [(64, 576, 32), (50, 576, 64), (96, 1536, 128), (33, 512, 256), (4, 32, 32)],
+)
+def test_the_kernel_computes_the_quantized_weights_exactly(n: int, k: int, group: int) -> None:
+    w, x = _weights(n, k, group)
+    q = pack(w, group)
+    exact = _exact(dequantize(q), x)
+    out = cpu_int4.linear(x, q.qweight, q.scales.float(), q.zeros, group)
+    assert out.shape == (9, n) and out.dtype == torch.float32
+    # float32 sums of K products: a few ulps of the products' magnitude.
+    bound = 16 * k * torch.finfo(torch.float32).eps * (x.abs() @ dequantize(q).abs().T)
+    assert bool(((out - exact).abs() <= bound).all()), float((out - exact).abs().max())
+    # Torch's bfloat16 kernel, for scale, misses by about a thousand times more.
+    tiled = Int4Linear(q, "cpu")(x) if n % 16 == 0 else None
+    if tiled is not None:
+        assert float((tiled - exact).abs().max()) > 50 * float((out - exact).abs().max())
+
+
+def test_a_rows_result_is_the_same_alone_and_in_any_batch() -> None:
+    w, x = _weights(70, 576, 32, seed=1)
+    q = pack(w, 32)
+    scales = q.scales.float()
+    alone = [cpu_int4.linear(x[i : i + 1], q.qweight, scales, q.zeros, 32) for i in range(9)]
+    for m in range(1, 10):
+        batch = cpu_int4.linear(x[:m], q.qweight, scales, q.zeros, 32)
+        for i in range(m):
+            assert torch.equal(batch[i : i + 1], alone[i]), (m, i)
+
+
+def test_the_layer_serves_the_kernel_with_its_bias_and_dtype() -> None:
+    w, x = _weights(48, 576, 32, seed=2)
+    q = pack(w, 32)
+    bias = torch.randn(48)
+    layer = Int4Linear(q, "cpu-f32", bias)
+    assert layer.kernel == "cpu-f32"
+    out = layer(x.view(3, 3, 576))
+    assert out.shape == (3, 3, 48)
+    torch.testing.assert_close(out.view(9, 48), _exact(dequantize(q), x) + bias, rtol=1e-5, atol=1e-5)
+    assert layer(x.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_bad_shapes_are_refused_by_name() -> None:
+    w, x = _weights(16, 48, 16)
+    q = pack(w, 16)
+    with pytest.raises(ValueError, match="groups of a multiple of 32"):
+        cpu_int4.linear(x, q.qweight, q.scales.float(), q.zeros, 16)
+    # A layer of such a group is served by torch's kernel instead of failing.
+    assert Int4Linear(q, "cpu-f32").kernel == "cpu"
+
+
+def test_the_build_is_cached_per_source_and_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EDGE_KERNEL_CACHE", str(tmp_path))
+    first = cpu_int4.build()
+    assert first.parent == tmp_path and first.exists()
+    stamp = first.stat().st_mtime_ns
+    assert cpu_int4.build() == first and first.stat().st_mtime_ns == stamp  # not rebuilt
+    monkeypatch.setattr(cpu_int4, "_cpu_identity", lambda: "another CPU")
+    other = cpu_int4.build()
+    assert other != first and other.exists()
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_without_a_compiler_torchs_kernel_serves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EDGE_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(cpu_int4, "_lib", None)
+    monkeypatch.setattr(cpu_int4, "_error", None)
+    assert not cpu_int4.available()
+    assert default_int4_kernel(torch.device("cpu")) in ("cpu", "dequant")
+    with pytest.raises(RuntimeError, match="unavailable"):
+        w, x = _weights(16, 64, 32)
+        q = pack(w, 32)
+        cpu_int4.linear(x, q.qweight, q.scales.float(), q.zeros, 32)
+
+
+def test_a_compiler_error_is_reported_with_its_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EDGE_KERNEL_CACHE", str(tmp_path))
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setattr(cpu_int4, "SOURCE", broken)
+    with pytest.raises(RuntimeError, match=r"failed on broken\.c"):
+        cpu_int4.build()
+    assert not list(tmp_path.glob("*.so"))
