@@ -12,7 +12,8 @@ extras=""
 sudo_cmd=""
 if [ "$(id -u)" -ne 0 ]; then sudo_cmd="sudo"; fi
 
-# mosquitto: the broker; libsystemd-dev + pkg-config + gcc: to build systemd-python;
+# mosquitto: the broker; libsystemd-dev + pkg-config + gcc: to build systemd-python
+# (gcc also compiles the CPU INT4 kernel, edge/text/cpu_int4.c, at first use);
 # systemd: systemd-analyze for the unit test; fonts: to render sample labels;
 # openssl: the TLS test makes its own certificate authority.
 packages=(mosquitto libsystemd-dev pkg-config gcc fonts-dejavu-core systemd openssl)
