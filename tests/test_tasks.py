@@ -90,7 +90,7 @@ def test_qa_task_streams_pieces_through_the_responder(engine_dir: Path, tmp_path
     manager = ModelManager(MemoryLedger(8192 * MIB, 0), HostProbe())
     cfg = QAModelConfig(max_context_tokens=256, max_new_tokens=16, max_sequences=1)
     task = start_qa(cfg, checkpoint, manager, responder)
-    assert manager.models()[0].backend == "torch-cpu cpu"  # the device and the INT4 kernel
+    assert manager.models()[0].backend == "torch-cpu cpu-f32"  # the device and the INT4 kernel
     item = _item(QAJob(id="s1", question="Is 38.5 C a fever?", max_new_tokens=16, stream=True), "qa")
     seq = task.engine.batcher.single(task.prepare(item), "s1")
     output = task.output(seq)
