@@ -12,7 +12,7 @@ import torch
 
 from edge.text import cpu_int4
 from edge.text.checkpoint import default_int4_kernel
-from edge.text.int4 import Int4Linear, dequantize, pack
+from edge.text.int4 import Int4Linear, cpu_kernel_available, dequantize, pack
 
 
 def _weights(n: int, k: int, group: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,3 +110,23 @@ def test_a_compiler_error_is_reported_with_its_message(tmp_path: Path, monkeypat
     with pytest.raises(RuntimeError, match=r"failed on broken\.c"):
         cpu_int4.build()
     assert not list(tmp_path.glob("*.so"))
+
+
+def test_a_checkpoint_loads_on_the_kernel_its_setting_names(tmp_path: Path) -> None:
+    """models.qa.cpu_kernel's two values at the loader: exact serves ours in every INT4
+    layer, bf16 torch's tiled kernel."""
+    from edge.text.checkpoint import load_checkpoint
+    from edge.text.llama import LlamaConfig
+    from engines.random_llama import write_random_checkpoint
+
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2
+    )
+    path = write_random_checkpoint(tmp_path / "ckpt", config, group=32)
+    exact = load_checkpoint(path)
+    bf16 = load_checkpoint(path, exact_cpu=False)
+    assert exact.int4_kernel == "cpu-f32"
+    assert {m.kernel for m in exact.model.modules() if isinstance(m, Int4Linear)} == {"cpu-f32"}
+    expected = "cpu" if cpu_kernel_available() else "dequant"
+    assert bf16.int4_kernel == expected
+    assert {m.kernel for m in bf16.model.modules() if isinstance(m, Int4Linear)} == {expected}

@@ -47,7 +47,7 @@ class TextCheckpoint:
     chat: ChatTemplate | None = None  # the model's own template, where its source had one
 
 
-def default_int4_kernel(device: torch.device) -> str:
+def default_int4_kernel(device: torch.device, exact_cpu: bool = True) -> str:
     if device.type == "cuda":
         # Our Triton kernels read the checkpoint layout for decode and prefill alike;
         # torch's tiled kernel decodes faster but prefills ten times slower.
@@ -55,7 +55,7 @@ def default_int4_kernel(device: torch.device) -> str:
 
         return "triton" if TRITON_SUPPORT else "cuda"
     # Ours computes the quantized model exactly in float32; torch's rounds to bfloat16.
-    if cpu_int4.available():
+    if exact_cpu and cpu_int4.available():
         return "cpu-f32"
     return "cpu" if cpu_kernel_available() else "dequant"
 
@@ -71,8 +71,11 @@ def load_checkpoint(
     device: torch.device | str = "cpu",
     int4_kernel: str | None = None,
     fuse: bool = True,
+    exact_cpu: bool = True,
 ) -> TextCheckpoint:
-    """Load for serving. `fuse` merges q/k/v and gate/up into single linears."""
+    """Load for serving. `fuse` merges q/k/v and gate/up into single linears. Without
+    `int4_kernel` the device's default serves; `exact_cpu=False` takes torch's bfloat16
+    kernel on the CPU instead of ours."""
     device = torch.device(device)
     config = LlamaConfig.from_json(path / "config.json")
     with torch.device("meta"):
@@ -83,7 +86,7 @@ def load_checkpoint(
     quant_path = path / "quant.json"
     kernel = None
     if quant_path.exists():
-        kernel = int4_kernel or default_int4_kernel(device)
+        kernel = int4_kernel or default_int4_kernel(device, exact_cpu)
         linears = json.loads(quant_path.read_text(encoding="utf-8"))["linears"]
         quantized = {
             name: QuantizedWeight(

@@ -19,7 +19,6 @@ from edge.text.chat import ChatTemplateError
 from edge.text.checkpoint import TextCheckpoint, load_checkpoint
 from edge.text.continuous import ContinuousBatcher, Sequence
 from edge.text.generate import SamplingParams
-from edge.text.int4 import cpu_kernel_available
 
 logger = logging.getLogger(__name__)
 
@@ -95,10 +94,9 @@ class QAEngine:
         if settings.device == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("models.qa.device is 'cuda' but torch sees no CUDA device here")
         t0 = time.perf_counter()
-        kernel = None  # the device's default: cpu-f32 on the CPU where it builds, triton on CUDA
-        if settings.device == "cpu" and settings.cpu_kernel == "bf16":
-            kernel = "cpu" if cpu_kernel_available() else "dequant"
-        ckpt = load_checkpoint(path, dtype=resolve_dtype(settings), device=settings.device, int4_kernel=kernel)
+        ckpt = load_checkpoint(
+            path, dtype=resolve_dtype(settings), device=settings.device, exact_cpu=settings.cpu_kernel == "exact"
+        )
         engine = cls(ckpt, settings)
         engine._stage("weights and KV cache", t0)
         engine.warm_up()
