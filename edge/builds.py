@@ -68,6 +68,76 @@ def build_command(task: str, profile: Profile) -> BuildCommand:
     raise ValueError(f"task {task!r} has no engine to build")
 
 
+def plan_command(
+    profile: Profile,
+    student: Path | None = None,
+    checkpoint: Path | None = None,
+    models: tuple[str, ...] | None = None,
+    compute_capability: str | None = None,
+    student_precisions: tuple[str, ...] = ("fp16", "int8"),
+) -> BuildCommand:
+    """The build that makes the TensorRT plans of `models` (student, ocr, text: by
+    default every one the profile serves) from the builds named."""
+    m = profile.models
+    if models is None:
+        models = tuple(
+            name for name, on in (("student", m.inspect.enabled), ("ocr", m.ocr.enabled), ("text", m.qa.enabled)) if on
+        )
+    args: list[str] = ["--models", ",".join(models)]
+    if "student" in models:
+        if student is None:
+            raise ValueError("the student's plans need its build directory")
+        args += ["--student", str(student), "--max-batch", str(m.inspect.max_batch)]
+        args += ["--student-precisions", ",".join(student_precisions)]
+    if "ocr" in models:
+        args += ["--det-limit-side-len", str(m.ocr.det_limit_side_len)]
+    if "text" in models:
+        if checkpoint is None:
+            raise ValueError("the text model's plan needs its checkpoint directory")
+        args += ["--text", str(checkpoint), "--max-context", str(m.qa.max_context_tokens)]
+        args += ["--max-sequences", str(m.qa.max_sequences)]
+    if compute_capability:
+        args += ["--compute-capability", compute_capability]
+    return BuildCommand("TensorRT plans for " + ", ".join(models), "engines.trt_build", tuple(args))
+
+
+def plan_selector(task: str, profile: Profile, built_from: Path | None) -> dict[str, object]:
+    """What the plan that serves `task` as the profile asks is found by (its precision
+    included)."""
+    m = profile.models
+    if task == "inspect":
+        assert built_from is not None
+        precision = m.inspect.backend.precision if m.inspect.backend.type == "tensorrt" else "fp16"
+        return {"task": "inspect", "student": built_from.name, "precision": precision}
+    if task == "ocr":
+        from edge.vision.ocr import DET_MODEL
+
+        return {"task": "ocr", "file": DET_MODEL, "precision": "fp16"}
+    raise ValueError(f"task {task!r} has no plan selector")
+
+
+def ensure_plans(profile: Profile, task: str, built_from: Path | None, builds: ChildBuilds | None) -> None:
+    """On a box with TensorRT, a first start builds the plans `task` serves from when
+    its backend is tensorrt and none was built for this GPU and TensorRT version. Where
+    TensorRT is absent nothing is built: loading says so."""
+    cfg = profile.models.inspect if task == "inspect" else profile.models.ocr
+    if cfg.backend.type != "tensorrt" or builds is None or not profile.build_missing_engines:
+        return
+    from edge.backends.tensorrt_backend import TRT_SUPPORT, load_plan
+    from edge.plans import PlanMismatch
+
+    if not TRT_SUPPORT:
+        return
+    try:
+        load_plan(profile.paths.engine_dir, plan_selector(task, profile, built_from))
+        return
+    except (EngineMissing, PlanMismatch) as err:
+        logger.info("%s: %s; building", task, err)
+    wanted = plan_selector(task, profile, built_from)
+    models = ("student",) if task == "inspect" else ("ocr",)
+    builds.run(plan_command(profile, built_from, None, models, None, (str(wanted["precision"]),)))
+
+
 def command_line(cmd: BuildCommand, engine_dir: Path, progress: bool) -> list[str]:
     line = [sys.executable, "-m", cmd.module, "--engine-dir", str(engine_dir), *cmd.args]
     return line if progress else [*line, "--no-progress"]

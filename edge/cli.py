@@ -85,7 +85,44 @@ def cmd_build(args: argparse.Namespace) -> int:
             print(f"edgectl: building {cmd.what} failed (exit {done.returncode})", file=sys.stderr)
             return 1
         print(f"{task}: {cmd.what} in {builds.locate(profile, task, None)}")
+    if args.backend == "tensorrt":
+        return _build_plans(profile, args.compute_capability)
     return 0
+
+
+def _build_plans(profile: Profile, compute_capability: str | None) -> int:
+    """TensorRT plans for every model the profile serves, from the builds just made."""
+    import subprocess
+
+    from edge import builds
+
+    m = profile.models
+    student = builds.locate(profile, "inspect", None) if m.inspect.enabled else None
+    checkpoint = builds.locate(profile, "qa", None) if m.qa.enabled else None
+    cmd = builds.plan_command(profile, student, checkpoint, compute_capability=compute_capability)
+    done = subprocess.run(builds.command_line(cmd, profile.paths.engine_dir, progress=True), check=False)
+    if done.returncode != 0:
+        print(f"edgectl: building {cmd.what} failed (exit {done.returncode})", file=sys.stderr)
+        return EXIT_USAGE if done.returncode == EXIT_USAGE else 1
+    print(f"tensorrt: {cmd.what} in {profile.paths.engine_dir / 'tensorrt'}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Every model through every backend here against one reference each; exit 0 only
+    when every check is within its tolerance."""
+    from edge.engines import EngineMissing
+    from edge.verify import render, verify
+
+    profile = _load(args.profile)
+    _setup_logging("warning")
+    try:
+        doc = verify(profile)
+    except EngineMissing as err:
+        print(f"edgectl verify: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    print(json.dumps(doc, indent=2) if args.json else render(doc))
+    return 0 if doc["ok"] else 1
 
 
 def _status_socket(args: argparse.Namespace) -> Path:
@@ -229,7 +266,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     build = sub.add_parser("build", help="build or import the engines a profile needs")
     build.add_argument("--profile", type=Path, required=True)
+    build.add_argument(
+        "--backend",
+        choices=["default", "tensorrt"],
+        default="default",
+        help="tensorrt: also build TensorRT plans of every model for this box (TensorRT, or tensorrt-rtx for "
+        "desktop GPUs)",
+    )
+    build.add_argument("--compute-capability", help="with tensorrt-rtx: the GPU to build for, e.g. sm86")
     build.set_defaults(func=cmd_build)
+
+    verify = sub.add_parser("verify", help="check every model on every backend here against a reference")
+    verify.add_argument("--profile", type=Path, required=True)
+    verify.add_argument("--json", action="store_true", help="one JSON object with `checks`")
+    verify.set_defaults(func=cmd_verify)
 
     status = sub.add_parser("status", help="health check (exit 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN)")
     status.add_argument("--profile", type=Path, help="find the socket from this profile")

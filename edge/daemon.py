@@ -179,6 +179,7 @@ class Daemon:
         ocr: OCRTask | None = None
         if models.ocr.enabled:
             try:
+                builds.ensure_plans(self.profile, "ocr", None, self.builds)
                 ocr = start_ocr(models.ocr, self.manager, self.media, self.profile.paths.engine_dir)
                 tasks["ocr"] = ocr
             except Exception as err:  # one model failing must not take the others down
@@ -187,7 +188,9 @@ class Daemon:
         if models.inspect.enabled and not self._stop.is_set():
             try:
                 student = builds.locate(self.profile, "inspect", self.builds)
-                self.inspect = start_inspect(models.inspect, student, self.manager, self.media, ocr)
+                builds.ensure_plans(self.profile, "inspect", student, self.builds)
+                engine_dir = self.profile.paths.engine_dir
+                self.inspect = start_inspect(models.inspect, student, self.manager, self.media, ocr, engine_dir)
                 tasks["inspect"] = self.inspect
             except BuildStopped:
                 return True

@@ -50,6 +50,8 @@ class QuantRecipe:
     # is the largest matrix by far (SmolLM2: 113 MB in float32 of 135M params). Rounded to
     # INT4 (a copy when tied to the embedding, which stays float for lookups).
     lm_head: bool = True
+    # Zero points fixed at 8 (edge/text/int4.py quantize_codes): what TensorRT takes.
+    symmetric: bool = False
 
     def _rule(self, name: str) -> int | None:
         return next((g for pattern, g in self.groups if fnmatch.fnmatchcase(name, pattern)), None)
@@ -73,6 +75,8 @@ class QuantRecipe:
         }
         if self.groups:  # only then: the key of every build without them stays as it was
             out["groups"] = [[pattern, g] for pattern, g in self.groups]
+        if self.symmetric:  # likewise
+            out["symmetric"] = True
         return out
 
 
@@ -186,7 +190,7 @@ def _output_error(x: torch.Tensor, weights: list[torch.Tensor], approx: list[tor
 
 
 def search_scales(
-    x: torch.Tensor, mean_abs: torch.Tensor, weights: list[torch.Tensor], group_size: int
+    x: torch.Tensor, mean_abs: torch.Tensor, weights: list[torch.Tensor], group_size: int, symmetric: bool = False
 ) -> torch.Tensor:
     """Per-input-channel scales s minimising ||x W^T - x (Q(W s)/s)^T||."""
     best_err, best = math.inf, torch.ones_like(mean_abs)
@@ -195,14 +199,14 @@ def search_scales(
         alpha = step / ALPHA_GRID
         s = base.pow(alpha)
         s = s / torch.sqrt(s.max() * s.min())
-        approx = [fake_quantize(w * s, group_size) / s for w in weights]
+        approx = [fake_quantize(w * s, group_size, symmetric=symmetric) / s for w in weights]
         err = _output_error(x, weights, approx)
         if err < best_err:
             best_err, best = err, s
     return best
 
 
-def search_clip(x: torch.Tensor, weight: torch.Tensor, group_size: int) -> torch.Tensor:
+def search_clip(x: torch.Tensor, weight: torch.Tensor, group_size: int, symmetric: bool = False) -> torch.Tensor:
     """Per (output row, group) range ratio minimising that group's share of output error.
 
     A group's error is the mean over tokens of (x_g . delta)^2 = delta^T G_g delta / T,
@@ -219,7 +223,7 @@ def search_clip(x: torch.Tensor, weight: torch.Tensor, group_size: int) -> torch
     best = torch.ones(n, groups)
     for ratio in CLIP_RATIOS:
         clip = torch.full((n, groups), ratio)
-        delta = (fake_quantize(weight, group_size, clip) - weight).double().reshape(n, groups, group_size)
+        delta = (fake_quantize(weight, group_size, clip, symmetric) - weight).double().reshape(n, groups, group_size)
         delta = delta.transpose(0, 1)  # [g, n, c]
         err = (torch.bmm(delta, gram) * delta).sum(-1).transpose(0, 1)  # [n, g]
         better = err < best_err
@@ -255,7 +259,7 @@ def quantize_model(
                 g = group_size_for(k, recipe.group_for(names[0]))
                 x = cap.x
                 if prev is not None:
-                    s = search_scales(x, cap.mean_abs, weights, g)
+                    s = search_scales(x, cap.mean_abs, weights, g, recipe.symmetric)
                     for lin in linears:
                         _weight(lin).mul_(s.to(_weight(lin).dtype))
                     prev_w = _weight(prev)
@@ -266,7 +270,8 @@ def quantize_model(
                     x = x / s
                 for name, lin in zip(names, linears, strict=True):
                     if recipe.clip and not name.endswith(CLIP_SKIP):
-                        clips[name] = search_clip(x, _weight(lin).float(), group_size_for(k, recipe.group_for(name)))
+                        group = group_size_for(k, recipe.group_for(name))
+                        clips[name] = search_clip(x, _weight(lin).float(), group, recipe.symmetric)
     packed: dict[str, QuantizedWeight] = {}
     for name in linear_names(model):
         if recipe.kept(name):
@@ -274,11 +279,11 @@ def quantize_model(
             continue
         weight = _weight(modules[name]).float()
         g = group_size_for(weight.shape[1], recipe.group_for(name))
-        packed[name] = pack(weight, g, clips.get(name))
+        packed[name] = pack(weight, g, clips.get(name), recipe.symmetric)
         report.layers[name] = {"bits": 4, "group_size": g, "clipped": name in clips}
     if recipe.lm_head and not recipe.kept("lm_head"):
         weight = _weight(model.lm_head).float()
         g = group_size_for(weight.shape[1], recipe.group_for("lm_head"))
-        packed["lm_head"] = pack(weight, g)
+        packed["lm_head"] = pack(weight, g, symmetric=recipe.symmetric)
         report.layers["lm_head"] = {"bits": 4, "group_size": g, "clipped": False}
     return packed, report

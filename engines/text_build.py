@@ -114,8 +114,9 @@ def build_text_engine(
         path = merge_checkpoint(path, CLINIC_ADAPTER)
     elif adapter != "none":
         path = merge_checkpoint(path, Path(adapter))
-    if quant in ("awq-int4", "rtn-int4"):
-        path = quantize_checkpoint(path, layer_recipe(quant.split("-")[0], layers or []), progress)
+    if quant in INT4_QUANTIZATIONS:
+        method = quant.split("-")[0]
+        path = quantize_checkpoint(path, layer_recipe(method, layers or [], symmetric=quant.endswith("-sym")), progress)
     elif quant != "float" or layers:
         raise ValueError(f"unknown quantization {quant!r}" if quant != "float" else "layers need INT4 quantization")
     # What serving looks the checkpoint up by (edge/engines.py): the profile's words.
@@ -126,11 +127,18 @@ def build_text_engine(
     return path
 
 
-def layer_recipe(method: str, layers: list[dict[str, Any]], group_size: int = SERVING_GROUP) -> QuantRecipe:
+def layer_recipe(
+    method: str, layers: list[dict[str, Any]], group_size: int = SERVING_GROUP, symmetric: bool = False
+) -> QuantRecipe:
     """The INT4 recipe with the profile's per-layer rules (models.qa.layers), in order,
     the first rule matching a layer deciding: float, or INT4 at its own group size."""
     rules = tuple((r["match"], 0 if r["format"] == "float" else int(r.get("group_size") or group_size)) for r in layers)
-    return QuantRecipe(method=method, group_size=group_size, groups=rules)
+    return QuantRecipe(method=method, group_size=group_size, groups=rules, symmetric=symmetric)
+
+
+# "-sym": zero points fixed at 8, the form TensorRT's weight-only INT4 takes.
+INT4_QUANTIZATIONS = ("awq-int4", "rtn-int4", "awq-int4-sym", "rtn-int4-sym")
+QUANTIZATIONS = (*INT4_QUANTIZATIONS, "float")
 
 
 SMOLLM2_SOURCE = "smollm2-135m-instruct"
@@ -150,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         "--source", default=SMOLLM2_SOURCE, help="the built-in model, a Hugging Face model directory or a .gguf file"
     )
     parser.add_argument("--adapter", default="clinic", help="'clinic', 'none' or a PEFT LoRA adapter directory")
-    parser.add_argument("--quantization", choices=["awq-int4", "rtn-int4", "float"], default="awq-int4")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="awq-int4")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, services)")
     parser.add_argument("--layers", default="", help="per-layer rules as JSON (models.qa.layers)")
     args = parser.parse_args(argv)

@@ -94,6 +94,10 @@ def adapter_behaviour(engine_dir: Path) -> list[dict[str, Any]]:
         "clinic merged, float": merged,
         "clinic merged, AWQ INT4 g128": quantize_checkpoint(merged, QuantRecipe(method="awq", group_size=128)),
         "clinic merged, AWQ INT4 g32 (served)": quantize_checkpoint(merged, QuantRecipe(method="awq", group_size=32)),
+        # What a TensorRT plan serves (models.qa.quantization: awq-int4-sym).
+        "clinic merged, AWQ INT4 g32 symmetric": quantize_checkpoint(
+            merged, QuantRecipe(method="awq", group_size=32, symmetric=True)
+        ),
     }
     held = examples("heldout")
     rows = []
@@ -131,6 +135,9 @@ def main() -> None:
         "AWQ INT4 g128": quantize_checkpoint(base, QuantRecipe(method="awq")),
         "RTN INT4 g32": quantize_checkpoint(base, QuantRecipe(method="rtn", group_size=32)),
         "AWQ INT4 g32": quantize_checkpoint(base, QuantRecipe(method="awq", group_size=32)),
+        # Zero points fixed at 8: the only INT4 form TensorRT takes (awq-int4-sym).
+        "RTN INT4 g32 symmetric": quantize_checkpoint(base, QuantRecipe(method="rtn", group_size=32, symmetric=True)),
+        "AWQ INT4 g32 symmetric": quantize_checkpoint(base, QuantRecipe(method="awq", group_size=32, symmetric=True)),
         # Mixed precision (models.qa.layers): the FFN at g128, attention kept float or at g32.
         "AWQ g128 FFN, attention float": quantize_checkpoint(
             base, QuantRecipe(method="awq", groups=(("*.self_attn.*", 0),))

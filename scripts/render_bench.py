@@ -304,6 +304,26 @@ def first_start(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def verify(d: dict[str, Any], source: str) -> str:
+    where = d["gpu"] or f"CPU only ({d['machine']})"
+    lines = [
+        f"`edgectl verify` on {where}, torch {d['torch']} (`{source}`): each model through each backend here, "
+        "on the same inputs, against its reference.",
+        "",
+        "| model | backend | reference | max abs diff | cosine | top-1 agreement | within tolerance |",
+        "|---|---|---|---:|---:|---:|---|",
+    ]
+    for c in d["checks"]:
+        lines.append(
+            f"| {c['model']} | {c['backend']} | {c['reference']} | {c['max_abs_diff']:.2e} | {c['cosine']:.6f} | "
+            f"{c['agreement']:.3f} | {'yes' if c['ok'] else '**no**'} |"
+        )
+    if d["skipped"]:
+        skipped = sorted({f"{s['backend']} ({s['why']})" for s in d["skipped"]})
+        lines += ["", "Not run there: " + "; ".join(skipped) + "."]
+    return "\n".join(lines)
+
+
 TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "first_start": ("first_start.json", first_start),
     "daemon_cpu": ("daemon_cpu.json", lambda d: daemon(d, "bench/results/daemon_cpu.json")),
@@ -316,6 +336,8 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "vision_cpu": ("vision_cpu.json", vision_cpu),
     "vision_cuda": ("vision_cuda.json", vision_cuda),
     "vision_data": ("vision_data.json", vision_data),
+    "verify_cpu": ("verify_cpu.json", lambda d: verify(d, "bench/results/verify_cpu.json")),
+    "verify_cuda": ("verify_cuda.json", lambda d: verify(d, "bench/results/verify_cuda.json")),
 }
 
 

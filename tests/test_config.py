@@ -39,6 +39,16 @@ def test_defaults_and_derived_topics() -> None:
         ({"device_id": "a", "topics": {"shared_group": "a/+"}}, "topics.shared_group"),
         ({"device_id": "a", "memory_budget_mib": 512, "memory_headroom_mib": 512}, "memory_headroom_mib"),
         ({"device_id": "a", "models": {"inspect": {"max_batch": 4, "preferred_batch_sizes": [8]}}}, "max_batch"),
+        ({"device_id": "a", "models": {"inspect": {"backend": "tensorrt"}}}, "models.inspect"),
+        ({"device_id": "a", "models": {"ocr": {"backend": "tensorrt"}}}, "models.ocr"),
+        (
+            {
+                "device_id": "a",
+                "models": {"ocr": {"device": "cuda", "backend": {"type": "tensorrt", "precision": "int8"}}},
+            },
+            "models.ocr",
+        ),
+        ({"device_id": "a", "models": {"qa": {"quantization": "awq-int3"}}}, "models.qa.quantization"),
     ],
 )
 def test_bad_profile_names_the_field(data: dict[str, object], path_in_message: str) -> None:
@@ -139,3 +149,35 @@ def test_the_shipped_student_is_the_default_and_a_dataset_trains_at_the_default_
     assert own.models.inspect.build_size == "default"  # stream sizes generate their images
     asked = parse_profile({"device_id": "a", "models": {"inspect": {"dataset": str(folder), "build_size": "quick"}}})
     assert asked.models.inspect.build_size == "quick"
+
+
+def test_tensorrt_backends_parse_with_their_settings() -> None:
+    profile = parse_profile(
+        {
+            "device_id": "a",
+            "models": {
+                "ocr": {"device": "cuda"},
+                "inspect": {
+                    "device": "cuda",
+                    "backend": {"type": "tensorrt", "precision": "int8", "cuda_graphs": False},
+                },
+                "qa": {"quantization": "awq-int4-sym"},
+            },
+        },
+        "p.yaml",
+    )
+    assert profile.models.ocr.backend.type == "tensorrt"  # the OCR models have no torch weights to run on CUDA
+    assert profile.models.inspect.backend.type == "tensorrt"
+    assert profile.models.inspect.backend.precision == "int8" and not profile.models.inspect.backend.cuda_graphs
+
+
+def test_the_tensorrt_backend_is_refused_by_name_where_tensorrt_is_absent() -> None:
+    pytest.importorskip("tensorrt_rtx")  # the dev install; full TensorRT is absent here
+    from edge.backends import BackendUnavailable, get_backend
+    from edge.backends.tensorrt_backend import TRT_SUPPORT
+
+    assert not TRT_SUPPORT
+    with pytest.raises(
+        BackendUnavailable, match=r"backend 'tensorrt' is not available here \(TensorRT's Python runtime"
+    ):
+        get_backend("tensorrt")

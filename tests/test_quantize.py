@@ -204,3 +204,30 @@ def test_quantized_checkpoint_loads_and_tracks_the_float_model(engine_dir: Path)
     assert agree > 0.6
     manifest = (rtn / "manifest.json").read_text()
     assert '"group_size": 128' in manifest and '"group_size": 64' in manifest
+
+
+def test_symmetric_codes_have_zero_point_eight_and_round_to_nearest() -> None:
+    from edge.text.int4 import quantize_codes
+
+    w = torch.randn(32, 256)
+    codes, scales, zeros = quantize_codes(w, 64, symmetric=True)
+    assert bool((zeros == 8).all())
+    groups = w.reshape(32, 4, 64)
+    torch.testing.assert_close(scales, groups.abs().amax(-1) / 7.0)
+    q = pack(w, 64, symmetric=True)
+    deq = dequantize(q)
+    step = q.scales.float().repeat_interleave(64, dim=1)
+    assert bool(((deq - w).abs() <= step / 2 + 1e-3).all())
+    # The largest magnitude of each group is a code away from 8 by exactly 7.
+    peak = (codes.reshape(32, 4, 64).int() - 8).abs().amax(-1)
+    assert bool((peak == 7).all())
+
+
+def test_the_symmetric_recipe_quantizes_every_layer_symmetrically() -> None:
+    model = tiny_model()
+    calib = list(range(TINY.vocab_size)) * 40
+    recipe = QuantRecipe(method="awq", group_size=64, calib_tokens=512, sample_tokens=128, seq_len=64, symmetric=True)
+    packed, _ = quantize_model(model, recipe, calib, progress=False)
+    assert packed and all(bool((q.zeros == 8).all()) for q in packed.values())
+    assert recipe.to_dict()["symmetric"] is True
+    assert "symmetric" not in QuantRecipe().to_dict()  # asymmetric builds keep their cache keys

@@ -45,6 +45,9 @@ class ModelSource:
     inputs: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
     image: ImageInput | None = None
+    # What a TensorRT plan built from this model serves (its manifest's `serves`, less
+    # the precision and target), for the tensorrt backend to find it by.
+    plan: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,8 @@ class BackendOptions:
     threads: int = 0
     max_batch: int = 0  # largest batch the caller will send (0: unknown)
     config: BackendConfig = field(default_factory=OnnxRuntimeConfig)
+    # Where built plans live (paths.engine_dir), for backends that load them.
+    engine_dir: Path | None = None
 
 
 class InferenceSession(abc.ABC):
@@ -97,8 +102,10 @@ class Backend(abc.ABC):
 
 
 _REGISTRY: dict[str, type[Backend]] = {}
+# Plugins that cannot run here, with why (said when a profile asks for one).
+_UNAVAILABLE: dict[str, str] = {}
 # The plugins; each registers itself on import, where its runtime is installed and usable.
-PLUGINS = ("edge.backends.onnxruntime_backend", "edge.backends.torch_backend")
+PLUGINS = ("edge.backends.onnxruntime_backend", "edge.backends.torch_backend", "edge.backends.tensorrt_backend")
 _discovered = False
 
 
@@ -117,6 +124,11 @@ def register_backend(cls: type[Backend]) -> type[Backend]:
     return cls
 
 
+def mark_unavailable(name: str, reason: str) -> None:
+    """A plugin whose runtime is missing here says why, for get_backend to repeat."""
+    _UNAVAILABLE[name] = reason
+
+
 def available_backends() -> list[str]:
     _discover()
     return sorted(_REGISTRY)
@@ -127,6 +139,7 @@ def get_backend(name: str) -> Backend:
     try:
         return _REGISTRY[name]()
     except KeyError:
+        why = f" ({_UNAVAILABLE[name]})" if name in _UNAVAILABLE else ""
         raise BackendUnavailable(
-            f"backend {name!r} is not available here; available: {', '.join(available_backends())}"
+            f"backend {name!r} is not available here{why}; available: {', '.join(available_backends())}"
         ) from None

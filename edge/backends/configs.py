@@ -46,10 +46,35 @@ class TorchCudaConfig(StrictModel):
     )
 
 
-BackendConfig = Annotated[OnnxRuntimeConfig | TorchCudaConfig, Field(discriminator="type")]
+class TensorRTConfig(StrictModel):
+    type: Literal["tensorrt"] = Field(
+        default="tensorrt",
+        description="Run the model's TensorRT plan, built on this box by `edgectl build --backend tensorrt` "
+        "(or at the first start) for its GPU and TensorRT version.",
+    )
+    precision: Literal["fp16", "int8"] = Field(
+        default="fp16",
+        title="Plan precision",
+        description="Which plan serves: 'fp16', or 'int8' (explicit Q/DQ calibrated on the student's own "
+        "images; the inspection student only).",
+    )
+    cuda_graphs: bool = Field(
+        default=True,
+        title="CUDA graphs",
+        description="Capture the plan's enqueue in one CUDA graph per batch size where input shapes are "
+        "fixed (the student), and replay it.",
+    )
+    high_priority_stream: bool = Field(
+        default=True,
+        title="High-priority stream",
+        description="Run on a CUDA stream of higher priority than the text branch's.",
+    )
+
+
+BackendConfig = Annotated[OnnxRuntimeConfig | TorchCudaConfig | TensorRTConfig, Field(discriminator="type")]
 
 DEFAULT_BACKEND = {"cpu": "onnxruntime", "cuda": "torch-cuda"}
-BACKEND_DEVICES = {"onnxruntime": ("cpu",), "torch-cuda": ("cuda",)}
+BACKEND_DEVICES = {"onnxruntime": ("cpu",), "torch-cuda": ("cuda",), "tensorrt": ("cuda",)}
 
 
 def backend_section(value: object, device: str) -> object:

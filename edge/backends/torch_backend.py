@@ -151,21 +151,30 @@ class TorchCudaSession(InferenceSession):
             return self._run_images(images, self._image)
 
     def _run_images(self, images: list[np.ndarray], spec: ImageInput) -> list[np.ndarray]:
-        size = spec.size
-        pixels = torch.empty(len(images), 3, size, size, device=self._device, dtype=self._dtype)
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for i, img in enumerate(images):
-            groups.setdefault(img.shape, []).append(i)
-        for shape, index in groups.items():
-            host = torch.from_numpy(np.stack([images[i] for i in index]))
-            batch = host.to(self._device, non_blocking=False).permute(0, 3, 1, 2).float()
-            if tuple(shape[:2]) != (size, size):
-                # Antialiased when shrinking, as the CPU path's area filter: a defect a few
-                # pixels wide must not vanish between samples.
-                batch = F.interpolate(batch, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-            batch = (batch / 255.0 - self._mean) / self._std
-            pixels[torch.tensor(index, device=self._device)] = batch.to(self._dtype)
+        pixels = images_on_gpu(images, spec.size, self._mean, self._std, self._dtype)
         return [t.cpu().numpy() for t in self._forward(pixels)]
+
+
+def images_on_gpu(
+    images: list[np.ndarray], size: int, mean: torch.Tensor, std: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """RGB uint8 images of any size -> a normalised [N, 3, size, size] batch on the
+    device of `mean`, resized there. Images of one shape go up as one tensor."""
+    device = mean.device
+    pixels = torch.empty(len(images), 3, size, size, device=device, dtype=dtype)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, img in enumerate(images):
+        groups.setdefault(img.shape, []).append(i)
+    for shape, index in groups.items():
+        host = torch.from_numpy(np.stack([images[i] for i in index]))
+        batch = host.to(device, non_blocking=False).permute(0, 3, 1, 2).float()
+        if tuple(shape[:2]) != (size, size):
+            # Antialiased when shrinking, as the CPU path's area filter: a defect a few
+            # pixels wide must not vanish between samples.
+            batch = F.interpolate(batch, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+        batch = (batch / 255.0 - mean) / std
+        pixels[torch.tensor(index, device=device)] = batch.to(dtype)
+    return pixels
 
 
 if TORCH_CUDA_SUPPORT:

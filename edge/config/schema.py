@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from edge.backends.configs import BACKEND_DEVICES, BackendConfig, OnnxRuntimeConfig, backend_section
+from edge.backends.configs import BACKEND_DEVICES, BackendConfig, OnnxRuntimeConfig, TensorRTConfig, backend_section
 from edge.schema_base import StrictModel
 
 # The prompt the clinic adapter was trained with; kept here as the default so they agree.
@@ -163,16 +163,17 @@ class OCRModelConfig(StrictModel):
         "room for another job; unset keeps it loaded for good. An evicted model is loaded again (and measured "
         "again) when a job needs it.",
     )
-    device: Literal["cpu"] = Field(
+    device: Device = Field(
         default="cpu",
         title="Device",
-        description="Where the OCR models run. Only the CPU for now: onnxruntime here is its CPU build.",
+        description="Where the OCR models run: 'cpu' (onnxruntime's CPU build), or 'cuda' with the tensorrt "
+        "backend (FP16 plans built on the box).",
     )
-    backend: OnnxRuntimeConfig = Field(
+    backend: Annotated[OnnxRuntimeConfig | TensorRTConfig, Field(discriminator="type")] = Field(
         default_factory=OnnxRuntimeConfig,
         title="Backend",
         description="Inference backend for the detection, angle and recognition models, with its own settings "
-        "(`onnxruntime`, or `{type: onnxruntime, ...}`).",
+        "(`onnxruntime`, `tensorrt`, or `{type: NAME, ...}`); for device 'cuda' it is tensorrt.",
     )
     det_limit_side_len: int = Field(
         default=960,
@@ -202,7 +203,20 @@ class OCRModelConfig(StrictModel):
         description="Intra-op threads per model; 0 lets the backend choose.",
     )
 
-    _backend_form = model_validator(mode="before")(_fill_backend)
+    @model_validator(mode="before")
+    @classmethod
+    def _backend_form(cls, data: Any) -> Any:
+        # The OCR models have no PyTorch weights: on CUDA they run as TensorRT plans.
+        if isinstance(data, dict) and data.get("device") == "cuda" and data.get("backend") is None:
+            data = {**data, "backend": "tensorrt"}
+        return _fill_backend(data)
+
+    @model_validator(mode="after")
+    def _backend_runs_here(self) -> OCRModelConfig:
+        _backend_on_device(self.backend.type, self.device)
+        if self.backend.type == "tensorrt" and self.backend.precision != "fp16":
+            raise ValueError("the OCR models are built as fp16 plans only (backend.precision)")
+        return self
 
 
 class InspectModelConfig(StrictModel):
@@ -226,7 +240,8 @@ class InspectModelConfig(StrictModel):
         title="Backend",
         description="The backend and its own settings: onnxruntime runs the student's ONNX export (the CPU "
         "default); torch-cuda runs its weights on a CUDA GPU (the default for device 'cuda'), by default "
-        "in FP16 with one CUDA graph per batch size. `backend: NAME` is short for `{type: NAME}`.",
+        "in FP16 with one CUDA graph per batch size; tensorrt runs its FP16 or INT8 plan built on the box. "
+        "`backend: NAME` is short for `{type: NAME}`.",
     )
     engine: Path | None = Field(
         default=None,
@@ -369,10 +384,12 @@ class QAModelConfig(StrictModel):
         "built-in model: cite the given documents, decline to diagnose), 'none', or a path to a PEFT LoRA "
         "adapter directory (adapter_config.json, adapter_model.safetensors) trained for the source model.",
     )
-    quantization: Literal["awq-int4", "rtn-int4", "float"] = Field(
+    quantization: Literal["awq-int4", "rtn-int4", "awq-int4-sym", "rtn-int4-sym", "float"] = Field(
         default="awq-int4",
         title="Weight format",
-        description="How the served weights are stored: AWQ INT4, round-to-nearest INT4, or float.",
+        description="How the served weights are stored: AWQ INT4, round-to-nearest INT4, or float. The '-sym' "
+        "forms fix every zero point at 8 (signed 4-bit codes times a scale): the only INT4 form TensorRT "
+        "takes, so a text model built into a TensorRT plan needs one of them.",
     )
     layers: list[LayerRule] = Field(
         default_factory=list,

@@ -167,11 +167,16 @@ class InspectTask:
 
 
 def start_inspect(
-    cfg: InspectModelConfig, student: Path, manager: ModelManager, media: MediaLoader, ocr: OCRTask | None
+    cfg: InspectModelConfig,
+    student: Path,
+    manager: ModelManager,
+    media: MediaLoader,
+    ocr: OCRTask | None,
+    engine_dir: Path | None = None,
 ) -> InspectTask:
     """Load the student (measured into the ledger, warmed up at its largest batch) and
-    return the task."""
-    opts = BackendOptions(threads=cfg.threads, max_batch=cfg.max_batch, config=cfg.backend)
+    return the task. `engine_dir` holds its TensorRT plans, for that backend."""
+    opts = BackendOptions(threads=cfg.threads, max_batch=cfg.max_batch, config=cfg.backend, engine_dir=engine_dir)
     keep = float("inf") if cfg.keep_alive_s is None else cfg.keep_alive_s
     backend = cfg.backend.type
     load = lambda: InspectPipeline.load(student, backend, opts)  # noqa: E731

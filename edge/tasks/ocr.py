@@ -137,7 +137,7 @@ def start_ocr(
     settings = OCRSettings(
         det_limit_side_len=cfg.det_limit_side_len, use_angle_cls=cfg.use_angle_cls, text_score=cfg.text_score
     )
-    opts = BackendOptions(threads=cfg.threads, config=cfg.backend)
+    opts = BackendOptions(threads=cfg.threads, config=cfg.backend, engine_dir=profile_dir)
     keep = float("inf") if cfg.keep_alive_s is None else cfg.keep_alive_s
     backend = cfg.backend.type
     key = _working_key(cfg, settings)

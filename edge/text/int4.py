@@ -27,6 +27,7 @@ from edge.text import cpu_int4, triton_int4
 logger = logging.getLogger(__name__)
 
 SUPPORTED_GROUPS = (256, 128, 64, 32)
+SYMMETRIC_ZERO = 8
 PREFILL_SLAB_ROWS = 8192
 # Logits recomputed exactly per position on the CPU kernel (see Int4Linear.exact_top).
 EXACT_TOP = 16
@@ -70,15 +71,27 @@ def group_size_for(in_features: int, preferred: int) -> int:
 
 
 def quantize_codes(
-    weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None
+    weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None, symmetric: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest codes, scales and zeros for weight [N, K] (float32 math).
 
     `clip` [N, K/G], if given, shrinks each group's range to [min*clip, max*clip] before
     rounding (AWQ's clipping search trades a little range for finer steps).
+    `symmetric`: every zero point is 8 and a group's scale is its largest magnitude / 7,
+    so a weight is (code - 8) * scale, a signed 4-bit value times a scale: the only
+    INT4 form TensorRT's weight-only kernels take. It spends one code of sixteen (-8)
+    and half the range of a one-signed group, which is what it costs in accuracy.
     """
     n, k = weight.shape
     w = weight.float().reshape(n, k // group_size, group_size)
+    if symmetric:
+        amax = w.abs().amax(dim=-1)
+        if clip is not None:
+            amax = amax * clip
+        scales = (amax / 7.0).clamp(min=1e-8)
+        zeros = torch.full_like(scales, SYMMETRIC_ZERO)
+        codes = torch.clamp(torch.round(w / scales.unsqueeze(-1)) + SYMMETRIC_ZERO, 0, 15)
+        return codes.reshape(n, k).to(torch.uint8), scales, zeros.to(torch.uint8)
     w_max = w.amax(dim=-1)
     w_min = w.amin(dim=-1)
     if clip is not None:
@@ -99,13 +112,17 @@ def _codes_to_weights(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     return ((grouped - zeros.float().unsqueeze(-1)) * scales.float().unsqueeze(-1)).reshape(n, k)
 
 
-def fake_quantize(weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None) -> torch.Tensor:
+def fake_quantize(
+    weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None, symmetric: bool = False
+) -> torch.Tensor:
     """Quantize and dequantize again: the weight the INT4 model will actually use."""
-    return _codes_to_weights(*quantize_codes(weight, group_size, clip), group_size)
+    return _codes_to_weights(*quantize_codes(weight, group_size, clip, symmetric), group_size)
 
 
-def pack(weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None) -> QuantizedWeight:
-    codes, scales, zeros = quantize_codes(weight, group_size, clip)
+def pack(
+    weight: torch.Tensor, group_size: int, clip: torch.Tensor | None = None, symmetric: bool = False
+) -> QuantizedWeight:
+    codes, scales, zeros = quantize_codes(weight, group_size, clip, symmetric)
     # fp16 scales are what is stored; recompute nothing from the fp32 ones later.
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
     return QuantizedWeight(packed, scales.to(torch.float16), zeros, group_size)

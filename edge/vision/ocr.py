@@ -74,6 +74,11 @@ def bundled_model_dir() -> Path:
     return models
 
 
+def _plan(model: Path) -> dict[str, str]:
+    """What the TensorRT plan built from an OCR model serves (engines/trt_build.py)."""
+    return {"task": "ocr", "file": model.name}
+
+
 @dataclass(frozen=True)
 class OCRLine:
     text: str
@@ -186,9 +191,11 @@ class OCRPipeline:
         det_file, rec_file, *cls_file = cls.model_files(settings, model_dir)
         engine = get_backend(backend)
         opts = options or BackendOptions()
-        det = engine.load(ModelSource("OCR detection", onnx=det_file), opts)
-        rec = engine.load(ModelSource("OCR recognition", onnx=rec_file), opts)
-        angle = engine.load(ModelSource("OCR angle", onnx=cls_file[0]), opts) if cls_file else None
+        det = engine.load(ModelSource("OCR detection", onnx=det_file, plan=_plan(det_file)), opts)
+        rec = engine.load(ModelSource("OCR recognition", onnx=rec_file, plan=_plan(rec_file)), opts)
+        angle = (
+            engine.load(ModelSource("OCR angle", onnx=cls_file[0], plan=_plan(cls_file[0])), opts) if cls_file else None
+        )
         pipeline = cls(det, rec, angle, settings)
         pipeline.warm_up(measure_working)
         return pipeline

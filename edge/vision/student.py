@@ -84,4 +84,5 @@ class StudentArtifact:
             inputs=(INPUT,),
             outputs=OUTPUTS,
             image=ImageInput(self.image_size, IMAGE_MEAN, IMAGE_STD),
+            plan={"task": "inspect", "student": self.directory.name},
         )

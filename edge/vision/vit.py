@@ -54,13 +54,16 @@ class Attention(nn.Module):
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
         self.heads = heads
+        # SDPA's own default, fixed here: exported graphs then hold a constant rather
+        # than a square root of a shape, which a float16 conversion would leave in float32.
+        self.scale = (dim // heads) ** -0.5
         self.qkv = nn.Linear(dim, dim * 3)
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, d = x.shape
         qkv = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2])
+        out = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], scale=self.scale)
         projected: torch.Tensor = self.proj(out.transpose(1, 2).reshape(b, n, d))
         return projected
 
