@@ -21,6 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from edge.config.schema import Profile
 from edge.engines import EngineMissing, damaged, find, open_engine
@@ -116,7 +117,13 @@ def plan_selector(task: str, profile: Profile, built_from: Path | None) -> dict[
     raise ValueError(f"task {task!r} has no plan selector")
 
 
-def ensure_plans(profile: Profile, task: str, built_from: Path | None, builds: ChildBuilds | None) -> None:
+class Builds(Protocol):
+    """What runs a build to its end (ChildBuilds)."""
+
+    def run(self, cmd: BuildCommand) -> None: ...
+
+
+def ensure_plans(profile: Profile, task: str, built_from: Path | None, builds: Builds | None) -> None:
     """On a box with TensorRT, a first start builds the plans `task` serves from when
     its backend is tensorrt and none was built for this GPU and TensorRT version. Where
     TensorRT is absent nothing is built: loading says so."""

@@ -8,6 +8,7 @@ import gc
 
 import pytest
 
+from edge.memory import MemoryUse
 from edge.protocol.errors import ErrorCode, JobError
 from edge.scheduler.ledger import RETAINED, MemoryLedger
 from edge.scheduler.models import ModelManager
@@ -207,3 +208,30 @@ def test_a_load_into_reused_memory_is_counted_at_least_its_files() -> None:
     assert models["ocr"]["bytes"] == 40 * MIB  # measured 0
     assert models["student"]["bytes"] == 90 * MIB  # measured more than its files: the measure stands
     assert models["gpu"]["bytes"] == 0
+
+
+class EngineReported:
+    """A loaded model whose runtime says what it holds on the device (a TensorRT plan's
+    context memory), which the host probe cannot see."""
+
+    device_floor_bytes = 64 * MIB
+
+
+class DeviceProbe(FakeProbe):
+    """A unified-memory box: device bytes are counted with the host's."""
+
+    def counted(self, use: MemoryUse) -> int:
+        return use.host + use.device
+
+
+def test_a_runtimes_own_device_figure_is_counted_when_the_probe_sees_less() -> None:
+    ledger = MemoryLedger(1024 * MIB, 0, clock=lambda: 0.0)
+    probe = DeviceProbe()
+    mm = ModelManager(ledger, probe)
+    mm.register("plan", "vision", "tensorrt", EngineReported, 0, device="cuda")
+    mm.register("grown", "vision", "tensorrt", lambda: Weights(probe, 100 * MIB), 0, device="cuda")
+    mm.load("plan")
+    mm.load("grown")
+    models = mm.ledger.snapshot()["models"]
+    assert models["plan"]["bytes"] == 64 * MIB  # measured 0: the engine's figure stands
+    assert models["grown"]["bytes"] == 100 * MIB  # measured more than nothing reported

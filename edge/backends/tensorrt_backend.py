@@ -117,6 +117,7 @@ class PlanEngine:
             context.set_optimization_profile_async(profile, stream.cuda_stream)
             self.contexts.append(context)
         stream.synchronize()
+        self._placeholder = torch.zeros(64, dtype=torch.float32, device=device)
         # The engine's own figure for what its contexts hold (activations, scratch);
         # the weights are in what the manager measures around the load.
         self.device_bytes = int(self.engine.device_memory_size_v2) * len(self.contexts)
@@ -145,7 +146,10 @@ class PlanEngine:
             if tensor.dtype != spec.dtype or not tensor.is_contiguous():
                 raise ValueError(f"input {spec.name}: needs a contiguous {spec.dtype} tensor, got {tensor.dtype}")
             context.set_input_shape(spec.name, tuple(tensor.shape))
-            context.set_tensor_address(spec.name, tensor.data_ptr())
+            # An empty tensor (a prompt's past of length 0) has no storage; the address
+            # must still be a valid one.
+            address = tensor.data_ptr() if tensor.numel() else self._placeholder.data_ptr()
+            context.set_tensor_address(spec.name, address)
         outputs = {}
         for spec in self.outputs:
             shape = tuple(context.get_tensor_shape(spec.name))
@@ -276,10 +280,10 @@ class TensorRTTextModel:
         engine = self._engine
         if not self._past:
             self.reset(ids.shape[0])
-        feeds = {"input_ids": ids.to(engine.device, torch.int64).contiguous(), **self._past}
-        shapes = {k: tuple(v.shape) for k, v in feeds.items()}
-        profile = engine.profile_for(shapes)
+        # Everything on the plan's stream: the ids' copy must land before the enqueue reads it.
         with torch.cuda.stream(engine.stream):
+            feeds = {"input_ids": ids.to(engine.device, torch.int64).contiguous(), **self._past}
+            profile = engine.profile_for({k: tuple(v.shape) for k, v in feeds.items()})
             out = engine.bind(profile, feeds)
             engine.enqueue(profile)
         engine.stream.synchronize()

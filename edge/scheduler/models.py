@@ -124,9 +124,14 @@ class ModelManager:
         grown = use_of(self.probe).minus(before)
         used = self.counted(grown)
         floor = self.counted(MemoryUse(host=model.host_floor_bytes))
+        # A runtime that says what it holds on the device (a TensorRT engine's context
+        # memory) is counted at least at that, whatever the probe saw grow.
+        reported = int(getattr(obj, "device_floor_bytes", 0) or 0)
+        if reported:
+            floor = max(floor, self.counted(MemoryUse(device=reported)))
         if used < floor:
             logger.info(
-                "%s measured %.1f MiB, less than its files (%.1f MiB): it reused freed memory; counted at its files",
+                "%s measured %.1f MiB, less than its files or its runtime's own figure (%.1f MiB): counted at that",
                 model.name,
                 used / 2**20,
                 floor / 2**20,

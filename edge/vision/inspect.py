@@ -83,6 +83,11 @@ class InspectPipeline:
         if CLEAN not in classes:
             raise ValueError(f"the student's classes {classes} have no {CLEAN!r} class")
 
+    @property
+    def device_floor_bytes(self) -> int:
+        """What the session's runtime says it holds on the device (0 where it says nothing)."""
+        return int(getattr(self.session, "device_bytes", 0))
+
     @classmethod
     def load(cls, student_dir: Path, backend: str, options: BackendOptions) -> InspectPipeline:
         artifact = StudentArtifact.open(student_dir)

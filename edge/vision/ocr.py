@@ -171,6 +171,11 @@ class OCRPipeline:
         self._charset = ["<blank>", *chars.splitlines(), " "]
         self.working_bytes = 0  # measured at warm-up: the most one image's work takes
 
+    @property
+    def device_floor_bytes(self) -> int:
+        """What the models' runtimes say they hold on the device (0 where they say nothing)."""
+        return sum(int(getattr(s, "device_bytes", 0)) for s in (self._det, self._rec, self._cls) if s is not None)
+
     @staticmethod
     def model_files(settings: OCRSettings, model_dir: Path | None = None) -> list[Path]:
         """The model files a pipeline with these settings loads: detection, recognition
