@@ -35,6 +35,8 @@ from edge.text.llama import KVCache, LlamaConfig  # noqa: E402
 from engines.random_llama import LLAMA3_8B, int4_weight_bytes, random_int4_llama  # noqa: E402
 
 GIB = 1 << 30
+# llama-bench's second depth; ours decodes after a prompt of this many tokens too.
+LONG_CONTEXT = 4096
 
 
 # ----------------------------------------------------------------------------- CUDA
@@ -133,19 +135,63 @@ def hf_baseline(config: LlamaConfig, prompt_len: int, new_tokens: int) -> dict[s
     }
 
 
+def _decode_rate(decoder: Any, token: torch.Tensor, start: int, new_tokens: int) -> float:
+    """Tokens per second decoding `new_tokens` from position `start`, each token back on
+    the host before the next step (as serving needs it: EOS, stop strings, streaming)."""
+    # Capture the buckets the timed run will use before timing it.
+    for pos in range(start, start + new_tokens, decoder.bucket):
+        decoder.step(token, pos)
+    torch.cuda.synchronize()
+
+    def decode() -> None:
+        tok = token
+        for pos in range(start, start + new_tokens):
+            logits = decoder.step(tok, pos)
+            tok = logits[0].argmax().view(1)
+            int(tok)
+
+    return new_tokens / cuda_time(decode, repeat=3, warmup=1)
+
+
+def _attempt(measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A secondary measurement; its failure is reported in its place, not raised."""
+    try:
+        return measure()
+    except Exception as err:
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
 def ours_cuda(
-    config: LlamaConfig, kernel: str, prompt_len: int, new_tokens: int, cache_len: int, bandwidth: float
+    config: LlamaConfig,
+    kernel: str,
+    prompt_len: int,
+    new_tokens: int,
+    long_context: int,
+    bandwidth: float,
+    embedding: str = "int8",
+    batch_sizes: tuple[int, ...] = (),
+    profile: bool = False,
 ) -> dict[str, Any]:
+    """One model: TTFT of a `prompt_len` prompt, decode after it and after `long_context`
+    tokens, peak memory with a cache of `long_context + prompt_len` tokens (llama-bench's
+    largest context for the same test), then the in-graph kernel profile and continuous
+    batching at `batch_sizes`."""
     from edge.text.cuda_graphs import GraphDecoder
+    from edge.text.embedding import compact_embedding
 
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
     variant = kernel
     per_op = kernel.endswith("+ops")
     kernel = kernel.removesuffix("+ops")
     model = random_int4_llama(config, "cuda", kernel)
+    compact_embedding(model, embedding)  # type: ignore[arg-type]
+    _release()
+    # From here: what serving holds (the float table made by the random model's builder
+    # and replaced by its compact form is not).
+    torch.cuda.reset_peak_memory_stats()
     if per_op:
         model.fused_decode = False  # the torch per-op step around the same INT4 GEMVs
+    cache_len = long_context + prompt_len
     cache = KVCache(config, 1, cache_len, torch.bfloat16, torch.device("cuda"))
     ids = torch.randint(0, config.vocab_size, (1, prompt_len), device="cuda")
 
@@ -156,38 +202,209 @@ def ours_cuda(
     ttft = cuda_time(prefill, repeat=10, warmup=3)
     decoder = GraphDecoder(model, cache)
     token = prefill().view(1)
-    # Capture the buckets the timed run will use before timing it.
-    for pos in range(prompt_len, prompt_len + new_tokens, decoder.bucket):
-        decoder.step(token, pos)
-    torch.cuda.synchronize()
-
-    def decode() -> None:
-        tok = token
-        for pos in range(prompt_len, prompt_len + new_tokens):
-            logits = decoder.step(tok, pos)
-            tok = logits[0].argmax().view(1)
-            int(tok)  # the host needs each token (EOS, stop strings, streaming)
-
-    seconds = cuda_time(decode, repeat=3, warmup=1)
-    tok_s = new_tokens / seconds
-    weights = int4_weight_bytes(model) + 2 * config.hidden_size * (2 * config.num_layers + 1)
-    kv_read = config.kv_bytes_per_token(torch.bfloat16) * (prompt_len + new_tokens // 2)
-    bytes_per_token = weights + kv_read + config.hidden_size * 2
-    roofline = bandwidth / bytes_per_token
+    tok_s = _decode_rate(decoder, token, prompt_len, new_tokens)
+    # The long context: its prompt prefilled in pieces of prompt_len, then decode.
+    long_ids = torch.randint(0, config.vocab_size, (1, long_context), device="cuda")
+    for start in range(0, long_context, prompt_len):
+        model(long_ids[:, start : start + prompt_len], cache, start)
+    tok_s_4k = _decode_rate(decoder, token, long_context, new_tokens)
     peak = torch.cuda.max_memory_allocated()
     reserved = torch.cuda.max_memory_reserved()
-    return {
-        "name": f"edge INT4 g128, {DECODE_NAMES[variant]}, CUDA graphs",
+    # What the profiles capture is not serving's memory: measured after the peak.
+    steps_profile = _attempt(lambda: graph_profile(model, decoder, token, prompt_len, bandwidth)) if profile else None
+    gemv_in_graphs = _attempt(lambda: gemv_graphs(model, bandwidth)) if profile and model.fused_decode else None
+    weights = int4_weight_bytes(model) + 2 * config.hidden_size * (2 * config.num_layers + 1)
+    kv_token = config.kv_bytes_per_token(torch.bfloat16)
+
+    def per_token(context: int) -> int:
+        return weights + kv_token * (context + new_tokens // 2) + config.hidden_size * 2
+
+    row: dict[str, Any] = {
+        "name": f"edge INT4 g128, {DECODE_NAMES[variant]}, CUDA graphs, {embedding} token table",
         "kernel": variant,
+        "embedding": embedding,
         "fused_decode": bool(model.fused_decode),
         "decode_tok_s": tok_s,
-        "bytes_per_token": bytes_per_token,
-        "roofline_tok_s": roofline,
-        "roofline_fraction": tok_s / roofline,
+        "decode_tok_s_4k": tok_s_4k,
+        "bytes_per_token": per_token(prompt_len),
+        "bytes_per_token_4k": per_token(long_context),
+        "roofline_tok_s": bandwidth / per_token(prompt_len),
+        "roofline_fraction": tok_s / (bandwidth / per_token(prompt_len)),
+        "roofline_fraction_4k": tok_s_4k / (bandwidth / per_token(long_context)),
         "ttft_ms": ttft * 1000,
         "peak_gib": peak / GIB,
         "peak_reserved_gib": reserved / GIB,
         "kv_cache_tokens": cache_len,
+    }
+    if steps_profile is not None:
+        row["graph_profile"] = steps_profile
+    if gemv_in_graphs is not None:
+        row["gemv_graphs"] = gemv_in_graphs
+    decoder.graphs.clear()  # its captured graphs hold memory the batcher needs
+    _release()
+    if batch_sizes:
+        try:
+            row["batched"] = batched(model, prompt_len, new_tokens, batch_sizes)
+        except Exception as err:  # the batch-1 row stands
+            row["batched_error"] = f"{type(err).__name__}: {err}"
+    return row
+
+
+def batched(model: Any, prompt_len: int, new_tokens: int, sizes: tuple[int, ...]) -> list[dict[str, Any]]:
+    """Aggregate tok/s of n sequences decoded together by the serving batcher
+    (edge/text/continuous.py: continuous batching, steps replayed as CUDA graphs, tokens
+    chosen on the GPU), each sequence prefilled alone when it joins."""
+    from edge.text.continuous import ContinuousBatcher, Sequence
+    from edge.text.generate import SamplingParams
+
+    batcher = ContinuousBatcher(model, None, frozenset(), slots=max(sizes), slot_len=prompt_len + new_tokens + 1)
+    batcher.warm_up(prefill_lengths=(prompt_len,))
+    batcher.capture_graphs()
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for n in sizes:
+        prompts = [torch.randint(0, model.config.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(n)]
+        seqs = [Sequence(i, p, SamplingParams(max_new_tokens=new_tokens)) for i, p in enumerate(prompts)]
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        batcher.run_all(seqs)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - started
+        tokens = sum(len(s.tokens) for s in seqs)
+        prefill_s = sum(s.prefill_ms for s in seqs) / 1000
+        out.append(
+            {
+                "sequences": n,
+                "tokens": tokens,
+                "aggregate_tok_s": tokens / wall,
+                "decode_aggregate_tok_s": tokens / max(wall - prefill_s, 1e-9),
+                "seconds": wall,
+            }
+        )
+    del batcher
+    _release()
+    return out
+
+
+GEMV_ORDER = ("qkv", "o", "gate_up", "down")
+
+
+def gemv_graphs(model: Any, bandwidth: float, repeat: int = 20) -> dict[str, Any]:
+    """Each kind of INT4 product of the step (every layer's qkv, then every layer's o, ...)
+    captured in a CUDA graph of its own and replayed: its time inside a graph, as the
+    step runs it, without a profiler (the figure stands where CUPTI cannot trace)."""
+    from edge.text.triton_decode import _gemv
+
+    layers = list(model.layers)
+    kinds = {
+        "qkv": [layer.self_attn.qkv_proj for layer in layers],
+        "o": [layer.self_attn.o_proj for layer in layers],
+        "gate_up": [layer.mlp.gate_up_proj for layer in layers],
+        "down": [layer.mlp.down_proj for layer in layers],
+        "lm_head": [model.lm_head],
+    }
+    out: dict[str, Any] = {}
+    for kind, linears in kinds.items():
+        x = torch.randn(1, linears[0].in_features, device="cuda").to(model.dtype)
+
+        def run(linears: list[Any] = linears, x: torch.Tensor = x) -> None:
+            for linear in linears:
+                _gemv(linear, x)
+
+        run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        seconds = cuda_time(graph.replay, repeat=repeat)
+        nbytes = sum(linear.weight_bytes for linear in linears)
+        out[kind] = {
+            "us": seconds / len(linears) * 1e6,
+            "per_step": len(linears),
+            "gb_s": nbytes / seconds / 1e9,
+            "bandwidth_fraction": nbytes / seconds / bandwidth,
+        }
+        del graph
+    out["per_step_ms"] = sum(v["us"] * v["per_step"] for v in out.values()) / 1000
+    return out
+
+
+def graph_profile(
+    model: Any, decoder: Any, token: torch.Tensor, start: int, bandwidth: float, steps: int = 8
+) -> dict[str, Any]:
+    """Where a replayed decode step's time goes, from the GPU's own kernel records (CUPTI,
+    through torch.profiler) of `steps` graph replays: the step's span, the time kernels
+    run, the gaps between them, time per kernel, and each INT4 GEMV's time and achieved
+    bandwidth by matrix (the GEMVs come in layer order: qkv, o, gate_up, down, ..., lm_head)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from edge.text.int4 import Int4Linear
+
+    for i in range(2):
+        decoder.step(token, start + i)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            decoder.step(token, start + i)
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.loads(Path(f.name).read_text())
+    events = sorted(
+        (e for e in trace.get("traceEvents", []) if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+        key=lambda e: float(e["ts"]),
+    )
+    per_step = len(events) // steps
+    if not events or per_step * steps != len(events):
+        return {"error": f"{len(events)} GPU events for {steps} steps"}
+    first = model.layers[0]
+    nbytes = {
+        "qkv": first.self_attn.qkv_proj.weight_bytes,
+        "o": first.self_attn.o_proj.weight_bytes,
+        "gate_up": first.mlp.gate_up_proj.weight_bytes,
+        "down": first.mlp.down_proj.weight_bytes,
+        "lm_head": model.lm_head.weight_bytes,
+    }
+    count = sum(isinstance(m, Int4Linear) for m in model.modules())
+    spans: list[float] = []
+    busy: list[float] = []
+    by_name: dict[str, list[float]] = {}
+    gemv_us: dict[str, list[tuple[float, int]]] = {}
+    for s in range(steps):
+        step = events[s * per_step : (s + 1) * per_step]
+        spans.append(float(step[-1]["ts"]) + float(step[-1]["dur"]) - float(step[0]["ts"]))
+        busy.append(sum(float(e["dur"]) for e in step))
+        gemvs = [e for e in step if "int4_gemv" in e["name"]]
+        for e in step:
+            by_name.setdefault(e["name"], []).append(float(e["dur"]))
+        if len(gemvs) == count == 4 * model.config.num_layers + 1:
+            labels = [*GEMV_ORDER * model.config.num_layers, "lm_head"]
+            for label, e in zip(labels, gemvs, strict=True):
+                gemv_us.setdefault(label, []).append((float(e["dur"]), nbytes[label]))
+    kernels = {
+        name: {"us_per_step": sum(d) / steps, "count_per_step": len(d) / steps}
+        for name, d in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
+    }
+    shapes: dict[str, dict[str, float]] = {}
+    for label, vals in gemv_us.items():
+        us = statistics.median(v[0] for v in vals)
+        size = vals[0][1]
+        shapes[label] = {"us": us, "bytes": size, "gb_s": size / (us * 1e-6) / 1e9, "per_step": len(vals) // steps}
+    gemv_ms = sum(v["us"] * v["per_step"] for v in shapes.values()) / 1000
+    gemv_bytes = sum(v["bytes"] * v["per_step"] for v in shapes.values())
+    return {
+        "steps": steps,
+        "kernels_per_step": per_step,
+        "step_span_ms": statistics.median(spans) / 1000,
+        "kernel_busy_ms": statistics.median(busy) / 1000,
+        "gaps_ms": (statistics.median(spans) - statistics.median(busy)) / 1000,
+        "gemv_ms": gemv_ms,
+        "gemv_bandwidth_fraction": gemv_bytes / bandwidth / (gemv_ms / 1000) if gemv_ms else None,
+        "gemv_by_matrix": shapes,
+        "kernels": kernels,
     }
 
 
@@ -198,14 +415,32 @@ DECODE_NAMES = {
 }
 
 
-def check_cuda(kernels: list[str]) -> dict[str, float]:
+def check_cuda(kernels: list[str], embedding: str = "float") -> dict[str, float]:
     """Relative error of each kernel's logits (prefill and graph decode) against the
-    dequantize-then-matmul reference, on a small random model with the same weights."""
+    dequantize-then-matmul reference, on a small random model with the same weights (and
+    the same compact token table, looked up inside the graphs)."""
+    from edge.text.embedding import QuantizedEmbedding, compact_embedding
+
     config = LlamaConfig(
         vocab_size=1024, hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=2, intermediate_size=1536
     )
-    ids = torch.randint(0, config.vocab_size, (1, 40), device="cuda")
+    # A fixed prompt: the figure is the same from run to run for the same kernels.
+    fixed = torch.Generator("cuda").manual_seed(7)
+    ids = torch.randint(0, config.vocab_size, (1, 40), device="cuda", generator=fixed)
     ref_model = random_int4_llama(config, "cuda", "dequant", dtype=torch.float32, seed=3)
+    # The reference reads the served models' own token table (their bfloat16 one, or its
+    # compact form), in float32: only the kernels differ, not the weights. A table
+    # compacted from the float32 draws instead would round to other codes, and that
+    # difference alone moves the logits by up to 3% on some prompts.
+    served = random_int4_llama(config, "cuda", "dequant", seed=3)
+    if compact_embedding(served, embedding):  # type: ignore[arg-type]
+        assert isinstance(served.embed_tokens, QuantizedEmbedding)
+        ref_model.embed_tokens = served.embed_tokens.with_dtype(torch.float32)
+    else:
+        assert isinstance(served.embed_tokens, torch.nn.Embedding)
+        table = served.embed_tokens.weight.detach().float()
+        ref_model.embed_tokens.weight = torch.nn.Parameter(table, requires_grad=False)
+    del served
     ref_cache = KVCache(config, 1, 64, torch.float32, torch.device("cuda"))
     ref = ref_model(ids, ref_cache, 0, last_only=False)[0]
     errors: dict[str, float] = {}
@@ -213,6 +448,7 @@ def check_cuda(kernels: list[str]) -> dict[str, float]:
         from edge.text.cuda_graphs import GraphDecoder
 
         model = random_int4_llama(config, "cuda", kernel.removesuffix("+ops"), seed=3)
+        compact_embedding(model, embedding)  # type: ignore[arg-type]
         model.fused_decode = False if kernel.endswith("+ops") else None
         cache = KVCache(config, 1, 64, torch.bfloat16, torch.device("cuda"))
         got = model(ids[:, :32], cache, 0, last_only=False)[0]
@@ -279,37 +515,80 @@ def bench_kernels() -> dict[str, Any]:
 def run_cuda(args: argparse.Namespace) -> dict[str, Any]:
     config = LLAMA3_8B
     props = torch.cuda.get_device_properties(0)
-    checks = check_cuda(args.kernels)
+    checks = check_cuda(args.kernels, args.embedding[0])
     print("kernel checks (relative error vs float reference):", json.dumps(checks))
     if any(not (e < 2e-2) for e in checks.values()):
         raise SystemExit("a kernel disagrees with the reference; not timing it")
     spin_up()
     bandwidth = copy_bandwidth()
-    kernels = bench_kernels()
+    kernels = {} if args.skip_kernels else bench_kernels()
     _release()
-    print("per-token time in INT4 linears (ms):", json.dumps(kernels["per_token_linear_ms"]))
-    for name in KERNEL_SHAPES:
+    for name in KERNEL_SHAPES if kernels else ():
         e = kernels[name]
         print(
             f"  {name:<8} N={e['n']:<6} K={e['k']:<6} "
             + " ".join(f"{lab}={e[lab]['us']:.1f}us/{e[lab]['gb_s']:.0f}GB/s" for lab in e if isinstance(e[lab], dict))
         )
     rows: list[dict[str, Any]] = []
+    partial = args.out_path.with_suffix(".partial.json")
+
+    def keep(row: dict[str, Any]) -> None:
+        # Each row on disk as soon as it is measured: a run cut short keeps what it had.
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if not isinstance(v, dict | list)}))
+        partial.write_text(json.dumps({"rows": rows, "copy_bandwidth_gb_s": bandwidth}, indent=1) + "\n")
+
     if not args.skip_baseline:
-        rows.append(hf_baseline(config, args.prompt, args.new_tokens))
+        keep(hf_baseline(config, args.prompt, args.new_tokens))
         _release()
     cap = args.cap_gib * GIB / props.total_memory
     torch.cuda.set_per_process_memory_fraction(cap)
-    for kernel in args.kernels:
+    variants = [(k, args.embedding[0]) for k in args.kernels]
+    variants += [("triton", e) for e in args.embedding[1:] if "triton" in args.kernels]
+    first = True
+    for kernel, table in variants:
         spin_up(1.0)
+        detail = kernel == "triton" and first
         try:
-            rows.append(ours_cuda(config, kernel, args.prompt, args.new_tokens, args.cache, bandwidth))
+            row = ours_cuda(
+                config,
+                kernel,
+                args.prompt,
+                args.new_tokens,
+                LONG_CONTEXT,
+                bandwidth,
+                table,
+                batch_sizes=tuple(args.batch) if detail else (),
+                profile=detail,
+            )
+            first = first and not detail
+            keep(row)
         except Exception as err:  # report a failing variant, keep measuring the others
-            rows.append({"name": f"edge INT4 ({kernel})", "error": f"{type(err).__name__}: {err}"})
+            keep({"name": f"edge INT4 ({kernel}, {table} table)", "error": f"{type(err).__name__}: {err}"})
         _release()
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    peer = None
+    if args.llamacpp_src is not None:
+        try:
+            peer = llamacpp_peer(args, config, props)
+            keep(peer_row(peer, config, args.prompt, args.new_tokens, bandwidth))
+        except Exception as err:  # our rows stand; the failure is said in the table
+            keep({"name": "llama.cpp", "error": f"{type(err).__name__}: {err}"})
+        ours = [r for r in rows if r["name"].startswith("edge") and "decode_tok_s" in r]
+        if ours and peer is not None:
+            best = max(ours, key=lambda r: r["decode_tok_s"])
+            theirs = rows[-1]
+            peer["vs"] = {
+                "row": best["name"],
+                "decode_512": best["decode_tok_s"] / theirs["decode_tok_s"],
+                "decode_4096": best["decode_tok_s_4k"] / theirs["decode_tok_s_4k"],
+                "ttft_512": theirs["ttft_ms"] / best["ttft_ms"],
+                "peak_memory": best["peak_gib"] / theirs["peak_gib"],
+            }
     return {
         "device": props.name,
         "torch": torch.__version__,
+        "llamacpp": peer,
         "kernel_checks": checks,
         "kernels": kernels,
         "shape": "Llama-3-8B (hidden 4096, 32 layers, 32 heads, 8 KV heads, FFN 14336, vocab 128256), random weights",
@@ -317,20 +596,84 @@ def run_cuda(args: argparse.Namespace) -> dict[str, Any]:
         "memory_cap_gib": args.cap_gib,
         "prompt_tokens": args.prompt,
         "new_tokens": args.new_tokens,
+        "long_context_tokens": LONG_CONTEXT,
         "rows": rows,
+    }
+
+
+def llamacpp_peer(args: argparse.Namespace, config: LlamaConfig, props: Any) -> dict[str, Any]:
+    """llama.cpp's llama-bench on the same GPU in the same run (scripts/llamacpp_peer.py):
+    built from the pinned source here, on a random Q4_0 GGUF of the same shape."""
+    import llamacpp_peer as peer
+
+    work = args.llamacpp_work
+    work.mkdir(parents=True, exist_ok=True)
+    binary, build_s = peer.build(args.llamacpp_src, work, f"{props.major}{props.minor}", args.llamacpp_jobs)
+    model = work / "llama3-8b-q4_0-random.gguf"
+    if not model.exists():
+        peer.write_gguf(model, config)
+    out = peer.run_bench(binary, model, args.prompt, args.new_tokens, (0, LONG_CONTEXT))
+    out.update({"source": peer.LLAMACPP_VERSION, "build_seconds": build_s, "format": "Q4_0, random weights"})
+    print("llama.cpp:", json.dumps({k: out[k] for k in ("prefill_tok_s", "decode_tok_s")}))
+    return out
+
+
+def peer_row(
+    peer: dict[str, Any], config: LlamaConfig, prompt: int, new_tokens: int, bandwidth: float
+) -> dict[str, Any]:
+    """llama.cpp's figures as a row of the table: decode at depth 0 and at LONG_CONTEXT,
+    the prompt's prefill as its time to first token, its buffers (GPU and host, where its
+    Q4_0 token table stays) as its peak, and its roofline over what it streams per token
+    (every Q4_0 matrix but the host-side table, and its float16 KV cache)."""
+    import llamacpp_peer
+
+    decode, prefill = peer["decode_tok_s"], peer["prefill_tok_s"]
+    weights = llamacpp_peer.q4_0_bytes(config, embedding=False)
+    kv_token = config.kv_bytes_per_token(torch.float16)
+    per_token = weights + kv_token * (new_tokens // 2)
+    per_token_4k = weights + kv_token * (LONG_CONTEXT + new_tokens // 2)
+    mib = peer["buffers_mib"] or {"total": float("nan"), "gpu": float("nan"), "host": float("nan")}
+    return {
+        "name": f"llama.cpp ({peer['source']}, {peer['format']}, flash attention)",
+        "decode_tok_s": decode["0"],
+        "decode_tok_s_4k": decode[str(LONG_CONTEXT)],
+        "ttft_ms": prompt / prefill["0"] * 1000,
+        "peak_gib": mib["total"] / 1024,
+        "peak_gpu_gib": mib["gpu"] / 1024,
+        "peak_host_gib": mib["host"] / 1024,
+        "bytes_per_token": per_token,
+        "roofline_fraction": decode["0"] / (bandwidth / per_token),
+        "roofline_fraction_4k": decode[str(LONG_CONTEXT)] / (bandwidth / per_token_4k),
+        "command": peer["command"],
     }
 
 
 def print_cuda(result: dict[str, Any]) -> None:
     bandwidth = result["copy_bandwidth_gb_s"]
     print(f"{result['device']}, copy bandwidth {bandwidth:.0f} GB/s, cap {result['memory_cap_gib']} GiB")
-    print(f"{'variant':<46} {'tok/s':>7} {'roofline':>8} {'TTFT ms':>8} {'peak GiB':>8}")
+    print(f"{'variant':<72} {'tok/s':>7} {'4K tok/s':>8} {'roofline':>8} {'TTFT ms':>8} {'peak GiB':>8}")
     for r in result["rows"]:
         if "error" in r:
-            print(f"{r['name']:<46} ERROR {r['error']}")
+            print(f"{r['name']:<72} ERROR {r['error']}")
             continue
         frac = f"{r['roofline_fraction'] * 100:.0f}%" if "roofline_fraction" in r else "-"
-        print(f"{r['name']:<46} {r['decode_tok_s']:>7.1f} {frac:>8} {r['ttft_ms']:>8.1f} {r['peak_gib']:>8.2f}")
+        long = f"{r['decode_tok_s_4k']:.1f}" if "decode_tok_s_4k" in r else "-"
+        print(
+            f"{r['name']:<72} {r['decode_tok_s']:>7.1f} {long:>8} {frac:>8} {r['ttft_ms']:>8.1f} {r['peak_gib']:>8.2f}"
+        )
+        for b in r.get("batched", []):
+            print(f"    {b['sequences']} sequences: {b['aggregate_tok_s']:.0f} tok/s together")
+        prof = r.get("graph_profile")
+        if prof and "step_span_ms" in prof:
+            print(
+                f"    in the graph: step {prof['step_span_ms']:.2f} ms, kernels busy {prof['kernel_busy_ms']:.2f} ms, "
+                f"INT4 GEMVs {prof['gemv_ms']:.2f} ms"
+            )
+            for name, g in prof["gemv_by_matrix"].items():
+                print(f"      {name:<8} {g['us']:.1f} us, {g['gb_s']:.0f} GB/s")
+    peer = result.get("llamacpp")
+    if peer and peer.get("vs"):
+        print("edge / llama.cpp:", json.dumps(peer["vs"]))
 
 
 # ----------------------------------------------------------------------------- CPU
@@ -499,15 +842,32 @@ def main() -> None:
         help="cuda: decode variants to measure",
     )
     parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--skip-kernels", action="store_true", help="cuda: no per-shape kernel timings outside graphs")
+    parser.add_argument(
+        "--llamacpp-src",
+        type=Path,
+        help="cuda: the trimmed llama.cpp source tarball (scripts/llamacpp_peer.py trim): build and run llama-bench",
+    )
+    parser.add_argument("--llamacpp-work", type=Path, default=Path("/tmp/edge-llamacpp"), help="its build directory")
+    parser.add_argument("--llamacpp-jobs", type=int, default=16)
+    parser.add_argument(
+        "--embedding",
+        nargs="+",
+        default=["int8"],
+        choices=["int8", "int4", "float"],
+        help="cuda: the token table of each row (the first for every kernel, the others for the fused step)",
+    )
+    parser.add_argument("--batch", nargs="*", type=int, default=[2, 4, 8], help="cuda: sequences decoded together")
     parser.add_argument("--threads", type=int, default=2, help="cpu: threads for every variant")
     parser.add_argument("--engine-dir", type=Path, default=REPO / ".edge" / "engines")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    args.out_path = args.out or REPO / "bench" / "results" / f"text_{args.device}.json"
     if args.device == "cuda":
         result = run_cuda(args)
     else:
         result = run_cpu(args)
-    out = args.out or REPO / "bench" / "results" / f"text_{args.device}.json"
+    out = args.out_path
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     (print_cuda if args.device == "cuda" else print_cpu)(result)

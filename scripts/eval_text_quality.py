@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from edge.text.checkpoint import TextCheckpoint, load_checkpoint  # noqa: E402
+from edge.text.embedding import QuantizedEmbedding, compact_embedding  # noqa: E402
 from edge.text.generate import SamplingParams, generate  # noqa: E402
 from engines.corpus import corpus_fingerprint, evaluation_text  # noqa: E402
 from engines.import_gguf import import_smollm2  # noqa: E402
@@ -117,6 +118,52 @@ def adapter_behaviour(engine_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def token_tables(
+    base: Path, reference: TextCheckpoint, ids: list[int], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """The float model with its token table compact (models.qa.embedding): perplexity and
+    greedy agreement against the same model with the float table, so only the table's
+    rounding differs."""
+    stride = len(ids) // args.prompts
+    prompts = [ids[i * stride : i * stride + 48] for i in range(args.prompts)]
+    ref_conts = continuations(reference, prompts, args.new_tokens)
+    ref_ppl = perplexity(reference, ids)
+    rows = []
+    for fmt in ("int8", "int4"):
+        ckpt = load_checkpoint(base)
+        model = ckpt.model
+        # The float model's output projection is the table itself (tied), and a tied
+        # float table is never compacted: the head gets its own copy, so that only the
+        # table's rounding differs from the reference.
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)
+        compact_embedding(model, fmt)
+        table = model.embed_tokens
+        assert isinstance(table, QuantizedEmbedding)
+        t0 = time.perf_counter()
+        ppl = perplexity(ckpt, ids)
+        conts = continuations(ckpt, prompts, args.new_tokens)
+        rows.append(
+            {
+                "variant": f"fp32 reference, {fmt} token table",
+                "table_bytes": table.nbytes,
+                "float_table_bytes": table.num_embeddings * table.embedding_dim * 2,  # 16-bit, as on a GPU
+                "perplexity": round(ppl, 4),
+                "reference_perplexity": round(ref_ppl, 4),
+                **{k: round(v, 4) for k, v in agreement(ref_conts, conts).items()},
+                "eval_seconds": round(time.perf_counter() - t0, 1),
+            }
+        )
+    return rows
+
+
+def print_tables(rows: list[dict[str, Any]]) -> None:
+    for r in rows:
+        print(
+            f"{r['variant']:<40} perplexity {r['perplexity']:.3f} (float table {r['reference_perplexity']:.3f}), "
+            f"token agreement {r['token_agreement']:.3f}, {r['table_bytes'] / 2**20:.1f} MiB"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=16384, help="evaluation tokens for perplexity")
@@ -125,10 +172,24 @@ def main() -> None:
     parser.add_argument("--engine-dir", type=Path, default=REPO / ".edge" / "engines")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "text_quality.json")
+    parser.add_argument(
+        "--tables-only",
+        action="store_true",
+        help="only the compact token table rows, merged into the existing results",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     base = import_smollm2(args.engine_dir)
+    if args.tables_only:
+        reference = load_checkpoint(base)
+        ids = reference.tokenizer.encode(evaluation_text(), add_special_tokens=False).ids[: args.max_tokens]
+        result = json.loads(args.out.read_text())
+        result["token_tables"] = token_tables(base, reference, ids, args)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print_tables(result["token_tables"])
+        print(f"wrote {args.out.relative_to(REPO)}")
+        return
     variants = {
         "fp32 reference": base,
         "RTN INT4 g128": quantize_checkpoint(base, QuantRecipe(method="rtn")),
@@ -171,6 +232,7 @@ def main() -> None:
             }
         )
     adapter_rows = adapter_behaviour(args.engine_dir)
+    tables = token_tables(base, reference, ids, args)
     result = {
         "what": "SmolLM2-135M-Instruct (real weights): INT4 quality vs float reference",
         "adapter": adapter_rows,
@@ -182,6 +244,7 @@ def main() -> None:
         "machine": platform.machine(),
         "torch": torch.__version__,
         "rows": rows,
+        "token_tables": tables,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
@@ -195,6 +258,7 @@ def main() -> None:
     print(f"{'adapter behaviour on held-out prompts':<40} {'cites':>6} {'plain':>6} {'declines':>8} {'all':>6}")
     for r in adapter_rows:
         print(f"{r['variant']:<40} {r['cite']:>6.2f} {r['plain']:>6.2f} {r['refuse']:>8.2f} {r['all']:>6.2f}")
+    print_tables(tables)
     print(f"wrote {args.out.relative_to(REPO)}")
 
 

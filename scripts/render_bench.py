@@ -49,6 +49,20 @@ def text_quality(d: dict[str, Any]) -> str:
             lines.append(
                 f"| {r['variant']} | {r['cite']:.2f} | {r['plain']:.2f} | {r['refuse']:.2f} | {r['all']:.2f} |"
             )
+    if d.get("token_tables"):
+        lines += [
+            "",
+            "Compact token tables (`models.qa.embedding`) on the float model, against its float table:",
+            "",
+            "| token table | MiB (16-bit table) | perplexity (float table) | token agreement | exact match |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for r in d["token_tables"]:
+            lines.append(
+                f"| {r['variant']} | {r['table_bytes'] / 2**20:.1f} ({r['float_table_bytes'] / 2**20:.1f}) | "
+                f"{r['perplexity']:.3f} ({r['reference_perplexity']:.3f}) | {r['token_agreement']:.3f} | "
+                f"{r['exact_match']:.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -77,45 +91,103 @@ def text_cpu(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _num(r: dict[str, Any], key: str, fmt: str = ".1f", scale: float = 1.0) -> str:
+    v = r.get(key)
+    return "-" if v is None or v != v else f"{v * scale:{fmt}}"  # v != v: NaN, not measured
+
+
 def text_cuda(d: dict[str, Any]) -> str:
+    long = d.get("long_context_tokens", 4096)
     lines = [
         f"{d['device']}, {d['shape']}, batch 1, {d['prompt_tokens']}-token prompt, {d['new_tokens']} new tokens; "
         f"measured copy bandwidth {d['copy_bandwidth_gb_s']:.0f} GB/s; our rows capped at {d['memory_cap_gib']:g} GiB "
-        f"with a {d['rows'][-1].get('kv_cache_tokens', 4096)}-token KV cache (`bench/results/text_cuda.json`).",
+        f"(`bench/results/text_cuda.json`). Peak memory is what each holds for the model and its cache, GPU "
+        "and host together (a Jetson's are the same DRAM): torch's allocator peak for ours, llama.cpp's own "
+        "buffers (from its log) for it.",
         "",
-        "| variant | decode tok/s | of roofline | TTFT ms (512 tokens) | peak GiB |",
-        "|---|---:|---:|---:|---:|",
+        f"| variant | decode tok/s | at {long} tokens | of roofline | TTFT ms ({d['prompt_tokens']} tokens) "
+        "| peak GiB |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for r in d["rows"]:
         if "error" in r:
-            lines.append(f"| {r['name']} | error | | | |")
+            lines.append(f"| {r['name']} | error: {r['error'][:80]} | | | | |")
             continue
-        frac = f"{r['roofline_fraction'] * 100:.0f}%" if "roofline_fraction" in r else "-"
-        lines.append(f"| {r['name']} | {r['decode_tok_s']:.1f} | {frac} | {r['ttft_ms']:.1f} | {r['peak_gib']:.2f} |")
+        lines.append(
+            f"| {r['name']} | {_num(r, 'decode_tok_s')} | {_num(r, 'decode_tok_s_4k')} | "
+            f"{_num(r, 'roofline_fraction', '.0%')} | {_num(r, 'ttft_ms')} | {_num(r, 'peak_gib', '.2f')} |"
+        )
+    peer = d.get("llamacpp")
+    vs = (peer or {}).get("vs") or {}
+    if vs:
+        assert peer is not None
+        lines += [
+            "",
+            f"llama.cpp ran in the same run on the same GPU: `{peer['command']}` (built from the source in "
+            f"{peer['source']}, on a random Q4_0 GGUF of the same shape; its decode rows start from an empty "
+            f"cache, ours after the {d['prompt_tokens']}-token prompt). {vs['row']} against it: decode "
+            f"**{vs['decode_512']:.2f}x** at the short context and **{vs['decode_4096']:.2f}x** at {long} tokens, "
+            f"time to first token {vs['ttft_512']:.2f}x as fast, peak memory {vs['peak_memory']:.2f}x its own.",
+        ]
+    for r in d["rows"]:
+        batched = r.get("batched")
+        if batched:
+            lines += [
+                "",
+                f"{r['name']}, continuous batching (the serving batcher, graphs replayed per step): "
+                + ", ".join(
+                    f"{b['sequences']} sequences {b['aggregate_tok_s']:.0f} tok/s together "
+                    f"({b['decode_aggregate_tok_s']:.0f} tok/s in decode steps)"
+                    for b in batched
+                )
+                + ".",
+            ]
+        prof = r.get("graph_profile")
+        if prof and "step_span_ms" in prof:
+            matrices = ", ".join(
+                f"{name} {g['us']:.1f} us ({g['gb_s']:.0f} GB/s)" for name, g in prof["gemv_by_matrix"].items()
+            )
+            top = list(prof["kernels"].items())[:6]
+            lines += [
+                "",
+                f"Inside the captured step (the GPU's own kernel records over {prof['steps']} replays): a step spans "
+                f"{prof['step_span_ms']:.2f} ms, {prof['kernels_per_step']} kernels, "
+                f"busy {prof['kernel_busy_ms']:.2f} ms "
+                f"and idle {prof['gaps_ms']:.2f} ms between kernels. The INT4 matrix-vector products take "
+                f"{prof['gemv_ms']:.2f} ms, streaming at {_num(prof, 'gemv_bandwidth_fraction', '.0%')} of the copy "
+                f"bandwidth: {matrices}. Per step by kernel: "
+                + ", ".join(f"`{name[:40]}` {k['us_per_step']:.0f} us" for name, k in top)
+                + ".",
+            ]
     k = d.get("kernels", {}).get("per_token_linear_ms")
     if k:
         lines += [
             "",
-            "Time per token in the INT4 matrix-vector products alone, each kernel timed on each of the "
-            "model's matrix shapes: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in k.items()) + ".",
+            "Each INT4 kernel launched alone outside a graph on each of the model's matrix shapes (launch and "
+            "zeroing included), summed per token: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in k.items()) + ".",
         ]
-        best = max((r for r in d["rows"] if "roofline_fraction" in r), key=lambda r: r["decode_tok_s"], default=None)
-        if best is not None:
-            step = 1000 / best["decode_tok_s"]
-            gemv = k.get("stock_int4" if best.get("kernel") == "cuda" else "triton_bits", 0.0)
-            head = f"For the fastest row a token takes {step:.2f} ms against a roofline of "
-            head += f"{1000 / best['roofline_tok_s']:.2f} ms"
-            if step - gemv > 0.05:
-                lines.append(
-                    f"{head}: {gemv:.2f} ms in the INT4 matrix-vector products, {step - gemv:.2f} ms in "
-                    "everything else (norms, rotary, attention, sampling, the host)."
-                )
-            else:
-                lines.append(
-                    f"{head}. Its INT4 matrix-vector products, each launched on its own outside a graph "
-                    f"(launch and zeroing included), add up to {gemv:.2f} ms, more than the whole "
-                    "graph-captured step: that overhead is what the graph removes."
-                )
+    return "\n".join(lines)
+
+
+def gemv_sweep_cuda(d: dict[str, Any]) -> str:
+    lines = [
+        f"{d['device']}, `scripts/sweep_gemv.py`: each INT4 matrix kind of the 8B step, {d['copies']} distinct "
+        "weights of it in one CUDA graph (the lm_head alone), the tuner's choice against every configuration "
+        "of a wider space, each checked against the float product first (`bench/results/gemv_sweep_cuda.json`).",
+        "",
+        "| matrix | tuned us | tuned GB/s | best us | best GB/s | best (rows, words, split, warps, stages) |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for kind, e in d["shapes"].items():
+        best = e.get("best")
+        tuned = e["tuned"]
+        if best is None:
+            lines.append(f"| {kind} | {tuned['us']:.1f} | {tuned['gb_s']:.0f} | not swept | | |")
+            continue
+        config = ", ".join(str(best[k]) for k in ("BLOCK_N", "BLOCK_W", "SPLIT_K", "num_warps", "num_stages"))
+        lines.append(
+            f"| {kind} | {tuned['us']:.1f} | {tuned['gb_s']:.0f} | {best['us']:.1f} | {best['gb_s']:.0f} | {config} |"
+        )
     return "\n".join(lines)
 
 
@@ -333,6 +405,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "text_quality": ("text_quality.json", text_quality),
     "text_cpu": ("text_cpu.json", text_cpu),
     "text_cuda": ("text_cuda.json", text_cuda),
+    "gemv_sweep_cuda": ("gemv_sweep_cuda.json", gemv_sweep_cuda),
     "vision_cpu": ("vision_cpu.json", vision_cpu),
     "vision_cuda": ("vision_cuda.json", vision_cuda),
     "vision_data": ("vision_data.json", vision_data),

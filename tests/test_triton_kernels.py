@@ -46,6 +46,24 @@ def test_gemv_matches_dequantized_matmul(n: int, k: int, group: int, rows: int, 
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4 * float(ref.abs().max()))
 
 
+def test_kept_split_k_counters_come_back_zeroed_for_the_next_product() -> None:
+    """The counters a layer keeps between products (no zeroing kernel per product) are
+    left at zero by every split-K launch, so the next product on them is right too."""
+    gen = torch.Generator().manual_seed(5)
+    q = pack(torch.randn(40, 512, generator=gen), 32)
+    weight = (q.qweight.to(DEVICE), q.scales.to(DEVICE), q.zeros.to(DEVICE))
+    x = torch.randn(3, 512, generator=gen)
+    ref = x @ dequantize(q).T
+    counters = torch.zeros(triton_int4.counter_size(3, 40), dtype=torch.int32, device=DEVICE)
+    config = {"BLOCK_N": 8, "BLOCK_W": 32, "SPLIT_K": 2}
+    for _ in range(2):
+        out = triton_int4.int4_gemv(x.to(DEVICE), *weight, 32, config=config, counters=counters).cpu()
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4 * float(ref.abs().max()))
+        assert int(counters.count_nonzero()) == 0
+    with pytest.raises(ValueError, match="split-K counters"):
+        triton_int4.int4_gemv(x.to(DEVICE), *weight, 32, config=config, counters=counters[:4])
+
+
 def test_gemv_refuses_too_many_rows() -> None:
     q = pack(torch.randn(16, 64), 32)
     with pytest.raises(ValueError, match="at most"):

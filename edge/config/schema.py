@@ -423,6 +423,14 @@ class QAModelConfig(StrictModel):
         "'bf16' (torch's tiled kernel: faster prefill, every product rounded to bfloat16, so about one "
         "greedy answer in ten strays from the model's). 'exact' falls back to 'bf16' without a C compiler.",
     )
+    embedding: Literal["auto", "float", "int8", "int4"] = Field(
+        default="auto",
+        title="Token table",
+        description="How the token embedding table is held: 'int8' (8-bit codes, a scale per 64 values: half "
+        "the memory of a 16-bit table, rounding below the activations' own), 'int4' (a scale per 32 values: "
+        "0.28x, the size of llama.cpp's Q4_0 table, a small measured quality cost), or 'float'. 'auto' is "
+        "int8 on CUDA and float on the CPU. A table that is also a float output projection stays float.",
+    )
     cuda_graphs: bool = Field(
         default=True,
         title="CUDA graphs",

@@ -68,6 +68,7 @@ def start_qa(cfg: QAModelConfig, checkpoint: Path, manager: ModelManager, respon
         dtype=cfg.dtype,
         cuda_graphs=cfg.cuda_graphs,
         cpu_kernel=cfg.cpu_kernel,
+        embedding=cfg.embedding,
     )
     name = qa_model_name(cfg)
     # The backend label says what actually runs: the device and the INT4 kernel.

@@ -23,6 +23,7 @@ from torch import nn
 
 from edge.text import cpu_int4
 from edge.text.chat import ChatTemplate
+from edge.text.embedding import EmbeddingFormat, compact_embedding
 from edge.text.int4 import EXACT_TOP, Int4Linear, QuantizedWeight, concat_rows, cpu_kernel_available
 from edge.text.llama import LlamaConfig, LlamaModel, fuse_projections
 
@@ -72,10 +73,12 @@ def load_checkpoint(
     int4_kernel: str | None = None,
     fuse: bool = True,
     exact_cpu: bool = True,
+    embedding: EmbeddingFormat = "float",
 ) -> TextCheckpoint:
     """Load for serving. `fuse` merges q/k/v and gate/up into single linears. Without
     `int4_kernel` the device's default serves; `exact_cpu=False` takes torch's bfloat16
-    kernel on the CPU instead of ours."""
+    kernel on the CPU instead of ours. `embedding` "int8" or "int4" keeps the token table
+    compact (edge/text/embedding.py)."""
     device = torch.device(device)
     config = LlamaConfig.from_json(path / "config.json")
     with torch.device("meta"):
@@ -118,9 +121,12 @@ def load_checkpoint(
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match its config: missing {missing}, unexpected {unexpected}")
     if config.tie_embeddings and isinstance(model.lm_head, nn.Linear):
+        assert isinstance(model.embed_tokens, nn.Embedding)  # not yet compacted
         model.lm_head.weight = model.embed_tokens.weight
     if fuse:
         fuse_projections(model)
+    state.clear()  # the float table goes once the compact one is made, not at return
+    compact_embedding(model, embedding)
     model.rope_cos = model.rope_cos.to(device)
     model.rope_sin = model.rope_sin.to(device)
     model.eval()

@@ -87,7 +87,7 @@ class ContinuousBatcher:
         self.cache = model.new_cache(slots, slot_len)
         self.slot_len = self.cache.max_len
         self.kv = KVCacheManager(slots, self.slot_len, self.cache.nbytes // (slots * self.slot_len))
-        self.device = model.embed_tokens.weight.device
+        self.device = model.device
         self.graphs: StepGraphs | None = None
         self.running: list[Sequence] = []
         self.steps = 0
@@ -117,7 +117,7 @@ class ContinuousBatcher:
         only to free rows, which a prefill overwrites; returns the steps run."""
         if self.running:
             raise RuntimeError("warm_up runs before any sequence is admitted")
-        device = self.model.embed_tokens.weight.device
+        device = self.model.device
         runs = 0
         for length in prefill_lengths:
             if length < self.slot_len:

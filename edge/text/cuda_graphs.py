@@ -24,7 +24,7 @@ class GraphDecoder:
         self.model = model
         self.cache = cache
         self.bucket = bucket
-        device = model.embed_tokens.weight.device
+        device = model.device
         self.ids = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, dtype=torch.long, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -86,7 +86,7 @@ class StepGraphs:
         self.cache = cache
         self.batch_buckets = buckets_up_to(max_batch)
         self.kv_buckets = buckets_up_to(cache.max_len, min_kv_bucket)
-        device = model.embed_tokens.weight.device
+        device = model.device
         self._host = torch.zeros(2, max_batch, dtype=torch.long).pin_memory()
         self._host_np = self._host.numpy()
         self._dev = torch.zeros(2, max_batch, dtype=torch.long, device=device)

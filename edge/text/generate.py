@@ -107,7 +107,7 @@ def generate(
     if params.temperature > 0.0:
         gen = torch.Generator()
         gen.manual_seed(params.seed if params.seed is not None else int(time.time_ns() & 0x7FFFFFFF))
-    ids = torch.tensor([prompt_ids], dtype=torch.long, device=model.embed_tokens.weight.device)
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=model.device)
     t0 = time.perf_counter()
     logits = model(ids, cache, 0)[0, -1]
     t1 = time.perf_counter()

@@ -185,6 +185,7 @@ class Int4Linear(nn.Module):
             kernel = "cpu"
         self.kernel = kernel
         self.weight_bytes = q.nbytes
+        self._counters: torch.Tensor | None = None  # the Triton GEMV's split-K tile counters
         # Torch's CPU kernel rounds its inputs, scales and outputs to bfloat16: a logit of
         # 20 is then known to 1/16, and greedy decoding picks among near-ties by rounding.
         # Where it serves (no C compiler for cpu-f32), the output layer's `exact_top` best
@@ -227,7 +228,13 @@ class Int4Linear(nn.Module):
         fused decode step reads the float32 sums without a cast kernel in between."""
         if self.kernel != "triton":
             raise RuntimeError(f"gemv() is the Triton kernel's entry point; this layer uses {self.kernel!r}")
-        return triton_int4.int4_gemv(x, self.qweight, self.scales, self.zeros, self.group_size)
+        counters = self._counters
+        if counters is None or counters.device != x.device:
+            # Made once, outside any capture (serving warms up before it captures), and
+            # left zeroed by every launch: no zeroing kernel per product in the step.
+            size = triton_int4.counter_size(triton_int4.GEMV_MAX_ROWS, self.out_features)
+            counters = self._counters = torch.zeros(size, device=x.device, dtype=torch.int32)
+        return triton_int4.int4_gemv(x, self.qweight, self.scales, self.zeros, self.group_size, counters=counters)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edge.text import triton_decode
+from edge.text.embedding import QuantizedEmbedding
 
 logger = logging.getLogger(__name__)
 
@@ -296,7 +297,8 @@ class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Serving may swap in a compact table (edge/text/embedding.py).
+        self.embed_tokens: nn.Embedding | QuantizedEmbedding = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -310,9 +312,19 @@ class LlamaModel(nn.Module):
         # force the per-op torch path.
         self.fused_decode: bool | None = None
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' type (the token table's, float or compact)."""
+        table = self.embed_tokens
+        return table.weight.dtype if isinstance(table, nn.Embedding) else table.dtype
+
+    @property
+    def device(self) -> torch.device:
+        table = self.embed_tokens
+        return table.weight.device if isinstance(table, nn.Embedding) else table.device
+
     def new_cache(self, batch: int, max_len: int) -> KVCache:
-        weight = self.embed_tokens.weight
-        return KVCache(self.config, batch, min(max_len, self.config.max_position), weight.dtype, weight.device)
+        return KVCache(self.config, batch, min(max_len, self.config.max_position), self.dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, start: int, last_only: bool = True) -> torch.Tensor:
@@ -320,8 +332,8 @@ class LlamaModel(nn.Module):
         seq = ids.shape[1]
         if start + seq > cache.max_len:
             raise ValueError(f"sequence of {start + seq} tokens exceeds the cache ({cache.max_len})")
-        cos = self.rope_cos[start : start + seq].to(self.embed_tokens.weight.dtype)
-        sin = self.rope_sin[start : start + seq].to(self.embed_tokens.weight.dtype)
+        cos = self.rope_cos[start : start + seq].to(self.dtype)
+        sin = self.rope_sin[start : start + seq].to(self.dtype)
         # The residual stream stays in float32 between layers, as in the fused decode
         # step: added to in half precision it loses the small updates of late layers,
         # and a prompt's cached keys and values would not be those its decode expects.
@@ -336,7 +348,7 @@ class LlamaModel(nn.Module):
     def forward_train(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] for whole sequences, with autograd and no KV cache."""
         seq = ids.shape[1]
-        dtype = self.embed_tokens.weight.dtype
+        dtype = self.dtype
         cos = self.rope_cos[:seq].to(dtype)
         sin = self.rope_sin[:seq].to(dtype)
         x = self.embed_tokens(ids)
@@ -356,7 +368,7 @@ class LlamaModel(nn.Module):
             self.fused_decode = triton_decode.can_fuse(self)
         if self.fused_decode:
             return triton_decode.fused_decode_step(self, ids, cache, pos, kv_len)
-        dtype = self.embed_tokens.weight.dtype
+        dtype = self.dtype
         cos = self.rope_cos.index_select(0, pos).to(dtype).unsqueeze(1).unsqueeze(1)
         sin = self.rope_sin.index_select(0, pos).to(dtype).unsqueeze(1).unsqueeze(1)
         visible = torch.arange(kv_len, device=pos.device) <= pos.view(-1, 1)

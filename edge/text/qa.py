@@ -18,6 +18,7 @@ from edge.protocol.jobs import QAJob
 from edge.text.chat import ChatTemplateError
 from edge.text.checkpoint import TextCheckpoint, load_checkpoint
 from edge.text.continuous import ContinuousBatcher, Sequence
+from edge.text.embedding import EmbeddingFormat
 from edge.text.generate import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ class QASettings:
     cuda_graphs: bool = True
     # On the CPU: "exact" (our float32 INT4 kernel) or "bf16" (torch's tiled kernel).
     cpu_kernel: str = "exact"
+    # The token table: "auto" (int8 on CUDA, float on the CPU), "float", "int8", "int4".
+    embedding: str = "auto"
 
 
 def chatml(system: str, user: str) -> str:
@@ -49,6 +52,14 @@ def user_message(question: str, context: str | None) -> str:
     if not context:
         return question
     return f"Context:\n{context.strip()}\n\nQuestion: {question.strip()}"
+
+
+def resolve_embedding(settings: QASettings) -> EmbeddingFormat:
+    if settings.embedding == "auto":
+        return "int8" if settings.device == "cuda" else "float"
+    if settings.embedding not in ("float", "int8", "int4"):
+        raise ValueError(f"embedding must be auto, float, int8 or int4, got {settings.embedding!r}")
+    return settings.embedding  # type: ignore[return-value]
 
 
 def resolve_dtype(settings: QASettings) -> torch.dtype:
@@ -95,7 +106,11 @@ class QAEngine:
             raise RuntimeError("models.qa.device is 'cuda' but torch sees no CUDA device here")
         t0 = time.perf_counter()
         ckpt = load_checkpoint(
-            path, dtype=resolve_dtype(settings), device=settings.device, exact_cpu=settings.cpu_kernel == "exact"
+            path,
+            dtype=resolve_dtype(settings),
+            device=settings.device,
+            exact_cpu=settings.cpu_kernel == "exact",
+            embedding=resolve_embedding(settings),
         )
         engine = cls(ckpt, settings)
         engine._stage("weights and KV cache", t0)

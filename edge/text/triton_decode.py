@@ -287,7 +287,7 @@ def _gemv(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def can_fuse(model: LlamaModel) -> bool:
     """True when every projection is a fused Triton INT4 linear on a CUDA device."""
-    if not TRITON_SUPPORT or model.embed_tokens.weight.device.type != "cuda":
+    if not TRITON_SUPPORT or model.device.type != "cuda":
         return False
     if model.config.num_heads // model.config.num_kv_heads > ATTN_GROUP_ROWS:
         return False
@@ -310,7 +310,7 @@ def fused_decode_step(
     from edge.text.llama import DecoderLayer  # llama imports this module
 
     config = model.config
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.dtype
     bsz = ids.shape[0]
     sms = torch.cuda.get_device_properties(ids.device).multi_processor_count if ids.is_cuda else 4
     x = model.embed_tokens(ids.view(bsz)).float()  # the residual stream, float32

@@ -166,7 +166,7 @@ if TRITON_SUPPORT:
         configs=[
             triton.Config({"BLOCK_N": bn, "BLOCK_W": bw, "SPLIT_K": sk}, num_warps=4)
             for bn in (8, 16, 32, 64)
-            for bw in (32, 64)
+            for bw in (32, 64, 128)
             for sk in SPLITS
         ],
         key=["N", "K"],
@@ -199,6 +199,11 @@ if TRITON_SUPPORT:
         tl.store(w_ptr + rn[:, None] * K + g * G + rk[None, :], w.to(w_ptr.dtype.element_ty), mask=n_mask[:, None])
 
 
+def counter_size(rows: int, n: int) -> int:
+    """Split-K tile counters a GEMV of up to `rows` rows and N outputs may use."""
+    return rows * -(-n // MIN_BLOCK_N)
+
+
 def int4_gemv(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -206,11 +211,18 @@ def int4_gemv(
     zeros: torch.Tensor,
     group: int,
     config: dict[str, int] | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_ROWS) times the INT4 weight [N, K] -> [M, N] float32.
     Each row's result is the same whatever M is (batch-invariant).
 
-    `config` ({"BLOCK_N", "BLOCK_W", "SPLIT_K"}) skips autotuning (tests, the interpreter).
+    `config` ({"BLOCK_N", "BLOCK_W", "SPLIT_K"}, optionally "num_warps" and "num_stages")
+    skips autotuning (tests, the interpreter, sweeps of the configuration space).
+
+    `counters`: int32 zeros, at least counter_size(M, N) of them, that the caller keeps
+    between calls (the kernel leaves them zeroed: each tile's last program resets its
+    own). Without them a zeroed buffer is made per call, which inside a captured decode
+    step is one more kernel per product.
     """
     m, k = x.shape
     n = qweight.shape[0]
@@ -227,7 +239,15 @@ def int4_gemv(
     # (row, tile) at the narrowest tile (the last program of a tile resets its own).
     splits = max_split(n) if config is None else config["SPLIT_K"]
     parts = torch.empty(splits if splits > 1 else 0, m, n, device=x.device, dtype=torch.float32)
-    counts = torch.zeros(m * triton.cdiv(n, MIN_BLOCK_N) if splits > 1 else 1, device=x.device, dtype=torch.int32)
+    if splits <= 1:
+        # Never read without a split; empty, not zeros: no fill kernel for it.
+        counts = torch.empty(1, device=x.device, dtype=torch.int32)
+    elif counters is not None:
+        if counters.numel() < counter_size(m, n):
+            raise ValueError(f"{counters.numel()} split-K counters for {counter_size(m, n)} tiles")
+        counts = counters
+    else:
+        counts = torch.zeros(counter_size(m, n), device=x.device, dtype=torch.int32)
 
     def grid(meta: dict[str, int]) -> tuple[int, int, int]:
         return (m, triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])
@@ -238,7 +258,7 @@ def int4_gemv(
         _int4_gemv_bits_tuned[grid](*args)
     else:
         even = (k // 8) % config["BLOCK_W"] == 0
-        _int4_gemv_bits_kernel[grid](*args, **config, EVEN_W=even)
+        _int4_gemv_bits_kernel[grid](*args, **config, EVEN_W=even)  # num_warps/num_stages: launch options
     return out
 
 
