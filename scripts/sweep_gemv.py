@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from bench_text import cuda_time  # noqa: E402
 
 from edge.text.triton_int4 import counter_size, int4_dequant, int4_gemv, max_split  # noqa: E402
 from engines.random_llama import LLAMA3_8B, random_quantized  # noqa: E402
@@ -49,22 +51,13 @@ def shapes() -> dict[str, tuple[int, int]]:
 
 
 def graph_seconds(fn: Any, repeat: int = 20) -> float:
+    """Median seconds of one replay of `fn` captured as a CUDA graph."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return float(statistics.median(times))
+    return cuda_time(graph.replay, repeat=repeat, warmup=3)
 
 
 def space(n: int) -> list[dict[str, int]]:

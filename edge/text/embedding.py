@@ -113,7 +113,6 @@ def compact_embedding(model: nn.Module, fmt: EmbeddingFormat) -> int:
     before = table.weight.numel() * table.weight.element_size()
     compact = QuantizedEmbedding(table.weight.detach(), fmt)
     model.embed_tokens = compact
-    del table
     saved = before - compact.nbytes
     logger.info("token table as %s: %.0f MiB (saves %.0f MiB)", fmt, compact.nbytes / 2**20, saved / 2**20)
     return saved
