@@ -80,7 +80,9 @@ def random_int4_llama(
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = Int4Linear(random_quantized(q_out + 2 * kv_out, h, group, device, gen), kernel)
         attn.o_proj = Int4Linear(random_quantized(h, q_out, group, device, gen), kernel)  # type: ignore[assignment]
-        mlp.gate_up_proj = Int4Linear(random_quantized(2 * config.intermediate_size, h, group, device, gen), kernel)
+        mlp.gate_up_proj = Int4Linear(
+            random_quantized(2 * config.intermediate_size, h, group, device, gen), kernel, gated=True
+        )
         mlp.down_proj = Int4Linear(  # type: ignore[assignment]
             random_quantized(h, config.intermediate_size, group, device, gen), kernel
         )

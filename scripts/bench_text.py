@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -182,8 +184,9 @@ def ours_cuda(
     torch.cuda.empty_cache()
     variant = kernel
     per_op = kernel.endswith("+ops")
-    kernel = kernel.removesuffix("+ops")
+    kernel = kernel.split("+")[0]
     model = random_int4_llama(config, "cuda", kernel)
+    model.l2_prefetch = not variant.endswith("+noprefetch")
     compact_embedding(model, embedding)  # type: ignore[arg-type]
     _release()
     # From here: what serving holds (the float table made by the random model's builder
@@ -377,7 +380,7 @@ def graph_profile(
         step = events[s * per_step : (s + 1) * per_step]
         spans.append(float(step[-1]["ts"]) + float(step[-1]["dur"]) - float(step[0]["ts"]))
         busy.append(sum(float(e["dur"]) for e in step))
-        gemvs = [e for e in step if "int4_gemv" in e["name"]]
+        gemvs = [e for e in step if any(g in e["name"] for g in GEMV_KERNEL_NAMES)]
         for e in step:
             by_name.setdefault(e["name"], []).append(float(e["dur"]))
         if len(gemvs) == count == 4 * model.config.num_layers + 1:
@@ -409,6 +412,8 @@ def graph_profile(
 
 
 DECODE_NAMES = {
+    "cuda-mma": "fused step, CUDA tensor-core GEMV",
+    "cuda-mma+noprefetch": "fused step, CUDA tensor-core GEMV, no L2 prefetch",
     "triton": "fused Triton step",
     "triton+ops": "Triton GEMV + torch ops",
     "cuda": "torch tiled INT4 + torch ops",
@@ -447,7 +452,7 @@ def check_cuda(kernels: list[str], embedding: str = "float") -> dict[str, float]
     for kernel in kernels:
         from edge.text.cuda_graphs import GraphDecoder
 
-        model = random_int4_llama(config, "cuda", kernel.removesuffix("+ops"), seed=3)
+        model = random_int4_llama(config, "cuda", kernel.split("+")[0], seed=3)
         compact_embedding(model, embedding)  # type: ignore[arg-type]
         model.fused_decode = False if kernel.endswith("+ops") else None
         cache = KVCache(config, 1, 64, torch.bfloat16, torch.device("cuda"))
@@ -462,7 +467,9 @@ def check_cuda(kernels: list[str], embedding: str = "float") -> dict[str, float]
     return errors
 
 
-GEMV_LABELS = ("triton_bits", "stock_int4")
+GEMV_LABELS = ("cuda_mma", "triton_bits", "stock_int4")
+FUSED_KERNELS = ("cuda-mma", "triton")
+GEMV_KERNEL_NAMES = ("int4_gemv", "gemv_kernel")  # the Triton and the CUDA GEMV
 
 KERNEL_SHAPES = {  # (N, K) of the 8B model's INT4 matrices, and how many per token
     "qkv": (6144, 4096, 32),
@@ -476,6 +483,7 @@ KERNEL_SHAPES = {  # (N, K) of the 8B model's INT4 matrices, and how many per to
 def _bench_shape(n: int, k: int, gen: torch.Generator) -> dict[str, Any]:
     from triton.testing import do_bench
 
+    from edge.text import cuda_int4
     from edge.text.int4 import Int4Linear
     from edge.text.triton_int4 import int4_dequant, int4_gemv
     from engines.random_llama import random_quantized
@@ -483,14 +491,17 @@ def _bench_shape(n: int, k: int, gen: torch.Generator) -> dict[str, Any]:
     q = random_quantized(n, k, 128, torch.device("cuda"), gen)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     stock = Int4Linear(q, "cuda")
+    tiled = cuda_int4.repack(q.qweight, q.scales, q.zeros, 128)
+    config = cuda_int4.tuned_config(tiled, torch.bfloat16)
     dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     fns: dict[str, Callable[[], Any]] = {
+        "cuda_mma": lambda: cuda_int4.gemv(x, tiled, config),
         "triton_bits": lambda: int4_gemv(x, q.qweight, q.scales, q.zeros, 128),
         "stock_int4": lambda: stock(x),
         "bf16_cublas": lambda: x @ dense.T,
         "dequant_bf16": lambda: int4_dequant(q.qweight, q.scales, q.zeros, 128, torch.bfloat16),
     }
-    entry: dict[str, Any] = {"n": n, "k": k, "int4_bytes": q.nbytes}
+    entry: dict[str, Any] = {"n": n, "k": k, "int4_bytes": q.nbytes, "cuda_mma_config": list(config)}
     for label, fn in fns.items():
         ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
         moved = n * k * 2 if label == "bf16_cublas" else q.nbytes
@@ -512,9 +523,42 @@ def bench_kernels() -> dict[str, Any]:
     return rows
 
 
+class PeerBuild(threading.Thread):
+    """llama.cpp's build, started first and run beside our measurements at the lowest
+    CPU priority on all but two cores (our timings are GPU-side, inside CUDA graphs, or
+    on the one Python thread); llama-bench itself runs after ours, alone on the GPU."""
+
+    def __init__(self, args: argparse.Namespace, arch: str) -> None:
+        super().__init__(daemon=True)
+        self.args, self.arch = args, arch
+        self.result: tuple[Path, float] | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        import llamacpp_peer as peer
+
+        try:
+            self.args.llamacpp_work.mkdir(parents=True, exist_ok=True)
+            jobs = max(1, min(self.args.llamacpp_jobs, (os.cpu_count() or 4) - 2))
+            self.result = peer.build(self.args.llamacpp_src, self.args.llamacpp_work, self.arch, jobs, nice=True)
+        except BaseException as err:  # said in the llama.cpp row
+            self.error = err
+
+    def binary(self) -> tuple[Path, float]:
+        self.join()
+        if self.error is not None:
+            raise RuntimeError(f"the llama.cpp build failed: {self.error}") from self.error
+        assert self.result is not None
+        return self.result
+
+
 def run_cuda(args: argparse.Namespace) -> dict[str, Any]:
     config = LLAMA3_8B
     props = torch.cuda.get_device_properties(0)
+    builder = None
+    if args.llamacpp_src is not None:
+        builder = PeerBuild(args, f"{props.major}{props.minor}")
+        builder.start()
     checks = check_cuda(args.kernels, args.embedding[0])
     print("kernel checks (relative error vs float reference):", json.dumps(checks))
     if any(not (e < 2e-2) for e in checks.values()):
@@ -544,11 +588,12 @@ def run_cuda(args: argparse.Namespace) -> dict[str, Any]:
     cap = args.cap_gib * GIB / props.total_memory
     torch.cuda.set_per_process_memory_fraction(cap)
     variants = [(k, args.embedding[0]) for k in args.kernels]
-    variants += [("triton", e) for e in args.embedding[1:] if "triton" in args.kernels]
+    fused = [k for k in args.kernels if k in FUSED_KERNELS]
+    variants += [(fused[0], e) for e in args.embedding[1:] if fused]
     first = True
     for kernel, table in variants:
         spin_up(1.0)
-        detail = kernel == "triton" and first
+        detail = kernel in FUSED_KERNELS and first
         try:
             row = ours_cuda(
                 config,
@@ -570,7 +615,8 @@ def run_cuda(args: argparse.Namespace) -> dict[str, Any]:
     peer = None
     if args.llamacpp_src is not None:
         try:
-            peer = llamacpp_peer(args, config, props)
+            assert builder is not None
+            peer = llamacpp_peer(args, config, builder)
             keep(peer_row(peer, config, args.prompt, args.new_tokens, bandwidth))
         except Exception as err:  # our rows stand; the failure is said in the table
             keep({"name": "llama.cpp", "error": f"{type(err).__name__}: {err}"})
@@ -601,19 +647,19 @@ def run_cuda(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def llamacpp_peer(args: argparse.Namespace, config: LlamaConfig, props: Any) -> dict[str, Any]:
+def llamacpp_peer(args: argparse.Namespace, config: LlamaConfig, builder: PeerBuild) -> dict[str, Any]:
     """llama.cpp's llama-bench on the same GPU in the same run (scripts/llamacpp_peer.py):
     built from the pinned source here, on a random Q4_0 GGUF of the same shape."""
     import llamacpp_peer as peer
 
     work = args.llamacpp_work
-    work.mkdir(parents=True, exist_ok=True)
-    binary, build_s = peer.build(args.llamacpp_src, work, f"{props.major}{props.minor}", args.llamacpp_jobs)
+    binary, build_s = builder.binary()
     model = work / "llama3-8b-q4_0-random.gguf"
     if not model.exists():
         peer.write_gguf(model, config)
     out = peer.run_bench(binary, model, args.prompt, args.new_tokens, (0, LONG_CONTEXT))
     out.update({"source": peer.LLAMACPP_VERSION, "build_seconds": build_s, "format": "Q4_0, random weights"})
+    out["built_beside_our_rows"] = True
     print("llama.cpp:", json.dumps({k: out[k] for k in ("prefill_tok_s", "decode_tok_s")}))
     return out
 

@@ -74,9 +74,11 @@ def trim(sdist: Path, out: Path) -> None:
         dst.addfile(info, io.BytesIO(tools))
 
 
-def build(source: Path, work: Path, arch: str, jobs: int = 16) -> tuple[Path, float]:
-    """llama-bench built with CUDA for `arch` (e.g. "90"); returns it and the build's seconds."""
+def build(source: Path, work: Path, arch: str, jobs: int = 16, nice: bool = False) -> tuple[Path, float]:
+    """llama-bench built with CUDA for `arch` (e.g. "90"); returns it and the build's seconds.
+    `nice`: at the lowest CPU priority (a build beside a measurement)."""
     started = time.perf_counter()
+    prefix = ["nice", "-n", "19"] if nice else []
     root = work / "llama.cpp"
     if not root.exists():
         with tarfile.open(source) as tar:
@@ -85,9 +87,9 @@ def build(source: Path, work: Path, arch: str, jobs: int = 16) -> tuple[Path, fl
     flags = ["-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={arch}", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"]
     flags += ["-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_OPENSSL=OFF"]
     flags += ["-DCMAKE_BUILD_TYPE=Release"]
-    subprocess.run(["cmake", "-S", str(root), "-B", str(build_dir), *flags], check=True, capture_output=True)
+    subprocess.run([*prefix, "cmake", "-S", str(root), "-B", str(build_dir), *flags], check=True, capture_output=True)
     subprocess.run(
-        ["cmake", "--build", str(build_dir), "--target", "llama-bench", "-j", str(jobs)],
+        [*prefix, "cmake", "--build", str(build_dir), "--target", "llama-bench", "-j", str(jobs)],
         check=True,
         capture_output=True,
     )

@@ -96,6 +96,13 @@ def _num(r: dict[str, Any], key: str, fmt: str = ".1f", scale: float = 1.0) -> s
     return "-" if v is None or v != v else f"{v * scale:{fmt}}"  # v != v: NaN, not measured
 
 
+def _kernel_name(name: str) -> str:
+    """A kernel's name as the profiler gives it, without its parameter list and
+    namespace boilerplate: `gemv_kernel<__nv_bfloat16, 128, 4, 8>`."""
+    short = name.removeprefix("void ").replace("(anonymous namespace)::", "").split("(")[0]
+    return short if len(short) <= 48 else short[:45] + "..."
+
+
 def text_cuda(d: dict[str, Any]) -> str:
     long = d.get("long_context_tokens", 4096)
     lines = [
@@ -156,7 +163,7 @@ def text_cuda(d: dict[str, Any]) -> str:
                 f"and idle {prof['gaps_ms']:.2f} ms between kernels. The INT4 matrix-vector products take "
                 f"{prof['gemv_ms']:.2f} ms, streaming at {_num(prof, 'gemv_bandwidth_fraction', '.0%')} of the copy "
                 f"bandwidth: {matrices}. Per step by kernel: "
-                + ", ".join(f"`{name[:40]}` {k['us_per_step']:.0f} us" for name, k in top)
+                + ", ".join(f"`{_kernel_name(name)}` {k['us_per_step']:.0f} us" for name, k in top)
                 + ".",
             ]
     k = d.get("kernels", {}).get("per_token_linear_ms")

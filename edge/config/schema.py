@@ -407,8 +407,9 @@ class QAModelConfig(StrictModel):
     device: Device = Field(
         default="cpu",
         title="Device",
-        description="Where the text model runs: 'cpu', or 'cuda' (INT4 Triton kernels with the fused decode "
-        "step, decode steps captured as CUDA graphs, tokens chosen on the GPU).",
+        description="Where the text model runs: 'cpu', or 'cuda' (our INT4 tensor-core GEMV, built with nvcc "
+        "at first start, or the Triton one where nvcc is absent; the fused decode step, decode steps "
+        "captured as CUDA graphs, tokens chosen on the GPU).",
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         default="auto",

@@ -50,11 +50,14 @@ class TextCheckpoint:
 
 def default_int4_kernel(device: torch.device, exact_cpu: bool = True) -> str:
     if device.type == "cuda":
-        # Our Triton kernels read the checkpoint layout for decode and prefill alike;
-        # torch's tiled kernel decodes faster but prefills ten times slower.
+        # Ours: the CUDA tensor-core GEMV where nvcc built it for this GPU, else the
+        # Triton one; torch's tiled kernel decodes slower and prefills ten times slower.
+        from edge.text import cuda_int4
         from edge.text.triton_int4 import TRITON_SUPPORT
 
-        return "triton" if TRITON_SUPPORT else "cuda"
+        if not TRITON_SUPPORT:
+            return "cuda"
+        return "cuda-mma" if cuda_int4.available(device) else "triton"
     # Ours computes the quantized model exactly in float32; torch's rounds to bfloat16.
     if exact_cpu and cpu_int4.available():
         return "cpu-f32"
@@ -163,7 +166,8 @@ def _fuse_quantized(
                 continue
             bias = torch.cat([biases.pop(n) for n in names]) if names[0] in biases else None
             weight = concat_rows([quantized.pop(n) for n in names])
-            _set_module(model, f"layers.{i}.{fused}", Int4Linear(weight, kernel, bias))
+            gated = fused == "mlp.gate_up_proj"
+            _set_module(model, f"layers.{i}.{fused}", Int4Linear(weight, kernel, bias, gated=gated))
             parent = model.get_submodule(f"layers.{i}.{parts[0].rsplit('.', 1)[0]}")
             for n in parts:
                 delattr(parent, n.rsplit(".", 1)[1])

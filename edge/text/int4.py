@@ -21,14 +21,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-# Import-safe without triton (it sets TRITON_SUPPORT = False); the kernel is then refused.
-from edge.text import cpu_int4, triton_int4
+# Import-safe without triton (it sets TRITON_SUPPORT = False) and without nvcc (the CUDA
+# kernel is then unavailable); either kernel is then refused or replaced.
+from edge.text import cpu_int4, cuda_int4, triton_int4
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_GROUPS = (256, 128, 64, 32)
 SYMMETRIC_ZERO = 8
 PREFILL_SLAB_ROWS = 8192
+# Kernels whose GEMV the fused decode step (triton_decode.py) calls: float32 sums out.
+GEMV_KERNELS = ("triton", "cuda-mma")
 # Logits recomputed exactly per position on the CPU kernel (see Int4Linear.exact_top).
 EXACT_TOP = 16
 
@@ -157,7 +160,9 @@ class Int4Linear(nn.Module):
     Kernels: "cpu-f32" (ours, float32 throughout; reads our layout directly), "cpu"
     (torch's tiled CPU kernel, bf16 activations), "cuda" (torch's tiled CUDA kernel, bf16
     activations), "triton" (our GEMV for decode, dequantize + cuBLAS for prefill; reads
-    our layout directly), "dequant" (reference: dequantize, matmul).
+    our layout directly), "cuda-mma" (our CUDA GEMV on the tensor cores for decode, its
+    dequantization + cuBLAS for prefill; reads a tiled copy made here, cuda_int4.py),
+    "dequant" (reference: dequantize, matmul).
     """
 
     packed: torch.Tensor
@@ -166,8 +171,21 @@ class Int4Linear(nn.Module):
     scales: torch.Tensor
     zeros: torch.Tensor
     w: torch.Tensor
+    codes: torch.Tensor
+    tile_scales: torch.Tensor
+    tile_zeros: torch.Tensor
 
-    def __init__(self, q: QuantizedWeight, kernel: str, bias: torch.Tensor | None = None, exact_top: int = 0) -> None:
+    def __init__(
+        self,
+        q: QuantizedWeight,
+        kernel: str,
+        bias: torch.Tensor | None = None,
+        exact_top: int = 0,
+        gated: bool = False,
+    ) -> None:
+        """`gated`: the weight is a gated unit's [gate; up] (the fused gate/up product);
+        the cuda-mma kernel then keeps its rows paired and can return silu(gate) * up
+        itself (gemv_silu)."""
         super().__init__()
         # A float bias added after the product (Qwen2's q/k/v); None for most layers.
         self.bias: torch.Tensor | None
@@ -183,9 +201,14 @@ class Int4Linear(nn.Module):
         if kernel == "cpu-f32" and not cpu_int4.supports(self.in_features, self.group_size):
             logger.info("INT4 layer of group %d: torch's tiled kernel (cpu-f32 takes multiples of 32)", q.group_size)
             kernel = "cpu"
+        if kernel == "cuda-mma" and not cuda_int4.supports(self.in_features, self.group_size):
+            logger.info("INT4 layer [%d x %d] group %d: Triton kernel (the CUDA one takes K a multiple of %d)",
+                        q.shape[0], q.shape[1], q.group_size, cuda_int4.CHUNK)  # fmt: skip
+            kernel = "triton"
         self.kernel = kernel
         self.weight_bytes = q.nbytes
         self._counters: torch.Tensor | None = None  # the Triton GEMV's split-K tile counters
+        self.paired = False
         # Torch's CPU kernel rounds its inputs, scales and outputs to bfloat16: a logit of
         # 20 is then known to 1/16, and greedy decoding picks among near-ties by rounding.
         # Where it serves (no C compiler for cpu-f32), the output layer's `exact_top` best
@@ -218,16 +241,44 @@ class Int4Linear(nn.Module):
             self.register_buffer("qweight", q.qweight)
             self.register_buffer("scales", q.scales)
             self.register_buffer("zeros", q.zeros)
+        elif kernel == "cuda-mma":
+            self.paired = gated and bias is None and cuda_int4.can_pair(self.out_features)
+            tiled = cuda_int4.repack(q.qweight, q.scales, q.zeros, q.group_size, paired=self.paired)
+            self.register_buffer("codes", tiled.codes)
+            self.register_buffer("tile_scales", tiled.scales)
+            self.register_buffer("tile_zeros", tiled.zeros)
+            self.weight_bytes = tiled.nbytes  # its rows padded to a multiple of 16
         elif kernel == "dequant":
             self.register_buffer("w", dequantize(q))
         else:
             raise ValueError(f"unknown INT4 kernel {kernel!r}")
 
+    @property
+    def tiled(self) -> cuda_int4.TiledInt4:
+        """The cuda-mma kernel's weight (its buffers, wherever the module now lives)."""
+        return cuda_int4.TiledInt4(
+            self.codes, self.tile_scales, self.tile_zeros, self.out_features, self.in_features, self.group_size,
+            self.paired,
+        )  # fmt: skip
+
+    def gemv_silu(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up [M, N/2] in x's dtype straight from the GEMV, for a paired
+        gate/up layer and activations it takes; None where this layer cannot."""
+        if self.kernel != "cuda-mma" or not self.paired or x.dtype not in cuda_int4.DTYPES:
+            return None
+        if x.shape[0] > cuda_int4.MAX_ROWS:
+            return None
+        return cuda_int4.gemv_silu(x, self.tiled)
+
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] (a few rows) -> [M, N] float32, straight from the Triton GEMV: the
-        fused decode step reads the float32 sums without a cast kernel in between."""
+        """x [M, K] (a few rows) -> [M, N] float32, straight from the GEMV: the fused
+        decode step reads the float32 sums without a cast kernel in between."""
+        if self.kernel == "cuda-mma":
+            if x.dtype in cuda_int4.DTYPES:
+                return cuda_int4.gemv(x, self.tiled)
+            return self._dequant_matmul(x.float())  # float32 activations: no tensor-core form
         if self.kernel != "triton":
-            raise RuntimeError(f"gemv() is the Triton kernel's entry point; this layer uses {self.kernel!r}")
+            raise RuntimeError(f"gemv() is the GEMV kernels' entry point; this layer uses {self.kernel!r}")
         counters = self._counters
         if counters is None or counters.device != x.device:
             # Made once, outside any capture (serving warms up before it captures), and
@@ -260,6 +311,11 @@ class Int4Linear(nn.Module):
                         self.qweight[n0:n1], self.scales[n0:n1], self.zeros[n0:n1], self.group_size, flat.dtype
                     )
                     out[:, n0:n1] = flat @ w.T
+        elif self.kernel == "cuda-mma":
+            if flat.shape[0] <= cuda_int4.MAX_ROWS and flat.dtype in cuda_int4.DTYPES:
+                out = cuda_int4.gemv(flat, self.tiled)
+            else:
+                out = self._dequant_matmul(flat)
         else:
             out = flat.to(self.w.dtype) @ self.w.T
         if self.exact_top:
@@ -268,6 +324,18 @@ class Int4Linear(nn.Module):
             out = out + self.bias.to(out.dtype)
         result: torch.Tensor = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return result
+
+    def _dequant_matmul(self, flat: torch.Tensor) -> torch.Tensor:
+        """flat @ W.T in flat's dtype, W dequantized from the tiled copy a slab of rows at
+        a time (never whole: the 8B model's gate/up would be 235 MB in bf16)."""
+        tiled = self.tiled
+        out = torch.empty(flat.shape[0], self.out_features, device=flat.device, dtype=flat.dtype)
+        slab = PREFILL_SLAB_ROWS // cuda_int4.TILE_ROWS
+        for t0 in range(0, tiled.tiles, slab):
+            w = cuda_int4.dequant(tiled, t0, min(slab, tiled.tiles - t0), flat.dtype)
+            n0 = t0 * cuda_int4.TILE_ROWS
+            out[:, n0 : n0 + w.shape[0]] = flat @ w.T
+        return cuda_int4.unpair(out) if tiled.paired else out
 
     def _refine(self, flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` [M, N] with each row's `exact_top` largest entries recomputed in float32
@@ -290,12 +358,16 @@ def tune_gemv(model: nn.Module, dtype: torch.dtype) -> int:
     capture would happen while another branch's thread works on the same GPU, and the
     other thread's synchronising calls fail during a capture. Call it at load, before
     any worker starts."""
-    shapes: dict[tuple[int, int], Int4Linear] = {}
+    shapes: dict[tuple[int, int, str], Int4Linear] = {}
     for module in model.modules():
-        if isinstance(module, Int4Linear) and module.kernel == "triton":
-            shapes.setdefault((module.out_features, module.in_features), module)
+        if isinstance(module, Int4Linear) and module.kernel in GEMV_KERNELS:
+            shapes.setdefault((module.out_features, module.in_features, module.kernel), module)
     for layer in shapes.values():
-        layer.gemv(torch.zeros(1, layer.in_features, device=layer.qweight.device, dtype=dtype))
+        if layer.kernel == "cuda-mma" and dtype in cuda_int4.DTYPES:
+            cuda_int4.tuned_config(layer.tiled, dtype)  # one choice for gemv and gemv_silu
+        elif layer.kernel == "triton":
+            layer.gemv(torch.zeros(1, layer.in_features, device=layer.qweight.device, dtype=dtype))
     if shapes:
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the tuner's L2-cold copies of the small weights
     return len(shapes)

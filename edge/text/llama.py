@@ -311,6 +311,9 @@ class LlamaModel(nn.Module):
         # projections are swapped for INT4 ones after construction); set False to
         # force the per-op torch path.
         self.fused_decode: bool | None = None
+        # Whether the fused step reads small products' weights into L2 ahead of them
+        # (triton_decode._Prefetcher; on only where L2 is large).
+        self.l2_prefetch = True
 
     @property
     def dtype(self) -> torch.dtype:

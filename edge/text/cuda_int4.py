@@ -1,0 +1,415 @@
+"""Our CUDA INT4 kernels (cuda_int4.cu): the decode GEMV on the tensor cores, and the
+dequantization that prefill multiplies with cuBLAS; built on the box with nvcc, called
+through ctypes on torch's current stream (so CUDA graphs capture them).
+
+The GEMV reads a tiled layout made for it once at load (`repack`): 16-byte loads
+coalesced across the warp, nibbles placed so that a mask and one packed subtraction
+turn each 32-bit word into a tensor-core operand, and a group's scales and zero points
+in one small block for the tile's 16 rows. It takes bfloat16 or float16 activations,
+K a multiple of 64 and groups of 32, 64, 128 or 256 (every shape the shipped and
+benchmarked models have); other layers keep the Triton kernel.
+
+The source is compiled once per machine, nvcc version, source version and GPU
+architecture (sm_80 and later: the Orin's sm_87, Hopper's sm_90) into the kernel cache
+that the CPU kernel uses (cpu_int4.cache_dir). nvcc is looked for in $CUDA_HOME/bin, on
+PATH and in /usr/local/cuda/bin (where JetPack puts it). Without it the kernel is
+unavailable, and CUDA serving falls back to the Triton kernel and says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from edge.text import cpu_int4
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cuda_int4.cu")
+TILE_ROWS = 16
+CHUNK = 64  # input channels per 16-byte lane load
+GROUPS = (32, 64, 128, 256)
+MAX_ROWS = 8  # activation rows per pass: the tensor-core product's 8 columns
+WARP_CHOICES = (1, 2, 4, 8, 16)  # warps per tile, splitting K
+UNROLL_CHOICES = (4, 8, 16)  # chunks a warp has in flight
+MIN_ARCH = (8, 0)  # mma.sync with bfloat16 operands
+DTYPES = {torch.bfloat16: 0, torch.float16: 1}
+DEQUANT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+_lock = threading.Lock()
+_libs: dict[str, ctypes.CDLL] = {}
+_errors: dict[str, str] = {}
+_tuned: dict[tuple[int, int, int, torch.dtype], tuple[int, int]] = {}
+
+
+def supports(in_features: int, group_size: int) -> bool:
+    return in_features % CHUNK == 0 and group_size in GROUPS and in_features % group_size == 0
+
+
+def nvcc() -> str | None:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    for candidate in (f"{home}/bin/nvcc" if home else None, shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def _flags(arch: str) -> list[str]:
+    return ["-O3", "-shared", "-Xcompiler", "-fPIC", f"-arch=sm_{arch}"]
+
+
+def library_path(compiler: str, arch: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), version.encode(), " ".join(_flags(arch)).encode()):
+        key.update(part)
+        key.update(b"\0")
+    return cpu_int4.cache_dir() / f"cuda_int4-sm{arch}-{key.hexdigest()[:16]}.so"
+
+
+def build(arch: str) -> Path:
+    """Compile for sm_`arch` into the cache unless it is there; returns the library path.
+    Concurrent builders each write a temporary file and rename it into place."""
+    compiler = nvcc()
+    if compiler is None:
+        raise RuntimeError("no nvcc (install the CUDA toolkit, or set CUDA_HOME)")
+    path = library_path(compiler, arch)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    logger.info("building the CUDA INT4 kernel for sm_%s (about 10 s, once per machine)", arch)
+    try:
+        done = subprocess.run(
+            [compiler, *_flags(arch), "-o", tmp, str(SOURCE)], capture_output=True, text=True, check=False, timeout=600
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"nvcc failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    logger.info("built the CUDA INT4 kernel: %s", path)
+    return path
+
+
+def _arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{major}{minor}"
+
+
+def _load(device: torch.device) -> ctypes.CDLL:
+    arch = _arch(device)
+    with _lock:
+        if arch in _libs:
+            return _libs[arch]
+        if arch in _errors:
+            raise RuntimeError(_errors[arch])
+        try:
+            if (int(arch[:-1]), int(arch[-1])) < MIN_ARCH:
+                raise RuntimeError(f"sm_{arch} has no bfloat16 tensor-core products (sm_80 or later)")
+            lib = ctypes.CDLL(str(build(arch)))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            _errors[arch] = f"the CUDA INT4 kernel is unavailable: {exc}"
+            raise RuntimeError(_errors[arch]) from exc
+        p, i = ctypes.c_void_p, ctypes.c_int
+        lib.edge_int4_gemv.restype = i
+        lib.edge_int4_gemv.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i, p]
+        lib.edge_l2_prefetch.restype = i
+        lib.edge_l2_prefetch.argtypes = [p, ctypes.c_longlong, p]
+        lib.edge_int4_dequant.restype = i
+        lib.edge_int4_dequant.argtypes = [p, p, p, p, i, i, i, i, i, i, p]
+        _libs[arch] = lib
+        return lib
+
+
+def available(device: torch.device | str = "cuda") -> bool:
+    """Whether the kernel is built (building it now if needed) and loadable for `device`."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    try:
+        _load(device)
+    except RuntimeError as exc:
+        logger.warning("%s; the Triton kernel serves instead", exc)
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class TiledInt4:
+    """A weight [n, k] in the GEMV's layout (cuda_int4.cu's header says it in full)."""
+
+    codes: torch.Tensor  # int32 [tiles, k/64, 32, 4]
+    scales: torch.Tensor  # float16 [tiles, k/G, 16]
+    zeros: torch.Tensor  # uint8 [tiles, k/G, 16]
+    n: int
+    k: int
+    group_size: int
+    # Rows reordered so that tile i holds gate rows 8i..8i+7 then up rows 8i..8i+7 of a
+    # gated unit's [gate; up] weight (pair_order): the GEMV can then write silu(gate)*up.
+    paired: bool = False
+
+    @property
+    def tiles(self) -> int:
+        return int(self.codes.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros))
+
+
+def can_pair(n: int) -> bool:
+    return n % (2 * TILE_ROWS) == 0
+
+
+def pair_order(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The original row held at each row of a paired weight: tile i is gate rows
+    8i..8i+7 then up rows 8i..8i+7 (gate the first n/2 rows, up the rest)."""
+    f = n // 2
+    tile, half, g = torch.meshgrid(
+        torch.arange(f // 8, device=device), torch.arange(2, device=device), torch.arange(8, device=device),
+        indexing="ij",
+    )  # fmt: skip
+    return (half * f + tile * 8 + g).reshape(n)
+
+
+def unpair(out: torch.Tensor) -> torch.Tensor:
+    """Columns of a paired weight's product [M, n] back into [gate | up] order."""
+    m, n = out.shape
+    return out.view(m, n // TILE_ROWS, 2, 8).transpose(1, 2).reshape(m, n)
+
+
+def repack(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, paired: bool = False
+) -> TiledInt4:
+    """The checkpoint's layout (uint8 [N, K/2], even k in the low nibble; scales and
+    zeros [N, K/G]) into the tiled one, on whatever device the tensors are on. Rows are
+    padded to a multiple of 16 with zero codes and scales (never stored back).
+    `paired`: the weight is a gated unit's [gate; up] (N a multiple of 32), reordered by
+    pair_order for gemv_silu."""
+    n, half = qweight.shape
+    k = half * 2
+    if not supports(k, group_size):
+        raise ValueError(f"the CUDA INT4 kernel takes K a multiple of {CHUNK} and groups {GROUPS} ({k}, {group_size})")
+    if paired:
+        if not can_pair(n):
+            raise ValueError(f"a paired gate/up weight needs rows in multiples of {2 * TILE_ROWS}, got {n}")
+        order = pair_order(n, qweight.device)
+        qweight, scales, zeros = qweight[order], scales[order], zeros[order]
+    tiles = -(-n // TILE_ROWS)
+    pad = tiles * TILE_ROWS - n
+    codes = torch.stack([qweight & 0x0F, qweight >> 4], dim=-1).reshape(n, k)
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros(pad, k)])
+        scales = torch.cat([scales, scales.new_zeros(pad, scales.shape[1])])
+        zeros = torch.cat([zeros, zeros.new_zeros(pad, zeros.shape[1])])
+    # row = tile*16 + rh*8 + g; k = c*64 + h*32 + t*8 + i*4 + r*2 + e
+    grid = codes.reshape(tiles, 2, 8, k // CHUNK, 2, 4, 2, 2, 2)  # T rh g C h t i r e
+    # -> T C g t h i | e r rh: lane = g*4 + t, word = h*2 + i, nibble = e*4 + r*2 + rh
+    nib = grid.permute(0, 3, 2, 5, 4, 6, 8, 7, 1).reshape(tiles, k // CHUNK, 32, 4, 4, 2)
+    # Nibbles 2b and 2b+1 are byte b of the little-endian word: bytes, then a view.
+    packed = (nib[..., 0] | (nib[..., 1] << 4)).contiguous()
+    words = packed.view(torch.int32).reshape(tiles, k // CHUNK, 32, 4)
+    groups = k // group_size
+    return TiledInt4(
+        codes=words.contiguous(),
+        scales=scales.to(torch.float16).reshape(tiles, TILE_ROWS, groups).transpose(1, 2).contiguous(),
+        zeros=zeros.to(torch.uint8).reshape(tiles, TILE_ROWS, groups).transpose(1, 2).contiguous(),
+        n=n,
+        k=k,
+        group_size=group_size,
+        paired=paired,
+    )
+
+
+def reference_weight(tiled: TiledInt4) -> torch.Tensor:
+    """The float32 weight [n, k] the tiled layout holds, decoded element by element the
+    way the kernels index it (not by undoing repack's permutation): CI checks the layout
+    with this where no GPU runs the kernels."""
+    codes = tiled.codes.to(torch.int64) & 0xFFFFFFFF
+    tiles, chunks = codes.shape[:2]
+    k, g_size = tiled.k, tiled.group_size
+    w = torch.empty(tiles * TILE_ROWS, k, dtype=torch.float32, device=codes.device)
+    scales, zeros = tiled.scales.float(), tiled.zeros.float()
+    ar = torch.arange
+    lane = ar(32, device=codes.device)
+    g, t = lane // 4, lane % 4
+    for word in range(4):
+        h, i = divmod(word, 2)
+        for nibble in range(8):
+            e, rest = divmod(nibble, 4)
+            r, rh = divmod(rest, 2)
+            value = ((codes[:, :, :, word] >> (4 * nibble)) & 15).float()  # [T, C, 32]
+            rows = ar(tiles, device=codes.device)[:, None] * TILE_ROWS + rh * 8 + g[None, :]  # [T, 32]
+            ks = ar(chunks, device=codes.device)[:, None] * CHUNK + h * 32 + t[None, :] * 8 + i * 4 + r * 2 + e
+            grp = ks // g_size  # [C, 32]
+            tile_ix = ar(tiles, device=codes.device)[:, None, None]
+            sub = (rh * 8 + g)[None, None, :]
+            s = scales[tile_ix, grp[None], sub]
+            z = zeros[tile_ix, grp[None], sub]
+            w[rows[:, None, :].expand(-1, chunks, -1), ks[None].expand(tiles, -1, -1)] = (value - z) * s
+    w = w[: tiled.n]
+    if tiled.paired:
+        original = torch.empty_like(w)
+        original[pair_order(tiled.n, w.device)] = w
+        return original
+    return w
+
+
+def _stream() -> int:
+    return int(torch.cuda.current_stream().cuda_stream)
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"the CUDA INT4 {what} failed to launch (CUDA error {rc})")
+
+
+def gemv(x: torch.Tensor, tiled: TiledInt4, config: tuple[int, int] | None = None) -> torch.Tensor:
+    """x [M, k] (M <= 8, bfloat16 or float16) times the weight -> [M, n] float32. A row's
+    result is the same bits whatever M is. `config` (warps per 16-row tile, chunks in
+    flight per warp) skips the tuned choice (tests, sweeps)."""
+    m, k = x.shape
+    if m > MAX_ROWS or k != tiled.k or x.dtype not in DTYPES:
+        shape = f"[<= {MAX_ROWS}, {tiled.k}] bfloat16 or float16"
+        raise ValueError(f"the CUDA INT4 GEMV takes {shape}, got {list(x.shape)} {x.dtype}")
+    lib = _load(x.device)
+    if not x.is_contiguous() or x.data_ptr() % 16:
+        x = x.contiguous().clone()
+    warps, unroll = tuned_config(tiled, x.dtype) if config is None else config
+    out = torch.empty(m, tiled.n, device=x.device, dtype=torch.float32)
+    rc = lib.edge_int4_gemv(
+        tiled.codes.data_ptr(), tiled.scales.data_ptr(), tiled.zeros.data_ptr(), x.data_ptr(), out.data_ptr(), None,
+        m, tiled.n, k, tiled.group_size, DTYPES[x.dtype], warps, unroll, _stream(),
+    )  # fmt: skip
+    _check(rc, "GEMV")
+    return unpair(out) if tiled.paired else out
+
+
+def gemv_silu(x: torch.Tensor, tiled: TiledInt4, config: tuple[int, int] | None = None) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) [M, n/2] in x's dtype, for a paired weight: the
+    gated unit's activation straight from the GEMV's sums (the float32 gate/up products
+    never reach memory)."""
+    m, k = x.shape
+    if not tiled.paired:
+        raise ValueError("gemv_silu takes a paired gate/up weight (repack(..., paired=True))")
+    if m > MAX_ROWS or k != tiled.k or x.dtype not in DTYPES:
+        raise ValueError(f"the CUDA INT4 GEMV takes [<= {MAX_ROWS}, {tiled.k}] bf16/fp16, got {list(x.shape)}")
+    lib = _load(x.device)
+    if not x.is_contiguous() or x.data_ptr() % 16:
+        x = x.contiguous().clone()
+    warps, unroll = tuned_config(tiled, x.dtype) if config is None else config
+    act = torch.empty(m, tiled.n // 2, device=x.device, dtype=x.dtype)
+    rc = lib.edge_int4_gemv(
+        tiled.codes.data_ptr(), tiled.scales.data_ptr(), tiled.zeros.data_ptr(), x.data_ptr(), None, act.data_ptr(),
+        m, tiled.n, k, tiled.group_size, DTYPES[x.dtype], warps, unroll, _stream(),
+    )  # fmt: skip
+    _check(rc, "GEMV")
+    return act
+
+
+def l2_bytes(device: torch.device | str) -> int:
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0))
+
+
+def prefetch(tiled: TiledInt4) -> None:
+    """Ask L2 for the weight's bytes now, on the current stream (a side stream in the
+    decode step), ahead of the GEMV that reads it."""
+    lib = _load(tiled.codes.device)
+    for t in (tiled.codes, tiled.scales, tiled.zeros):
+        _check(lib.edge_l2_prefetch(t.data_ptr(), t.numel() * t.element_size(), _stream()), "L2 prefetch")
+
+
+def dequant(tiled: TiledInt4, tile0: int, tiles: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows [tile0*16, min(n, (tile0+tiles)*16)) of the weight in `dtype`."""
+    lib = _load(tiled.codes.device)
+    rows = min(tiled.n, (tile0 + tiles) * TILE_ROWS) - tile0 * TILE_ROWS
+    out = torch.empty(rows, tiled.k, device=tiled.codes.device, dtype=dtype)
+    rc = lib.edge_int4_dequant(
+        tiled.codes.data_ptr(), tiled.scales.data_ptr(), tiled.zeros.data_ptr(), out.data_ptr(),
+        tile0, tiles, tiled.n, tiled.k, tiled.group_size, DEQUANT_DTYPES[dtype], _stream(),
+    )  # fmt: skip
+    _check(rc, "dequantization")
+    return out
+
+
+def configs(k: int) -> list[tuple[int, int]]:
+    """(warps, unroll) worth timing for K: no more warps than chunks, and no unroll a
+    warp's run of chunks would not half fill."""
+    chunks = k // CHUNK
+    out = []
+    for warps in WARP_CHOICES:
+        per = -(-chunks // warps)
+        if warps > chunks:
+            break
+        out += [(warps, u) for u in UNROLL_CHOICES if u == UNROLL_CHOICES[0] or u // 2 < per]
+    return out
+
+
+def tuned_config(tiled: TiledInt4, dtype: torch.dtype) -> tuple[int, int]:
+    """(warps, unroll) for this shape: timed once per process inside CUDA graphs (as
+    decode runs the kernel), one choice for every number of rows (batch invariance)."""
+    key = (tiled.n, tiled.k, tiled.group_size, dtype)
+    if key in _tuned:
+        return _tuned[key]
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("the CUDA INT4 GEMV is tuned before capture (int4.tune_gemv)")
+    device = tiled.codes.device
+    x = torch.zeros(1, tiled.k, device=device, dtype=dtype)
+    # Decode streams each weight from memory once per token. A weight smaller than L2
+    # timed alone would be read from L2 after the first launch, and the choice made for
+    # a cache the real step never has: time copies that together are twice L2's size.
+    l2 = l2_bytes(device)
+    copies = [tiled] + [
+        TiledInt4(tiled.codes.clone(), tiled.scales.clone(), tiled.zeros.clone(), tiled.n, tiled.k, tiled.group_size)
+        for _ in range(min(63, -(-2 * l2 // tiled.nbytes) - 1))
+    ]
+    best, best_t = (WARP_CHOICES[0], UNROLL_CHOICES[0]), float("inf")
+    for config in configs(tiled.k):
+        elapsed = _graph_time([partial(gemv, x, c, config) for c in copies])
+        if elapsed < best_t:
+            best, best_t = config, elapsed
+    _tuned[key] = best
+    logger.debug("CUDA INT4 GEMV [%d x %d] g%d: %d warps per tile, %d chunks in flight (%.1f us)", tiled.n, tiled.k,
+                 tiled.group_size, *best, best_t * 1e6)  # fmt: skip
+    return best
+
+
+def _graph_time(fns: list[Callable[[], object]], launches: int = 24, replays: int = 5) -> float:
+    """Seconds per launch, `launches` of them (taking `fns` in turn) captured in one
+    graph, best replay."""
+    launches = max(launches, len(fns))
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fns[0]()  # warm: the first launch loads the module
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(launches):
+                fns[i % len(fns)]()
+    torch.cuda.current_stream().wait_stream(stream)
+    best = float("inf")
+    for _ in range(replays):
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000 / launches)
+    del graph
+    return best
