@@ -79,4 +79,10 @@ PY
   rm -f .venv/.installed-*
   touch "${done_stamps[0]}"
 fi
+# Where torch sees a GPU (a Jetson, a CUDA workstation), our CUDA INT4 kernel is built
+# now for it (edge/text/cuda_int4.py; about 30 s, once), not at the daemon's first start.
+if .venv/bin/python -c "import torch, sys; sys.exit(not torch.cuda.is_available())" >/dev/null 2>&1; then
+  .venv/bin/python -m edge.text.cuda_int4 >/dev/null ||
+    echo "setup: the CUDA INT4 kernel did not build (no nvcc?); serving falls back to Triton or torch's kernel" >&2
+fi
 echo "setup: ready (.venv)"

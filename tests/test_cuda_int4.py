@@ -8,6 +8,9 @@ the packer or the formulas the kernel shares shows up in CI.
 
 from __future__ import annotations
 
+import ctypes
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -199,3 +202,18 @@ def test_fused_decode_with_the_cuda_gemv_matches_the_reference() -> None:
         step = decoder.step(ids[0, pos : pos + 1], pos)[0]
         err = float((step.float() - want[pos]).norm() / want[pos].norm())
         assert err < 2e-2, f"position {pos}: relative error {err:.4f}"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(cuda_int4.nvcc() is None, reason="no nvcc on this machine")
+@pytest.mark.parametrize("arch", ["87", "90"])
+def test_kernel_builds_for_the_orin_and_for_hopper(arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default path compiles for sm_87 (the Orin) as well as sm_90, into the kernel
+    cache, once: a second build finds the library there; its entry points load."""
+    monkeypatch.setenv("EDGE_KERNEL_CACHE", str(tmp_path))
+    path = cuda_int4.build(arch)
+    assert path.parent == tmp_path and f"sm{arch}" in path.name and path.stat().st_size > 0
+    mtime = path.stat().st_mtime_ns
+    assert cuda_int4.build(arch) == path and path.stat().st_mtime_ns == mtime
+    lib = ctypes.CDLL(str(path))
+    assert all(hasattr(lib, name) for name in ("edge_int4_gemv", "edge_int4_dequant", "edge_l2_prefetch"))

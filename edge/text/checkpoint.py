@@ -55,9 +55,10 @@ def default_int4_kernel(device: torch.device, exact_cpu: bool = True) -> str:
         from edge.text import cuda_int4
         from edge.text.triton_int4 import TRITON_SUPPORT
 
-        if not TRITON_SUPPORT:
-            return "cuda"
-        return "cuda-mma" if cuda_int4.available(device) else "triton"
+        # Without Triton (JetPack's torch) the CUDA GEMV still serves, in the per-op step.
+        if cuda_int4.available(device):
+            return "cuda-mma"
+        return "triton" if TRITON_SUPPORT else "cuda"
     # Ours computes the quantized model exactly in float32; torch's rounds to bfloat16.
     if exact_cpu and cpu_int4.available():
         return "cpu-f32"

@@ -90,21 +90,27 @@ def build() -> Path:
     path = library_path(cc)
     if path.exists():
         return path
+    compile_into(path, [cc, *_flags()], SOURCE, timeout=300)
+    logger.info("built the CPU INT4 kernel: %s", path)
+    return path
+
+
+def compile_into(path: Path, command: list[str], source: Path, timeout: float) -> None:
+    """Run `command -o TMP source` and rename TMP to `path`: concurrent builders each
+    write their own temporary file, and a reader never sees a half-written library."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         done = subprocess.run(
-            [cc, *_flags(), "-o", tmp, str(SOURCE)], capture_output=True, text=True, check=False, timeout=300
+            [*command, "-o", tmp, str(source)], capture_output=True, text=True, check=False, timeout=timeout
         )
         if done.returncode != 0:
-            raise RuntimeError(f"{cc} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{command[0]} failed on {source.name}: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    logger.info("built the CPU INT4 kernel: %s", path)
-    return path
 
 
 def _load() -> ctypes.CDLL:

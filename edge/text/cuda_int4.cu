@@ -115,24 +115,35 @@ __global__ void __launch_bounds__(WARPS * 32)
   // This lane's column of the product is activation row g: rows past M are zeros.
   const bool live = g < M;
   const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)(live ? g : 0) * K) + t;
-  // Each warp takes a contiguous run of chunks, so a group's chunks stay in one warp
-  // and its scale is applied once.
+  // Each warp takes a contiguous run of chunks (neighbouring warps read neighbouring
+  // 512-byte pieces of the tile's stream).
   const int per = (chunks + WARPS - 1) / WARPS;
   const int c_begin = warp * per;
   const int c_end = min(chunks, c_begin + per);
+  // Groups of 32 change at every sub-chunk; larger ones hold a whole chunk.
+  constexpr int SUBS = G == 32 ? 2 : 1;
   float total[4] = {0.f, 0.f, 0.f, 0.f};
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  float s_lo = 0.f, s_hi = 0.f;
-  uint32_t z_lo = 0, z_hi = 0;
   for (int c0 = c_begin; c0 < c_end; c0 += UNROLL) {
-    // The weights first, all of them: the activations (a few KB, in L1 after the first
-    // warp on this multiprocessor read them) are loaded where they are used, so they
-    // hold no registers while the weights are in flight.
+    // Everything the round needs from memory is asked for first: the weights and their
+    // groups' scales and zero points (loading those where they are used would add a
+    // second round trip to every group). The activations (a few KB, in L1 after the
+    // first warp on this multiprocessor read them) are loaded where they are used.
     uint4 w[UNROLL];
+    __half s_raw[UNROLL][SUBS][2];
+    uint8_t z_raw[UNROLL][SUBS][2];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int c = c0 + u;
-      w[u] = c < c_end ? load_stream(wp + (size_t)c * 32) : make_uint4(0, 0, 0, 0);
+      const bool in = c < c_end;
+      w[u] = in ? load_stream(wp + (size_t)c * 32) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int h = 0; h < SUBS; ++h) {
+        const int grp = in ? (c * 64 + h * 32) / G : 0;
+        s_raw[u][h][0] = sp[grp * 16 + g];
+        s_raw[u][h][1] = sp[grp * 16 + g + 8];
+        z_raw[u][h][0] = zp[grp * 16 + g];
+        z_raw[u][h][1] = zp[grp * 16 + g + 8];
+      }
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
@@ -143,16 +154,12 @@ __global__ void __launch_bounds__(WARPS * 32)
         xv[0] = __ldg(xp + c * 8);
         xv[1] = __ldg(xp + c * 8 + 4);
       }
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int k0 = c * 64 + h * 32;
-        if (k0 % G == 0 || k0 == c_begin * 64) {  // a new group (or this warp's first)
-          const int grp = k0 / G;
-          s_lo = __half2float(sp[grp * 16 + g]);
-          s_hi = __half2float(sp[grp * 16 + g + 8]);
-          z_lo = Fmt<T>::MAGIC | (uint32_t(zp[grp * 16 + g]) * 0x10001u);
-          z_hi = Fmt<T>::MAGIC | (uint32_t(zp[grp * 16 + g + 8]) * 0x10001u);
-        }
+        const int sub = SUBS == 2 ? h : 0;
+        const uint32_t z_lo = Fmt<T>::MAGIC | (uint32_t(z_raw[u][sub][0]) * 0x10001u);
+        const uint32_t z_hi = Fmt<T>::MAGIC | (uint32_t(z_raw[u][sub][1]) * 0x10001u);
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           const uint32_t v = word_of(w[u], h * 2 + i);
@@ -162,8 +169,9 @@ __global__ void __launch_bounds__(WARPS * 32)
           const uint32_t a3 = Fmt<T>::sub(((v >> 12) & 0x000F000Fu) | Fmt<T>::MAGIC, z_hi);
           Fmt<T>::mma(acc, a0, a1, a2, a3, word_of(xv[h], 2 * i), word_of(xv[h], 2 * i + 1));
         }
-        const int k1 = k0 + 32;
-        if (k1 % G == 0 || k1 == c_end * 64) {  // the group (or this warp's run) ends
+        if (SUBS == 2 || h == 1) {  // the group's (or the chunk's) sums, scaled once
+          const float s_lo = __half2float(s_raw[u][sub][0]);
+          const float s_hi = __half2float(s_raw[u][sub][1]);
           total[0] += s_lo * acc[0];
           total[1] += s_lo * acc[1];
           total[2] += s_hi * acc[2];
@@ -285,9 +293,9 @@ template <typename T, int G>
 cudaError_t launch_unrolled(const void* codes, const void* scales, const void* zeros, const void* x, void* out,
                             void* act, int M, int N, int K, int warps, int unroll, cudaStream_t stream) {
   switch (unroll) {
+    case 2: return launch_gemv<T, G, 2>(codes, scales, zeros, x, out, act, M, N, K, warps, stream);
     case 4: return launch_gemv<T, G, 4>(codes, scales, zeros, x, out, act, M, N, K, warps, stream);
     case 8: return launch_gemv<T, G, 8>(codes, scales, zeros, x, out, act, M, N, K, warps, stream);
-    case 16: return launch_gemv<T, G, 16>(codes, scales, zeros, x, out, act, M, N, K, warps, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -328,7 +336,7 @@ int edge_l2_prefetch(const void* p, long long bytes, void* stream) {
   return int(cudaGetLastError());
 }
 
-// dtype: 0 bfloat16, 1 float16 activations; warps 1..16 per tile; unroll 4, 8 or 16.
+// dtype: 0 bfloat16, 1 float16 activations; warps 1..16 per tile; unroll 2, 4 or 8.
 // out [M, N] float32, or, where `act` is given (a paired gate/up weight, N = 2F rows),
 // act [M, F] in the activations' type: silu(gate) * up. Returns a cudaError_t (0: launched).
 int edge_int4_gemv(const void* codes, const void* scales, const void* zeros, const void* x, void* out, void* act, int M,

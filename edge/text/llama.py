@@ -312,8 +312,9 @@ class LlamaModel(nn.Module):
         # force the per-op torch path.
         self.fused_decode: bool | None = None
         # Whether the fused step reads small products' weights into L2 ahead of them
-        # (triton_decode._Prefetcher; on only where L2 is large).
-        self.l2_prefetch = True
+        # (triton_decode._Prefetcher, only where L2 is large). Off: on the H200 it made
+        # the step no faster (README, GPU speed).
+        self.l2_prefetch = False
 
     @property
     def dtype(self) -> torch.dtype:
