@@ -583,7 +583,7 @@ def run_cuda(args: argparse.Namespace) -> dict[str, Any]:
         # Each row on disk as soon as it is measured: a run cut short keeps what it had.
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if not isinstance(v, dict | list)}))
-        partial.write_text(json.dumps({"rows": rows, "copy_bandwidth_gb_s": bandwidth}, indent=1) + "\n")
+        partial.write_text(json.dumps({"rows": rows, "copy_bandwidth_gb_s": bandwidth / 1e9}, indent=1) + "\n")
 
     if not args.skip_baseline:
         keep(hf_baseline(config, args.prompt, args.new_tokens))

@@ -103,6 +103,38 @@ def _kernel_name(name: str) -> str:
     return short if len(short) <= 48 else short[:45] + "..."
 
 
+def _cuda_rows(rows: list[dict[str, Any]], long: int, prompt: int) -> list[str]:
+    lines = [
+        f"| variant | decode tok/s | at {long} tokens | of roofline | TTFT ms ({prompt} tokens) | peak GiB |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['name']} | error: {r['error'][:80]} | | | | |")
+            continue
+        lines.append(
+            f"| {r['name']} | {_num(r, 'decode_tok_s')} | {_num(r, 'decode_tok_s_4k')} | "
+            f"{_num(r, 'roofline_fraction', '.0%')} | {_num(r, 'ttft_ms')} | {_num(r, 'peak_gib', '.2f')} |"
+        )
+    return lines
+
+
+def text_cuda_rows_only(d: dict[str, Any]) -> str:
+    """A run's rows as `bench_text.py cuda` keeps them while it runs (its .partial.json):
+    a run cut short before its llama.cpp row, so no ratio can be drawn from it."""
+    return "\n".join(
+        [
+            "A later run of the same script and options with the current kernel (the groups' scales and zero "
+            "points loaded together with the weights), on another H200 of the same kind, cut short by the "
+            "machine's time limit before llama.cpp ran: our rows only, so no same-run ratio "
+            "(`bench/results/text_cuda_current_kernel.json`). Its TTFTs, too, were measured while llama.cpp "
+            "compiled on the CPUs.",
+            "",
+            *_cuda_rows(d["rows"], 4096, 512),
+        ]
+    )
+
+
 def text_cuda(d: dict[str, Any]) -> str:
     long = d.get("long_context_tokens", 4096)
     lines = [
@@ -112,18 +144,8 @@ def text_cuda(d: dict[str, Any]) -> str:
         "and host together (a Jetson's are the same DRAM): torch's allocator peak for ours, llama.cpp's own "
         "buffers (from its log) for it.",
         "",
-        f"| variant | decode tok/s | at {long} tokens | of roofline | TTFT ms ({d['prompt_tokens']} tokens) "
-        "| peak GiB |",
-        "|---|---:|---:|---:|---:|---:|",
+        *_cuda_rows(d["rows"], long, d["prompt_tokens"]),
     ]
-    for r in d["rows"]:
-        if "error" in r:
-            lines.append(f"| {r['name']} | error: {r['error'][:80]} | | | | |")
-            continue
-        lines.append(
-            f"| {r['name']} | {_num(r, 'decode_tok_s')} | {_num(r, 'decode_tok_s_4k')} | "
-            f"{_num(r, 'roofline_fraction', '.0%')} | {_num(r, 'ttft_ms')} | {_num(r, 'peak_gib', '.2f')} |"
-        )
     peer = d.get("llamacpp")
     vs = (peer or {}).get("vs") or {}
     if vs:
@@ -412,6 +434,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "text_quality": ("text_quality.json", text_quality),
     "text_cpu": ("text_cpu.json", text_cpu),
     "text_cuda": ("text_cuda.json", text_cuda),
+    "text_cuda_current_kernel": ("text_cuda_current_kernel.json", text_cuda_rows_only),
     "gemv_sweep_cuda": ("gemv_sweep_cuda.json", gemv_sweep_cuda),
     "vision_cpu": ("vision_cpu.json", vision_cpu),
     "vision_cuda": ("vision_cuda.json", vision_cuda),
