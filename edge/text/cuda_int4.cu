@@ -28,44 +28,47 @@
 
 namespace {
 
+// What differs between the two activation types: the magic number a code is OR-ed
+// into, the packed pair type, and the tensor-core instruction's operand type.
 template <typename T>
 struct Fmt;
 
 template <>
 struct Fmt<__nv_bfloat16> {
   static constexpr uint32_t MAGIC = 0x43004300u;  // 128.0, twice
-  __device__ static uint32_t sub(uint32_t a, uint32_t b) {
-    __nv_bfloat162 x = *reinterpret_cast<__nv_bfloat162*>(&a);
-    __nv_bfloat162 y = *reinterpret_cast<__nv_bfloat162*>(&b);
-    __nv_bfloat162 d = __hsub2(x, y);
-    return *reinterpret_cast<uint32_t*>(&d);
-  }
-  __device__ static void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                             uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
+  using Pair = __nv_bfloat162;
 };
 
 template <>
 struct Fmt<__half> {
   static constexpr uint32_t MAGIC = 0x64006400u;  // 1024.0, twice
-  __device__ static uint32_t sub(uint32_t a, uint32_t b) {
-    __half2 x = *reinterpret_cast<__half2*>(&a);
-    __half2 y = *reinterpret_cast<__half2*>(&b);
-    __half2 d = __hsub2(x, y);
-    return *reinterpret_cast<uint32_t*>(&d);
-  }
-  __device__ static void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                             uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
+  using Pair = __half2;
 };
+
+// a - b on two packed values of T.
+template <typename T>
+__device__ __forceinline__ uint32_t sub2(uint32_t a, uint32_t b) {
+  using P = typename Fmt<T>::Pair;
+  P d = __hsub2(*reinterpret_cast<P*>(&a), *reinterpret_cast<P*>(&b));
+  return *reinterpret_cast<uint32_t*>(&d);
+}
+
+// d += A (16x16, four registers) * B (16x8, two registers) on the tensor cores, float32 sums.
+template <typename T>
+__device__ void mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1);
+
+#define EDGE_MMA(TYPE, PTX)                                                                                       \
+  template <>                                                                                                     \
+  __device__ __forceinline__ void mma<TYPE>(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,    \
+                                            uint32_t b0, uint32_t b1) {                                           \
+    asm("mma.sync.aligned.m16n8k16.row.col.f32." PTX "." PTX ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "         \
+        "{%0,%1,%2,%3};"                                                                                          \
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                                          \
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));                                                  \
+  }
+EDGE_MMA(__nv_bfloat16, "bf16")
+EDGE_MMA(__half, "f16")
+#undef EDGE_MMA
 
 // Streamed once per token and never reused before it is evicted: keep it out of L1.
 __device__ __forceinline__ uint4 load_stream(const uint4* p) {
@@ -163,11 +166,11 @@ __global__ void __launch_bounds__(WARPS * 32)
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           const uint32_t v = word_of(w[u], h * 2 + i);
-          const uint32_t a0 = Fmt<T>::sub((v & 0x000F000Fu) | Fmt<T>::MAGIC, z_lo);
-          const uint32_t a1 = Fmt<T>::sub(((v >> 4) & 0x000F000Fu) | Fmt<T>::MAGIC, z_hi);
-          const uint32_t a2 = Fmt<T>::sub(((v >> 8) & 0x000F000Fu) | Fmt<T>::MAGIC, z_lo);
-          const uint32_t a3 = Fmt<T>::sub(((v >> 12) & 0x000F000Fu) | Fmt<T>::MAGIC, z_hi);
-          Fmt<T>::mma(acc, a0, a1, a2, a3, word_of(xv[h], 2 * i), word_of(xv[h], 2 * i + 1));
+          const uint32_t a0 = sub2<T>((v & 0x000F000Fu) | Fmt<T>::MAGIC, z_lo);
+          const uint32_t a1 = sub2<T>(((v >> 4) & 0x000F000Fu) | Fmt<T>::MAGIC, z_hi);
+          const uint32_t a2 = sub2<T>(((v >> 8) & 0x000F000Fu) | Fmt<T>::MAGIC, z_lo);
+          const uint32_t a3 = sub2<T>(((v >> 12) & 0x000F000Fu) | Fmt<T>::MAGIC, z_hi);
+          mma<T>(acc, a0, a1, a2, a3, word_of(xv[h], 2 * i), word_of(xv[h], 2 * i + 1));
         }
         if (SUBS == 2 || h == 1) {  // the group's (or the chunk's) sums, scaled once
           const float s_lo = __half2float(s_raw[u][sub][0]);

@@ -266,10 +266,9 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"the CUDA INT4 {what} failed to launch (CUDA error {rc})")
 
 
-def gemv(x: torch.Tensor, tiled: TiledInt4, config: tuple[int, int] | None = None) -> torch.Tensor:
-    """x [M, k] (M <= 8, bfloat16 or float16) times the weight -> [M, n] float32. A row's
-    result is the same bits whatever M is. `config` (warps per 16-row tile, chunks in
-    flight per warp) skips the tuned choice (tests, sweeps)."""
+def _launch(x: torch.Tensor, tiled: TiledInt4, config: tuple[int, int] | None, gated: bool) -> torch.Tensor:
+    """The GEMV's one launch: [M, n] float32 sums, or with `gated` a paired weight's
+    silu(gate) * up [M, n/2] in x's dtype."""
     m, k = x.shape
     if m > MAX_ROWS or k != tiled.k or x.dtype not in DTYPES:
         shape = f"[<= {MAX_ROWS}, {tiled.k}] bfloat16 or float16"
@@ -278,12 +277,25 @@ def gemv(x: torch.Tensor, tiled: TiledInt4, config: tuple[int, int] | None = Non
     if not x.is_contiguous() or x.data_ptr() % 16:
         x = x.contiguous().clone()
     warps, unroll = tuned_config(tiled, x.dtype) if config is None else config
-    out = torch.empty(m, tiled.n, device=x.device, dtype=torch.float32)
+    if gated:
+        result = torch.empty(m, tiled.n // 2, device=x.device, dtype=x.dtype)
+        out, act = None, result.data_ptr()
+    else:
+        result = torch.empty(m, tiled.n, device=x.device, dtype=torch.float32)
+        out, act = result.data_ptr(), None
     rc = lib.edge_int4_gemv(
-        tiled.codes.data_ptr(), tiled.scales.data_ptr(), tiled.zeros.data_ptr(), x.data_ptr(), out.data_ptr(), None,
+        tiled.codes.data_ptr(), tiled.scales.data_ptr(), tiled.zeros.data_ptr(), x.data_ptr(), out, act,
         m, tiled.n, k, tiled.group_size, DTYPES[x.dtype], warps, unroll, _stream(),
     )  # fmt: skip
     _check(rc, "GEMV")
+    return result
+
+
+def gemv(x: torch.Tensor, tiled: TiledInt4, config: tuple[int, int] | None = None) -> torch.Tensor:
+    """x [M, k] (M <= 8, bfloat16 or float16) times the weight -> [M, n] float32. A row's
+    result is the same bits whatever M is. `config` (warps per 16-row tile, chunks in
+    flight per warp) skips the tuned choice (tests, sweeps)."""
+    out = _launch(x, tiled, config, gated=False)
     return unpair(out) if tiled.paired else out
 
 
@@ -291,22 +303,9 @@ def gemv_silu(x: torch.Tensor, tiled: TiledInt4, config: tuple[int, int] | None 
     """silu(x @ gate.T) * (x @ up.T) [M, n/2] in x's dtype, for a paired weight: the
     gated unit's activation straight from the GEMV's sums (the float32 gate/up products
     never reach memory)."""
-    m, k = x.shape
     if not tiled.paired:
         raise ValueError("gemv_silu takes a paired gate/up weight (repack(..., paired=True))")
-    if m > MAX_ROWS or k != tiled.k or x.dtype not in DTYPES:
-        raise ValueError(f"the CUDA INT4 GEMV takes [<= {MAX_ROWS}, {tiled.k}] bf16/fp16, got {list(x.shape)}")
-    lib = _load(x.device)
-    if not x.is_contiguous() or x.data_ptr() % 16:
-        x = x.contiguous().clone()
-    warps, unroll = tuned_config(tiled, x.dtype) if config is None else config
-    act = torch.empty(m, tiled.n // 2, device=x.device, dtype=x.dtype)
-    rc = lib.edge_int4_gemv(
-        tiled.codes.data_ptr(), tiled.scales.data_ptr(), tiled.zeros.data_ptr(), x.data_ptr(), None, act.data_ptr(),
-        m, tiled.n, k, tiled.group_size, DTYPES[x.dtype], warps, unroll, _stream(),
-    )  # fmt: skip
-    _check(rc, "GEMV")
-    return act
+    return _launch(x, tiled, config, gated=True)
 
 
 def l2_bytes(device: torch.device | str) -> int:

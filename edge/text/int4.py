@@ -266,9 +266,7 @@ class Int4Linear(nn.Module):
         gate/up layer and activations it takes; None where this layer cannot."""
         if self.kernel != "cuda-mma" or not self.paired or x.dtype not in cuda_int4.DTYPES:
             return None
-        if x.shape[0] > cuda_int4.MAX_ROWS:
-            return None
-        return cuda_int4.gemv_silu(x, self.tiled)
+        return cuda_int4.gemv_silu(x, self.tiled) if x.shape[0] <= cuda_int4.MAX_ROWS else None
 
     def gemv(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] (a few rows) -> [M, N] float32, straight from the GEMV: the fused
@@ -312,10 +310,7 @@ class Int4Linear(nn.Module):
                     )
                     out[:, n0:n1] = flat @ w.T
         elif self.kernel == "cuda-mma":
-            if flat.shape[0] <= cuda_int4.MAX_ROWS and flat.dtype in cuda_int4.DTYPES:
-                out = cuda_int4.gemv(flat, self.tiled)
-            else:
-                out = self._dequant_matmul(flat)
+            out = self.gemv(flat) if flat.shape[0] <= cuda_int4.MAX_ROWS else self._dequant_matmul(flat)
         else:
             out = flat.to(self.w.dtype) @ self.w.T
         if self.exact_top:
