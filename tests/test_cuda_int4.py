@@ -72,6 +72,25 @@ def test_repack_refuses_what_the_kernel_cannot_take() -> None:
     assert not cuda_int4.supports(4096, 16) and cuda_int4.supports(4096, 128)
 
 
+@pytest.mark.parametrize(("triton", "expect"), [(True, "triton"), (False, "dequant")])
+def test_a_layer_the_cuda_kernel_cannot_take_falls_back(
+    triton: bool, expect: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """K = 96 is no whole number of chunks: such a layer takes the Triton kernel, or,
+    where Triton is absent (JetPack's torch), torch's tiled kernel, which in turn
+    dequantizes a layer of 40 rows (it packs 16 at a time). It never fails to load."""
+    from edge.text import triton_int4
+    from edge.text.int4 import Int4Linear
+
+    monkeypatch.setattr(triton_int4, "TRITON_SUPPORT", triton)
+    q = _weight(40, 96, 32, seed=7)
+    layer = Int4Linear(q, "cuda-mma")
+    assert layer.kernel == expect
+    if expect == "dequant":
+        x = torch.randn(3, 96)
+        torch.testing.assert_close(layer(x), x @ dequantize(q).T)
+
+
 def test_unavailable_without_a_cuda_device() -> None:
     assert not cuda_int4.available("cpu")
 

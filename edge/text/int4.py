@@ -193,6 +193,12 @@ class Int4Linear(nn.Module):
         self.in_features = q.shape[1]
         self.out_features = q.shape[0]
         self.group_size = q.group_size
+        if kernel == "cuda-mma" and not cuda_int4.supports(self.in_features, self.group_size):
+            # Triton where it is; without it (JetPack's torch) torch's tiled kernel.
+            fallback = "triton" if triton_int4.TRITON_SUPPORT else "cuda"
+            logger.info("INT4 layer [%d x %d] group %d: %s kernel (the CUDA one takes K a multiple of %d)",
+                        q.shape[0], q.shape[1], q.group_size, fallback, cuda_int4.CHUNK)  # fmt: skip
+            kernel = fallback
         if kernel in ("cpu", "cuda") and self.out_features % 16:
             # torch's tiled INT4 packers take rows in multiples of 16 (a vocabulary of
             # 32001 tokens, say): such a layer is dequantized once and multiplied instead.
@@ -201,10 +207,6 @@ class Int4Linear(nn.Module):
         if kernel == "cpu-f32" and not cpu_int4.supports(self.in_features, self.group_size):
             logger.info("INT4 layer of group %d: torch's tiled kernel (cpu-f32 takes multiples of 32)", q.group_size)
             kernel = "cpu"
-        if kernel == "cuda-mma" and not cuda_int4.supports(self.in_features, self.group_size):
-            logger.info("INT4 layer [%d x %d] group %d: Triton kernel (the CUDA one takes K a multiple of %d)",
-                        q.shape[0], q.shape[1], q.group_size, cuda_int4.CHUNK)  # fmt: skip
-            kernel = "triton"
         self.kernel = kernel
         self.weight_bytes = q.nbytes
         self._counters: torch.Tensor | None = None  # the Triton GEMV's split-K tile counters
