@@ -138,19 +138,29 @@ def hf_baseline(config: LlamaConfig, prompt_len: int, new_tokens: int) -> dict[s
 
 
 def _decode_rate(decoder: Any, token: torch.Tensor, start: int, new_tokens: int) -> float:
-    """Tokens per second decoding `new_tokens` from position `start`, each token back on
-    the host before the next step (as serving needs it: EOS, stop strings, streaming)."""
+    """Tokens per second decoding `new_tokens` greedily from position `start`, each token
+    back on the host (as serving needs it: EOS, stop strings, streaming) the way the
+    serving batcher reads it: the next step is launched on the token chosen on the GPU,
+    and the host reads that token while the step runs (StepGraphs.run_chosen)."""
     # Capture the buckets the timed run will use before timing it.
     for pos in range(start, start + new_tokens, decoder.bucket):
         decoder.step(token, pos)
     torch.cuda.synchronize()
+    back = torch.zeros(1, dtype=torch.long).pin_memory()
+    ready = torch.cuda.Event()
 
     def decode() -> None:
         tok = token
         for pos in range(start, start + new_tokens):
             logits = decoder.step(tok, pos)
+            if pos > start:
+                ready.synchronize()
+                int(back[0])  # the previous token, read while this step runs
             tok = logits[0].argmax().view(1)
-            int(tok)
+            back.copy_(tok, non_blocking=True)
+            ready.record()
+        ready.synchronize()
+        int(back[0])
 
     return new_tokens / cuda_time(decode, repeat=3, warmup=1)
 
@@ -188,6 +198,7 @@ def ours_cuda(
     kernel = kernel.split("+")[0]
     model = random_int4_llama(config, "cuda", kernel)
     model.l2_prefetch = variant.endswith("+prefetch")
+    model.fold_norms = not variant.endswith("+unfolded")
     compact_embedding(model, embedding)  # type: ignore[arg-type]
     tune_gemv(model, torch.bfloat16)  # at load, as serving does: its timing copies are gone before the peak
     _release()
@@ -416,6 +427,7 @@ def graph_profile(
 DECODE_NAMES = {
     "cuda-mma": "fused step, CUDA tensor-core GEMV",
     "cuda-mma+prefetch": "fused step, CUDA tensor-core GEMV, L2 prefetch",
+    "cuda-mma+unfolded": "fused step, CUDA tensor-core GEMV, RMSNorm kernels kept",
     "triton": "fused Triton step",
     "triton+ops": "Triton GEMV + torch ops",
     "cuda": "torch tiled INT4 + torch ops",
@@ -457,6 +469,7 @@ def check_cuda(kernels: list[str], embedding: str = "float") -> dict[str, float]
         model = random_int4_llama(config, "cuda", kernel.split("+")[0], seed=3)
         compact_embedding(model, embedding)  # type: ignore[arg-type]
         model.fused_decode = False if kernel.endswith("+ops") else None
+        model.fold_norms = not kernel.endswith("+unfolded")
         cache = KVCache(config, 1, 64, torch.bfloat16, torch.device("cuda"))
         got = model(ids[:, :32], cache, 0, last_only=False)[0]
         errors[f"{kernel}_prefill"] = float((got - ref[:32]).norm() / ref[:32].norm())
@@ -906,7 +919,9 @@ def main() -> None:
         choices=["int8", "int4", "float"],
         help="cuda: the token table of each row (the first for every kernel, the others for the fused step)",
     )
-    parser.add_argument("--batch", nargs="*", type=int, default=[2, 4, 8], help="cuda: sequences decoded together")
+    parser.add_argument(
+        "--batch", nargs="*", type=int, default=[1, 2, 4, 8], help="cuda: sequences decoded together by the batcher"
+    )
     parser.add_argument("--threads", type=int, default=2, help="cpu: threads for every variant")
     parser.add_argument("--engine-dir", type=Path, default=REPO / ".edge" / "engines")
     parser.add_argument("--out", type=Path, default=None)

@@ -119,22 +119,6 @@ def _cuda_rows(rows: list[dict[str, Any]], long: int, prompt: int) -> list[str]:
     return lines
 
 
-def text_cuda_rows_only(d: dict[str, Any]) -> str:
-    """A run's rows as `bench_text.py cuda` keeps them while it runs (its .partial.json):
-    a run cut short before its llama.cpp row, so no ratio can be drawn from it."""
-    return "\n".join(
-        [
-            "A later run of the same script and options with the current kernel (the groups' scales and zero "
-            "points loaded together with the weights), on another H200 of the same kind, cut short by the "
-            "machine's time limit before llama.cpp ran: our rows only, so no same-run ratio "
-            "(`bench/results/text_cuda_current_kernel.json`). Its TTFTs, too, were measured while llama.cpp "
-            "compiled on the CPUs.",
-            "",
-            *_cuda_rows(d["rows"], 4096, 512),
-        ]
-    )
-
-
 def text_cuda(d: dict[str, Any]) -> str:
     long = d.get("long_context_tokens", 4096)
     lines = [
@@ -165,7 +149,8 @@ def text_cuda(d: dict[str, Any]) -> str:
                 "",
                 f"{r['name']}, continuous batching (the serving batcher, graphs replayed per step): "
                 + ", ".join(
-                    f"{b['sequences']} sequences {b['aggregate_tok_s']:.0f} tok/s together "
+                    f"{b['sequences']} sequence{'s' if b['sequences'] != 1 else ''} "
+                    f"{b['aggregate_tok_s']:.0f} tok/s together "
                     f"({b['decode_aggregate_tok_s']:.0f} tok/s in decode steps)"
                     for b in batched
                 )
@@ -434,7 +419,6 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "text_quality": ("text_quality.json", text_quality),
     "text_cpu": ("text_cpu.json", text_cpu),
     "text_cuda": ("text_cuda.json", text_cuda),
-    "text_cuda_current_kernel": ("text_cuda_current_kernel.json", text_cuda_rows_only),
     "gemv_sweep_cuda": ("gemv_sweep_cuda.json", gemv_sweep_cuda),
     "vision_cpu": ("vision_cpu.json", vision_cpu),
     "vision_cuda": ("vision_cuda.json", vision_cuda),

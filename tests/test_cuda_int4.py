@@ -91,6 +91,26 @@ def test_a_layer_the_cuda_kernel_cannot_take_falls_back(
         torch.testing.assert_close(layer(x), x @ dequantize(q).T)
 
 
+def test_folded_norm_refuses_buffers_it_cannot_take() -> None:
+    """The folded RMSNorm's buffers are checked before anything launches: a wrong shape,
+    dtype or a paired weight is a clear error, never memory read out of bounds."""
+    q = _weight(64, 256, 64, seed=2)
+    tiled = cuda_int4.repack(q.qweight, q.scales, q.zeros, 64)
+    x = torch.zeros(2, 256, dtype=torch.bfloat16)
+    bad_parts = cuda_int4.NormInput(torch.zeros(2, 8), 1e-5)  # 256 channels: 16 partial sums a row
+    with pytest.raises(ValueError, match=r"\[2, 16\] float32"):
+        cuda_int4.gemv(x, tiled, norm=bad_parts)
+    residual = cuda_int4.Residual(torch.zeros(2, 64), torch.ones(64, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"norm weight is \[64\] torch.bfloat16"):
+        cuda_int4.gemv_residual(x, tiled, residual, 1e-5)
+    with pytest.raises(ValueError, match=r"residual is \[2, 64\] float32"):
+        cuda_int4.gemv_residual(x, tiled, cuda_int4.Residual(torch.zeros(2, 64).half(), torch.ones(64)), 1e-5)
+    paired = cuda_int4.repack(q.qweight, q.scales, q.zeros, 64, paired=True)
+    with pytest.raises(ValueError, match="unpaired"):
+        cuda_int4.gemv_residual(x, paired, cuda_int4.Residual(torch.zeros(2, 64), torch.ones(64)), 1e-5)
+    assert cuda_int4.parts_fit(8, 16384) and not cuda_int4.parts_fit(8, 16448)
+
+
 def test_unavailable_without_a_cuda_device() -> None:
     assert not cuda_int4.available("cpu")
 
@@ -160,6 +180,63 @@ def test_gemv_silu_is_the_gated_unit_of_the_product(dtype: torch.dtype) -> None:
             torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=1e-2 * float(want.abs().max()))
 
 
+def _rms_norm(r: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_folded_norm_is_the_norm_between_two_products(dtype: torch.dtype) -> None:
+    """resid += x @ o.T, then RMSNorm(resid) * w feeds the next products: folded into the
+    producer (the residual in place, resid * w and the tiles' sums of squares) and the
+    consumers (the plain GEMV and the gated one), it gives the unfolded result."""
+    hidden, width, f, eps = 1024, 768, 1536, 1e-5
+    o_q = _weight(hidden, width, 128, seed=11)
+    up_q = _weight(2 * f, hidden, 128, seed=12)
+    o = cuda_int4.repack(o_q.qweight.cuda(), o_q.scales.cuda(), o_q.zeros.cuda(), 128)
+    qkv = cuda_int4.repack(up_q.qweight.cuda(), up_q.scales.cuda(), up_q.zeros.cuda(), 128)
+    gate_up = cuda_int4.repack(up_q.qweight.cuda(), up_q.scales.cuda(), up_q.zeros.cuda(), 128, paired=True)
+    o_w, up_w = dequantize(o_q).cuda(), dequantize(up_q).cuda()
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    norm_w = (torch.rand(hidden, device="cuda", generator=gen) + 0.5).to(dtype)
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, width, device="cuda", generator=gen).to(dtype)
+        resid = 4 * torch.randn(rows, hidden, device="cuda", generator=gen)
+        want_resid = resid + x.float() @ o_w.T
+        want_h = _rms_norm(want_resid, norm_w, eps)
+        for config in cuda_int4.configs(width)[::3]:
+            r = resid.clone()
+            normed, norm_in = cuda_int4.gemv_residual(x, o, cuda_int4.Residual(r, norm_w), eps, config)
+            scale = float(want_resid.abs().max())
+            torch.testing.assert_close(r, want_resid, rtol=1e-4, atol=1e-4 * scale)
+            assert normed.dtype == dtype and norm_in.parts.shape == (rows, hidden // 16)
+            torch.testing.assert_close(normed.float(), want_resid * norm_w.float(), rtol=1e-2, atol=1e-2 * scale)
+            tiles = want_resid.view(rows, hidden // 16, 16).pow(2).sum(-1)
+            torch.testing.assert_close(norm_in.parts, tiles, rtol=1e-4, atol=1e-4 * float(tiles.max()))
+            # The consumers, from what the producer wrote, against the unfolded product of
+            # the normalised input in the activations' type.
+            ref = want_h.to(dtype).float() @ up_w.T
+            tol = 2e-2 * float(ref.abs().max())
+            torch.testing.assert_close(cuda_int4.gemv(normed, qkv, norm=norm_in), ref, rtol=2e-2, atol=tol)
+            act = cuda_int4.gemv_silu(normed, gate_up, norm=norm_in)
+            want_act = torch.nn.functional.silu(ref[:, :f]) * ref[:, f:]
+            torch.testing.assert_close(act.float(), want_act, rtol=3e-2, atol=3e-2 * float(want_act.abs().max()))
+    # A row's result is the same bits alone and in a batch, folded as unfolded.
+    x = torch.randn(8, width, device="cuda", generator=gen).to(dtype)
+    resid = torch.randn(8, hidden, device="cuda", generator=gen)
+    config = cuda_int4.tuned_config(o, dtype)
+    batch_r = resid.clone()
+    batch_h, batch_in = cuda_int4.gemv_residual(x, o, cuda_int4.Residual(batch_r, norm_w), eps, config)
+    batch_out = cuda_int4.gemv(batch_h, qkv, norm=batch_in)
+    for row in (0, 5):
+        one_r = resid[row : row + 1].clone()
+        one_h, one_in = cuda_int4.gemv_residual(x[row : row + 1], o, cuda_int4.Residual(one_r, norm_w), eps, config)
+        assert torch.equal(one_r[0], batch_r[row]) and torch.equal(one_h[0], batch_h[row])
+        assert torch.equal(one_in.parts[0], batch_in.parts[row])
+        assert torch.equal(cuda_int4.gemv(one_h, qkv, norm=one_in)[0], batch_out[row])
+
+
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -197,30 +274,55 @@ def test_linear_serves_decode_and_prefill_from_the_tiled_copy() -> None:
 
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_fused_decode_with_the_cuda_gemv_matches_the_reference() -> None:
-    """The whole decode step (fused, CUDA graphs) on the CUDA GEMV: logits agree with the
-    float32 dequantized model at every position."""
+@pytest.mark.parametrize("fold", [True, False])
+def test_fused_decode_with_the_cuda_gemv_matches_the_reference(fold: bool) -> None:
+    """The whole decode step (fused, CUDA graphs) on the CUDA GEMV, with the RMSNorms
+    folded into the products or as kernels of their own: logits agree with the float32
+    dequantized model after a prefill, and three sequences stepped together give each
+    one's logits alone."""
     from edge.text.cuda_graphs import GraphDecoder
     from edge.text.llama import KVCache, LlamaConfig
+    from edge.text.triton_decode import folds_norm, fused_decode_step
     from engines.random_llama import random_int4_llama
 
     config = LlamaConfig(
         vocab_size=1024, hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=2, intermediate_size=1536
     )
     model = random_int4_llama(config, "cuda", "cuda-mma", group=64, seed=5)
+    model.fold_norms = fold
     ref = random_int4_llama(config, "cuda", "dequant", group=64, dtype=torch.float32, seed=5)
     ref.fused_decode = False
     assert model.fused_decode is not False
-    ids = torch.randint(0, config.vocab_size, (1, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    want = ref(ids, ref.new_cache(1, 64), 0, last_only=False)[0]
+    assert folds_norm(model, 1) == (fold, fold)  # folded: no norm kernel runs but the first
+    ids = torch.randint(0, config.vocab_size, (3, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    want = torch.stack([ref(ids[b : b + 1], ref.new_cache(1, 64), 0, last_only=False)[0] for b in range(3)])
     cache = KVCache(config, 1, 64, torch.bfloat16, torch.device("cuda"))
-    got = model(ids[:, :32], cache, 0, last_only=False)[0]
-    assert float((got.float() - want[:32]).norm() / want[:32].norm()) < 2e-2
+    got = model(ids[:1, :32], cache, 0, last_only=False)[0]
+    assert float((got.float() - want[0, :32]).norm() / want[0, :32].norm()) < 2e-2
     decoder = GraphDecoder(model, cache, bucket=16)
     for pos in range(32, 40):
         step = decoder.step(ids[0, pos : pos + 1], pos)[0]
-        err = float((step.float() - want[pos]).norm() / want[pos].norm())
+        err = float((step.float() - want[0, pos]).norm() / want[0, pos].norm())
         assert err < 2e-2, f"position {pos}: relative error {err:.4f}"
+    # Three sequences at different positions in one step: each row is the same bits as
+    # that sequence decoded alone (every kernel of the step is batch-invariant).
+    offsets = (0, 3, 7)
+    alone = []
+    for b in range(3):
+        one = KVCache(config, 1, 64, torch.bfloat16, torch.device("cuda"))
+        alone.append(
+            [
+                fused_decode_step(model, ids[b, p].view(1, 1), one, torch.tensor([p], device="cuda"), 64)[0]
+                for p in range(12)
+            ]
+        )
+    batch = KVCache(config, 3, 64, torch.bfloat16, torch.device("cuda"))
+    for t in range(12):
+        at = [max(0, t - o) for o in offsets]
+        tokens = torch.stack([ids[b, at[b]] for b in range(3)]).view(3, 1)
+        logits = fused_decode_step(model, tokens, batch, torch.tensor(at, device="cuda"), 64)
+        for b in range(3):
+            assert torch.equal(logits[b], alone[b][at[b]]), f"sequence {b} position {at[b]}"
 
 
 @pytest.mark.slow

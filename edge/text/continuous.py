@@ -13,7 +13,10 @@ of that row overwrites.
 Every step's next tokens are chosen on the model's device for all sequences at once
 (greedy or sampled) and come back to the host in one transfer. On CUDA the decode step is
 captured as CUDA graphs at load, one per batch-size and KV-length bucket
-(`capture_graphs`), and replayed per step.
+(`capture_graphs`), and replayed per step; there the next step is launched on the
+chosen tokens before they reach the host, so the GPU never waits while the host reads
+them, checks EOS and stop strings and streams text. A sequence those tokens end has its
+row of that step discarded.
 
 Pausing drops the sequence's KV and keeps its tokens: on resume its prompt and the tokens
 generated so far are prefilled again (recomputation, as vLLM does on preemption). Keeping
@@ -34,7 +37,7 @@ from tokenizers import Tokenizer
 
 from edge.scheduler.kv_cache import KVCacheManager, KVSlot
 from edge.text.cuda_graphs import StepGraphs
-from edge.text.generate import SamplingParams, _find_stop, sample_rows, streamable_end
+from edge.text.generate import SamplingParams, _find_stop, choose_rows, sample_rows, streamable_end
 from edge.text.llama import KVCache, LlamaModel
 
 logger = logging.getLogger(__name__)
@@ -225,6 +228,8 @@ class ContinuousBatcher:
         t0 = time.perf_counter()
         running = list(self.running)
         logits = torch.stack([s.logits for s in running if s.logits is not None])
+        if self.graphs is not None:
+            return self._step_ahead(running, logits, t0)
         tokens = sample_rows(logits, [s.params for s in running], [s.generator for s in running])
         done: list[Sequence] = []
         for seq, token in zip(running, tokens, strict=True):
@@ -249,6 +254,37 @@ class ContinuousBatcher:
             self.steps += 1
         elapsed = time.perf_counter() - t0
         for seq in [*going, *done]:
+            seq.decode_s += elapsed
+        return done
+
+    def _step_ahead(self, running: list[Sequence], logits: torch.Tensor, t0: float) -> list[Sequence]:
+        """step() on CUDA graphs: the next step runs on the tokens chosen on the device
+        while they come back, every running sequence assumed to go on (each at the
+        position its new token takes); the sequences they end drop that step's row."""
+        assert self.graphs is not None
+        chosen = choose_rows(logits, [s.params for s in running], [s.generator for s in running])
+        n = max(s.slot for s in running if s.slot is not None) + 1
+        sources, positions = [len(running)] * n, [0] * n
+        for i, seq in enumerate(running):
+            assert seq.slot is not None
+            sources[seq.slot], positions[seq.slot] = i, seq.length
+        kv_len = max(s.length for s in running) + 1
+        step_logits, tokens = self.graphs.run_chosen(chosen, sources, positions, kv_len)
+        done: list[Sequence] = []
+        for seq, token in zip(running, tokens, strict=True):
+            slot = seq.slot
+            assert slot is not None
+            if self._advance(seq, token):
+                done.append(seq)
+                self.running.remove(seq)
+                seq.slot = None
+            else:
+                seq.logits = step_logits[slot]
+        if self.running:
+            self.batch_sizes[len(self.running)] = self.batch_sizes.get(len(self.running), 0) + 1
+            self.steps += 1
+        elapsed = time.perf_counter() - t0
+        for seq in running:
             seq.decode_s += elapsed
         return done
 

@@ -20,6 +20,15 @@
 // float32 (exact products, float32 sums); the group's scale multiplies each group's sum
 // once, in float32. Activation rows are the product's 8 columns, so up to 8 sequences
 // share one pass over the weight, and a row's result never depends on the other rows.
+//
+// The RMSNorm between a layer's products is folded into them (Norm below). A producer (the
+// o and down products) adds its sums into the float32 residual in place and writes
+// resid * norm weight, not yet divided by its RMS, with each tile's sum of squares of the
+// residual. A consumer (q/k/v, gate/up, the head) multiplies its sums per row by
+// rsqrt(mean square + eps) from those partial sums: the norm's division moved past the
+// product, which is linear in it, so no norm kernel runs between the two. The partial sums
+// are written per tile and added in a fixed order: no atomics, no zeroing, the same bits at
+// every launch and whatever the batch.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -98,13 +107,39 @@ __device__ __forceinline__ float from_float(float v) {
   return v;
 }
 
+// 16 bytes from global into shared memory without holding registers: issued at the start,
+// waited for at the end, so the copy hides under the weight stream.
+__device__ __forceinline__ void copy_async16(void* smem, const void* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem));
+}
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void copy_async_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// The folded RMSNorm (see the header); a null pointer turns its half off.
+struct Norm {
+  // Consumer: x is resid * w of a producer; parts [M][K/16] its tiles' sums of squares.
+  const float* parts;
+  float eps;
+  // Producer: resid [M][N] float32 += the product; normed [M][N] = resid * norm_w in T;
+  // part_out [M][N/16] each tile's sum of squares of the new resid.
+  float* resid;
+  const void* norm_w;
+  void* normed;
+  float* part_out;
+};
+
 // UNROLL: chunks (16 bytes a lane) a warp loads before it uses the first, so that enough
 // bytes are in flight to cover the memory's latency; tuned per shape with WARPS.
-template <typename T, int G, int WARPS, int UNROLL>
+// MODE: what the folded RMSNorm asks of this launch (a template parameter, so the plain
+// product compiles to the code it has without the fold: no registers held for it).
+enum Mode { PLAIN = 0, CONSUMER = 1, PRODUCER = 2 };
+
+template <typename T, int G, int WARPS, int UNROLL, int MODE>
 __global__ void __launch_bounds__(WARPS * 32)
     gemv_kernel(const uint4* __restrict__ codes, const __half* __restrict__ scales,
                 const uint8_t* __restrict__ zeros, const T* __restrict__ x, float* __restrict__ out,
-                T* __restrict__ act, int M, int N, int K) {
+                T* __restrict__ act, int M, int N, int K, const Norm norm) {
   const int tile = blockIdx.x;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
@@ -123,6 +158,30 @@ __global__ void __launch_bounds__(WARPS * 32)
   const int per = (chunks + WARPS - 1) / WARPS;
   const int c_begin = warp * per;
   const int c_end = min(chunks, c_begin + per);
+  const int b0 = 2 * t;  // the two activation rows (product columns) this lane ends with
+  const int b1 = b0 + 1;
+  const int row_lo = tile * 16 + g;
+  const int row_hi = row_lo + 8;
+  // What the fold needs at the end comes into shared memory meanwhile, with no register
+  // held through the loop: a consumer's partial sums of squares [M][K/16]; a producer's
+  // residual at its 16 rows [M][16] and their norm weights [16].
+  extern __shared__ float4 fold_smem[];
+  const int parts_per_row = K >> 4;
+  if (MODE == CONSUMER) {
+    const float4* src = reinterpret_cast<const float4*>(norm.parts);
+    for (int i = threadIdx.x; i < (M * parts_per_row) >> 2; i += WARPS * 32) copy_async16(fold_smem + i, src + i);
+    copy_async_commit();
+  }
+  if (MODE == PRODUCER) {
+    for (int i = threadIdx.x; i < 4 * M + 2; i += WARPS * 32) {
+      if (i < 4 * M) {  // row b's 16 residuals: four 16-byte pieces
+        copy_async16(fold_smem + i, norm.resid + (size_t)(i >> 2) * N + tile * 16 + (i & 3) * 4);
+      } else {  // the 16 norm weights (2 bytes each): two pieces
+        copy_async16(fold_smem + i, static_cast<const T*>(norm.norm_w) + tile * 16 + (i - 4 * M) * 8);
+      }
+    }
+    copy_async_commit();
+  }
   // Groups of 32 change at every sub-chunk; larger ones hold a whole chunk.
   constexpr int SUBS = G == 32 ? 2 : 1;
   float total[4] = {0.f, 0.f, 0.f, 0.f};
@@ -185,6 +244,7 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
   }
   // The warps' sums, added in warp order (the same order at every launch).
+  if (MODE != PLAIN) copy_async_wait();
   __shared__ float red[WARPS][32][4];
   if (WARPS > 1) {
 #pragma unroll
@@ -197,9 +257,28 @@ __global__ void __launch_bounds__(WARPS * 32)
       for (int o = 1; o < WARPS; ++o) s += red[o][lane][j];
       total[j] = s;
     }
+  } else if (MODE != PLAIN) {
+    __syncthreads();  // the other lanes' copies
   }
-  const int b0 = 2 * t;
-  const int b1 = b0 + 1;
+  if (MODE == CONSUMER) {
+    // Row b's 1/RMS from the producer's K/16 partial sums: lane l adds l, l+32, ..., then
+    // a butterfly (every lane ends with the same bits).
+    const float* ps = reinterpret_cast<const float*>(fold_smem);
+    float inv0 = 0.f, inv1 = 0.f;
+    for (int b = 0; b < M; ++b) {
+      float s = 0.f;
+      for (int p = lane; p < parts_per_row; p += 32) s += ps[b * parts_per_row + p];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      const float inv = rsqrtf(s / float(K) + norm.eps);
+      inv0 = b == b0 ? inv : inv0;
+      inv1 = b == b1 ? inv : inv1;
+    }
+    total[0] *= inv0;
+    total[1] *= inv1;
+    total[2] *= inv0;
+    total[3] *= inv1;
+  }
   if (act != nullptr) {
     // A gated unit's paired weight (repack with paired halves): row g of each tile is
     // gate j = tile*8 + g and row g+8 is up j, so this lane holds both, and writes
@@ -210,8 +289,37 @@ __global__ void __launch_bounds__(WARPS * 32)
     if (b1 < M) act[(size_t)b1 * f + j] = from_float<T>(total[1] / (1.f + __expf(-total[1])) * total[3]);
     return;
   }
-  const int row_lo = tile * 16 + g;
-  const int row_hi = row_lo + 8;
+  if (MODE == PRODUCER) {
+    // Producer (N a multiple of 16: every row is real): the new residual, the next
+    // norm's input, and this tile's sums of squares (the 8 lanes of one t hold its 16 rows).
+    T* normed = static_cast<T*>(norm.normed);
+    const float* r_in = reinterpret_cast<const float*>(fold_smem);  // [M][16]
+    const T* w_in = reinterpret_cast<const T*>(fold_smem + 4 * M);
+    const float w_lo = float(w_in[g]), w_hi = float(w_in[g + 8]);
+    // Activation row b at this lane's two rows: stores, and returns their sum of squares.
+    auto add_rows = [&](int b, float sum_lo, float sum_hi) {
+      if (b >= M) return 0.f;
+      const float lo = r_in[b * 16 + g] + sum_lo, hi = r_in[b * 16 + g + 8] + sum_hi;
+      norm.resid[(size_t)b * N + row_lo] = lo;
+      norm.resid[(size_t)b * N + row_hi] = hi;
+      normed[(size_t)b * N + row_lo] = from_float<T>(lo * w_lo);
+      normed[(size_t)b * N + row_hi] = from_float<T>(hi * w_hi);
+      return lo * lo + hi * hi;
+    };
+    float sq0 = add_rows(b0, total[0], total[2]);
+    float sq1 = add_rows(b1, total[1], total[3]);
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+      sq0 += __shfl_xor_sync(0xffffffffu, sq0, o);
+      sq1 += __shfl_xor_sync(0xffffffffu, sq1, o);
+    }
+    const int tiles = N >> 4;
+    if (g == 0) {
+      if (b0 < M) norm.part_out[(size_t)b0 * tiles + tile] = sq0;
+      if (b1 < M) norm.part_out[(size_t)b1 * tiles + tile] = sq1;
+    }
+    return;
+  }
   if (b0 < M) {
     if (row_lo < N) out[(size_t)b0 * N + row_lo] = total[0];
     if (row_hi < N) out[(size_t)b0 * N + row_hi] = total[2];
@@ -271,9 +379,9 @@ __global__ void dequant_kernel(const uint4* __restrict__ codes, const __half* __
   }
 }
 
-template <typename T, int G, int U>
-cudaError_t launch_gemv(const void* codes, const void* scales, const void* zeros, const void* x, void* out, void* act,
-                        int M, int N, int K, int warps, cudaStream_t stream) {
+template <typename T, int G, int U, int MODE>
+cudaError_t launch_mode(const void* codes, const void* scales, const void* zeros, const void* x, void* out, void* act,
+                        int M, int N, int K, const Norm& norm, int warps, cudaStream_t stream) {
   T* a = static_cast<T*>(act);
   const dim3 grid((N + 15) / 16);
   const uint4* c = static_cast<const uint4*>(codes);
@@ -281,36 +389,51 @@ cudaError_t launch_gemv(const void* codes, const void* scales, const void* zeros
   const uint8_t* z = static_cast<const uint8_t*>(zeros);
   const T* xx = static_cast<const T*>(x);
   float* o = static_cast<float*>(out);
+  const size_t smem = MODE == CONSUMER   ? size_t(M) * (K / 16) * sizeof(float)
+                      : MODE == PRODUCER ? size_t(M) * 16 * sizeof(float) + 16 * sizeof(T)
+                                         : 0;
   switch (warps) {
-    case 1: gemv_kernel<T, G, 1, U><<<grid, 32, 0, stream>>>(c, s, z, xx, o, a, M, N, K); break;
-    case 2: gemv_kernel<T, G, 2, U><<<grid, 64, 0, stream>>>(c, s, z, xx, o, a, M, N, K); break;
-    case 4: gemv_kernel<T, G, 4, U><<<grid, 128, 0, stream>>>(c, s, z, xx, o, a, M, N, K); break;
-    case 8: gemv_kernel<T, G, 8, U><<<grid, 256, 0, stream>>>(c, s, z, xx, o, a, M, N, K); break;
-    case 16: gemv_kernel<T, G, 16, U><<<grid, 512, 0, stream>>>(c, s, z, xx, o, a, M, N, K); break;
+    case 1: gemv_kernel<T, G, 1, U, MODE><<<grid, 32, smem, stream>>>(c, s, z, xx, o, a, M, N, K, norm); break;
+    case 2: gemv_kernel<T, G, 2, U, MODE><<<grid, 64, smem, stream>>>(c, s, z, xx, o, a, M, N, K, norm); break;
+    case 4: gemv_kernel<T, G, 4, U, MODE><<<grid, 128, smem, stream>>>(c, s, z, xx, o, a, M, N, K, norm); break;
+    case 8: gemv_kernel<T, G, 8, U, MODE><<<grid, 256, smem, stream>>>(c, s, z, xx, o, a, M, N, K, norm); break;
+    case 16: gemv_kernel<T, G, 16, U, MODE><<<grid, 512, smem, stream>>>(c, s, z, xx, o, a, M, N, K, norm); break;
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
 }
 
+template <typename T, int G, int U>
+cudaError_t launch_gemv(const void* codes, const void* scales, const void* zeros, const void* x, void* out, void* act,
+                        int M, int N, int K, const Norm& norm, int warps, cudaStream_t stream) {
+  if (norm.resid != nullptr)
+    return launch_mode<T, G, U, PRODUCER>(codes, scales, zeros, x, out, act, M, N, K, norm, warps, stream);
+  if (norm.parts != nullptr)
+    return launch_mode<T, G, U, CONSUMER>(codes, scales, zeros, x, out, act, M, N, K, norm, warps, stream);
+  return launch_mode<T, G, U, PLAIN>(codes, scales, zeros, x, out, act, M, N, K, norm, warps, stream);
+}
+
 template <typename T, int G>
 cudaError_t launch_unrolled(const void* codes, const void* scales, const void* zeros, const void* x, void* out,
-                            void* act, int M, int N, int K, int warps, int unroll, cudaStream_t stream) {
+                            void* act, int M, int N, int K, const Norm& norm, int warps, int unroll,
+                            cudaStream_t stream) {
   switch (unroll) {
-    case 2: return launch_gemv<T, G, 2>(codes, scales, zeros, x, out, act, M, N, K, warps, stream);
-    case 4: return launch_gemv<T, G, 4>(codes, scales, zeros, x, out, act, M, N, K, warps, stream);
-    case 8: return launch_gemv<T, G, 8>(codes, scales, zeros, x, out, act, M, N, K, warps, stream);
+    case 2: return launch_gemv<T, G, 2>(codes, scales, zeros, x, out, act, M, N, K, norm, warps, stream);
+    case 4: return launch_gemv<T, G, 4>(codes, scales, zeros, x, out, act, M, N, K, norm, warps, stream);
+    case 8: return launch_gemv<T, G, 8>(codes, scales, zeros, x, out, act, M, N, K, norm, warps, stream);
     default: return cudaErrorInvalidValue;
   }
 }
 
 template <typename T>
 cudaError_t gemv_for_group(const void* codes, const void* scales, const void* zeros, const void* x, void* out,
-                           void* act, int M, int N, int K, int G, int warps, int unroll, cudaStream_t stream) {
+                           void* act, int M, int N, int K, int G, const Norm& norm, int warps, int unroll,
+                           cudaStream_t stream) {
   switch (G) {
-    case 32: return launch_unrolled<T, 32>(codes, scales, zeros, x, out, act, M, N, K, warps, unroll, stream);
-    case 64: return launch_unrolled<T, 64>(codes, scales, zeros, x, out, act, M, N, K, warps, unroll, stream);
-    case 128: return launch_unrolled<T, 128>(codes, scales, zeros, x, out, act, M, N, K, warps, unroll, stream);
-    case 256: return launch_unrolled<T, 256>(codes, scales, zeros, x, out, act, M, N, K, warps, unroll, stream);
+    case 32: return launch_unrolled<T, 32>(codes, scales, zeros, x, out, act, M, N, K, norm, warps, unroll, stream);
+    case 64: return launch_unrolled<T, 64>(codes, scales, zeros, x, out, act, M, N, K, norm, warps, unroll, stream);
+    case 128: return launch_unrolled<T, 128>(codes, scales, zeros, x, out, act, M, N, K, norm, warps, unroll, stream);
+    case 256: return launch_unrolled<T, 256>(codes, scales, zeros, x, out, act, M, N, K, norm, warps, unroll, stream);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -329,6 +452,10 @@ __global__ void l2_prefetch_kernel(const char* __restrict__ p, long long lines) 
 
 extern "C" {
 
+// A consumer's partial sums sit in shared memory: at most this much without opting in to
+// more, beside the warps' 8 KB of sums (K up to 16384 at 8 rows).
+constexpr size_t MAX_PARTS_BYTES = 32 * 1024;
+
 int edge_l2_prefetch(const void* p, long long bytes, void* stream) {
   const long long lines = (bytes + 127) / 128;
   if (lines <= 0) return 0;
@@ -341,15 +468,28 @@ int edge_l2_prefetch(const void* p, long long bytes, void* stream) {
 
 // dtype: 0 bfloat16, 1 float16 activations; warps 1..16 per tile; unroll 2, 4 or 8.
 // out [M, N] float32, or, where `act` is given (a paired gate/up weight, N = 2F rows),
-// act [M, F] in the activations' type: silu(gate) * up. Returns a cudaError_t (0: launched).
-int edge_int4_gemv(const void* codes, const void* scales, const void* zeros, const void* x, void* out, void* act, int M,
-                   int N, int K, int G, int dtype, int warps, int unroll, void* stream) {
+// act [M, F] in the activations' type: silu(gate) * up.
+// The folded RMSNorm (the header says how): `parts` [M, K/16] float32 makes this product a
+// consumer of x = resid * w with those sums of squares (eps the norm's epsilon); `resid`
+// [M, N] float32 with norm_w [N], normed [M, N] and part_out [M, N/16] makes it a producer
+// (no out, no act, N a multiple of 16). Pointers are 16-byte aligned. Returns a
+// cudaError_t (0: launched).
+int edge_int4_gemv(const void* codes, const void* scales, const void* zeros, const void* x, void* out, void* act,
+                   const float* parts, float eps, float* resid, const void* norm_w, void* normed, float* part_out,
+                   int M, int N, int K, int G, int dtype, int warps, int unroll, void* stream) {
   if (M < 1 || M > 8 || K % 64 != 0 || G % 32 != 0 || K % G != 0) return int(cudaErrorInvalidValue);
   if (act != nullptr && N % 16 != 0) return int(cudaErrorInvalidValue);
+  if (parts != nullptr && size_t(M) * (K / 16) * sizeof(float) > MAX_PARTS_BYTES) return int(cudaErrorInvalidValue);
+  if (resid != nullptr &&
+      (out != nullptr || act != nullptr || N % 16 != 0 || norm_w == nullptr || normed == nullptr || part_out == nullptr))
+    return int(cudaErrorInvalidValue);
+  if (resid == nullptr && out == nullptr && act == nullptr) return int(cudaErrorInvalidValue);
+  const Norm norm{parts, eps, resid, norm_w, normed, part_out};
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (dtype == 0)
-    return int(gemv_for_group<__nv_bfloat16>(codes, scales, zeros, x, out, act, M, N, K, G, warps, unroll, s));
-  if (dtype == 1) return int(gemv_for_group<__half>(codes, scales, zeros, x, out, act, M, N, K, G, warps, unroll, s));
+    return int(gemv_for_group<__nv_bfloat16>(codes, scales, zeros, x, out, act, M, N, K, G, norm, warps, unroll, s));
+  if (dtype == 1)
+    return int(gemv_for_group<__half>(codes, scales, zeros, x, out, act, M, N, K, G, norm, warps, unroll, s));
   return int(cudaErrorInvalidValue);
 }
 

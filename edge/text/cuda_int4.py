@@ -41,6 +41,7 @@ TILE_ROWS = 16
 CHUNK = 64  # input channels per 16-byte lane load
 GROUPS = (32, 64, 128, 256)
 MAX_ROWS = 8  # activation rows per pass: the tensor-core product's 8 columns
+MAX_PARTS_BYTES = 32 * 1024  # a folded norm's partial sums, in shared memory (cuda_int4.cu)
 WARP_CHOICES = (1, 2, 4, 8, 16)  # warps per tile, splitting K
 UNROLL_CHOICES = (2, 4, 8)  # chunks a warp has in flight
 MIN_ARCH = (8, 0)  # mma.sync with bfloat16 operands
@@ -87,7 +88,7 @@ def build(arch: str) -> Path:
     path = library_path(compiler, arch)
     if path.exists():
         return path
-    logger.info("building the CUDA INT4 kernel for sm_%s (about 30 s, once per machine)", arch)
+    logger.info("building the CUDA INT4 kernel for sm_%s (about a minute, once per machine)", arch)
     cpu_int4.compile_into(path, [compiler, *_flags(arch)], SOURCE, timeout=600)
     logger.info("built the CUDA INT4 kernel: %s", path)
     return path
@@ -114,7 +115,7 @@ def _load(device: torch.device) -> ctypes.CDLL:
             raise RuntimeError(_errors[arch]) from exc
         p, i = ctypes.c_void_p, ctypes.c_int
         lib.edge_int4_gemv.restype = i
-        lib.edge_int4_gemv.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i, p]
+        lib.edge_int4_gemv.argtypes = [p, p, p, p, p, p, p, ctypes.c_float, p, p, p, p, i, i, i, i, i, i, i, p]
         lib.edge_l2_prefetch.restype = i
         lib.edge_l2_prefetch.argtypes = [p, ctypes.c_longlong, p]
         lib.edge_int4_dequant.restype = i
@@ -266,46 +267,120 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"the CUDA INT4 {what} failed to launch (CUDA error {rc})")
 
 
-def _launch(x: torch.Tensor, tiled: TiledInt4, config: tuple[int, int] | None, gated: bool) -> torch.Tensor:
+@dataclass(frozen=True)
+class Residual:
+    """A producer's half of the folded RMSNorm (cuda_int4.cu's header): the product is
+    added into `resid` [M, n] float32 in place, and the next norm's input is written
+    without its division by the RMS."""
+
+    resid: torch.Tensor  # float32 [M, n]
+    norm_weight: torch.Tensor  # [n], in the activations' dtype
+
+
+@dataclass(frozen=True)
+class NormInput:
+    """A consumer's half: x is resid * w from a producer, and `parts` [M, k/16] float32
+    its tiles' sums of squares; the product's sums are scaled by rsqrt(mean + eps)."""
+
+    parts: torch.Tensor
+    eps: float
+
+
+def parts_fit(rows: int, k: int) -> bool:
+    """Whether a consumer of width k takes the partial sums of `rows` rows (they sit in
+    the kernel's shared memory)."""
+    return rows * (k // TILE_ROWS) * 4 <= MAX_PARTS_BYTES
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and t.data_ptr() % 16 == 0
+
+
+def _launch(
+    x: torch.Tensor,
+    tiled: TiledInt4,
+    config: tuple[int, int] | None,
+    gated: bool,
+    norm: NormInput | None = None,
+    residual: Residual | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The GEMV's one launch: [M, n] float32 sums, or with `gated` a paired weight's
-    silu(gate) * up [M, n/2] in x's dtype."""
+    silu(gate) * up [M, n/2] in x's dtype, or with `residual` the next norm's input
+    [M, n] in x's dtype and its partial sums [M, n/16] (the second item)."""
     m, k = x.shape
     if m > MAX_ROWS or k != tiled.k or x.dtype not in DTYPES:
         shape = f"[<= {MAX_ROWS}, {tiled.k}] bfloat16 or float16"
         raise ValueError(f"the CUDA INT4 GEMV takes {shape}, got {list(x.shape)} {x.dtype}")
+    if norm is not None:
+        if norm.parts.shape != (m, k // TILE_ROWS) or norm.parts.dtype != torch.float32 or not _aligned(norm.parts):
+            raise ValueError(f"partial sums of squares are [{m}, {k // TILE_ROWS}] float32, contiguous")
+        if not parts_fit(m, k):
+            raise ValueError(f"a folded norm over {k} channels takes at most {MAX_PARTS_BYTES} bytes of partial sums")
+    if residual is not None:
+        if gated or tiled.paired or tiled.n % TILE_ROWS:
+            raise ValueError(f"a residual product takes an unpaired weight of rows in multiples of {TILE_ROWS}")
+        r, w = residual.resid, residual.norm_weight
+        if r.shape != (m, tiled.n) or r.dtype != torch.float32 or not _aligned(r):
+            raise ValueError(f"the residual is [{m}, {tiled.n}] float32, contiguous")
+        if w.shape != (tiled.n,) or w.dtype != x.dtype or not _aligned(w):
+            raise ValueError(f"the norm weight is [{tiled.n}] {x.dtype}, contiguous and 16-byte aligned")
     lib = _load(x.device)
-    if not x.is_contiguous() or x.data_ptr() % 16:
+    if not _aligned(x):
         x = x.contiguous().clone()
     warps, unroll = tuned_config(tiled, x.dtype) if config is None else config
+    out = act = resid = norm_w = normed = part_out = None
+    parts = None
     if gated:
         result = torch.empty(m, tiled.n // 2, device=x.device, dtype=x.dtype)
-        out, act = None, result.data_ptr()
+        act = result.data_ptr()
+    elif residual is not None:
+        result = torch.empty(m, tiled.n, device=x.device, dtype=x.dtype)
+        parts = torch.empty(m, tiled.n // TILE_ROWS, device=x.device, dtype=torch.float32)
+        resid, norm_w = residual.resid.data_ptr(), residual.norm_weight.data_ptr()
+        normed, part_out = result.data_ptr(), parts.data_ptr()
     else:
         result = torch.empty(m, tiled.n, device=x.device, dtype=torch.float32)
-        out, act = result.data_ptr(), None
+        out = result.data_ptr()
     rc = lib.edge_int4_gemv(
         tiled.codes.data_ptr(), tiled.scales.data_ptr(), tiled.zeros.data_ptr(), x.data_ptr(), out, act,
+        None if norm is None else norm.parts.data_ptr(), 0.0 if norm is None else norm.eps,
+        resid, norm_w, normed, part_out,
         m, tiled.n, k, tiled.group_size, DTYPES[x.dtype], warps, unroll, _stream(),
     )  # fmt: skip
     _check(rc, "GEMV")
-    return result
+    return result, parts
 
 
-def gemv(x: torch.Tensor, tiled: TiledInt4, config: tuple[int, int] | None = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor, tiled: TiledInt4, config: tuple[int, int] | None = None, norm: NormInput | None = None
+) -> torch.Tensor:
     """x [M, k] (M <= 8, bfloat16 or float16) times the weight -> [M, n] float32. A row's
     result is the same bits whatever M is. `config` (warps per 16-row tile, chunks in
-    flight per warp) skips the tuned choice (tests, sweeps)."""
-    out = _launch(x, tiled, config, gated=False)
+    flight per warp) skips the tuned choice (tests, sweeps). `norm`: x is a producer's
+    un-divided norm input, and the product is that of the normalised x."""
+    out, _ = _launch(x, tiled, config, gated=False, norm=norm)
     return unpair(out) if tiled.paired else out
 
 
-def gemv_silu(x: torch.Tensor, tiled: TiledInt4, config: tuple[int, int] | None = None) -> torch.Tensor:
+def gemv_silu(
+    x: torch.Tensor, tiled: TiledInt4, config: tuple[int, int] | None = None, norm: NormInput | None = None
+) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) [M, n/2] in x's dtype, for a paired weight: the
     gated unit's activation straight from the GEMV's sums (the float32 gate/up products
     never reach memory)."""
     if not tiled.paired:
         raise ValueError("gemv_silu takes a paired gate/up weight (repack(..., paired=True))")
-    return _launch(x, tiled, config, gated=True)
+    return _launch(x, tiled, config, gated=True, norm=norm)[0]
+
+
+def gemv_residual(
+    x: torch.Tensor, tiled: TiledInt4, residual: Residual, eps: float, config: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, NormInput]:
+    """resid += x @ W.T (in place), then the next RMSNorm's input for a consumer: resid * w
+    in x's dtype [M, n] and the partial sums that finish the norm inside the consumer."""
+    normed, parts = _launch(x, tiled, config, gated=False, residual=residual)
+    assert parts is not None
+    return normed, NormInput(parts, eps)
 
 
 def l2_bytes(device: torch.device | str) -> int:

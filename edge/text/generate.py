@@ -61,18 +61,26 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generat
     return int(_sampled(logits, params, gen).item())
 
 
-def sample_rows(
+def choose_rows(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> list[int]:
-    """The next token of every row of logits [n, V], chosen on the logits' device and
-    read back to the host once for the whole batch (not once per sequence)."""
+) -> torch.Tensor:
+    """The next token of every row of logits [n, V], chosen on the logits' device: [n]
+    token ids there, nothing read back (the batcher launches the next step first)."""
     tokens = torch.argmax(logits, dim=-1)
     drawn = [i for i, p in enumerate(params) if p.temperature > 0.0]
     if drawn:
         tokens = tokens.clone()
         for i in drawn:
             tokens[i] = _sampled(logits[i], params[i], generators[i])
-    out: list[int] = tokens.tolist()
+    return tokens
+
+
+def sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int]:
+    """The next token of every row of logits [n, V], chosen on the logits' device and
+    read back to the host once for the whole batch (not once per sequence)."""
+    out: list[int] = choose_rows(logits, params, generators).tolist()
     return out
 
 

@@ -263,20 +263,42 @@ class Int4Linear(nn.Module):
             self.paired,
         )  # fmt: skip
 
-    def gemv_silu(self, x: torch.Tensor) -> torch.Tensor | None:
+    def gemv_silu(self, x: torch.Tensor, norm: cuda_int4.NormInput | None = None) -> torch.Tensor | None:
         """silu(gate) * up [M, N/2] in x's dtype straight from the GEMV, for a paired
-        gate/up layer and activations it takes; None where this layer cannot."""
+        gate/up layer and activations it takes; None where this layer cannot. `norm`:
+        x is a producer's un-divided norm input (see folds_norm)."""
         if self.kernel != "cuda-mma" or not self.paired or x.dtype not in cuda_int4.DTYPES:
             return None
-        return cuda_int4.gemv_silu(x, self.tiled) if x.shape[0] <= cuda_int4.MAX_ROWS else None
+        return cuda_int4.gemv_silu(x, self.tiled, norm=norm) if x.shape[0] <= cuda_int4.MAX_ROWS else None
 
-    def gemv(self, x: torch.Tensor) -> torch.Tensor:
+    def folds_norm(self, rows: int, dtype: torch.dtype, producer: bool) -> bool:
+        """Whether this layer's GEMV takes the RMSNorm folded into it for `rows` rows of
+        `dtype`: as the producer (gemv_residual) or as the consumer (`norm=`)."""
+        if self.kernel != "cuda-mma" or dtype not in cuda_int4.DTYPES or rows > cuda_int4.MAX_ROWS:
+            return False
+        if producer:
+            return not self.paired and self.out_features % cuda_int4.TILE_ROWS == 0
+        return cuda_int4.parts_fit(rows, self.in_features)
+
+    def gemv_residual(
+        self, x: torch.Tensor, residual: cuda_int4.Residual, eps: float
+    ) -> tuple[torch.Tensor, cuda_int4.NormInput]:
+        """resid += x @ W.T in place; returns the next norm's un-divided input and the
+        partial sums its consumer finishes it with (layers where folds_norm(producer=True))."""
+        return cuda_int4.gemv_residual(x, self.tiled, residual, eps)
+
+    def gemv(self, x: torch.Tensor, norm: cuda_int4.NormInput | None = None) -> torch.Tensor:
         """x [M, K] (a few rows) -> [M, N] float32, straight from the GEMV: the fused
-        decode step reads the float32 sums without a cast kernel in between."""
+        decode step reads the float32 sums without a cast kernel in between. `norm`
+        (cuda-mma only): x is a producer's un-divided norm input."""
         if self.kernel == "cuda-mma":
             if x.dtype in cuda_int4.DTYPES:
-                return cuda_int4.gemv(x, self.tiled)
+                return cuda_int4.gemv(x, self.tiled, norm=norm)
+            if norm is not None:
+                raise ValueError("a folded norm takes bfloat16 or float16 activations")
             return self._dequant_matmul(x.float())  # float32 activations: no tensor-core form
+        if norm is not None:
+            raise ValueError(f"the {self.kernel!r} kernel takes no folded norm")
         if self.kernel != "triton":
             raise RuntimeError(f"gemv() is the GEMV kernels' entry point; this layer uses {self.kernel!r}")
         counters = self._counters

@@ -315,6 +315,9 @@ class LlamaModel(nn.Module):
         # (triton_decode._Prefetcher, only where L2 is large). Off: on the H200 it made
         # the step no faster (README, GPU speed).
         self.l2_prefetch = False
+        # Whether the fused step folds the RMSNorms into the CUDA GEMVs around them
+        # (triton_decode.folds_norm, where the layers allow it); False keeps the norm kernels.
+        self.fold_norms = True
 
     @property
     def dtype(self) -> torch.dtype:

@@ -9,6 +9,10 @@ each costs more than its work: for an 8B model they added 1.45 ms per token to t
     (split over the cache, then merged) -> o GEMV -> residual add + RMSNorm ->
     gate/up GEMV -> SiLU * up -> down GEMV
 
+On the CUDA GEMV with bfloat16 activations the norms and the SiLU fold into the products
+(folds_norm): o GEMV + residual -> gate/up GEMV + SiLU -> down GEMV + residual -> the
+next layer's qkv GEMV, with no kernel between them.
+
 The residual stream stays in float32 between layers (the GEMVs accumulate in float32
 and the next kernel reads that directly, so nothing is cast back and forth), and
 attention reads the cache only up to each sequence's position, not the whole bucket.
@@ -277,9 +281,10 @@ def silu_mul(gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def _gemv(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _gemv(linear: torch.nn.Module, x: torch.Tensor, norm: cuda_int4.NormInput | None = None) -> torch.Tensor:
     if isinstance(linear, Int4Linear):
-        return linear.gemv(x)
+        return linear.gemv(x, norm)
+    assert norm is None
     weight = linear.weight
     assert isinstance(weight, torch.Tensor)
     return (x.to(weight.dtype) @ weight.T).float()
@@ -301,6 +306,31 @@ def can_fuse(model: LlamaModel) -> bool:
         if not all(isinstance(p, Int4Linear) and p.kernel in GEMV_KERNELS and p.bias is None for p in parts):
             return False  # biased projections (Qwen2) take the per-op path
     return True
+
+
+def folds_norm(model: LlamaModel, bsz: int) -> tuple[bool, bool]:
+    """(layers, head): whether the step folds each layer's two RMSNorms into the CUDA
+    GEMVs around them (cuda_int4.cu's header), and the final one into the head. Only for
+    bfloat16: the norm's input is the residual times its weight, not yet divided by the
+    RMS, which float16's range would not always hold."""
+    from edge.text.llama import DecoderLayer  # llama imports this module
+
+    if not model.fold_norms or model.dtype != torch.bfloat16 or model.device.type != "cuda":
+        return False, False
+    for layer in model.layers:
+        if not isinstance(layer, DecoderLayer):
+            return False, False
+        attn, mlp = layer.self_attn, layer.mlp
+        consumers = (attn.qkv_proj, mlp.gate_up_proj)
+        producers = (attn.o_proj, mlp.down_proj)
+        if not all(isinstance(p, Int4Linear) and p.folds_norm(bsz, model.dtype, producer=False) for p in consumers):
+            return False, False
+        if not all(isinstance(p, Int4Linear) and p.folds_norm(bsz, model.dtype, producer=True) for p in producers):
+            return False, False
+        if not (isinstance(mlp.gate_up_proj, Int4Linear) and mlp.gate_up_proj.paired):
+            return False, False
+    head = model.lm_head
+    return True, isinstance(head, Int4Linear) and head.folds_norm(bsz, model.dtype, producer=False)
 
 
 # Prefetch a small product's weight into L2 ahead of it only where L2 holds it with room
@@ -356,29 +386,44 @@ def fused_decode_step(
     sms = torch.cuda.get_device_properties(ids.device).multi_processor_count if ids.is_cuda else 4
     layers = [layer for layer in model.layers if isinstance(layer, DecoderLayer)]
     ahead = _Prefetcher(model, ids.device)
+    fold, fold_head = folds_norm(model, bsz)
+    eps = config.rms_norm_eps
     ahead.start(layers[0].self_attn.qkv_proj)
     x = model.embed_tokens(ids.view(bsz)).float()  # the residual stream, float32
-    h = add_rmsnorm(x, None, layers[0].input_layernorm.weight, config.rms_norm_eps)
+    h = add_rmsnorm(x, None, layers[0].input_layernorm.weight, eps)
+    norm_in: cuda_int4.NormInput | None = None  # h still to be divided by its RMS (folded norm)
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
         assert attn.qkv_proj is not None and mlp.gate_up_proj is not None
         ahead.join()
-        qkv = _gemv(attn.qkv_proj, h)
+        qkv = _gemv(attn.qkv_proj, h, norm_in)
         ahead.start(attn.o_proj)  # beside the rotary, KV write and attention kernels
         k_cache, v_cache = cache.k[i, :bsz], cache.v[i, :bsz]
         q = rope_kv_write(qkv, model.rope_cos, model.rope_sin, pos, k_cache, v_cache, config.num_heads)
         attended = decode_attention(q, k_cache, v_cache, pos, kv_len, sms)
         ahead.join()
-        o = _gemv(attn.o_proj, attended)
-        h = add_rmsnorm(x, o, layer.post_attention_layernorm.weight, config.rms_norm_eps)
         gate_up = mlp.gate_up_proj
-        act = gate_up.gemv_silu(h) if isinstance(gate_up, Int4Linear) and h.dtype == dtype else None
-        if act is None:
-            act = silu_mul(_gemv(gate_up, h), dtype)
+        if fold and attended.dtype == dtype:
+            assert isinstance(attn.o_proj, Int4Linear) and isinstance(gate_up, Int4Linear)
+            residual = cuda_int4.Residual(x, layer.post_attention_layernorm.weight)
+            h, norm_in = attn.o_proj.gemv_residual(attended, residual, eps)
+            act = gate_up.gemv_silu(h, norm_in)
+            assert act is not None
+        else:
+            o = _gemv(attn.o_proj, attended)
+            h, norm_in = add_rmsnorm(x, o, layer.post_attention_layernorm.weight, eps), None
+            act = gate_up.gemv_silu(h) if isinstance(gate_up, Int4Linear) and h.dtype == dtype else None
+            if act is None:
+                act = silu_mul(_gemv(gate_up, h), dtype)
         if i + 1 < len(layers):  # the next layer's q/k/v, beside the down product and the norm
             ahead.start(layers[i + 1].self_attn.qkv_proj)
-        down = _gemv(mlp.down_proj, act)
-        next_norm = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else model.norm.weight
-        h = add_rmsnorm(x, down, next_norm, config.rms_norm_eps)
+        last = i + 1 == len(layers)
+        next_norm = model.norm.weight if last else layers[i + 1].input_layernorm.weight
+        if fold and act.dtype == dtype and (fold_head or not last):
+            assert isinstance(mlp.down_proj, Int4Linear)
+            h, norm_in = mlp.down_proj.gemv_residual(act, cuda_int4.Residual(x, next_norm), eps)
+        else:
+            down = _gemv(mlp.down_proj, act)
+            h, norm_in = add_rmsnorm(x, down, next_norm, eps), None
     ahead.join()
-    return _gemv(model.lm_head, h)
+    return _gemv(model.lm_head, h, norm_in)
