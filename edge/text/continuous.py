@@ -228,17 +228,23 @@ class ContinuousBatcher:
         t0 = time.perf_counter()
         running = list(self.running)
         logits = torch.stack([s.logits for s in running if s.logits is not None])
+        params, generators = [s.params for s in running], [s.generator for s in running]
+        step_logits: torch.Tensor | None = None  # the step after these tokens, where already run
         if self.graphs is not None:
-            return self._step_ahead(running, logits, t0)
-        tokens = sample_rows(logits, [s.params for s in running], [s.generator for s in running])
+            step_logits, tokens = self._run_ahead(running, choose_rows(logits, params, generators))
+        else:
+            tokens = sample_rows(logits, params, generators)
         done: list[Sequence] = []
         for seq, token in zip(running, tokens, strict=True):
+            slot = seq.slot
             if self._advance(seq, token):
                 done.append(seq)
                 self.running.remove(seq)
                 seq.slot = None
+            elif step_logits is not None:
+                seq.logits = step_logits[slot]
         going = self.running
-        if going:
+        if going and step_logits is None:
             n = max(s.slot for s in going if s.slot is not None) + 1
             ids = [0] * n
             positions = [0] * n
@@ -250,47 +256,29 @@ class ContinuousBatcher:
             step_logits = self._decode(ids, positions, kv_len)
             for seq in going:
                 seq.logits = step_logits[seq.slot]
+        if going:
             self.batch_sizes[len(going)] = self.batch_sizes.get(len(going), 0) + 1
-            self.steps += 1
-        elapsed = time.perf_counter() - t0
-        for seq in [*going, *done]:
-            seq.decode_s += elapsed
-        return done
-
-    def _step_ahead(self, running: list[Sequence], logits: torch.Tensor, t0: float) -> list[Sequence]:
-        """step() on CUDA graphs: the next step runs on the tokens chosen on the device
-        while they come back, every running sequence assumed to go on (each at the
-        position its new token takes); the sequences they end drop that step's row."""
-        assert self.graphs is not None
-        chosen = choose_rows(logits, [s.params for s in running], [s.generator for s in running])
-        n = max(s.slot for s in running if s.slot is not None) + 1
-        sources, positions = [len(running)] * n, [0] * n
-        for i, seq in enumerate(running):
-            assert seq.slot is not None
-            sources[seq.slot], positions[seq.slot] = i, seq.length
-        kv_len = max(s.length for s in running) + 1
-        step_logits, tokens = self.graphs.run_chosen(chosen, sources, positions, kv_len)
-        done: list[Sequence] = []
-        for seq, token in zip(running, tokens, strict=True):
-            slot = seq.slot
-            assert slot is not None
-            if self._advance(seq, token):
-                done.append(seq)
-                self.running.remove(seq)
-                seq.slot = None
-            else:
-                seq.logits = step_logits[slot]
-        if self.running:
-            self.batch_sizes[len(self.running)] = self.batch_sizes.get(len(self.running), 0) + 1
             self.steps += 1
         elapsed = time.perf_counter() - t0
         for seq in running:
             seq.decode_s += elapsed
         return done
 
+    def _run_ahead(self, running: list[Sequence], chosen: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """On CUDA graphs: the next step, launched on the tokens chosen on the device
+        before they come back, every running sequence assumed to go on (each at the
+        position its new token takes); returns its logits and the tokens. The sequences
+        those tokens end drop their row of it."""
+        assert self.graphs is not None
+        n = max(s.slot for s in running if s.slot is not None) + 1
+        sources, positions = [len(running)] * n, [0] * n
+        for i, seq in enumerate(running):
+            assert seq.slot is not None
+            sources[seq.slot], positions[seq.slot] = i, seq.length
+        kv_len = max(s.length for s in running) + 1
+        return self.graphs.run_chosen(chosen, sources, positions, kv_len)
+
     def _decode(self, ids: list[int], positions: list[int], kv_len: int) -> torch.Tensor:
-        if self.graphs is not None:
-            return self.graphs.run(ids, positions, kv_len)
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device).view(-1, 1)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         return self.model.decode_step(ids_t, self.cache, pos_t, kv_len)

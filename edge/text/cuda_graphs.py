@@ -74,9 +74,9 @@ class StepGraphs:
 
     Running sequences hold the lowest rows of the cache, so a step over n of them runs
     the graph of the smallest batch bucket >= n, rows past n fed a dummy token at
-    position 0 (free rows: the next prefill there overwrites it). Positions (and, for
-    `run_chosen`, which chosen token each row takes) go to the device in one copy from
-    pinned host memory; nothing else crosses per step but the chosen tokens coming back.
+    position 0 (free rows: the next prefill there overwrites it). Positions and which
+    chosen token each row takes go to the device in one copy from pinned host memory;
+    nothing else crosses per step but the chosen tokens coming back.
     """
 
     def __init__(self, model: LlamaModel, cache: KVCache, max_batch: int, min_kv_bucket: int = 256) -> None:
@@ -87,15 +87,15 @@ class StepGraphs:
         self.batch_buckets = buckets_up_to(max_batch)
         self.kv_buckets = buckets_up_to(cache.max_len, min_kv_bucket)
         device = model.device
-        # Rows: token ids, positions, and for run_chosen the chosen token each row takes.
-        # Two pinned copies, used in turn: the host fills one while the device may still
-        # be reading the other (run_chosen returns before its step has run).
-        self._host = [torch.zeros(3, max_batch, dtype=torch.long).pin_memory() for _ in range(2)]
+        # Rows: positions, and the chosen token each cache row takes. Two pinned copies,
+        # used in turn: the host fills one while the device may still be reading the
+        # other (run_chosen returns before its step has run).
+        self._host = [torch.zeros(2, max_batch, dtype=torch.long).pin_memory() for _ in range(2)]
         self._host_np = [h.numpy() for h in self._host]
         self._back = [torch.zeros(max_batch, dtype=torch.long).pin_memory() for _ in range(2)]
         self._back_ready = [torch.cuda.Event() for _ in range(2)]
         self._turn = 0
-        self._dev = torch.zeros(3, max_batch, dtype=torch.long, device=device)
+        self._dev = torch.zeros(3, max_batch, dtype=torch.long, device=device)  # ids, then the host's rows
         self._chosen = torch.zeros(max_batch + 1, dtype=torch.long, device=device)  # the last stays 0
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -128,23 +128,6 @@ class StepGraphs:
         logger.debug("captured the decode step for batch %d, KV length %d", batch, kv_len)
         return graph, logits
 
-    def _buckets(self, n: int, kv_len: int) -> tuple[int, int]:
-        return next(b for b in self.batch_buckets if b >= n), next(k for k in self.kv_buckets if k >= kv_len)
-
-    def run(self, ids: list[int], positions: list[int], kv_len: int) -> torch.Tensor:
-        """Logits [n, V] for tokens `ids` at `positions` (row i of the cache for entry i)."""
-        n = len(ids)
-        batch, bucket = self._buckets(n, kv_len)
-        host = self._host_np[self._turn]
-        host[:, :batch] = 0
-        host[0, :n] = ids
-        host[1, :n] = positions
-        self._dev[:, :batch].copy_(self._host[self._turn][:, :batch], non_blocking=True)
-        self._turn ^= 1
-        graph, logits = self.graphs[(batch, bucket)]
-        graph.replay()
-        return logits[:n]
-
     def run_chosen(
         self, chosen: torch.Tensor, sources: list[int], positions: list[int], kv_len: int
     ) -> tuple[torch.Tensor, list[int]]:
@@ -156,18 +139,19 @@ class StepGraphs:
         the step's logits for a sequence those tokens end (its row's KV past its end is
         never read: the next prefill there overwrites it)."""
         m, n = int(chosen.shape[0]), len(sources)
-        batch, bucket = self._buckets(n, kv_len)
+        batch = next(b for b in self.batch_buckets if b >= n)
+        bucket = next(k for k in self.kv_buckets if k >= kv_len)
         turn = self._turn
         self._turn ^= 1
         back, ready = self._back[turn], self._back_ready[turn]
         back[:m].copy_(chosen, non_blocking=True)
         ready.record()
         host = self._host_np[turn]
-        host[:, :batch] = 0
-        host[2, :batch] = m
-        host[1, :n] = positions
-        host[2, :n] = sources
-        self._dev[:, :batch].copy_(self._host[turn][:, :batch], non_blocking=True)
+        host[0, :batch] = 0
+        host[1, :batch] = m
+        host[0, :n] = positions
+        host[1, :n] = sources
+        self._dev[1:, :batch].copy_(self._host[turn][:, :batch], non_blocking=True)
         self._chosen[:m].copy_(chosen)
         torch.index_select(self._chosen, 0, self._dev[2, :batch], out=self._dev[0, :batch])
         graph, logits = self.graphs[(batch, bucket)]

@@ -419,7 +419,7 @@ def fused_decode_step(
             ahead.start(layers[i + 1].self_attn.qkv_proj)
         last = i + 1 == len(layers)
         next_norm = model.norm.weight if last else layers[i + 1].input_layernorm.weight
-        if fold and act.dtype == dtype and (fold_head or not last):
+        if fold and (fold_head or not last):
             assert isinstance(mlp.down_proj, Int4Linear)
             h, norm_in = mlp.down_proj.gemv_residual(act, cuda_int4.Residual(x, next_norm), eps)
         else:
