@@ -26,7 +26,8 @@ def _batcher(eos: frozenset[int]) -> ContinuousBatcher:
     model = random_int4_llama(CONFIG, "cuda", "cuda-mma", group=64, seed=5)
     batcher = ContinuousBatcher(model, None, eos, slots=4, slot_len=128)
     batcher.warm_up(prefill_lengths=(9,))
-    assert batcher.capture_graphs() == 3  # batch buckets 1, 2, 4; one KV bucket of 128
+    # Decode: batch buckets 1, 2, 4 and one KV bucket of 128; prefill: prompts up to 16, 32, 64, 128.
+    assert batcher.capture_graphs() == 3 + 4
     return batcher
 
 

@@ -17,6 +17,8 @@ captured as CUDA graphs at load, one per batch-size and KV-length bucket
 chosen tokens before they reach the host, so the GPU never waits while the host reads
 them, checks EOS and stop strings and streams text. A sequence those tokens end has its
 row of that step discarded.
+A prompt of up to fused_prefill.GRAPH_BUCKETS[-1] tokens is prefilled by a graph
+captured at load too (fused_prefill.PrefillGraphs); a longer one op by op.
 
 Pausing drops the sequence's KV and keeps its tokens: on resume its prompt and the tokens
 generated so far are prefilled again (recomputation, as vLLM does on preemption). Keeping
@@ -36,6 +38,7 @@ import torch
 from tokenizers import Tokenizer
 
 from edge.scheduler.kv_cache import KVCacheManager, KVSlot
+from edge.text import fused_prefill
 from edge.text.cuda_graphs import StepGraphs
 from edge.text.generate import SamplingParams, _find_stop, choose_rows, sample_rows, streamable_end
 from edge.text.llama import KVCache, LlamaModel
@@ -92,6 +95,7 @@ class ContinuousBatcher:
         self.kv = KVCacheManager(slots, self.slot_len, self.cache.nbytes // (slots * self.slot_len))
         self.device = model.device
         self.graphs: StepGraphs | None = None
+        self.prefill_graphs: fused_prefill.PrefillGraphs | None = None
         self.running: list[Sequence] = []
         self.steps = 0
         self.batch_sizes: dict[int, int] = {}  # sequences per decode step -> steps
@@ -108,7 +112,11 @@ class ContinuousBatcher:
         """Capture the decode step as CUDA graphs for every batch and KV-length bucket
         (after warm_up, which builds and tunes every kernel); returns how many."""
         self.graphs = StepGraphs(self.model, self.cache, self.slots)
-        return self.graphs.capture_all()
+        captured = self.graphs.capture_all()
+        if fused_prefill.supported(self.model):
+            self.prefill_graphs = fused_prefill.PrefillGraphs(self.model, self.cache, pool=self.graphs.pool)
+            captured += self.prefill_graphs.capture_all()
+        return captured
 
     @torch.inference_mode()
     def warm_up(self, prefill_lengths: tuple[int, ...] = (1, 8, 9, 64)) -> int:
@@ -156,7 +164,11 @@ class ContinuousBatcher:
             # On the device the logits are on, so drawing a token needs no copy back first.
             seq.generator = torch.Generator(device=self.device).manual_seed(seq.seed)
         t0 = time.perf_counter()
-        seq.logits = self.model(torch.tensor([ids], device=self.device), self._row(slot.row), 0)[0, -1]
+        graphs = self.prefill_graphs
+        if graphs is not None and graphs.covers(len(ids)):
+            seq.logits = graphs.run(ids, slot.row)
+        else:
+            seq.logits = self.model(torch.tensor([ids], device=self.device), self._row(slot.row), 0)[0, -1]
         seq.prefill_ms += (time.perf_counter() - t0) * 1000.0
         seq.slot, seq.kv = slot.row, slot
         self.running.append(seq)

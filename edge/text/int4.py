@@ -344,7 +344,17 @@ class Int4Linear(nn.Module):
         result: torch.Tensor = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
         return result
 
-    def _dequant_matmul(self, flat: torch.Tensor) -> torch.Tensor:
+    def forward_paired(self, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(x [M, K] @ W.T, paired): a paired gate/up weight's prefill product is left in
+        its paired column order (cuda_int4.pair_order) for a SiLU kernel that reads it so,
+        instead of being reordered by a copy; paired False: the usual order."""
+        if self.kernel == "cuda-mma" and self.paired and x.shape[0] > cuda_int4.MAX_ROWS and self.bias is None:
+            if self.exact_top:
+                raise ValueError("a paired gate/up weight has no exact top")
+            return self._dequant_matmul(x, unpair=False), True
+        return self(x), False
+
+    def _dequant_matmul(self, flat: torch.Tensor, unpair: bool = True) -> torch.Tensor:
         """flat @ W.T in flat's dtype, W dequantized from the tiled copy a slab of rows at
         a time (never whole: the 8B model's gate/up would be 235 MB in bf16)."""
         tiled = self.tiled
@@ -353,8 +363,8 @@ class Int4Linear(nn.Module):
         for t0 in range(0, tiled.tiles, slab):
             w = cuda_int4.dequant(tiled, t0, min(slab, tiled.tiles - t0), flat.dtype)
             n0 = t0 * cuda_int4.TILE_ROWS
-            out[:, n0 : n0 + w.shape[0]] = flat @ w.T
-        return cuda_int4.unpair(out) if tiled.paired else out
+            torch.mm(flat, w.T, out=out[:, n0 : n0 + w.shape[0]])  # written in place: no copy
+        return cuda_int4.unpair(out) if tiled.paired and unpair else out
 
     def _refine(self, flat: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` [M, N] with each row's `exact_top` largest entries recomputed in float32
