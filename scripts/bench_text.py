@@ -188,15 +188,11 @@ def ours_cuda(
     tokens, peak memory with a cache of `long_context + prompt_len` tokens (llama-bench's
     largest context for the same test), then the in-graph kernel profile and continuous
     batching at `batch_sizes`."""
-    from edge.text import fused_prefill
-    from edge.text.cuda_graphs import GraphDecoder
     from edge.text.embedding import compact_embedding
-    from edge.text.fused_prefill import PrefillGraphs
     from edge.text.int4 import tune_gemv
 
     torch.cuda.empty_cache()
     variant = kernel
-    per_op = kernel.endswith("+ops")
     kernel = kernel.split("+")[0]
     model = random_int4_llama(config, "cuda", kernel)
     model.l2_prefetch = variant.endswith("+prefetch")
@@ -204,11 +200,30 @@ def ours_cuda(
     compact_embedding(model, embedding)  # type: ignore[arg-type]
     tune_gemv(model, torch.bfloat16)  # at load, as serving does: its timing copies are gone before the peak
     _release()
-    # From here: what serving holds (the float table made by the random model's builder
-    # and replaced by its compact form is not).
-    torch.cuda.reset_peak_memory_stats()
-    if per_op:
-        model.fused_decode = False  # the torch per-op step around the same INT4 GEMVs
+    row = {
+        "name": f"edge INT4 g128, {DECODE_NAMES[variant]}, CUDA graphs, {embedding} token table",
+        "embedding": embedding,
+        **single_sequence(model, variant, prompt_len, new_tokens, long_context, bandwidth, profile),
+    }
+    _release()  # the cache and graphs of the single sequence are gone: the batcher has its own
+    if batch_sizes:
+        try:
+            row["batched"] = batched(model, prompt_len, new_tokens, batch_sizes)
+        except Exception as err:  # the batch-1 row stands
+            row["batched_error"] = f"{type(err).__name__}: {err}"
+    return row
+
+
+def single_sequence(
+    model: Any, variant: str, prompt_len: int, new_tokens: int, long_context: int, bandwidth: float, profile: bool
+) -> dict[str, Any]:
+    """ours_cuda's batch-1 figures; what it allocates is freed when it returns."""
+    from edge.text import fused_prefill
+    from edge.text.cuda_graphs import GraphDecoder
+    from edge.text.fused_prefill import PrefillGraphs
+    from edge.text.int4 import share_dequant_buffer
+
+    config: LlamaConfig = model.config
     cache_len = long_context + prompt_len
     cache = KVCache(config, 1, cache_len, torch.bfloat16, torch.device("cuda"))
     ids = torch.randint(0, config.vocab_size, (1, prompt_len), device="cuda")
@@ -217,6 +232,29 @@ def ours_cuda(
         logits: torch.Tensor = model(ids, cache, 0)
         return logits[0, -1].argmax()
 
+    # The op-by-op prefill of the same prompt, for comparison: timed before anything is
+    # captured and outside the peak window (serving runs it only for prompts longer than
+    # the largest graph bucket, which the long context below stands for).
+    ttft_eager = cuda_time(eager_prefill, repeat=10, warmup=3)
+    _release()
+    share_dequant_buffer(model, torch.bfloat16)  # as serving's load does, before any capture
+    # From here: what serving holds (the float table made by the random model's builder
+    # and replaced by its compact form is not).
+    torch.cuda.reset_peak_memory_stats()
+    phases: dict[str, dict[str, float]] = {"held": {"allocated_gib": torch.cuda.memory_allocated() / GIB}}
+
+    def phase(name: str) -> None:
+        # Each phase's own peak (then reset): where the row's peak is reached, and by what.
+        torch.cuda.synchronize()
+        phases[name] = {
+            "peak_gib": torch.cuda.max_memory_allocated() / GIB,
+            "allocated_gib": torch.cuda.memory_allocated() / GIB,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+        }
+        torch.cuda.reset_peak_memory_stats()
+
+    if variant.endswith("+ops"):
+        model.fused_decode = False  # the torch per-op step around the same INT4 GEMVs
     # TTFT as serving prefills a fresh prompt: its length bucket's captured graph
     # (fused_prefill.PrefillGraphs, what the batcher runs) where the model allows it.
     decoder = GraphDecoder(model, cache)
@@ -227,17 +265,21 @@ def ours_cuda(
         prefill: Callable[[], torch.Tensor] = lambda: prompt_graphs.run(prompt, 0).argmax()  # noqa: E731
     else:
         prefill = eager_prefill
+    phase("prefill_capture")
     ttft = cuda_time(prefill, repeat=10, warmup=3)
-    ttft_eager = cuda_time(eager_prefill, repeat=10, warmup=3)
     token = prefill().view(1)
+    phase("prefill")
     tok_s = _decode_rate(decoder, token, prompt_len, new_tokens)
+    phase("decode")
     # The long context: its prompt prefilled in pieces of prompt_len, then decode.
     long_ids = torch.randint(0, config.vocab_size, (1, long_context), device="cuda")
     for start in range(0, long_context, prompt_len):
         model(long_ids[:, start : start + prompt_len], cache, start)
+    phase("long_prefill")
     tok_s_4k = _decode_rate(decoder, token, long_context, new_tokens)
-    peak = torch.cuda.max_memory_allocated()
-    reserved = torch.cuda.max_memory_reserved()
+    phase("decode_4k")
+    peak = max(p.get("peak_gib", 0.0) for p in phases.values()) * GIB
+    reserved = max(p.get("peak_reserved_gib", 0.0) for p in phases.values()) * GIB
     # What the profiles capture is not serving's memory: measured after the peak.
     steps_profile = _attempt(lambda: graph_profile(model, decoder, token, prompt_len, bandwidth)) if profile else None
     gemv_in_graphs = _attempt(lambda: gemv_graphs(model, bandwidth)) if profile and model.fused_decode else None
@@ -248,9 +290,7 @@ def ours_cuda(
         return weights + kv_token * (context + new_tokens // 2) + config.hidden_size * 2
 
     row: dict[str, Any] = {
-        "name": f"edge INT4 g128, {DECODE_NAMES[variant]}, CUDA graphs, {embedding} token table",
         "kernel": variant,
-        "embedding": embedding,
         "fused_decode": bool(model.fused_decode),
         "decode_tok_s": tok_s,
         "decode_tok_s_4k": tok_s_4k,
@@ -264,6 +304,7 @@ def ours_cuda(
         "prefill_graphs": prompt_graphs is not None,
         "peak_gib": peak / GIB,
         "peak_reserved_gib": reserved / GIB,
+        "memory_phases": phases,
         "kv_cache_tokens": cache_len,
     }
     if steps_profile is not None:
@@ -271,12 +312,8 @@ def ours_cuda(
     if gemv_in_graphs is not None:
         row["gemv_graphs"] = gemv_in_graphs
     decoder.graphs.clear()  # its captured graphs hold memory the batcher needs
-    _release()
-    if batch_sizes:
-        try:
-            row["batched"] = batched(model, prompt_len, new_tokens, batch_sizes)
-        except Exception as err:  # the batch-1 row stands
-            row["batched_error"] = f"{type(err).__name__}: {err}"
+    if prompt_graphs is not None:
+        prompt_graphs.graphs.clear()
     return row
 
 
@@ -452,7 +489,10 @@ def check_cuda(kernels: list[str], embedding: str = "float") -> dict[str, float]
     """Relative error of each kernel's logits (prefill and graph decode) against the
     dequantize-then-matmul reference, on a small random model with the same weights (and
     the same compact token table, looked up inside the graphs)."""
+    from edge.text import fused_prefill
     from edge.text.embedding import QuantizedEmbedding, compact_embedding
+    from edge.text.fused_prefill import PrefillGraphs
+    from edge.text.int4 import share_dequant_buffer
 
     config = LlamaConfig(
         vocab_size=1024, hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=2, intermediate_size=1536
@@ -493,6 +533,16 @@ def check_cuda(kernels: list[str], embedding: str = "float") -> dict[str, float]
             step = decoder.step(ids[0, pos : pos + 1], pos)[0]
             worst = max(worst, float((step - ref[pos]).norm() / ref[pos].norm()))
         errors[f"{kernel}_graph_decode"] = worst
+        if fused_prefill.supported(model):
+            # The fused prefill as the batcher runs it: a captured bucket (the prompt
+            # padded to it), slabs dequantized into the shared buffer.
+            share_dequant_buffer(model, torch.bfloat16)
+            fresh = KVCache(config, 1, 64, torch.bfloat16, torch.device("cuda"))
+            graphs = PrefillGraphs(model, fresh, buckets=(16, 64))
+            graphs.capture_all()
+            logits = graphs.run(ids[0].tolist(), 0)
+            errors[f"{kernel}_fused_prefill"] = float((logits - ref[-1]).norm() / ref[-1].norm())
+            del graphs
     return errors
 
 

@@ -111,6 +111,23 @@ def test_folded_norm_refuses_buffers_it_cannot_take() -> None:
     assert cuda_int4.parts_fit(8, 16384) and not cuda_int4.parts_fit(8, 16448)
 
 
+@pytest.mark.parametrize(
+    ("n", "k", "rows"),
+    [(6144, 4096, 6144), (4096, 4096, 4096), (28672, 4096, 7168), (4096, 14336, 2048), (40, 576, 48)],
+)
+def test_prefill_slabs_are_even_whole_tiles_under_the_cap(n: int, k: int, rows: int) -> None:
+    """The 8B model's shapes: the down projection goes in two slabs of 2048 rows (64 MiB
+    at most dequantized at once, not its whole 117 MB), gate/up in four even ones."""
+    from edge.text.int4 import PREFILL_SLAB_VALUES, dequant_slab_rows
+
+    got = dequant_slab_rows(n, k)
+    assert got == rows
+    assert got % cuda_int4.TILE_ROWS == 0
+    assert min(got, n) * k <= PREFILL_SLAB_VALUES
+    slabs = -(-n // got)
+    assert slabs == -(-n * k // PREFILL_SLAB_VALUES) or n * k <= PREFILL_SLAB_VALUES  # the fewest
+
+
 def test_unavailable_without_a_cuda_device() -> None:
     assert not cuda_int4.available("cpu")
 
@@ -247,6 +264,53 @@ def test_dequant_is_the_reference_weight_rounded_once(dtype: torch.dtype) -> Non
     assert torch.equal(whole.cpu(), dequantize(q).to(dtype))
     part = cuda_int4.dequant(tiled, 1, 2, dtype)  # rows 16..39: the last tile is partial
     assert torch.equal(part.cpu(), dequantize(q)[16:40].to(dtype))
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_dequant_writes_into_a_given_buffer_or_refuses_it() -> None:
+    q = _weight(40, 576, 64, seed=4)
+    tiled = cuda_int4.repack(q.qweight.cuda(), q.scales.cuda(), q.zeros.cuda(), 64)
+    buffer = torch.full((48 * 576,), float("nan"), device="cuda", dtype=torch.float16)
+    part = cuda_int4.dequant(tiled, 1, 2, torch.float16, buffer)
+    assert part.data_ptr() == buffer.data_ptr()
+    assert torch.equal(part.cpu(), dequantize(q)[16:40].half())
+    with pytest.raises(ValueError, match="dequantization buffer"):
+        cuda_int4.dequant(tiled, 0, tiled.tiles, torch.float16, buffer[: 40 * 576 - 1])
+    with pytest.raises(ValueError, match="dequantization buffer"):
+        cuda_int4.dequant(tiled, 0, tiled.tiles, torch.bfloat16, buffer)
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_prefill_products_share_one_dequantization_buffer() -> None:
+    from torch import nn
+
+    from edge.text.int4 import Int4Linear, dequant_slab_elements, share_dequant_buffer
+
+    shapes = [(640, 576), (256, 1152)]
+    weights = [_weight(n, k, 64, seed=i) for i, (n, k) in enumerate(shapes)]
+    linears = [
+        Int4Linear(QuantizedWeight(q.qweight.cuda(), q.scales.cuda(), q.zeros.cuda(), 64), "cuda-mma") for q in weights
+    ]
+    layers = nn.ModuleList(linears)
+    xs = [torch.randn(40, k, device="cuda", dtype=torch.float16) for _, k in shapes]
+    alone = [layer(x) for layer, x in zip(linears, xs, strict=True)]
+    nbytes = share_dequant_buffer(layers, torch.float16)
+    assert nbytes == 2 * max(dequant_slab_elements(layer) for layer in linears) == 2 * 640 * 576
+    buffer = linears[0].dequant_buffer
+    assert buffer is not None and all(layer.dequant_buffer is buffer for layer in linears)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    shared = [layer(x) for layer, x in zip(linears, xs, strict=True)]
+    torch.cuda.synchronize()
+    # Only the outputs are new: no slab is allocated beside the shared buffer.
+    outputs = sum(out.numel() * out.element_size() for out in shared)
+    assert torch.cuda.max_memory_allocated() - before <= outputs + 4096
+    for a, b in zip(alone, shared, strict=True):
+        assert torch.equal(a, b)
+    assert share_dequant_buffer(layers, torch.float32) == 0  # no tensor-core form: slabs of their own
 
 
 @gpu

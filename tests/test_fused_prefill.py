@@ -74,3 +74,40 @@ def test_prefill_graphs_pad_to_their_bucket_and_write_the_given_row() -> None:
             for layer in range(CONFIG.num_layers):
                 _close(cache.k[layer, row, :, :tokens], ref_cache.k[layer, 0, :, :tokens], 0.02)
                 _close(cache.v[layer, row, :, :tokens], ref_cache.v[layer, 0, :, :tokens], 0.02)
+
+
+def test_a_chunk_after_earlier_tokens_runs_flash_attention_without_a_score_matrix() -> None:
+    """The op-by-op prefill of a chunk that follows cached tokens (prompts past the
+    largest graph bucket): the lower-right causal bias gives what the boolean mask gave,
+    without the math kernel's score matrix, and a prompt prefilled in chunks ends as the
+    whole one does."""
+    import torch.nn.functional as F
+
+    from edge.text.llama import chunk_mask
+
+    gen = torch.Generator("cuda").manual_seed(4)
+    seq, end = 512, 4608
+    q = torch.randn(1, 32, seq, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(1, 8, end, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(1, 8, end, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    boolean = torch.ones(seq, end, dtype=torch.bool, device="cuda").tril(diagonal=end - seq)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=boolean, enable_gqa=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk_mask(seq, end, q.device), enable_gqa=True)
+    torch.cuda.synchronize()
+    scores = 32 * seq * end * 2
+    assert torch.cuda.max_memory_allocated() - before < scores / 8  # the output and a little, no scores
+    _close(out, ref, 0.01)
+    model = _model("cuda-mma")
+    ids = torch.randint(0, CONFIG.vocab_size, (1, 96), device="cuda", generator=gen)
+    with torch.inference_mode():
+        whole_cache, chunked = model.new_cache(1, 128), model.new_cache(1, 128)
+        whole = model(ids, whole_cache, 0)[0, -1]
+        model(ids[:, :64], chunked, 0)
+        last = model(ids[:, 64:], chunked, 64)[0, -1]
+    _close(last, whole, 0.02)
+    assert last.argmax() == whole.argmax()
+    for layer in range(CONFIG.num_layers):
+        _close(chunked.k[layer, 0, :, :96], whole_cache.k[layer, 0, :, :96], 0.02)

@@ -120,6 +120,7 @@ def test_tune_gemv_tunes_every_shape_at_load() -> None:
 
     model = random_int4_llama(GQA, "cuda", "triton", group=32, dtype=torch.float16, seed=3)
     tuner = triton_int4._int4_gemv_bits_tuned
+    tuner.cache.clear()  # process-wide: earlier tests' models tuned shapes of their own
     tuned = tune_gemv(model, torch.float16)
     layers = [m for m in model.modules() if isinstance(m, Int4Linear)]
     shapes = {(m.out_features, m.in_features) for m in layers}
@@ -165,3 +166,46 @@ def test_the_tuned_gemv_is_batch_invariant_and_repeatable_on_every_shape() -> No
         for rows in range(1, 9):
             for _ in range(3):
                 assert torch.equal(triton_int4.int4_gemv(x[:rows], *weight, 32), alone[:rows]), (n, k, rows)
+
+
+def test_prefill_rotary_kernel_writes_q_k_v_and_the_cache_row() -> None:
+    """fused_prefill.rope_write (Triton's interpreter here, the GPU in a bench run):
+    q rotated and scaled by 1/sqrt(head_dim), k rotated, v copied, for positions
+    0..T-1, with k and v also in the given cache row and no other."""
+    from edge.text.fused_prefill import rope_write
+    from edge.text.llama import LlamaModel, apply_rope
+
+    model = LlamaModel(GQA).float()
+    nh, nkv, hd, tokens = GQA.num_heads, GQA.num_kv_heads, GQA.head_dim, 7
+    qkv = torch.randn(tokens, (nh + 2 * nkv) * hd, generator=torch.Generator().manual_seed(5))
+    cache = model.new_cache(3, 16)
+    k_cache, v_cache = cache.k[0], cache.v[0]
+    q, k, v = rope_write(qkv, model, torch.tensor([1]), k_cache, v_cache)
+    cos, sin = model.rope_cos[:tokens], model.rope_sin[:tokens]
+    heads = qkv.view(tokens, nh + 2 * nkv, hd).transpose(0, 1)  # [heads, T, HD]
+    ref_q = apply_rope(heads[:nh], cos, sin) * hd**-0.5
+    ref_k = apply_rope(heads[nh : nh + nkv], cos, sin)
+    ref_v = heads[nh + nkv :]
+    torch.testing.assert_close(q[0], ref_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k[0], ref_k, rtol=1e-5, atol=1e-5)
+    assert torch.equal(v[0], ref_v)
+    torch.testing.assert_close(k_cache[1, :, :tokens], ref_k, rtol=1e-5, atol=1e-5)
+    assert torch.equal(v_cache[1, :, :tokens], ref_v)
+    assert not k_cache[[0, 2]].any() and not v_cache[[0, 2]].any()
+    assert not k_cache[1, :, tokens:].any()
+
+
+def test_paired_silu_kernel_reads_the_paired_column_order() -> None:
+    """A paired gate/up product (columns in cuda_int4.pair_order) gives silu(gate) * up
+    in the original order, with no reordering copy first."""
+    from edge.text import cuda_int4
+    from edge.text.fused_prefill import _silu_mul_paired_kernel
+
+    tokens, f = 3, 2 * 1024 + 48  # more than one block, the last one partial
+    plain = torch.randn(tokens, 2 * f, generator=torch.Generator().manual_seed(6))
+    paired = plain[:, cuda_int4.pair_order(2 * f)].contiguous()
+    assert torch.equal(cuda_int4.unpair(paired), plain)
+    out = torch.empty(tokens, f)
+    _silu_mul_paired_kernel[(tokens, -(-f // 1024))](paired, out, f, 1024)
+    ref = torch.nn.functional.silu(plain[:, :f]) * plain[:, f:]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)

@@ -9,12 +9,30 @@ serves every position inside its bucket (attention is masked beyond the position
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from edge.text.llama import KVCache, LlamaModel
 
 logger = logging.getLogger(__name__)
+
+
+def capture(run: Callable[[], torch.Tensor], pool: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """(graph, output) of `run` captured into memory pool `pool`. Two warm-up runs on a
+    side stream come first: lazy initialisation and kernel builds must not happen inside
+    a capture. thread_local: another branch's thread may launch its own work meanwhile."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = run()
+    return graph, out
 
 
 class GraphDecoder:
@@ -34,19 +52,9 @@ class GraphDecoder:
         return min(self.cache.max_len, (pos // self.bucket + 1) * self.bucket)
 
     def _capture(self, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        # Warm-up on a side stream first: it runs kernel autotuning and lazy init,
-        # which must not happen inside capture.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.model.decode_step(self.ids, self.cache, self.pos, kv_len)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.model.decode_step(self.ids, self.cache, self.pos, kv_len)
+        captured = capture(lambda: self.model.decode_step(self.ids, self.cache, self.pos, kv_len), self.pool)
         logger.debug("captured decode graph for kv_len %d", kv_len)
-        return graph, logits
+        return captured
 
     def step(self, token_ids: torch.Tensor, pos: int) -> torch.Tensor:
         """Logits [B, V] for tokens [B] at position `pos` (same for the whole batch)."""
@@ -115,18 +123,9 @@ class StepGraphs:
     def _capture(self, batch: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         ids, pos = self._inputs(batch)
         self._dev.zero_()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # lazy initialisation stays out of the capture
-                self.model.decode_step(ids, self.cache, pos, kv_len)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: another branch's thread may launch its own work meanwhile.
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            logits = self.model.decode_step(ids, self.cache, pos, kv_len)
+        captured = capture(lambda: self.model.decode_step(ids, self.cache, pos, kv_len), self.pool)
         logger.debug("captured the decode step for batch %d, KV length %d", batch, kv_len)
-        return graph, logits
+        return captured
 
     def run_chosen(
         self, chosen: torch.Tensor, sources: list[int], positions: list[int], kv_len: int

@@ -395,11 +395,19 @@ def prefetch(tiled: TiledInt4) -> None:
         _check(lib.edge_l2_prefetch(t.data_ptr(), t.numel() * t.element_size(), _stream()), "L2 prefetch")
 
 
-def dequant(tiled: TiledInt4, tile0: int, tiles: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rows [tile0*16, min(n, (tile0+tiles)*16)) of the weight in `dtype`."""
+def dequant(
+    tiled: TiledInt4, tile0: int, tiles: int, dtype: torch.dtype, buffer: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rows [tile0*16, min(n, (tile0+tiles)*16)) of the weight in `dtype`; written into
+    the front of `buffer` (a flat tensor of `dtype`, large enough) when one is given."""
     lib = _load(tiled.codes.device)
     rows = min(tiled.n, (tile0 + tiles) * TILE_ROWS) - tile0 * TILE_ROWS
-    out = torch.empty(rows, tiled.k, device=tiled.codes.device, dtype=dtype)
+    if buffer is None:
+        out = torch.empty(rows, tiled.k, device=tiled.codes.device, dtype=dtype)
+    else:
+        if buffer.dtype != dtype or buffer.numel() < rows * tiled.k or not buffer.is_contiguous():
+            raise ValueError(f"a dequantization buffer of {rows * tiled.k} contiguous {dtype} values is needed")
+        out = buffer[: rows * tiled.k].view(rows, tiled.k)
     rc = lib.edge_int4_dequant(
         tiled.codes.data_ptr(), tiled.scales.data_ptr(), tiled.zeros.data_ptr(), out.data_ptr(),
         tile0, tiles, tiled.n, tiled.k, tiled.group_size, DEQUANT_DTYPES[dtype], _stream(),

@@ -20,17 +20,17 @@ the row past the prompt, where decode overwrites each position before attending 
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from edge.text import triton_decode
+from edge.text.cuda_graphs import capture
 from edge.text.int4 import Int4Linear
-
-if TYPE_CHECKING:
-    from edge.text.llama import KVCache, LlamaModel
+from edge.text.llama import DecoderLayer, KVCache, LlamaModel
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +57,7 @@ if triton_decode.TRITON_SUPPORT:
         src = qkv_ptr + t * (NH + 2 * NKV) * HD + head * HD
         r = tl.arange(0, HALF)
         if head < NH + NKV:
-            x1 = tl.load(src + r).to(tl.float32)
-            x2 = tl.load(src + HALF + r).to(tl.float32)
-            c = tl.load(cos_ptr + t * HD + r)  # the tables hold [freqs, freqs]
-            s = tl.load(sin_ptr + t * HD + r)
-            o1 = x1 * c - x2 * s
-            o2 = x2 * c + x1 * s
+            o1, o2 = triton_decode.rotate(src, cos_ptr, sin_ptr, t, HD)
             if head < NH:
                 dst = q_ptr + (t * NH + head) * HD
                 tl.store(dst + r, (o1 * q_scale).to(q_ptr.dtype.element_ty))
@@ -143,8 +138,6 @@ def fused_prefill(
 ) -> torch.Tensor:
     """Logits [1, V] float32 after the token at index last [1] of ids [1, T], a fresh
     prompt (positions 0..T-1) whose keys and values go into cache row `row` [1]."""
-    from edge.text.llama import DecoderLayer  # llama imports this module
-
     config = model.config
     dtype = model.dtype
     eps = config.rms_norm_eps
@@ -210,16 +203,8 @@ class PrefillGraphs:
         self._dev.zero_()
         for bucket in reversed(self.buckets):
             ids, row, last = self._inputs(bucket)
-            stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    fused_prefill(self.model, ids, self.cache, row, last)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                logits = fused_prefill(self.model, ids, self.cache, row, last)
-            self.graphs[bucket] = (graph, logits)
+            run = functools.partial(fused_prefill, self.model, ids, self.cache, row, last)
+            self.graphs[bucket] = capture(run, self.pool)
             logger.debug("captured the prefill for prompts up to %d tokens", bucket)
         torch.cuda.synchronize()
         return len(self.graphs)

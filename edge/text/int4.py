@@ -30,6 +30,10 @@ logger = logging.getLogger(__name__)
 SUPPORTED_GROUPS = (256, 128, 64, 32)
 SYMMETRIC_ZERO = 8
 PREFILL_SLAB_ROWS = 8192
+# The most weight values the cuda-mma prefill dequantizes at once (64 MiB in 16 bits):
+# the 8B model's gate/up slab of 8192 x 4096, and its down projection (4096 x 14336) in
+# two slabs of 2048 rows instead of one of 117 MB.
+PREFILL_SLAB_VALUES = 8192 * 4096
 # Kernels whose GEMV the fused decode step (triton_decode.py) calls: float32 sums out.
 GEMV_KERNELS = ("triton", "cuda-mma")
 # Logits recomputed exactly per position on the CPU kernel (see Int4Linear.exact_top).
@@ -210,6 +214,9 @@ class Int4Linear(nn.Module):
         self.kernel = kernel
         self.weight_bytes = q.nbytes
         self._counters: torch.Tensor | None = None  # the Triton GEMV's split-K tile counters
+        # Where the prefill product dequantizes its slabs: one flat buffer the model's
+        # layers share (share_dequant_buffer), or None for a fresh slab each product.
+        self.dequant_buffer: torch.Tensor | None = None
         self.paired = False
         # Torch's CPU kernel rounds its inputs, scales and outputs to bfloat16: a logit of
         # 20 is then known to 1/16, and greedy decoding picks among near-ties by rounding.
@@ -359,9 +366,12 @@ class Int4Linear(nn.Module):
         a time (never whole: the 8B model's gate/up would be 235 MB in bf16)."""
         tiled = self.tiled
         out = torch.empty(flat.shape[0], self.out_features, device=flat.device, dtype=flat.dtype)
-        slab = PREFILL_SLAB_ROWS // cuda_int4.TILE_ROWS
+        slab = dequant_slab_rows(self.out_features, self.in_features) // cuda_int4.TILE_ROWS
+        buffer = self.dequant_buffer
+        if buffer is not None and buffer.dtype != flat.dtype:
+            buffer = None  # float32 activations (no tensor-core form): a slab of their own
         for t0 in range(0, tiled.tiles, slab):
-            w = cuda_int4.dequant(tiled, t0, min(slab, tiled.tiles - t0), flat.dtype)
+            w = cuda_int4.dequant(tiled, t0, min(slab, tiled.tiles - t0), flat.dtype, buffer)
             n0 = t0 * cuda_int4.TILE_ROWS
             torch.mm(flat, w.T, out=out[:, n0 : n0 + w.shape[0]])  # written in place: no copy
         return cuda_int4.unpair(out) if tiled.paired and unpair else out
@@ -376,6 +386,40 @@ class Int4Linear(nn.Module):
         w = dequantize(q).view(flat.shape[0], top, self.in_features)
         exact = torch.einsum("mk,mtk->mt", flat.float(), w)
         return out.scatter(-1, idx, exact)
+
+
+def dequant_slab_rows(n: int, k: int) -> int:
+    """Rows per slab of an [n, k] weight's cuda-mma prefill product: whole 16-row tiles,
+    the n rows split evenly into the fewest slabs of at most PREFILL_SLAB_VALUES values
+    (even slabs keep each slab's product wide enough to fill the GPU)."""
+    tile = cuda_int4.TILE_ROWS
+    most = max(tile, min(PREFILL_SLAB_ROWS, PREFILL_SLAB_VALUES // k) // tile * tile)
+    slabs = -(-n // most)
+    return -(-n // slabs // tile) * tile
+
+
+def dequant_slab_elements(layer: Int4Linear) -> int:
+    """Values in the largest slab `layer`'s prefill product dequantizes at once."""
+    return min(layer.out_features, dequant_slab_rows(layer.out_features, layer.in_features)) * layer.in_features
+
+
+def share_dequant_buffer(model: nn.Module, dtype: torch.dtype) -> int:
+    """Give every cuda-mma INT4 layer of `model` one dequantization buffer (flat, `dtype`,
+    as large as the largest slab); returns its size in bytes, 0 where no layer uses one.
+
+    Prefill products run one after another on one stream, so one buffer serves them all.
+    Without it each product's slab is a fresh allocation: the op-by-op prefill takes its
+    slabs from the allocator and each captured prefill graph keeps its own in the graphs'
+    pool, so the 8B model's 117 MB down-projection slab would be held twice. Call it at
+    load, before any graph is captured: a graph keeps the buffer's address."""
+    layers = [m for m in model.modules() if isinstance(m, Int4Linear) and m.kernel == "cuda-mma"]
+    if not layers or dtype not in cuda_int4.DTYPES:
+        return 0
+    size = max(dequant_slab_elements(layer) for layer in layers)
+    buffer = torch.empty(size, device=layers[0].tiled.codes.device, dtype=dtype)
+    for layer in layers:
+        layer.dequant_buffer = buffer
+    return buffer.numel() * buffer.element_size()
 
 
 def tune_gemv(model: nn.Module, dtype: torch.dtype) -> int:

@@ -143,10 +143,13 @@ class QAEngine:
         model = self.batcher.model
         t0 = time.perf_counter()
         if self.device.type == "cuda":
-            from edge.text.int4 import tune_gemv
+            from edge.text.int4 import share_dequant_buffer, tune_gemv
 
             tune_gemv(model, resolve_dtype(self._settings))
-            self._stage("INT4 GEMV tuned", t0)
+            # Before the prefill is measured and the graphs captured: the slab buffer is
+            # then the model's, held once, not in each prefill's activations.
+            shared = share_dequant_buffer(model, resolve_dtype(self._settings))
+            self._stage(f"INT4 GEMV tuned, {shared / 2**20:.0f} MiB prefill dequantization buffer", t0)
         t0 = time.perf_counter()
         self.batcher.warm_up()
         self._stage("every decode shape run", t0)

@@ -59,6 +59,19 @@ if TRITON_SUPPORT:
         tl.store(h_ptr + row * H + offs, (x * inv * w).to(h_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def rotate(src, cos_ptr, sin_ptr, pos, HD: tl.constexpr):
+        """The rotary embedding of one head's HD values at `src`, at position `pos`:
+        (first half, second half) in float32. The tables hold [freqs, freqs], so the
+        first half of a row serves both halves."""
+        HALF: tl.constexpr = HD // 2
+        r = tl.arange(0, HALF)
+        x1 = tl.load(src + r).to(tl.float32)
+        x2 = tl.load(src + HALF + r).to(tl.float32)
+        c = tl.load(cos_ptr + pos * HD + r)
+        s = tl.load(sin_ptr + pos * HD + r)
+        return x1 * c - x2 * s, x2 * c + x1 * s
+
+    @triton.jit
     def _rope_kv_kernel(
         qkv_ptr,
         cos_ptr,
@@ -82,13 +95,7 @@ if TRITON_SUPPORT:
         row = qkv_ptr + b * (NH + 2 * NKV) * HD + head * HD
         r = tl.arange(0, HALF)
         if head < NH + NKV:
-            x1 = tl.load(row + r).to(tl.float32)
-            x2 = tl.load(row + HALF + r).to(tl.float32)
-            # The tables hold [freqs, freqs]: the first half serves both halves.
-            c = tl.load(cos_ptr + pos * HD + r)
-            s = tl.load(sin_ptr + pos * HD + r)
-            o1 = x1 * c - x2 * s
-            o2 = x2 * c + x1 * s
+            o1, o2 = rotate(row, cos_ptr, sin_ptr, pos, HD)
             if head < NH:
                 dst = q_ptr + (b * NH + head) * HD
                 tl.store(dst + r, (o1 * q_scale).to(q_ptr.dtype.element_ty))
