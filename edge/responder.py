@@ -56,6 +56,8 @@ class Responder:
             queued_ms=(started - item.received_at) * 1000.0,
             run_ms=(outcome.finished_at - started) * 1000.0,
             total_ms=(outcome.finished_at - item.received_at) * 1000.0,
+            stages=item.stages,
+            latency=item.latency,
         )
         job = item.job
         task = item.carry["task"] if item.carry is not None else job.task

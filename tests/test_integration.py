@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 
 from tests.conftest import (
@@ -25,6 +26,23 @@ from tests.conftest import (
 pytestmark = pytest.mark.integration
 
 JOBS = "edge/t1/jobs"
+RESULT_SCHEMA = jsonschema.Draft202012Validator(
+    json.loads((Path(__file__).parent.parent / "docs" / "schemas" / "result.schema.json").read_text())
+)
+
+
+def assert_stages(result: dict[str, Any], names: list[str], accounted: float = 0.0) -> dict[str, float]:
+    """The result's stage breakdown: valid against the schema, `queued` then `names` in
+    the order they ran, all inside the run, and (`accounted`) at least that share of it."""
+    RESULT_SCHEMA.validate(result)
+    timings = result["timings"]
+    stages: dict[str, float] = timings["stages"]
+    assert list(stages) == ["queued", *names], stages
+    assert stages["queued"] == timings["queued_ms"]
+    ran = sum(ms for name, ms in stages.items() if name != "queued")
+    assert ran <= timings["run_ms"] + 0.002 * len(stages), (ran, timings)  # rounding to 1 us each
+    assert ran >= accounted * timings["run_ms"], (ran, timings)
+    return stages
 
 
 def b64(name: str) -> str:
@@ -41,8 +59,10 @@ def test_ocr_request_response_with_correlation(daemon: DaemonProc, requester: Re
         assert result["status"] == "ok", result
         assert [line["text"] for line in result["output"]["lines"]] == lab["lines"]
         assert result["output"]["text"] == "\n".join(lab["lines"])
-        assert set(result["timings"]) == {"queued_ms", "run_ms", "total_ms"}
+        assert set(result["timings"]) == {"queued_ms", "run_ms", "total_ms", "stages"}
         assert result["timings"]["total_ms"] >= result["timings"]["run_ms"] > 0
+        stages = assert_stages(result, ["decode", "preprocess", "model", "postprocess"], accounted=0.8)
+        assert stages["model"] > 0 and stages["decode"] > 0
         assert result["device"] == "t1"
     ids = {requester.replies[c]["id"] for c in corrs}
     assert ids == {f"ocr-{i}" for i in range(len(LABELS))}
@@ -69,6 +89,7 @@ def test_inspect_with_heatmap_and_label_reading(daemon: DaemonProc, requester: R
     assert out["defect"] == (out["class"] != "clean")
     assert len(out["heatmap"]) == 14 and all(len(row) == 14 for row in out["heatmap"])
     assert [line["text"] for line in out["ocr"]["lines"]] == lab["lines"]
+    assert_stages(result, ["decode", "preprocess", "model", "postprocess"], accounted=0.8)
 
 
 def test_inspect_jobs_are_batched_and_a_bad_image_fails_alone(daemon: DaemonProc, requester: Requester) -> None:
@@ -82,9 +103,12 @@ def test_inspect_jobs_are_batched_and_a_bad_image_fails_alone(daemon: DaemonProc
     assert "heatmap" not in results[0]["output"] and "ocr" not in results[0]["output"]
     # Jobs that arrived together ran together (max_queue_delay_ms 50 in the test profile).
     assert max(r["output"]["batch_size"] for r in results) > 1
+    for r in results:  # a batch's shared stages given to each of its jobs
+        assert_stages(r, ["decode", "preprocess", "model", "postprocess"])
     failed = requester.wait(bad)
     assert failed["status"] == "error" and failed["error"]["code"] == "image_invalid"
     assert failed["error"]["field"] == "image.data"
+    assert list(assert_stages(failed, ["decode"])) == ["queued", "decode"]  # it failed decoding
 
 
 def test_cancel_withdraws_a_queued_job(daemon: DaemonProc, requester: Requester) -> None:
@@ -117,6 +141,13 @@ def test_qa_request_response(daemon: DaemonProc, requester: Requester) -> None:
     assert out["answer"].strip() and out["completion_tokens"] > 0
     assert out["prompt_tokens"] > 20  # the context went into the prompt
     assert out["finish_reason"] in {"eos", "length", "stop"}
+    stages = assert_stages(result, ["tokenize", "prefill", "decode", "detokenize"], accounted=0.8)
+    timings = result["timings"]
+    assert stages["prefill"] > 0 and stages["decode"] > 0 and stages["prefill"] == out["prefill_ms"]
+    # The first token comes after the queue and the prefill, and before the end.
+    assert stages["queued"] + stages["prefill"] <= timings["ttft_ms"] <= timings["total_ms"]
+    if out["completion_tokens"] > 1:
+        assert 0 < timings["token_p50_ms"] <= timings["token_p99_ms"] <= stages["decode"]
 
 
 def test_qa_streams_partial_results(daemon: DaemonProc, requester: Requester) -> None:
@@ -440,6 +471,10 @@ def test_pipeline_job_inspects_then_asks_the_text_branch(daemon: DaemonProc, req
     assert [line["text"] for line in out["ocr"]["lines"]] == lab["lines"]
     answer = out["answer"]
     assert answer["answer"] and answer["completion_tokens"] >= 1
+    vision = ["decode", "preprocess", "model", "postprocess"]
+    stages = result["timings"]["stages"]
+    assert list(stages) == ["queued", *(f"inspect.{s}" for s in vision), "tokenize", "prefill", "decode", "detokenize"]
+    RESULT_SCHEMA.validate(result)
     # The text branch saw the inspection: the prompt is the question plus the verdict and
     # the label's text, longer than the same question asked alone.
     alone = requester.request(f"{JOBS}/qa", {"id": "pipe-alone", "question": "Write the rework note for this part."})

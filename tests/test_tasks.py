@@ -49,9 +49,18 @@ def test_ocr_task_reads_labels_and_fails_a_bad_image_alone(manager: ModelManager
     assert manager.loaded(OCR_MODEL) and manager.ledger.snapshot()["models"][OCR_MODEL]["bytes"] > 0
     good = OCRJob(id="o1", image=ImageRef(path=f"labels/{LABELS[1]['name']}"))
     bad = OCRJob(id="o2", image=ImageRef(data=base64.b64encode(b"not a png").decode()))
-    out_good, out_bad = ocr.run([_item(good, "ocr")]) + ocr.run([_item(bad, "ocr")])
+    good_item, bad_item = _item(good, "ocr"), _item(bad, "ocr")
+    t0 = time.perf_counter()
+    out_good = ocr.run([good_item])[0]
+    took = (time.perf_counter() - t0) * 1000.0
+    out_bad = ocr.run([bad_item])[0]
     assert isinstance(out_good, dict) and [line["text"] for line in out_good["lines"]] == LABELS[1]["lines"]
     assert isinstance(out_bad, JobError) and out_bad.field == "image.data"
+    # Where the time went: every stage, in order, within the call and most of it.
+    assert list(good_item.stages) == ["decode", "preprocess", "model", "postprocess"]
+    assert all(ms > 0 for ms in good_item.stages.values())
+    assert 0.8 * took <= sum(good_item.stages.values()) <= took
+    assert list(bad_item.stages) == ["decode"]  # it failed there
     assert manager.ledger.snapshot()["reserved_bytes"] == 0  # each job's buffers given back
 
 
@@ -68,10 +77,16 @@ def test_inspect_task_batches_reads_labels_and_splits_under_a_squeeze(engine_dir
     parts = sorted(p.name for p in (SAMPLES / "parts").glob("*.png"))
     jobs = [InspectJob(id=f"i{i}", image=ImageRef(path=f"parts/{parts[i % len(parts)]}")) for i in range(4)]
     jobs.append(InspectJob(id="lab", image=ImageRef(path=f"labels/{LABELS[0]['name']}"), ocr=True))
-    out = task.run([_item(j, "inspect") for j in jobs])
+    items = [_item(j, "inspect") for j in jobs]
+    out = task.run(items)
     assert all(isinstance(o, dict) and o["batch_size"] == 5 for o in out)
     last = out[-1]
     assert isinstance(last, dict) and [line["text"] for line in last["ocr"]["lines"]] == LABELS[0]["lines"]
+    # The batch's model time is every job's; the label's OCR adds to the one that asked.
+    assert all(list(it.stages) == ["decode", "preprocess", "model", "postprocess"] for it in items)
+    plain = [it.stages["model"] for it in items[:4]]
+    assert max(plain) == min(plain) > 0
+    assert items[-1].stages["model"] > plain[0] and items[-1].stages["postprocess"] > items[0].stages["postprocess"]
     # A budget that holds the models and two jobs' buffers: the batch runs in parts.
     pipeline = manager.get(INSPECT_MODEL)
     two = task.batch_need(2, pipeline)
@@ -99,6 +114,15 @@ def test_qa_task_streams_pieces_through_the_responder(engine_dir: Path, tmp_path
     assert [p["seq"] for p in pieces] == list(range(len(pieces)))
     assert "".join(p["delta"] for p in pieces) == output["answer"] and output["completion_tokens"] > 0
     assert task.kv_tokens(seq) == len(seq.prompt) + 16
+    # The stages and token latencies go onto the job's item, for its result.
+    assert list(item.stages) == ["tokenize", "prefill", "decode", "detokenize"]
+    assert item.stages["prefill"] == seq.prefill_ms > 0 and item.stages["detokenize"] > 0
+    assert item.stages["decode"] == pytest.approx(seq.decode_s * 1000 - seq.detokenize_ms)
+    gaps = [(b - a) * 1000 for a, b in zip(seq.token_times, seq.token_times[1:], strict=False)]
+    assert item.latency["ttft_ms"] == pytest.approx((seq.token_times[0] - item.received_at) * 1000)
+    assert item.latency["ttft_ms"] >= item.stages["prefill"]
+    assert min(gaps) <= item.latency["token_p50_ms"] <= item.latency["token_p99_ms"] <= max(gaps)
+    assert len(seq.token_times) == len(seq.tokens)
 
 
 def test_a_job_that_cannot_fit_is_over_budget_with_figures(manager: ModelManager) -> None:

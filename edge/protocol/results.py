@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from edge.protocol.errors import JobError
@@ -16,12 +16,18 @@ class Timings:
     queued_ms: float
     run_ms: float
     total_ms: float
+    # Milliseconds by stage, "queued" first (edge/timing.py), and the text branch's token
+    # latencies (ttft_ms, token_p50_ms, token_p99_ms) where the job decoded.
+    stages: dict[str, float] = field(default_factory=dict)
+    latency: dict[str, float] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, float]:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "queued_ms": round(self.queued_ms, 3),
             "run_ms": round(self.run_ms, 3),
             "total_ms": round(self.total_ms, 3),
+            "stages": {"queued": round(self.queued_ms, 3), **{k: round(v, 3) for k, v in self.stages.items()}},
+            **{k: round(v, 3) for k, v in self.latency.items()},
         }
 
 

@@ -149,7 +149,7 @@ class TextWorker(Worker):
         while True:
             slot = kv.allocate_slots(item.job.id, tokens)
             if slot is not None:
-                if self._start(item, seq, slot):
+                if self._start(item, seq, slot, now):
                     return True
                 kv.free(slot)  # the prefill's activations do not fit now: wait like for KV
             if item.waiting_since is None:
@@ -160,9 +160,10 @@ class TextWorker(Worker):
         self.queue.put(item, force=True)
         return False
 
-    def _start(self, item: WorkItem, seq: Sequence, slot: KVSlot) -> bool:
+    def _start(self, item: WorkItem, seq: Sequence, slot: KVSlot, attempt: float) -> bool:
         """Prefill the job into its row; False (nothing changed) if the ledger cannot
-        hold the prefill's activations now."""
+        hold the prefill's activations now. `attempt`: when this admission attempt took
+        the job from the queue (before its prompt was tokenized, where it was now)."""
         mem = self._memory
         res = None
         if mem.prefill_bytes:
@@ -184,7 +185,11 @@ class TextWorker(Worker):
         finally:
             if res is not None:
                 mem.ledger.release(res)
-        self._running[id(seq)] = _Running(item, seq, slot, time.monotonic())
+        # Its run began at its first admission: a paused job's wait and its prefill again
+        # are part of its run, as its stages count them.
+        if item.started_at is None:
+            item.started_at = attempt
+        self._running[id(seq)] = _Running(item, seq, slot, item.started_at)
         return True
 
     def _pause_one_below(self, item: WorkItem) -> bool:

@@ -31,6 +31,12 @@ class WorkItem:
     # A pipeline job's second stage carries the first stage's task and output, to be
     # answered together as one result.
     carry: dict[str, Any] | None = None
+    # What its handler measured (edge/timing.py): milliseconds by stage, and for text
+    # the token latencies (ttft_ms, token_p50_ms, token_p99_ms); both go into the result.
+    stages: dict[str, float] = field(default_factory=dict)
+    latency: dict[str, float] = field(default_factory=dict)
+    # When the text branch first admitted it (its run's start, kept across pauses).
+    started_at: float | None = None
 
     @property
     def branch(self) -> str:

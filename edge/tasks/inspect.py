@@ -4,6 +4,7 @@ part's label read as well when the job asks (`ocr: true`)."""
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from edge.scheduler.work import WorkItem
 from edge.tasks.base import Output
 from edge.tasks.media import MediaLoader
 from edge.tasks.ocr import OCR_MODEL, OCRTask
+from edge.timing import StageClock
 from edge.vision.inspect import InspectPipeline
 from edge.vision.student import weights_bytes
 
@@ -127,6 +129,7 @@ class InspectTask:
     def _decode(self, item: WorkItem) -> Decoded | JobError:
         job = item.job.request
         assert isinstance(job, InspectJob)
+        t0 = time.perf_counter()
         try:
             if job.ocr and self._ocr is None:
                 raise JobError(ErrorCode.UNAVAILABLE, "OCR is not loaded on this device", "ocr")
@@ -134,6 +137,8 @@ class InspectTask:
             return self._media.load_for(job.image, None if job.ocr else self.image_size)
         except JobError as err:
             return err
+        finally:
+            item.stages["decode"] = (time.perf_counter() - t0) * 1000.0
 
     def _inspect_reserved(self, items: list[WorkItem], pipeline: InspectPipeline) -> list[Output | JobError]:
         out: list[Output | JobError] = []
@@ -149,20 +154,27 @@ class InspectTask:
                 out.append({})
         if images:
             # Decoded images are BGR (the OCR models' order); the student was trained on RGB.
-            found_all = pipeline.run([d.pixels for d in images], bgr=True)
+            batch = StageClock()  # each job in the batch waited on all of it
+            found_all = pipeline.run([d.pixels for d in images], bgr=True, clock=batch)
             for slot, dec, found in zip(slots, images, found_all, strict=True):
                 img = dec.pixels
-                job = items[slot].job.request
+                item = items[slot]
+                job = item.job.request
                 assert isinstance(job, InspectJob)
-                doc: dict[str, Any] = found.to_dict(heatmap=job.heatmap)
+                own = StageClock()
+                own.merge(batch)
+                with own.stage("postprocess"):
+                    doc: dict[str, Any] = found.to_dict(heatmap=job.heatmap)
                 doc["image"] = {"width": dec.width, "height": dec.height}
                 doc["batch_size"] = len(images)
                 try:
                     if job.ocr and self._ocr is not None:
-                        doc["ocr"] = self._ocr.read_text(img)
+                        doc["ocr"] = self._ocr.read_text(img, own)
                     out[slot] = doc
                 except JobError as err:  # this job's OCR part failed; the others stand
                     out[slot] = err
+                finally:
+                    item.stages.update(own.ms)
         return out
 
 

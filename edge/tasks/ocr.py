@@ -22,6 +22,7 @@ from edge.scheduler.queue import BatchPolicy
 from edge.scheduler.work import WorkItem
 from edge.tasks.base import Output
 from edge.tasks.media import MediaLoader
+from edge.timing import StageClock
 from edge.vision import ocr as ocr_bounds
 from edge.vision.ocr import OCRPipeline, OCRSettings
 
@@ -71,15 +72,19 @@ class OCRTask:
         )
         res = self._manager.reserve(item.job.id, "ocr", need, {OCR_MODEL}, OCR_MODEL)
         try:
-            img = self._media.load(job.image)
-            return {**self.read_text(img), "image": {"width": int(img.shape[1]), "height": int(img.shape[0])}}
+            clock = StageClock()
+            with clock.stage("decode"):
+                img = self._media.load(job.image)
+            found = self.read_text(img, clock)
+            return {**found, "image": {"width": int(img.shape[1]), "height": int(img.shape[0])}}
         finally:
+            item.stages.update(clock.ms)
             self._manager.release(res, {OCR_MODEL})
 
-    def read_text(self, img: np.ndarray) -> dict[str, Any]:
-        """The lines on a BGR image (an inspect job's labels too)."""
+    def read_text(self, img: np.ndarray, clock: StageClock | None = None) -> dict[str, Any]:
+        """The lines on a BGR image (an inspect job's labels too); its stages to `clock`."""
         ocr: OCRPipeline = self._manager.get(OCR_MODEL)  # loaded again if it was evicted
-        lines = ocr(img)
+        lines = ocr(img, clock)
         return {"lines": [line.to_dict() for line in lines], "text": "\n".join(line.text for line in lines)}
 
 

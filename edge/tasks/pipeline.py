@@ -73,6 +73,8 @@ class Pipeline:
             reply=item.reply,
             received_at=item.received_at,
             carry={"task": "inspect", "output": inspected},
+            # The inspection's stages, named apart from the answer's own.
+            stages={f"inspect.{name}": ms for name, ms in item.stages.items()},
         )
         queue = self._queues.get("text")
         if queue is None:  # the intake refuses these; the text branch may have gone since

@@ -45,6 +45,10 @@ class QATask:
         return self.engine.kv_tokens(seq)
 
     def output(self, seq: Sequence) -> Output:
+        item = seq.owner
+        if isinstance(item, WorkItem):
+            item.stages.update(self.engine.stages(seq))
+            item.latency.update(self.engine.latency(seq, item.received_at))
         return self.engine.output(seq)
 
 

@@ -67,6 +67,13 @@ class Sequence:
     prefill_ms: float = 0.0
     decode_s: float = 0.0
     pauses: int = 0
+    # Where its time went (edge/timing.py): tokenizing its prompt, decoding tokens to
+    # text, and the host's clock as each token was taken. On CUDA each prefill is also
+    # bracketed by CUDA events (prefill_gpu_ms reads them once they have run).
+    tokenize_ms: float = 0.0
+    detokenize_ms: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    prefill_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.seed = self.params.seed if self.params.seed is not None else time.time_ns() & 0x7FFFFFFF
@@ -79,6 +86,13 @@ class Sequence:
     @property
     def tokens_per_s(self) -> float:
         return len(self.tokens) / self.decode_s if self.decode_s > 0 and self.tokens else 0.0
+
+    def prefill_gpu_ms(self) -> float | None:
+        """The prefills' time on the GPU's own clock (CUDA events), None off CUDA."""
+        if not self.prefill_events:
+            return None
+        self.prefill_events[-1][1].synchronize()
+        return float(sum(start.elapsed_time(end) for start, end in self.prefill_events))
 
 
 class ContinuousBatcher:
@@ -164,11 +178,18 @@ class ContinuousBatcher:
             # On the device the logits are on, so drawing a token needs no copy back first.
             seq.generator = torch.Generator(device=self.device).manual_seed(seq.seed)
         t0 = time.perf_counter()
+        events = None
+        if self.device.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))  # type: ignore[no-untyped-call]
+            events[0].record()
         graphs = self.prefill_graphs
         if graphs is not None and graphs.covers(len(ids)):
             seq.logits = graphs.run(ids, slot.row)
         else:
             seq.logits = self.model(torch.tensor([ids], device=self.device), self._row(slot.row), 0)[0, -1]
+        if events is not None:
+            events[1].record()
+            seq.prefill_events.append(events)
         seq.prefill_ms += (time.perf_counter() - t0) * 1000.0
         seq.slot, seq.kv = slot.row, slot
         self.running.append(seq)
@@ -303,6 +324,7 @@ class ContinuousBatcher:
             seq.finish = "eos"
         else:
             seq.tokens.append(token)
+            seq.token_times.append(time.perf_counter())
             # The text is decoded every token only when something reads it as it grows
             # (stop strings, streaming); otherwise once, at the end.
             if self.tokenizer is not None and (seq.params.stop or seq.on_text is not None):
@@ -321,8 +343,10 @@ class ContinuousBatcher:
     def _decode_text(self, seq: Sequence) -> None:
         if seq.decoded != len(seq.tokens):
             assert self.tokenizer is not None
+            t0 = time.perf_counter()
             seq.text = self.tokenizer.decode(seq.tokens)
             seq.decoded = len(seq.tokens)
+            seq.detokenize_ms += (time.perf_counter() - t0) * 1000.0
 
     @staticmethod
     def _stream(seq: Sequence) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from edge.config.schema import DEFAULT_SYSTEM_PROMPT
@@ -195,7 +196,9 @@ class QAEngine:
         return list(self._ckpt.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def prepare(self, job: QAJob, owner: Any = None, on_text: Callable[[str], None] | None = None) -> Sequence:
+        t0 = time.perf_counter()
         ids = self.prompt_ids(job.question, job.context)
+        tokenize_ms = (time.perf_counter() - t0) * 1000.0
         new_tokens = job.max_new_tokens or self._settings.max_new_tokens
         window = self._settings.max_context_tokens
         if len(ids) + 1 > window:
@@ -214,11 +217,40 @@ class QAEngine:
             stop=tuple(job.stop),
             seed=job.seed,
         )
-        return Sequence(owner, ids, params, on_text)
+        seq = Sequence(owner, ids, params, on_text)
+        seq.tokenize_ms = tokenize_ms
+        return seq
 
     def kv_tokens(self, seq: Sequence) -> int:
         """KV positions the sequence can ever occupy: what it reserves before it runs."""
         return min(len(seq.prompt) + seq.params.max_new_tokens, self.batcher.slot_len)
+
+    @staticmethod
+    def stages(seq: Sequence) -> dict[str, float]:
+        """Milliseconds by stage: the prefill on the GPU's clock where it ran on CUDA;
+        decode as the batcher's steps took it on the host (each ends once its tokens are
+        back from the device), less the text decoding inside them."""
+        gpu = seq.prefill_gpu_ms()
+        return {
+            "tokenize": seq.tokenize_ms,
+            "prefill": seq.prefill_ms if gpu is None else gpu,
+            "decode": max(0.0, seq.decode_s * 1000.0 - seq.detokenize_ms),
+            "detokenize": seq.detokenize_ms,
+        }
+
+    @staticmethod
+    def latency(seq: Sequence, received_at: float) -> dict[str, float]:
+        """Time to the first token from the job's arrival, and the time between tokens
+        (p50, p99), on the host's clock as the tokens were taken."""
+        times = seq.token_times
+        if not times:
+            return {}
+        gaps = np.diff(np.asarray(times)) * 1000.0
+        out = {"ttft_ms": (times[0] - received_at) * 1000.0}
+        if gaps.size:
+            out["token_p50_ms"] = float(np.percentile(gaps, 50))
+            out["token_p99_ms"] = float(np.percentile(gaps, 99))
+        return out
 
     @staticmethod
     def output(seq: Sequence) -> dict[str, Any]:

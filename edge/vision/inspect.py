@@ -20,6 +20,7 @@ import numpy as np
 
 from edge.backends import BackendOptions, InferenceSession, get_backend
 from edge.memory import device_working_bytes
+from edge.timing import StageClock
 from edge.vision.student import INPUT, StudentArtifact
 from edge.vision.vit import IMAGE_MEAN, IMAGE_STD
 
@@ -134,16 +135,27 @@ class InspectPipeline:
     def batch_bytes_at(image_size: int, count: int) -> int:
         return count * 3 * image_size * image_size * 4
 
-    def run(self, images: list[np.ndarray], bgr: bool = False) -> list[Inspection]:
+    def run(self, images: list[np.ndarray], bgr: bool = False, clock: StageClock | None = None) -> list[Inspection]:
         """One inspection per RGB uint8 image (BGR with `bgr`, as decoded), all through
-        the model as one batch."""
+        the model as one batch; the batch's preprocess, model and postprocess times go
+        to `clock` (a session that takes images resizes them itself: its preprocessing
+        is then part of "model")."""
         if not images:
             return []
+        clock = clock or StageClock()
         if self.session.accepts_images:
             rgb = [img[:, :, ::-1] for img in images] if bgr else images
-            class_probs, patch_probs = self.session.run_images(rgb)
+            with clock.stage("model"):
+                class_probs, patch_probs = self.session.run_images(rgb)
         else:
-            class_probs, patch_probs = self.session.run({INPUT: preprocess(images, self.image_size, bgr)})
+            with clock.stage("preprocess"):
+                tensor = preprocess(images, self.image_size, bgr)
+            with clock.stage("model"):
+                class_probs, patch_probs = self.session.run({INPUT: tensor})
+        with clock.stage("postprocess"):
+            return self._inspections(class_probs, patch_probs)
+
+    def _inspections(self, class_probs: np.ndarray, patch_probs: np.ndarray) -> list[Inspection]:
         clean = self.classes.index(CLEAN)
         results = []
         for probs, patches in zip(class_probs, patch_probs, strict=True):

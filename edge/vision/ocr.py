@@ -18,6 +18,7 @@ import numpy as np
 
 from edge.backends import BackendOptions, InferenceSession, ModelSource, get_backend
 from edge.memory import host_working_bytes
+from edge.timing import StageClock
 from edge.vision.ocr_postprocess import (
     DBParams,
     crop_quad,
@@ -226,29 +227,46 @@ class OCRPipeline:
         # Each shape runs once before it is measured: a runtime plans its memory at the
         # first run of a shape and holds more on the runs after (onnxruntime's memory
         # pattern), which is what jobs see.
-        self._detect(img)
-        detect = host_working_bytes(partial(self._detect, img))
+        self._detect(img, StageClock())
+        detect = host_working_bytes(partial(self._detect, img, StageClock()))
         crops = LINE_BATCH * MAX_SIDE * MAX_SIDE * 3
         height = REC_SHAPE[1]
         read = 0
         for n in range(1, LINE_BATCH + 1):
             line = np.full((height, int(height * _batch_ratio(n)), 3), 255, dtype=np.uint8)
-            self._read_batch([line] * n)
-            read = max(read, host_working_bytes(partial(self._read_batch, [line] * n)))
+            self._read_batch([line] * n, StageClock())
+            read = max(read, host_working_bytes(partial(self._read_batch, [line] * n, StageClock())))
         # While detection runs, the bounded image and its padded copy may both be held
         # (each at most the largest bounded image); while lines are read, that image and
         # a batch's crops.
         canvas = MAX_SIDE * MAX_SIDE * 3
         return max(2 * canvas + detect, canvas + crops + read)
 
-    def __call__(self, img_bgr: np.ndarray) -> list[OCRLine]:
+    def __call__(self, img_bgr: np.ndarray, clock: StageClock | None = None) -> list[OCRLine]:
+        """The lines on a BGR image; where its time goes (preprocess: bounds, resizing,
+        crops and their normalisation; model: the detector, orientation and recognizer
+        sessions; postprocess: boxes, text decoding, lines) is added to `clock`."""
+        clock = clock or StageClock()
         src_h, src_w = img_bgr.shape[:2]
-        img, ratio_h, ratio_w = _within_bounds(img_bgr)
-        img, pad_top = _vertical_padding(img)
-        boxes = self._detect(img)
+        with clock.stage("preprocess"):
+            img, ratio_h, ratio_w = _within_bounds(img_bgr)
+            img, pad_top = _vertical_padding(img)
+        boxes = self._detect(img, clock)
         if not boxes:
             return []
-        texts = self._read_lines(img, boxes)
+        texts = self._read_lines(img, boxes, clock)
+        with clock.stage("postprocess"):
+            return self._lines(boxes, texts, pad_top, (ratio_h, ratio_w), (src_h, src_w))
+
+    def _lines(
+        self,
+        boxes: list[np.ndarray],
+        texts: list[tuple[str, float]],
+        pad_top: int,
+        ratios: tuple[float, float],
+        size: tuple[int, int],
+    ) -> list[OCRLine]:
+        (ratio_h, ratio_w), (src_h, src_w) = ratios, size
         lines: list[OCRLine] = []
         for box, (text, score) in zip(boxes, texts, strict=True):
             if not text.strip() or score < self._settings.text_score:
@@ -263,36 +281,46 @@ class OCRPipeline:
             lines.append(OCRLine(text=text, score=score, box=src.astype(int).tolist()))
         return lines
 
-    def _detect(self, img: np.ndarray) -> list[np.ndarray]:
+    def _detect(self, img: np.ndarray, clock: StageClock) -> list[np.ndarray]:
         h, w = img.shape[:2]
         limit = self._settings.det_limit_side_len
         ratio = limit / max(h, w) if max(h, w) > limit else 1.0
-        resized = _scale_to_multiple_of_32(img, ratio)
-        tensor = ((resized.astype(np.float32) / 255.0 - 0.5) / 0.5).transpose(2, 0, 1)[None]
-        (prob,) = self._det.run({self._det.input_names[0]: tensor.astype(np.float32)})[:1]
-        boxes, _scores = db_boxes(prob[0, 0], (h, w), self._settings.db)
-        return [boxes[i] for i in reading_order(boxes)]
+        with clock.stage("preprocess"):
+            resized = _scale_to_multiple_of_32(img, ratio)
+            tensor = ((resized.astype(np.float32) / 255.0 - 0.5) / 0.5).transpose(2, 0, 1)[None]
+        with clock.stage("model"):
+            (prob,) = self._det.run({self._det.input_names[0]: tensor.astype(np.float32)})[:1]
+        with clock.stage("postprocess"):
+            boxes, _scores = db_boxes(prob[0, 0], (h, w), self._settings.db)
+            return [boxes[i] for i in reading_order(boxes)]
 
-    def _read_lines(self, img: np.ndarray, boxes: list[np.ndarray]) -> list[tuple[str, float]]:
+    def _read_lines(self, img: np.ndarray, boxes: list[np.ndarray], clock: StageClock) -> list[tuple[str, float]]:
         """Crop, orient and recognise the lines a batch at a time, similar widths together
         (little of each batch is padding): at most one batch of crops is held at once."""
         ratios = np.array([line_ratio(box) for box in boxes])
         results: list[tuple[str, float]] = [("", 0.0)] * len(boxes)
         for idx in _line_batches(ratios):
-            for i, decoded in zip(idx, self._read_batch([crop_quad(img, boxes[i]) for i in idx]), strict=True):
+            with clock.stage("preprocess"):
+                crops = [crop_quad(img, boxes[i]) for i in idx]
+            for i, decoded in zip(idx, self._read_batch(crops, clock), strict=True):
                 results[i] = decoded
         return results
 
-    def _read_batch(self, crops: list[np.ndarray]) -> list[tuple[str, float]]:
+    def _read_batch(self, crops: list[np.ndarray], clock: StageClock) -> list[tuple[str, float]]:
         if self._cls is not None:
-            batch = np.stack([normalize_line(crop, CLS_SHAPE, 0.0) for crop in crops])
-            probs = self._cls.run({self._cls.input_names[0]: batch})[0]
+            with clock.stage("preprocess"):
+                batch = np.stack([normalize_line(crop, CLS_SHAPE, 0.0) for crop in crops])
+            with clock.stage("model"):
+                probs = self._cls.run({self._cls.input_names[0]: batch})[0]
             for i, p in enumerate(probs):
                 label = int(p.argmax())
                 if label == 1 and p[label] > CLS_FLIP_THRESHOLD:
                     crops[i] = cv2.rotate(crops[i], cv2.ROTATE_180)
         _, height, width = REC_SHAPE
-        widest = max([width / height, *(crop.shape[1] / float(crop.shape[0]) for crop in crops)])
-        batch = np.stack([normalize_line(crop, REC_SHAPE, min(widest, REC_MAX_RATIO)) for crop in crops])
-        probs = self._rec.run({self._rec.input_names[0]: batch})[0]
-        return ctc_greedy_decode(probs, self._charset)
+        with clock.stage("preprocess"):
+            widest = max([width / height, *(crop.shape[1] / float(crop.shape[0]) for crop in crops)])
+            batch = np.stack([normalize_line(crop, REC_SHAPE, min(widest, REC_MAX_RATIO)) for crop in crops])
+        with clock.stage("model"):
+            probs = self._rec.run({self._rec.input_names[0]: batch})[0]
+        with clock.stage("postprocess"):
+            return ctc_greedy_decode(probs, self._charset)
