@@ -24,6 +24,7 @@ from edge.builds import BuildStopped, ChildBuilds
 from edge.comms.message import IncomingJob
 from edge.comms.mqtt import DaemonLink
 from edge.config.schema import Profile
+from edge.health.metrics import MetricsServer
 from edge.health.notify import Notifier, watchdog_interval_s
 from edge.health.report import branches_section, memory_section, models_section
 from edge.health.status import STATUS_SCHEMA_VERSION, StatusServer
@@ -74,7 +75,8 @@ class Daemon:
         self.journal = Journal(profile.paths.state_dir / "journal.sqlite3", jcfg.max_mib * MIB, jcfg.dedup_window_s)
         self.stats = JobStats()
         self.link = DaemonLink(profile, self._on_messages, on_delivered=self.journal.mark_answered)
-        self.responder = Responder(self.link, self.journal, self.stats, profile.device_id)
+        self.metrics = MetricsServer(self.snapshot)
+        self.responder = Responder(self.link, self.journal, self.stats, profile.device_id, self.metrics.jobs.observe)
         self.intake = Intake(profile, self.queues, self.responder, self.journal)
         self.pipeline = Pipeline(self.responder, self.queues)
         self.builds = ChildBuilds(profile.paths.engine_dir, self.notifier, self._stop)
@@ -102,6 +104,7 @@ class Daemon:
         steps: list[tuple[str, Callable[[], bool]]] = [
             ("directories", self._start_directories),
             ("status socket", self._start_status),
+            ("metrics", self._start_metrics),
             ("memory", self._start_memory),
             ("vision branch", self._start_vision),
             ("text branch", self._start_text),
@@ -136,6 +139,11 @@ class Daemon:
         self.status_server = StatusServer(self.profile.status_socket, self.snapshot, cfg.socket_mode, cfg.socket_group)
         self.status_server.start()
         self.notifier.status("loading models")
+        return True
+
+    def _start_metrics(self) -> bool:
+        # Never a reason not to start: a taken port is logged and shown in the status.
+        self.metrics.start(self.profile.metrics.address)
         return True
 
     def _start_memory(self) -> bool:
@@ -296,6 +304,7 @@ class Daemon:
         self.journal.close()
         if self.status_server is not None:
             self.status_server.close()
+        self.metrics.stop()
         logger.info("stopped")
 
     # status --------------------------------------------------------------------------
@@ -339,4 +348,5 @@ class Daemon:
             "models": models_section(self.manager),
             "branches": branches_section(self.workers, self.task_errors, {"vision": vision}),
             "jobs": self.stats.snapshot(),
+            "metrics": self.metrics.snapshot(),
         }

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from edge.comms.message import Publisher
@@ -30,11 +31,28 @@ logger = logging.getLogger(__name__)
 
 
 class Responder:
-    def __init__(self, link: Publisher, journal: Journal, stats: JobStats, device_id: str) -> None:
+    def __init__(
+        self,
+        link: Publisher,
+        journal: Journal,
+        stats: JobStats,
+        device_id: str,
+        observe: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        """`observe`: given every final result document (the metrics count it)."""
         self._link = link
         self._journal = journal
         self.stats = stats
         self._device_id = device_id
+        self._observe = observe
+
+    def _counted(self, doc: dict[str, Any]) -> bytes:
+        if self._observe is not None:
+            try:
+                self._observe(doc)
+            except Exception:  # counting a result must never keep it from being sent
+                logger.exception("could not count the result of %s", doc.get("id"))
+        return results.encode(doc)
 
     # jobs that ran ----------------------------------------------------------------------
 
@@ -72,7 +90,7 @@ class Responder:
             logger.warning("job %s failed: %s", job.id, err)
             doc = results.error_result(job.id, task, self._device_id, err, timings)
             self.stats.record_error(task, err.code.value)
-        return results.encode(doc)
+        return self._counted(doc)
 
     def partial(self, item: WorkItem, seq: int, delta: str) -> None:
         """A streamed piece of a job's output; its final result still follows."""
@@ -90,7 +108,7 @@ class Responder:
         timings = results.Timings(0.0, 0.0, (time.monotonic() - received) * 1000.0)
         doc = results.ok_result(job_id, task, self._device_id, output, timings)
         self.stats.record_ok(task, timings.total_ms)
-        payload = results.encode(doc)
+        payload = self._counted(doc)
         self._journal.store_result(job_id, reply.topic, reply.correlation, payload, request_digest)
         self._publish_kept(reply, job_id, payload)
 
@@ -109,10 +127,11 @@ class Responder:
         timings = results.Timings(0.0, 0.0, (time.monotonic() - received) * 1000.0)
         doc = results.error_result(job_id, task, self._device_id, error, timings)
         self.stats.record_error(task, error.code.value)
+        payload = self._counted(doc)
         if journalled and job_id is not None:
-            self._send(reply, job_id, results.encode(doc))
+            self._send(reply, job_id, payload)
         else:
-            self._link.publish(reply.topic, results.encode(doc), reply.correlation)
+            self._link.publish(reply.topic, payload, reply.correlation)
 
     def resend(self, reply: Reply, payload: bytes) -> None:
         """A finished job's stored result, for a repeat of its id within the dedup window."""

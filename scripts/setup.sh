@@ -17,6 +17,8 @@ if [ "$(id -u)" -ne 0 ]; then sudo_cmd="sudo"; fi
 # systemd: systemd-analyze for the unit test; fonts: to render sample labels;
 # openssl: the TLS test makes its own certificate authority.
 packages=(mosquitto libsystemd-dev pkg-config gcc fonts-dejavu-core systemd openssl)
+# prometheus (tests only): the metrics test scrapes a running daemon with a real one.
+[ -n "$extras" ] && packages+=(prometheus)
 python_bin="${PYTHON:-python3}"
 if ! "$python_bin" -c "import venv, ensurepip" >/dev/null 2>&1; then
   packages+=(python3-venv)

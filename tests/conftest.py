@@ -160,6 +160,8 @@ def write_profile(directory: Path, port: int, engine_dir: Path, device_id: str =
             "inspect": {"build_size": "quick", "threads": 1, "max_queue_delay_ms": 50},
             "qa": {"max_new_tokens": 24, "max_context_tokens": 512},
         },
+        # A port of its own: tests run daemons side by side.
+        "metrics": {"listen": f"127.0.0.1:{free_port()}"},
         "paths": {
             "state_dir": str(directory / "state"),
             "runtime_dir": str(directory / "run"),

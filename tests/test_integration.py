@@ -5,12 +5,16 @@ from __future__ import annotations
 import base64
 import json
 import signal
+import subprocess
 import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
+import yaml
 
 from tests.conftest import (
     LABELS,
@@ -19,6 +23,7 @@ from tests.conftest import (
     DaemonProc,
     Requester,
     edgectl,
+    free_port,
     start_daemon,
     write_profile,
 )
@@ -504,3 +509,66 @@ def test_mixed_load_both_branches_under_the_budget(daemon: DaemonProc, requester
     assert memory["reserved_bytes"] == 0 and kv["reserved_tokens"] == 0 and kv["rows_free"] == kv["rows"]
     assert max(int(k) for k in status["branches"]["text"]["batch_sizes"]) >= 2
     assert max(int(k) for k in status["branches"]["vision"]["batch_sizes"]) >= 2
+
+
+def _prometheus_query(port: int, query: str) -> list[dict[str, Any]]:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        doc = json.loads(resp.read())
+    assert doc["status"] == "success", doc
+    return doc["data"]["result"]  # type: ignore[no-any-return]
+
+
+def test_prometheus_scrapes_the_daemon(daemon: DaemonProc, requester: Requester, tmp_path: Path) -> None:
+    """A real Prometheus (Debian's package) scrapes the daemon's metrics.listen, and its
+    HTTP API gives back what the daemon counted: the same jobs its status counts."""
+    listen = json.loads(daemon.status().stdout)["metrics"]["listen"]
+    assert listen is not None
+    ocr = requester.request(f"{JOBS}/ocr", {"id": "prom-1", "image": {"path": f"labels/{LABELS[0]['name']}"}})
+    assert ocr["status"] == "ok"
+    bad = requester.request(f"{JOBS}/ocr", {"id": "prom-2", "image": {"data": "bm90IGFuIGltYWdl"}})
+    assert bad["status"] == "error"
+    port = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                "scrape_configs": [{"job_name": "edge", "static_configs": [{"targets": [listen]}]}],
+            }
+        )
+    )
+    prom = subprocess.Popen(
+        [
+            "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "prometheus.log").open("wb"),
+    )
+    try:
+        deadline = time.monotonic() + 60
+        found: list[dict[str, Any]] = []
+        while time.monotonic() < deadline and not found:
+            time.sleep(1)
+            try:
+                found = _prometheus_query(port, 'edge_jobs_total{task="ocr",status="ok"}')
+            except OSError:
+                continue  # not listening yet
+        assert found, (tmp_path / "prometheus.log").read_text()[-2000:]
+        jobs = json.loads(daemon.status().stdout)["jobs"]
+        assert float(found[0]["value"][1]) == jobs["ok_by_task"]["ocr"]
+        failed = _prometheus_query(port, 'edge_jobs_total{task="ocr",status="error",code="image_invalid"}')
+        assert float(failed[0]["value"][1]) >= 1
+        assert [r["value"][1] for r in _prometheus_query(port, 'up{job="edge"}')] == ["1"]
+        stages = _prometheus_query(port, 'edge_job_stage_seconds_count{task="ocr"}')
+        assert {r["metric"]["stage"] for r in stages} == {"queued", "decode", "preprocess", "model", "postprocess"}
+        depth = _prometheus_query(port, "edge_queue_depth")
+        assert {r["metric"]["branch"]: r["value"][1] for r in depth} == {"vision": "0", "text": "0"}
+        models = _prometheus_query(port, 'edge_memory_ledger_bytes{entry=~"model:.*"}')
+        assert len(models) >= 3 and all(float(r["value"][1]) > 0 for r in models)
+    finally:
+        prom.terminate()
+        prom.wait(timeout=30)

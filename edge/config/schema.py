@@ -667,6 +667,32 @@ class StatusConfig(StrictModel):
     )
 
 
+class MetricsConfig(StrictModel):
+    listen: str | None = Field(
+        default="127.0.0.1:9464",
+        title="Metrics listener",
+        description="host:port of the Prometheus metrics endpoint (GET /metrics), or null for none. Loopback by "
+        "default: the figures name the box's models and jobs, so expose them wider only on purpose.",
+    )
+
+    @field_validator("listen")
+    @classmethod
+    def _host_port(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("must be host:port, e.g. 127.0.0.1:9464")
+        return value
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        if self.listen is None:
+            return None
+        host, _, port = self.listen.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
 class WatchdogConfig(StrictModel):
     stall_s: float = Field(
         default=300.0,
@@ -723,6 +749,11 @@ class Profile(StrictModel):
         default_factory=StatusConfig,
         title="Status socket",
         description="The Unix socket `edgectl status` talks to.",
+    )
+    metrics: MetricsConfig = Field(
+        default_factory=MetricsConfig,
+        title="Metrics",
+        description="The Prometheus metrics endpoint (README, Metrics).",
     )
 
     @field_validator("device_id")

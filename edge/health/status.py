@@ -55,6 +55,10 @@ def evaluate(doc: dict[str, Any]) -> tuple[int, list[str]]:
     if journal.get("problem"):
         reasons.append(str(journal["problem"]))
         code = max(code, WARNING)
+    metrics_error = doc.get("metrics", {}).get("error")
+    if metrics_error:
+        reasons.append(f"metrics not served: {metrics_error}")
+        code = max(code, WARNING)
     for branch, info in doc.get("branches", {}).items():
         for task, why in (info.get("unavailable_tasks") or {}).items():
             reasons.append(f"{task} unavailable on the {branch} branch: {why}")

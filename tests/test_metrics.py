@@ -1,0 +1,217 @@
+"""The Prometheus metrics (edge/health/metrics.py, edge/health/sensors.py) without a
+daemon: results counted as the responder sends them, the status snapshot read at each
+scrape, the box's sensors from a sysfs tree and an NVML stand-in (hardware seams), and
+the HTTP endpoint itself."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
+
+from edge.config.schema import MetricsConfig
+from edge.health import sensors
+from edge.health.metrics import JobMetrics, MetricsServer, SnapshotCollector
+from edge.protocol import results
+from edge.protocol.errors import ErrorCode, JobError
+
+SNAPSHOT: dict[str, Any] = {
+    "state": "ready",
+    "broker": {"connected": True, "connects": 3},
+    "branches": {
+        "vision": {"available": True, "depth": 4, "max": 64, "running": 2, "batch_sizes": {"1": 7, "4": 2}},
+        "text": {
+            "available": True,
+            "depth": 1,
+            "max": 64,
+            "running": 1,
+            "batch_sizes": {"1": 40},
+            "paused": 2,
+            "over_budget": 1,
+        },
+    },
+    "memory": {
+        "budget_bytes": 8 << 30,
+        "used_bytes": 3 << 30,
+        "peak_bytes": 4 << 30,
+        "reserved_bytes": 5 << 20,
+        "rss_bytes": 2 << 30,
+        "process_peak_bytes": 3 << 30,
+        "evictions": 1,
+        "refusals": 0,
+        "models": {"ocr": {"bytes": 100 << 20}, "smol-clinic": {"bytes": 900 << 20}},
+        "jobs_by_class": {"inspect": 5 << 20},
+        "kv": {"capacity_bytes": 48 << 20, "capacity_tokens": 2048, "reserved_tokens": 300, "peak_tokens": 900},
+    },
+    "models": [{"name": "ocr", "branch": "vision", "backend": "onnxruntime", "loaded": True, "loads": 1}],
+    "journal": {
+        "queued": 2,
+        "sent": 1,
+        "answered": 10,
+        "duplicates": 4,
+        "replayed": {"jobs": 1},
+        "awaiting_puback": 0,
+        "full": False,
+    },
+}
+
+
+def _value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return registry.get_sample_value(name, labels)
+
+
+def test_results_are_counted_by_task_status_code_and_stage() -> None:
+    registry = CollectorRegistry()
+    jobs = JobMetrics(registry)
+    ok = results.ok_result(
+        "q1",
+        "qa",
+        "t",
+        {"answer": "Yes.", "prompt_tokens": 30, "completion_tokens": 5},
+        results.Timings(2.0, 100.0, 102.0, {"tokenize": 1.0, "prefill": 40.0, "decode": 58.0}, {"ttft_ms": 43.0}),
+    )
+    err = results.error_result("q2", "qa", "t", JobError(ErrorCode.PROMPT_TOO_LONG, "long", "question"),
+                               results.Timings(0.0, 0.0, 0.5))  # fmt: skip
+    for doc in (ok, ok, err):
+        jobs.observe(doc)
+    assert _value(registry, "edge_jobs_total", task="qa", status="ok", code="") == 2
+    assert _value(registry, "edge_jobs_total", task="qa", status="error", code="prompt_too_long") == 1
+    assert _value(registry, "edge_job_stage_seconds_count", task="qa", stage="prefill") == 2
+    assert _value(registry, "edge_job_stage_seconds_sum", task="qa", stage="prefill") == pytest.approx(0.08)
+    assert _value(registry, "edge_job_stage_seconds_count", task="qa", stage="queued") == 3  # errors too
+    assert _value(registry, "edge_tokens_total", kind="completion") == 10
+    assert _value(registry, "edge_tokens_total", kind="prompt") == 60
+    assert _value(registry, "edge_ttft_seconds_sum") == pytest.approx(0.086)
+    assert _value(registry, "edge_job_seconds_count", task="qa") == 3
+
+
+def test_the_snapshot_becomes_gauges_and_counters_at_each_scrape() -> None:
+    snap = {"doc": SNAPSHOT}
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(lambda: snap["doc"], sensors_root=Path("/nonexistent")))
+    assert _value(registry, "edge_queue_depth", branch="vision") == 4
+    assert _value(registry, "edge_jobs_in_hand", branch="text") == 1
+    assert _value(registry, "edge_batches_total", branch="vision", size="4") == 2
+    assert _value(registry, "edge_memory_ledger_bytes", entry="model:smol-clinic") == 900 << 20
+    assert _value(registry, "edge_memory_ledger_bytes", entry="jobs:inspect") == 5 << 20
+    assert _value(registry, "edge_memory_ledger_bytes", entry="kv_cache") == 48 << 20
+    assert _value(registry, "edge_memory_budget_bytes") == 8 << 30
+    assert _value(registry, "edge_memory_evictions_total") == 1
+    assert _value(registry, "edge_text_pauses_total") == 2 and _value(registry, "edge_text_over_budget_total") == 1
+    assert _value(registry, "edge_kv_tokens", kind="reserved") == 300
+    assert _value(registry, "edge_journal_rows", state="answered") == 10
+    assert _value(registry, "edge_journal_duplicates_total") == 4
+    assert _value(registry, "edge_broker_connected") == 1 and _value(registry, "edge_broker_connects_total") == 3
+    assert _value(registry, "edge_up", state="ready") == 1
+    # Read again at the next scrape: a queue that drained shows it.
+    drained = {"vision": {**SNAPSHOT["branches"]["vision"], "depth": 0}}
+    snap["doc"] = {**SNAPSHOT, "state": "stopping", "branches": drained}
+    assert _value(registry, "edge_queue_depth", branch="vision") == 0
+    assert _value(registry, "edge_up", state="stopping") == 0
+
+
+def test_a_failing_snapshot_gives_an_empty_scrape_not_an_error() -> None:
+    def broken() -> dict[str, Any]:
+        raise RuntimeError("boom")
+
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(broken, sensors_root=Path("/nonexistent")))
+    assert list(registry.collect()) == []
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n", encoding="ascii")
+
+
+def test_thermal_zones_and_jetson_power_rails_from_sysfs(tmp_path: Path) -> None:
+    """A tree laid out as a Jetson AGX Orin's: two zones of the same name, an INA3221
+    with a rail, an unconnected channel and another hwmon that is not a power monitor."""
+    _write(tmp_path / "class/thermal/thermal_zone0/type", "cpu-thermal")
+    _write(tmp_path / "class/thermal/thermal_zone0/temp", "48500")
+    _write(tmp_path / "class/thermal/thermal_zone1/type", "gpu-thermal")
+    _write(tmp_path / "class/thermal/thermal_zone1/temp", "51250")
+    _write(tmp_path / "class/thermal/thermal_zone2/type", "gpu-thermal")
+    _write(tmp_path / "class/thermal/thermal_zone2/temp", "not a number")
+    _write(tmp_path / "class/thermal/thermal_zone3/type", "gpu-thermal")
+    _write(tmp_path / "class/thermal/thermal_zone3/temp", "50000")
+    ina = tmp_path / "class/hwmon/hwmon1"
+    _write(ina / "name", "ina3221")
+    _write(ina / "in1_label", "VDD_GPU_SOC")
+    _write(ina / "in1_input", "5000")  # mV
+    _write(ina / "curr1_input", "1200")  # mA
+    _write(ina / "in2_label", "NC")
+    _write(ina / "in2_input", "0")
+    _write(ina / "curr2_input", "0")
+    _write(tmp_path / "class/hwmon/hwmon0/name", "acpitz")
+    _write(tmp_path / "class/hwmon/hwmon0/in1_label", "X")
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(lambda: SNAPSHOT, sensors_root=tmp_path))
+    assert _value(registry, "edge_thermal_celsius", zone="cpu-thermal") == 48.5
+    assert _value(registry, "edge_thermal_celsius", zone="gpu-thermal") == 51.25
+    assert _value(registry, "edge_thermal_celsius", zone="gpu-thermal#2") == 50.0  # the unreadable one skipped
+    assert _value(registry, "edge_power_rail_watts", rail="VDD_GPU_SOC") == pytest.approx(6.0)
+    assert _value(registry, "edge_power_rail_watts", rail="NC") is None
+    assert _value(registry, "edge_power_rail_watts", rail="X") is None
+
+
+def test_gpu_figures_come_from_nvml_and_a_figure_it_lacks_is_left_out() -> None:
+    def unsupported(_handle: object) -> float:
+        raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+
+    nvml = SimpleNamespace(
+        nvmlDeviceGetCount=lambda: 1,
+        nvmlDeviceGetHandleByIndex=lambda i: f"gpu{i}",
+        nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=37),
+        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(used=5 << 30),
+        nvmlDeviceGetTemperature=lambda h, sensor: 61,
+        nvmlDeviceGetPowerUsage=unsupported,
+    )
+    families = {f.name: f for f in sensors.gpus(nvml)}
+    assert families["edge_gpu_utilization_ratio"].samples[0].value == pytest.approx(0.37)
+    assert families["edge_gpu_memory_used_bytes"].samples[0].value == 5 << 30
+    assert families["edge_gpu_temperature_celsius"].samples[0].labels == {"gpu": "0"}
+    assert "edge_gpu_power_watts" not in families
+
+
+def _scrape(port: int) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_the_endpoint_serves_and_a_taken_port_is_reported_not_fatal() -> None:
+    server = MetricsServer(lambda: SNAPSHOT, sensors_root=Path("/nonexistent"))
+    assert server.start(("127.0.0.1", 0))
+    try:
+        assert server.address is not None
+        port = server.address[1]
+        server.jobs.observe(results.ok_result("o1", "ocr", "t", {"text": ""}, results.Timings(1.0, 2.0, 3.0)))
+        families = _scrape(port)
+        assert families["edge_jobs"].samples[0].labels == {"task": "ocr", "status": "ok", "code": ""}
+        assert families["edge_queue_depth"].samples[0].value == 4
+        assert server.snapshot() == {"listen": f"127.0.0.1:{port}", "serving": True, "error": None}
+        other = MetricsServer(lambda: SNAPSHOT)
+        assert not other.start(("127.0.0.1", port))
+        assert other.snapshot()["serving"] is False and f"127.0.0.1:{port}" in str(other.snapshot()["error"])
+    finally:
+        server.stop()
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+        pass  # stopped: nothing listens any more
+    assert not MetricsServer(lambda: SNAPSHOT).start(None)  # metrics.listen: null
+
+
+@pytest.mark.parametrize("listen", ["9464", "localhost:", ":9464", "127.0.0.1:0x1", "127.0.0.1:70000"])
+def test_the_listener_must_be_host_and_port(listen: str) -> None:
+    with pytest.raises(ValidationError, match="host:port"):
+        MetricsConfig(listen=listen)
+    assert MetricsConfig().address == ("127.0.0.1", 9464)
+    assert MetricsConfig(listen="[::1]:9100").address == ("::1", 9100)
+    assert MetricsConfig(listen=None).address is None
