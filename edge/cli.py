@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from edge import logs
 from edge.config import Profile, ProfileError, load_profile
 from edge.config.schema import BrokerConfig, TopicsConfig
 
@@ -20,12 +21,8 @@ EXIT_USAGE = 2
 DEFAULT_SOCKETS = (Path("/run/edged/status.sock"),)
 
 
-def _setup_logging(level: str) -> None:
-    # Under systemd, journald timestamps every line; a terminal wants its own.
-    fmt = "%(levelname)s %(name)s: %(message)s"
-    if "JOURNAL_STREAM" not in os.environ:
-        fmt = "%(asctime)s " + fmt
-    logging.basicConfig(level=getattr(logging, level.upper()), format=fmt, stream=sys.stderr)
+def _setup_logging(level: str, fmt: str = "text") -> None:
+    logs.setup(level, fmt)
 
 
 def _load(path: Path) -> Profile:
@@ -38,10 +35,10 @@ def _load(path: Path) -> Profile:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     profile = _load(args.profile)
-    _setup_logging(args.log_level or profile.log_level)
+    _setup_logging(args.log_level or profile.log_level, profile.log_format)
     from edge.daemon import Daemon
 
-    daemon = Daemon(profile)
+    daemon = Daemon(profile, args.profile)
     code = daemon.run()
     if daemon.abandoned_work:
         # A worker is still inside a native kernel past the drain timeout; tearing the

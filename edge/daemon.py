@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -32,6 +33,7 @@ from edge.intake import Intake
 from edge.journal.store import Journal
 from edge.memory import HostProbe, bound_heap, open_cuda
 from edge.protocol.images import ImageLimits
+from edge.reload import Reloader
 from edge.responder import Responder
 from edge.scheduler.branch import BatchRunner, BranchWorker, Worker, share_interpreter_between_branches
 from edge.scheduler.ledger import MemoryLedger
@@ -53,8 +55,11 @@ MIB = 2**20
 
 
 class Daemon:
-    def __init__(self, profile: Profile) -> None:
+    def __init__(self, profile: Profile, profile_path: Path | None = None) -> None:
+        """`profile_path`: the file the profile came from, read again on SIGHUP."""
         self.profile = profile
+        self.profile_path = profile_path
+        self._reload = threading.Event()
         self.state = "starting"
         self.started_at = time.time()
         self.abandoned_work = False  # a worker still ran when the drain timeout ended
@@ -80,6 +85,8 @@ class Daemon:
         self.intake = Intake(profile, self.queues, self.responder, self.journal)
         self.pipeline = Pipeline(self.responder, self.queues)
         self.builds = ChildBuilds(profile.paths.engine_dir, self.notifier, self._stop)
+        self.reloader = Reloader(profile_path, lambda: self.profile, self._adopt, self.queues, self.workers,
+                                 self.manager, self.metrics)  # fmt: skip
         self.status_server: StatusServer | None = None
         self.inspect: InspectTask | None = None
         self.qa: QATask | None = None
@@ -94,6 +101,14 @@ class Daemon:
             logger.info("signal %s: stopping", signal.Signals(signum).name)
         self._stop.set()
 
+    def request_reload(self, signum: int | None = None, frame: FrameType | None = None) -> None:
+        # Only a flag here: the supervising loop reloads, outside the signal handler.
+        self._reload.set()
+
+    def _adopt(self, profile: Profile) -> None:
+        self.profile = profile
+        self.intake.profile = profile
+
     def run(self) -> int:
         # A thread waiting for the GIL gets it within this long: the intake, paho and the
         # vision worker each take it briefly per job, and at Python's default (5 ms) a
@@ -101,6 +116,7 @@ class Daemon:
         sys.setswitchinterval(GIL_SWITCH_S)
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
+        signal.signal(signal.SIGHUP, self.request_reload)
         steps: list[tuple[str, Callable[[], bool]]] = [
             ("directories", self._start_directories),
             ("status socket", self._start_status),
@@ -260,6 +276,9 @@ class Daemon:
         last_compact = time.monotonic()
         while not self._stop.wait(tick):
             now = time.monotonic()
+            if self._reload.is_set():
+                self._reload.clear()
+                self.reloader()
             if not self.journal.available and self.journal.retry_open():
                 self.replayed = self.intake.replay()  # what the journal held, now it can be read
             if now - last_compact >= self.profile.journal.compact_interval_s:
@@ -349,4 +368,5 @@ class Daemon:
             "branches": branches_section(self.workers, self.task_errors, {"vision": vision}),
             "jobs": self.stats.snapshot(),
             "metrics": self.metrics.snapshot(),
+            "reload": self.reloader.last,
         }

@@ -19,6 +19,7 @@ from typing import Any
 from edge.comms.message import IncomingJob
 from edge.config.schema import Profile
 from edge.journal.store import QUEUED, SENT, Entry, Journal, JournalFull, NewJob, digest
+from edge.logs import job_fields
 from edge.protocol.errors import ErrorCode, JobError
 from edge.protocol.jobs import (
     JOB_MODELS,
@@ -58,7 +59,7 @@ class Intake:
         responder: Responder,
         journal: Journal,
     ) -> None:
-        self._profile = profile
+        self.profile = profile
         self._queues = queues
         self._responder = responder
         self._reject = responder.reject
@@ -98,7 +99,7 @@ class Intake:
         return [True] * len(msgs)
 
     def _internal(self, msg: IncomingJob, received: float) -> None:
-        reply = Reply(self._profile.results_topic, msg.correlation)
+        reply = Reply(self.profile.results_topic, msg.correlation)
         why = JobError(ErrorCode.INTERNAL, "the daemon could not take this message; its log has the details")
         if msg.response_topic is not None and self._reply_error(msg.response_topic) is None:
             reply = Reply(msg.response_topic, msg.correlation)
@@ -127,14 +128,16 @@ class Intake:
                 h.queue.put(h.item)
             except QueueFull as busy_queue:
                 busy = JobError(ErrorCode.BUSY, str(busy_queue))
-                logger.warning("rejected job %s: %s", job.id, busy)
+                logger.warning("rejected job %s: %s", job.id, busy, extra=job_fields(job.id, job.task, busy.code.value))
                 self._reject(reply, job.id, job.task, busy, h.item.received_at, journalled=True)  # kept a moment ago
                 continue
-            logger.debug("queued job %s (%s, priority %s)", job.id, job.task, job.priority)
+            logger.debug(
+                "queued job %s (%s, priority %s)", job.id, job.task, job.priority, extra=job_fields(job.id, job.task)
+            )
         held.clear()
 
     def _reply_error(self, topic: str) -> JobError | None:
-        return reply_topic_error(topic, self._profile.topic(), self._profile.results_topic)
+        return reply_topic_error(topic, self.profile.topic(), self.profile.results_topic)
 
     def _refuse(self, reply: Reply, job_id: str | None, task: str | None, err: JobError, received: float) -> None:
         """Refused on arrival: logged and answered, nothing journalled."""
@@ -146,7 +149,7 @@ class Intake:
         committed first where this message depends on it (the same id again, a cancel)."""
         topic_task = msg.topic.rsplit("/", 1)[-1]
         known_task = topic_task if topic_task in JOB_MODELS else None
-        reply = Reply(self._profile.results_topic, msg.correlation)
+        reply = Reply(self.profile.results_topic, msg.correlation)
         data: Any = None
         try:
             data = decode_payload(msg.payload, self.limits.max_payload_bytes)
@@ -188,7 +191,7 @@ class Intake:
         except JobError as unavailable:
             self._refuse(reply, job.id, job.task, unavailable, received)
             return True
-        item = make_item(job, reply, received, self._profile.queue.default_deadline_ms)
+        item = make_item(job, reply, received, self.profile.queue.default_deadline_ms)
         return _Held((job.id, msg.topic, msg.payload, reply.topic, reply.correlation), item, queue)
 
     def _reply_for(self, msg: IncomingJob, fallback: Reply) -> Reply:
@@ -227,7 +230,7 @@ class Intake:
         except JournalFull:
             attempts = entry.attempts + 1
         task = entry.topic.rsplit("/", 1)[-1]
-        if attempts > self._profile.journal.max_replays:
+        if attempts > self.profile.journal.max_replays:
             why = JobError(
                 ErrorCode.INTERNAL,
                 f"the daemon stopped {attempts - 1} times before this job finished; not running it again",
@@ -241,7 +244,7 @@ class Intake:
         except JobError as err:
             self._reject(reply, entry.id, task, err, received, journalled=True)
             return "refused"
-        queue.put(make_item(job, reply, received, self._profile.queue.default_deadline_ms), force=True)
+        queue.put(make_item(job, reply, received, self.profile.queue.default_deadline_ms), force=True)
         return "jobs"
 
     def route(self, job: ParsedJob) -> PriorityDeadlineQueue:

@@ -21,6 +21,7 @@ from typing import Any
 
 from edge.comms.message import Publisher
 from edge.journal.store import Journal
+from edge.logs import job_fields
 from edge.protocol import results
 from edge.protocol.errors import ErrorCode, JobError
 from edge.scheduler.branch import Outcome
@@ -87,7 +88,7 @@ class Responder:
             self.stats.record_ok(task, timings.total_ms)
         else:
             err = outcome.error or JobError(ErrorCode.INTERNAL, "no output")
-            logger.warning("job %s failed: %s", job.id, err)
+            logger.warning("job %s failed: %s", job.id, err, extra=job_fields(job.id, task, err.code.value))
             doc = results.error_result(job.id, task, self._device_id, err, timings)
             self.stats.record_error(task, err.code.value)
         return self._counted(doc)
@@ -148,5 +149,9 @@ class Responder:
 
     def _publish_kept(self, reply: Reply, job_id: str, payload: bytes) -> None:
         if not self._link.publish(reply.topic, payload, reply.correlation, job_id):
-            logger.error("the result of %s can never be delivered (topic refused); marking it answered", job_id)
+            logger.error(
+                "the result of %s can never be delivered (topic refused); marking it answered",
+                job_id,
+                extra=job_fields(job_id),
+            )
             self._journal.mark_answered(job_id)

@@ -572,3 +572,58 @@ def test_prometheus_scrapes_the_daemon(daemon: DaemonProc, requester: Requester,
     finally:
         prom.terminate()
         prom.wait(timeout=30)
+
+
+def _burst(requester: Requester, device: str, prefix: str, n: int) -> list[dict[str, Any]]:
+    image = {"path": f"labels/{LABELS[0]['name']}"}
+    corrs = [requester.send(f"edge/{device}/jobs/ocr", {"id": f"{prefix}-{i}", "image": image}) for i in range(n)]
+    return [requester.wait(c) for c in corrs]
+
+
+def test_sighup_applies_a_new_queue_limit_and_keeps_out_a_bad_profile(
+    tmp_path: Path, broker: Broker, engine_dir: Path
+) -> None:
+    models = {"inspect": {"enabled": False}, "qa": {"enabled": False}}
+    profile = write_profile(tmp_path, broker.port, engine_dir, device_id="hup", models=models)
+    daemon = start_daemon(profile)
+    requester = Requester(broker.port)
+    try:
+        daemon.wait_ready()
+        assert all(r["status"] == "ok" for r in _burst(requester, "hup", "before", 12))  # 256 deep
+        doc = yaml.safe_load(profile.read_text())
+        doc["queue"] = {"max_size": 1}
+        doc["log_level"] = "debug"
+        doc["broker"]["keepalive_s"] = 45  # needs a restart: listed, not applied
+        profile.write_text(yaml.safe_dump(doc))
+        daemon.proc.send_signal(signal.SIGHUP)
+        status = _wait_reload(daemon)
+        assert status["reload"]["ok"] and status["reload"]["applied"] == ["log_level", "queue.max_size"]
+        assert status["reload"]["restart"] == ["broker.keepalive_s"]
+        assert status["branches"]["vision"]["max"] == 1
+        after = _burst(requester, "hup", "after", 12)
+        busy = [r for r in after if r["status"] == "error"]
+        assert busy and all(r["error"]["code"] == "busy" for r in busy)  # the new limit holds
+        assert "these need a restart to take effect: broker.keepalive_s" in daemon.log.read_text()
+        # A bad profile is refused whole: the running one stays and serves.
+        doc["queue"] = {"max_size": 0}
+        profile.write_text(yaml.safe_dump(doc))
+        daemon.proc.send_signal(signal.SIGHUP)
+        refused = _wait_reload(daemon, after=status["reload"]["at"])
+        assert not refused["reload"]["ok"] and "queue.max_size" in refused["reload"]["error"]
+        assert refused["branches"]["vision"]["max"] == 1 and refused["state"] == "ready"
+        assert "reload refused, the running profile stays" in daemon.log.read_text()
+        ok = requester.request("edge/hup/jobs/ocr", {"id": "still", "image": {"path": f"labels/{LABELS[1]['name']}"}})
+        assert ok["status"] == "ok"
+    finally:
+        requester.close()
+        daemon.stop()
+
+
+def _wait_reload(daemon: DaemonProc, after: float = 0.0, timeout: float = 20.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        doc = json.loads(daemon.status().stdout)
+        if doc.get("reload") and doc["reload"]["at"] > after:
+            return doc  # type: ignore[no-any-return]
+        time.sleep(0.2)
+    raise TimeoutError(daemon.log.read_text()[-3000:])

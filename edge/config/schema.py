@@ -724,6 +724,12 @@ class Profile(StrictModel):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         default="info", title="Log level", description="Daemon log verbosity."
     )
+    log_format: Literal["auto", "text", "json", "journal"] = Field(
+        default="auto",
+        title="Log format",
+        description="auto: journald entries with job fields (JOB_ID, TASK, ERROR_CODE, MODEL) under systemd, "
+        "plain lines elsewhere; text: plain lines; json: one JSON object per line on stderr; journal: journald.",
+    )
     build_missing_engines: bool = Field(
         default=True,
         title="Build missing engines",

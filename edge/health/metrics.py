@@ -95,6 +95,11 @@ class SnapshotCollector(Collector):
         self._snapshot = snapshot
         self._sensors_root = sensors_root
 
+    def describe(self) -> list[Metric]:
+        # Nothing up front: registering must not read the snapshot (the daemon that owns
+        # it is still being built then).
+        return []
+
     def collect(self) -> Iterator[Metric]:
         try:
             snap = self._snapshot()
@@ -217,7 +222,7 @@ class MetricsServer:
     is logged and said in the status (`error`), never fatal: jobs matter more."""
 
     def __init__(self, snapshot: Callable[[], dict[str, Any]], sensors_root: Path = Path("/sys")) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = CollectorRegistry()
         self.jobs = JobMetrics(self.registry)
         self.registry.register(SnapshotCollector(snapshot, sensors_root))
         self._server: Any = None
@@ -226,6 +231,7 @@ class MetricsServer:
         self.error: str | None = None
 
     def start(self, address: tuple[str, int] | None) -> bool:
+        self.error = None
         if address is None:
             return False
         host, port = address

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from edge.logs import job_fields
 from edge.protocol.errors import ErrorCode, JobError, internal_error
 from edge.scheduler.queue import BatchPolicy, PriorityDeadlineQueue
 from edge.scheduler.work import WorkItem
@@ -120,7 +121,7 @@ class Worker:
         try:
             self._complete(item, outcome)
         except Exception:
-            logger.exception("could not complete job %s", item.job.id)
+            logger.exception("could not complete job %s", item.job.id, extra=job_fields(item.job.id, item.job.task))
 
     def _answer_now(self, item: WorkItem, error: JobError) -> None:
         """An error for a job taken from the queue but never run."""

@@ -128,6 +128,12 @@ class MemoryLedger:
             pinned = sum(m.nbytes for m in self._models.values() if m.keep_alive_s == float("inf"))
             return nbytes <= self.capacity_bytes - pinned
 
+    def set_keep_alive(self, name: str, keep_alive_s: float) -> None:
+        with self._lock:
+            entry = self._models.get(name)
+            if entry is not None:
+                entry.keep_alive_s = keep_alive_s
+
     def add_model(self, name: str, branch: str, nbytes: int, keep_alive_s: float = 300.0) -> bool:
         """Account for a loaded model (its measured size); False, changing nothing, if it
         does not fit now. keep_alive_s = inf pins it (never offered for eviction)."""

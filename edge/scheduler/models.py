@@ -88,6 +88,17 @@ class ModelManager:
         with self._lock:
             return list(self._models.values())
 
+    def known(self, name: str) -> bool:
+        with self._lock:
+            return name in self._models
+
+    def set_keep_alive(self, name: str, keep_alive_s: float) -> None:
+        """A new keep-alive for a registered model (a reload), in the ledger too if it
+        is loaded: its idle time is counted against the new figure from now on."""
+        with self._lock:
+            self._models[name].keep_alive_s = keep_alive_s
+        self.ledger.set_keep_alive(name, keep_alive_s)
+
     def loaded(self, name: str) -> bool:
         with self._lock:
             return self._models[name].obj is not None
@@ -164,6 +175,7 @@ class ModelManager:
             used / 2**20,
             grown.host / 2**20,
             grown.device / 2**20,
+            extra={"MODEL": model.name},
         )
 
     def _over_budget(self, name: str, nbytes: int) -> JobError:
@@ -230,5 +242,6 @@ class ModelManager:
                 name,
                 freed / 2**20,
                 model.memory_bytes / 2**20,
+                extra={"MODEL": name},
             )
             return freed

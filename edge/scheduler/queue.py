@@ -47,6 +47,11 @@ class PriorityDeadlineQueue:
     def max_size(self) -> int:
         return self._max
 
+    def set_max_size(self, max_size: int) -> None:
+        """A new limit (a reload): jobs already queued past it stay, new ones wait for room."""
+        with self._cond:
+            self._max = max_size
+
     def __len__(self) -> int:
         with self._cond:
             return len(self._heap)

@@ -20,12 +20,14 @@ refused for size.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from edge.logs import job_fields
 from edge.protocol.errors import ErrorCode, JobError, internal_error
 from edge.scheduler.branch import Completion, Outcome, Worker, expired_error
 from edge.scheduler.kv_cache import KVSlot
@@ -122,6 +124,10 @@ class TextWorker(Worker):
             if item is None or not self._try_admit(item):
                 return
 
+    def set_memory_wait(self, seconds: float) -> None:
+        """How long a job may wait for memory from now on (a reload)."""
+        self._memory = dataclasses.replace(self._memory, memory_wait_s=seconds)
+
     def _try_admit(self, item: WorkItem) -> bool:
         """Admit the job, or answer it (an error), and return True; or put it back in the
         queue to wait for memory and return False."""
@@ -140,7 +146,9 @@ class TextWorker(Worker):
                 self._answer_now(item, err)
                 return True
             except Exception as err:
-                logger.exception("could not prepare job %s", item.job.id)
+                logger.exception(
+                    "could not prepare job %s", item.job.id, extra=job_fields(item.job.id, "qa", "internal")
+                )
                 self._answer_now(item, internal_error(err))
                 return True
         mem = self._memory
@@ -177,7 +185,7 @@ class TextWorker(Worker):
             self.batcher.admit(seq, slot)
         except Exception as err:
             self.batcher.kv.free(slot)
-            logger.exception("could not start job %s", item.job.id)
+            logger.exception("could not start job %s", item.job.id, extra=job_fields(item.job.id, "qa", "internal"))
             now = time.monotonic()
             failed = internal_error(err)
             self._deliver(item, Outcome(None, failed, now, now))
@@ -246,7 +254,9 @@ class TextWorker(Worker):
             output = self._output(seq)
             outcome = Outcome(output, None, run.started, time.monotonic())
         except Exception as err:
-            logger.exception("could not finish job %s", run.item.job.id)
+            logger.exception(
+                "could not finish job %s", run.item.job.id, extra=job_fields(run.item.job.id, "qa", "internal")
+            )
             failed = internal_error(err)
             outcome = Outcome(None, failed, run.started, time.monotonic())
         self._deliver(run.item, outcome)
