@@ -7,6 +7,7 @@ import base64
 import json
 import logging
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,21 @@ def _build_plans(profile: Profile, compute_capability: str | None) -> int:
         print(f"edgectl: building {cmd.what} failed (exit {done.returncode})", file=sys.stderr)
         return EXIT_USAGE if done.returncode == EXIT_USAGE else 1
     print(f"tensorrt: {cmd.what} in {profile.paths.engine_dir / 'tensorrt'}")
+    return 0
+
+
+def cmd_install(args: argparse.Namespace) -> int:
+    from edge.install import install
+
+    try:
+        report = install(args.root, args.template, device_id=args.device_id)
+    except (PermissionError, FileNotFoundError, RuntimeError, OSError, subprocess.CalledProcessError) as err:
+        print(f"edgectl install: {err}", file=sys.stderr)
+        return 1
+    if report.dry_run:
+        print(f"dry run into {report.root}: nothing outside it was changed")
+    else:
+        print("installed: `systemctl start edged`, then `edgectl status --profile /etc/edge/profile.yaml`")
     return 0
 
 
@@ -277,6 +293,14 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--profile", type=Path, required=True)
     verify.add_argument("--json", action="store_true", help="one JSON object with `checks`")
     verify.set_defaults(func=cmd_verify)
+
+    inst = sub.add_parser("install", help="install the daemon as a systemd service (user, directories, profile, unit)")
+    inst.add_argument(
+        "--root", type=Path, default=Path("/"), help="write under this directory and run nothing (dry run)"
+    )
+    inst.add_argument("--template", type=Path, help="profile to start from (default: the shipped one for this box)")
+    inst.add_argument("--device-id", help="this box's device_id in the written profile")
+    inst.set_defaults(func=cmd_install)
 
     status = sub.add_parser("status", help="health check (exit 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN)")
     status.add_argument("--profile", type=Path, help="find the socket from this profile")

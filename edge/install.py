@@ -1,0 +1,163 @@
+"""`edgectl install`: the daemon as a system service on this box.
+
+Steps, each said as it runs:
+1. the system user and group `edge` (useradd), in the video and render groups where the
+   box has them (the GPU's device nodes);
+2. /etc/edge (0750, root:edge) and the state directory /var/lib/edged (0750, edge:edge;
+   systemd's StateDirectory would make it too, but the profile written next names it);
+3. /etc/edge/profile.yaml from a shipped profile (jetson-orin.yaml on a Jetson, else
+   cpu-dev.yaml) with the service's paths put in; an existing profile is never replaced;
+4. /etc/systemd/system/edged.service from systemd/edged.service, with the checkout's
+   own path in place of /opt/edge;
+5. `systemctl daemon-reload` and `systemctl enable edged`.
+
+`root` other than "/" writes every file under that directory instead and runs no
+command (a dry run: the commands are listed, and `enable`'s symlink is made in the tree
+as systemctl would make it), which is how it is tested.
+"""
+
+from __future__ import annotations
+
+import grp
+import logging
+import os
+import pwd
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from edge.config import ProfileError, load_profile
+
+logger = logging.getLogger(__name__)
+
+REPO = Path(__file__).resolve().parent.parent
+UNIT_SOURCE = REPO / "systemd" / "edged.service"
+SHIPPED_PREFIX = "/opt/edge"
+USER = "edge"
+SERVICE_PATHS = {
+    "state_dir": "/var/lib/edged",
+    "runtime_dir": "/run/edged",
+    "engine_dir": "/var/lib/edged/engines",
+    "media_dir": "/var/lib/edged/media",
+}
+
+
+@dataclass
+class InstallReport:
+    root: Path
+    written: list[Path] = field(default_factory=list)
+    kept: list[Path] = field(default_factory=list)
+    commands: list[list[str]] = field(default_factory=list)  # run, or (a dry run) listed
+
+    @property
+    def dry_run(self) -> bool:
+        return self.root != Path("/")
+
+
+def default_template() -> Path:
+    jetson = Path("/etc/nv_tegra_release").exists()
+    return REPO / "profiles" / ("jetson-orin.yaml" if jetson else "cpu-dev.yaml")
+
+
+def _under(root: Path, path: str) -> Path:
+    return root / path.lstrip("/")
+
+
+def _run(report: InstallReport, cmd: list[str]) -> None:
+    report.commands.append(cmd)
+    print(("would run: " if report.dry_run else "running: ") + " ".join(cmd))
+    if not report.dry_run:
+        subprocess.run(cmd, check=True)
+
+
+def _user(report: InstallReport) -> None:
+    try:
+        pwd.getpwnam(USER)
+        exists = True
+    except KeyError:
+        exists = False
+    if not exists or report.dry_run:
+        _run(report, ["useradd", "--system", "--user-group", "--home-dir", SERVICE_PATHS["state_dir"],
+                      "--shell", "/usr/sbin/nologin", USER])  # fmt: skip
+    groups = []
+    for name in ("video", "render"):
+        try:
+            grp.getgrnam(name)
+            groups.append(name)
+        except KeyError:
+            continue
+    if groups:
+        _run(report, ["usermod", "--append", "--groups", ",".join(groups), USER])
+
+
+def _directory(report: InstallReport, path: Path, mode: int, group_only: bool) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, mode)
+    if not report.dry_run:
+        shutil.chown(path, "root" if group_only else USER, USER)
+    print(f"directory {path} ({mode:o})")
+
+
+def _profile(report: InstallReport, template: Path, device_id: str | None) -> None:
+    target = _under(report.root, "/etc/edge/profile.yaml")
+    if target.exists():
+        report.kept.append(target)
+        print(f"kept {target} (an existing profile is never replaced)")
+        return
+    doc = yaml.safe_load(template.read_text(encoding="utf-8"))
+    doc["paths"] = dict(SERVICE_PATHS)
+    if device_id is not None:
+        doc["device_id"] = device_id
+    header = (
+        f"# Written by `edgectl install` from {template.name}; every field is described in\n"
+        "# edge/config/schema.py. `systemctl reload edged` applies the run-time fields.\n"
+    )
+    target.write_text(header + yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
+    os.chmod(target, 0o640)
+    if not report.dry_run:
+        shutil.chown(target, "root", USER)
+    try:
+        load_profile(target)  # what the daemon will read: refuse to leave a bad one
+    except ProfileError as err:
+        target.unlink()
+        raise RuntimeError(f"the profile made from {template} does not validate: {err}") from err
+    report.written.append(target)
+    print(f"wrote {target}")
+
+
+def _unit(report: InstallReport, prefix: Path) -> None:
+    text = UNIT_SOURCE.read_text(encoding="utf-8").replace(SHIPPED_PREFIX, str(prefix))
+    target = _under(report.root, "/etc/systemd/system/edged.service")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text, encoding="utf-8")
+    os.chmod(target, 0o644)
+    report.written.append(target)
+    print(f"wrote {target}")
+    _run(report, ["systemctl", "daemon-reload"])
+    _run(report, ["systemctl", "enable", "edged.service"])
+    if report.dry_run:  # what `enable` makes, from the unit's [Install] WantedBy
+        wants = _under(report.root, "/etc/systemd/system/multi-user.target.wants")
+        wants.mkdir(parents=True, exist_ok=True)
+        link = wants / "edged.service"
+        if not link.is_symlink():
+            link.symlink_to("../edged.service")
+
+
+def install(
+    root: Path = Path("/"), template: Path | None = None, prefix: Path = REPO, device_id: str | None = None
+) -> InstallReport:
+    """Install the service (a dry run into `root` where it is not "/")."""
+    report = InstallReport(root)
+    if not report.dry_run and os.geteuid() != 0:
+        raise PermissionError("installing the service needs root (or --root DIR for a dry run)")
+    if not (prefix / ".venv" / "bin" / "edgectl").exists():
+        raise FileNotFoundError(f"{prefix}/.venv/bin/edgectl is missing: run scripts/setup.sh in {prefix} first")
+    _user(report)
+    _directory(report, _under(root, "/etc/edge"), 0o750, group_only=True)
+    _directory(report, _under(root, SERVICE_PATHS["state_dir"]), 0o750, group_only=False)
+    _profile(report, template or default_template(), device_id)
+    _unit(report, prefix)
+    return report
