@@ -46,6 +46,7 @@ from edge.tasks.media import MediaLoader
 from edge.tasks.ocr import OCRTask, start_ocr
 from edge.tasks.pipeline import Pipeline
 from edge.tasks.qa import QATask, qa_model_name, start_qa
+from edge.tracing import JobTracer
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,10 @@ class Daemon:
         self.stats = JobStats()
         self.link = DaemonLink(profile, self._on_messages, on_delivered=self.journal.mark_answered)
         self.metrics = MetricsServer(self.snapshot)
-        self.responder = Responder(self.link, self.journal, self.stats, profile.device_id, self.metrics.jobs.observe)
+        self.tracer = JobTracer.from_profile(profile.device_id, profile.tracing.otlp_endpoint)
+        self.responder = Responder(
+            self.link, self.journal, self.stats, profile.device_id, self.metrics.jobs.observe, self.tracer
+        )
         self.intake = Intake(profile, self.queues, self.responder, self.journal)
         self.pipeline = Pipeline(self.responder, self.queues)
         self.builds = ChildBuilds(profile.paths.engine_dir, self.notifier, self._stop)
@@ -324,6 +328,7 @@ class Daemon:
         if self.status_server is not None:
             self.status_server.close()
         self.metrics.stop()
+        self.tracer.shutdown()  # spans still batched go out
         logger.info("stopped")
 
     # status --------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from edge.protocol.topics import reply_topic_error
 from edge.responder import Responder
 from edge.scheduler.queue import PriorityDeadlineQueue, QueueFull
 from edge.scheduler.work import TASK_BRANCH, Reply, WorkItem
+from edge.tracing import valid_traceparent
 
 logger = logging.getLogger(__name__)
 
@@ -99,10 +100,10 @@ class Intake:
         return [True] * len(msgs)
 
     def _internal(self, msg: IncomingJob, received: float) -> None:
-        reply = Reply(self.profile.results_topic, msg.correlation)
+        reply = Reply(self.profile.results_topic, msg.correlation, valid_traceparent(msg.traceparent))
         why = JobError(ErrorCode.INTERNAL, "the daemon could not take this message; its log has the details")
         if msg.response_topic is not None and self._reply_error(msg.response_topic) is None:
-            reply = Reply(msg.response_topic, msg.correlation)
+            reply = Reply(msg.response_topic, msg.correlation, valid_traceparent(msg.traceparent))
         self._refuse(reply, None, None, why, received)
 
     def _commit(self, held: list[_Held]) -> None:
@@ -149,7 +150,7 @@ class Intake:
         committed first where this message depends on it (the same id again, a cancel)."""
         topic_task = msg.topic.rsplit("/", 1)[-1]
         known_task = topic_task if topic_task in JOB_MODELS else None
-        reply = Reply(self.profile.results_topic, msg.correlation)
+        reply = Reply(self.profile.results_topic, msg.correlation, valid_traceparent(msg.traceparent))
         data: Any = None
         try:
             data = decode_payload(msg.payload, self.limits.max_payload_bytes)
@@ -163,7 +164,7 @@ class Intake:
                 # Answered where the requester can still see it: the device's results topic.
                 self._refuse(reply, job_id, known_task, bad_topic, received)
                 return True
-            reply = Reply(msg.response_topic, msg.correlation)
+            reply = Reply(msg.response_topic, msg.correlation, valid_traceparent(msg.traceparent))
         if msg.retained:
             why = JobError(
                 ErrorCode.INVALID_FIELD,
@@ -196,7 +197,7 @@ class Intake:
 
     def _reply_for(self, msg: IncomingJob, fallback: Reply) -> Reply:
         if msg.response_topic is not None and self._reply_error(msg.response_topic) is None:
-            return Reply(msg.response_topic, msg.correlation)
+            return Reply(msg.response_topic, msg.correlation, valid_traceparent(msg.traceparent))
         return fallback
 
     def replay(self) -> dict[str, int]:

@@ -27,6 +27,7 @@ from edge.protocol.errors import ErrorCode, JobError
 from edge.scheduler.branch import Outcome
 from edge.scheduler.work import Reply, WorkItem
 from edge.stats import JobStats
+from edge.tracing import JobTracer
 
 logger = logging.getLogger(__name__)
 
@@ -39,15 +40,24 @@ class Responder:
         stats: JobStats,
         device_id: str,
         observe: Callable[[dict[str, Any]], None] | None = None,
+        tracer: JobTracer | None = None,
     ) -> None:
-        """`observe`: given every final result document (the metrics count it)."""
+        """`observe`: given every final result document (the metrics count it);
+        `tracer`: makes each job's spans, and the result carries the job span's
+        traceparent."""
         self._link = link
         self._journal = journal
         self.stats = stats
         self._device_id = device_id
         self._observe = observe
+        self._tracer = tracer
 
-    def _counted(self, doc: dict[str, Any]) -> bytes:
+    def _counted(self, doc: dict[str, Any], reply: Reply, received: float) -> bytes:
+        if self._tracer is not None:
+            try:
+                doc["traceparent"] = self._tracer.record(doc, received, reply.traceparent)
+            except Exception:  # tracing must never keep a result from being sent
+                logger.exception("could not trace the result of %s", doc.get("id"))
         if self._observe is not None:
             try:
                 self._observe(doc)
@@ -91,7 +101,7 @@ class Responder:
             logger.warning("job %s failed: %s", job.id, err, extra=job_fields(job.id, task, err.code.value))
             doc = results.error_result(job.id, task, self._device_id, err, timings)
             self.stats.record_error(task, err.code.value)
-        return self._counted(doc)
+        return self._counted(doc, item.reply, item.received_at)
 
     def partial(self, item: WorkItem, seq: int, delta: str) -> None:
         """A streamed piece of a job's output; its final result still follows."""
@@ -109,7 +119,7 @@ class Responder:
         timings = results.Timings(0.0, 0.0, (time.monotonic() - received) * 1000.0)
         doc = results.ok_result(job_id, task, self._device_id, output, timings)
         self.stats.record_ok(task, timings.total_ms)
-        payload = self._counted(doc)
+        payload = self._counted(doc, reply, received)
         self._journal.store_result(job_id, reply.topic, reply.correlation, payload, request_digest)
         self._publish_kept(reply, job_id, payload)
 
@@ -128,7 +138,7 @@ class Responder:
         timings = results.Timings(0.0, 0.0, (time.monotonic() - received) * 1000.0)
         doc = results.error_result(job_id, task, self._device_id, error, timings)
         self.stats.record_error(task, error.code.value)
-        payload = self._counted(doc)
+        payload = self._counted(doc, reply, received)
         if journalled and job_id is not None:
             self._send(reply, job_id, payload)
         else:

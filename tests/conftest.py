@@ -300,15 +300,27 @@ class Requester:
                     self.replies[bytes(corr)] = doc
             self._cond.notify_all()
 
-    def send(self, topic: str, payload: bytes | dict[str, Any], response: bool = True, wait: bool = True) -> bytes:
+    def send(
+        self,
+        topic: str,
+        payload: bytes | dict[str, Any],
+        response: bool = True,
+        wait: bool = True,
+        user: dict[str, str] | None = None,
+    ) -> bytes:
         """Publish one request at QoS 1 (waiting for the broker's PUBACK unless not `wait`:
-        paho then keeps it queued through a broker outage)."""
+        paho then keeps it queued through a broker outage); `user`: MQTT v5 user properties."""
         corr = uuid.uuid4().bytes
         props = None
-        if response:
+        if response or user:
             props = Properties(PacketTypes.PUBLISH)
+        if response:
+            assert props is not None
             props.ResponseTopic = self.reply_topic
             props.CorrelationData = corr
+        if user:
+            assert props is not None
+            props.UserProperty = list(user.items())
         body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
         info = self._client.publish(topic, body, qos=1, properties=props)
         if wait:

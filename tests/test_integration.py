@@ -627,3 +627,20 @@ def _wait_reload(daemon: DaemonProc, after: float = 0.0, timeout: float = 20.0) 
             return doc  # type: ignore[no-any-return]
         time.sleep(0.2)
     raise TimeoutError(daemon.log.read_text()[-3000:])
+
+
+def test_a_traceparent_sent_as_a_user_property_comes_back_in_the_same_trace(
+    daemon: DaemonProc, requester: Requester
+) -> None:
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    corr = requester.send(
+        f"{JOBS}/ocr", {"id": "trace-1", "image": {"path": f"labels/{LABELS[0]['name']}"}}, user={"traceparent": parent}
+    )
+    result = requester.wait(corr)
+    assert result["status"] == "ok"
+    RESULT_SCHEMA.validate(result)
+    version, trace_id, span_id, flags = result["traceparent"].split("-")
+    assert (version, trace_id, flags) == ("00", "0af7651916cd43dd8448eb211c80319c", "01")
+    assert span_id != "b7ad6b7169203331"  # the job's own span, a child of the requester's
+    alone = requester.request(f"{JOBS}/ocr", {"id": "trace-2", "image": {"path": f"labels/{LABELS[0]['name']}"}})
+    assert alone["traceparent"].split("-")[1] != trace_id  # no traceparent: a trace of its own

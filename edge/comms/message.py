@@ -15,6 +15,7 @@ class IncomingJob:
     response_topic: str | None
     correlation: bytes | None
     retained: bool = False  # delivered as the topic's retained message (at subscribe)
+    traceparent: str | None = None  # the requester's W3C trace context (an MQTT v5 user property)
 
 
 # Returns whether the job is kept (acknowledge it to the broker) or left with the broker.

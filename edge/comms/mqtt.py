@@ -283,11 +283,13 @@ class DaemonLink:
         props = msg.properties
         response_topic = getattr(props, "ResponseTopic", None) if props else None
         correlation = getattr(props, "CorrelationData", None) if props else None
+        user = dict(getattr(props, "UserProperty", None) or []) if props else {}
         job = IncomingJob(
             topic=msg.topic,
             payload=bytes(msg.payload),
             response_topic=response_topic if response_topic is not None else None,
             correlation=bytes(correlation) if correlation is not None else None,
             retained=bool(msg.retain),
+            traceparent=user.get("traceparent"),
         )
         self._pump.put(job, msg.mid, msg.qos)

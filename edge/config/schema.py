@@ -693,6 +693,16 @@ class MetricsConfig(StrictModel):
         return host.strip("[]"), int(port)
 
 
+class TracingConfig(StrictModel):
+    otlp_endpoint: str | None = Field(
+        default=None,
+        title="OTLP endpoint",
+        description="Where job spans go over OTLP/HTTP, e.g. http://127.0.0.1:4318/v1/traces (needs the "
+        "opentelemetry-exporter-otlp-proto-http package); unset: no export, though a requester's traceparent is "
+        "still continued and echoed on the result.",
+    )
+
+
 class WatchdogConfig(StrictModel):
     stall_s: float = Field(
         default=300.0,
@@ -755,6 +765,11 @@ class Profile(StrictModel):
         default_factory=StatusConfig,
         title="Status socket",
         description="The Unix socket `edgectl status` talks to.",
+    )
+    tracing: TracingConfig = Field(
+        default_factory=TracingConfig,
+        title="Tracing",
+        description="OpenTelemetry spans per job and stage (README, Tracing).",
     )
     metrics: MetricsConfig = Field(
         default_factory=MetricsConfig,

@@ -15,6 +15,9 @@ TASK_BRANCH = {"ocr": "vision", "inspect": "vision", "qa": "text"}
 class Reply:
     topic: str
     correlation: bytes | None = None
+    # The requester's trace context (edge/tracing.py), valid or None; not journalled, so
+    # a job taken up again after a restart is traced on its own.
+    traceparent: str | None = None
 
 
 @dataclass
