@@ -215,3 +215,51 @@ def test_the_listener_must_be_host_and_port(listen: str) -> None:
     assert MetricsConfig().address == ("127.0.0.1", 9464)
     assert MetricsConfig(listen="[::1]:9100").address == ("::1", 9100)
     assert MetricsConfig(listen=None).address is None
+
+
+def test_the_dashboard_and_the_readme_name_only_metrics_the_daemon_exports(tmp_path: Path) -> None:
+    """docs/grafana-dashboard.json's queries and the README's list: every edge_ name in
+    them is a sample a daemon exports (its results counted, a full snapshot, a box with
+    every sensor), and the README lists every one exported."""
+    import json
+    import re
+
+    from tests.conftest import REPO
+
+    _write(tmp_path / "class/thermal/thermal_zone0/type", "cpu-thermal")
+    _write(tmp_path / "class/thermal/thermal_zone0/temp", "40000")
+    ina = tmp_path / "class/hwmon/hwmon0"
+    _write(ina / "name", "ina3221")
+    _write(ina / "in1_label", "VDD_IN")
+    _write(ina / "in1_input", "5000")
+    _write(ina / "curr1_input", "1000")
+    server = MetricsServer(lambda: SNAPSHOT, sensors_root=tmp_path)
+    server.jobs.observe(
+        results.ok_result(
+            "q", "qa", "t", {"answer": "a", "prompt_tokens": 3, "completion_tokens": 2},
+            results.Timings(1.0, 2.0, 3.0, {"prefill": 1.0}, {"ttft_ms": 2.0, "token_p50_ms": 1.0}),
+        )
+    )  # fmt: skip
+    nvml = SimpleNamespace(
+        nvmlDeviceGetCount=lambda: 1,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=1),
+        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(used=1),
+        nvmlDeviceGetTemperature=lambda h, s: 1,
+        nvmlDeviceGetPowerUsage=lambda h: 1000,
+    )
+    exported = {s.name for family in server.registry.collect() for s in family.samples}
+    exported |= {s.name for family in sensors.gpus(nvml) for s in family.samples}
+    # The client's own _created timestamps aside, each family once.
+    families = {re.sub(r"_(bucket|count|sum)$", "", n) for n in exported if not n.endswith("_created")}
+    dashboard = json.loads((REPO / "docs" / "grafana-dashboard.json").read_text())
+    queried = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"\bedge_[a-z0-9_]+", target["expr"])
+    }
+    assert queried and queried <= exported, queried - exported
+    readme = (REPO / "README.md").read_text()
+    unlisted = sorted(name for name in families if not re.search(rf"`{name}\b", readme))
+    assert not unlisted, unlisted
