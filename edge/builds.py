@@ -155,6 +155,23 @@ class ChildBuilds:
         self._engine_dir = engine_dir
         self._notifier = notifier
         self._stop = stop
+        # What is being built now (status, metrics), and how the builds so far ended.
+        self._lock = threading.Lock()
+        self._current: tuple[str, float] | None = None
+        self.results: dict[str, int] = {"built": 0, "failed": 0, "stopped": 0}
+
+    def snapshot(self) -> dict[str, object]:
+        with self._lock:
+            current = self._current
+            running = None
+            if current is not None:
+                running = {"what": current[0], "seconds": round(time.monotonic() - current[1], 1)}
+            return {"running": running, **self.results}
+
+    def _ended(self, result: str) -> None:
+        with self._lock:
+            self._current = None
+            self.results[result] += 1
 
     def run(self, cmd: BuildCommand) -> None:
         """Run one build to its end; BuildStopped if a stop request ended it first,
@@ -162,7 +179,13 @@ class ChildBuilds:
         line = command_line(cmd, self._engine_dir, progress=False)
         logger.info("building %s (first start only): %s", cmd.what, " ".join(line[1:]))
         started = time.monotonic()
-        child = subprocess.Popen(line, stdout=subprocess.DEVNULL)
+        with self._lock:
+            self._current = (cmd.what, started)
+        try:
+            child = subprocess.Popen(line, stdout=subprocess.DEVNULL)
+        except OSError:
+            self._ended("failed")
+            raise
         extended_at = -EXTEND_EVERY_S
         while child.poll() is None:
             now = time.monotonic()
@@ -178,9 +201,12 @@ class ChildBuilds:
                 except subprocess.TimeoutExpired:
                     child.kill()
                     child.wait()
+                self._ended("stopped")
                 raise BuildStopped(cmd.module)
         if child.returncode != 0:
+            self._ended("failed")
             raise RuntimeError(f"{cmd.module} exited with {child.returncode}; its log is above")
+        self._ended("built")
         logger.info("built %s in %.0f s", cmd.what, time.monotonic() - started)
 
 

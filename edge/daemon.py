@@ -372,6 +372,7 @@ class Daemon:
             "models": models_section(self.manager),
             "branches": branches_section(self.workers, self.task_errors, {"vision": vision}),
             "jobs": self.stats.snapshot(),
+            "builds": self.builds.snapshot(),
             "metrics": self.metrics.snapshot(),
             "reload": self.reloader.last,
         }

@@ -51,6 +51,7 @@ SNAPSHOT: dict[str, Any] = {
         "kv": {"capacity_bytes": 48 << 20, "capacity_tokens": 2048, "reserved_tokens": 300, "peak_tokens": 900},
     },
     "models": [{"name": "ocr", "branch": "vision", "backend": "onnxruntime", "loaded": True, "loads": 1}],
+    "builds": {"running": {"what": "the inspection student", "seconds": 42.5}, "built": 1, "failed": 0, "stopped": 0},
     "journal": {
         "queued": 2,
         "sent": 1,
@@ -110,6 +111,8 @@ def test_the_snapshot_becomes_gauges_and_counters_at_each_scrape() -> None:
     assert _value(registry, "edge_journal_duplicates_total") == 4
     assert _value(registry, "edge_broker_connected") == 1 and _value(registry, "edge_broker_connects_total") == 3
     assert _value(registry, "edge_up", state="ready") == 1
+    assert _value(registry, "edge_build_running_seconds", what="the inspection student") == 42.5
+    assert _value(registry, "edge_builds_total", result="built") == 1
     # Read again at the next scrape: a queue that drained shows it.
     drained = {"vision": {**SNAPSHOT["branches"]["vision"], "depth": 0}}
     snap["doc"] = {**SNAPSHOT, "state": "stopping", "branches": drained}
@@ -263,3 +266,35 @@ def test_the_dashboard_and_the_readme_name_only_metrics_the_daemon_exports(tmp_p
     readme = (REPO / "README.md").read_text()
     unlisted = sorted(name for name in families if not re.search(rf"`{name}\b", readme))
     assert not unlisted, unlisted
+
+
+def test_builds_say_what_runs_and_how_each_ended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real child process each: one that fails (no such module), one stopped while it
+    runs; the snapshot the metrics read says what is in hand and counts the ends."""
+    import os
+    import threading
+    import time
+
+    (tmp_path / "slow_build.py").write_text("import time\ntime.sleep(60)\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    from edge.builds import BuildCommand, BuildStopped, ChildBuilds
+    from edge.health.notify import Notifier
+
+    stop = threading.Event()
+    builds = ChildBuilds(tmp_path, Notifier(), stop)
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        builds.run(BuildCommand("nothing", "edge.no_such_build", ()))
+    assert builds.snapshot() == {"running": None, "built": 0, "failed": 1, "stopped": 0}
+    seen: list[dict[str, Any]] = []
+
+    def watch() -> None:
+        time.sleep(1.0)
+        seen.append(builds.snapshot())
+        stop.set()
+
+    threading.Thread(target=watch).start()
+    with pytest.raises(BuildStopped):
+        builds.run(BuildCommand("a build that takes a minute", "slow_build", ()))
+    running = seen[0]["running"]
+    assert running["what"] == "a build that takes a minute" and 0.5 <= running["seconds"] <= 5
+    assert builds.snapshot() == {"running": None, "built": 0, "failed": 1, "stopped": 1}

@@ -113,6 +113,7 @@ class SnapshotCollector(Collector):
         yield from self._memory(snap.get("memory", {}), snap.get("models", []))
         yield from self._journal(snap.get("journal", {}))
         yield from self._broker(snap.get("broker", {}))
+        yield from self._builds(snap.get("builds", {}))
         yield from sensors.metrics(self._sensors_root)
 
     @staticmethod
@@ -210,6 +211,22 @@ class SnapshotCollector(Collector):
         connects = CounterMetricFamily("edge_broker_connects", "Connections made to the broker (reconnects included).")
         connects.add_metric([], broker.get("connects", 0))
         yield from (connected, connects)
+
+    @staticmethod
+    def _builds(builds: dict[str, Any]) -> Iterator[Metric]:
+        running = _gauge(
+            "edge_build_running_seconds",
+            "How long the engine build in hand has run (a first start's build), by what it builds.",
+            ["what"],
+        )
+        current = builds.get("running")
+        if isinstance(current, dict):
+            running.add_metric([str(current.get("what"))], current.get("seconds", 0.0))
+        ended = CounterMetricFamily("edge_builds", "Engine builds run by the daemon, by how they ended.",
+                                    labels=["result"])  # fmt: skip
+        for result in ("built", "failed", "stopped"):
+            ended.add_metric([result], builds.get(result, 0))
+        yield from (running, ended)
 
 
 def _journal_files(path: Path) -> list[Path]:
