@@ -22,7 +22,7 @@ EXIT_USAGE = 2
 DEFAULT_SOCKETS = (Path("/run/edged/status.sock"),)
 
 
-def _setup_logging(level: str, fmt: str = "text") -> None:
+def _setup_logging(level: str, fmt: logs.LogFormat = "text") -> None:
     logs.setup(level, fmt)
 
 

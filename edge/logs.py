@@ -21,12 +21,12 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 # The structured fields a job's lines may carry, as journald names them.
 JOB_FIELDS = ("JOB_ID", "TASK", "ERROR_CODE", "MODEL")
 
-LogFormat = str  # "auto" | "text" | "json" | "journal"
+LogFormat = Literal["auto", "text", "json", "journal"]
 
 
 def job_fields(
@@ -59,11 +59,8 @@ def _journal_handler(sender: Callable[..., None] | None) -> logging.Handler | No
         from systemd import journal
     except ImportError:
         return None
-    handler: logging.Handler = (
-        journal.JournalHandler(SYSLOG_IDENTIFIER="edged")
-        if sender is None
-        else journal.JournalHandler(sender_function=sender, SYSLOG_IDENTIFIER="edged")
-    )
+    replaced = {} if sender is None else {"sender_function": sender}
+    handler: logging.Handler = journal.JournalHandler(SYSLOG_IDENTIFIER="edged", **replaced)
     return handler
 
 

@@ -11,10 +11,6 @@ from __future__ import annotations
 import time
 from types import TracebackType
 
-# The stages a result may name, in the order a job meets them.
-VISION_STAGES = ("decode", "preprocess", "model", "postprocess")
-TEXT_STAGES = ("tokenize", "prefill", "decode", "detokenize")
-
 
 class StageClock:
     def __init__(self) -> None:
@@ -28,8 +24,8 @@ class StageClock:
         whether it returns or raises."""
         return _Stage(self, name)
 
-    def merge(self, other: StageClock | dict[str, float]) -> None:
-        for name, ms in (other.ms if isinstance(other, StageClock) else other).items():
+    def merge(self, other: StageClock) -> None:
+        for name, ms in other.ms.items():
             self.add(name, ms)
 
 

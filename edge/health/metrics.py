@@ -15,7 +15,6 @@ Every name starts with `edge_`; the README's Metrics section lists them.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -243,7 +242,6 @@ class MetricsServer:
         self.jobs = JobMetrics(self.registry)
         self.registry.register(SnapshotCollector(snapshot, sensors_root))
         self._server: Any = None
-        self._thread: threading.Thread | None = None
         self.address: tuple[str, int] | None = None
         self.error: str | None = None
 
@@ -253,7 +251,7 @@ class MetricsServer:
             return False
         host, port = address
         try:
-            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+            self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as err:
             self.error = f"cannot listen on {host}:{port}: {err.strerror or err}"
             logger.error("metrics: %s; serving without them", self.error)
