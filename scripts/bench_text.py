@@ -78,6 +78,11 @@ def _release() -> None:
     import gc
 
     gc.collect()
+    # cuBLAS holds a workspace for each stream it ran on; those of the checks' and the
+    # last variant's streams are not the next one's memory (its own come back on use).
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
     torch.cuda.empty_cache()
 
 

@@ -156,6 +156,17 @@ def text_cuda(d: dict[str, Any]) -> str:
                 )
                 + ".",
             ]
+        phases = r.get("memory_phases")
+        if phases and batched:
+            lines += [
+                "",
+                f"{r['name']}, memory by phase (the allocator's peak in each, GiB; held: allocated before the first): "
+                + ", ".join(
+                    f"{name.replace('_', ' ')} {p['peak_gib' if 'peak_gib' in p else 'allocated_gib']:.2f}"
+                    for name, p in phases.items()
+                )
+                + ".",
+            ]
         prof = r.get("graph_profile")
         if prof and "step_span_ms" in prof:
             matrices = ", ".join(

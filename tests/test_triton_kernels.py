@@ -199,7 +199,7 @@ def test_paired_silu_kernel_reads_the_paired_column_order() -> None:
     """A paired gate/up product (columns in cuda_int4.pair_order) gives silu(gate) * up
     in the original order, with no reordering copy first."""
     from edge.text import cuda_int4
-    from edge.text.fused_prefill import _silu_mul_paired_kernel
+    from edge.text.triton_decode import _silu_mul_paired_kernel
 
     tokens, f = 3, 2 * 1024 + 48  # more than one block, the last one partial
     plain = torch.randn(tokens, 2 * f, generator=torch.Generator().manual_seed(6))

@@ -26,6 +26,7 @@ from edge.backends.base import (
     register_backend,
 )
 from edge.backends.configs import TorchCudaConfig
+from edge.gpu_streams import side_stream
 
 logger = logging.getLogger(__name__)
 
@@ -88,17 +89,17 @@ class TorchCudaSession(InferenceSession):
         self, batch: int, example: torch.Tensor
     ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple[torch.Tensor, ...]]:
         static_in = torch.zeros((batch, *example.shape[1:]), device=self._device, dtype=self._dtype)
-        stream = torch.cuda.Stream()
+        stream = side_stream(self._device)  # one cuBLAS workspace for all captures
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up outside capture: lazy init and kernel selection
                 self._model(static_in)
-        torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the text branch's thread may be launching its own work meanwhile;
         # the default (global) mode would fail its calls during the capture.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
             outputs = self._model(static_in)
+        torch.cuda.current_stream().wait_stream(stream)
         logger.debug("captured batch %d", batch)
         return graph, static_in, tuple(outputs)
 

@@ -14,24 +14,27 @@ from typing import Any
 
 import torch
 
+from edge.gpu_streams import side_stream
 from edge.text.llama import KVCache, LlamaModel
 
 logger = logging.getLogger(__name__)
 
 
 def capture(run: Callable[[], torch.Tensor], pool: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """(graph, output) of `run` captured into memory pool `pool`. Two warm-up runs on a
-    side stream come first: lazy initialisation and kernel builds must not happen inside
-    a capture. thread_local: another branch's thread may launch its own work meanwhile."""
-    stream = torch.cuda.Stream()
+    """(graph, output) of `run` captured into memory pool `pool`. Two warm-up runs on the
+    thread's side stream (gpu_streams.side_stream) come first: lazy initialisation and
+    kernel builds must not happen inside a capture. thread_local: another branch's thread
+    may launch its own work meanwhile."""
+    stream = side_stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):
             run()
-    torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+    # Captured on the warm-up's stream: its cuBLAS workspace serves the graph too.
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
         out = run()
+    torch.cuda.current_stream().wait_stream(stream)
     return graph, out
 
 

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 
 from edge.text import triton_decode
 from edge.text.cuda_graphs import capture
-from edge.text.int4 import Int4Linear
 from edge.text.llama import DecoderLayer, KVCache, LlamaModel
 
 logger = logging.getLogger(__name__)
@@ -78,19 +77,6 @@ if triton_decode.TRITON_SUPPORT:
             cached = v_cache_ptr + ((row * NKV + kv) * max_len + t) * HD
             tl.store(cached + rd, val.to(v_cache_ptr.dtype.element_ty))
 
-    @triton.jit
-    def _silu_mul_paired_kernel(gu_ptr, out_ptr, F, BLOCK: tl.constexpr):
-        """A paired gate/up product [T, 2F] (cuda_int4.pair_order: each 16 columns are 8
-        gate then the same 8 up) -> silu(gate) * up [T, F] in the original order."""
-        t = tl.program_id(0)
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < F
-        col = (offs // 8) * 16 + offs % 8
-        gate = tl.load(gu_ptr + t * 2 * F + col, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(gu_ptr + t * 2 * F + col + 8, mask=mask, other=0.0).to(tl.float32)
-        out = gate / (1.0 + tl.exp(-gate)) * up
-        tl.store(out_ptr + t * F + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
-
 
 def supported(model: LlamaModel) -> bool:
     """The fused prefill takes what the fused decode step takes (Int4Linear projections
@@ -117,22 +103,6 @@ def rope_write(
     return q.view(1, tokens, n_heads, hd).transpose(1, 2), k.unsqueeze(0), v.unsqueeze(0)
 
 
-def silu_gate_up(linear: torch.nn.Module, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """silu(gate) * up [T, F] of a gated unit's [gate; up] product on h [T, K]."""
-    if isinstance(linear, Int4Linear):
-        out, paired = linear.forward_paired(h)
-    else:
-        out, paired = linear(h), False
-    tokens, width = out.shape
-    f = width // 2
-    act = torch.empty(tokens, f, device=h.device, dtype=dtype)
-    if paired:
-        block = 1024
-        _silu_mul_paired_kernel[(tokens, triton.cdiv(f, block))](out, act, f, block)
-        return act
-    return triton_decode.silu_mul(out, dtype)
-
-
 def fused_prefill(
     model: LlamaModel, ids: torch.Tensor, cache: KVCache, row: torch.Tensor, last: torch.Tensor
 ) -> torch.Tensor:
@@ -154,7 +124,7 @@ def fused_prefill(
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0, enable_gqa=k.shape[1] != q.shape[1])
         o = attn.o_proj(out.transpose(1, 2).reshape(tokens, -1))
         h = triton_decode.add_rmsnorm(x, o, layer.post_attention_layernorm.weight, eps)
-        delta = mlp.down_proj(silu_gate_up(mlp.gate_up_proj, h, dtype))
+        delta = mlp.down_proj(triton_decode.silu_gate_up(mlp.gate_up_proj, h, dtype))
     assert delta is not None
     x.add_(delta)
     h = triton_decode.add_rmsnorm(x.index_select(0, last), None, model.norm.weight, eps)

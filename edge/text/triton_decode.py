@@ -211,6 +211,19 @@ if TRITON_SUPPORT:
         out = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(out_ptr + row * F + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _silu_mul_paired_kernel(gu_ptr, out_ptr, F, BLOCK: tl.constexpr):
+        """A paired gate/up product [T, 2F] (cuda_int4.pair_order: each 16 columns are 8
+        gate then the same 8 up) -> silu(gate) * up [T, F] in the original order."""
+        t = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < F
+        col = (offs // 8) * 16 + offs % 8
+        gate = tl.load(gu_ptr + t * 2 * F + col, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gu_ptr + t * 2 * F + col + 8, mask=mask, other=0.0).to(tl.float32)
+        out = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + t * F + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
 
 def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [B, H] float32 (updated in place to x + delta); returns RMSNorm(x) in weight's dtype."""
@@ -286,6 +299,22 @@ def silu_mul(gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     block = 1024
     _silu_mul_kernel[(bsz, triton.cdiv(f, block))](gate_up, out, f, block)
     return out
+
+
+def silu_gate_up(linear: torch.nn.Module, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """silu(gate) * up [T, F] of a gated unit's [gate; up] product on h [T, K]."""
+    if isinstance(linear, Int4Linear):
+        out, paired = linear.forward_paired(h)
+    else:
+        out, paired = linear(h), False
+    if paired:
+        tokens, width = out.shape
+        f = width // 2
+        act = torch.empty(tokens, f, device=h.device, dtype=dtype)
+        block = 1024
+        _silu_mul_paired_kernel[(tokens, triton.cdiv(f, block))](out, act, f, block)
+        return act
+    return silu_mul(out, dtype)
 
 
 def _gemv(linear: torch.nn.Module, x: torch.Tensor, norm: cuda_int4.NormInput | None = None) -> torch.Tensor:
