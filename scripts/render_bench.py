@@ -3,6 +3,8 @@
 
 Each table sits between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` in README.md.
 `--check` exits 1 if the README differs from what the results say (the tests run it).
+It also draws the plots under docs/plots (scripts/bench_plots.py), and `--check` fails
+where one was drawn from other results than today's.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_plots
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -457,12 +462,16 @@ def main() -> int:
     current = path.read_text()
     wanted = render(current)
     if args.check:
+        stale = bench_plots.stale()
         if wanted != current:
             print("README.md benchmark tables differ from bench/results; run scripts/render_bench.py")
-            return 1
-        return 0
+        if stale:
+            print("plots drawn from other results:", ", ".join(stale), "; run scripts/render_bench.py")
+        return 1 if wanted != current or stale else 0
     path.write_text(wanted)
     print("README.md tables written from bench/results")
+    for written in bench_plots.write():
+        print("drew", written)
     return 0
 
 

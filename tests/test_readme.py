@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from tests.conftest import REPO
 
@@ -25,3 +28,39 @@ def test_benchmark_tables_match_the_results() -> None:
         [sys.executable, "scripts/render_bench.py", "--check"], cwd=REPO, capture_output=True, text=True
     )
     assert res.returncode == 0, res.stdout
+
+
+def test_the_readme_shows_every_plot_and_a_changed_result_makes_it_stale(tmp_path: Path) -> None:
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_plots
+
+    readme = (REPO / "README.md").read_text()
+    for plot in bench_plots.PLOTS:
+        assert f"](docs/plots/{plot.name}.png)" in readme, plot.name
+        assert plot.path.exists(), plot.path
+    plot = next(p for p in bench_plots.PLOTS if p.name == "decode_cuda")
+    results = bench_plots.load(plot)
+    assert results is not None
+    assert bench_plots.stored_fingerprint(plot.path) == bench_plots.fingerprint(plot, results)
+    # One figure changed in the results: the committed plot no longer matches them.
+    results["text_cuda.json"]["rows"][0]["decode_tok_s"] += 1.0
+    assert bench_plots.stored_fingerprint(plot.path) != bench_plots.fingerprint(plot, results)
+
+
+def test_plots_are_drawn_once_per_result_and_carry_their_fingerprint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_plots
+
+    monkeypatch.setattr(bench_plots, "PLOT_DIR", tmp_path)
+    plots = tuple(p for p in bench_plots.PLOTS if p.name in ("decode_cuda", "memory_daemon"))
+    assert bench_plots.stale(plots) == [str(tmp_path / "decode_cuda.png"), str(tmp_path / "memory_daemon.png")]
+    assert len(bench_plots.write(plots)) == 2
+    assert bench_plots.stale(plots) == []
+    assert bench_plots.write(plots) == []  # unchanged results: nothing redrawn
+    from PIL import Image
+
+    with Image.open(tmp_path / "decode_cuda.png") as image:
+        assert image.format == "PNG" and image.size == (1200, 280)
+        assert "Software" not in getattr(image, "text", {})
