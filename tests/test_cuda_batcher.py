@@ -61,3 +61,27 @@ def test_steps_launched_ahead_give_each_sequence_its_tokens_alone() -> None:
     one = batcher.single(Sequence("g", prompts[2], greedy))
     mixed = batcher.run_all([Sequence("g", prompts[2], greedy), Sequence(1, prompts[1], _params(1, news[1]))])
     assert mixed[0].tokens == one.tokens and mixed[1].tokens == alone[1].tokens
+
+
+def test_prefill_and_decode_are_timed_on_the_gpus_clock() -> None:
+    """Each prefill and each decode step a sequence was in is bracketed by CUDA events:
+    the result's stages are the GPU's time, not the host's clock around the launches."""
+    import time
+
+    from edge.text.qa import QAEngine
+
+    batcher = _batcher(frozenset())
+    prompts = [list(range(3 + i, 12 + i)) for i in range(3)]
+    t0 = time.perf_counter()
+    seqs = batcher.run_all([Sequence(i, p, SamplingParams(max_new_tokens=24)) for i, p in enumerate(prompts)])
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1000.0
+    for seq in seqs:
+        # One pair per prefill, one per step it was in (a step chooses one token each).
+        assert len(seq.tokens) == 24 and len(seq.prefill_events) == 1 and len(seq.decode_events) == 24
+        gpu_prefill, gpu_decode = seq.prefill_gpu_ms(), seq.decode_gpu_ms()
+        assert gpu_prefill is not None and gpu_decode is not None
+        # The GPU's own time: positive, and its stages together within the wall time.
+        assert gpu_prefill > 0.0 and gpu_decode > 0.0 and gpu_prefill + gpu_decode <= wall_ms
+        stages = QAEngine.stages(seq)
+        assert stages["prefill"] == gpu_prefill and stages["decode"] == gpu_decode

@@ -43,6 +43,32 @@ def _options() -> BackendOptions:
     return BackendOptions(max_batch=8, config=TorchCudaConfig())
 
 
+def test_stages_are_timed_on_the_gpus_clock(student: Path) -> None:
+    """A GPU session times its own stages with CUDA events: a session that takes images
+    reports its upload and resize as "preprocess", both within the host's wall time."""
+    import time
+
+    from edge.timing import StageClock
+
+    session = get_backend("torch-cuda").load(StudentArtifact.open(student).source(), _options())
+    images = _images()
+    session.run_images(images)  # warm: the graphs are captured on first use
+    clock = StageClock()
+    t0 = time.perf_counter()
+    got = session.run_images_staged(images, clock)
+    wall_ms = (time.perf_counter() - t0) * 1000.0
+    assert sorted(clock.ms) == ["model", "preprocess"]
+    assert all(ms > 0.0 for ms in clock.ms.values())
+    assert sum(clock.ms.values()) <= wall_ms
+    for g, r in zip(got, session.run_images(images), strict=True):
+        np.testing.assert_array_equal(g, r)
+    tensor = {INPUT: preprocess(images, 224)}
+    clock = StageClock()
+    t0 = time.perf_counter()
+    session.run_staged(tensor, clock)
+    assert list(clock.ms) == ["model"] and 0.0 < clock.ms["model"] <= (time.perf_counter() - t0) * 1000.0
+
+
 def test_gpu_preprocessing_matches_the_host_path(student: Path) -> None:
     session = get_backend("torch-cuda").load(StudentArtifact.open(student).source(), _options())
     assert session.accepts_images and session.device.startswith("cuda")

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from edge.backends.configs import BackendConfig, OnnxRuntimeConfig
+from edge.timing import StageClock
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,19 @@ class InferenceSession(abc.ABC):
         """RGB uint8 images of any size in, the model's outputs out (sessions that set
         `accepts_images`, for a source with an `image` input)."""
         raise NotImplementedError(f"{type(self).__name__} takes preprocessed arrays only")
+
+    def run_staged(self, inputs: dict[str, np.ndarray], clock: StageClock) -> list[np.ndarray]:
+        """run(), its time added to `clock` as stage "model": on the host's clock here; a
+        session on a GPU times it with CUDA events on its stream instead."""
+        with clock.stage("model"):
+            return self.run(inputs)
+
+    def run_images_staged(self, images: list[np.ndarray], clock: StageClock) -> list[np.ndarray]:
+        """run_images(), its time added to `clock`: all of it as "model" on the host's
+        clock here; a session on a GPU adds "preprocess" (upload, resize, normalise) and
+        "model" on the device's clock."""
+        with clock.stage("model"):
+            return self.run_images(images)
 
 
 class BackendUnavailable(RuntimeError):

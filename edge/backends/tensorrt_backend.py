@@ -42,6 +42,7 @@ from edge.backends.base import (
 from edge.backends.configs import TensorRTConfig
 from edge.backends.torch_backend import graph_sizes, images_on_gpu
 from edge.plans import Plan, PlanMismatch, Target, find_plan
+from edge.timing import DeviceStages, StageClock
 
 logger = logging.getLogger(__name__)
 
@@ -238,20 +239,39 @@ class TensorRTSession(InferenceSession):
                 slot.append(t.float())
         return [torch.cat(p) for p in parts]
 
-    @torch.inference_mode()
     def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
-        with torch.cuda.stream(self._engine.stream):
-            x = torch.from_numpy(np.ascontiguousarray(inputs[self._input.name])).to(self._engine.device)
-            out = [t.cpu().numpy() for t in self._forward(x)]
-        return out
+        return self.run_staged(inputs, StageClock())
 
     @torch.inference_mode()
+    def run_staged(self, inputs: dict[str, np.ndarray], clock: StageClock) -> list[np.ndarray]:
+        """The upload, the plan and the copy back, as "model" on the GPU's clock."""
+        stream = self._engine.stream
+        with torch.cuda.stream(stream):
+            marks = DeviceStages(stream)
+            x = torch.from_numpy(np.ascontiguousarray(inputs[self._input.name])).to(self._engine.device)
+            out = [t.cpu().numpy() for t in self._forward(x)]
+            marks.end("model")
+        marks.add_to(clock)
+        return out
+
     def run_images(self, images: list[np.ndarray]) -> list[np.ndarray]:
+        return self.run_images_staged(images, StageClock())
+
+    @torch.inference_mode()
+    def run_images_staged(self, images: list[np.ndarray], clock: StageClock) -> list[np.ndarray]:
+        """Resized and normalised on the GPU ("preprocess"), then the plan ("model"),
+        both on the GPU's clock."""
         if self._image is None:
             raise NotImplementedError("this model does not take images")
-        with torch.cuda.stream(self._engine.stream):
+        stream = self._engine.stream
+        with torch.cuda.stream(stream):
+            marks = DeviceStages(stream)
             pixels = images_on_gpu(images, self._image.size, self._mean, self._std, torch.float32)
-            return [t.cpu().numpy() for t in self._forward(pixels)]
+            marks.end("preprocess")
+            out = [t.cpu().numpy() for t in self._forward(pixels)]
+            marks.end("model")
+        marks.add_to(clock)
+        return out
 
 
 class TensorRTTextModel:

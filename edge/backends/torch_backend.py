@@ -27,6 +27,7 @@ from edge.backends.base import (
 )
 from edge.backends.configs import TorchCudaConfig
 from edge.gpu_streams import side_stream
+from edge.timing import DeviceStages, StageClock
 
 logger = logging.getLogger(__name__)
 
@@ -136,24 +137,39 @@ class TorchCudaSession(InferenceSession):
                 slot.append(t[: chunk.shape[0]].float())
         return tuple(torch.cat(parts) for parts in out)
 
-    @torch.inference_mode()
     def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
-        with torch.cuda.stream(self._stream):
-            x = torch.from_numpy(inputs[self._inputs[0]]).to(self._device)
-            return [t.cpu().numpy() for t in self._forward(x)]
+        return self.run_staged(inputs, StageClock())
 
     @torch.inference_mode()
+    def run_staged(self, inputs: dict[str, np.ndarray], clock: StageClock) -> list[np.ndarray]:
+        """The upload, the model and the copy back, as "model" on the GPU's clock."""
+        with torch.cuda.stream(self._stream):
+            marks = DeviceStages(self._stream)
+            x = torch.from_numpy(inputs[self._inputs[0]]).to(self._device)
+            out = [t.cpu().numpy() for t in self._forward(x)]
+            marks.end("model")
+        marks.add_to(clock)
+        return out
+
     def run_images(self, images: list[np.ndarray]) -> list[np.ndarray]:
+        return self.run_images_staged(images, StageClock())
+
+    @torch.inference_mode()
+    def run_images_staged(self, images: list[np.ndarray], clock: StageClock) -> list[np.ndarray]:
         """Uploads uint8 pixels (a third of float32's bytes) and resizes and normalises on
-        the GPU. Images of one shape go up as one tensor, one resize for all of them."""
+        the GPU ("preprocess"), then runs the model and copies its outputs back ("model"),
+        both on the GPU's clock. Images of one shape go up as one tensor, one resize for
+        all of them."""
         if self._image is None:
             raise NotImplementedError("this model does not take images")
         with torch.cuda.stream(self._stream):
-            return self._run_images(images, self._image)
-
-    def _run_images(self, images: list[np.ndarray], spec: ImageInput) -> list[np.ndarray]:
-        pixels = images_on_gpu(images, spec.size, self._mean, self._std, self._dtype)
-        return [t.cpu().numpy() for t in self._forward(pixels)]
+            marks = DeviceStages(self._stream)
+            pixels = images_on_gpu(images, self._image.size, self._mean, self._std, self._dtype)
+            marks.end("preprocess")
+            out = [t.cpu().numpy() for t in self._forward(pixels)]
+            marks.end("model")
+        marks.add_to(clock)
+        return out
 
 
 def images_on_gpu(

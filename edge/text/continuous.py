@@ -42,6 +42,7 @@ from edge.text import fused_prefill
 from edge.text.cuda_graphs import StepGraphs
 from edge.text.generate import SamplingParams, _find_stop, choose_rows, sample_rows, streamable_end
 from edge.text.llama import KVCache, LlamaModel
+from edge.timing import events_ms
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +69,14 @@ class Sequence:
     decode_s: float = 0.0
     pauses: int = 0
     # Where its time went (edge/timing.py): tokenizing its prompt, decoding tokens to
-    # text, and the host's clock as each token was taken. On CUDA each prefill is also
-    # bracketed by CUDA events (prefill_gpu_ms reads them once they have run).
+    # text, and the host's clock as each token was taken. On CUDA each prefill, and each
+    # decode step it was in, is also bracketed by CUDA events (prefill_gpu_ms and
+    # decode_gpu_ms read them once they have run; a step's pair is shared by its batch).
     tokenize_ms: float = 0.0
     detokenize_ms: float = 0.0
     token_times: list[float] = field(default_factory=list)
     prefill_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+    decode_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.seed = self.params.seed if self.params.seed is not None else time.time_ns() & 0x7FFFFFFF
@@ -89,10 +92,11 @@ class Sequence:
 
     def prefill_gpu_ms(self) -> float | None:
         """The prefills' time on the GPU's own clock (CUDA events), None off CUDA."""
-        if not self.prefill_events:
-            return None
-        self.prefill_events[-1][1].synchronize()
-        return float(sum(start.elapsed_time(end) for start, end in self.prefill_events))
+        return events_ms(self.prefill_events)
+
+    def decode_gpu_ms(self) -> float | None:
+        """Its decode steps' time on the GPU's own clock (CUDA events), None off CUDA."""
+        return events_ms(self.decode_events)
 
 
 class ContinuousBatcher:
@@ -178,10 +182,7 @@ class ContinuousBatcher:
             # On the device the logits are on, so drawing a token needs no copy back first.
             seq.generator = torch.Generator(device=self.device).manual_seed(seq.seed)
         t0 = time.perf_counter()
-        events = None
-        if self.device.type == "cuda":
-            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))  # type: ignore[no-untyped-call]
-            events[0].record()
+        events = self._events()
         graphs = self.prefill_graphs
         if graphs is not None and graphs.covers(len(ids)):
             seq.logits = graphs.run(ids, slot.row)
@@ -259,6 +260,7 @@ class ContinuousBatcher:
         if not self.running:
             return []
         t0 = time.perf_counter()
+        events = self._events()
         running = list(self.running)
         logits = torch.stack([s.logits for s in running if s.logits is not None])
         params, generators = [s.params for s in running], [s.generator for s in running]
@@ -293,9 +295,22 @@ class ContinuousBatcher:
             self.batch_sizes[len(going)] = self.batch_sizes.get(len(going), 0) + 1
             self.steps += 1
         elapsed = time.perf_counter() - t0
+        if events is not None:
+            events[1].record()
         for seq in running:
             seq.decode_s += elapsed
+            if events is not None:
+                seq.decode_events.append(events)
         return done
+
+    def _events(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        """On CUDA, a (start, end) pair of timing events, the start recorded now on the
+        current stream; None elsewhere."""
+        if self.device.type != "cuda":
+            return None
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))  # type: ignore[no-untyped-call]
+        events[0].record()
+        return events
 
     def _run_ahead(self, running: list[Sequence], chosen: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """On CUDA graphs: the next step, launched on the tokens chosen on the device

@@ -227,14 +227,14 @@ class QAEngine:
 
     @staticmethod
     def stages(seq: Sequence) -> dict[str, float]:
-        """Milliseconds by stage: the prefill on the GPU's clock where it ran on CUDA;
-        decode as the batcher's steps took it on the host (each ends once its tokens are
-        back from the device), less the text decoding inside them."""
-        gpu = seq.prefill_gpu_ms()
+        """Milliseconds by stage: prefill and decode on the GPU's clock where they ran on
+        CUDA (events around each prefill and each decode step it was in); elsewhere as
+        the host saw them, decode less the text decoding inside its steps."""
+        prefill, decode = seq.prefill_gpu_ms(), seq.decode_gpu_ms()
         return {
             "tokenize": seq.tokenize_ms,
-            "prefill": seq.prefill_ms if gpu is None else gpu,
-            "decode": max(0.0, seq.decode_s * 1000.0 - seq.detokenize_ms),
+            "prefill": seq.prefill_ms if prefill is None else prefill,
+            "decode": max(0.0, seq.decode_s * 1000.0 - seq.detokenize_ms) if decode is None else decode,
             "detokenize": seq.detokenize_ms,
         }
 

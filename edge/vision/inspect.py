@@ -138,20 +138,18 @@ class InspectPipeline:
     def run(self, images: list[np.ndarray], bgr: bool = False, clock: StageClock | None = None) -> list[Inspection]:
         """One inspection per RGB uint8 image (BGR with `bgr`, as decoded), all through
         the model as one batch; the batch's preprocess, model and postprocess times go
-        to `clock` (a session that takes images resizes them itself: its preprocessing
-        is then part of "model")."""
+        to `clock` (a session on a GPU times its own on the GPU's clock, and one that
+        takes images resizes them itself, as its "preprocess")."""
         if not images:
             return []
         clock = clock or StageClock()
         if self.session.accepts_images:
             rgb = [img[:, :, ::-1] for img in images] if bgr else images
-            with clock.stage("model"):
-                class_probs, patch_probs = self.session.run_images(rgb)
+            class_probs, patch_probs = self.session.run_images_staged(rgb, clock)
         else:
             with clock.stage("preprocess"):
                 tensor = preprocess(images, self.image_size, bgr)
-            with clock.stage("model"):
-                class_probs, patch_probs = self.session.run({INPUT: tensor})
+            class_probs, patch_probs = self.session.run_staged({INPUT: tensor}, clock)
         with clock.stage("postprocess"):
             return self._inspections(class_probs, patch_probs)
 

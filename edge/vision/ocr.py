@@ -288,8 +288,7 @@ class OCRPipeline:
         with clock.stage("preprocess"):
             resized = _scale_to_multiple_of_32(img, ratio)
             tensor = ((resized.astype(np.float32) / 255.0 - 0.5) / 0.5).transpose(2, 0, 1)[None]
-        with clock.stage("model"):
-            (prob,) = self._det.run({self._det.input_names[0]: tensor.astype(np.float32)})[:1]
+        (prob,) = self._det.run_staged({self._det.input_names[0]: tensor.astype(np.float32)}, clock)[:1]
         with clock.stage("postprocess"):
             boxes, _scores = db_boxes(prob[0, 0], (h, w), self._settings.db)
             return [boxes[i] for i in reading_order(boxes)]
@@ -310,8 +309,7 @@ class OCRPipeline:
         if self._cls is not None:
             with clock.stage("preprocess"):
                 batch = np.stack([normalize_line(crop, CLS_SHAPE, 0.0) for crop in crops])
-            with clock.stage("model"):
-                probs = self._cls.run({self._cls.input_names[0]: batch})[0]
+            probs = self._cls.run_staged({self._cls.input_names[0]: batch}, clock)[0]
             for i, p in enumerate(probs):
                 label = int(p.argmax())
                 if label == 1 and p[label] > CLS_FLIP_THRESHOLD:
@@ -320,7 +318,6 @@ class OCRPipeline:
         with clock.stage("preprocess"):
             widest = max([width / height, *(crop.shape[1] / float(crop.shape[0]) for crop in crops)])
             batch = np.stack([normalize_line(crop, REC_SHAPE, min(widest, REC_MAX_RATIO)) for crop in crops])
-        with clock.stage("model"):
-            probs = self._rec.run({self._rec.input_names[0]: batch})[0]
+        probs = self._rec.run_staged({self._rec.input_names[0]: batch}, clock)[0]
         with clock.stage("postprocess"):
             return ctc_greedy_decode(probs, self._charset)
