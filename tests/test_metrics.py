@@ -298,3 +298,23 @@ def test_builds_say_what_runs_and_how_each_ended(tmp_path: Path, monkeypatch: py
     running = seen[0]["running"]
     assert running["what"] == "a build that takes a minute" and 0.5 <= running["seconds"] <= 5
     assert builds.snapshot() == {"running": None, "built": 0, "failed": 1, "stopped": 1}
+
+
+@pytest.mark.gpu
+def test_the_real_nvml_reports_the_gpu_this_process_uses() -> None:
+    """On a GPU box: NVML's own figures, read while this process holds memory there."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    held = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # 1 GiB in use
+    torch.cuda.synchronize()
+    families = {f.name: f for f in sensors.gpus()}
+    assert {"edge_gpu_memory_used_bytes", "edge_gpu_temperature_celsius"} <= set(families), sorted(families)
+    # NVML numbers the GPUs its own way (not CUDA_VISIBLE_DEVICES'): the one in use is among them.
+    assert max(s.value for s in families["edge_gpu_memory_used_bytes"].samples) >= 1 << 30
+    assert all(5.0 <= s.value <= 110.0 for s in families["edge_gpu_temperature_celsius"].samples)
+    for s in families.get("edge_gpu_power_watts", SimpleNamespace(samples=[])).samples:
+        assert s.value > 0.0
+    for s in families.get("edge_gpu_utilization_ratio", SimpleNamespace(samples=[])).samples:
+        assert 0.0 <= s.value <= 1.0
+    del held
