@@ -426,6 +426,48 @@ def verify(d: dict[str, Any], source: str) -> str:
     return "\n".join(lines)
 
 
+def kv(d: dict[str, Any]) -> str:
+    pool = d["pool"]
+    lines = [
+        f"{d['what']}; {d['eval_tokens']} held-out tokens ({d['eval_text']}) read in chunks of {d['chunk']} "
+        f"within windows of {d['context']}, {d['greedy_prompts']} greedy continuations of "
+        f"{d['greedy_new_tokens']} tokens; {d['machine']}, torch {d['torch']} (`bench/results/kv.json`). "
+        f"Capacity: tokens that fit in the daemon's KV pool for this model ({pool['rows']} rows of "
+        f"{pool['row_tokens']} tokens in float16, {pool['bytes'] / 2**20:.0f} MiB), and in one row of 4096 "
+        f"tokens, scales and float tokens counted. {d['serving'][0].upper()}{d['serving'][1:]}.",
+        "",
+        "| KV format | perplexity | Δ vs float16 | greedy agreement | bytes per token | capacity | capacity, 4K row |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in d["rows"]:
+        lines.append(
+            f"| {r['name']} | {r['perplexity']:.4f} | {r['ppl_delta_pct']:+.3f}% | {r['greedy_agreement']:.3f} "
+            f"| {r['bytes_per_token']:.0f} | {r['capacity_ratio']:.2f}x | {r['capacity_ratio_4k']:.2f}x |"
+        )
+    int8 = [r for r in d["rows"] if r["kv_dtype"] == "int8"]
+    int4 = [r for r in d["rows"] if r["kv_dtype"] == "int4"]
+    met8 = [r for r in int8 if r["ppl_delta_pct"] <= 0.1]
+    met4 = [r for r in int4 if r["ppl_delta_pct"] <= 0.5 and r["capacity_ratio_4k"] >= 3.5]
+    lines += [
+        "",
+        "The formats against the goals' quality and capacity (not served yet; the speed goal needs the CUDA "
+        "kernels): int8 at "
+        "Δppl ≤ 0.1%: " + ("met" if met8 else "not met") + "; int4 with a window at ≥ 3.5x capacity and "
+        "Δppl ≤ 0.5%: " + (f"met by {met4[0]['name']}" if met4 else "not met by any format measured") + ".",
+        "",
+        f"Lossless coding of the float16 cache of {d['codec_tokens']} tokens of the same text "
+        f"({d['kv_bytes'] / 2**20:.1f} MiB, token-major rows as an offloaded sequence is written), each checked "
+        "to give back every byte:",
+        "",
+        "| codec | ratio | compress MB/s | decompress MB/s |",
+        "|---|---:|---:|---:|",
+        f"| {d['seed_claim']['codec']}, as claimed (not measured) | {d['seed_claim']['ratio']:.1f}x | | |",
+    ]
+    for c in d["codecs"]:
+        lines.append(f"| {c['name']} | {c['ratio']:.3f}x | {c['compress_mb_s']:.0f} | {c['decompress_mb_s']:.0f} |")
+    return "\n".join(lines)
+
+
 TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "first_start": ("first_start.json", first_start),
     "daemon_cpu": ("daemon_cpu.json", lambda d: daemon(d, "bench/results/daemon_cpu.json")),
@@ -435,6 +477,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "text_quality": ("text_quality.json", text_quality),
     "text_cpu": ("text_cpu.json", text_cpu),
     "text_cuda": ("text_cuda.json", text_cuda),
+    "kv": ("kv.json", kv),
     "gemv_sweep_cuda": ("gemv_sweep_cuda.json", gemv_sweep_cuda),
     "vision_cpu": ("vision_cpu.json", vision_cpu),
     "vision_cuda": ("vision_cuda.json", vision_cuda),

@@ -292,12 +292,15 @@ def decode_attention(
     return out
 
 
-def silu_mul(gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, dtype: torch.dtype, paired: bool = False) -> torch.Tensor:
+    """silu(gate) * up [B, F] of a [gate; up] product [B, 2F], in the INT4 kernel's
+    paired column order where `paired`."""
     bsz, width = gate_up.shape
     f = width // 2
     out = torch.empty(bsz, f, device=gate_up.device, dtype=dtype)
     block = 1024
-    _silu_mul_kernel[(bsz, triton.cdiv(f, block))](gate_up, out, f, block)
+    kernel = _silu_mul_paired_kernel if paired else _silu_mul_kernel
+    kernel[(bsz, triton.cdiv(f, block))](gate_up, out, f, block)
     return out
 
 
@@ -307,14 +310,7 @@ def silu_gate_up(linear: torch.nn.Module, h: torch.Tensor, dtype: torch.dtype) -
         out, paired = linear.forward_paired(h)
     else:
         out, paired = linear(h), False
-    if paired:
-        tokens, width = out.shape
-        f = width // 2
-        act = torch.empty(tokens, f, device=h.device, dtype=dtype)
-        block = 1024
-        _silu_mul_paired_kernel[(tokens, triton.cdiv(f, block))](out, act, f, block)
-        return act
-    return silu_mul(out, dtype)
+    return silu_mul(out, dtype, paired)
 
 
 def _gemv(linear: torch.nn.Module, x: torch.Tensor, norm: cuda_int4.NormInput | None = None) -> torch.Tensor:
