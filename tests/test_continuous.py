@@ -100,3 +100,60 @@ def test_a_paused_sequence_resumes_where_it_was(ckpt: TextCheckpoint) -> None:
         finish(batcher, batcher.step())
     assert urgent.tokens == _alone(ckpt, prompts[1], 8)
     assert low.tokens == _alone(ckpt, prompts[0], 16) and low.pauses == 1
+
+
+def test_a_long_prompt_joins_in_chunks_while_others_decode(ckpt: TextCheckpoint) -> None:
+    """With prefill_chunk, a prompt admitted beside a decoding sequence is prefilled a
+    chunk per step while the other keeps taking a token every step; both give what
+    each gives alone. The chunked one is in a row below the decoding one's, which the
+    decode steps must leave as its chunks wrote it."""
+    prompts = [_prompt(ckpt, q) for q in QUESTIONS]
+    batcher = ContinuousBatcher(ckpt.model, ckpt.tokenizer, frozenset(), slots=2, slot_len=256)
+    batcher.prefill_chunk = 8
+    short = Sequence("short", prompts[0], SamplingParams(max_new_tokens=3))
+    long_ = Sequence("long", prompts[1], SamplingParams(max_new_tokens=40))
+    admit(batcher, short)  # alone: prefilled at once, row 0
+    assert short.prefilled == len(prompts[0]) and short.logits is not None
+    admit(batcher, long_)  # row 1, beside one running: chunked
+    assert long_.slot == 1 and long_.prefilled == 8 and long_.logits is None
+    while short.finish is None:
+        finish(batcher, batcher.step())
+    while long_.logits is None:
+        finish(batcher, batcher.step())
+    chunked = Sequence("chunked", prompts[2], SamplingParams(max_new_tokens=12))
+    admit(batcher, chunked)  # the row short left: row 0, below the one decoding
+    assert chunked.slot == 0 and chunked.logits is None
+    chunks = -(-len(prompts[2]) // 8)
+    before = len(long_.tokens)
+    for _ in range(chunks - 1):  # the rest of its chunks, one per step
+        assert chunked.logits is None
+        finish(batcher, batcher.step())
+    assert chunked.prefilled == len(prompts[2]) and len(chunked.tokens) == 1
+    assert len(long_.tokens) == before + chunks - 1  # a token every step meanwhile
+    assert len(chunked.prefill_events) == 0 and chunked.prefill_ms > 0  # CPU: host-timed
+    while batcher.running:
+        finish(batcher, batcher.step())
+    assert short.tokens == _alone(ckpt, prompts[0], 3)
+    assert long_.tokens == _alone(ckpt, prompts[1], 40)
+    assert chunked.tokens == _alone(ckpt, prompts[2], 12)
+    assert batcher.kv.rows_free == 2
+
+
+def test_a_sequence_paused_mid_prefill_starts_its_prefill_again(ckpt: TextCheckpoint) -> None:
+    prompts = [_prompt(ckpt, q) for q in QUESTIONS[:2]]
+    batcher = ContinuousBatcher(ckpt.model, ckpt.tokenizer, frozenset(), slots=2, slot_len=256)
+    batcher.prefill_chunk = 8
+    first = Sequence("first", prompts[0], SamplingParams(max_new_tokens=10))
+    second = Sequence("second", prompts[1], SamplingParams(max_new_tokens=10))
+    admit(batcher, first)
+    admit(batcher, second)
+    finish(batcher, batcher.step())
+    assert second.logits is None and second.prefilled == 16
+    slot = batcher.pause(second)
+    assert slot is not None and second not in batcher.running and not second.tokens
+    batcher.kv.free(slot)
+    admit(batcher, second)  # from its first token again, a chunk at a time
+    assert second.prefilled == 8
+    while batcher.running:
+        finish(batcher, batcher.step())
+    assert first.tokens == _alone(ckpt, prompts[0], 10) and second.tokens == _alone(ckpt, prompts[1], 10)

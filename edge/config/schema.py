@@ -453,6 +453,16 @@ class QAModelConfig(StrictModel):
         "sequences of max_context_tokens, allocated once at load: max_sequences x max_context_tokens is the "
         "KV budget in tokens.",
     )
+    prefill_chunk: int = Field(
+        default=256,
+        ge=0,
+        le=8192,
+        title="Prefill chunk",
+        description="A prompt longer than this that arrives while other sequences decode is prefilled this "
+        "many tokens at a time, one chunk between two of their decode steps, so they wait one chunk's time "
+        "between tokens rather than the whole prompt's. 0: every prompt at once. A sequence alone is "
+        "prefilled at once.",
+    )
     max_new_tokens: int = Field(
         default=128,
         ge=1,

@@ -68,6 +68,7 @@ def start_qa(cfg: QAModelConfig, checkpoint: Path, manager: ModelManager, respon
         max_new_tokens=cfg.max_new_tokens,
         system_prompt=cfg.system_prompt,
         max_sequences=cfg.max_sequences,
+        prefill_chunk=cfg.prefill_chunk,
         device=cfg.device,
         dtype=cfg.dtype,
         cuda_graphs=cfg.cuda_graphs,

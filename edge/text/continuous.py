@@ -7,8 +7,13 @@ KV memory), and the batcher only runs what it is handed. A sequence is prefilled
 into its row, then advances one token per step together with every other running
 sequence (one batched decode step, so each weight is read once per step for all of
 them). Rows are handed out lowest first, so the running rows stay packed at the front; a
-free row between running ones is fed a dummy token at position 0, which the next prefill
-of that row overwrites.
+row the step does not advance (free, or mid-prefill) is fed a dummy token at its last
+position, which any sequence there writes before it attends to it.
+
+With `prefill_chunk` set, a prompt longer than that joins while others decode a chunk at
+a time: one chunk per step, each attending to the chunks before it in the cache, so the
+running sequences wait one chunk's time between tokens, not the whole prompt's. A
+sequence alone is prefilled whole (nobody waits on it).
 
 Every step's next tokens are chosen on the model's device for all sequences at once
 (greedy or sampled) and come back to the host in one transfer. On CUDA the decode step is
@@ -66,6 +71,7 @@ class Sequence:
     generator: torch.Generator | None = None
     seed: int = 0
     prefill_ms: float = 0.0
+    prefilled: int = 0  # tokens of prompt + tokens in its KV row; short of them: mid-prefill
     decode_s: float = 0.0
     pauses: int = 0
     # Where its time went (edge/timing.py): tokenizing its prompt, decoding tokens to
@@ -115,6 +121,7 @@ class ContinuousBatcher:
         self.graphs: StepGraphs | None = None
         self.prefill_graphs: fused_prefill.PrefillGraphs | None = None
         self.running: list[Sequence] = []
+        self.prefill_chunk = 0  # tokens per prefill chunk while others decode; 0: whole prompts
         self.steps = 0
         self.batch_sizes: dict[int, int] = {}  # sequences per decode step -> steps
 
@@ -181,19 +188,32 @@ class ContinuousBatcher:
         if seq.params.temperature > 0.0 and (seq.generator is None or seq.generator.device != self.device):
             # On the device the logits are on, so drawing a token needs no copy back first.
             seq.generator = torch.Generator(device=self.device).manual_seed(seq.seed)
+        seq.slot, seq.kv = slot.row, slot
+        seq.logits, seq.prefilled = None, 0
+        chunked = self.prefill_chunk > 0 and len(ids) > self.prefill_chunk and bool(self.running)
+        self._prefill(seq, ids, self.prefill_chunk if chunked else len(ids))
+        self.running.append(seq)
+
+    def _prefill(self, seq: Sequence, ids: list[int], count: int) -> None:
+        """The next `count` tokens of `ids` into the sequence's row after those already
+        there; the last of them sets its next-token logits."""
+        assert seq.slot is not None
+        start, end = seq.prefilled, min(len(ids), seq.prefilled + count)
         t0 = time.perf_counter()
         events = self._events()
         graphs = self.prefill_graphs
-        if graphs is not None and graphs.covers(len(ids)):
-            seq.logits = graphs.run(ids, slot.row)
+        if start == 0 and graphs is not None and graphs.covers(end):
+            logits = graphs.run(ids[:end], seq.slot)
         else:
-            seq.logits = self.model(torch.tensor([ids], device=self.device), self._row(slot.row), 0)[0, -1]
+            chunk = torch.tensor([ids[start:end]], device=self.device)
+            logits = self.model(chunk, self._row(seq.slot), start)[0, -1]
         if events is not None:
             events[1].record()
             seq.prefill_events.append(events)
         seq.prefill_ms += (time.perf_counter() - t0) * 1000.0
-        seq.slot, seq.kv = slot.row, slot
-        self.running.append(seq)
+        seq.prefilled = end
+        if end == len(ids):
+            seq.logits = logits
 
     def single(self, seq: Sequence, owner: str = "alone") -> Sequence:
         """Run one sequence to its end alone (the batcher idle): rows from the manager."""
@@ -259,9 +279,13 @@ class ContinuousBatcher:
         their KV grants `seq.kv` still set for the caller to free)."""
         if not self.running:
             return []
+        for seq in [s for s in self.running if s.logits is None]:  # mid-prefill: one more chunk
+            self._prefill(seq, seq.prompt + seq.tokens, self.prefill_chunk)
+        running = [s for s in self.running if s.logits is not None]
+        if not running:
+            return []
         t0 = time.perf_counter()
         events = self._events()
-        running = list(self.running)
         logits = torch.stack([s.logits for s in running if s.logits is not None])
         params, generators = [s.params for s in running], [s.generator for s in running]
         step_logits: torch.Tensor | None = None  # the step after these tokens, where already run
@@ -278,11 +302,11 @@ class ContinuousBatcher:
                 seq.slot = None
             elif step_logits is not None:
                 seq.logits = step_logits[slot]
-        going = self.running
+        going = [s for s in self.running if s in running]  # not those mid-prefill
         if going and step_logits is None:
             n = max(s.slot for s in going if s.slot is not None) + 1
             ids = [0] * n
-            positions = [0] * n
+            positions = [self.slot_len - 1] * n  # rows not advanced: their last position
             for seq in going:
                 assert seq.slot is not None
                 ids[seq.slot] = seq.tokens[-1]
@@ -319,7 +343,7 @@ class ContinuousBatcher:
         those tokens end drop their row of it."""
         assert self.graphs is not None
         n = max(s.slot for s in running if s.slot is not None) + 1
-        sources, positions = [len(running)] * n, [0] * n
+        sources, positions = [len(running)] * n, [self.slot_len - 1] * n
         for i, seq in enumerate(running):
             assert seq.slot is not None
             sources[seq.slot], positions[seq.slot] = i, seq.length

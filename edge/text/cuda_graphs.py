@@ -135,7 +135,7 @@ class StepGraphs:
     ) -> tuple[torch.Tensor, list[int]]:
         """The step after tokens chosen on the device (`chosen` [m], not yet seen by the
         host): row i of the cache takes chosen[sources[i]] at positions[i] (sources[i] = m:
-        a free row, token 0 at position 0). The step is launched first and the chosen
+        a row not advanced, token 0 at its last position). The step is launched first and the chosen
         tokens come back while it runs, so the GPU does not wait on the host between
         steps; returns the step's logits [n, V] and the chosen tokens. The caller drops
         the step's logits for a sequence those tokens end (its row's KV past its end is
@@ -149,7 +149,9 @@ class StepGraphs:
         back[:m].copy_(chosen, non_blocking=True)
         ready.record()
         host = self._host_np[turn]
-        host[0, :batch] = 0
+        # A row not advanced (free, or a sequence mid-prefill) writes its dummy token's KV
+        # at its last position, which any sequence there writes before attending to it.
+        host[0, :batch] = self.cache.max_len - 1
         host[1, :batch] = m
         host[0, :n] = positions
         host[1, :n] = sources

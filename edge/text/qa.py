@@ -33,6 +33,8 @@ class QASettings:
     max_new_tokens: int = 128
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     max_sequences: int = 1
+    # Tokens per prefill chunk while other sequences decode (0: whole prompts).
+    prefill_chunk: int = 256
     device: str = "cpu"
     # Activations and float weights: "auto" is float32 on the CPU (the INT4 kernel works
     # in bfloat16 inside) and float16 on CUDA.
@@ -86,6 +88,7 @@ class QAEngine:
             slots=settings.max_sequences,
             slot_len=settings.max_context_tokens,
         )
+        self.batcher.prefill_chunk = settings.prefill_chunk
         # Device bytes a prefill of the longest prompt takes beyond the model (its
         # activations): measured at warm-up on CUDA, reserved by each job while it is
         # prefilled. On the CPU that working memory stays in the heap after warm-up,
