@@ -12,16 +12,20 @@ reference topics of the evaluation split):
   against float16 KV's;
 - capacity: tokens a KV pool holds in each format, scales and float tokens counted;
 - lossless codecs (lz4, delta + lz4, byte-shuffle + lz4 or zstd) on the float16 cache of
-  the same text, each checked to give back every byte.
+  the same text, each checked to give back every byte;
+- chunked prefill: the time between the tokens of two decoding sequences while a
+  2048-token prompt joins them, prefilled whole and a chunk per step (the serving batcher,
+  edge/text/continuous.py).
 
 Writes bench/results/kv.json and prints a table.
 
-    python scripts/bench_kv.py [--max-tokens 8192] [--threads 2]
+    python scripts/bench_kv.py [--max-tokens 8192] [--threads 2] [--only chunked]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import platform
@@ -41,6 +45,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 from eval_text_quality import agreement  # noqa: E402
 
 from edge.text.checkpoint import load_checkpoint  # noqa: E402
+from edge.text.continuous import ContinuousBatcher, Sequence  # noqa: E402
+from edge.text.generate import SamplingParams  # noqa: E402
 from edge.text.kv_quant import (  # noqa: E402
     FORMATS,
     KVFormat,
@@ -216,6 +222,56 @@ def real_kv(model: LlamaModel, ids: list[int]) -> list[bytes]:
     return out
 
 
+def chunked_prefill(model: LlamaModel, ids: list[int], long_tokens: int, chunks: tuple[int, ...]) -> dict[str, Any]:
+    """Two sequences decode; a `long_tokens` prompt joins; the gaps between their tokens
+    from its arrival to its first token, for each prefill chunk (0: the whole prompt)."""
+    rows = []
+    long_prompt = ids[:long_tokens]
+    shorts = [ids[long_tokens + 100 * i : long_tokens + 100 * i + 48] for i in range(2)]
+    for chunk in chunks:
+        batcher = ContinuousBatcher(model, None, frozenset(), slots=3, slot_len=long_tokens + 16)
+        batcher.prefill_chunk = chunk
+        running = [Sequence(i, p, SamplingParams(max_new_tokens=long_tokens)) for i, p in enumerate(shorts)]
+        for seq in running:
+            slot = batcher.kv.allocate_slots(str(seq.owner), long_tokens + 16)
+            assert slot is not None
+            batcher.admit(seq, slot)
+        for _ in range(8):  # both decoding at their pace before the prompt arrives
+            batcher.step()
+        joining = Sequence("long", long_prompt, SamplingParams(max_new_tokens=4))
+        slot = batcher.kv.allocate_slots("long", long_tokens + 4)
+        assert slot is not None
+        arrived = time.perf_counter()
+        batcher.admit(joining, slot)
+        while not joining.tokens:
+            batcher.step()
+        first = joining.token_times[0]
+        batcher.step()  # the step after: the gap that ends once the prompt is in
+        gaps = []
+        for seq in running:
+            times = seq.token_times
+            gaps += [(b - a) * 1000.0 for a, b in itertools.pairwise(times) if b > arrived and a <= first]
+        before = [(b - a) * 1000.0 for seq in running for a, b in itertools.pairwise(seq.token_times[:8])]
+        rows.append(
+            {
+                "prefill_chunk": chunk,
+                "gap_p50_ms": float(np.percentile(gaps, 50)),
+                "gap_p99_ms": float(np.percentile(gaps, 99)),
+                "gap_max_ms": max(gaps),
+                "gap_before_ms": float(np.median(before)),
+                "ttft_ms": (first - arrived) * 1000.0,
+                "gaps": len(gaps),
+            }
+        )
+        print(
+            f"  prefill chunk {chunk or 'whole':>5}: gaps p50 {rows[-1]['gap_p50_ms']:.0f} ms, "
+            f"p99 {rows[-1]['gap_p99_ms']:.0f} ms (before {rows[-1]['gap_before_ms']:.0f} ms), "
+            f"its first token after {rows[-1]['ttft_ms']:.0f} ms",
+            flush=True,
+        )
+    return {"prompt_tokens": long_tokens, "running": 2, "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=8192, help="evaluation tokens for perplexity")
@@ -225,12 +281,19 @@ def main() -> None:
     parser.add_argument("--engine-dir", type=Path, default=REPO / ".edge" / "engines")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "kv.json")
+    parser.add_argument("--only", choices=["chunked"], help="only this part, merged into the existing results")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     ckpt = load_checkpoint(import_smollm2(args.engine_dir))
     model, config = ckpt.model, ckpt.model.config
     ids = ckpt.tokenizer.encode(evaluation_text(), add_special_tokens=False).ids
+    if args.only == "chunked":
+        print("chunked prefill: two sequences decoding, a 2048-token prompt joins")
+        result = json.loads(args.out.read_text())
+        result["chunked_prefill"] = chunked_prefill(model, ids, 2048, (0, 256))
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        return
     eval_ids = ids[: args.max_tokens]
     stride = len(eval_ids) // args.prompts
     prompts = [eval_ids[i * stride : i * stride + 48] for i in range(args.prompts)]
@@ -284,6 +347,8 @@ def main() -> None:
         "rows": rows,
         "codecs": codecs(kv, config.num_kv_heads * config.head_dim),
     }
+    print("chunked prefill: two sequences decoding, a 2048-token prompt joins")
+    result["chunked_prefill"] = chunked_prefill(model, ids, 2048, (0, 256))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out.relative_to(REPO) if args.out.is_relative_to(REPO) else args.out}")

@@ -465,6 +465,23 @@ def kv(d: dict[str, Any]) -> str:
     ]
     for c in d["codecs"]:
         lines.append(f"| {c['name']} | {c['ratio']:.3f}x | {c['compress_mb_s']:.0f} | {c['decompress_mb_s']:.0f} |")
+    chunked = d.get("chunked_prefill")
+    if chunked:
+        lines += [
+            "",
+            f"Chunked prefill (`models.qa.prefill_chunk`, the serving batcher): {chunked['running']} sequences "
+            f"decoding when a {chunked['prompt_tokens']}-token prompt joins them; the time between their tokens "
+            "from its arrival to its first token, and how long it waited for that first token:",
+            "",
+            "| prefill | between tokens before, ms | p50 ms | p99 ms | longest ms | its first token after, ms |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in chunked["rows"]:
+            how = f"{r['prefill_chunk']} tokens a step" if r["prefill_chunk"] else "whole prompt at once"
+            lines.append(
+                f"| {how} | {r['gap_before_ms']:.0f} | {r['gap_p50_ms']:.0f} | {r['gap_p99_ms']:.0f} "
+                f"| {r['gap_max_ms']:.0f} | {r['ttft_ms']:.0f} |"
+            )
     return "\n".join(lines)
 
 
