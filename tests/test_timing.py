@@ -3,7 +3,11 @@ last has run, and a host session's staged run counts all of it as "model"."""
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import numpy as np
+import pytest
 
 from edge.backends.base import InferenceSession
 from edge.timing import StageClock, events_ms
@@ -66,3 +70,48 @@ def test_a_host_sessions_staged_run_is_all_model_on_the_hosts_clock() -> None:
     (out,) = _HostSession().run_staged({"x": np.ones(3, np.float32)}, clock)
     assert out.tolist() == [2.0, 2.0, 2.0]
     assert list(clock.ms) == ["model"] and clock.ms["model"] >= 0.0
+
+
+def test_a_gpu_sessions_stages_end_where_its_events_are_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch_backend.staged_on_stream (the torch-cuda and TensorRT sessions' runs) with the
+    CUDA events faked at their seam: the upload ends "preprocess" where named, the model
+    and copy back end "model", and the outputs come back as arrays."""
+    import torch
+
+    from edge.backends import torch_backend
+
+    log: list[str] = []
+
+    class _Marks:
+        def __init__(self, stream: object) -> None:
+            log.append("start")
+
+        def end(self, name: str) -> None:
+            log.append(f"end {name}")
+
+        def add_to(self, clock: StageClock) -> None:
+            for name in ("preprocess", "model"):
+                if f"end {name}" in log:
+                    clock.add(name, 1.0)
+
+    monkeypatch.setattr(torch_backend, "DeviceStages", _Marks)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+
+    def upload() -> torch.Tensor:
+        log.append("upload")
+        return torch.ones(2, 3)
+
+    def forward(x: torch.Tensor) -> list[torch.Tensor]:
+        log.append("forward")
+        return [x * 2, x.sum(1)]
+
+    stream: Any = object()  # only handed to the faked events and stream context
+    clock = StageClock()
+    out = torch_backend.staged_on_stream(stream, clock, upload, forward, upload_stage="preprocess")
+    assert log == ["start", "upload", "end preprocess", "forward", "end model"]
+    assert [o.tolist() for o in out] == [[[2.0] * 3] * 2, [3.0, 3.0]]
+    assert clock.ms == {"preprocess": 1.0, "model": 1.0}
+    log.clear()
+    clock = StageClock()
+    torch_backend.staged_on_stream(stream, clock, upload, forward)
+    assert log == ["start", "upload", "forward", "end model"] and clock.ms == {"model": 1.0}

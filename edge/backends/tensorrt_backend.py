@@ -40,9 +40,9 @@ from edge.backends.base import (
     register_backend,
 )
 from edge.backends.configs import TensorRTConfig
-from edge.backends.torch_backend import graph_sizes, images_on_gpu
+from edge.backends.torch_backend import graph_sizes, images_on_gpu, staged_on_stream
 from edge.plans import Plan, PlanMismatch, Target, find_plan
-from edge.timing import DeviceStages, StageClock
+from edge.timing import StageClock
 
 logger = logging.getLogger(__name__)
 
@@ -245,14 +245,9 @@ class TensorRTSession(InferenceSession):
     @torch.inference_mode()
     def run_staged(self, inputs: dict[str, np.ndarray], clock: StageClock) -> list[np.ndarray]:
         """The upload, the plan and the copy back, as "model" on the GPU's clock."""
-        stream = self._engine.stream
-        with torch.cuda.stream(stream):
-            marks = DeviceStages(stream)
-            x = torch.from_numpy(np.ascontiguousarray(inputs[self._input.name])).to(self._engine.device)
-            out = [t.cpu().numpy() for t in self._forward(x)]
-            marks.end("model")
-        marks.add_to(clock)
-        return out
+        array = np.ascontiguousarray(inputs[self._input.name])
+        upload = lambda: torch.from_numpy(array).to(self._engine.device)  # noqa: E731
+        return staged_on_stream(self._engine.stream, clock, upload, self._forward)
 
     def run_images(self, images: list[np.ndarray]) -> list[np.ndarray]:
         return self.run_images_staged(images, StageClock())
@@ -261,17 +256,11 @@ class TensorRTSession(InferenceSession):
     def run_images_staged(self, images: list[np.ndarray], clock: StageClock) -> list[np.ndarray]:
         """Resized and normalised on the GPU ("preprocess"), then the plan ("model"),
         both on the GPU's clock."""
-        if self._image is None:
+        spec = self._image
+        if spec is None:
             raise NotImplementedError("this model does not take images")
-        stream = self._engine.stream
-        with torch.cuda.stream(stream):
-            marks = DeviceStages(stream)
-            pixels = images_on_gpu(images, self._image.size, self._mean, self._std, torch.float32)
-            marks.end("preprocess")
-            out = [t.cpu().numpy() for t in self._forward(pixels)]
-            marks.end("model")
-        marks.add_to(clock)
-        return out
+        upload = lambda: images_on_gpu(images, spec.size, self._mean, self._std, torch.float32)  # noqa: E731
+        return staged_on_stream(self._engine.stream, clock, upload, self._forward, upload_stage="preprocess")
 
 
 class TensorRTTextModel:

@@ -11,6 +11,7 @@ device; knows nothing of any particular model (the `ModelSource` says what to bu
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -143,13 +144,8 @@ class TorchCudaSession(InferenceSession):
     @torch.inference_mode()
     def run_staged(self, inputs: dict[str, np.ndarray], clock: StageClock) -> list[np.ndarray]:
         """The upload, the model and the copy back, as "model" on the GPU's clock."""
-        with torch.cuda.stream(self._stream):
-            marks = DeviceStages(self._stream)
-            x = torch.from_numpy(inputs[self._inputs[0]]).to(self._device)
-            out = [t.cpu().numpy() for t in self._forward(x)]
-            marks.end("model")
-        marks.add_to(clock)
-        return out
+        array = inputs[self._inputs[0]]
+        return staged_on_stream(self._stream, clock, lambda: torch.from_numpy(array).to(self._device), self._forward)
 
     def run_images(self, images: list[np.ndarray]) -> list[np.ndarray]:
         return self.run_images_staged(images, StageClock())
@@ -160,16 +156,37 @@ class TorchCudaSession(InferenceSession):
         the GPU ("preprocess"), then runs the model and copies its outputs back ("model"),
         both on the GPU's clock. Images of one shape go up as one tensor, one resize for
         all of them."""
-        if self._image is None:
+        spec = self._image
+        if spec is None:
             raise NotImplementedError("this model does not take images")
-        with torch.cuda.stream(self._stream):
-            marks = DeviceStages(self._stream)
-            pixels = images_on_gpu(images, self._image.size, self._mean, self._std, self._dtype)
-            marks.end("preprocess")
-            out = [t.cpu().numpy() for t in self._forward(pixels)]
-            marks.end("model")
-        marks.add_to(clock)
-        return out
+        return staged_on_stream(
+            self._stream,
+            clock,
+            lambda: images_on_gpu(images, spec.size, self._mean, self._std, self._dtype),
+            self._forward,
+            upload_stage="preprocess",
+        )
+
+
+def staged_on_stream(
+    stream: torch.cuda.Stream,
+    clock: StageClock,
+    upload: Callable[[], torch.Tensor],
+    forward: Callable[[torch.Tensor], Sequence[torch.Tensor]],
+    upload_stage: str | None = None,
+) -> list[np.ndarray]:
+    """upload() then forward() on `stream`, the outputs copied back, each stage timed on
+    the GPU's clock (CUDA events on the stream) into `clock`: the upload as
+    `upload_stage` where one is named, else as part of "model"."""
+    with torch.cuda.stream(stream):
+        marks = DeviceStages(stream)
+        x = upload()
+        if upload_stage is not None:
+            marks.end(upload_stage)
+        out = [t.cpu().numpy() for t in forward(x)]
+        marks.end("model")
+    marks.add_to(clock)
+    return out
 
 
 def images_on_gpu(

@@ -23,7 +23,6 @@ from typing import Literal
 import torch
 
 KVDtype = Literal["float16", "int8", "int4"]
-KV_DTYPES: tuple[KVDtype, ...] = ("float16", "int8", "int4")
 SCALE_DTYPE = torch.float16
 
 
@@ -33,10 +32,6 @@ class KVFormat:
     key_block: int = 64  # tokens sharing a key scale per channel
     value_group: int = 0  # channels sharing a value scale (0: the whole head)
     window: int = 0  # most recent tokens kept in float16
-
-    @property
-    def bits(self) -> int:
-        return {"float16": 16, "int8": 8, "int4": 4}[self.dtype]
 
     def float_tokens(self, length: int) -> int:
         """Of a sequence's first `length` tokens, how many (the newest) are float16: the
