@@ -238,7 +238,7 @@ class Daemon:
             return True
         try:
             checkpoint = builds.locate(self.profile, "qa", self.builds)
-            self.qa = start_qa(cfg, checkpoint, self.manager, self.responder)
+            self.qa = start_qa(cfg, checkpoint, self.manager, self.responder, self.profile.paths.state_dir)
         except BuildStopped:
             return True
         except Exception as err:
@@ -248,6 +248,13 @@ class Daemon:
         engine = self.qa.engine
         wait_s = self.profile.queue.memory_wait_ms / 1000.0
         memory = TextMemory(self.ledger, qa_model_name(cfg), wait_s, engine.prefill_bytes)
+        prefixes = engine.batcher.prefix_cache
+        if prefixes is not None:  # its entries are bounded by the ledger too
+            # What the warm-up kept was not reserved: it goes, and entries from now on are.
+            prefixes.clear()
+            model = qa_model_name(cfg)
+            prefixes.reserve = lambda nbytes: self.ledger.reserve("prefix-cache", "qa", nbytes, model)
+            prefixes.release = self.ledger.release
         queue = PriorityDeadlineQueue(self.profile.queue.max_size)
         self.queues["text"] = queue
         self.workers["text"] = TextWorker("text", queue, self.qa, engine.batcher, memory, self.pipeline.complete)

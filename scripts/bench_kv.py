@@ -1,25 +1,32 @@
 #!/usr/bin/env python3
-"""KV-cache memory on the real model: what quantized KV costs in quality and gains in
-capacity, and what lossless coding gets from real keys and values.
+"""KV-cache memory: what quantized KV costs in quality and speed and gains in capacity,
+and what lossless coding gets from real keys and values.
 
-SmolLM2-135M-Instruct (real weights, float32 on the CPU), on held-out text (the Python
-reference topics of the evaluation split):
-- perplexity with each KV format, the text read in chunks: each chunk attends to the
-  earlier ones' keys and values as the format stores them (edge/text/kv_quant.py:
-  quantized, then read back) and to its own in float, as chunked prefill and decode
-  read a quantized cache; the delta is against float16 KV;
-- greedy agreement: continuations decoded token by token over each format's cache,
-  against float16 KV's;
-- capacity: tokens a KV pool holds in each format, scales and float tokens counted;
+On the CPU, SmolLM2-135M-Instruct (real weights, float32), on held-out text (the Python
+reference topics of the evaluation split), every figure through the cache the daemon
+serves (models.qa.kv_dtype; edge/text/quant_cache.py and the attention kernels that read
+its codes, edge/text/kv_attention.py):
+- perplexity with each KV format, the text read in chunks of 64 tokens: each chunk
+  attends to the earlier ones as the cache holds them (codes, and the float ring of the
+  newest) and to its own in float, as chunked prefill does; the delta is against the
+  float cache (the activations' type);
+- greedy agreement: continuations decoded by the serving batcher over each format's
+  cache, against the float cache's;
+- capacity: the tokens the shipped jetson-orin profile's KV pool (its max_sequences rows
+  of max_context_tokens float16 tokens) holds in each format, counted from the caches as
+  allocated (edge/text/kv_capacity.py), and the same for one 4K row;
 - lossless codecs (lz4, delta + lz4, byte-shuffle + lz4 or zstd) on the float16 cache of
   the same text, each checked to give back every byte;
 - chunked prefill: the time between the tokens of two decoding sequences while a
-  2048-token prompt joins them, prefilled whole and a chunk per step (the serving batcher,
-  edge/text/continuous.py).
+  2048-token prompt joins them, prefilled whole and a chunk per step.
+
+On CUDA (--only cuda): decode speed at 4K context of an 8B-shaped INT4 model (random
+weights: speed only) in the serving batcher, CUDA graphs and all, with float16, int8
+and int4 KV in the same run; merged into the rows by kv_dtype.
 
 Writes bench/results/kv.json and prints a table.
 
-    python scripts/bench_kv.py [--max-tokens 8192] [--threads 2] [--only chunked]
+    python scripts/bench_kv.py [--max-tokens 8192] [--threads 2] [--only chunked|cuda]
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -47,99 +55,95 @@ from eval_text_quality import agreement  # noqa: E402
 from edge.text.checkpoint import load_checkpoint  # noqa: E402
 from edge.text.continuous import ContinuousBatcher, Sequence  # noqa: E402
 from edge.text.generate import SamplingParams  # noqa: E402
-from edge.text.kv_quant import (  # noqa: E402
-    FORMATS,
-    KVFormat,
-    bytes_per_token,
-    capacity_tokens,
-    dequantize,
-    quantize,
-)
-from edge.text.llama import KVCache, LlamaModel  # noqa: E402
+from edge.text.kv_capacity import cache_bytes, longest_rows  # noqa: E402
+from edge.text.kv_quant import FORMATS, KVFormat  # noqa: E402
+from edge.text.llama import KVCache, LlamaConfig, LlamaModel  # noqa: E402
 from engines.corpus import corpus_fingerprint, evaluation_text  # noqa: E402
 from engines.import_gguf import import_smollm2  # noqa: E402
 
 CONTEXT = 1024  # tokens per perplexity window
 CHUNK = 64  # tokens per step of the chunked read
 SEED_CLAIM = {"codec": "LZ4 + delta coding", "ratio": 4.8}
-# The serving pool the daemon sizes for this model by default: 4 rows of 1024 tokens.
-POOL_ROWS, POOL_ROW_TOKENS = 4, 1024
+PROFILE = REPO / "profiles" / "jetson-orin.yaml"  # whose KV pool the capacity is counted in
 
+# The shipped formats first (the rows the README's goals are read from), then other int4
+# layouts measured beside them: what the shipped one was chosen against.
 VARIANTS: list[tuple[str, KVFormat]] = [
     ("float16", FORMATS["float16"]),
     ("int8", FORMATS["int8"]),
     ("int4", FORMATS["int4"]),
-    ("int4", KVFormat("int4", key_block=64, value_group=64, window=64)),
-    ("int4", KVFormat("int4", key_block=128, value_group=64, window=32)),
+    ("int4", replace(FORMATS["int4"], sink=0)),
+    ("int4", KVFormat("int4", key_block=32, value_group=32, window=128)),
 ]
 
 
 def describe(fmt: KVFormat) -> str:
     if fmt.dtype == "float16":
-        return "float16"
-    group = f"values per {fmt.value_group} channels" if fmt.value_group else "values per token"
-    window = f", newest {fmt.window} float16" if fmt.window else ""
-    return f"{fmt.dtype}, keys per channel per {fmt.key_block} tokens, {group}{window}"
+        return "float (the activations' type)"
+    group = f"per {fmt.value_group} channels" if fmt.value_group else "per token"
+    kind = "symmetric " if fmt.value_symmetric else ""
+    window = f", newest {fmt.window} float" if fmt.window else ""
+    sink = f", first {fmt.sink} float" if fmt.sink else ""
+    return f"{fmt.dtype}, keys per channel per {fmt.key_block} tokens, {kind}values {group}{window}{sink}"
 
 
-class FormattedCache:
-    """A model's KV cache held as `fmt` stores it: after each step the tokens the format
-    codes are replaced by their codes read back, from the float values kept aside (a
-    block is quantized once, from the model's own values, never twice)."""
+def shipped(fmt: KVFormat) -> bool:
+    return FORMATS[fmt.dtype] == fmt
 
-    def __init__(self, model: LlamaModel, fmt: KVFormat, length: int) -> None:
-        self.cache: KVCache = model.new_cache(1, length)
-        self.fmt = fmt
-        self._k = torch.zeros_like(self.cache.k, dtype=torch.float32)
-        self._v = torch.zeros_like(self.cache.v, dtype=torch.float32)
 
-    def stored(self, start: int, end: int) -> None:
-        """Tokens start..end-1 were just written by the model; tokens 0..end-1 now hold
-        what the format gives back."""
-        self._k[..., start:end, :] = self.cache.k[..., start:end, :]
-        self._v[..., start:end, :] = self.cache.v[..., start:end, :]
-        q = quantize(self._k[:, 0, :, :end], self._v[:, 0, :, :end], self.fmt)
-        k, v = dequantize(q, self.cache.k.dtype)
-        self.cache.k[:, 0, :, :end] = k
-        self.cache.v[:, 0, :, :end] = v
+def profile_pool() -> tuple[int, int]:
+    """The jetson-orin profile's KV pool: (rows, tokens per row)."""
+    import yaml
+
+    qa = yaml.safe_load(PROFILE.read_text(encoding="utf-8"))["models"]["qa"]
+    return int(qa["max_sequences"]), int(qa["max_context_tokens"])
+
+
+def _cache_format(fmt: KVFormat) -> KVFormat | None:
+    return None if fmt.dtype == "float16" else fmt
 
 
 def perplexity(model: LlamaModel, ids: list[int], fmt: KVFormat) -> float:
+    """Of `ids` read in windows of CONTEXT tokens, each a chunk of CHUNK tokens at a time
+    into a served cache in `fmt` (a chunk after cached tokens reads them as stored)."""
     nll, count = 0.0, 0
     for start in range(0, len(ids) - 1, CONTEXT):
         window = ids[start : start + CONTEXT + 1]
         if len(window) < 2:
             break
-        held = FormattedCache(model, fmt, CONTEXT + 1)
+        cache = model.new_cache(1, CONTEXT + 1, _cache_format(fmt))
         for c in range(0, len(window) - 1, CHUNK):
             chunk = torch.tensor([window[c : min(c + CHUNK, len(window) - 1)]])
             targets = torch.tensor(window[c + 1 : c + 1 + chunk.shape[1]])
             with torch.inference_mode():
-                logits = model(chunk, held.cache, c, last_only=False)[0]
-            held.stored(c, c + chunk.shape[1])
+                logits = model(chunk, cache, c, last_only=False)[0]
             nll += float(torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum"))
             count += chunk.shape[1]
     return math.exp(nll / count)
 
 
 def continuations(model: LlamaModel, prompts: list[list[int]], new_tokens: int, fmt: KVFormat) -> list[list[int]]:
-    outs = []
-    for prompt in prompts:
-        held = FormattedCache(model, fmt, len(prompt) + new_tokens + 1)
-        with torch.inference_mode():
-            logits = model(torch.tensor([prompt]), held.cache, 0)
-        held.stored(0, len(prompt))
-        tokens: list[int] = []
-        pos = len(prompt)
-        for _ in range(new_tokens):
-            token = int(logits[0].argmax())
-            tokens.append(token)
-            with torch.inference_mode():
-                logits = model(torch.tensor([[token]]), held.cache, pos)
-            held.stored(pos, pos + 1)
-            pos += 1
-        outs.append(tokens)
-    return outs
+    """Greedy continuations decoded together by the serving batcher over `fmt`'s cache."""
+    longest = max(len(p) for p in prompts) + new_tokens + 1
+    batcher = ContinuousBatcher(model, None, frozenset(), len(prompts), longest, kv_format=_cache_format(fmt))
+    seqs = batcher.run_all([Sequence(i, p, SamplingParams(max_new_tokens=new_tokens)) for i, p in enumerate(prompts)])
+    return [s.tokens for s in seqs]
+
+
+def capacity(config: LlamaConfig, fmt: KVFormat) -> dict[str, float]:
+    """Tokens the profile's pool holds in `fmt` (rows as long as fit) against float16, and
+    the bytes of one 4K row against float16's."""
+    rows, row_tokens = profile_pool()
+    half = torch.float16
+    pool = cache_bytes(config, FORMATS["float16"], rows, row_tokens, half)
+    longest = longest_rows(config, fmt, rows, pool, half)
+    return {
+        "bytes_per_token": cache_bytes(config, fmt, rows, row_tokens, half) / (rows * row_tokens),
+        "capacity_ratio": longest / row_tokens,
+        "capacity_tokens": rows * longest,
+        "capacity_ratio_4k": cache_bytes(config, FORMATS["float16"], 1, 4096, half)
+        / cache_bytes(config, fmt, 1, 4096, half),
+    }
 
 
 def _shuffle(raw: bytes) -> bytes:
@@ -210,6 +214,7 @@ def real_kv(model: LlamaModel, ids: list[int]) -> list[bytes]:
     """The float16 keys and values of `ids` read in one window: one buffer per layer and
     kind ([heads, tokens, head size], as the cache lays them out)."""
     cache = model.new_cache(1, len(ids))
+    assert isinstance(cache, KVCache)
     for c in range(0, len(ids), 512):
         with torch.inference_mode():
             model(torch.tensor([ids[c : c + 512]]), cache, c)
@@ -272,6 +277,197 @@ def chunked_prefill(model: LlamaModel, ids: list[int], long_tokens: int, chunks:
     return {"prompt_tokens": long_tokens, "running": 2, "rows": rows}
 
 
+def decode_4k(model: LlamaModel, context: int, new_tokens: int) -> list[dict[str, Any]]:
+    """Decode tok/s of one sequence after `context` prompt tokens, in the serving batcher
+    (CUDA graphs, the fused step), for each shipped KV format."""
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, model.config.vocab_size, (context,), generator=gen).tolist()
+    rows = []
+    for dtype in ("float16", "int8", "int4"):
+        fmt = FORMATS[dtype]
+        batcher = ContinuousBatcher(model, None, frozenset(), 1, context + new_tokens + 1, _cache_format(fmt))
+        batcher.warm_up(prefill_lengths=(8,))
+        if batcher.device.type == "cuda":
+            batcher.capture_graphs()
+        rates = []
+        for _ in range(3):  # the first run builds what is left to build
+            seq = batcher.single(Sequence("s", prompt, SamplingParams(max_new_tokens=new_tokens)))
+            times = seq.token_times
+            rates.append((len(times) - 1) / (times[-1] - times[0]))
+        rows.append(
+            {
+                "kv_dtype": dtype,
+                "decode_tok_s_4k": max(rates[1:]),
+                "decode_runs_tok_s": rates,
+                "kv_cache_bytes": batcher.cache.nbytes,
+            }
+        )
+        print(f"  {dtype:<8} {rows[-1]['decode_tok_s_4k']:.1f} tok/s at {context} tokens of context", flush=True)
+        del batcher
+        torch.cuda.empty_cache()
+    return rows
+
+
+def offload_figures(
+    model: LlamaModel, ids: list[int], lengths: tuple[int, ...], directory: Path
+) -> list[dict[str, Any]]:
+    """A paused row of each length and KV format: saved to host memory and to a file
+    (lz4 where it pays), restored from each, against prefilling it again."""
+    from edge.text.kv_offload import KVOffload
+
+    rows = []
+    for dtype in ("float16", "int8", "int4"):
+        fmt = _cache_format(FORMATS[dtype])
+        batcher = ContinuousBatcher(model, None, frozenset(), 2, max(lengths) + 1, fmt)
+        for length in lengths:
+            chunk = torch.tensor([ids[:length]], device=batcher.device)
+            recompute = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    model(chunk, batcher.cache.rows(0, 1), 0)
+                _sync(batcher.device)
+                recompute.append(time.perf_counter() - t0)
+            figures: dict[str, Any] = {"kv_dtype": dtype, "tokens": length, "recompute_ms": min(recompute) * 1000}
+            for where in ("memory", "disk"):
+                store = KVOffload(where, batcher.device, directory / "offload", max_memory_bytes=1 << 34)
+                t0 = time.perf_counter()
+                saved = store.save(batcher.cache, 0, length, None)
+                assert saved is not None
+                _sync(batcher.device)
+                figures[f"save_{where}_ms"] = (time.perf_counter() - t0) * 1000
+                if saved.written is not None:
+                    saved.written.result()  # on the writer thread: off the serving path
+                    figures["bytes"], figures["stored_bytes"] = saved.nbytes, saved.stored_bytes
+                    figures["lz4_ratio"] = saved.nbytes / saved.stored_bytes
+                t0 = time.perf_counter()
+                store.restore(saved, batcher.cache, 1)
+                figures[f"restore_{where}_ms"] = (time.perf_counter() - t0) * 1000
+                store.close()
+            figures["faster"] = "restore" if figures["restore_disk_ms"] < figures["recompute_ms"] else "recompute"
+            rows.append(figures)
+            print(
+                f"  {dtype:<8} {length:>5} tokens, {figures['bytes'] / 2**20:6.2f} MiB "
+                f"(lz4 {figures['lz4_ratio']:.2f}x):"
+                f" restore {figures['restore_memory_ms']:.1f} ms from memory, {figures['restore_disk_ms']:.1f} ms "
+                f"from disk; prefill again {figures['recompute_ms']:.0f} ms",
+                flush=True,
+            )
+        del batcher
+    return rows
+
+
+def prefix_ttft(model: LlamaModel, document: list[int], questions: list[list[int]], repeat: int = 3) -> dict[str, Any]:
+    """Time to first token of prompts sharing a document: the first (a miss: the document
+    prefilled and kept), the later ones (hits: the question alone), and the same prompts
+    with no prefix cache (prefilled whole)."""
+    from edge.text.prefix_cache import PrefixCache
+
+    longest = len(document) + max(len(q) for q in questions) + 8
+    cached = ContinuousBatcher(model, None, frozenset(), 1, longest)
+    cached.prefix_cache = PrefixCache(1 << 30)
+    plain = ContinuousBatcher(model, None, frozenset(), 1, longest)
+
+    def ttft(batcher: ContinuousBatcher, question: list[int]) -> float:
+        seq = Sequence("q", document + question, SamplingParams(max_new_tokens=1))
+        seq.prefix = len(document)
+        t0 = time.perf_counter()
+        batcher.single(seq)
+        return (seq.token_times[0] - t0) * 1000
+
+    for question in questions[:1]:  # warm: kernels built, nothing kept
+        ttft(plain, question)
+    cold, warm, whole = [], [], []
+    for _ in range(repeat):
+        assert cached.prefix_cache is not None
+        cached.prefix_cache.clear()
+        cold.append(ttft(cached, questions[0]))
+        warm += [ttft(cached, q) for q in questions[1:]]
+        whole += [ttft(plain, q) for q in questions]
+    snap = cached.prefix_cache.snapshot() if cached.prefix_cache is not None else {}
+    assert cached.prefix_cache is not None
+    return {
+        # Whether the batcher still splits such prompts once it has measured both
+        # prefill rates (a hit must cost at most half a whole prefill).
+        "split": cached.prefix_cache.worth(len(document), len(questions[0])),
+        "hit_ms_per_token": cached.prefix_cache.chunk_ms_per_token,
+        "whole_ms_per_token": cached.prefix_cache.whole_ms_per_token,
+        "document_tokens": len(document),
+        "question_tokens": [len(q) for q in questions],
+        "ttft_cold_ms": float(np.median(cold)),
+        "ttft_warm_ms": float(np.median(warm)),
+        "ttft_uncached_ms": float(np.median(whole)),
+        "speedup": float(np.median(cold) / np.median(warm)),
+        "entry_bytes": snap.get("bytes", 0),
+    }
+
+
+def cpu_offload(model: LlamaModel, ids: list[int]) -> dict[str, Any]:
+    import tempfile
+
+    print("offload of a paused row (real SmolLM2, CPU): restore from memory or disk, or prefill again")
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = offload_figures(model, ids, (256, 1024, 2048), Path(tmp))
+    return {"device": "cpu", "model": "SmolLM2-135M-Instruct", "rows": rows}
+
+
+def cpu_prefix(model: LlamaModel, tokenizer: Any, ids: list[int]) -> dict[str, Any]:
+    """A 1536-token reference document (held-out text) asked four questions."""
+    print("prefix cache (real SmolLM2, CPU): time to first token of a repeated document")
+    questions = [
+        tokenizer.encode(f"\n\nQuestion: {q}\nAnswer:", add_special_tokens=False).ids
+        for q in ("What is this about?", "Which keyword is defined?", "Give one example.", "Summarise it.")
+    ]
+    figures = prefix_ttft(model, ids[:1536], questions)
+    print(
+        f"  TTFT {figures['ttft_cold_ms']:.0f} ms cold, {figures['ttft_warm_ms']:.0f} ms warm "
+        f"({figures['speedup']:.1f}x); {figures['ttft_uncached_ms']:.0f} ms with no prefix cache",
+        flush=True,
+    )
+    return {"device": "cpu", "model": "SmolLM2-135M-Instruct", **figures}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_cuda(args: argparse.Namespace) -> None:
+    import tempfile
+
+    from engines.random_llama import LLAMA3_8B, random_int4_llama
+
+    print(f"decode at {args.context} tokens of context, 8B-shaped INT4 model ({args.kernel}), per KV format:")
+    model = random_int4_llama(LLAMA3_8B, "cuda", args.kernel, seed=3)
+    measured = decode_4k(model, args.context, args.new_tokens_cuda)
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, LLAMA3_8B.vocab_size, (args.context,), generator=gen).tolist()
+    print("offload of a paused row (8B shape, CUDA): restore from pinned memory or disk, or prefill again")
+    with tempfile.TemporaryDirectory() as tmp:
+        offload_rows = offload_figures(model, ids, (1024, args.context), Path(tmp))
+    questions = [torch.randint(0, LLAMA3_8B.vocab_size, (24,), generator=gen).tolist() for _ in range(4)]
+    prefix = prefix_ttft(model, ids[:2048], questions)
+    print(f"  prefix cache: TTFT {prefix['ttft_cold_ms']:.1f} ms cold, {prefix['ttft_warm_ms']:.1f} ms warm")
+    result = json.loads(args.out.read_text()) if args.out.exists() else {"rows": []}
+    by_dtype = {m["kv_dtype"]: m for m in measured}
+    for row in result["rows"]:
+        if row.get("shipped") and row["kv_dtype"] in by_dtype:
+            row["decode_tok_s_4k"] = by_dtype[row["kv_dtype"]]["decode_tok_s_4k"]
+            row["decode_ratio_4k"] = row["decode_tok_s_4k"] / by_dtype["float16"]["decode_tok_s_4k"]
+    result["cuda_decode"] = {
+        "model": "Llama-3-8B shape, INT4 weights (random: speed only)",
+        "kernel": args.kernel,
+        "context": args.context,
+        "new_tokens": args.new_tokens_cuda,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "rows": measured,
+        "offload": offload_rows,
+        "prefix_cache": prefix,
+    }
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=8192, help="evaluation tokens for perplexity")
@@ -280,26 +476,52 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--engine-dir", type=Path, default=REPO / ".edge" / "engines")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--context", type=int, default=4096, help="cuda: context the decode is timed at")
+    parser.add_argument("--new-tokens-cuda", type=int, default=256, help="cuda: tokens decoded per timed run")
+    parser.add_argument("--kernel", default="cuda-mma", help="cuda: the INT4 GEMV kernel")
+    parser.add_argument("--skip-chunked", action="store_true", help="keep the chunked-prefill figures already there")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "kv.json")
-    parser.add_argument("--only", choices=["chunked"], help="only this part, merged into the existing results")
+    parser.add_argument(
+        "--only",
+        choices=["chunked", "offload", "prefix", "cuda", "cuda-prefix"],
+        help="only this part, merged into the existing results",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.only == "cuda":
+        run_cuda(args)
+        return
+    if args.only == "cuda-prefix":
+        from engines.random_llama import LLAMA3_8B, random_int4_llama
+
+        model8b = random_int4_llama(LLAMA3_8B, "cuda", args.kernel, seed=3)
+        gen = torch.Generator().manual_seed(2)
+        doc = torch.randint(0, LLAMA3_8B.vocab_size, (2048,), generator=gen).tolist()
+        questions = [torch.randint(0, LLAMA3_8B.vocab_size, (24,), generator=gen).tolist() for _ in range(4)]
+        result = json.loads(args.out.read_text())
+        result["cuda_decode"]["prefix_cache"] = prefix_ttft(model8b, doc, questions)
+        print(result["cuda_decode"]["prefix_cache"])
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        return
 
     ckpt = load_checkpoint(import_smollm2(args.engine_dir))
     model, config = ckpt.model, ckpt.model.config
     ids = ckpt.tokenizer.encode(evaluation_text(), add_special_tokens=False).ids
-    if args.only == "chunked":
-        print("chunked prefill: two sequences decoding, a 2048-token prompt joins")
+    parts: dict[str, Callable[[], Any]] = {
+        "chunked_prefill": lambda: chunked_prefill(model, ids, 2048, (0, 256)),
+        "offload": lambda: cpu_offload(model, ids),
+        "prefix_cache": lambda: cpu_prefix(model, ckpt.tokenizer, ids),
+    }
+    if args.only in ("chunked", "offload", "prefix"):
+        name = {"chunked": "chunked_prefill", "prefix": "prefix_cache"}.get(args.only, args.only)
         result = json.loads(args.out.read_text())
-        result["chunked_prefill"] = chunked_prefill(model, ids, 2048, (0, 256))
+        result[name] = parts[name]()
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         return
     eval_ids = ids[: args.max_tokens]
     stride = len(eval_ids) // args.prompts
     prompts = [eval_ids[i * stride : i * stride + 48] for i in range(args.prompts)]
-    shape = (config.num_layers, config.num_kv_heads, config.head_dim)
-    pool = POOL_ROWS * POOL_ROW_TOKENS * int(bytes_per_token(FORMATS["float16"], *shape))
-    row_4k = 4096 * int(bytes_per_token(FORMATS["float16"], *shape))
+    pool_rows, row_tokens = profile_pool()
 
     rows: list[dict[str, Any]] = []
     reference: dict[str, Any] = {}
@@ -311,34 +533,45 @@ def main() -> None:
             reference = {"ppl": ppl, "conts": conts}
         row = {
             "kv_dtype": dtype,
+            "shipped": shipped(fmt),
             "name": describe(fmt),
-            "format": {"key_block": fmt.key_block, "value_group": fmt.value_group, "window": fmt.window},
+            "format": {
+                "key_block": fmt.key_block,
+                "value_group": fmt.value_group,
+                "window": fmt.window,
+                "value_symmetric": fmt.value_symmetric,
+                "sink": fmt.sink,
+            },
             "perplexity": ppl,
             "ppl_delta_pct": (ppl / reference["ppl"] - 1.0) * 100.0,
             "greedy_agreement": agreement(reference["conts"], conts)["token_agreement"],
-            "bytes_per_token": bytes_per_token(fmt, *shape),
-            "capacity_ratio": capacity_tokens(fmt, pool, POOL_ROWS, *shape) / (POOL_ROWS * POOL_ROW_TOKENS),
-            "capacity_ratio_4k": capacity_tokens(fmt, row_4k, 1, *shape) / 4096,
+            **capacity(config, fmt),
         }
         rows.append(row)
         print(
-            f"{row['name']:<72} ppl {ppl:.4f} ({row['ppl_delta_pct']:+.3f}%), greedy {row['greedy_agreement']:.3f}, "
+            f"{row['name']:<80} ppl {ppl:.4f} ({row['ppl_delta_pct']:+.3f}%), greedy {row['greedy_agreement']:.3f}, "
             f"capacity {row['capacity_ratio']:.2f}x ({time.perf_counter() - t0:.0f} s)",
             flush=True,
         )
     kv = real_kv(model, ids[: args.codec_tokens])
     print(f"lossless codecs on {args.codec_tokens} tokens of real float16 KV ({sum(map(len, kv)) / 2**20:.1f} MiB):")
+    previous = json.loads(args.out.read_text()) if args.out.exists() else {}
     result = {
         "what": "SmolLM2-135M-Instruct (real weights): quantized KV formats and lossless codecs on real KV",
-        "serving": "formats measured through their reference (edge/text/kv_quant.py, quantized and read back in "
-        "torch); the attention kernels that read the codes are not built yet",
+        "serving": "every quality figure through the served cache (edge/text/quant_cache.py) and the attention "
+        "kernels that read its codes: our C kernel on the CPU here",
         "eval_text": f"pydoc_data topics, eval split, corpus {corpus_fingerprint()}",
         "eval_tokens": len(eval_ids),
         "context": CONTEXT,
         "chunk": CHUNK,
         "greedy_prompts": len(prompts),
         "greedy_new_tokens": args.new_tokens,
-        "pool": {"rows": POOL_ROWS, "row_tokens": POOL_ROW_TOKENS, "bytes": pool},
+        "pool": {
+            "profile": PROFILE.name,
+            "rows": pool_rows,
+            "row_tokens": row_tokens,
+            "bytes": cache_bytes(config, FORMATS["float16"], pool_rows, row_tokens, torch.float16),
+        },
         "codec_tokens": args.codec_tokens,
         "kv_bytes": sum(len(b) for b in kv),
         "machine": platform.machine(),
@@ -347,8 +580,21 @@ def main() -> None:
         "rows": rows,
         "codecs": codecs(kv, config.num_kv_heads * config.head_dim),
     }
-    print("chunked prefill: two sequences decoding, a 2048-token prompt joins")
-    result["chunked_prefill"] = chunked_prefill(model, ids, 2048, (0, 256))
+    kept_parts = ["cuda_decode"]  # measured by its own run, on CUDA
+    for name, measure in parts.items():
+        if args.skip_chunked and name == "chunked_prefill":
+            kept_parts.append(name)
+        else:
+            result[name] = measure()
+    for kept in kept_parts:
+        if kept in previous:
+            result[kept] = previous[kept]
+    if "cuda_decode" in result:
+        by_dtype = {m["kv_dtype"]: m for m in result["cuda_decode"]["rows"]}
+        for row in rows:
+            if row["shipped"] and row["kv_dtype"] in by_dtype:
+                row["decode_tok_s_4k"] = by_dtype[row["kv_dtype"]]["decode_tok_s_4k"]
+                row["decode_ratio_4k"] = row["decode_tok_s_4k"] / by_dtype["float16"]["decode_tok_s_4k"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out.relative_to(REPO) if args.out.is_relative_to(REPO) else args.out}")

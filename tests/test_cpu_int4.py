@@ -92,8 +92,9 @@ def test_the_build_is_cached_per_source_and_cpu(tmp_path: Path, monkeypatch: pyt
 def test_without_a_compiler_torchs_kernel_serves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EDGE_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setattr(cpu_int4, "_lib", None)
-    monkeypatch.setattr(cpu_int4, "_error", None)
+    # A kernel not yet loaded in this process (the module's own one may be).
+    fresh = cpu_int4.CKernel(cpu_int4.SOURCE, "edge_int4_linear", cpu_int4._KERNEL.argtypes, "the kernel")
+    monkeypatch.setattr(cpu_int4, "_KERNEL", fresh)
     assert not cpu_int4.available()
     assert default_int4_kernel(torch.device("cpu")) in ("cpu", "dequant")
     with pytest.raises(RuntimeError, match="unavailable"):

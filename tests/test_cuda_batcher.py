@@ -10,6 +10,7 @@ import torch
 
 from edge.text.continuous import ContinuousBatcher, Sequence
 from edge.text.generate import SamplingParams
+from edge.text.kv_quant import FORMATS, KVFormat
 from edge.text.llama import LlamaConfig
 
 CUDA = torch.cuda.is_available()
@@ -20,14 +21,15 @@ CONFIG = LlamaConfig(
 )
 
 
-def _batcher(eos: frozenset[int]) -> ContinuousBatcher:
+def _batcher(eos: frozenset[int], kv_format: KVFormat | None = None) -> ContinuousBatcher:
     from engines.random_llama import random_int4_llama
 
     model = random_int4_llama(CONFIG, "cuda", "cuda-mma", group=64, seed=5)
-    batcher = ContinuousBatcher(model, None, eos, slots=4, slot_len=128)
+    batcher = ContinuousBatcher(model, None, eos, slots=4, slot_len=128, kv_format=kv_format)
     batcher.warm_up(prefill_lengths=(9,))
-    # Decode: batch buckets 1, 2, 4 and one KV bucket of 128; prefill: prompts up to 16, 32, 64, 128.
-    assert batcher.capture_graphs() == 3 + 4
+    # Decode: batch buckets 1, 2, 4 and one KV bucket of 128; prefill: prompts up to 16,
+    # 32, 64, 128 (a quantized cache's prompts are prefilled op by op).
+    assert batcher.capture_graphs() == (3 + 4 if kv_format is None else 3)
     return batcher
 
 
@@ -85,3 +87,27 @@ def test_prefill_and_decode_are_timed_on_the_gpus_clock() -> None:
         assert gpu_prefill > 0.0 and gpu_decode > 0.0 and gpu_prefill + gpu_decode <= wall_ms
         stages = QAEngine.stages(seq)
         assert stages["prefill"] == gpu_prefill and stages["decode"] == gpu_decode
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_a_quantized_cache_serves_on_cuda_graphs_as_alone(dtype: str) -> None:
+    """int8 and int4 KV through the fused step's own write and attention kernels, in
+    captured graphs: sequences decoded together past several coded key blocks give what
+    each gives alone, and the pool is the format's size."""
+    fmt = FORMATS[dtype]  # type: ignore[index]
+    batcher = _batcher(frozenset(), fmt)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, CONFIG.vocab_size, (n,), generator=gen).tolist() for n in (9, 30, 17)]
+    news = [90, 70, 96]
+    assert fmt.coded(9 + 90) >= fmt.key_block
+    alone = [batcher.single(Sequence(i, p, _params(i, m))) for i, (p, m) in enumerate(zip(prompts, news, strict=True))]
+    together = batcher.run_all(
+        [Sequence(i, p, _params(i, m)) for i, (p, m) in enumerate(zip(prompts, news, strict=True))]
+    )
+    for a, t in zip(alone, together, strict=True):
+        assert len(set(a.tokens)) > 3 and len(a.tokens) == news[int(a.owner)]
+        assert t.tokens == a.tokens, f"sequence {a.owner}"
+    assert batcher.kv.snapshot()["kv_dtype"] == dtype
+    # The pool is the quantized cache as allocated, and what the KV manager counts.
+    assert batcher.cache.nbytes < batcher.model.new_cache(4, 128).nbytes
+    assert batcher.kv.bytes_per_token == -(-batcher.cache.nbytes // (4 * 128))

@@ -288,7 +288,10 @@ def test_status_json_and_ok_exit(daemon: DaemonProc) -> None:
     memory = doc["memory"]
     assert set(memory["models"]) == {m["name"] for m in doc["models"]} | {"runtime"}
     runtime = memory["models"]["runtime"]["bytes"]
-    assert 0 < runtime and memory["used_bytes"] == runtime + sum(m["memory_bytes"] for m in doc["models"])
+    # Beyond the models, what is held: the prefix cache's kept documents (no job runs now).
+    kept = memory["kv"]["prefix_cache"]["bytes"]
+    assert memory["reserved_bytes"] == kept
+    assert 0 < runtime and memory["used_bytes"] == runtime + sum(m["memory_bytes"] for m in doc["models"]) + kept
     assert 0 < memory["peak_bytes"] <= memory["budget_bytes"] - memory["headroom_bytes"]
     table = edgectl("status", "--socket", str(daemon.socket))
     assert table.returncode == 0
@@ -506,7 +509,9 @@ def test_mixed_load_both_branches_under_the_budget(daemon: DaemonProc, requester
     memory = status["memory"]
     assert memory["peak_bytes"] <= memory["budget_bytes"] - memory["headroom_bytes"]
     kv = memory["kv"]
-    assert memory["reserved_bytes"] == 0 and kv["reserved_tokens"] == 0 and kv["rows_free"] == kv["rows"]
+    # Nothing reserved once every job is answered but the documents the prefix cache keeps.
+    assert memory["reserved_bytes"] == kv["prefix_cache"]["bytes"]
+    assert kv["reserved_tokens"] == 0 and kv["rows_free"] == kv["rows"]
     assert max(int(k) for k in status["branches"]["text"]["batch_sizes"]) >= 2
     assert max(int(k) for k in status["branches"]["vision"]["batch_sizes"]) >= 2
 

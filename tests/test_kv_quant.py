@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge.text.kv_quant import FORMATS, KVFormat, bytes_per_token, capacity_tokens, dequantize, quantize
+from edge.text.kv_quant import FORMATS, KVFormat, bytes_per_token, dequantize, quantize
 
 
 def _kv(tokens: int, dim: int = 64, heads: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,33 +36,26 @@ def test_codes_are_within_half_a_step_and_the_newest_tokens_exact(name: str) -> 
     assert (err <= k_step * 0.5 + 1e-2 * k_step + 1e-3).all()
     # The outlier channel's scale is its own: the other channels keep their precision.
     assert err[..., 6].mean() < err[..., 5].mean() / 5
-    group = fmt.value_group or 64
+    group = fmt.group(64)
     vg = v[:, :old].reshape(3, old, 64 // group, group)
-    vspan = vg.abs().amax(-1) if name == "int8" else vg.amax(-1) - vg.amin(-1)
-    v_step = (vspan / levels).repeat_interleave(group, dim=-1)
+    if name == "int8" or fmt.value_symmetric:  # codes around zero: the step is absmax / qmax
+        v_step = vg.abs().amax(-1) / (127 if name == "int8" else 7)
+    else:
+        v_step = (vg.amax(-1) - vg.amin(-1)) / levels
+    v_step = v_step.repeat_interleave(group, dim=-1)
     assert ((dv[:, :old] - v[:, :old]).abs() <= v_step * 0.5 + 1e-2 * v_step + 1e-3).all()
 
 
-def test_sizes_are_the_tensors_own_and_capacity_follows() -> None:
-    layers, heads, dim = 30, 3, 64  # SmolLM2-135M
+def test_sizes_are_the_tensors_own() -> None:
+    heads, dim = 3, 64  # SmolLM2-135M
     k, v = _kv(1024 + 64 + 128)
     for name, fmt in FORMATS.items():
         q = quantize(k, v, fmt)
         per_token = bytes_per_token(fmt, 1, heads, dim)
         full = bytes_per_token(FORMATS["float16"], 1, heads, dim)
-        expect = q.quantized * per_token + (k.shape[1] - q.quantized) * full
+        sink = min(fmt.sink, q.quantized)  # the first tokens, coded but kept float16 too
+        expect = q.quantized * per_token + (k.shape[1] - q.quantized + sink) * full
         assert q.nbytes == pytest.approx(expect), name
-    pool = 4 * 1024 * int(bytes_per_token(FORMATS["float16"], layers, heads, dim))
-    assert capacity_tokens(FORMATS["float16"], pool, 4, layers, heads, dim) == 4096
-    # int8 per head and token: 128 bytes of key and value codes, a 2-byte key scale per
-    # channel per 64 tokens (2), one 2-byte value scale: 132 bytes against float16's 256;
-    # a row keeps one key block (64 tokens) float.
-    assert capacity_tokens(FORMATS["int8"], pool, 4, layers, heads, dim) == 4 * int(64 + 960 * 256 / 132)
-    # int4: 64 bytes of codes, a 4-byte key scale and zero per channel per 32 tokens (8),
-    # 4 bytes per 32-channel value group (8): 80 bytes; the window and a block float.
-    assert capacity_tokens(FORMATS["int4"], pool, 4, layers, heads, dim) == 4 * int(160 + 864 * 256 / 80)
-    # A row too small for its float tokens holds float16 only.
-    assert capacity_tokens(FORMATS["int4"], 4 * 100 * 256 * 90, 4, layers, heads, dim) == 400
 
 
 def test_bad_shapes_are_refused() -> None:
@@ -103,3 +96,25 @@ def test_the_benchs_chunked_read_is_the_whole_windows_read_and_formats_cost_litt
     int4 = bench_kv.perplexity(model, ids, FORMATS["int4"])
     assert int8 != chunked and int4 != chunked  # the coded tokens were read as coded
     assert abs(int8 / chunked - 1) < 0.01 and abs(int4 / chunked - 1) < 0.05
+
+
+def test_capacity_is_counted_from_the_served_caches() -> None:
+    """The tokens a pool holds come from the caches as allocated: float16 rows fill the
+    pool exactly; a quantized format's rows are the longest whose cache fits, one token
+    more does not; and int4 with its float ring holds over 3.5x float16's tokens in the
+    shipped jetson-orin profile's pool (2 rows of 2048)."""
+    from edge.text.kv_capacity import cache_bytes, longest_rows
+    from edge.text.llama import LlamaConfig
+
+    smollm2 = LlamaConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
+                          intermediate_size=1536)  # fmt: skip
+    pool = cache_bytes(smollm2, FORMATS["float16"], 2, 2048, torch.float16)
+    assert pool == 2 * 2048 * 30 * 3 * 64 * 2 * 2
+    assert longest_rows(smollm2, FORMATS["float16"], 2, pool, torch.float16) == 2048
+    for name in ("int8", "int4"):
+        fmt = FORMATS[name]
+        longest = longest_rows(smollm2, fmt, 2, pool, torch.float16)
+        assert cache_bytes(smollm2, fmt, 2, longest, torch.float16) <= pool
+        assert cache_bytes(smollm2, fmt, 2, longest + 1, torch.float16) > pool
+    assert longest_rows(smollm2, FORMATS["int8"], 2, pool, torch.float16) / 2048 > 1.9
+    assert longest_rows(smollm2, FORMATS["int4"], 2, pool, torch.float16) / 2048 >= 3.5

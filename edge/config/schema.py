@@ -453,6 +453,46 @@ class QAModelConfig(StrictModel):
         "sequences of max_context_tokens, allocated once at load: max_sequences x max_context_tokens is the "
         "KV budget in tokens.",
     )
+    kv_dtype: Literal["float16", "int8", "int4"] = Field(
+        default="float16",
+        title="KV cache format",
+        description="How the KV cache holds keys and values: 'float16' (unquantized, in the activations' "
+        "type: float32 on the CPU), 'int8' (8-bit codes, key scales per channel per 64-token block, value "
+        "scales per token: about half the bytes per token, quality measured unchanged) or 'int4' (4-bit "
+        "codes, key scales and zero points per channel per 64-token block, one value scale per token and 64 "
+        "channels, the newest 32 tokens kept float: under a third of the bytes; README, KV cache, for the "
+        "measured quality). The attention kernels read the codes (our C kernel on the CPU, Triton on CUDA). "
+        "The cache is still max_sequences x max_context_tokens, in fewer bytes, and the ledger counts what "
+        "it takes.",
+    )
+    kv_offload: Literal["off", "memory", "disk"] = Field(
+        default="memory",
+        title="KV offload of paused sequences",
+        description="Where the KV row of a sequence paused for a more urgent job goes: 'memory' (host "
+        "memory; on a Jetson the same DRAM as the GPU's, so it frees the row, not the DRAM), 'disk' (a file "
+        "under paths.state_dir/kv-offload, lz4-coded where that pays) or 'off' (dropped). On resume the row "
+        "is restored, or the sequence prefilled again where the measured prefill rate says that is faster. "
+        "Offloaded rows do not survive a restart of the daemon: the directory is emptied at start, and a "
+        "job that was paused is prefilled again from its journal entry.",
+    )
+    prefix_cache_mib: int = Field(
+        default=64,
+        ge=0,
+        le=65536,
+        title="Prefix cache",
+        description="Memory (MiB, on the model's device) for prefilled prompt prefixes: the system prompt "
+        "and a job's context documents, prefilled once and reused by later jobs whose prompts start with "
+        "the same tokens, so they prefill only their question. Least recently used entries go first; each "
+        "entry's bytes are reserved in the memory ledger. 0: off.",
+    )
+    kv_offload_mib: int = Field(
+        default=256,
+        ge=0,
+        le=65536,
+        title="KV offload host memory",
+        description="Most host memory (MiB) offloaded rows hold at once (with 'disk', until each is "
+        "written); a row beyond it is dropped and prefilled again on resume.",
+    )
     prefill_chunk: int = Field(
         default=256,
         ge=0,

@@ -176,8 +176,21 @@ def render_table(doc: dict[str, Any], code: int, reasons: list[str]) -> str:
     if kv:
         lines.append(
             f"  kv cache   {kv['rows'] - kv['rows_free']}/{kv['rows']} rows held, {kv['reserved_tokens']} of "
-            f"{kv['capacity_tokens']} tokens reserved ({_fmt_bytes(kv['capacity_bytes'])})"
+            f"{kv['capacity_tokens']} tokens reserved ({_fmt_bytes(kv['capacity_bytes'])}, "
+            f"{kv.get('kv_dtype', 'float16')})"
         )
+        offload, prefixes = kv.get("offload"), kv.get("prefix_cache")
+        if offload:
+            lines.append(
+                f"             offload to {offload['where']}: {offload['saved']} saved, {offload['restored']} "
+                f"restored, {offload['recomputed']} recomputed; held {_fmt_bytes(offload['memory_bytes'])} "
+                f"in memory, {_fmt_bytes(offload['disk_bytes'])} on disk"
+            )
+        if prefixes:
+            lines.append(
+                f"             prefix cache {prefixes['entries']} entries, {_fmt_bytes(prefixes['bytes'])} of "
+                f"{_fmt_bytes(prefixes['capacity_bytes'])}; {prefixes['hits']} hits, {prefixes['misses']} misses"
+            )
     lines.append(
         "  models     name                           branch   backend                        device  counted    "
         "host       device"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,9 +33,14 @@ class KVSlot:
 
 
 class KVCacheManager:
-    def __init__(self, rows: int, row_tokens: int, bytes_per_token: int) -> None:
+    def __init__(self, rows: int, row_tokens: int, bytes_per_token: int, dtype: str = "float16") -> None:
         if rows < 1 or row_tokens < 1 or bytes_per_token < 0:
             raise ValueError(f"a KV cache of {rows} rows x {row_tokens} tokens ({bytes_per_token} B/token)")
+        self.dtype = dtype  # the format the cache holds keys and values in (models.qa.kv_dtype)
+        # The paused sequences' offloaded rows, for status (edge/text/kv_offload.py).
+        self.offload_snapshot: Callable[[], dict[str, Any]] | None = None
+        # The prefix cache's entries, for status (edge/text/prefix_cache.py).
+        self.prefix_snapshot: Callable[[], dict[str, Any]] | None = None
         self.rows = rows
         self.row_tokens = row_tokens
         self.bytes_per_token = bytes_per_token
@@ -90,6 +96,9 @@ class KVCacheManager:
         with self._lock:
             reserved = sum(s.tokens for s in self._held.values())
             return {
+                "kv_dtype": self.dtype,
+                "offload": self.offload_snapshot() if self.offload_snapshot is not None else None,
+                "prefix_cache": self.prefix_snapshot() if self.prefix_snapshot is not None else None,
                 "rows": self.rows,
                 "rows_free": self.rows - len(self._held),
                 "row_tokens": self.row_tokens,

@@ -6,9 +6,11 @@ ledger grants the activations of its prefill (measured at warm-up), all or nothi
 a job does not fit:
 
   1. it waits (stays queued, retried between steps) for up to `memory_wait_s`;
-  2. then a running sequence of lower priority is paused: its KV is dropped, its row
-     given back, and it goes back in the queue with its tokens, to be prefilled again
-     when it is admitted (recomputation; see edge/text/continuous.py);
+  2. then a running sequence of lower priority is paused: its row is offloaded (to host
+     memory or the state directory, models.qa.kv_offload) or dropped, the row given
+     back, and it goes back in the queue with its tokens; when it is admitted again its
+     row is restored or prefilled again, whichever the measured figures say is faster
+     (edge/text/kv_offload.py);
   3. if nothing can be paused it keeps waiting, and is answered `over_budget`, with the
      figures, if its deadline passes first.
 
@@ -270,6 +272,6 @@ class TextWorker(Worker):
                 continue
             del self._running[id(run.seq)]
             if run.seq in self.batcher.running:
-                self.batcher.pause(run.seq)
+                self.batcher.pause(run.seq, keep=False)
             self.batcher.kv.free(run.slot)
             self._deliver(run.item, Outcome(None, error, run.started, time.monotonic()))

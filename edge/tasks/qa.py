@@ -58,7 +58,9 @@ def qa_model_name(cfg: QAModelConfig) -> str:
     return f"{Path(cfg.source).name.removesuffix('.gguf')}-{Path(cfg.adapter).name}"
 
 
-def start_qa(cfg: QAModelConfig, checkpoint: Path, manager: ModelManager, responder: Responder) -> QATask:
+def start_qa(
+    cfg: QAModelConfig, checkpoint: Path, manager: ModelManager, responder: Responder, state_dir: Path | None = None
+) -> QATask:
     """Load the text model (its KV cache allocated and every serving shape warmed up
     inside the measured load) and return the task."""
     if cfg.threads and cfg.device == "cpu":
@@ -74,6 +76,11 @@ def start_qa(cfg: QAModelConfig, checkpoint: Path, manager: ModelManager, respon
         cuda_graphs=cfg.cuda_graphs,
         cpu_kernel=cfg.cpu_kernel,
         embedding=cfg.embedding,
+        kv_dtype=cfg.kv_dtype,
+        kv_offload=cfg.kv_offload,
+        kv_offload_mib=cfg.kv_offload_mib,
+        prefix_cache_mib=cfg.prefix_cache_mib,
+        offload_dir=state_dir / "kv-offload" if state_dir is not None else None,
     )
     name = qa_model_name(cfg)
     # The backend label says what actually runs: the device and the INT4 kernel.

@@ -46,7 +46,12 @@ from edge.scheduler.kv_cache import KVCacheManager, KVSlot
 from edge.text import fused_prefill
 from edge.text.cuda_graphs import StepGraphs
 from edge.text.generate import SamplingParams, _find_stop, choose_rows, sample_rows, streamable_end
+from edge.text.kv_offload import KVOffload, SavedRow
+from edge.text.kv_quant import KVFormat
 from edge.text.llama import KVCache, LlamaModel
+from edge.text.prefix_cache import MIN_TOKENS as MIN_PREFIX
+from edge.text.prefix_cache import PrefixCache
+from edge.text.quant_cache import QuantKVCache
 from edge.timing import events_ms
 
 logger = logging.getLogger(__name__)
@@ -74,6 +79,8 @@ class Sequence:
     prefilled: int = 0  # tokens of prompt + tokens in its KV row; short of them: mid-prefill
     decode_s: float = 0.0
     pauses: int = 0
+    saved: SavedRow | None = None  # its row off the device while paused (edge/text/kv_offload.py)
+    prefix: int = 0  # leading prompt tokens others may share (system and documents; prefix_cache.py)
     # Where its time went (edge/timing.py): tokenizing its prompt, decoding tokens to
     # text, and the host's clock as each token was taken. On CUDA each prefill, and each
     # decode step it was in, is also bracketed by CUDA events (prefill_gpu_ms and
@@ -107,19 +114,34 @@ class Sequence:
 
 class ContinuousBatcher:
     def __init__(
-        self, model: LlamaModel, tokenizer: Tokenizer | None, eos_ids: frozenset[int], slots: int, slot_len: int
+        self,
+        model: LlamaModel,
+        tokenizer: Tokenizer | None,
+        eos_ids: frozenset[int],
+        slots: int,
+        slot_len: int,
+        kv_format: KVFormat | None = None,
     ) -> None:
         """tokenizer None: token ids only (no text, no stop strings), for random-weight
-        models in benchmarks."""
+        models in benchmarks. kv_format: how the KV cache holds keys and values (float
+        in the activations' type unless told; edge/text/kv_quant.py)."""
         self.model = model
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
-        self.cache = model.new_cache(slots, slot_len)
+        self.cache = model.new_cache(slots, slot_len, kv_format)
         self.slot_len = self.cache.max_len
-        self.kv = KVCacheManager(slots, self.slot_len, self.cache.nbytes // (slots * self.slot_len))
+        # Bytes per token from what the cache allocated, in whatever format it holds.
+        per_token = -(-self.cache.nbytes // (slots * self.slot_len))
+        fmt = kv_format.dtype if kv_format is not None else "float16"
+        self.kv = KVCacheManager(slots, self.slot_len, per_token, fmt)
         self.device = model.device
         self.graphs: StepGraphs | None = None
         self.prefill_graphs: fused_prefill.PrefillGraphs | None = None
+        # Where a paused sequence's row goes, to be restored on resume (None: dropped, and
+        # prefilled again).
+        self.offload: KVOffload | None = None
+        # Prefilled prompt prefixes shared by later prompts (None: every prompt prefilled whole).
+        self.prefix_cache: PrefixCache | None = None
         self.running: list[Sequence] = []
         self.prefill_chunk = 0  # tokens per prefill chunk while others decode; 0: whole prompts
         self.steps = 0
@@ -127,7 +149,7 @@ class ContinuousBatcher:
 
     @property
     def slots(self) -> int:
-        return int(self.cache.k.shape[1])
+        return self.cache.batch
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -138,7 +160,9 @@ class ContinuousBatcher:
         (after warm_up, which builds and tunes every kernel); returns how many."""
         self.graphs = StepGraphs(self.model, self.cache, self.slots)
         captured = self.graphs.capture_all()
-        if fused_prefill.supported(self.model):
+        # A quantized cache is written by its own kernels (edge/text/kv_attention.py): its
+        # prompts are prefilled op by op.
+        if fused_prefill.supported(self.model) and isinstance(self.cache, KVCache):
             self.prefill_graphs = fused_prefill.PrefillGraphs(self.model, self.cache, pool=self.graphs.pool)
             captured += self.prefill_graphs.capture_all()
         return captured
@@ -173,7 +197,7 @@ class ContinuousBatcher:
             torch.cuda.synchronize(device)
         return runs
 
-    def _row(self, slot: int) -> KVCache:
+    def _row(self, slot: int) -> KVCache | QuantKVCache:
         return self.cache.rows(slot, 1)
 
     @torch.inference_mode()
@@ -190,15 +214,52 @@ class ContinuousBatcher:
             seq.generator = torch.Generator(device=self.device).manual_seed(seq.seed)
         seq.slot, seq.kv = slot.row, slot
         seq.logits, seq.prefilled = None, 0
-        chunked = self.prefill_chunk > 0 and len(ids) > self.prefill_chunk and bool(self.running)
-        self._prefill(seq, ids, self.prefill_chunk if chunked else len(ids))
+        if seq.saved is not None and self._restore(seq):
+            self.running.append(seq)
+            return
+        if self._cached_prefix(seq, ids) is not None:
+            entry = self.prefix_cache.get(ids[: seq.prefix]) if self.prefix_cache is not None else None
+            if entry is not None:  # the prefix's row as its first prefill left it
+                self.cache.load_row(slot.row, entry.tokens, entry.saved)
+                seq.prefilled = entry.tokens
+        chunked = self.prefill_chunk > 0 and len(ids) - seq.prefilled > self.prefill_chunk and bool(self.running)
+        if chunked:
+            self._prefill(seq, ids, self.prefill_chunk)
+        else:
+            while seq.logits is None:  # at once, or in two parts either side of a prefix kept
+                self._prefill(seq, ids, len(ids))
         self.running.append(seq)
+
+    def _cached_prefix(self, seq: Sequence, ids: list[int]) -> int | None:
+        """Where the sequence's prompt splits for the prefix cache, if it does."""
+        if self.prefix_cache is None or not MIN_PREFIX <= seq.prefix < len(ids):
+            return None
+        if seq.prefilled == 0 and not self.prefix_cache.worth(seq.prefix, len(ids) - seq.prefix):
+            return None  # measured: a hit would not pay here
+        return seq.prefix
+
+    def _restore(self, seq: Sequence) -> bool:
+        """Put a paused sequence's offloaded row back where the measured figures say that
+        is faster than prefilling it again; True if it was."""
+        saved, seq.saved = seq.saved, None
+        assert saved is not None and seq.slot is not None
+        if self.offload is None:
+            return False
+        if self.offload.choose(saved) == "recompute":
+            self.offload.recomputed(saved)
+            return False
+        seq.logits = self.offload.restore(saved, self.cache, seq.slot)
+        seq.prefilled = saved.length
+        return True
 
     def _prefill(self, seq: Sequence, ids: list[int], count: int) -> None:
         """The next `count` tokens of `ids` into the sequence's row after those already
         there; the last of them sets its next-token logits."""
         assert seq.slot is not None
         start, end = seq.prefilled, min(len(ids), seq.prefilled + count)
+        boundary = self._cached_prefix(seq, ids)
+        if boundary is not None and start < boundary < end:
+            end = boundary  # the prefix alone, so that what is kept is the prefix's own row
         t0 = time.perf_counter()
         events = self._events()
         graphs = self.prefill_graphs
@@ -210,8 +271,20 @@ class ContinuousBatcher:
         if events is not None:
             events[1].record()
             seq.prefill_events.append(events)
+        if self.offload is not None or self.prefix_cache is not None:
+            # What recomputing a row, or prefilling after a kept prefix, costs: measured
+            # (on CUDA once the prefill has run).
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            seconds = time.perf_counter() - t0
+            if self.offload is not None:
+                self.offload.note_prefill(end - start, seconds)
+            if self.prefix_cache is not None:
+                self.prefix_cache.note_prefill(start, end - start, seconds * 1000.0, whole=start == 0)
         seq.prefill_ms += (time.perf_counter() - t0) * 1000.0
         seq.prefilled = end
+        if boundary is not None and end == boundary and self.prefix_cache is not None:
+            self.prefix_cache.put(ids[:boundary], self.cache.save_row(seq.slot, boundary))
         if end == len(ids):
             seq.logits = logits
 
@@ -258,9 +331,13 @@ class ContinuousBatcher:
                     self.kv.free(slot)
         return seqs
 
-    def pause(self, seq: Sequence) -> KVSlot | None:
-        """Take a running sequence out; its KV is dropped. Returns the grant it held, for
-        the caller to give back to the KV manager."""
+    def pause(self, seq: Sequence, keep: bool = True) -> KVSlot | None:
+        """Take a running sequence out. Its row is offloaded (if there is an offload and
+        `keep`), else dropped, to be prefilled again. Returns the grant it held, for the
+        caller to give back to the KV manager."""
+        if keep and self.offload is not None and seq.slot is not None:
+            length = seq.length if seq.logits is not None else seq.prefilled
+            seq.saved = self.offload.save(self.cache, seq.slot, length, seq.logits)
         slot = self._leave(seq)
         seq.logits = None
         seq.pauses += 1

@@ -25,6 +25,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,9 +33,6 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_int4.c")
 LANES = 16  # cpu_int4.c's vector width in floats: a group must hold two vectors of codes
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
 
 
 def supports(in_features: int, group_size: int) -> bool:
@@ -71,27 +69,30 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def library_path(cc: str) -> Path:
+def library_path(cc: str, source: Path | None = None) -> Path:
     """The built library's path: one per source, compiler, flags and CPU."""
+    source = source if source is not None else SOURCE
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), " ".join(_flags()).encode(), _cpu_identity().encode()):
+    for part in (source.read_bytes(), version.encode(), " ".join(_flags()).encode(), _cpu_identity().encode()):
         key.update(part)
         key.update(b"\0")
-    return cache_dir() / f"cpu_int4-{platform.machine()}-{key.hexdigest()[:16]}.so"
+    return cache_dir() / f"{source.stem}-{platform.machine()}-{key.hexdigest()[:16]}.so"
 
 
-def build() -> Path:
-    """Compile the kernel into the cache unless it is there; returns the library's path.
-    Concurrent builders each write a temporary file and rename it into place."""
+def build(source: Path | None = None) -> Path:
+    """Compile a C kernel (this one unless told) into the cache unless it is there;
+    returns the library's path. Concurrent builders each write a temporary file and
+    rename it into place."""
+    source = source if source is not None else SOURCE
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc; install gcc, or set CC)")
-    path = library_path(cc)
+    path = library_path(cc, source)
     if path.exists():
         return path
-    compile_into(path, [cc, *_flags()], SOURCE, timeout=300)
-    logger.info("built the CPU INT4 kernel: %s", path)
+    compile_into(path, [cc, *_flags()], source, timeout=300)
+    logger.info("built the CPU kernel %s: %s", source.name, path)
     return path
 
 
@@ -113,40 +114,59 @@ def compile_into(path: Path, command: list[str], source: Path, timeout: float) -
             os.unlink(tmp)
 
 
-def _load() -> ctypes.CDLL:
-    global _lib, _error
-    with _lock:
-        if _lib is not None:
-            return _lib
-        if _error is not None:
-            raise RuntimeError(_error)
-        try:
-            lib = ctypes.CDLL(str(build()))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            _error = f"the float32 CPU INT4 kernel is unavailable: {exc}"
-            raise RuntimeError(_error) from exc
-        fn = lib.edge_int4_linear
-        fn.restype = ctypes.c_int
-        fn.argtypes = [
-            ctypes.c_void_p,  # x [M, K] float32
-            ctypes.c_int64,  # M
-            ctypes.c_int64,  # K
-            ctypes.c_void_p,  # qweight [N, K/2] uint8
-            ctypes.c_void_p,  # scales [N, K/G] float32
-            ctypes.c_void_p,  # zeros [N, K/G] uint8
-            ctypes.c_int64,  # N
-            ctypes.c_int64,  # G
-            ctypes.c_void_p,  # y [M, N] float32
-            ctypes.c_int,  # threads
-        ]
-        _lib = lib
-        return lib
+class CKernel:
+    """A C kernel of ours, built on the box the first time it is asked for (build(), into
+    the kernel cache) and loaded through ctypes once; a failure is remembered and given
+    again, so a box without a compiler asks only once."""
+
+    def __init__(self, source: Path, symbol: str, argtypes: list[Any], what: str) -> None:
+        self.source, self.symbol, self.argtypes, self.what = source, symbol, argtypes, what
+        self._lock = threading.Lock()
+        self._fn: Any = None
+        self._error: str | None = None
+
+    def function(self) -> Any:
+        """The kernel's entry point (raises RuntimeError where it cannot be built)."""
+        with self._lock:
+            if self._fn is not None:
+                return self._fn
+            if self._error is not None:
+                raise RuntimeError(self._error)
+            try:
+                lib = ctypes.CDLL(str(build(self.source)))
+            except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                self._error = f"{self.what} is unavailable: {exc}"
+                raise RuntimeError(self._error) from exc
+            fn = getattr(lib, self.symbol)
+            fn.restype = ctypes.c_int
+            fn.argtypes = self.argtypes
+            self._fn = fn
+            return fn
+
+
+_KERNEL = CKernel(
+    SOURCE,
+    "edge_int4_linear",
+    [
+        ctypes.c_void_p,  # x [M, K] float32
+        ctypes.c_int64,  # M
+        ctypes.c_int64,  # K
+        ctypes.c_void_p,  # qweight [N, K/2] uint8
+        ctypes.c_void_p,  # scales [N, K/G] float32
+        ctypes.c_void_p,  # zeros [N, K/G] uint8
+        ctypes.c_int64,  # N
+        ctypes.c_int64,  # G
+        ctypes.c_void_p,  # y [M, N] float32
+        ctypes.c_int,  # threads
+    ],
+    "the float32 CPU INT4 kernel",
+)
 
 
 def available() -> bool:
     """Whether the kernel is built (building it now if needed) and loadable here."""
     try:
-        _load()
+        _KERNEL.function()
     except RuntimeError as exc:
         logger.warning("%s; torch's bfloat16 kernel serves instead", exc)
         return False
@@ -157,7 +177,7 @@ def linear(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
 ) -> torch.Tensor:
     """x [M, K] -> [M, N] float32 for weights in the checkpoint's layout (scales float32)."""
-    fn = _load().edge_int4_linear
+    fn = _KERNEL.function()
     m, k = x.shape
     n = qweight.shape[0]
     if not supports(k, group):

@@ -16,6 +16,7 @@ import torch
 
 from edge.gpu_streams import side_stream
 from edge.text.llama import KVCache, LlamaModel
+from edge.text.quant_cache import QuantKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ def capture(run: Callable[[], torch.Tensor], pool: Any) -> tuple[torch.cuda.CUDA
 
 
 class GraphDecoder:
-    def __init__(self, model: LlamaModel, cache: KVCache, batch: int = 1, bucket: int = 256) -> None:
+    def __init__(self, model: LlamaModel, cache: KVCache | QuantKVCache, batch: int = 1, bucket: int = 256) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("CUDA graphs need a CUDA device")
         self.model = model
@@ -90,7 +91,9 @@ class StepGraphs:
     nothing else crosses per step but the chosen tokens coming back.
     """
 
-    def __init__(self, model: LlamaModel, cache: KVCache, max_batch: int, min_kv_bucket: int = 256) -> None:
+    def __init__(
+        self, model: LlamaModel, cache: KVCache | QuantKVCache, max_batch: int, min_kv_bucket: int = 256
+    ) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("CUDA graphs need a CUDA device")
         self.model = model

@@ -11,6 +11,7 @@ import torch
 from tokenizers import Tokenizer
 
 from edge.text.llama import KVCache, LlamaModel
+from edge.text.quant_cache import QuantKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,7 @@ def generate(
     prompt_ids: list[int],
     params: SamplingParams,
     eos_ids: frozenset[int],
-    cache: KVCache,
+    cache: KVCache | QuantKVCache,
     on_text: Callable[[str], None] | None = None,
 ) -> Generation:
     """Run one sequence to completion in `cache` (which must hold prompt + new tokens)."""

@@ -24,14 +24,28 @@ import torch
 
 KVDtype = Literal["float16", "int8", "int4"]
 SCALE_DTYPE = torch.float16
+SYM4_ZERO = 8  # symmetric int4 codes c stand for (c - 8) x scale
 
 
 @dataclass(frozen=True)
 class KVFormat:
     dtype: KVDtype
     key_block: int = 64  # tokens sharing a key scale per channel
-    value_group: int = 0  # channels sharing a value scale (0: the whole head)
+    value_group: int = 0  # channels sharing a value scale (0, or more than a head: the whole head)
     window: int = 0  # most recent tokens kept in float16
+    # int4 values: codes for -7..7 steps around zero (no zero point stored) instead of
+    # 0..15 steps from the minimum. A value's range is roughly centred on zero, and a token's zero point
+    # costs as many bytes as its scale.
+    value_symmetric: bool = False
+    # The first `sink` tokens kept float as well, and left out of their key block's
+    # scales: attention leans on a sequence's first tokens whatever follows (the
+    # "attention sink"), and their keys are outliers that would set the first block's
+    # scales for every channel.
+    sink: int = 0
+
+    def group(self, head_dim: int) -> int:
+        """Channels sharing a value scale in heads of `head_dim` channels."""
+        return min(self.value_group or head_dim, head_dim)
 
     def float_tokens(self, length: int) -> int:
         """Of a sequence's first `length` tokens, how many (the newest) are float16: the
@@ -41,11 +55,28 @@ class KVFormat:
         old = max(0, length - self.window)
         return length - old // self.key_block * self.key_block
 
+    def coded(self, length: int) -> int:
+        """Of a served row's first `length` tokens, how many (the oldest) are held as
+        codes. A key block is coded at the step after its last token leaves the window
+        (the step's new token writes first, the block is read from the float ring after),
+        so one token later than float_tokens says; a multiple of key_block."""
+        if self.dtype == "float16":
+            return 0
+        return max(0, length - 1 - self.window) // self.key_block * self.key_block
+
+    @property
+    def ring(self) -> int:
+        """Float slots a served row needs for its uncoded tokens: the window, a key block
+        and the new token (position t in slot t % ring)."""
+        return self.window + self.key_block + 1
+
 
 FORMATS: dict[KVDtype, KVFormat] = {
     "float16": KVFormat("float16"),
     "int8": KVFormat("int8", key_block=64),
-    "int4": KVFormat("int4", key_block=32, value_group=32, window=128),
+    # Chosen on the real model (scripts/bench_kv.py): Δppl under 0.5% and over 3.5x the
+    # tokens of float16 in the same bytes.
+    "int4": KVFormat("int4", key_block=64, value_group=64, window=32, value_symmetric=True, sink=4),
 }
 
 
@@ -64,12 +95,25 @@ class QuantizedKV:
     v_zero: torch.Tensor | None
     k_float: torch.Tensor
     v_float: torch.Tensor
+    sink_k: torch.Tensor | None = None  # the first fmt.sink tokens, float16, once coded
+    sink_v: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
         parts = [self.k_codes, self.k_scale, self.v_codes, self.v_scale, self.k_float, self.v_float]
+        parts += [t for t in (self.sink_k, self.sink_v) if t is not None]
         parts += [z for z in (self.k_zero, self.v_zero) if z is not None]
         return sum(t.numel() * t.element_size() for t in parts)
+
+
+def without_sink(k: torch.Tensor, sink: int) -> torch.Tensor:
+    """Keys [..., T, D] of positions 0.. with the first `sink` replaced by the next one's,
+    so that a block's scales are its other tokens' (the sink tokens are read float)."""
+    if not sink or k.shape[-2] <= sink:
+        return k
+    out = k.clone()
+    out[..., :sink, :] = k[..., sink : sink + 1, :]
+    return out
 
 
 def _pack4(codes: torch.Tensor) -> torch.Tensor:
@@ -84,18 +128,31 @@ def _unpack4(packed: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _round(x: torch.Tensor) -> torch.Tensor:
+    """To the nearest integer, halves up: what the CUDA kernels compute too (torch.round
+    takes halves to even), so a code is the same whichever device wrote it."""
+    return torch.floor(x + 0.5)
+
+
 def _symmetric(x: torch.Tensor, dim: int, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (x.abs().amax(dim=dim, keepdim=True) / qmax).to(SCALE_DTYPE)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale)).float()
-    codes = torch.clamp(torch.round(x / safe), -qmax, qmax).to(torch.int8)
+    codes = torch.clamp(_round(x.float() / safe), -qmax, qmax).to(torch.int8)
     return codes, scale
+
+
+def _symmetric4(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 codes c = 1..15 standing for (c - 8) times the scale (absmax / 7): symmetric
+    about zero, which is exact, with no zero point stored."""
+    codes, scale = _symmetric(x, dim, 7)
+    return (codes + SYM4_ZERO).to(torch.uint8), scale
 
 
 def _asymmetric(x: torch.Tensor, dim: int, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     low = x.amin(dim=dim, keepdim=True).to(SCALE_DTYPE)
     scale = ((x.amax(dim=dim, keepdim=True) - low.float()) / (levels - 1)).to(SCALE_DTYPE)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale)).float()
-    codes = torch.clamp(torch.round((x - low.float()) / safe), 0, levels - 1).to(torch.uint8)
+    codes = torch.clamp(_round((x.float() - low.float()) / safe), 0, levels - 1).to(torch.uint8)
     return codes, scale, low
 
 
@@ -104,10 +161,10 @@ def quantize(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat) -> QuantizedKV:
     length, dim = k.shape[-2], k.shape[-1]
     if fmt.dtype != "float16" and dim % 2:
         raise ValueError(f"head size {dim} must be even for packed codes")
-    if fmt.value_group and dim % fmt.value_group:
+    if dim % fmt.group(dim):
         raise ValueError(f"head size {dim} is not a multiple of the value group {fmt.value_group}")
     old = length - fmt.float_tokens(length)
-    kq, vq = k[..., :old, :].float(), v[..., :old, :].float()
+    kq, vq = without_sink(k[..., :old, :].float(), fmt.sink), v[..., :old, :].float()
     k_zero = v_zero = None
     empty = torch.empty(0, device=k.device)
     if fmt.dtype == "float16":
@@ -115,7 +172,7 @@ def quantize(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat) -> QuantizedKV:
     else:
         # Keys: [..., blocks, block, D], one scale per channel of a block.
         blocks = kq.reshape(*kq.shape[:-2], old // fmt.key_block, fmt.key_block, dim)
-        group = fmt.value_group or dim
+        group = fmt.group(dim)
         groups = vq.reshape(*vq.shape[:-1], dim // group, group)  # values: per token (and group)
         if fmt.dtype == "int8":
             k_codes, k_scale = _symmetric(blocks, -2, 127)
@@ -124,9 +181,13 @@ def quantize(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat) -> QuantizedKV:
             v_codes = v_codes.reshape(vq.shape)
         else:
             kc, k_scale, k_zero = _asymmetric(blocks, -2, 16)
-            vc, v_scale, v_zero = _asymmetric(groups, -1, 16)
+            if fmt.value_symmetric:
+                vc, v_scale = _symmetric4(groups, -1)
+            else:
+                vc, v_scale, v_zero = _asymmetric(groups, -1, 16)
             k_codes = _pack4(kc.reshape(kq.shape))
             v_codes = _pack4(vc.reshape(vq.shape))
+    sink = min(fmt.sink, old)
     return QuantizedKV(
         fmt,
         old,
@@ -138,6 +199,8 @@ def quantize(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat) -> QuantizedKV:
         v_zero,
         k[..., old:, :].to(torch.float16),
         v[..., old:, :].to(torch.float16),
+        k[..., :sink, :].to(torch.float16) if sink else None,
+        v[..., :sink, :].to(torch.float16) if sink else None,
     )
 
 
@@ -149,22 +212,27 @@ def dequantize(q: QuantizedKV, dtype: torch.dtype = torch.float32) -> tuple[torc
         return q.k_float.to(dtype), q.v_float.to(dtype)
     dim = q.k_float.shape[-1]
     lead = q.k_float.shape[:-2]
-    group = fmt.value_group or dim
+    group = fmt.group(dim)
     if fmt.dtype == "int8":
         kc, vc = q.k_codes.float(), q.v_codes.float()
     else:
         kc, vc = _unpack4(q.k_codes).float(), _unpack4(q.v_codes).float()
     kb = kc.reshape(*lead, old // fmt.key_block, fmt.key_block, dim)
     vg = vc.reshape(*lead, old, dim // group, group)
-    if q.k_zero is None:
-        k = kb * q.k_scale.float()
-        v = vg * q.v_scale.float()
-    else:
-        assert q.v_zero is not None
-        k = kb * q.k_scale.float() + q.k_zero.float()
-        v = vg * q.v_scale.float() + q.v_zero.float()
-    k = torch.cat([k.reshape(*lead, old, dim), q.k_float.float()], dim=-2)
-    v = torch.cat([v.reshape(*lead, old, dim), q.v_float.float()], dim=-2)
+    if fmt.dtype == "int4" and fmt.value_symmetric:
+        vg = vg - SYM4_ZERO
+    k = kb * q.k_scale.float()
+    v = vg * q.v_scale.float()
+    if q.k_zero is not None:
+        k = k + q.k_zero.float()
+    if q.v_zero is not None:
+        v = v + q.v_zero.float()
+    k, v = k.reshape(*lead, old, dim), v.reshape(*lead, old, dim)
+    if q.sink_k is not None and q.sink_v is not None:
+        sink = q.sink_k.shape[-2]
+        k[..., :sink, :], v[..., :sink, :] = q.sink_k.float(), q.sink_v.float()
+    k = torch.cat([k, q.k_float.float()], dim=-2)
+    v = torch.cat([v, q.v_float.float()], dim=-2)
     return k.to(dtype), v.to(dtype)
 
 
@@ -172,19 +240,9 @@ def bytes_per_token(fmt: KVFormat, layers: int, kv_heads: int, head_dim: int) ->
     """Bytes a token past the window costs in `fmt`, scales included, all layers."""
     per_head = {
         "float16": 2 * 2 * head_dim,
-        "int8": 2 * head_dim + 2 * head_dim / fmt.key_block + 2 * (head_dim // (fmt.value_group or head_dim)),
-        "int4": head_dim + 4 * head_dim / fmt.key_block + 4 * (head_dim // (fmt.value_group or head_dim)),
+        "int8": 2 * head_dim + 2 * head_dim / fmt.key_block + 2 * (head_dim // fmt.group(head_dim)),
+        "int4": head_dim
+        + 4 * head_dim / fmt.key_block
+        + (2 if fmt.value_symmetric else 4) * (head_dim // fmt.group(head_dim)),
     }[fmt.dtype]
     return float(per_head * layers * kv_heads)
-
-
-def capacity_tokens(fmt: KVFormat, pool_bytes: int, rows: int, layers: int, kv_heads: int, head_dim: int) -> int:
-    """Tokens a KV pool of `pool_bytes` holds in `rows` rows: each row keeps its float
-    tokens (the window and a key block) in float16, the rest in codes."""
-    full = bytes_per_token(FORMATS["float16"], layers, kv_heads, head_dim)
-    per_row = pool_bytes / rows
-    float_part = fmt.window + fmt.key_block
-    if fmt.dtype == "float16" or per_row <= float_part * full:
-        return rows * int(per_row // full)
-    coded = (per_row - float_part * full) / bytes_per_token(fmt, layers, kv_heads, head_dim)
-    return rows * int(float_part + coded)

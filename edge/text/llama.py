@@ -12,15 +12,17 @@ import logging
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-from edge.text import triton_decode
+from edge.text import kv_attention, triton_decode
 from edge.text.embedding import QuantizedEmbedding
+from edge.text.kv_quant import KVFormat
+from edge.text.quant_cache import QuantKVCache, QuantLayer
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +88,22 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
+
+    @property
+    def batch(self) -> int:
+        return int(self.k.shape[1])
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[i], self.v[i]
+
+    def save_row(self, row: int, length: int) -> dict[str, torch.Tensor]:
+        """Copies of a row's keys and values for its first `length` tokens."""
+        return {"k": self.k[:, row, :, :length].clone(), "v": self.v[:, row, :, :length].clone()}
+
+    def load_row(self, row: int, length: int, saved: dict[str, torch.Tensor]) -> None:
+        """Put a row saved at `length` tokens into row `row`."""
+        self.k[:, row, :, :length] = saved["k"].to(self.k.device, non_blocking=True)
+        self.v[:, row, :, :length] = saved["v"].to(self.v.device, non_blocking=True)
 
     def rows(self, first: int, count: int) -> KVCache:
         """A cache over sequences first..first+count-1 that shares this one's memory."""
@@ -193,7 +211,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        k_cache: torch.Tensor | None,
+        k_cache: torch.Tensor | QuantLayer | None,
         v_cache: torch.Tensor | None,
         start: int | DecodeAt,
     ) -> torch.Tensor:
@@ -210,6 +228,8 @@ class Attention(nn.Module):
             k = apply_rope(self.k_proj(x).view(bsz, seq, self.n_kv, hd).transpose(1, 2), cos, sin)
             v_ = self.v_proj(x)
         v = v_.view(bsz, seq, self.n_kv, hd).transpose(1, 2)
+        if isinstance(k_cache, QuantLayer):
+            return self._quantized(q, k, v, k_cache, start)
         if k_cache is None or v_cache is None:
             # Training: the whole sequence at once, nothing cached, gradients flow.
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
@@ -233,6 +253,24 @@ class Attention(nn.Module):
                 q, keys, values, attn_mask=chunk_mask(seq, end, x.device), enable_gqa=self.n_kv != self.n_heads
             )
         projected: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
+        return projected
+
+    def _quantized(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: QuantLayer, start: int | DecodeAt
+    ) -> torch.Tensor:
+        """Attention over a quantized cache (edge/text/kv_attention.py): a decode step and
+        a chunk after cached tokens read the codes in the kernel; a fresh prompt attends
+        to itself in float, as with a float cache, and is coded as it is stored."""
+        bsz, _, seq, hd = q.shape
+        if isinstance(start, DecodeAt):
+            out = kv_attention.decode(layer, q[:, :, 0], k[:, :, 0], v[:, :, 0], start.pos, start.kv_len)
+            out = out.unsqueeze(2)
+        elif start == 0:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=seq > 1, enable_gqa=self.n_kv != self.n_heads)
+            layer.store(k, v, 0)
+        else:
+            out = kv_attention.chunk(layer, q, k, v, start)
+        projected: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(bsz, seq, self.n_heads * hd))
         return projected
 
     def _decode_at(
@@ -303,7 +341,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        k_cache: torch.Tensor | None,
+        k_cache: torch.Tensor | QuantLayer | None,
         v_cache: torch.Tensor | None,
         start: int | DecodeAt,
     ) -> torch.Tensor:
@@ -352,11 +390,24 @@ class LlamaModel(nn.Module):
         table = self.embed_tokens
         return table.weight.device if isinstance(table, nn.Embedding) else table.device
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
-        return KVCache(self.config, batch, min(max_len, self.config.max_position), self.dtype, self.device)
+    @overload
+    def new_cache(self, batch: int, max_len: int, kv_format: None = None) -> KVCache: ...
+
+    @overload
+    def new_cache(self, batch: int, max_len: int, kv_format: KVFormat | None) -> KVCache | QuantKVCache: ...
+
+    def new_cache(self, batch: int, max_len: int, kv_format: KVFormat | None = None) -> KVCache | QuantKVCache:
+        """A KV cache of `batch` rows: float in the activations' type, or int8/int4 codes
+        (edge/text/quant_cache.py) for a quantized format."""
+        length = min(max_len, self.config.max_position)
+        if kv_format is not None and kv_format.dtype != "float16":
+            return QuantKVCache(self.config, batch, length, kv_format, self.dtype, self.device)
+        return KVCache(self.config, batch, length, self.dtype, self.device)
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache: KVCache, start: int, last_only: bool = True) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, cache: KVCache | QuantKVCache, start: int, last_only: bool = True
+    ) -> torch.Tensor:
         """Logits for `ids` [B, T] placed at positions start..start+T-1 of `cache`."""
         seq = ids.shape[1]
         if start + seq > cache.max_len:
@@ -368,7 +419,7 @@ class LlamaModel(nn.Module):
         # and a prompt's cached keys and values would not be those its decode expects.
         x = self.embed_tokens(ids).float()
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], start)
+            x = layer(x, cos, sin, *_layer_kv(cache, i), start)
         if last_only:
             x = x[:, -1:, :]
         logits: torch.Tensor = self.lm_head(self.norm(x))
@@ -387,7 +438,9 @@ class LlamaModel(nn.Module):
         return logits
 
     @torch.inference_mode()
-    def decode_step(self, ids: torch.Tensor, cache: KVCache, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+    def decode_step(
+        self, ids: torch.Tensor, cache: KVCache | QuantKVCache, pos: torch.Tensor, kv_len: int
+    ) -> torch.Tensor:
         """Logits [B, V] for one token per sequence at device-side positions `pos` [B].
 
         Attends over the first kv_len cache slots (masked beyond each position): a
@@ -405,9 +458,17 @@ class LlamaModel(nn.Module):
         at = DecodeAt(pos, kv_len, bias.view(-1, 1, 1, kv_len))
         x = self.embed_tokens(ids).float()  # the residual stream, as in forward()
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], at)
+            x = layer(x, cos, sin, *_layer_kv(cache, i), at)
         logits: torch.Tensor = self.lm_head(self.norm(x))
         return logits[:, -1].float()
+
+
+def _layer_kv(cache: KVCache | QuantKVCache, i: int) -> tuple[torch.Tensor | QuantLayer, torch.Tensor | None]:
+    """What layer i's attention reads and writes: its key and value tensors, or its share
+    of a quantized cache."""
+    if isinstance(cache, QuantKVCache):
+        return cache.layer(i), None
+    return cache.k[i], cache.v[i]
 
 
 def fuse_projections(model: LlamaModel) -> None:

@@ -16,11 +16,15 @@ import torch
 from edge.config.schema import DEFAULT_SYSTEM_PROMPT
 from edge.protocol.errors import ErrorCode, JobError
 from edge.protocol.jobs import QAJob
+from edge.text import cpu_kv, triton_decode
 from edge.text.chat import ChatTemplateError
 from edge.text.checkpoint import TextCheckpoint, load_checkpoint
 from edge.text.continuous import ContinuousBatcher, Sequence
 from edge.text.embedding import EmbeddingFormat
 from edge.text.generate import SamplingParams
+from edge.text.kv_offload import KVOffload
+from edge.text.kv_quant import FORMATS, KVFormat
+from edge.text.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +48,14 @@ class QASettings:
     cpu_kernel: str = "exact"
     # The token table: "auto" (int8 on CUDA, float on the CPU), "float", "int8", "int4".
     embedding: str = "auto"
+    # The KV cache: "float16" (the activations' type), "int8", "int4" (edge/text/kv_quant.py).
+    kv_dtype: str = "float16"
+    # Paused sequences' rows: "off", "memory" or "disk" (under offload_dir); see kv_offload.
+    kv_offload: str = "off"
+    kv_offload_mib: int = 256
+    offload_dir: Path | None = None
+    # Prefilled prompt prefixes kept for reuse (MiB; 0: none); see prefix_cache.
+    prefix_cache_mib: int = 0
 
 
 def chatml(system: str, user: str) -> str:
@@ -63,6 +75,21 @@ def resolve_embedding(settings: QASettings) -> EmbeddingFormat:
     if settings.embedding not in ("float", "int8", "int4"):
         raise ValueError(f"embedding must be auto, float, int8 or int4, got {settings.embedding!r}")
     return settings.embedding  # type: ignore[return-value]
+
+
+def kv_format(settings: QASettings) -> KVFormat:
+    """The KV cache's format, checked against what this box can run: the quantized
+    formats need their attention kernels (Triton on CUDA, a C compiler on the CPU)."""
+    if settings.kv_dtype not in FORMATS:
+        raise ValueError(f"kv_dtype must be one of {', '.join(FORMATS)}, got {settings.kv_dtype!r}")
+    fmt = FORMATS[settings.kv_dtype]
+    if fmt.dtype == "float16":
+        return fmt
+    if settings.device == "cuda" and not triton_decode.TRITON_SUPPORT:
+        raise RuntimeError(f"models.qa.kv_dtype {fmt.dtype} on CUDA needs Triton, which is not installed here")
+    if settings.device == "cpu" and not cpu_kv.available():
+        raise RuntimeError(f"models.qa.kv_dtype {fmt.dtype} on the CPU needs a C compiler (install gcc, or set CC)")
+    return fmt
 
 
 def resolve_dtype(settings: QASettings) -> torch.dtype:
@@ -87,8 +114,20 @@ class QAEngine:
             checkpoint.eos_ids,
             slots=settings.max_sequences,
             slot_len=settings.max_context_tokens,
+            kv_format=kv_format(settings),
         )
         self.batcher.prefill_chunk = settings.prefill_chunk
+        if settings.kv_offload != "off":
+            self.batcher.offload = KVOffload(
+                settings.kv_offload,  # type: ignore[arg-type]
+                self.batcher.device,
+                settings.offload_dir,
+                settings.kv_offload_mib << 20,
+            )
+            self.batcher.kv.offload_snapshot = self.batcher.offload.snapshot
+        if settings.prefix_cache_mib > 0:
+            self.batcher.prefix_cache = PrefixCache(settings.prefix_cache_mib << 20)
+            self.batcher.kv.prefix_snapshot = self.batcher.prefix_cache.snapshot
         # Device bytes a prefill of the longest prompt takes beyond the model (its
         # activations): measured at warm-up on CUDA, reserved by each job while it is
         # prefilled. On the CPU that working memory stays in the heap after warm-up,
@@ -194,13 +233,32 @@ class QAEngine:
             raise JobError(ErrorCode.INVALID_FIELD, why, "question") from err
 
     def prompt_ids(self, question: str, context: str | None) -> list[int]:
+        return self.prompt_parts(question, context)[0]
+
+    def prompt_parts(self, question: str, context: str | None) -> tuple[list[int], int]:
+        """The prompt's tokens, and how many of the first are its reusable prefix: the
+        system turn and the context documents, up to the question (the prefix cache's
+        key). The prefix is where the prompt's tokens and the prefix text's own agree,
+        less one token (the one a different question could merge with)."""
         # The template writes the special tokens (a BOS among them) itself, as in transformers.
         text = self.prompt_text(question, context)
-        return list(self._ckpt.tokenizer.encode(text, add_special_tokens=False).ids)
+        encode = self._ckpt.tokenizer.encode
+        ids = list(encode(text, add_special_tokens=False).ids)
+        marker = "Question: " if context else question
+        cut = text.rfind(marker)
+        if cut <= 0:
+            return ids, 0
+        head = encode(text[:cut], add_special_tokens=False).ids
+        same = 0
+        for a, b in zip(ids, head, strict=False):
+            if a != b:
+                break
+            same += 1
+        return ids, max(0, same - 1)
 
     def prepare(self, job: QAJob, owner: Any = None, on_text: Callable[[str], None] | None = None) -> Sequence:
         t0 = time.perf_counter()
-        ids = self.prompt_ids(job.question, job.context)
+        ids, prefix = self.prompt_parts(job.question, job.context)
         tokenize_ms = (time.perf_counter() - t0) * 1000.0
         new_tokens = job.max_new_tokens or self._settings.max_new_tokens
         window = self._settings.max_context_tokens
@@ -221,6 +279,7 @@ class QAEngine:
             seed=job.seed,
         )
         seq = Sequence(owner, ids, params, on_text)
+        seq.prefix = prefix
         seq.tokenize_ms = tokenize_ms
         return seq
 

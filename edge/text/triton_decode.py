@@ -32,6 +32,7 @@ from edge.text.int4 import GEMV_KERNELS, Int4Linear
 
 if TYPE_CHECKING:
     from edge.text.llama import KVCache, LlamaModel
+    from edge.text.quant_cache import QuantKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -406,8 +407,32 @@ class _Prefetcher:
             self.pending = False
 
 
+def _attend(
+    model: LlamaModel,
+    qkv: torch.Tensor,
+    cache: KVCache | QuantKVCache,
+    i: int,
+    pos: torch.Tensor,
+    kv_len: int,
+    sms: int,
+) -> torch.Tensor:
+    """Layer i's rotary, cache write and attention for the step's rows: [B, NH * HD]."""
+    from edge.text import triton_kv  # it builds on this module's kernels
+    from edge.text.quant_cache import QuantKVCache
+
+    bsz = qkv.shape[0]
+    n_heads = model.config.num_heads
+    if isinstance(cache, QuantKVCache):
+        layer = cache.rows(0, bsz).layer(i)
+        q = triton_kv.rope_write(qkv, model.rope_cos, model.rope_sin, pos, layer, n_heads)
+        return triton_kv.attention(layer, q, pos, kv_len, q_scale=1.0)
+    k_cache, v_cache = cache.k[i, :bsz], cache.v[i, :bsz]
+    q = rope_kv_write(qkv, model.rope_cos, model.rope_sin, pos, k_cache, v_cache, n_heads)
+    return decode_attention(q, k_cache, v_cache, pos, kv_len, sms)
+
+
 def fused_decode_step(
-    model: LlamaModel, ids: torch.Tensor, cache: KVCache, pos: torch.Tensor, kv_len: int
+    model: LlamaModel, ids: torch.Tensor, cache: KVCache | QuantKVCache, pos: torch.Tensor, kv_len: int
 ) -> torch.Tensor:
     """Logits [B, V] float32 for one token per sequence at device-side positions pos [B]."""
     from edge.text.llama import DecoderLayer  # llama imports this module
@@ -430,9 +455,7 @@ def fused_decode_step(
         ahead.join()
         qkv = _gemv(attn.qkv_proj, h, norm_in)
         ahead.start(attn.o_proj)  # beside the rotary, KV write and attention kernels
-        k_cache, v_cache = cache.k[i, :bsz], cache.v[i, :bsz]
-        q = rope_kv_write(qkv, model.rope_cos, model.rope_sin, pos, k_cache, v_cache, config.num_heads)
-        attended = decode_attention(q, k_cache, v_cache, pos, kv_len, sms)
+        attended = _attend(model, qkv, cache, i, pos, kv_len, sms)
         ahead.join()
         gate_up = mlp.gate_up_proj
         if fold and attended.dtype == dtype:

@@ -1,0 +1,36 @@
+"""How many tokens a KV pool holds in each format, counted from the caches as the server
+allocates them (codes, scales, zero points and the float ring; edge/text/quant_cache.py),
+on torch's meta device, so nothing is allocated to count."""
+
+from __future__ import annotations
+
+import torch
+
+from edge.text.kv_quant import KVFormat
+from edge.text.llama import KVCache, LlamaConfig
+from edge.text.quant_cache import QuantKVCache
+
+META = torch.device("meta")
+
+
+def cache_bytes(config: LlamaConfig, fmt: KVFormat, rows: int, row_tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of a served cache of `rows` rows of `row_tokens` tokens in `fmt` (the float
+    parts in `dtype`: the activations' type)."""
+    if fmt.dtype == "float16":
+        return KVCache(config, rows, row_tokens, dtype, META).nbytes
+    return QuantKVCache(config, rows, row_tokens, fmt, dtype, META).nbytes
+
+
+def longest_rows(config: LlamaConfig, fmt: KVFormat, rows: int, pool_bytes: int, dtype: torch.dtype) -> int:
+    """The longest rows (tokens each) of which `rows` fit in `pool_bytes` in `fmt`; 0 if
+    not even one token does."""
+    low, high = 0, 1
+    while cache_bytes(config, fmt, rows, high, dtype) <= pool_bytes:
+        low, high = high, high * 2
+    while high - low > 1:  # low fits, high does not
+        mid = (low + high) // 2
+        if cache_bytes(config, fmt, rows, mid, dtype) <= pool_bytes:
+            low = mid
+        else:
+            high = mid
+    return low

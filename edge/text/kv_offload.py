@@ -1,0 +1,301 @@
+"""Offload of a paused sequence's KV row: to host memory or to files in the state
+directory, so that its resume restores the row instead of prefilling it again, when the
+measured figures say restoring is the faster.
+
+- save: the row's state (llama.KVCache / quant_cache.QuantKVCache.save_row: a float row,
+  or codes, scales and the float ring) and its next-token logits are copied off the
+  device. On CUDA the copy runs on a side stream into pinned memory and the serving
+  stream waits for it on the GPU (not the host) before it reuses the row; on the CPU it
+  is a memory copy. A file, when asked for, is written by a worker thread after that:
+  lz4-coded where that pays (float KV barely compresses, about 1.0x; see
+  scripts/bench_kv.py), raw otherwise.
+- restore: from memory while the copy is still held, else from the file.
+- choose: restoring costs the row's bytes over the measured restore bandwidth;
+  recomputing costs its tokens over the measured prefill rate. Until both have been
+  measured once, it restores.
+
+Offloaded rows live as long as the daemon: the directory is emptied when the store is
+made, so nothing offloaded survives a restart (the job itself does: its journal entry is
+replayed, and it is prefilled again).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import struct
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+OffloadWhere = Literal["off", "memory", "disk"]
+MAGIC = b"EDGEKV1\n"
+MIN_RATIO = 1.05  # lz4 is kept only where it saves at least this much
+EMA = 0.3  # weight of the newest measurement in the running rates
+
+
+class RowCache(Protocol):
+    """What the batcher's caches offer for offload (llama.KVCache, QuantKVCache)."""
+
+    def save_row(self, row: int, length: int) -> dict[str, torch.Tensor]: ...
+
+    def load_row(self, row: int, length: int, saved: dict[str, torch.Tensor]) -> None: ...
+
+
+@dataclass
+class SavedRow:
+    """One paused sequence's row, off the device."""
+
+    length: int  # tokens of KV held
+    nbytes: int  # raw bytes of the row's tensors
+    tensors: dict[str, torch.Tensor] | None  # in host memory until written (or for good)
+    logits: torch.Tensor | None  # next-token logits (host), None mid-prefill
+    path: Path | None = None
+    stored_bytes: int = 0  # on disk, after the codec
+    codec: str = "none"
+    copied: torch.cuda.Event | None = None  # the device-to-host copy, on CUDA
+    written: Future[None] | None = None
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    flat = t.contiguous().view(-1)
+    if flat.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits as int16
+        flat = flat.view(torch.int16)
+    return bytes(flat.numpy().view(np.uint8).data)
+
+
+def _from_bytes(raw: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    carrier = torch.int16 if dtype == torch.bfloat16 else dtype
+    array = np.frombuffer(raw, dtype=torch.empty(0, dtype=carrier).numpy().dtype).copy()
+    return torch.from_numpy(array).view(dtype).reshape(shape)
+
+
+class KVOffload:
+    """Rows of paused sequences, off the device: in `where` ("memory" or "disk", under
+    `directory`), at most `max_memory_bytes` held in host memory at once (beyond that a
+    row is not offloaded: its sequence is prefilled again)."""
+
+    def __init__(
+        self, where: OffloadWhere, device: torch.device, directory: Path | None = None, max_memory_bytes: int = 1 << 28
+    ) -> None:
+        if where == "disk" and directory is None:
+            raise ValueError("offload to disk needs a directory")
+        self.where = where
+        self.device = device
+        self.directory = directory
+        self.max_memory_bytes = max_memory_bytes
+        self.memory_bytes = 0
+        self.disk_bytes = 0
+        self.restore_bytes_per_s: float | None = None
+        self.prefill_tokens_per_s: float | None = None
+        self.counts = {"saved": 0, "restored": 0, "recomputed": 0, "skipped": 0}
+        self._lock = threading.Lock()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-offload") if where == "disk" else None
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+        if directory is not None and where == "disk":
+            # What an earlier run offloaded belongs to sequences that are gone.
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir(parents=True, exist_ok=True)
+
+    # -- saving ---------------------------------------------------------------------
+    def save(self, cache: RowCache, row: int, length: int, logits: torch.Tensor | None) -> SavedRow | None:
+        """Copy row `row` (holding `length` tokens) and its logits off the device; None
+        when it does not fit in host memory now (the caller recomputes instead)."""
+        if self.where == "off" or length <= 0:
+            return None
+        with torch.inference_mode():
+            if self._stream is not None:
+                saved = self._save_cuda(cache, row, length, logits)
+            else:
+                parts = cache.save_row(row, length)  # copies already
+                host = logits.detach().clone() if logits is not None else None
+                nbytes = sum(t.numel() * t.element_size() for t in parts.values())
+                saved = SavedRow(length, nbytes, parts, host)
+        with self._lock:
+            if self.memory_bytes + saved.nbytes > self.max_memory_bytes:
+                self.counts["skipped"] += 1
+                logger.info("KV offload: %d bytes do not fit the %d left; recompute instead", saved.nbytes,
+                            self.max_memory_bytes - self.memory_bytes)  # fmt: skip
+                return None
+            self.memory_bytes += saved.nbytes
+            self.counts["saved"] += 1
+        if self._writer is not None:
+            saved.written = self._writer.submit(self._write, saved)
+        return saved
+
+    def _save_cuda(self, cache: RowCache, row: int, length: int, logits: torch.Tensor | None) -> SavedRow:
+        assert self._stream is not None
+        serving = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(serving)  # the row as the steps so far left it
+        with torch.cuda.stream(self._stream):
+            parts = cache.save_row(row, length)
+            host = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for name, t in parts.items()}
+            for name, t in parts.items():
+                host[name].copy_(t, non_blocking=True)
+            host_logits = None
+            if logits is not None:
+                host_logits = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
+                host_logits.copy_(logits, non_blocking=True)
+            for t in parts.values():
+                t.record_stream(self._stream)
+            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            copied.record(self._stream)
+        serving.wait_event(copied)  # the row is reused only after its copy, on the GPU
+        nbytes = sum(t.numel() * t.element_size() for t in host.values())
+        return SavedRow(length, nbytes, host, host_logits, copied=copied)
+
+    def _write(self, saved: SavedRow) -> None:
+        """On the writer thread: the row into a file, then its host copy let go."""
+        import lz4.frame
+
+        assert self.directory is not None and saved.tensors is not None
+        if saved.copied is not None:
+            saved.copied.synchronize()
+        header: dict[str, object] = {"length": saved.length, "parts": []}
+        blobs = []
+        parts = dict(saved.tensors)
+        if saved.logits is not None:
+            parts["__logits__"] = saved.logits
+        for name, t in parts.items():
+            raw = _to_bytes(t)
+            packed = lz4.frame.compress(raw)
+            codec = "lz4" if len(raw) >= MIN_RATIO * len(packed) else "none"
+            blob = packed if codec == "lz4" else raw
+            header["parts"].append(  # type: ignore[attr-defined]
+                {
+                    "name": name,
+                    "shape": list(t.shape),
+                    "dtype": str(t.dtype).removeprefix("torch."),
+                    "codec": codec,
+                    "bytes": len(blob),
+                }
+            )
+            blobs.append(blob)
+        path = self.directory / f"{uuid.uuid4().hex}.kv"
+        meta = json.dumps(header).encode()
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + struct.pack("<I", len(meta)) + meta)
+            for blob in blobs:
+                f.write(blob)
+        tmp.rename(path)
+        stored = path.stat().st_size
+        codecs = {p["codec"] for p in header["parts"]}  # type: ignore[attr-defined]
+        with self._lock:
+            saved.path, saved.stored_bytes = path, stored
+            saved.codec = "lz4" if "lz4" in codecs else "none"
+            saved.shapes = {name: (tuple(t.shape), t.dtype) for name, t in parts.items()}
+            saved.tensors = None  # on disk now: its host memory goes back
+            if saved.logits is not None:
+                saved.logits = None
+            self.memory_bytes -= saved.nbytes
+            self.disk_bytes += stored
+
+    # -- restoring ------------------------------------------------------------------
+    def choose(self, saved: SavedRow) -> Literal["restore", "recompute"]:
+        """Restore or recompute `saved`, by the rates measured so far."""
+        if self.restore_bytes_per_s is None or self.prefill_tokens_per_s is None:
+            return "restore"
+        restore_s = saved.nbytes / self.restore_bytes_per_s
+        recompute_s = saved.length / self.prefill_tokens_per_s
+        return "restore" if restore_s <= recompute_s else "recompute"
+
+    def restore(self, saved: SavedRow, cache: RowCache, row: int) -> torch.Tensor | None:
+        """Put `saved` into row `row`; returns its logits on the device (None if it was
+        saved mid-prefill). The entry is released."""
+        t0 = time.perf_counter()
+        tensors, logits = self._read(saved)
+        with torch.inference_mode():
+            cache.load_row(row, saved.length, tensors)
+            out = logits.to(self.device, non_blocking=True) if logits is not None else None
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+        seconds = time.perf_counter() - t0
+        self._measured("restore_bytes_per_s", saved.nbytes / max(seconds, 1e-9))
+        with self._lock:
+            self.counts["restored"] += 1
+        self.release(saved)
+        return out
+
+    def _read(self, saved: SavedRow) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        with self._lock:
+            tensors, logits, path = saved.tensors, saved.logits, saved.path
+        if tensors is not None:
+            if saved.copied is not None:
+                saved.copied.synchronize()
+            return tensors, logits
+        assert path is not None
+        import lz4.frame
+
+        data = path.read_bytes()
+        if not data.startswith(MAGIC):
+            raise RuntimeError(f"{path} is not an offloaded KV row")
+        (size,) = struct.unpack_from("<I", data, len(MAGIC))
+        at = len(MAGIC) + 4
+        header = json.loads(data[at : at + size])
+        at += size
+        parts: dict[str, torch.Tensor] = {}
+        for part in header["parts"]:
+            blob = data[at : at + part["bytes"]]
+            at += part["bytes"]
+            raw = lz4.frame.decompress(blob) if part["codec"] == "lz4" else blob
+            parts[part["name"]] = _from_bytes(raw, tuple(part["shape"]), getattr(torch, part["dtype"]))
+        logits = parts.pop("__logits__", None)
+        return parts, logits
+
+    def recomputed(self, saved: SavedRow) -> None:
+        with self._lock:
+            self.counts["recomputed"] += 1
+        self.release(saved)
+
+    def release(self, saved: SavedRow) -> None:
+        """Let go of an entry (its sequence resumed, or ended while paused)."""
+        if saved.written is not None:
+            try:
+                saved.written.result()
+            except OSError:
+                logger.exception("KV offload: writing a row failed")
+        with self._lock:
+            if saved.tensors is not None:
+                saved.tensors = None
+                self.memory_bytes -= saved.nbytes
+            if saved.path is not None:
+                saved.path.unlink(missing_ok=True)
+                self.disk_bytes -= saved.stored_bytes
+                saved.path = None
+
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill's measured rate: what recomputing a row would cost."""
+        if tokens >= 16 and seconds > 0:  # short ones measure launch overhead, not the rate
+            self._measured("prefill_tokens_per_s", tokens / seconds)
+
+    def _measured(self, name: str, value: float) -> None:
+        with self._lock:
+            old = getattr(self, name)
+            setattr(self, name, value if old is None else (1 - EMA) * old + EMA * value)
+
+    def snapshot(self) -> dict[str, object]:
+        with self._lock:
+            return {
+                "where": self.where,
+                "memory_bytes": self.memory_bytes,
+                "disk_bytes": self.disk_bytes,
+                "restore_mb_s": None if self.restore_bytes_per_s is None else self.restore_bytes_per_s / 1e6,
+                "prefill_tok_s": self.prefill_tokens_per_s,
+                **self.counts,
+            }
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)

@@ -1,0 +1,284 @@
+"""A KV cache held as int8 or int4 codes (edge/text/kv_quant.py's formats), for serving.
+
+Per layer and row, for every KV head:
+- codes for each position (int8, or int4 two channels a byte), written when a key block
+  is coded: keys' scales (and int4 zero points) per channel per block of `key_block`
+  tokens, values' per token and group of channels;
+- a float ring of `fmt.ring` slots holding the positions not yet coded (the window and
+  the key block still filling, in the activations' type): position t is in slot
+  t % ring. One more slot past the ring takes the writes at the row's last position,
+  which the batcher uses for rows a step does not advance: they must not land on a live
+  ring slot of a sequence mid-prefill there;
+- the first `fmt.sink` positions in float too, for good (read in place of their codes,
+  which are never used, and left out of the first key block's scales).
+
+A row holding n tokens has its first fmt.coded(n) as codes and the rest in the ring.
+Writing tokens start..end-1 codes every key block that leaves the window, from the ring
+and the new tokens, then puts the new tokens in the ring. Attention reads the codes where
+they are (edge/text/kv_attention.py): nothing here dequantizes for attention.
+
+On CUDA the decode step writes and codes in its own Triton kernel (edge/text/triton_kv.py);
+what is here (torch) serves prefills on every device and the CPU's decode step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+import torch
+
+from edge.text.kv_quant import SYM4_ZERO, KVFormat, _asymmetric, _pack4, _symmetric, _symmetric4, _unpack4, without_sink
+
+if TYPE_CHECKING:
+    from edge.text.llama import LlamaConfig
+
+
+@dataclass
+class QuantLayer:
+    """One layer's share of a quantized cache (each tensor [rows, kv_heads, ...])."""
+
+    fmt: KVFormat
+    max_len: int
+    k_codes: torch.Tensor  # [B, H, code_len, D] int8 or [B, H, code_len, D/2] uint8
+    v_codes: torch.Tensor
+    k_scale: torch.Tensor  # [B, H, blocks, D] float16
+    k_zero: torch.Tensor  # int4: as k_scale; int8: empty
+    v_scale: torch.Tensor  # [B, H, code_len, groups] float16
+    v_zero: torch.Tensor  # int4: as v_scale; int8: empty
+    ring_k: torch.Tensor  # [B, H, ring + 1, D] activations' type
+    ring_v: torch.Tensor
+    sink_k: torch.Tensor  # [B, H, sink, D] activations' type (empty without a sink)
+    sink_v: torch.Tensor
+
+    @property
+    def code_len(self) -> int:
+        """Positions the codes are allocated for (those a row can ever code)."""
+        return int(self.k_codes.shape[2])
+
+    @property
+    def scratch(self) -> int:
+        """The slot past the ring that the row's last position writes to."""
+        return self.fmt.ring
+
+    def slot(self, position: int) -> int:
+        return self.scratch if position == self.max_len - 1 else position % self.fmt.ring
+
+    def ring_span(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions start..end-1 from the ring, [B, H, end-start, D]."""
+        slots = torch.arange(start, end, device=self.ring_k.device) % self.fmt.ring
+        return self.ring_k.index_select(2, slots), self.ring_v.index_select(2, slots)
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """Keys and values [B, H, T, D] of positions start..start+T-1 of every row of this
+        layer (rows holding `start` tokens each): the key blocks that leave the window
+        coded, the new tokens into the ring."""
+        fmt, end = self.fmt, start + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"positions up to {end} in a row of {self.max_len}")
+        if end == self.max_len:  # the row's last position: the scratch slot, never coded
+            self.store(k[:, :, :-1], v[:, :, :-1], start)
+            self.ring_k[:, :, self.scratch] = k[:, :, -1]
+            self.ring_v[:, :, self.scratch] = v[:, :, -1]
+            return
+        c0, c1 = fmt.coded(start), fmt.coded(end)
+        if c1 > c0:
+            old_k, old_v = self.ring_span(c0, start)
+            span_k = torch.cat([old_k, k.to(old_k.dtype)], dim=2)[:, :, : c1 - c0]
+            span_v = torch.cat([old_v, v.to(old_v.dtype)], dim=2)[:, :, : c1 - c0]
+            self._code(span_k, span_v, c0)
+        if fmt.sink and start < fmt.sink:  # the first tokens, kept float for good
+            upto = min(end, fmt.sink)
+            self.sink_k[:, :, start:upto] = k[:, :, : upto - start].to(self.sink_k.dtype)
+            self.sink_v[:, :, start:upto] = v[:, :, : upto - start].to(self.sink_v.dtype)
+        first = max(c1, start)
+        if end > first:
+            slots = torch.arange(first, end, device=k.device) % fmt.ring
+            self.ring_k[:, :, slots] = k[:, :, first - start :].to(self.ring_k.dtype)
+            self.ring_v[:, :, slots] = v[:, :, first - start :].to(self.ring_v.dtype)
+
+    def _code(self, k: torch.Tensor, v: torch.Tensor, first: int) -> None:
+        """Code whole key blocks [B, H, n, D] of positions first..first+n-1."""
+        fmt = self.fmt
+        rows, heads, n, dim = k.shape
+        if first == 0:  # the sink tokens do not set the first block's scales
+            k = without_sink(k, fmt.sink)
+        blocks = k.float().reshape(rows, heads, n // fmt.key_block, fmt.key_block, dim)
+        group = fmt.group(dim)
+        groups = v.float().reshape(rows, heads, n, dim // group, group)
+        b0, b1 = first // fmt.key_block, (first + n) // fmt.key_block
+        if fmt.dtype == "int8":
+            kc, ks = _symmetric(blocks, -2, 127)
+            vc, vs = _symmetric(groups, -1, 127)
+            self.k_codes[:, :, first : first + n] = kc.reshape(rows, heads, n, dim)
+            self.v_codes[:, :, first : first + n] = vc.reshape(rows, heads, n, dim)
+        else:
+            kc, ks, kz = _asymmetric(blocks, -2, 16)
+            if fmt.value_symmetric:
+                vc, vs = _symmetric4(groups, -1)
+            else:
+                vc, vs, vz = _asymmetric(groups, -1, 16)
+                self.v_zero[:, :, first : first + n] = vz.reshape(rows, heads, n, dim // group)
+            self.k_codes[:, :, first : first + n] = _pack4(kc.reshape(rows, heads, n, dim))
+            self.v_codes[:, :, first : first + n] = _pack4(vc.reshape(rows, heads, n, dim))
+            self.k_zero[:, :, b0:b1] = kz.reshape(rows, heads, b1 - b0, dim)
+        self.k_scale[:, :, b0:b1] = ks.reshape(rows, heads, b1 - b0, dim)
+        self.v_scale[:, :, first : first + n] = vs.reshape(rows, heads, n, dim // group)
+
+    def write_tokens(self, k: torch.Tensor, v: torch.Tensor, positions: list[int]) -> None:
+        """One token per row ([B, H, 1, D]) at each row's own position (a decode step)."""
+        for row, position in enumerate(positions):
+            self.rows(row).store(k[row : row + 1], v[row : row + 1], position)
+
+    def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, H, length, D] float32 of rows holding `length` tokens, as
+        attention must see them: the reference the kernels are checked against (serving
+        never builds this)."""
+        fmt = self.fmt
+        coded = fmt.coded(length)
+        rows, heads, _, dim = self.ring_k.shape
+        group = fmt.group(dim)
+        kc, vc = self.k_codes[:, :, :coded], self.v_codes[:, :, :coded]
+        if fmt.dtype == "int4":
+            kc, vc = _unpack4(kc), _unpack4(vc)
+        vf = vc.float() - SYM4_ZERO if fmt.value_symmetric else vc.float()
+        blocks = coded // fmt.key_block
+        k = kc.float().reshape(rows, heads, blocks, fmt.key_block, dim) * self.k_scale[:, :, :blocks, None].float()
+        v = vf.reshape(rows, heads, coded, dim // group, group) * self.v_scale[:, :, :coded, :, None].float()
+        if fmt.dtype == "int4":
+            k = k + self.k_zero[:, :, :blocks, None].float()
+        if self.v_zero.numel():
+            v = v + self.v_zero[:, :, :coded, :, None].float()
+        ring_k, ring_v = self.ring_span(coded, length)
+        k, v = k.reshape(rows, heads, coded, dim), v.reshape(rows, heads, coded, dim)
+        sink = min(fmt.sink, coded)
+        if sink:
+            k[:, :, :sink], v[:, :, :sink] = self.sink_k[:, :, :sink].float(), self.sink_v[:, :, :sink].float()
+        k = torch.cat([k, ring_k.float()], dim=2)
+        v = torch.cat([v, ring_v.float()], dim=2)
+        return k, v
+
+    def rows(self, row: int) -> QuantLayer:
+        """This layer's share of one row."""
+        parts = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in parts.items():
+            if isinstance(value, torch.Tensor) and value.numel():
+                parts[name] = value[row : row + 1]
+        return QuantLayer(**parts)
+
+
+_TENSORS = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero", "ring_k", "ring_v", "sink_k", "sink_v")
+
+
+class QuantKVCache:
+    """Keys and values of `batch` rows of up to `max_len` tokens in an int8 or int4 format,
+    allocated once (the same interface as llama.KVCache: rows, max_len, nbytes)."""
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        batch: int,
+        max_len: int,
+        fmt: KVFormat,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if fmt.dtype == "float16":
+            raise ValueError("a float16 cache is llama.KVCache")
+        dim, group = config.head_dim, fmt.group(config.head_dim)
+        if dim % 2 or dim % group or (fmt.dtype == "int4" and group % 2):
+            raise ValueError(f"head size {dim} does not take value groups of {group} channels")
+        if fmt.key_block % 32:
+            raise ValueError(f"key blocks of {fmt.key_block} tokens: a multiple of 32 is needed")
+        lead = (config.num_layers, batch, config.num_kv_heads)
+        # Codes only for the positions a row can ever code: its newest tokens stay in the
+        # ring (at least one block, so that every format's tensors have a shape).
+        code_len = max(fmt.coded(max_len), fmt.key_block)
+        blocks = code_len // fmt.key_block
+        code_dim, code_type = (dim, torch.int8) if fmt.dtype == "int8" else (dim // 2, torch.uint8)
+        half = torch.float16
+        self.fmt = fmt
+        self.max_len = max_len
+        self.k_codes = torch.zeros(*lead, code_len, code_dim, dtype=code_type, device=device)
+        self.v_codes = torch.zeros(*lead, code_len, code_dim, dtype=code_type, device=device)
+        self.k_scale = torch.zeros(*lead, blocks, dim, dtype=half, device=device)
+        self.v_scale = torch.zeros(*lead, code_len, dim // group, dtype=half, device=device)
+        zeros = fmt.dtype == "int4"
+        self.k_zero = torch.zeros(*lead, blocks, dim, dtype=half, device=device) if zeros else _empty(device)
+        v_zeros = zeros and not fmt.value_symmetric
+        self.v_zero = (
+            torch.zeros(*lead, code_len, dim // group, dtype=half, device=device) if v_zeros else _empty(device)
+        )
+        self.ring_k = torch.zeros(*lead, fmt.ring + 1, dim, dtype=dtype, device=device)
+        self.ring_v = torch.zeros(*lead, fmt.ring + 1, dim, dtype=dtype, device=device)
+        sink = (lambda: torch.zeros(*lead, fmt.sink, dim, dtype=dtype, device=device)) if fmt.sink else None
+        self.sink_k = sink() if sink is not None else _empty(device)
+        self.sink_v = sink() if sink is not None else _empty(device)
+
+    @property
+    def batch(self) -> int:
+        return int(self.k_codes.shape[1])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The float part's type (the activations')."""
+        return self.ring_k.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors().values())
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in _TENSORS}
+
+    def rows(self, first: int, count: int) -> QuantKVCache:
+        """A cache over rows first..first+count-1 that shares this one's memory."""
+        view = QuantKVCache.__new__(QuantKVCache)
+        view.fmt, view.max_len = self.fmt, self.max_len
+        for name, tensor in self._tensors().items():
+            setattr(view, name, tensor[:, first : first + count] if tensor.numel() else tensor)
+        return view
+
+    def layer(self, i: int) -> QuantLayer:
+        parts = {name: (t[i] if t.numel() else t) for name, t in self._tensors().items()}
+        return QuantLayer(self.fmt, self.max_len, **parts)
+
+    def save_row(self, row: int, length: int) -> dict[str, torch.Tensor]:
+        """What a row holding `length` tokens needs to go on from where it is: its codes
+        and scales up to fmt.coded(length), its ring's tokens after that (copies)."""
+        coded = self.fmt.coded(length)
+        blocks = coded // self.fmt.key_block
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in self._tensors().items():
+            if not tensor.numel():
+                continue
+            part = tensor[:, row]
+            if name.startswith("ring"):
+                slots = torch.arange(coded, length, device=tensor.device) % self.fmt.ring
+                out[name] = part.index_select(2, slots)
+            elif name.startswith("sink"):
+                out[name] = part.clone()
+            else:
+                out[name] = part[:, :, : blocks if name == "k_scale" or name == "k_zero" else coded].clone()
+        return out
+
+    def load_row(self, row: int, length: int, saved: dict[str, torch.Tensor]) -> None:
+        """Put a row saved at `length` tokens into row `row` (any row: positions, not rows,
+        decide where a token lives)."""
+        coded = self.fmt.coded(length)
+        for name, tensor in self._tensors().items():
+            if not tensor.numel():
+                continue
+            part = tensor[:, row]
+            value = saved[name].to(part.device, non_blocking=True)
+            if name.startswith("ring"):
+                slots = torch.arange(coded, length, device=tensor.device) % self.fmt.ring
+                part[:, :, slots] = value
+            elif name.startswith("sink"):
+                part.copy_(value)
+            else:
+                part[:, :, : value.shape[2]] = value
+
+
+def _empty(device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.float16, device=device)

@@ -1,0 +1,692 @@
+"""Triton kernels for a quantized KV cache on CUDA (edge/text/quant_cache.py's layout).
+
+- writing a decode step's token: into the ring slot of its position, and, when a key
+  block leaves the window with this step, that block coded from the ring in the same
+  program (the block's tokens are all older than the step's, so no other program of the
+  launch writes them). The fused decode step does this in its rotary kernel
+  (`rope_write`); the per-op step through `write_tokens`;
+- attention split over the cache like triton_decode's, each tile read from the codes
+  (below the row's coded length) or from the float ring, then merged by triton_decode's
+  merge kernel. int4 codes hold the even channel in the low nibble, so every tile is
+  taken as its even and its odd channels: two products per tile, no interleaving.
+
+Codes are computed as quant_cache computes them in torch (float32, IEEE division,
+halves rounded up), so a cache coded here equals one coded there, code for code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from edge.text import triton_decode
+from edge.text.quant_cache import QuantLayer
+
+ATTN8_WARPS = 4  # warps of the int8 attention program (8 measured slower in the batcher on the H200)
+
+if triton_decode.TRITON_SUPPORT:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _ring_slot(pos, max_len, RING: tl.constexpr):
+        """The ring slot of a position: the scratch slot past the ring for the row's last."""
+        return tl.where(pos == max_len - 1, RING, pos % RING)
+
+    @triton.jit
+    def _block_due(pos, max_len, KB: tl.constexpr, W: tl.constexpr):
+        """Whether the token at `pos` is the one with which a key block leaves the window
+        (quant_cache's fmt.coded grows by KB there); the block is pos - W - KB ..."""
+        return (pos != max_len - 1) & (pos - W >= KB) & ((pos - W) % KB == 0)
+
+    @triton.jit
+    def _code_keys(
+        pos,
+        head,
+        ring_ptr,
+        codes_ptr,
+        scale_ptr,
+        zero_ptr,
+        code_len,
+        blocks,
+        HD: tl.constexpr,
+        KB: tl.constexpr,
+        W: tl.constexpr,
+        RING: tl.constexpr,
+        INT4: tl.constexpr,
+        SINK: tl.constexpr,
+    ):
+        """Code the key block leaving the window with the token at `pos`, from the ring
+        (scales per channel): its tokens are older than that one, written by earlier
+        launches. The sink tokens (read float) count as the one after them."""
+        HALF: tl.constexpr = HD // 2
+        r = tl.arange(0, HALF)
+        b0 = pos - W - KB
+        rt = b0 + tl.arange(0, KB)
+        src = ring_ptr + ((head * (RING + 1) + tl.maximum(rt, SINK) % RING) * HD)[:, None]
+        ke = tl.load(src + 2 * r[None, :]).to(tl.float32)
+        ko = tl.load(src + 2 * r[None, :] + 1).to(tl.float32)
+        at = (head * blocks + b0 // KB) * HD
+        code_at = ((head * code_len + rt) * (HALF if INT4 else HD))[:, None]
+        if INT4:
+            lo_e = tl.min(ke, axis=0).to(tl.float16).to(tl.float32)
+            lo_o = tl.min(ko, axis=0).to(tl.float16).to(tl.float32)
+            s_e = ((tl.max(ke, axis=0) - lo_e) / 15.0).to(tl.float16).to(tl.float32)
+            s_o = ((tl.max(ko, axis=0) - lo_o) / 15.0).to(tl.float16).to(tl.float32)
+            c_e = tl.math.div_rn(ke - lo_e[None, :], tl.where(s_e > 0, s_e, 1.0)[None, :])
+            c_o = tl.math.div_rn(ko - lo_o[None, :], tl.where(s_o > 0, s_o, 1.0)[None, :])
+            c_e = tl.minimum(tl.maximum(tl.floor(c_e + 0.5), 0.0), 15.0).to(tl.uint8)
+            c_o = tl.minimum(tl.maximum(tl.floor(c_o + 0.5), 0.0), 15.0).to(tl.uint8)
+            tl.store(codes_ptr + code_at + r[None, :], c_e | (c_o << 4))
+            tl.store(zero_ptr + at + 2 * r, lo_e.to(tl.float16))
+            tl.store(zero_ptr + at + 2 * r + 1, lo_o.to(tl.float16))
+        else:
+            s_e = (tl.max(tl.abs(ke), axis=0) / 127.0).to(tl.float16).to(tl.float32)
+            s_o = (tl.max(tl.abs(ko), axis=0) / 127.0).to(tl.float16).to(tl.float32)
+            c_e = tl.math.div_rn(ke, tl.where(s_e > 0, s_e, 1.0)[None, :])
+            c_o = tl.math.div_rn(ko, tl.where(s_o > 0, s_o, 1.0)[None, :])
+            c_e = tl.minimum(tl.maximum(tl.floor(c_e + 0.5), -127.0), 127.0).to(tl.int8)
+            c_o = tl.minimum(tl.maximum(tl.floor(c_o + 0.5), -127.0), 127.0).to(tl.int8)
+            tl.store(codes_ptr + code_at + 2 * r[None, :], c_e)
+            tl.store(codes_ptr + code_at + 2 * r[None, :] + 1, c_o)
+        tl.store(scale_ptr + at + 2 * r, s_e.to(tl.float16))
+        tl.store(scale_ptr + at + 2 * r + 1, s_o.to(tl.float16))
+
+    @triton.jit
+    def _code_values(
+        pos,
+        head,
+        ring_ptr,
+        codes_ptr,
+        scale_ptr,
+        zero_ptr,
+        code_len,
+        HD: tl.constexpr,
+        KB: tl.constexpr,
+        VG: tl.constexpr,
+        W: tl.constexpr,
+        RING: tl.constexpr,
+        INT4: tl.constexpr,
+        VSYM: tl.constexpr,
+    ):
+        """Code the values of the block leaving the window with the token at `pos`
+        (scales per token and group of VG channels)."""
+        HALF: tl.constexpr = HD // 2
+        NG: tl.constexpr = HD // VG
+        GH: tl.constexpr = VG // 2
+        r = tl.arange(0, HALF)
+        b0 = pos - W - KB
+        rt = b0 + tl.arange(0, KB)
+        src = ring_ptr + ((head * (RING + 1) + rt % RING) * HD)[:, None]
+        ve = tl.reshape(tl.load(src + 2 * r[None, :]).to(tl.float32), (KB, NG, GH))
+        vo = tl.reshape(tl.load(src + 2 * r[None, :] + 1).to(tl.float32), (KB, NG, GH))
+        g_at = (head * code_len + rt)[:, None] * NG + tl.arange(0, NG)[None, :]
+        code_at = ((head * code_len + rt) * (HALF if INT4 else HD))[:, None]
+        if INT4 and VSYM:
+            amax = tl.maximum(tl.max(tl.abs(ve), axis=2), tl.max(tl.abs(vo), axis=2))
+            s = (amax / 7.0).to(tl.float16).to(tl.float32)
+            safe = tl.where(s > 0, s, 1.0)[:, :, None]
+            c_e = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(ve, safe) + 0.5), -7.0), 7.0) + 8.0
+            c_o = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(vo, safe) + 0.5), -7.0), 7.0) + 8.0
+            c_e = c_e.to(tl.uint8)
+            c_o = c_o.to(tl.uint8)
+            tl.store(codes_ptr + code_at + r[None, :], tl.reshape(c_e | (c_o << 4), (KB, HALF)))
+        elif INT4:
+            lo = tl.minimum(tl.min(ve, axis=2), tl.min(vo, axis=2)).to(tl.float16).to(tl.float32)
+            hi = tl.maximum(tl.max(ve, axis=2), tl.max(vo, axis=2))
+            s = ((hi - lo) / 15.0).to(tl.float16).to(tl.float32)
+            safe = tl.where(s > 0, s, 1.0)[:, :, None]
+            c_e = tl.math.div_rn(ve - lo[:, :, None], safe)
+            c_o = tl.math.div_rn(vo - lo[:, :, None], safe)
+            c_e = tl.minimum(tl.maximum(tl.floor(c_e + 0.5), 0.0), 15.0).to(tl.uint8)
+            c_o = tl.minimum(tl.maximum(tl.floor(c_o + 0.5), 0.0), 15.0).to(tl.uint8)
+            tl.store(codes_ptr + code_at + r[None, :], tl.reshape(c_e | (c_o << 4), (KB, HALF)))
+            tl.store(zero_ptr + g_at, lo.to(tl.float16))
+        else:
+            amax = tl.maximum(tl.max(tl.abs(ve), axis=2), tl.max(tl.abs(vo), axis=2))
+            s = (amax / 127.0).to(tl.float16).to(tl.float32)
+            safe = tl.where(s > 0, s, 1.0)[:, :, None]
+            c_e = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(ve, safe) + 0.5), -127.0), 127.0)
+            c_o = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(vo, safe) + 0.5), -127.0), 127.0)
+            tl.store(codes_ptr + code_at + 2 * r[None, :], tl.reshape(c_e, (KB, HALF)).to(tl.int8))
+            tl.store(codes_ptr + code_at + 2 * r[None, :] + 1, tl.reshape(c_o, (KB, HALF)).to(tl.int8))
+        tl.store(scale_ptr + g_at, s.to(tl.float16))
+
+    @triton.jit
+    def _write_kernel(
+        k_ptr,
+        v_ptr,
+        pos_ptr,
+        ring_k,
+        ring_v,
+        kc,
+        ks,
+        kz,
+        vc,
+        vs,
+        vz,
+        sink_k,
+        sink_v,
+        NKV,
+        max_len,
+        code_len,
+        blocks,
+        HD: tl.constexpr,
+        KB: tl.constexpr,
+        VG: tl.constexpr,
+        W: tl.constexpr,
+        RING: tl.constexpr,
+        INT4: tl.constexpr,
+        VSYM: tl.constexpr,
+        SINK: tl.constexpr,
+    ):
+        """One KV head's key or value of one row's new token (k, v [B, NKV, HD]) into the
+        ring, and the block leaving the window with it coded."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        rd = tl.arange(0, HD)
+        pos = tl.load(pos_ptr + b)
+        slot = _ring_slot(pos, max_len, RING)
+        due = _block_due(pos, max_len, KB, W)
+        if h < NKV:
+            head = b * NKV + h
+            x = tl.load(k_ptr + head * HD + rd)
+            tl.store(ring_k + (head * (RING + 1) + slot) * HD + rd, x.to(ring_k.dtype.element_ty))
+            if pos < SINK:
+                tl.store(sink_k + (head * SINK + pos) * HD + rd, x.to(sink_k.dtype.element_ty))
+            if due:
+                _code_keys(pos, head, ring_k, kc, ks, kz, code_len, blocks, HD, KB, W, RING, INT4, SINK)
+        else:
+            head = b * NKV + h - NKV
+            x = tl.load(v_ptr + head * HD + rd)
+            tl.store(ring_v + (head * (RING + 1) + slot) * HD + rd, x.to(ring_v.dtype.element_ty))
+            if pos < SINK:
+                tl.store(sink_v + (head * SINK + pos) * HD + rd, x.to(sink_v.dtype.element_ty))
+            if due:
+                _code_values(pos, head, ring_v, vc, vs, vz, code_len, HD, KB, VG, W, RING, INT4, VSYM)
+
+    @triton.jit
+    def _rope_write_kernel(
+        qkv_ptr,
+        cos_ptr,
+        sin_ptr,
+        pos_ptr,
+        q_ptr,
+        ring_k,
+        ring_v,
+        kc,
+        ks,
+        kz,
+        vc,
+        vs,
+        vz,
+        sink_k,
+        sink_v,
+        NH,
+        NKV,
+        max_len,
+        code_len,
+        blocks,
+        q_scale,
+        HD: tl.constexpr,
+        KB: tl.constexpr,
+        VG: tl.constexpr,
+        W: tl.constexpr,
+        RING: tl.constexpr,
+        INT4: tl.constexpr,
+        VSYM: tl.constexpr,
+        SINK: tl.constexpr,
+    ):
+        """triton_decode's rotary kernel for a quantized cache: q rotated and pre-scaled
+        into the query buffer; k rotated and v written as _write_kernel writes them."""
+        b = tl.program_id(0)
+        head = tl.program_id(1)
+        HALF: tl.constexpr = HD // 2
+        pos = tl.load(pos_ptr + b)
+        row = qkv_ptr + b * (NH + 2 * NKV) * HD + head * HD
+        r = tl.arange(0, HALF)
+        slot = _ring_slot(pos, max_len, RING)
+        due = _block_due(pos, max_len, KB, W)
+        if head < NH + NKV:
+            o1, o2 = triton_decode.rotate(row, cos_ptr, sin_ptr, pos, HD)
+            if head < NH:
+                dst = q_ptr + (b * NH + head) * HD
+                tl.store(dst + r, (o1 * q_scale).to(q_ptr.dtype.element_ty))
+                tl.store(dst + HALF + r, (o2 * q_scale).to(q_ptr.dtype.element_ty))
+            else:
+                kv = b * NKV + head - NH
+                dst = ring_k + (kv * (RING + 1) + slot) * HD
+                tl.store(dst + r, o1.to(ring_k.dtype.element_ty))
+                tl.store(dst + HALF + r, o2.to(ring_k.dtype.element_ty))
+                if pos < SINK:
+                    sdst = sink_k + (kv * SINK + pos) * HD
+                    tl.store(sdst + r, o1.to(sink_k.dtype.element_ty))
+                    tl.store(sdst + HALF + r, o2.to(sink_k.dtype.element_ty))
+                if due:
+                    _code_keys(pos, kv, ring_k, kc, ks, kz, code_len, blocks, HD, KB, W, RING, INT4, SINK)
+        else:
+            kv = b * NKV + head - NH - NKV
+            rd = tl.arange(0, HD)
+            dst = ring_v + (kv * (RING + 1) + slot) * HD
+            x = tl.load(row + rd)
+            tl.store(dst + rd, x.to(ring_v.dtype.element_ty))
+            if pos < SINK:
+                tl.store(sink_v + (kv * SINK + pos) * HD + rd, x.to(sink_v.dtype.element_ty))
+            if due:
+                _code_values(pos, kv, ring_v, vc, vs, vz, code_len, HD, KB, VG, W, RING, INT4, VSYM)
+
+    @triton.jit
+    def _attn_kernel(
+        q_ptr,
+        kc,
+        ks,
+        kz,
+        vc,
+        vs,
+        vz,
+        kf_ptr,
+        vf_ptr,
+        sink_k,
+        sink_v,
+        pos_ptr,
+        acc_ptr,
+        ml_ptr,
+        start_in,
+        coded_in,
+        q_scale,
+        NH,
+        NKV,
+        code_len,
+        blocks,
+        falloc,
+        fmod,
+        chunk,
+        SPLITS: tl.constexpr,
+        GROUP: tl.constexpr,
+        GP: tl.constexpr,
+        HD: tl.constexpr,
+        KB: tl.constexpr,
+        VG: tl.constexpr,
+        W: tl.constexpr,
+        INT4: tl.constexpr,
+        VSYM: tl.constexpr,
+        SINK: tl.constexpr,
+        DECODE: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        F32_DOT: tl.constexpr,
+        PREC: tl.constexpr,
+    ):
+        """The query heads of one KV head of query i attend to one chunk of the cache
+        (online softmax, partial sums to the merge kernel, as triton_decode's split
+        kernel). DECODE: query i is row i's token at pos[i], coded up to fmt.coded(pos+1),
+        its float tokens in the row's ring; else query i is position start_in + i of row
+        0, coded up to coded_in, its float tokens from position coded_in on in a run of
+        float tokens of one row (kf, vf [1, NKV, falloc, HD]). A tile lies wholly below
+        or above the coded length (key blocks are whole tiles)."""
+        HALF: tl.constexpr = HD // 2
+        NG: tl.constexpr = HD // VG
+        qh = tl.program_id(0)
+        sp = tl.program_id(1)
+        qi = qh // NKV
+        kh = qh % NKV
+        if DECODE:
+            pos = tl.load(pos_ptr + qi)
+            row = qi
+            coded = tl.maximum(pos - W, 0) // KB * KB
+            fbase = 0
+        else:
+            pos = start_in + qi
+            row = 0
+            coded = coded_in
+            fbase = coded_in
+        head = row * NKV + kh
+        start = sp * chunk
+        end = tl.minimum(start + chunk, pos + 1)
+        rg = tl.arange(0, GP)
+        g_mask = rg < GROUP
+        rh = tl.arange(0, HALF)
+        q_at = ((qi * NH + kh * GROUP + rg) * HD)[:, None]
+        q_e32 = tl.load(q_ptr + q_at + 2 * rh[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32) * q_scale
+        q_o32 = tl.load(q_ptr + q_at + 2 * rh[None, :] + 1, mask=g_mask[:, None], other=0.0).to(tl.float32) * q_scale
+        dt = tl.float32 if F32_DOT else kf_ptr.dtype.element_ty
+        q_e = q_e32.to(dt)
+        q_o = q_o32.to(dt)
+        rd = tl.arange(0, HD)
+        m = tl.full((GP,), float("-inf"), dtype=tl.float32)
+        l_sum = tl.zeros((GP,), dtype=tl.float32)
+        acc_e = tl.zeros((GP, HALF), dtype=tl.float32)
+        acc_o = tl.zeros((GP, HALF), dtype=tl.float32)
+        for t0 in range(start, end, BLOCK_T):
+            rt = t0 + tl.arange(0, BLOCK_T)
+            t_mask = rt < end
+            if t0 < coded:
+                # Codes read whole and split into even and odd channels. The keys' scales
+                # (and zero points) are folded into the query, once a tile; the values'
+                # scales, one per token and group, multiply the codes.
+                blk = t0 // KB
+                s_at = (head * blocks + blk) * HD + 2 * rh
+                q_ks_e = (q_e32 * tl.load(ks + s_at).to(tl.float32)[None, :]).to(dt)
+                q_ks_o = (q_o32 * tl.load(ks + s_at + 1).to(tl.float32)[None, :]).to(dt)
+                tok = head * code_len + rt
+                g_at = tok[:, None] * NG + tl.arange(0, NG)[None, :]
+                vs_t = tl.load(vs + g_at, mask=t_mask[:, None], other=0.0).to(tl.float32)[:, :, None]
+                if INT4:
+                    c_at = (tok * HALF)[:, None] + rh[None, :]
+                    kp = tl.load(kc + c_at, mask=t_mask[:, None], other=0)
+                    vp = tl.load(vc + c_at, mask=t_mask[:, None], other=0)
+                    ck_e, ck_o = (kp & 15).to(dt), (kp >> 4).to(dt)
+                    cv_e, cv_o = (vp & 15).to(tl.float32), (vp >> 4).to(tl.float32)
+                    if VSYM:
+                        cv_e, cv_o = cv_e - 8.0, cv_o - 8.0
+                else:
+                    c_at = (tok * HD)[:, None] + rd[None, :]
+                    kw = tl.load(kc + c_at, mask=t_mask[:, None], other=0)
+                    vw = tl.load(vc + c_at, mask=t_mask[:, None], other=0)
+                    ck_e, ck_o = tl.split(tl.reshape(kw, (BLOCK_T, HALF, 2)))
+                    cv_e, cv_o = tl.split(tl.reshape(vw, (BLOCK_T, HALF, 2)))
+                    ck_e, ck_o = ck_e.to(dt), ck_o.to(dt)
+                    cv_e, cv_o = cv_e.to(tl.float32), cv_o.to(tl.float32)
+                scores = tl.dot(q_ks_e, tl.trans(ck_e), input_precision=PREC) + tl.dot(
+                    q_ks_o, tl.trans(ck_o), input_precision=PREC
+                )
+                v_e = tl.reshape(tl.reshape(cv_e, (BLOCK_T, NG, HALF // NG)) * vs_t, (BLOCK_T, HALF))
+                v_o = tl.reshape(tl.reshape(cv_o, (BLOCK_T, NG, HALF // NG)) * vs_t, (BLOCK_T, HALF))
+                if INT4:
+                    z_e = tl.load(kz + s_at).to(tl.float32)
+                    z_o = tl.load(kz + s_at + 1).to(tl.float32)
+                    q_z = tl.sum(q_e32 * z_e[None, :], axis=1) + tl.sum(q_o32 * z_o[None, :], axis=1)
+                    scores += q_z[:, None]
+                    if not VSYM:
+                        vz_t = tl.load(vz + g_at, mask=t_mask[:, None], other=0.0).to(tl.float32)[:, :, None]
+                        v_e += tl.reshape(tl.broadcast_to(vz_t, (BLOCK_T, NG, HALF // NG)), (BLOCK_T, HALF))
+                        v_o += tl.reshape(tl.broadcast_to(vz_t, (BLOCK_T, NG, HALF // NG)), (BLOCK_T, HALF))
+                if SINK > 0:
+                    if t0 < SINK:  # the first tokens: float, in place of their codes
+                        sunk = rt < SINK
+                        sk_at = ((head * SINK + rt) * HD)[:, None] + rd[None, :]
+                        sk_e, sk_o = tl.split(
+                            tl.reshape(tl.load(sink_k + sk_at, mask=sunk[:, None], other=0.0), (BLOCK_T, HALF, 2))
+                        )
+                        sv_e, sv_o = tl.split(
+                            tl.reshape(tl.load(sink_v + sk_at, mask=sunk[:, None], other=0.0), (BLOCK_T, HALF, 2))
+                        )
+                        sunk_scores = tl.dot(q_e, tl.trans(sk_e.to(dt)), input_precision=PREC) + tl.dot(
+                            q_o, tl.trans(sk_o.to(dt)), input_precision=PREC
+                        )
+                        scores = tl.where(sunk[None, :], sunk_scores, scores)
+                        v_e = tl.where(sunk[:, None], sv_e.to(tl.float32), v_e)
+                        v_o = tl.where(sunk[:, None], sv_o.to(tl.float32), v_o)
+                v_e, v_o = v_e.to(dt), v_o.to(dt)
+            else:
+                slot = (rt - fbase) % fmod
+                f_at = (((row * NKV + kh) * falloc + slot) * HD)[:, None] + rd[None, :]
+                k_e, k_o = tl.split(
+                    tl.reshape(tl.load(kf_ptr + f_at, mask=t_mask[:, None], other=0.0), (BLOCK_T, HALF, 2))
+                )
+                v_e, v_o = tl.split(
+                    tl.reshape(tl.load(vf_ptr + f_at, mask=t_mask[:, None], other=0.0), (BLOCK_T, HALF, 2))
+                )
+                scores = tl.dot(q_e, tl.trans(k_e.to(dt)), input_precision=PREC) + tl.dot(
+                    q_o, tl.trans(k_o.to(dt)), input_precision=PREC
+                )
+                v_e, v_o = v_e.to(dt), v_o.to(dt)
+            scores = tl.where(t_mask[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            acc_e = acc_e * alpha[:, None] + tl.dot(p.to(dt), v_e, input_precision=PREC)
+            acc_o = acc_o * alpha[:, None] + tl.dot(p.to(dt), v_o, input_precision=PREC)
+            m = m_new
+        slot_out = (qh * SPLITS + sp) * GP + rg
+        tl.store(acc_ptr + (slot_out * HD)[:, None] + 2 * rh[None, :], acc_e)
+        tl.store(acc_ptr + (slot_out * HD)[:, None] + 2 * rh[None, :] + 1, acc_o)
+        tl.store(ml_ptr + slot_out * 2, m)
+        tl.store(ml_ptr + slot_out * 2 + 1, l_sum)
+
+
+if triton_decode.TRITON_SUPPORT:
+
+    @triton.jit
+    def _attn8_kernel(
+        q_ptr,
+        kc,
+        ks,
+        vc,
+        vs,
+        kf_ptr,
+        vf_ptr,
+        sink_k,
+        sink_v,
+        pos_ptr,
+        acc_ptr,
+        ml_ptr,
+        start_in,
+        coded_in,
+        q_scale,
+        NH,
+        NKV,
+        code_len,
+        blocks,
+        falloc,
+        fmod,
+        chunk,
+        SPLITS: tl.constexpr,
+        GROUP: tl.constexpr,
+        GP: tl.constexpr,
+        HD: tl.constexpr,
+        KB: tl.constexpr,
+        VG: tl.constexpr,
+        W: tl.constexpr,
+        SINK: tl.constexpr,
+        DECODE: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        F32_DOT: tl.constexpr,
+        PREC: tl.constexpr,
+    ):
+        """_attn_kernel for int8 codes, whose channels are not packed: tiles are read whole,
+        as triton_decode's float kernel reads them, and the keys' scales are folded into
+        the query (one product a tile), the values' into the codes."""
+        NG: tl.constexpr = HD // VG
+        qh = tl.program_id(0)
+        sp = tl.program_id(1)
+        qi = qh // NKV
+        kh = qh % NKV
+        if DECODE:
+            pos = tl.load(pos_ptr + qi)
+            row = qi
+            coded = tl.maximum(pos - W, 0) // KB * KB
+            fbase = 0
+        else:
+            pos = start_in + qi
+            row = 0
+            coded = coded_in
+            fbase = coded_in
+        head = row * NKV + kh
+        start = sp * chunk
+        end = tl.minimum(start + chunk, pos + 1)
+        rg = tl.arange(0, GP)
+        g_mask = rg < GROUP
+        rd = tl.arange(0, HD)
+        q_at = ((qi * NH + kh * GROUP + rg) * HD)[:, None] + rd[None, :]
+        q32 = tl.load(q_ptr + q_at, mask=g_mask[:, None], other=0.0).to(tl.float32) * q_scale
+        dt = tl.float32 if F32_DOT else kf_ptr.dtype.element_ty
+        q = q32.to(dt)
+        m = tl.full((GP,), float("-inf"), dtype=tl.float32)
+        l_sum = tl.zeros((GP,), dtype=tl.float32)
+        acc = tl.zeros((GP, HD), dtype=tl.float32)
+        for t0 in range(start, end, BLOCK_T):
+            rt = t0 + tl.arange(0, BLOCK_T)
+            t_mask = rt < end
+            if t0 < coded:
+                q_ks = (q32 * tl.load(ks + (head * blocks + t0 // KB) * HD + rd).to(tl.float32)[None, :]).to(dt)
+                tok = head * code_len + rt
+                c_at = (tok * HD)[:, None] + rd[None, :]
+                ck = tl.load(kc + c_at, mask=t_mask[:, None], other=0).to(dt)
+                cv = tl.load(vc + c_at, mask=t_mask[:, None], other=0).to(tl.float32)
+                g_at = tok[:, None] * NG + tl.arange(0, NG)[None, :]
+                vs_t = tl.load(vs + g_at, mask=t_mask[:, None], other=0.0).to(tl.float32)[:, :, None]
+                scores = tl.dot(q_ks, tl.trans(ck), input_precision=PREC)
+                v = tl.reshape(tl.reshape(cv, (BLOCK_T, NG, VG)) * vs_t, (BLOCK_T, HD))
+                if SINK > 0:
+                    if t0 < SINK:  # the first tokens: float, in place of their codes
+                        sunk = rt < SINK
+                        sk_at = ((head * SINK + rt) * HD)[:, None] + rd[None, :]
+                        sk = tl.load(sink_k + sk_at, mask=sunk[:, None], other=0.0).to(dt)
+                        sv = tl.load(sink_v + sk_at, mask=sunk[:, None], other=0.0).to(tl.float32)
+                        scores = tl.where(sunk[None, :], tl.dot(q, tl.trans(sk), input_precision=PREC), scores)
+                        v = tl.where(sunk[:, None], sv, v)
+                v = v.to(dt)
+            else:
+                slot = (rt - fbase) % fmod
+                f_at = (((row * NKV + kh) * falloc + slot) * HD)[:, None] + rd[None, :]
+                k = tl.load(kf_ptr + f_at, mask=t_mask[:, None], other=0.0).to(dt)
+                v = tl.load(vf_ptr + f_at, mask=t_mask[:, None], other=0.0).to(dt)
+                scores = tl.dot(q, tl.trans(k), input_precision=PREC)
+            scores = tl.where(t_mask[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(dt), v, input_precision=PREC)
+            m = m_new
+        slot_out = (qh * SPLITS + sp) * GP + rg
+        tl.store(acc_ptr + (slot_out * HD)[:, None] + rd[None, :], acc)
+        tl.store(ml_ptr + slot_out * 2, m)
+        tl.store(ml_ptr + slot_out * 2 + 1, l_sum)
+
+
+def _layout(layer: QuantLayer) -> dict[str, int | bool]:
+    """The format's constants the kernels are specialised on."""
+    fmt, dim = layer.fmt, layer.ring_k.shape[-1]
+    return {
+        "HD": dim,
+        "KB": fmt.key_block,
+        "VG": fmt.group(dim),
+        "W": fmt.window,
+        "INT4": fmt.dtype == "int4",
+        "VSYM": fmt.value_symmetric,
+        "SINK": fmt.sink,
+    }
+
+
+def _zeros(layer: QuantLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The zero-point tensors (int4), or the scales standing in where a kernel never reads them."""
+    return (
+        layer.k_zero if layer.k_zero.numel() else layer.k_scale,
+        layer.v_zero if layer.v_zero.numel() else layer.v_scale,
+    )
+
+
+def _sink(layer: QuantLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sink tensors, or the ring standing in where a kernel never reads them."""
+    if layer.sink_k.numel():
+        return layer.sink_k, layer.sink_v
+    return layer.ring_k, layer.ring_v
+
+
+def write_tokens(layer: QuantLayer, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+    """k, v [B, NKV, HD] (rotated) of one new token per row at pos [B] into the layer."""
+    bsz, n_kv, _ = k.shape
+    kz, vz = _zeros(layer)
+    _write_kernel[(bsz, 2 * n_kv)](
+        k.contiguous(), v.contiguous(), pos, layer.ring_k, layer.ring_v, layer.k_codes, layer.k_scale, kz,
+        layer.v_codes, layer.v_scale, vz, *_sink(layer), n_kv, layer.max_len, layer.code_len, layer.k_scale.shape[2],
+        RING=layer.fmt.ring, num_warps=2, **_layout(layer),
+    )  # fmt: skip
+
+
+def rope_write(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, layer: QuantLayer, n_heads: int
+) -> torch.Tensor:
+    """triton_decode.rope_kv_write for a quantized cache: rotated, pre-scaled queries
+    [B, NH, HD]; each row's k and v written into the layer at pos[b]."""
+    bsz = qkv.shape[0]
+    n_kv, hd = layer.ring_k.shape[1], layer.ring_k.shape[-1]
+    q = torch.empty(bsz, n_heads, hd, device=qkv.device, dtype=layer.ring_k.dtype)
+    kz, vz = _zeros(layer)
+    _rope_write_kernel[(bsz, n_heads + 2 * n_kv)](
+        qkv, cos, sin, pos, q, layer.ring_k, layer.ring_v, layer.k_codes, layer.k_scale, kz, layer.v_codes,
+        layer.v_scale, vz, *_sink(layer), n_heads, n_kv, layer.max_len, layer.code_len, layer.k_scale.shape[2],
+        hd**-0.5, RING=layer.fmt.ring, num_warps=2, **_layout(layer),
+    )  # fmt: skip
+    return q
+
+
+def _attend(
+    layer: QuantLayer,
+    q: torch.Tensor,
+    float_kv: tuple[torch.Tensor, torch.Tensor],
+    fmod: int,
+    pos: torch.Tensor | None,
+    start: int,
+    coded: int,
+    kv_len: int,
+    splits: int,
+    chunk: int,
+    q_scale: float,
+) -> torch.Tensor:
+    nq, n_heads, hd = q.shape
+    n_kv = layer.ring_k.shape[1]
+    group = n_heads // n_kv
+    if group > triton_decode.ATTN_GROUP_ROWS:
+        raise ValueError(
+            f"{group} query heads per KV head; the attention takes at most {triton_decode.ATTN_GROUP_ROWS}"
+        )
+    rows = nq * n_kv * splits * triton_decode.ATTN_GROUP_ROWS
+    acc = torch.empty(rows, hd, device=q.device, dtype=torch.float32)
+    ml = torch.empty(rows, 2, device=q.device, dtype=torch.float32)
+    kz, vz = _zeros(layer)
+    kf, vf = float_kv
+    prec = "ieee" if kf.dtype == torch.float32 else "tf32"  # a float32 float part: no TF32
+    if layer.fmt.dtype == "int8":
+        layout = _layout(layer)
+        _attn8_kernel[(nq * n_kv, splits)](
+            q, layer.k_codes, layer.k_scale, layer.v_codes, layer.v_scale, kf, vf, *_sink(layer),
+            pos if pos is not None else q, acc, ml, start, coded, q_scale, n_heads, n_kv, layer.code_len,
+            layer.k_scale.shape[2], kf.shape[2], fmod, chunk, splits, group, triton_decode.ATTN_GROUP_ROWS,
+            HD=hd, KB=layout["KB"], VG=layout["VG"], W=layout["W"], SINK=layout["SINK"],
+            DECODE=pos is not None, BLOCK_T=triton_decode.ATTN_BLOCK_T, F32_DOT=not q.is_cuda, PREC=prec,
+            num_warps=ATTN8_WARPS,
+        )  # fmt: skip
+    else:
+        _attn_kernel[(nq * n_kv, splits)](
+            q, layer.k_codes, layer.k_scale, kz, layer.v_codes, layer.v_scale, vz, kf, vf, *_sink(layer),
+            pos if pos is not None else q, acc, ml, start, coded, q_scale, n_heads, n_kv, layer.code_len,
+            layer.k_scale.shape[2], kf.shape[2], fmod, chunk, splits, group, triton_decode.ATTN_GROUP_ROWS,
+            DECODE=pos is not None, BLOCK_T=triton_decode.ATTN_BLOCK_T, F32_DOT=not q.is_cuda, PREC=prec,
+            num_warps=4, **_layout(layer),
+        )  # fmt: skip
+    out = torch.empty(nq, n_heads * hd, device=q.device, dtype=kf.dtype)
+    triton_decode._attn_merge_kernel[(nq * n_kv, group)](
+        acc, ml, out, n_heads, n_kv, splits, group, triton_decode.ATTN_GROUP_ROWS, hd
+    )
+    return out
+
+
+def attention(layer: QuantLayer, q: torch.Tensor, pos: torch.Tensor, kv_len: int, q_scale: float) -> torch.Tensor:
+    """q [B, NH, HD] (times q_scale) of each row's token at pos[b] against its cache
+    positions 0..pos[b] -> [B, NH * HD] in the cache's float type."""
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    splits, chunk = triton_decode.attn_splits(kv_len, layer.ring_k.shape[1], sms)
+    return _attend(layer, q, (layer.ring_k, layer.ring_v), layer.fmt.ring, pos, 0, 0, kv_len, splits, chunk, q_scale)
+
+
+def chunk_attention(
+    layer: QuantLayer,
+    q: torch.Tensor,
+    float_k: torch.Tensor,
+    float_v: torch.Tensor,
+    start: int,
+    coded: int,
+    q_scale: float,
+) -> torch.Tensor:
+    """q [T, NH, HD] of positions start.. of the layer's row 0 against its codes below
+    `coded` and the float tokens from `coded` on (float_k, float_v [1, NKV, F, HD]) ->
+    [T, NH, HD]. One split per query: the chunk's queries fill the GPU."""
+    end = start + q.shape[0]
+    chunk = triton.cdiv(end, triton_decode.ATTN_BLOCK_T) * triton_decode.ATTN_BLOCK_T
+    out = _attend(
+        layer, q.contiguous(), (float_k.contiguous(), float_v.contiguous()), float_k.shape[2], None, start, coded,
+        end, 1, chunk, q_scale,
+    )  # fmt: skip
+    return out.view(q.shape[0], q.shape[1], q.shape[2])

@@ -1,0 +1,232 @@
+"""Offload of paused sequences' KV rows (edge/text/kv_offload.py) on the real SmolLM2:
+a sequence paused for another and resumed from host memory or from a file answers what
+it answers uninterrupted, greedy token for token, in every KV format; the choice between
+restoring and recomputing follows the measured rates; files do not outlive their use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from edge.text import cpu_kv
+from edge.text.checkpoint import TextCheckpoint, load_checkpoint
+from edge.text.continuous import ContinuousBatcher, Sequence
+from edge.text.generate import SamplingParams
+from edge.text.kv_offload import KVOffload, SavedRow
+from edge.text.kv_quant import FORMATS
+from edge.text.qa import chatml
+from engines.import_gguf import import_smollm2
+
+QUESTIONS = ["Name three symptoms of dehydration.", "What is a normal body temperature?"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(engine_dir: Path) -> TextCheckpoint:
+    return load_checkpoint(import_smollm2(engine_dir, progress=False))
+
+
+def _prompt(ckpt: TextCheckpoint, question: str) -> list[int]:
+    return list(ckpt.tokenizer.encode(chatml("You are terse.", question), add_special_tokens=False).ids)
+
+
+def _batcher(ckpt: TextCheckpoint, dtype: str, slots: int) -> ContinuousBatcher:
+    fmt = None if dtype == "float16" else FORMATS[dtype]  # type: ignore[index]
+    return ContinuousBatcher(ckpt.model, ckpt.tokenizer, frozenset(), slots=slots, slot_len=256, kv_format=fmt)
+
+
+def _admit(batcher: ContinuousBatcher, seq: Sequence) -> None:
+    slot = batcher.kv.allocate_slots(str(seq.owner), len(seq.prompt) + seq.params.max_new_tokens)
+    assert slot is not None
+    batcher.admit(seq, slot)
+
+
+def _drain(batcher: ContinuousBatcher) -> None:
+    while batcher.running:
+        for done in batcher.step():
+            assert done.kv is not None
+            batcher.kv.free(done.kv)
+
+
+def _interrupted(
+    batcher: ContinuousBatcher, ckpt: TextCheckpoint, steps: int, seen: list[float] | None = None
+) -> Sequence:
+    """A sequence runs `steps` steps, is paused for an urgent one that takes its only row,
+    then resumes; returns it finished. `seen` gets its prefill time when it is paused."""
+    low = Sequence("low", _prompt(ckpt, QUESTIONS[0]), SamplingParams(max_new_tokens=60))
+    _admit(batcher, low)
+    for _ in range(steps):
+        batcher.step()
+    if seen is not None:
+        seen.append(low.prefill_ms)
+    slot = batcher.pause(low)
+    assert slot is not None
+    batcher.kv.free(slot)
+    urgent = Sequence("urgent", _prompt(ckpt, QUESTIONS[1]), SamplingParams(max_new_tokens=12))
+    _admit(batcher, urgent)  # overwrites the row low held
+    _drain(batcher)
+    _admit(batcher, low)
+    _drain(batcher)
+    return low
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("dtype", "where"), [("float16", "memory"), ("float16", "disk"), ("int8", "disk"), ("int4", "memory")]
+)
+def test_a_paused_sequence_restored_answers_as_uninterrupted(
+    ckpt: TextCheckpoint, tmp_path: Path, dtype: str, where: str
+) -> None:
+    if dtype != "float16" and not cpu_kv.available():
+        pytest.skip("no C compiler for the quantized-KV kernel")
+    alone = _batcher(ckpt, dtype, 1).single(Sequence("low", _prompt(ckpt, QUESTIONS[0]), SamplingParams(60)))
+    batcher = _batcher(ckpt, dtype, 1)
+    batcher.offload = KVOffload(where, batcher.device, tmp_path / "kv", max_memory_bytes=64 << 20)  # type: ignore[arg-type]
+    prefill_ms: list[float] = []
+    low = _interrupted(batcher, ckpt, steps=40, seen=prefill_ms)  # past key blocks coded during decode
+    assert low.tokens == alone.tokens and low.pauses == 1
+    counts = batcher.offload.snapshot()
+    assert counts["saved"] == 1 and counts["restored"] == 1 and counts["recomputed"] == 0
+    # Its prompt was prefilled once: the resume restored the row, it prefilled nothing.
+    assert batcher.offload.prefill_tokens_per_s is not None and low.prefill_ms == prefill_ms[0] > 0
+    assert counts["memory_bytes"] == 0 and counts["disk_bytes"] == 0
+    assert not list((tmp_path / "kv").glob("*")) if where == "disk" else True
+    batcher.offload.close()
+
+
+@pytest.mark.slow
+def test_paused_mid_prefill_restores_its_chunks_and_goes_on(ckpt: TextCheckpoint, tmp_path: Path) -> None:
+    first = Sequence("first", _prompt(ckpt, QUESTIONS[1]), SamplingParams(max_new_tokens=10))
+    second = Sequence("second", _prompt(ckpt, QUESTIONS[0]), SamplingParams(max_new_tokens=20))
+    want = _batcher(ckpt, "float16", 2)
+    want.prefill_chunk = 8
+    _admit(want, Sequence("first", first.prompt, first.params))
+    _admit(want, ref := Sequence("second", second.prompt, second.params))  # chunked beside first
+    _drain(want)
+    batcher = _batcher(ckpt, "float16", 2)
+    batcher.prefill_chunk = 8
+    batcher.offload = KVOffload("memory", batcher.device)
+    _admit(batcher, first)
+    _admit(batcher, second)
+    batcher.step()
+    assert second.logits is None and second.prefilled == 16
+    slot = batcher.pause(second)
+    assert slot is not None and second.saved is not None and second.saved.length == 16
+    batcher.kv.free(slot)
+    _admit(batcher, second)  # restored at 16, its chunks go on from there
+    assert second.prefilled == 16 and second.logits is None
+    _drain(batcher)
+    assert second.tokens == ref.tokens
+    assert batcher.offload.snapshot()["restored"] == 1
+
+
+@pytest.mark.slow
+def test_recompute_is_chosen_when_the_measured_rates_say_it_is_faster(ckpt: TextCheckpoint) -> None:
+    alone = _batcher(ckpt, "float16", 1).single(Sequence("low", _prompt(ckpt, QUESTIONS[0]), SamplingParams(60)))
+    batcher = _batcher(ckpt, "float16", 1)
+    offload = KVOffload("memory", batcher.device)
+    batcher.offload = offload
+    # As if restoring had been measured very slow: the resume prefills again.
+    offload.restore_bytes_per_s = 1.0
+    low = _interrupted(batcher, ckpt, steps=10)
+    assert low.tokens == alone.tokens
+    counts = offload.snapshot()
+    assert counts["recomputed"] == 1 and counts["restored"] == 0 and counts["memory_bytes"] == 0
+
+
+def test_the_choice_follows_the_measured_rates() -> None:
+    offload = KVOffload("memory", torch.device("cpu"))
+    saved = SavedRow(length=1000, nbytes=10_000_000, tensors=None, logits=None)
+    assert offload.choose(saved) == "restore"  # nothing measured yet
+    offload.note_prefill(4, 0.001)  # too short to say what a prefill costs
+    assert offload.prefill_tokens_per_s is None
+    offload.note_prefill(1000, 1.0)  # 1000 tokens/s: recomputing takes 1 s
+    offload.restore_bytes_per_s = 20e6  # restoring 10 MB takes 0.5 s
+    assert offload.choose(saved) == "restore"
+    offload.restore_bytes_per_s = 5e6  # 2 s
+    assert offload.choose(saved) == "recompute"
+    offload.note_prefill(1000, 0.25)  # faster prefills move the running rate up
+    assert offload.prefill_tokens_per_s == pytest.approx(0.7 * 1000 + 0.3 * 4000)
+
+
+def test_files_are_coded_where_it_pays_and_cleared_and_memory_is_bounded(tmp_path: Path) -> None:
+    from edge.text.llama import KVCache, LlamaConfig
+
+    config = LlamaConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    cache = KVCache(config, 2, 32, torch.float32, torch.device("cpu"))
+    cache.k.normal_()
+    cache.v.normal_()
+    stale = tmp_path / "kv" / "old.kv"
+    stale.parent.mkdir()
+    stale.write_bytes(b"from a run before")
+    row_bytes = 2 * 2 * 20 * 32 * 4  # k and v, 2 layers, 20 tokens, 32 channels, float32
+    offload = KVOffload("disk", torch.device("cpu"), tmp_path / "kv", max_memory_bytes=row_bytes)
+    assert not stale.exists()  # nothing offloaded before a start is anyone's now
+    saved = offload.save(cache, 1, 20, torch.arange(64.0))
+    assert saved is not None and saved.nbytes == row_bytes
+    assert saved.written is not None
+    saved.written.result()
+    assert saved.path is not None and saved.path.exists() and saved.tensors is None
+    assert saved.codec == "none"  # random floats: lz4 does not pay, the bytes are kept raw
+    other = KVCache(config, 2, 32, torch.float32, torch.device("cpu"))
+    logits = offload.restore(saved, other, 0)
+    assert logits is not None and torch.equal(logits, torch.arange(64.0))
+    assert torch.equal(other.k[:, 0, :, :20], cache.k[:, 1, :, :20])
+    assert torch.equal(other.v[:, 0, :, :20], cache.v[:, 1, :, :20])
+    assert not list((tmp_path / "kv").glob("*")) and offload.snapshot()["disk_bytes"] == 0
+    zeros = KVCache(config, 2, 32, torch.float32, torch.device("cpu"))  # zeros: lz4 pays
+    packed = offload.save(zeros, 0, 20, None)
+    assert packed is not None and packed.written is not None
+    packed.written.result()
+    assert packed.codec == "lz4" and packed.stored_bytes < row_bytes / 10
+    offload.release(packed)
+    offload.close()
+    # In memory, at most max_memory_bytes at once: a row beyond is not offloaded.
+    held = KVOffload("memory", torch.device("cpu"), max_memory_bytes=row_bytes)
+    first = held.save(cache, 0, 20, None)
+    assert first is not None and held.save(cache, 1, 20, None) is None
+    assert held.snapshot()["skipped"] == 1 and held.snapshot()["memory_bytes"] == row_bytes
+    held.release(first)
+    assert held.snapshot()["memory_bytes"] == 0 and held.save(cache, 1, 20, None) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("dtype", "where"), [("float16", "memory"), ("int4", "disk")])
+def test_on_cuda_a_row_copied_on_a_side_stream_restores_as_uninterrupted(
+    tmp_path: Path, dtype: str, where: str
+) -> None:
+    """On CUDA the row goes to pinned memory on a side stream while the serving stream
+    waits for the copy on the GPU; the urgent sequence then overwrites the row at once.
+    Resumed (on CUDA graphs), the paused sequence decodes what it decodes alone."""
+    from edge.text.llama import LlamaConfig
+    from engines.random_llama import random_int4_llama
+
+    config = LlamaConfig(vocab_size=1024, hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=2,
+                         intermediate_size=1536)  # fmt: skip
+    model = random_int4_llama(config, "cuda", "cuda-mma", group=64, seed=5)
+    fmt = None if dtype == "float16" else FORMATS[dtype]  # type: ignore[index]
+    batcher = ContinuousBatcher(model, None, frozenset(), slots=1, slot_len=256, kv_format=fmt)
+    batcher.warm_up(prefill_lengths=(9,))
+    batcher.capture_graphs()
+    gen = torch.Generator().manual_seed(4)
+    prompt, other = (torch.randint(0, 1024, (n,), generator=gen).tolist() for n in (40, 30))
+    params = SamplingParams(max_new_tokens=120, temperature=0.9, seed=11)
+    alone = batcher.single(Sequence("low", prompt, params))
+    assert len(set(alone.tokens)) > 10
+    batcher.offload = KVOffload(where, batcher.device, tmp_path / "kv")  # type: ignore[arg-type]
+    low = Sequence("low", prompt, params)
+    _admit(batcher, low)
+    for _ in range(100):  # past key blocks coded during decode
+        batcher.step()
+    slot = batcher.pause(low)
+    assert slot is not None and low.saved is not None
+    batcher.kv.free(slot)
+    urgent = Sequence("urgent", other, SamplingParams(max_new_tokens=20, temperature=0.9, seed=3))
+    _admit(batcher, urgent)
+    _drain(batcher)
+    _admit(batcher, low)
+    _drain(batcher)
+    assert low.tokens == alone.tokens
+    assert batcher.offload.snapshot()["restored"] == 1

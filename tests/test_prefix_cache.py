@@ -1,0 +1,150 @@
+"""The prefix cache (edge/text/prefix_cache.py): prompts sharing the system turn and
+context documents prefill them once; a hit answers exactly what the miss answered, in
+the float and the quantized caches; entries are evicted least recently used first, within
+the byte bound and what the ledger grants."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from edge.text import cpu_kv
+from edge.text.checkpoint import TextCheckpoint, load_checkpoint
+from edge.text.continuous import ContinuousBatcher, Sequence
+from edge.text.generate import SamplingParams
+from edge.text.kv_quant import FORMATS
+from edge.text.prefix_cache import PrefixCache
+from edge.text.qa import QAEngine, QASettings
+from engines.import_gguf import import_smollm2
+
+LEAFLET = (
+    "Oral rehydration solution: dissolve one sachet in 200 ml of drinking water. Give small sips "
+    "often. For adults, 200 to 400 ml after each loose stool. Seek care if there is blood in the "
+    "stool, a high fever, or no urine for eight hours. Do not add sugar or salt to the solution. "
+) * 3
+
+
+def _saved(nbytes: int) -> dict[str, torch.Tensor]:
+    return {"k": torch.zeros(nbytes, dtype=torch.uint8)}
+
+
+def test_entries_go_least_recently_used_first_within_bytes_and_the_ledger() -> None:
+    cache = PrefixCache(capacity_bytes=300)
+    granted: list[int] = []
+    budget = {"left": 10_000}
+
+    def reserve(nbytes: int) -> int | None:
+        if nbytes > budget["left"]:
+            return None
+        budget["left"] -= nbytes
+        granted.append(nbytes)
+        return nbytes
+
+    def release(grant: int) -> None:
+        budget["left"] += grant
+
+    cache.reserve, cache.release = reserve, release
+    assert cache.put([1, 2], _saved(100)) and cache.put([3, 4], _saved(100)) and cache.put([5, 6], _saved(100))
+    assert cache.get([1, 2]) is not None  # now the most recently used
+    assert cache.put([7, 8], _saved(100))  # over 300 bytes: [3, 4], the oldest unused, goes
+    assert cache.get([3, 4]) is None and cache.get([1, 2]) is not None and cache.get([5, 6]) is not None
+    assert not cache.put([9], _saved(301))  # larger than the whole cache
+    # The ledger has room for 100 more bytes only: entries go until it grants.
+    budget["left"] = 100
+    assert cache.put([10], _saved(250))
+    snap = cache.snapshot()
+    assert snap["entries"] == 1 and snap["bytes"] == 250 and budget["left"] == 100 + 300 - 250
+    assert snap["evictions"] == 4 and snap["refused"] == 1
+    # Room in the cache, none in the ledger: the older entry goes so that the ledger grants.
+    budget["left"] = 0
+    assert cache.put([11], _saved(50)) and cache.get([10]) is None and budget["left"] == 250 - 50
+    budget["left"] = 0
+    assert cache.put([12], _saved(50)) and cache.get([11]) is None  # the same once more
+    budget["left"] = -1_000  # nothing to evict that would make room: refused
+    cache.clear()
+    assert not cache.put([13], _saved(50)) and cache.snapshot()["refused"] == 2
+    assert cache.snapshot()["bytes"] == 0 and budget["left"] == -1_000 + 50
+
+
+@pytest.fixture(scope="module")
+def ckpt(engine_dir: Path) -> TextCheckpoint:
+    return load_checkpoint(import_smollm2(engine_dir, progress=False))
+
+
+def test_prompts_split_after_the_documents(ckpt: TextCheckpoint) -> None:
+    engine = QAEngine(ckpt, QASettings(max_context_tokens=1024))
+    a, pa = engine.prompt_parts("How much water per sachet?", LEAFLET)
+    b, pb = engine.prompt_parts("When should I seek care?", LEAFLET)
+    c, pc = engine.prompt_parts("How much water per sachet?", LEAFLET.replace("200 ml", "250 ml"))
+    leaflet_tokens = len(ckpt.tokenizer.encode(LEAFLET, add_special_tokens=False).ids)
+    assert pa == pb and pa > leaflet_tokens and a[:pa] == b[:pb]
+    assert pa < len(a) and a[pa:] != b[pb:]
+    assert c[:pc] != a[:pa]  # other documents: another key
+    bare, pbare = engine.prompt_parts("What is a normal body temperature?", None)
+    assert 0 < pbare < len(bare)  # the system turn alone
+
+
+def _run(batcher: ContinuousBatcher, seq: Sequence) -> Sequence:
+    return batcher.single(seq)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_a_hit_answers_as_the_miss_did_and_prefills_only_the_question(ckpt: TextCheckpoint, dtype: str) -> None:
+    if dtype != "float16" and not cpu_kv.available():
+        pytest.skip("no C compiler for the quantized-KV kernel")
+    settings = QASettings(max_context_tokens=512, max_sequences=2, kv_dtype=dtype, prefix_cache_mib=16)
+    engine = QAEngine(ckpt, settings)
+    batcher = engine.batcher
+    assert batcher.prefix_cache is not None
+    prefilled: list[tuple[int, int]] = []
+    forward = batcher.model.forward
+
+    def counting(ids: torch.Tensor, cache: object, start: int, last_only: bool = True) -> torch.Tensor:
+        prefilled.append((start, ids.shape[1]))
+        return forward(ids, cache, start, last_only)  # type: ignore[arg-type]
+
+    batcher.model.forward = counting  # type: ignore[method-assign]
+    try:
+        questions = ["How much water per sachet?", "When should I seek care?"]
+        seqs = []
+        for q in questions + questions[:1]:
+            ids, prefix = engine.prompt_parts(q, LEAFLET)
+            seq = Sequence(q, ids, SamplingParams(max_new_tokens=24))
+            seq.prefix = prefix
+            seqs.append(_run(batcher, seq))
+    finally:
+        batcher.model.forward = forward  # type: ignore[method-assign]
+    prefix = seqs[0].prefix
+    snap = batcher.prefix_cache.snapshot()
+    assert snap["misses"] == 1 and snap["hits"] == 2 and snap["entries"] == 1
+    # The miss: the prefix from 0, then its question after it; the hits: the question only.
+    prompts = [(s, n) for s, n in prefilled if n > 1]
+    assert prompts[0] == (0, prefix) and prompts[1] == (prefix, len(seqs[0].prompt) - prefix)
+    assert prompts[2] == (prefix, len(seqs[1].prompt) - prefix)
+    assert prompts[3] == (prefix, len(seqs[2].prompt) - prefix)
+    assert seqs[2].tokens == seqs[0].tokens  # a hit answers what the miss answered
+    kept = snap["bytes"]
+    assert isinstance(kept, int) and batcher.kv.snapshot()["prefix_cache"]["bytes"] == kept > 0
+    fmt = None if dtype == "float16" else FORMATS[dtype]  # type: ignore[index]
+    expect = ckpt.model.new_cache(1, prefix + 1, fmt)
+    assert kept <= expect.nbytes
+
+
+def test_prompts_are_not_split_where_the_measured_rates_say_a_hit_does_not_pay() -> None:
+    """As on a GPU that prefills whole prompts in captured graphs and chunks op by op: a
+    hit (the question after the kept document) measured to cost about what the whole
+    prompt costs is not worth splitting for; where it costs a small share, it is."""
+    cache = PrefixCache(1 << 20)
+    assert cache.worth(2000, 24)  # nothing measured yet
+    cache.note_prefill(0, 2000, 50.0, whole=True)  # 0.025 ms a token from position 0
+    cache.note_prefill(2000, 24, 48.0, whole=False)  # 2 ms a token after cached ones
+    assert not cache.worth(2000, 24) and cache.snapshot()["hit_ms_per_token"] == pytest.approx(2.0)
+    cache.note_prefill(0, 10, 0.0, whole=True)  # nothing learnt from an unmeasured prefill
+    assert cache.whole_ms_per_token == pytest.approx(0.025)
+    cpu = PrefixCache(1 << 20)  # as on the CPU: every token costs about the same
+    cpu.note_prefill(0, 1500, 1800.0, whole=True)
+    cpu.note_prefill(1500, 24, 31.0, whole=False)
+    assert cpu.worth(1500, 24) and not cpu.worth(1500, 1500)

@@ -1,0 +1,291 @@
+"""The quantized KV cache as served (edge/text/quant_cache.py): codes written in steps
+equal the formats' reference, and the attention kernels that read them (our C kernel on
+the CPU, the Triton kernels, here in Triton's interpreter) give what attention over the
+reference's read-back gives; on the real SmolLM2, sequences served together over a
+quantized cache answer as each does alone."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from edge.text import cpu_kv, kv_attention, triton_decode
+from edge.text.checkpoint import TextCheckpoint, load_checkpoint
+from edge.text.continuous import ContinuousBatcher, Sequence
+from edge.text.generate import SamplingParams
+from edge.text.kv_quant import FORMATS, KVFormat, dequantize, quantize
+from edge.text.llama import LlamaConfig
+from edge.text.qa import QASettings, chatml, kv_format
+from edge.text.quant_cache import QuantKVCache
+from engines.import_gguf import import_smollm2
+from engines.random_llama import random_int4_llama
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# Small enough for Triton's interpreter: 2 KV heads of 64 channels, 3 query heads each.
+CONFIG = LlamaConfig(vocab_size=256, hidden_size=384, num_layers=2, num_heads=6, num_kv_heads=2, intermediate_size=384)
+SMALL_FORMATS = {
+    "int8": KVFormat("int8", key_block=32),
+    "int8-sink": KVFormat("int8", key_block=32, window=4, sink=2),
+    "int4": KVFormat("int4", key_block=32, value_group=32, window=8, sink=3),
+    "int4-sym": KVFormat("int4", key_block=32, value_group=64, window=8, value_symmetric=True, sink=4),
+}
+needs_triton = pytest.mark.skipif(not triton_decode.TRITON_SUPPORT, reason="triton is not installed")
+needs_cc = pytest.mark.skipif(not cpu_kv.available(), reason="no C compiler for the CPU kernel")
+
+
+def _kv(tokens: int, rows: int = 2, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(rows, CONFIG.num_kv_heads, tokens, CONFIG.head_dim, generator=gen)
+    k[..., 7] *= 12.0  # an outlier channel, as real keys have
+    v = torch.randn(rows, CONFIG.num_kv_heads, tokens, CONFIG.head_dim, generator=gen)
+    return k, v
+
+
+def _reference(fmt: KVFormat, k: torch.Tensor, v: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a row holding `length` tokens must read: its first fmt.coded(length) tokens
+    through the format's reference (kv_quant), the rest as stored (float32 here)."""
+    coded = fmt.coded(length)
+    whole = KVFormat(fmt.dtype, fmt.key_block, fmt.value_group, 0, fmt.value_symmetric, fmt.sink)  # all coded
+    q = quantize(k[:, :, :coded], v[:, :, :coded], whole)
+    assert q.quantized == coded
+    dk, dv = dequantize(q)
+    sink = min(fmt.sink, coded)  # kept in the activations' type (float32 here), not float16
+    dk[:, :, :sink], dv[:, :, :sink] = k[:, :, :sink], v[:, :, :sink]
+    return torch.cat([dk, k[:, :, coded:length]], dim=2), torch.cat([dv, v[:, :, coded:length]], dim=2)
+
+
+def _filled(fmt: KVFormat, k: torch.Tensor, v: torch.Tensor, prompt: int, steps: int) -> QuantKVCache:
+    """A cache whose rows took a `prompt`-token prefill, then `steps` tokens one at a time."""
+    cache = QuantKVCache(CONFIG, k.shape[0], 128, fmt, torch.float32, torch.device("cpu"))
+    for i in range(CONFIG.num_layers):
+        layer = cache.layer(i)
+        layer.store(k[:, :, :prompt], v[:, :, :prompt], 0)
+        for t in range(prompt, prompt + steps):
+            layer.write_tokens(k[:, :, t : t + 1], v[:, :, t : t + 1], [t] * k.shape[0])
+    return cache
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [NH, T, D] against k, v [NKV, L, D]: the last T positions, causally."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    t, length = q.shape[1], k.shape[1]
+    mask = torch.arange(length)[None, :] <= (torch.arange(t)[:, None] + length - t)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("name", sorted(SMALL_FORMATS))
+def test_codes_written_in_steps_equal_the_reference(name: str) -> None:
+    """A prefill then single tokens, each coding a key block as it leaves the window:
+    what the row reads is the reference's codes of its oldest tokens, bit for bit, and
+    its newest tokens as written."""
+    fmt = SMALL_FORMATS[name]
+    k, v = _kv(110)
+    for prompt, steps in ((20, 90), (75, 35), (110, 0)):
+        cache = _filled(fmt, k, v, prompt, steps)
+        length = prompt + steps
+        assert fmt.coded(length) > 0
+        got_k, got_v = cache.layer(1).read(length)
+        want_k, want_v = _reference(fmt, k, v, length)
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), (prompt, steps)
+
+
+def test_the_cache_is_smaller_by_what_the_format_says() -> None:
+    fmt = FORMATS["int4"]
+    cache = QuantKVCache(CONFIG, 2, 2048, fmt, torch.float16, torch.device("cpu"))
+    coded = fmt.coded(2048)  # codes for the positions a row can code; the rest stay float
+    assert coded == 2048 - 64
+    per_head_row = (
+        coded * 64  # int4 key and value codes, 32 bytes each per token
+        + coded // 64 * 64 * 2 * 2  # key scales and zero points per channel per block
+        + coded * 2  # one value scale per token (64 channels), no zero point
+        + (fmt.ring + 1) * 64 * 2 * 2  # the float16 ring of keys and values
+        + fmt.sink * 64 * 2 * 2  # the first tokens, float16
+    )
+    assert cache.nbytes == per_head_row * 2 * CONFIG.num_layers * CONFIG.num_kv_heads
+    assert cache.v_zero.numel() == 0 and cache.k_zero.numel() > 0
+
+
+@needs_cc
+@pytest.mark.parametrize("name", sorted(SMALL_FORMATS))
+def test_cpu_kernel_decode_and_chunk_match_attention_over_the_reference(name: str) -> None:
+    fmt = SMALL_FORMATS[name]
+    k, v = _kv(100)
+    gen = torch.Generator().manual_seed(9)
+    # Decode: two rows at different positions, each writing its token then attending.
+    cache = _filled(fmt, k, v, 60, 0)
+    layer = cache.layer(0)
+    # Row 1 is ahead: give it 17 more tokens first.
+    for t in range(60, 77):
+        layer.rows(1).write_tokens(k[1:, :, t : t + 1], v[1:, :, t : t + 1], [t])
+    positions = torch.tensor([60, 77])
+    q = torch.randn(2, CONFIG.num_heads, CONFIG.head_dim, generator=gen)
+    new_k = torch.stack([k[b, :, int(p)] for b, p in enumerate(positions)])
+    new_v = torch.stack([v[b, :, int(p)] for b, p in enumerate(positions)])
+    out = kv_attention.decode(layer, q, new_k, new_v, positions, kv_len=128)
+    for b, p in enumerate(positions.tolist()):
+        rk, rv = _reference(fmt, k[b : b + 1], v[b : b + 1], p + 1)
+        want = _attend(q[b, :, None] * 1.0, rk[0], rv[0])[:, 0]
+        torch.testing.assert_close(out[b], want, rtol=1e-4, atol=1e-5)
+    # A chunk of 30 tokens after 61 cached ones, in one row: it reads the codes, the
+    # ring and itself, then is stored as a decode would have stored it.
+    cache = _filled(fmt, k[:1], v[:1], 61, 0)
+    layer = cache.layer(0)
+    qc = torch.randn(1, CONFIG.num_heads, 30, CONFIG.head_dim, generator=gen)
+    out = kv_attention.chunk(layer, qc, k[:1, :, 61:91], v[:1, :, 61:91], 61)
+    coded = fmt.coded(61)
+    rk, rv = _reference(fmt, k[:1], v[:1], 61)
+    rk = torch.cat([rk[:, :, :coded], k[:1, :, coded:91]], dim=2)
+    rv = torch.cat([rv[:, :, :coded], v[:1, :, coded:91]], dim=2)
+    torch.testing.assert_close(out[0], _attend(qc[0], rk[0], rv[0]), rtol=1e-4, atol=1e-5)
+    got_k, got_v = layer.read(91)
+    want_k, want_v = _reference(fmt, k[:1], v[:1], 91)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+@needs_triton
+@pytest.mark.parametrize("name", sorted(SMALL_FORMATS))
+def test_triton_write_codes_as_torch_and_attends_as_the_reference(name: str) -> None:
+    """Triton's decode write (interpreted here, compiled on a GPU) leaves the codes the
+    torch store leaves, byte for byte, and its decode and chunk attention match
+    attention over the reference's read-back."""
+    from edge.text import triton_kv
+
+    fmt = SMALL_FORMATS[name]
+    k, v = _kv(104)  # 80 cached, then a chunk of 24
+    torch_cache = _filled(fmt, k, v, 20, 60)
+    cache = QuantKVCache(CONFIG, 2, 128, fmt, torch.float32, DEVICE)
+    layer = cache.layer(1)
+    layer.store(k[:, :, :20].to(DEVICE), v[:, :, :20].to(DEVICE), 0)
+    for t in range(20, 80):
+        pos = torch.tensor([t, t], device=DEVICE)
+        triton_kv.write_tokens(layer, k[:, :, t].to(DEVICE), v[:, :, t].to(DEVICE), pos)
+    want = torch_cache.layer(1)
+    coded = fmt.coded(80)
+    for name_ in ("k_codes", "v_codes", "v_scale"):
+        a, b = getattr(layer, name_)[:, :, :coded].cpu(), getattr(want, name_)[:, :, :coded]
+        assert torch.equal(a, b), name_
+    for name_ in ("k_scale", "k_zero"):
+        a, b = getattr(layer, name_).cpu(), getattr(want, name_)
+        if a.numel():
+            assert torch.equal(a[:, :, : coded // fmt.key_block], b[:, :, : coded // fmt.key_block]), name_
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, CONFIG.num_heads, CONFIG.head_dim, generator=gen)
+    pos = torch.tensor([79, 79], device=DEVICE)
+    out = triton_kv.attention(layer, q.to(DEVICE), pos, 128, q_scale=CONFIG.head_dim**-0.5).cpu()
+    rk, rv = _reference(fmt, k[:, :, :80], v[:, :, :80], 80)
+    for b in range(2):
+        want_out = _attend(q[b, :, None], rk[b], rv[b])[:, 0].reshape(-1)
+        torch.testing.assert_close(out[b], want_out, rtol=1e-4, atol=1e-4)
+    qc = torch.randn(24, CONFIG.num_heads, CONFIG.head_dim, generator=gen)
+    one = cache.rows(0, 1).layer(1)
+    coded = fmt.coded(80)
+    float_k = torch.cat([one.ring_span(coded, 80)[0], k[:1, :, 80:104].to(DEVICE)], dim=2)
+    float_v = torch.cat([one.ring_span(coded, 80)[1], v[:1, :, 80:104].to(DEVICE)], dim=2)
+    out = triton_kv.chunk_attention(one, qc.to(DEVICE), float_k, float_v, 80, coded, CONFIG.head_dim**-0.5).cpu()
+    rk, rv = _reference(fmt, k[:1], v[:1], 80)
+    kk = torch.cat([rk[:, :, :coded], k[:1, :, coded:104]], dim=2)
+    vv = torch.cat([rv[:, :, :coded], v[:1, :, coded:104]], dim=2)
+    want_out = _attend(qc.transpose(0, 1), kk[0], vv[0]).transpose(0, 1)
+    torch.testing.assert_close(out, want_out, rtol=1e-4, atol=1e-4)
+
+
+@needs_triton
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["int8", "int4-sym"])
+def test_fused_decode_step_over_a_quantized_cache_matches_the_op_by_op_step(name: str) -> None:
+    """The fused step's rotary kernel writes and codes the cache itself: in float32 its
+    logits are the op-by-op step's over a cache of the same format (same codes, same
+    attention), past the point where key blocks are coded, for two rows at different
+    positions."""
+    fmt = SMALL_FORMATS[name]
+    fused = random_int4_llama(CONFIG, DEVICE, "triton", group=32, dtype=torch.float32, seed=5)
+    ref = random_int4_llama(CONFIG, DEVICE, "dequant", group=32, dtype=torch.float32, seed=5)
+    ref.fused_decode = False
+    cache = QuantKVCache(CONFIG, 2, 64, fmt, torch.float32, DEVICE)
+    ref_cache = QuantKVCache(CONFIG, 2, 64, fmt, torch.float32, DEVICE)
+    gen = torch.Generator().manual_seed(1)
+    steps = 50  # past fmt.coded: blocks of 32 leave the window of 8 at 41
+    ids = torch.randint(0, CONFIG.vocab_size, (2, steps), generator=gen).to(DEVICE)
+    offsets = [0, 5]
+    # Where the two rotaries' last bits differ (on a GPU) a code can land a step apart: an
+    # int4 step moves the logits by about 2e-3.
+    tolerance = 5e-3 if DEVICE.type == "cuda" and fmt.dtype == "int4" else 1e-4
+    for step in range(steps):
+        pos = torch.tensor([max(0, step - o) for o in offsets], device=DEVICE)
+        tokens = torch.stack([ids[b, int(pos[b])] for b in range(2)]).view(2, 1)
+        got = triton_decode.fused_decode_step(fused, tokens, cache, pos, 64)
+        want = ref.decode_step(tokens, ref_cache, pos, 64)
+        for b in range(2):
+            err = float((got[b].float().cpu() - want[b].cpu()).norm() / want[b].norm())
+            assert err < tolerance, f"row {b} position {int(pos[b])}: relative error {err:.6f}"
+    coded = fmt.coded(steps)
+    assert coded > 0
+    # The same codes, but where the two rotaries' last bits put a key across a rounding
+    # edge (on a GPU, fused multiply-adds): a step apart, rarely.
+    got_codes = cache.k_codes[:, :, :, :coded].cpu().to(torch.int16)
+    want_codes = ref_cache.k_codes[:, :, :, :coded].cpu().to(torch.int16)
+    if fmt.dtype == "int4":  # two codes a byte: compare each nibble
+        got_codes = torch.stack([got_codes & 15, got_codes >> 4])
+        want_codes = torch.stack([want_codes & 15, want_codes >> 4])
+    differ = got_codes != want_codes
+    assert (got_codes - want_codes).abs().max() <= 1 and differ.float().mean() < 0.01
+
+
+def test_kv_dtype_is_checked_and_reaches_the_pool() -> None:
+    assert kv_format(QASettings(device="cpu", kv_dtype="int4")) == FORMATS["int4"]
+    with pytest.raises(ValueError, match="kv_dtype must be one of float16, int8, int4, got 'fp8'"):
+        kv_format(QASettings(device="cpu", kv_dtype="fp8"))
+
+
+@pytest.fixture(scope="module")
+def ckpt(engine_dir: Path) -> TextCheckpoint:
+    return load_checkpoint(import_smollm2(engine_dir, progress=False))
+
+
+def _batch(ckpt: TextCheckpoint, fmt: KVFormat, prompts: list[list[int]], new: int, chunk: int = 0) -> list[list[int]]:
+    batcher = ContinuousBatcher(
+        ckpt.model, ckpt.tokenizer, frozenset(), slots=len(prompts), slot_len=512, kv_format=fmt
+    )
+    batcher.prefill_chunk = chunk
+    seqs = [Sequence(i, p, SamplingParams(max_new_tokens=new)) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        slot = batcher.kv.allocate_slots(str(seq.owner), len(seq.prompt) + new)
+        assert slot is not None
+        batcher.admit(seq, slot)
+        batcher.step()  # each joins those already decoding
+    while batcher.running:
+        for done in batcher.step():
+            assert done.kv is not None
+            batcher.kv.free(done.kv)
+    return [s.tokens for s in seqs]
+
+
+@needs_cc
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_real_model_served_over_a_quantized_cache_answers_as_alone(ckpt: TextCheckpoint, dtype: str) -> None:
+    """SmolLM2 (real weights) over a quantized cache in the serving batcher: sequences
+    that join one another, one of them prefilled in chunks after cached tokens, decode
+    exactly what each decodes alone over the same format, and the pool is the format's
+    size."""
+    fmt = FORMATS[dtype]  # type: ignore[index]
+    questions = ["Name three symptoms of dehydration.", "What is a normal body temperature?"]
+    prompts = [
+        list(ckpt.tokenizer.encode(chatml("You are terse.", q), add_special_tokens=False).ids) for q in questions
+    ]
+    new = 180  # past several key blocks leaving the window
+    assert fmt.coded(len(prompts[0]) + new) >= 2 * fmt.key_block
+    together = _batch(ckpt, fmt, prompts, new, chunk=16)  # the second joins in chunks
+    for prompt, tokens in zip(prompts, together, strict=True):
+        assert _batch(ckpt, fmt, [prompt], new) == [tokens]
+    batcher = ContinuousBatcher(ckpt.model, ckpt.tokenizer, frozenset(), slots=2, slot_len=512, kv_format=fmt)
+    float_bytes = ckpt.model.new_cache(2, 512).nbytes
+    assert batcher.kv.snapshot()["kv_dtype"] == dtype
+    assert batcher.cache.nbytes < float_bytes / (1.8 if dtype == "int8" else 2.5)
+    assert batcher.kv.bytes_per_token * 2 * 512 >= batcher.cache.nbytes
+    assert math.isfinite(float(batcher.cache.nbytes))
