@@ -341,7 +341,65 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--timeout", type=float, default=60.0)
     submit.add_argument("--json", action="store_true", help="print the raw result document")
     submit.set_defaults(func=cmd_submit)
+    docs = sub.add_parser("docs", help="the box's document collections (text, Markdown, HTML, PDF)")
+    docs_sub = docs.add_subparsers(dest="docs_command", required=True)
+    docs_add = docs_sub.add_parser("add", help="add documents (files or folders) to a collection, all or nothing")
+    docs_add.add_argument("--profile", type=Path, required=True, help="the collections live in its state directory")
+    docs_add.add_argument("--collection", required=True)
+    docs_add.add_argument("paths", nargs="+", type=Path)
+    docs_add.add_argument("--max-file-mib", type=int, default=32, help="refuse larger files (default 32)")
+    docs_list = docs_sub.add_parser("list", help="the collections and their documents")
+    docs_list.add_argument("--profile", type=Path, required=True)
+    docs_list.add_argument("--collection", help="this collection's documents")
+    docs_list.add_argument("--json", action="store_true")
+    docs_rm = docs_sub.add_parser("remove", help="remove a collection, or documents from it")
+    docs_rm.add_argument("--profile", type=Path, required=True)
+    docs_rm.add_argument("--collection", required=True)
+    docs_rm.add_argument("documents", nargs="*", help="these documents only (by file name)")
+    docs.set_defaults(func=cmd_docs)
     return parser
+
+
+def cmd_docs(args: argparse.Namespace) -> int:
+    from edge.docs.extract import DocumentError
+    from edge.docs.ingest import Limits, add, remove_documents
+    from edge.docs.store import CollectionError, DocStore
+
+    store = DocStore(_load(args.profile).paths.state_dir / "docs")
+    try:
+        if args.docs_command == "add":
+            limits = Limits(max_file_bytes=args.max_file_mib << 20)
+            add(store, args.collection, args.paths, limits, progress=lambda line: print(line, flush=True))
+        elif args.docs_command == "remove":
+            if args.documents:
+                remove_documents(store, args.collection, args.documents)
+                print(f"collection {args.collection}: removed {', '.join(args.documents)}")
+            else:
+                store.remove(args.collection)
+                print(f"collection {args.collection}: removed")
+        elif args.collection:
+            collection = store.load(args.collection)
+            rows = [
+                {"name": d.name, "chunks": d.chunks, "bytes": d.bytes, "sha256": d.sha256, "source": d.source}
+                for d in collection.documents
+            ]
+            if args.json:
+                print(json.dumps({"collection": args.collection, "version": collection.version, "documents": rows}))
+            else:
+                for row in rows:
+                    print(f"{row['name']:<40} {row['chunks']:>6} chunks {row['bytes']:>10} bytes  {row['source']}")
+        else:
+            summary = store.summary()
+            if args.json:
+                print(json.dumps({"collections": summary}))
+            else:
+                for row in summary:
+                    counts = f"{row['documents']:>6} documents {row['chunks']:>7} chunks"
+                    print(f"{row['name']:<24} {counts} ({row['version']})")
+    except (CollectionError, DocumentError) as err:
+        print(f"edgectl docs {args.docs_command}: {err}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

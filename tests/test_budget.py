@@ -170,7 +170,9 @@ def test_thousands_of_mixed_jobs_never_exceed_the_budget(squeezed: DaemonProc, r
     capacity = memory["budget_bytes"] - memory["headroom_bytes"]
     assert 0 < memory["peak_bytes"] <= capacity
     kv = memory["kv"]
-    assert memory["reserved_bytes"] == 0 and kv["reserved_tokens"] == 0 and kv["rows_free"] == kv["rows"]
+    # Nothing reserved once every job is answered but the documents the prefix cache keeps.
+    assert memory["reserved_bytes"] == kv["prefix_cache"]["bytes"]
+    assert kv["reserved_tokens"] == 0 and kv["rows_free"] == kv["rows"]
     # The kernel's own figure for the process, model loads included: within the budget.
     assert memory["peak_rss_bytes"] <= memory["budget_bytes"], (memory["peak_rss_bytes"], memory["budget_bytes"])
     # The squeeze happened: full batches evicted the idle OCR model and still ran in

@@ -265,7 +265,9 @@ def test_expired_deadline(daemon: DaemonProc, requester: Requester) -> None:
     # A long Q&A job occupies the text branch; a job behind it with a 1 ms deadline expires.
     first = requester.send(
         f"{JOBS}/qa",
-        {"id": "slow", "question": "Tell me about hand washing.", "max_new_tokens": 24, "stream": True},
+        # 64 tokens (the model does not end this answer early): long after its first piece
+        # is streamed, it still holds the branch when the next job arrives.
+        {"id": "slow", "question": "Tell me about hand washing.", "max_new_tokens": 64, "stream": True},
     )
     # Sent once the first is generating (its first streamed piece): jobs that arrive
     # together are queued earliest deadline first, and this one would then run first, in time.
