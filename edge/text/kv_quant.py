@@ -156,6 +156,46 @@ def _asymmetric(x: torch.Tensor, dim: int, levels: int) -> tuple[torch.Tensor, t
     return codes, scale, low
 
 
+@dataclass
+class Codes:
+    """Whole key blocks of keys and values [..., T, D] as codes: keys' scales (and int4
+    zero points) [..., T / key_block, D], values' [..., T, groups]; int4 codes packed."""
+
+    k_codes: torch.Tensor
+    k_scale: torch.Tensor
+    k_zero: torch.Tensor | None
+    v_codes: torch.Tensor
+    v_scale: torch.Tensor
+    v_zero: torch.Tensor | None
+
+
+def code(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, first_block: bool) -> Codes:
+    """Code keys and values [..., T, D] (T a multiple of the key block) in `fmt`;
+    `first_block`: they start at position 0, so the sink tokens are left out of the first
+    block's scales."""
+    *lead, n, dim = k.shape
+    if first_block:
+        k = without_sink(k, fmt.sink)
+    blocks = k.float().reshape(*lead, n // fmt.key_block, fmt.key_block, dim)
+    group = fmt.group(dim)
+    groups = v.float().reshape(*lead, n, dim // group, group)
+    k_zero = v_zero = None
+    if fmt.dtype == "int8":
+        kc, k_scale = _symmetric(blocks, -2, 127)
+        vc, v_scale = _symmetric(groups, -1, 127)
+        k_codes, v_codes = kc.reshape(k.shape), vc.reshape(v.shape)
+    else:
+        kc, k_scale, kz = _asymmetric(blocks, -2, 16)
+        k_zero = kz.squeeze(-2)
+        if fmt.value_symmetric:
+            vc, v_scale = _symmetric4(groups, -1)
+        else:
+            vc, v_scale, vz = _asymmetric(groups, -1, 16)
+            v_zero = vz.squeeze(-1)
+        k_codes, v_codes = _pack4(kc.reshape(k.shape)), _pack4(vc.reshape(v.shape))
+    return Codes(k_codes, k_scale.squeeze(-2), k_zero, v_codes, v_scale.squeeze(-1), v_zero)
+
+
 def quantize(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat) -> QuantizedKV:
     """Keys and values [..., T, D] (any float dtype) of tokens 0..T-1 into `fmt`."""
     length, dim = k.shape[-2], k.shape[-1]
@@ -164,29 +204,14 @@ def quantize(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat) -> QuantizedKV:
     if dim % fmt.group(dim):
         raise ValueError(f"head size {dim} is not a multiple of the value group {fmt.value_group}")
     old = length - fmt.float_tokens(length)
-    kq, vq = without_sink(k[..., :old, :].float(), fmt.sink), v[..., :old, :].float()
     k_zero = v_zero = None
     empty = torch.empty(0, device=k.device)
     if fmt.dtype == "float16":
         k_codes = k_scale = v_codes = v_scale = empty
     else:
-        # Keys: [..., blocks, block, D], one scale per channel of a block.
-        blocks = kq.reshape(*kq.shape[:-2], old // fmt.key_block, fmt.key_block, dim)
-        group = fmt.group(dim)
-        groups = vq.reshape(*vq.shape[:-1], dim // group, group)  # values: per token (and group)
-        if fmt.dtype == "int8":
-            k_codes, k_scale = _symmetric(blocks, -2, 127)
-            v_codes, v_scale = _symmetric(groups, -1, 127)
-            k_codes = k_codes.reshape(kq.shape)
-            v_codes = v_codes.reshape(vq.shape)
-        else:
-            kc, k_scale, k_zero = _asymmetric(blocks, -2, 16)
-            if fmt.value_symmetric:
-                vc, v_scale = _symmetric4(groups, -1)
-            else:
-                vc, v_scale, v_zero = _asymmetric(groups, -1, 16)
-            k_codes = _pack4(kc.reshape(kq.shape))
-            v_codes = _pack4(vc.reshape(vq.shape))
+        coded = code(k[..., :old, :], v[..., :old, :], fmt, first_block=True)
+        k_codes, k_scale, k_zero = coded.k_codes, coded.k_scale, coded.k_zero
+        v_codes, v_scale, v_zero = coded.v_codes, coded.v_scale, coded.v_zero
     sink = min(fmt.sink, old)
     return QuantizedKV(
         fmt,
@@ -221,12 +246,12 @@ def dequantize(q: QuantizedKV, dtype: torch.dtype = torch.float32) -> tuple[torc
     vg = vc.reshape(*lead, old, dim // group, group)
     if fmt.dtype == "int4" and fmt.value_symmetric:
         vg = vg - SYM4_ZERO
-    k = kb * q.k_scale.float()
-    v = vg * q.v_scale.float()
+    k = kb * q.k_scale.float().unsqueeze(-2)
+    v = vg * q.v_scale.float().unsqueeze(-1)
     if q.k_zero is not None:
-        k = k + q.k_zero.float()
+        k = k + q.k_zero.float().unsqueeze(-2)
     if q.v_zero is not None:
-        v = v + q.v_zero.float()
+        v = v + q.v_zero.float().unsqueeze(-1)
     k, v = k.reshape(*lead, old, dim), v.reshape(*lead, old, dim)
     if q.sink_k is not None and q.sink_v is not None:
         sink = q.sink_k.shape[-2]

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from edge.text.kv_quant import SYM4_ZERO, KVFormat, _asymmetric, _pack4, _symmetric, _symmetric4, _unpack4, without_sink
+from edge.text import kv_quant
+from edge.text.kv_quant import SYM4_ZERO, KVFormat, _unpack4
 
 if TYPE_CHECKING:
     from edge.text.llama import LlamaConfig
@@ -99,31 +100,17 @@ class QuantLayer:
 
     def _code(self, k: torch.Tensor, v: torch.Tensor, first: int) -> None:
         """Code whole key blocks [B, H, n, D] of positions first..first+n-1."""
-        fmt = self.fmt
-        rows, heads, n, dim = k.shape
-        if first == 0:  # the sink tokens do not set the first block's scales
-            k = without_sink(k, fmt.sink)
-        blocks = k.float().reshape(rows, heads, n // fmt.key_block, fmt.key_block, dim)
-        group = fmt.group(dim)
-        groups = v.float().reshape(rows, heads, n, dim // group, group)
-        b0, b1 = first // fmt.key_block, (first + n) // fmt.key_block
-        if fmt.dtype == "int8":
-            kc, ks = _symmetric(blocks, -2, 127)
-            vc, vs = _symmetric(groups, -1, 127)
-            self.k_codes[:, :, first : first + n] = kc.reshape(rows, heads, n, dim)
-            self.v_codes[:, :, first : first + n] = vc.reshape(rows, heads, n, dim)
-        else:
-            kc, ks, kz = _asymmetric(blocks, -2, 16)
-            if fmt.value_symmetric:
-                vc, vs = _symmetric4(groups, -1)
-            else:
-                vc, vs, vz = _asymmetric(groups, -1, 16)
-                self.v_zero[:, :, first : first + n] = vz.reshape(rows, heads, n, dim // group)
-            self.k_codes[:, :, first : first + n] = _pack4(kc.reshape(rows, heads, n, dim))
-            self.v_codes[:, :, first : first + n] = _pack4(vc.reshape(rows, heads, n, dim))
-            self.k_zero[:, :, b0:b1] = kz.reshape(rows, heads, b1 - b0, dim)
-        self.k_scale[:, :, b0:b1] = ks.reshape(rows, heads, b1 - b0, dim)
-        self.v_scale[:, :, first : first + n] = vs.reshape(rows, heads, n, dim // group)
+        n = k.shape[2]
+        codes = kv_quant.code(k, v, self.fmt, first_block=first == 0)
+        b0, b1 = first // self.fmt.key_block, (first + n) // self.fmt.key_block
+        self.k_codes[:, :, first : first + n] = codes.k_codes
+        self.v_codes[:, :, first : first + n] = codes.v_codes
+        self.k_scale[:, :, b0:b1] = codes.k_scale
+        self.v_scale[:, :, first : first + n] = codes.v_scale
+        if codes.k_zero is not None:
+            self.k_zero[:, :, b0:b1] = codes.k_zero
+        if codes.v_zero is not None:
+            self.v_zero[:, :, first : first + n] = codes.v_zero
 
     def write_tokens(self, k: torch.Tensor, v: torch.Tensor, positions: list[int]) -> None:
         """One token per row ([B, H, 1, D]) at each row's own position (a decode step)."""
