@@ -91,7 +91,8 @@ def test_a_paused_sequence_restored_answers_as_uninterrupted(
     # Its prompt was prefilled once: the resume restored the row, it prefilled nothing.
     assert batcher.offload.prefill_tokens_per_s is not None and low.prefill_ms == prefill_ms[0] > 0
     assert counts["memory_bytes"] == 0 and counts["disk_bytes"] == 0
-    assert not list((tmp_path / "kv").glob("*")) if where == "disk" else True
+    if where == "disk":
+        assert not list((tmp_path / "kv").glob("*"))  # its file went once it was restored
     batcher.offload.close()
 
 

@@ -81,18 +81,30 @@ FORMATS: dict[KVDtype, KVFormat] = {
 
 
 @dataclass
-class QuantizedKV:
-    """One head's (or a stack of heads') keys and values [..., T, D] in a format: the
-    oldest `quantized` tokens as codes and scales, the rest float16."""
+class Codes:
+    """Whole key blocks of keys and values [..., T, D] as codes: keys' scales (and int4
+    zero points) [..., T / key_block, D], values' [..., T, groups]; int4 codes packed."""
 
-    fmt: KVFormat
-    quantized: int
     k_codes: torch.Tensor
     k_scale: torch.Tensor
     k_zero: torch.Tensor | None
     v_codes: torch.Tensor
     v_scale: torch.Tensor
     v_zero: torch.Tensor | None
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in vars(self).values() if t is not None]
+
+
+@dataclass
+class QuantizedKV:
+    """One head's (or a stack of heads') keys and values [..., T, D] in a format: the
+    oldest `quantized` tokens as codes and scales, the rest float16."""
+
+    fmt: KVFormat
+    quantized: int
+    codes: Codes | None  # None for float16, or with nothing old enough to code
     k_float: torch.Tensor
     v_float: torch.Tensor
     sink_k: torch.Tensor | None = None  # the first fmt.sink tokens, float16, once coded
@@ -100,9 +112,8 @@ class QuantizedKV:
 
     @property
     def nbytes(self) -> int:
-        parts = [self.k_codes, self.k_scale, self.v_codes, self.v_scale, self.k_float, self.v_float]
+        parts = [self.k_float, self.v_float, *(self.codes.tensors if self.codes is not None else [])]
         parts += [t for t in (self.sink_k, self.sink_v) if t is not None]
-        parts += [z for z in (self.k_zero, self.v_zero) if z is not None]
         return sum(t.numel() * t.element_size() for t in parts)
 
 
@@ -156,19 +167,6 @@ def _asymmetric(x: torch.Tensor, dim: int, levels: int) -> tuple[torch.Tensor, t
     return codes, scale, low
 
 
-@dataclass
-class Codes:
-    """Whole key blocks of keys and values [..., T, D] as codes: keys' scales (and int4
-    zero points) [..., T / key_block, D], values' [..., T, groups]; int4 codes packed."""
-
-    k_codes: torch.Tensor
-    k_scale: torch.Tensor
-    k_zero: torch.Tensor | None
-    v_codes: torch.Tensor
-    v_scale: torch.Tensor
-    v_zero: torch.Tensor | None
-
-
 def code(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat, first_block: bool) -> Codes:
     """Code keys and values [..., T, D] (T a multiple of the key block) in `fmt`;
     `first_block`: they start at position 0, so the sink tokens are left out of the first
@@ -204,24 +202,12 @@ def quantize(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat) -> QuantizedKV:
     if dim % fmt.group(dim):
         raise ValueError(f"head size {dim} is not a multiple of the value group {fmt.value_group}")
     old = length - fmt.float_tokens(length)
-    k_zero = v_zero = None
-    empty = torch.empty(0, device=k.device)
-    if fmt.dtype == "float16":
-        k_codes = k_scale = v_codes = v_scale = empty
-    else:
-        coded = code(k[..., :old, :], v[..., :old, :], fmt, first_block=True)
-        k_codes, k_scale, k_zero = coded.k_codes, coded.k_scale, coded.k_zero
-        v_codes, v_scale, v_zero = coded.v_codes, coded.v_scale, coded.v_zero
+    coded = None if fmt.dtype == "float16" else code(k[..., :old, :], v[..., :old, :], fmt, first_block=True)
     sink = min(fmt.sink, old)
     return QuantizedKV(
         fmt,
         old,
-        k_codes,
-        k_scale,
-        k_zero,
-        v_codes,
-        v_scale,
-        v_zero,
+        coded,
         k[..., old:, :].to(torch.float16),
         v[..., old:, :].to(torch.float16),
         k[..., :sink, :].to(torch.float16) if sink else None,
@@ -232,26 +218,26 @@ def quantize(k: torch.Tensor, v: torch.Tensor, fmt: KVFormat) -> QuantizedKV:
 def dequantize(q: QuantizedKV, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values [..., T, D] back in `dtype` (the reference kernels are checked
     against; attention kernels read the codes themselves)."""
-    fmt, old = q.fmt, q.quantized
-    if old == 0 or fmt.dtype == "float16":
+    fmt, old, codes = q.fmt, q.quantized, q.codes
+    if old == 0 or codes is None:
         return q.k_float.to(dtype), q.v_float.to(dtype)
     dim = q.k_float.shape[-1]
     lead = q.k_float.shape[:-2]
     group = fmt.group(dim)
     if fmt.dtype == "int8":
-        kc, vc = q.k_codes.float(), q.v_codes.float()
+        kc, vc = codes.k_codes.float(), codes.v_codes.float()
     else:
-        kc, vc = _unpack4(q.k_codes).float(), _unpack4(q.v_codes).float()
+        kc, vc = _unpack4(codes.k_codes).float(), _unpack4(codes.v_codes).float()
     kb = kc.reshape(*lead, old // fmt.key_block, fmt.key_block, dim)
     vg = vc.reshape(*lead, old, dim // group, group)
     if fmt.dtype == "int4" and fmt.value_symmetric:
         vg = vg - SYM4_ZERO
-    k = kb * q.k_scale.float().unsqueeze(-2)
-    v = vg * q.v_scale.float().unsqueeze(-1)
-    if q.k_zero is not None:
-        k = k + q.k_zero.float().unsqueeze(-2)
-    if q.v_zero is not None:
-        v = v + q.v_zero.float().unsqueeze(-1)
+    k = kb * codes.k_scale.float().unsqueeze(-2)
+    v = vg * codes.v_scale.float().unsqueeze(-1)
+    if codes.k_zero is not None:
+        k = k + codes.k_zero.float().unsqueeze(-2)
+    if codes.v_zero is not None:
+        v = v + codes.v_zero.float().unsqueeze(-1)
     k, v = k.reshape(*lead, old, dim), v.reshape(*lead, old, dim)
     if q.sink_k is not None and q.sink_v is not None:
         sink = q.sink_k.shape[-2]
