@@ -223,6 +223,10 @@ def _job_from_args(args: argparse.Namespace) -> dict[str, Any]:
             job["temperature"] = args.temperature
         if args.stop:
             job["stop"] = args.stop
+        if args.collection:
+            job["collection"] = args.collection
+        if args.top_k is not None:
+            job["top_k"] = args.top_k
     return job
 
 
@@ -338,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--max-new-tokens", type=int)
     submit.add_argument("--temperature", type=float)
     submit.add_argument("--stop", action="append", help="qa: stop string (repeatable)")
+    submit.add_argument("--collection", help="qa: retrieve passages from this collection on the box")
+    submit.add_argument("--top-k", type=int, help="qa: passages to retrieve")
     submit.add_argument("--timeout", type=float, default=60.0)
     submit.add_argument("--json", action="store_true", help="print the raw result document")
     submit.set_defaults(func=cmd_submit)
@@ -360,19 +366,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _docs_encoder(profile: Profile) -> Any:
+    """The retrieval encoder, built first (in a child process, as the daemon builds
+    engines) when the engine directory has none."""
+    from edge.docs.embed import Embedder, locate
+    from edge.engines import EngineMissing
+
+    engine_dir = profile.paths.engine_dir
+    try:
+        info = locate(engine_dir)
+    except EngineMissing:
+        print(f"building the retrieval encoder into {engine_dir} (once)", flush=True)
+        cmd = [sys.executable, "-m", "engines.embed_build", "--engine-dir", str(engine_dir), "--no-progress"]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        info = locate(engine_dir)
+    qa = profile.models.qa
+    return Embedder.load(info, qa.embed_backend, qa.embed_threads)
+
+
 def cmd_docs(args: argparse.Namespace) -> int:
+    from edge.backends import BackendUnavailable
     from edge.docs.extract import DocumentError
     from edge.docs.ingest import Limits, add, remove_documents
     from edge.docs.store import CollectionError, DocStore
+    from edge.engines import EngineMissing
 
-    store = DocStore(_load(args.profile).paths.state_dir / "docs")
+    profile = _load(args.profile)
+    store = DocStore(profile.paths.state_dir / "docs")
     try:
         if args.docs_command == "add":
             limits = Limits(max_file_bytes=args.max_file_mib << 20)
-            add(store, args.collection, args.paths, limits, progress=lambda line: print(line, flush=True))
+            say = lambda line: print(line, flush=True)  # noqa: E731
+            add(store, args.collection, args.paths, _docs_encoder(profile), limits, progress=say)
         elif args.docs_command == "remove":
             if args.documents:
-                remove_documents(store, args.collection, args.documents)
+                remove_documents(store, args.collection, args.documents, _docs_encoder(profile))
                 print(f"collection {args.collection}: removed {', '.join(args.documents)}")
             else:
                 store.remove(args.collection)
@@ -396,8 +424,11 @@ def cmd_docs(args: argparse.Namespace) -> int:
                 for row in summary:
                     counts = f"{row['documents']:>6} documents {row['chunks']:>7} chunks"
                     print(f"{row['name']:<24} {counts} ({row['version']})")
-    except (CollectionError, DocumentError) as err:
+    except (CollectionError, DocumentError, EngineMissing, BackendUnavailable) as err:
         print(f"edgectl docs {args.docs_command}: {err}", file=sys.stderr)
+        return 1
+    except subprocess.CalledProcessError as err:
+        print(f"edgectl docs {args.docs_command}: building the retrieval encoder failed ({err})", file=sys.stderr)
         return 1
     return 0
 

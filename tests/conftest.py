@@ -120,20 +120,38 @@ def own_broker(tmp_path: Path) -> Iterator[Broker]:
     b.stop()
 
 
-@pytest.fixture(scope="session")
-def engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Engines built once per test session (the build itself is tested elsewhere)."""
-    from engines.text_build import build_text_engine
-    from engines.vision_build import build_student
-
-    # EDGE_TEST_ENGINE_DIR reuses a developer's engine cache (builds are keyed by their
-    # inputs, so a cached engine is the same engine); CI builds afresh, once for all the
-    # test processes (pytest-xdist workers share the run's base directory): the first
-    # builds under the lock, the others find the builds cached.
+def _shared_engines(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's engine directory. EDGE_TEST_ENGINE_DIR reuses a developer's engine
+    cache (builds are keyed by their inputs, so a cached engine is the same engine); CI
+    builds afresh, once for all the test processes (pytest-xdist workers share the run's
+    base directory): the first builds under the lock, the others find the builds cached."""
     reuse = os.environ.get("EDGE_TEST_ENGINE_DIR")
     base = tmp_path_factory.getbasetemp()
     path = Path(reuse) if reuse else (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "engines"
     path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def embed_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The session's engine directory with the retrieval encoder built in it."""
+    from engines.embed_build import build_embedder
+
+    path = _shared_engines(tmp_path_factory)
+    # A lock of its own: the encoder builds in seconds, and need not wait for the others.
+    with (path / ".tests-embed.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        build_embedder(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def engine_dir(tmp_path_factory: pytest.TempPathFactory, embed_engine_dir: Path) -> Path:
+    """Engines built once per test session (the build itself is tested elsewhere)."""
+    from engines.text_build import build_text_engine
+    from engines.vision_build import build_student
+
+    path = _shared_engines(tmp_path_factory)
     with (path / ".tests.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         # The default pipeline: import, clinic QLoRA adapter merged in, AWQ INT4.
@@ -244,6 +262,12 @@ def start_daemon(profile: Path, env_extra: dict[str, str] | None = None) -> Daem
 def daemon(broker: Broker, engine_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
     """One daemon with both branches, shared by the request/response tests."""
     directory = tmp_path_factory.mktemp("daemon")
+    # The sample leaflets as collection "leaflets", for the jobs that retrieve (docs/protocol.md's among them).
+    from edge.docs.embed import Embedder, locate
+    from edge.docs.ingest import add
+    from edge.docs.store import DocStore
+
+    add(DocStore(directory / "state" / "docs"), "leaflets", [SAMPLES / "leaflets"], Embedder.load(locate(engine_dir)))
     d = start_daemon(write_profile(directory, broker.port, engine_dir))
     d.wait_ready()
     yield d

@@ -1,6 +1,7 @@
 """The box's document collections (edge/docs): text out of text, Markdown, HTML and PDF
-files, chunks with stable ids, collections changed all or nothing, through `edgectl docs`,
-and a collection that a kill -9 mid-ingest leaves old or new, never torn."""
+files, chunks with stable ids, collections embedded and indexed and changed all or
+nothing, through `edgectl docs`, and a collection that a kill -9 mid-ingest leaves old or
+new, never torn."""
 
 from __future__ import annotations
 
@@ -13,13 +14,38 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from edge.docs.chunking import chunk_sections
+from edge.docs.embed import Embedder, locate
 from edge.docs.extract import DocumentError, Section, extract
-from edge.docs.ingest import Limits, add, remove_documents
+from edge.docs.index import VectorIndex
+from edge.docs.ingest import Limits, add, passage_text, remove_documents
 from edge.docs.store import CollectionError, DocStore
 from tests.conftest import REPO, write_profile
+
+
+class CountingEncoder:
+    """The real encoder, counting the texts it is asked to embed."""
+
+    def __init__(self, embedder: Embedder) -> None:
+        self.embedder = embedder
+        self.texts: list[str] = []
+
+    @property
+    def model(self) -> str:
+        return self.embedder.model
+
+    def embed(self, texts: list[str], progress: object = None) -> np.ndarray:
+        self.texts += texts
+        return self.embedder.embed(texts)
+
+
+@pytest.fixture(scope="module")
+def embedder(embed_engine_dir: Path) -> Embedder:
+    return Embedder.load(locate(embed_engine_dir), threads=2)
+
 
 LEAFLET_MD = """# Oral rehydration
 
@@ -128,37 +154,59 @@ def test_chunks_have_stable_ids_exact_offsets_and_bounded_sizes() -> None:
     assert chunks[-1].title == "Other" and chunks[-1].offset == 0
 
 
-def test_a_collection_changes_all_or_nothing(tmp_path: Path) -> None:
+def _index_of(store: DocStore, name: str) -> VectorIndex:
+    collection = store.load(name)
+    return VectorIndex.read(store.version_dir(name, collection.version))
+
+
+def test_a_collection_changes_all_or_nothing(tmp_path: Path, embedder: Embedder) -> None:
     store = DocStore(tmp_path / "docs")
+    encoder = CountingEncoder(embedder)
     folder = tmp_path / "in"
     folder.mkdir()
     (folder / "a.md").write_text(LEAFLET_MD, encoding="utf-8")
     (folder / "b.html").write_text(LEAFLET_HTML, encoding="utf-8")
     (folder / "skipped.bin").write_bytes(b"\0")  # not a document type: not picked up from a folder
-    assert add(store, "clinic", [folder]) == "v000001"
+    assert add(store, "clinic", [folder], encoder) == "v000001"
     first = store.load("clinic")
     assert [d.name for d in first.documents] == ["a.md", "b.html"] and len(first.chunks) == 5
+    # Every chunk embedded once, row i of the index being chunk i.
+    assert encoder.texts == [passage_text(c) for c in first.chunks]
+    index = _index_of(store, "clinic")
+    assert index.meta.count == 5 and index.meta.kind == "flat" and index.meta.model == "all-MiniLM-L6-v2"
+    np.testing.assert_allclose(index.vectors([0, 4]), embedder.embed([encoder.texts[0], encoder.texts[4]]), atol=1e-6)
     # A bad file stops the whole change: nothing of it lands.
     (tmp_path / "c.txt").write_text("new text", encoding="utf-8")
     (tmp_path / "bad.txt").write_bytes(b"\xff\xfe")
     with pytest.raises(DocumentError, match=r"bad\.txt: not UTF-8"):
-        add(store, "clinic", [tmp_path / "c.txt", tmp_path / "bad.txt"])
+        add(store, "clinic", [tmp_path / "c.txt", tmp_path / "bad.txt"], encoder)
     assert store.load("clinic") == first
     # The same name again replaces that document.
     (tmp_path / "a.md").write_text("# Replaced\n\nOnly this now.", encoding="utf-8")
-    assert add(store, "clinic", [tmp_path / "a.md", tmp_path / "c.txt"]) == "v000002"
+    encoder.texts.clear()
+    assert add(store, "clinic", [tmp_path / "a.md", tmp_path / "c.txt"], encoder) == "v000002"
     second = store.load("clinic")
+    # Only the new chunks were embedded; the kept ones' vectors came from the old index.
+    assert sorted(encoder.texts) == ["Replaced\nOnly this now.", "new text"]
+    assert _index_of(store, "clinic").meta.count == len(second.chunks) == 5
     assert sorted(d.name for d in second.documents) == ["a.md", "b.html", "c.txt"]
     assert [c.text for c in second.chunks if c.document == "a.md"] == ["Only this now."]
     assert sorted(p.name for p in (tmp_path / "docs" / "clinic").iterdir()) == ["CURRENT", "v000002"]
-    assert remove_documents(store, "clinic", ["b.html"]) == "v000003"
-    assert {c.document for c in store.load("clinic").chunks} == {"a.md", "c.txt"}
+    encoder.texts.clear()
+    assert remove_documents(store, "clinic", ["b.html"], encoder) == "v000003"
+    third = store.load("clinic")
+    assert {c.document for c in third.chunks} == {"a.md", "c.txt"} and encoder.texts == []
+    np.testing.assert_allclose(
+        _index_of(store, "clinic").vectors(list(range(2))),
+        embedder.embed([passage_text(c) for c in third.chunks]),
+        atol=1e-6,
+    )
     with pytest.raises(CollectionError, match=r"no document nope\.md"):
-        remove_documents(store, "clinic", ["nope.md"])
+        remove_documents(store, "clinic", ["nope.md"], encoder)
     with pytest.raises(CollectionError, match="collection name"):
-        add(store, "../escape", [tmp_path / "c.txt"])
+        add(store, "../escape", [tmp_path / "c.txt"], encoder)
     with pytest.raises(CollectionError, match="1 files; the limit is 0"):
-        add(store, "clinic", [tmp_path / "c.txt"], Limits(max_files=0))
+        add(store, "clinic", [tmp_path / "c.txt"], encoder, Limits(max_files=0))
     store.remove("clinic")
     assert store.names() == [] and not (tmp_path / "docs" / "clinic").exists()
 
@@ -169,8 +217,8 @@ def _edgectl(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_edgectl_docs_commands(tmp_path: Path) -> None:
-    profile = write_profile(tmp_path, 1883, tmp_path / "engines")
+def test_edgectl_docs_commands(tmp_path: Path, embed_engine_dir: Path) -> None:
+    profile = write_profile(tmp_path, 1883, embed_engine_dir)
     (tmp_path / "a.md").write_text(LEAFLET_MD, encoding="utf-8")
     (tmp_path / "b.pdf").write_bytes(pdf_bytes(["Gloves", "Swab"]))
     added = _edgectl("docs", "add", "--profile", str(profile), "--collection", "clinic", str(tmp_path / "a.md"),
@@ -193,31 +241,45 @@ def test_edgectl_docs_commands(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_kill_9_mid_ingest_leaves_the_old_collection_or_the_new_one(tmp_path: Path) -> None:
-    """`edgectl docs add` of a few hundred files, killed at random moments: each time the
-    collection reads back whole, as it was before or with every new document."""
-    profile = write_profile(tmp_path, 1883, tmp_path / "engines")
+def test_kill_9_mid_ingest_leaves_the_old_collection_or_the_new_one(
+    tmp_path: Path, embed_engine_dir: Path, embedder: Embedder
+) -> None:
+    """`edgectl docs add` of a batch of files, killed at random moments from its start to
+    past its end (reading, embedding, writing, switching): each time the collection
+    reads back whole, as it was before or with every new document, its index holding a
+    vector for each of its chunks."""
+    profile = write_profile(tmp_path, 1883, embed_engine_dir)
     store = DocStore(tmp_path / "state" / "docs")
     base = tmp_path / "base.md"
     base.write_text(LEAFLET_MD, encoding="utf-8")
-    add(store, "clinic", [base])
+    add(store, "clinic", [base], embedder)
+
+    def batch(name: str) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        for i in range(30):
+            body = "\n\n".join(f"Protocol {name}-{i} step {j} is done with care." for j in range(40))
+            (folder / f"doc{i:03d}.txt").write_text(body, encoding="utf-8")
+        return folder
+
+    def edgectl_add(folder: Path) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "edge.cli", "docs", "add", "--profile", str(profile), "--collection", "clinic",
+             str(folder)],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+
+    t0 = time.monotonic()
+    whole = edgectl_add(batch("timed"))
+    assert whole.wait(timeout=300) == 0
+    took = time.monotonic() - t0  # start-up and all: the span the kills are spread over
     rng = random.Random(5)
     outcomes = set()
     for round_ in range(8):
-        batch = tmp_path / f"batch{round_}"
-        batch.mkdir()
-        for i in range(300):
-            body = " ".join(f"Protocol {round_}-{i} step {j} is done with care." for j in range(600))
-            (batch / f"doc{i:03d}.txt").write_text(body, encoding="utf-8")
+        folder = batch(f"b{round_}")
         before = store.load("clinic")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "edge.cli", "docs", "add", "--profile", str(profile), "--collection", "clinic",
-             str(batch)],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        )  # fmt: skip
-        assert proc.stdout is not None
-        proc.stdout.readline()  # reading has begun
-        time.sleep(rng.uniform(0.0, 1.0))  # reading, chunking and writing take about a second
+        proc = edgectl_add(folder)
+        time.sleep(rng.uniform(0.3, 1.1) * took)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         after = store.load("clinic")
@@ -226,12 +288,13 @@ def test_kill_9_mid_ingest_leaves_the_old_collection_or_the_new_one(tmp_path: Pa
             assert after == before
             outcomes.add("old")
         else:
-            assert names == {d.name for d in before.documents} | {f"doc{i:03d}.txt" for i in range(300)}
+            assert names == {d.name for d in before.documents} | {f"doc{i:03d}.txt" for i in range(30)}
             assert {c.document for c in after.chunks} == names
             assert sum(d.chunks for d in after.documents) == len(after.chunks)
             outcomes.add("new")
+        assert _index_of(store, "clinic").meta.count == len(after.chunks)
     # A later change sweeps what a killed one left half written.
-    add(store, "clinic", [base])
+    add(store, "clinic", [base], embedder)
     assert sorted(p.name for p in (tmp_path / "state" / "docs" / "clinic").iterdir())[0] == "CURRENT"
     assert len(list((tmp_path / "state" / "docs" / "clinic").iterdir())) == 2
-    assert "old" in outcomes
+    assert outcomes == {"old", "new"}

@@ -231,3 +231,31 @@ def test_on_cuda_a_row_copied_on_a_side_stream_restores_as_uninterrupted(
     _drain(batcher)
     assert low.tokens == alone.tokens
     assert batcher.offload.snapshot()["restored"] == 1
+    # The row's pinned buffer is kept for the next pause, which copies into it again
+    # instead of pinning new host memory on the batcher's thread.
+    pool = batcher.offload.pinned
+    assert pool is not None and len(pool.idle) == 1 and pool.in_use == 0
+    kept = pool.idle[0].data_ptr()
+    again = Sequence("again", prompt, params)
+    _admit(batcher, again)
+    for _ in range(100):
+        batcher.step()
+    slot = batcher.pause(again)
+    assert again.saved is not None and again.saved.buffer is not None
+    assert again.saved.buffer.data_ptr() == kept and not pool.idle
+    if slot is not None:
+        batcher.kv.free(slot)
+    batcher.offload.release(again.saved)
+    assert len(pool.idle) == 1 and batcher.offload.snapshot()["memory_bytes"] == 0
+
+
+def test_pinned_buffers_are_sized_in_eighths_of_an_octave() -> None:
+    """A pooled buffer is at most 1/8 larger than asked for, so that rows of nearby
+    lengths share buffers without holding much more host memory than they fill."""
+    from edge.text.kv_offload import _size_class
+
+    assert _size_class(1) == 4096 and _size_class(4096) == 4096
+    for nbytes in (4097, 100_000, 128 << 20, (128 << 20) + 1, 3_000_001):
+        size = _size_class(nbytes)
+        assert nbytes <= size <= nbytes * 1.125
+    assert _size_class(128 << 20) == 128 << 20

@@ -133,18 +133,36 @@ def test_a_hit_answers_as_the_miss_did_and_prefills_only_the_question(ckpt: Text
     assert kept <= expect.nbytes
 
 
-def test_prompts_are_not_split_where_the_measured_rates_say_a_hit_does_not_pay() -> None:
+def test_prompts_are_not_split_where_the_measured_costs_say_a_hit_does_not_pay() -> None:
     """As on a GPU that prefills whole prompts in captured graphs and chunks op by op: a
     hit (the question after the kept document) measured to cost about what the whole
     prompt costs is not worth splitting for; where it costs a small share, it is."""
     cache = PrefixCache(1 << 20)
     assert cache.worth(2000, 24)  # nothing measured yet
     cache.note_prefill(0, 2000, 50.0, whole=True)  # 0.025 ms a token from position 0
-    cache.note_prefill(2000, 24, 48.0, whole=False)  # 2 ms a token after cached ones
-    assert not cache.worth(2000, 24) and cache.snapshot()["hit_ms_per_token"] == pytest.approx(2.0)
+    cache.note_prefill(2000, 24, 48.0, whole=False)  # one size of chunk: its cost is fixed + 0.025 a token
+    assert not cache.worth(2000, 24)
+    assert cache.snapshot()["hit_fixed_ms"] == pytest.approx(48.0 - 24 * 0.025)
+    cache.note_prefill(2000, 200, 400.0, whole=False)  # two sizes: 2 ms a token after cached ones
+    snap = cache.snapshot()
+    assert snap["hit_ms_per_token"] == pytest.approx(2.0) and snap["hit_fixed_ms"] == pytest.approx(0.0, abs=1e-9)
     cache.note_prefill(0, 10, 0.0, whole=True)  # nothing learnt from an unmeasured prefill
-    assert cache.whole_ms_per_token == pytest.approx(0.025)
+    assert cache.snapshot()["whole_ms_per_token"] == pytest.approx(0.025)
     cpu = PrefixCache(1 << 20)  # as on the CPU: every token costs about the same
     cpu.note_prefill(0, 1500, 1800.0, whole=True)
     cpu.note_prefill(1500, 24, 31.0, whole=False)
     assert cpu.worth(1500, 24) and not cpu.worth(1500, 1500)
+
+
+def test_a_short_chunks_fixed_cost_does_not_stop_prompts_splitting() -> None:
+    """A model's warm-up prefills a few tokens after its system turn: that chunk's cost
+    is nearly all per call. Spread over its 3 tokens as a rate, it would price a
+    40-token question at 530 ms against 384 for half of the whole 640-token prompt, and no
+    prompt would be split; as a fixed part plus the per-token cost it is 84 ms."""
+    cache = PrefixCache(1 << 20)
+    cache.note_prefill(0, 1500, 1800.0, whole=True)  # 1.2 ms a token
+    cache.note_prefill(600, 3, 40.0, whole=False)
+    (_, whole_rate), (fixed, rate) = cache.estimates() or ((0.0, 0.0), (0.0, 0.0))
+    assert whole_rate == pytest.approx(1.2) and rate == pytest.approx(1.2) and fixed == pytest.approx(36.4)
+    assert cache.worth(600, 40)
+    assert not cache.worth(600, 600)  # half the prompt after the prefix: a hit saves too little

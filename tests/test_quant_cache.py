@@ -29,6 +29,8 @@ CONFIG = LlamaConfig(vocab_size=256, hidden_size=384, num_layers=2, num_heads=6,
 SMALL_FORMATS = {
     "int8": KVFormat("int8", key_block=32),
     "int8-sink": KVFormat("int8", key_block=32, window=4, sink=2),
+    "int8-64": KVFormat("int8", key_block=64),  # the served block: 64-position tiles on CUDA
+    "int8-grouped": KVFormat("int8", key_block=32, value_group=32),  # value scales per group, not per token
     "int4": KVFormat("int4", key_block=32, value_group=32, window=8, sink=3),
     "int4-sym": KVFormat("int4", key_block=32, value_group=64, window=8, value_symmetric=True, sink=4),
 }

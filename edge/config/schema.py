@@ -529,6 +529,34 @@ class QAModelConfig(StrictModel):
         title="Threads",
         description="torch intra-op threads for the text branch; 0 keeps torch's default.",
     )
+    collection: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
+        title="Default collection",
+        description="The document collection (`edgectl docs add --collection NAME`) a job without its own "
+        "`collection` retrieves from. None: such jobs retrieve nothing.",
+    )
+    top_k: int = Field(
+        default=4,
+        ge=1,
+        le=16,
+        title="Passages retrieved",
+        description="Passages a retrieving job puts into its prompt when it does not say (`top_k`).",
+    )
+    embed_backend: Literal["onnxruntime"] = Field(
+        default="onnxruntime",
+        title="Retrieval encoder backend",
+        description="Where the retrieval encoder (all-MiniLM-L6-v2) runs: onnxruntime on the CPU (about 3 ms "
+        "a question). The torch-cuda and tensorrt backends take one image input and do not serve its two "
+        "token inputs yet. Its memory is counted in the ledger like every model's.",
+    )
+    embed_threads: int = Field(
+        default=2,
+        ge=0,
+        le=64,
+        title="Retrieval encoder threads",
+        description="Threads for embedding questions and searching the index; 0: the runtime's default.",
+    )
 
     @field_validator("source")
     @classmethod

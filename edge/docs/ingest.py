@@ -1,9 +1,11 @@
-"""Adding documents to a collection and taking them out: read, cut into chunks, and
-committed as one new version of the collection (edge/docs/store.py), all or nothing.
+"""Adding documents to a collection and taking them out: read, cut into chunks,
+embedded, and committed as one new version of the collection (edge/docs/store.py) with
+its vector index (edge/docs/index.py), all or nothing.
 
 Files are read first, every one of them; a file that cannot be read (its type, its size,
 its encoding, a damaged PDF) stops the whole change with its name and the reason, and the
-collection stays as it was."""
+collection stays as it was. Chunks the collection already held keep their vectors (read
+back from its index) unless the encoder has changed; only new chunks are embedded."""
 
 from __future__ import annotations
 
@@ -12,12 +14,30 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
+import numpy as np
+
+from edge.docs import index
 from edge.docs.chunking import Chunk, chunk_sections
 from edge.docs.extract import KINDS, DocumentError, extract
-from edge.docs.store import CollectionError, DocStore, Document
+from edge.docs.store import Collection, CollectionError, DocStore, Document
 
 logger = logging.getLogger(__name__)
+
+
+class Encoder(Protocol):
+    """What ingestion needs of the sentence encoder (edge/docs/embed.py's Embedder)."""
+
+    @property
+    def model(self) -> str: ...
+
+    def embed(self, texts: list[str], progress: Callable[[int, int], None] | None = None) -> np.ndarray: ...
+
+
+def passage_text(chunk: Chunk) -> str:
+    """What is embedded for a chunk: its section's heading, then its text."""
+    return f"{chunk.title}\n{chunk.text}" if chunk.title else chunk.text
 
 
 @dataclass(frozen=True)
@@ -42,6 +62,7 @@ def add(
     store: DocStore,
     name: str,
     paths: list[Path],
+    encoder: Encoder,
     limits: Limits = Limits(),
     progress: Callable[[str], None] | None = None,
     on_step: Callable[[str], None] | None = None,
@@ -70,6 +91,7 @@ def add(
         say(f"[{i}/{len(files)}] {path.name}: {len(sections)} sections, {len(chunks)} chunks")
     kept_docs: list[Document] = []
     kept_chunks: list[Chunk] = []
+    old: Collection | None = None
     if store.current(name) is not None:
         old = store.load(name)
         replaced = set(names)
@@ -78,12 +100,52 @@ def add(
     chunks = kept_chunks + new_chunks
     if len(chunks) > limits.max_chunks:
         raise CollectionError(f"{len(chunks)} chunks; the limit is {limits.max_chunks} a collection")
-    version = store.commit(name, kept_docs + new_docs, chunks, on_step=on_step)
+    vectors = _vectors(store, old, chunks, encoder, say)
+    extra = index.serialize(vectors, encoder.model)
+    version = store.commit(name, kept_docs + new_docs, chunks, extra=extra, on_step=on_step)
     say(f"collection {name}: {len(kept_docs) + len(new_docs)} documents, {len(chunks)} chunks ({version})")
     return version
 
 
-def remove_documents(store: DocStore, name: str, documents: list[str]) -> str:
+def _vectors(
+    store: DocStore, old: Collection | None, chunks: list[Chunk], encoder: Encoder, say: Callable[[str], None]
+) -> np.ndarray:
+    """The vectors of `chunks`: an old version's where it holds the chunk (same id, same
+    text, same encoder), the encoder's for the rest."""
+    known: dict[tuple[str, str], int] = {}
+    stored: index.VectorIndex | None = None
+    if old is not None:
+        try:
+            stored = index.VectorIndex.read(store.version_dir(old.name, old.version))
+        except (OSError, ValueError) as err:
+            logger.warning("collection %s: its index cannot be read (%s); every chunk is embedded again", old.name, err)
+        if stored is not None and stored.meta.model == encoder.model:
+            known = {(c.id, c.text): row for row, c in enumerate(old.chunks)}
+    reuse = [(i, known[(c.id, c.text)]) for i, c in enumerate(chunks) if (c.id, c.text) in known]
+    fresh = [i for i, c in enumerate(chunks) if (c.id, c.text) not in known]
+    dim = stored.meta.dimensions if stored is not None and reuse else 0
+    parts: dict[int, np.ndarray] = {}
+    if reuse and stored is not None:
+        for (i, _), vec in zip(reuse, stored.vectors([row for _, row in reuse]), strict=True):
+            parts[i] = vec
+    if fresh:
+        step = max(1, len(fresh) // 10)
+
+        def tell(done: int, total: int) -> None:
+            if done == total or done % step < 32:
+                say(f"embedding {done}/{total} chunks")
+
+        new = encoder.embed([passage_text(chunks[i]) for i in fresh], progress=tell)
+        dim = new.shape[1]
+        for i, vec in zip(fresh, new, strict=True):
+            parts[i] = vec
+    out = np.zeros((len(chunks), dim), dtype=np.float32)
+    for i, vec in parts.items():
+        out[i] = vec
+    return out
+
+
+def remove_documents(store: DocStore, name: str, documents: list[str], encoder: Encoder) -> str:
     """Take documents out of a collection by name; returns the new version."""
     old = store.load(name)
     missing = sorted(set(documents) - {d.name for d in old.documents})
@@ -91,4 +153,6 @@ def remove_documents(store: DocStore, name: str, documents: list[str]) -> str:
         raise CollectionError(f"collection {name!r} has no document {', '.join(missing)}")
     gone = set(documents)
     kept = [d for d in old.documents if d.name not in gone]
-    return store.commit(name, kept, [c for c in old.chunks if c.document not in gone])
+    chunks = [c for c in old.chunks if c.document not in gone]
+    vectors = _vectors(store, old, chunks, encoder, lambda _: None)
+    return store.commit(name, kept, chunks, extra=index.serialize(vectors, encoder.model))

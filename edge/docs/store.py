@@ -99,6 +99,9 @@ class DocStore:
             raise CollectionError(f"collection {name!r}: CURRENT names {version!r}, which is not a version here")
         return version
 
+    def version_dir(self, name: str, version: str) -> Path:
+        return self._dir(name) / version
+
     def load(self, name: str) -> Collection:
         version = self.current(name)
         if version is None:

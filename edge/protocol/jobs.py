@@ -93,6 +93,12 @@ class QAJob(JobBase):
     stream: bool = Field(
         default=False, description="Also publish partial results (status 'partial') as text is generated."
     )
+    collection: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")] | None = Field(
+        default=None,
+        description="A document collection on the box to retrieve passages from (the profile's default if "
+        "not given); they go into the prompt with their ids and the answer's citations are checked.",
+    )
+    top_k: int | None = Field(default=None, ge=1, le=16, description="Passages to retrieve (the profile's top_k).")
 
 
 class CancelJob(JobBase):

@@ -144,6 +144,9 @@ class ContinuousBatcher:
         self.prefix_cache: PrefixCache | None = None
         self.running: list[Sequence] = []
         self.prefill_chunk = 0  # tokens per prefill chunk while others decode; 0: whole prompts
+        # CUDA prefills whose time the offload and the prefix cache want, read from their
+        # events once the GPU has passed them rather than waited for: (events, start, tokens).
+        self._untimed: list[tuple[tuple[torch.cuda.Event, torch.cuda.Event], int, int]] = []
         self.steps = 0
         self.batch_sizes: dict[int, int] = {}  # sequences per decode step -> steps
 
@@ -214,6 +217,7 @@ class ContinuousBatcher:
             seq.generator = torch.Generator(device=self.device).manual_seed(seq.seed)
         seq.slot, seq.kv = slot.row, slot
         seq.logits, seq.prefilled = None, 0
+        self.note_timed()  # the costs restore-or-recompute and the prefix split go by
         if seq.saved is not None and self._restore(seq):
             self.running.append(seq)
             return
@@ -272,21 +276,31 @@ class ContinuousBatcher:
             events[1].record()
             seq.prefill_events.append(events)
         if self.offload is not None or self.prefix_cache is not None:
-            # What recomputing a row, or prefilling after a kept prefix, costs: measured
-            # (on CUDA once the prefill has run).
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            seconds = time.perf_counter() - t0
-            if self.offload is not None:
-                self.offload.note_prefill(end - start, seconds)
-            if self.prefix_cache is not None:
-                self.prefix_cache.note_prefill(start, end - start, seconds * 1000.0, whole=start == 0)
+            # What recomputing a row, or prefilling after a kept prefix, costs: on CUDA
+            # from the events once the GPU has run them, without waiting here.
+            if events is not None:
+                self._untimed.append((events, start, end - start))
+            else:
+                self._note_prefill(start, end - start, time.perf_counter() - t0)
         seq.prefill_ms += (time.perf_counter() - t0) * 1000.0
         seq.prefilled = end
         if boundary is not None and end == boundary and self.prefix_cache is not None:
             self.prefix_cache.put(ids[:boundary], self.cache.save_row(seq.slot, boundary))
         if end == len(ids):
             seq.logits = logits
+
+    def _note_prefill(self, start: int, tokens: int, seconds: float) -> None:
+        if self.offload is not None:
+            self.offload.note_prefill(tokens, seconds)
+        if self.prefix_cache is not None:
+            self.prefix_cache.note_prefill(start, tokens, seconds * 1000.0, whole=start == 0)
+
+    def note_timed(self) -> None:
+        """The CUDA prefills the GPU has finished since the last call, into the measured
+        costs (events on one stream complete in the order they were recorded)."""
+        while self._untimed and self._untimed[0][0][1].query():  # type: ignore[no-untyped-call]
+            (begin, end), start, tokens = self._untimed.pop(0)
+            self._note_prefill(start, tokens, begin.elapsed_time(end) / 1000.0)
 
     def single(self, seq: Sequence, owner: str = "alone") -> Sequence:
         """Run one sequence to its end alone (the batcher idle): rows from the manager."""

@@ -4,7 +4,8 @@ measured figures say restoring is the faster.
 
 - save: the row's state (llama.KVCache / quant_cache.QuantKVCache.save_row: a float row,
   or codes, scales and the float ring) and its next-token logits are copied off the
-  device. On CUDA the copy runs on a side stream into pinned memory and the serving
+  device. On CUDA the copy runs on a side stream into pinned memory (pooled buffers,
+  kept for the next pause) and the serving
   stream waits for it on the GPU (not the host) before it reuses the row; on the CPU it
   is a memory copy. A file, when asked for, is written by a worker thread after that:
   lz4-coded where that pays (float KV barely compresses, about 1.0x; see
@@ -52,6 +53,69 @@ class RowCache(Protocol):
     def load_row(self, row: int, length: int, saved: dict[str, torch.Tensor]) -> None: ...
 
 
+def _size_class(nbytes: int) -> int:
+    """nbytes rounded up to one of 8 sizes an octave: a pooled buffer wastes at most 1/8."""
+    if nbytes <= 4096:
+        return 4096
+    step = 1 << (nbytes.bit_length() - 4)
+    return -(-nbytes // step) * step
+
+
+class PinnedPool:
+    """Page-locked host buffers for device-to-host copies, kept for reuse once let go:
+    pinning host memory costs about what the copy into it does (74 ms for a 128 MiB row
+    on the H200's host), and it would run on the batcher's thread at every pause. At most
+    `limit` bytes are held, in use and idle together; idle ones go first when more is
+    needed."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.idle: list[torch.Tensor] = []
+        self.in_use = 0
+        self._lock = threading.Lock()
+
+    @property
+    def idle_bytes(self) -> int:
+        return sum(b.numel() for b in self.idle)
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        """A pinned uint8 buffer of at least nbytes, or None when the limit leaves no room."""
+        size = _size_class(nbytes)
+        with self._lock:
+            fits = [b for b in self.idle if size <= b.numel() <= size + size // 4]
+            if fits:
+                buf = min(fits, key=lambda b: b.numel())
+                self.idle.remove(buf)
+                self.in_use += buf.numel()
+                return buf
+            while self.idle and self.in_use + self.idle_bytes + size > self.limit:
+                self.idle.remove(max(self.idle, key=lambda b: b.numel()))
+            if self.in_use + size > self.limit:
+                return None
+            self.in_use += size
+        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+    def give(self, buf: torch.Tensor) -> None:
+        """A buffer back, once no copy into or out of it is in flight."""
+        with self._lock:
+            self.in_use -= buf.numel()
+            self.idle.append(buf)
+
+
+def _views(buf: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors shaped as `like`'s, laid one after another in `buf` (256-byte aligned)."""
+    out, at = {}, 0
+    for name, t in like.items():
+        nbytes = t.numel() * t.element_size()
+        out[name] = buf[at : at + nbytes].view(t.dtype).view(t.shape)
+        at += -(-nbytes // 256) * 256
+    return out
+
+
+def _span(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(-(-(t.numel() * t.element_size()) // 256) * 256 for t in tensors.values())
+
+
 @dataclass
 class SavedRow:
     """One paused sequence's row, off the device."""
@@ -66,6 +130,7 @@ class SavedRow:
     copied: torch.cuda.Event | None = None  # the device-to-host copy, on CUDA
     written: Future[None] | None = None
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+    buffer: torch.Tensor | None = None  # the pooled pinned buffer the tensors live in (CUDA)
 
 
 def _to_bytes(t: torch.Tensor) -> bytes:
@@ -103,6 +168,7 @@ class KVOffload:
         self._lock = threading.Lock()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-offload") if where == "disk" else None
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+        self.pinned = PinnedPool(max_memory_bytes) if device.type == "cuda" else None
         if directory is not None and where == "disk":
             # What an earlier run offloaded belongs to sequences that are gone.
             shutil.rmtree(directory, ignore_errors=True)
@@ -116,17 +182,20 @@ class KVOffload:
             return None
         with torch.inference_mode():
             if self._stream is not None:
-                saved = self._save_cuda(cache, row, length, logits)
+                cuda_saved = self._save_cuda(cache, row, length, logits)
+                if cuda_saved is None:
+                    with self._lock:
+                        self._skipped(0)
+                    return None
+                saved = cuda_saved
             else:
                 parts = cache.save_row(row, length)  # copies already
                 host = logits.detach().clone() if logits is not None else None
                 nbytes = sum(t.numel() * t.element_size() for t in parts.values())
                 saved = SavedRow(length, nbytes, parts, host)
         with self._lock:
-            if self.memory_bytes + saved.nbytes > self.max_memory_bytes:
-                self.counts["skipped"] += 1
-                logger.info("KV offload: %d bytes do not fit the %d left; recompute instead", saved.nbytes,
-                            self.max_memory_bytes - self.memory_bytes)  # fmt: skip
+            if saved.buffer is None and self.memory_bytes + saved.nbytes > self.max_memory_bytes:
+                self._skipped(saved.nbytes)
                 return None
             self.memory_bytes += saved.nbytes
             self.counts["saved"] += 1
@@ -134,26 +203,45 @@ class KVOffload:
             saved.written = self._writer.submit(self._write, saved)
         return saved
 
-    def _save_cuda(self, cache: RowCache, row: int, length: int, logits: torch.Tensor | None) -> SavedRow:
-        assert self._stream is not None
+    def _skipped(self, nbytes: int) -> None:
+        """Under the lock: a row not offloaded (its sequence will be prefilled again)."""
+        self.counts["skipped"] += 1
+        logger.info("KV offload: %d bytes do not fit the %d allowed; recompute instead", nbytes, self.max_memory_bytes)
+
+    def _save_cuda(self, cache: RowCache, row: int, length: int, logits: torch.Tensor | None) -> SavedRow | None:
+        """The row into a pooled pinned buffer, copied on the side stream; None when the
+        pool has no room for it."""
+        assert self._stream is not None and self.pinned is not None
         serving = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(serving)  # the row as the steps so far left it
         with torch.cuda.stream(self._stream):
             parts = cache.save_row(row, length)
-            host = {name: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for name, t in parts.items()}
+            if logits is not None:
+                parts["__logits__"] = logits
+            buf = self.pinned.take(_span(parts))
+            if buf is None:
+                return None
+            host = _views(buf, parts)
             for name, t in parts.items():
                 host[name].copy_(t, non_blocking=True)
-            host_logits = None
-            if logits is not None:
-                host_logits = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
-                host_logits.copy_(logits, non_blocking=True)
-            for t in parts.values():
                 t.record_stream(self._stream)
             copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
             copied.record(self._stream)
         serving.wait_event(copied)  # the row is reused only after its copy, on the GPU
+        host_logits = host.pop("__logits__", None)
         nbytes = sum(t.numel() * t.element_size() for t in host.values())
-        return SavedRow(length, nbytes, host, host_logits, copied=copied)
+        return SavedRow(length, nbytes, host, host_logits, copied=copied, buffer=buf)
+
+    def _let_go(self, saved: SavedRow) -> None:
+        """Under the lock: the row's host copy released (its pooled buffer back once the
+        copy into it is done)."""
+        saved.tensors = saved.logits = None
+        self.memory_bytes -= saved.nbytes
+        if saved.buffer is not None and self.pinned is not None:
+            if saved.copied is not None:
+                saved.copied.synchronize()
+            self.pinned.give(saved.buffer)
+            saved.buffer = None
 
     def _write(self, saved: SavedRow) -> None:
         """On the writer thread: the row into a file, then its host copy let go."""
@@ -196,10 +284,7 @@ class KVOffload:
             saved.path, saved.stored_bytes = path, stored
             saved.codec = "lz4" if "lz4" in codecs else "none"
             saved.shapes = {name: (tuple(t.shape), t.dtype) for name, t in parts.items()}
-            saved.tensors = None  # on disk now: its host memory goes back
-            if saved.logits is not None:
-                saved.logits = None
-            self.memory_bytes -= saved.nbytes
+            self._let_go(saved)  # on disk now: its host memory goes back
             self.disk_bytes += stored
 
     # -- restoring ------------------------------------------------------------------
@@ -268,8 +353,7 @@ class KVOffload:
                 logger.exception("KV offload: writing a row failed")
         with self._lock:
             if saved.tensors is not None:
-                saved.tensors = None
-                self.memory_bytes -= saved.nbytes
+                self._let_go(saved)
             if saved.path is not None:
                 saved.path.unlink(missing_ok=True)
                 self.disk_bytes -= saved.stored_bytes
@@ -291,6 +375,7 @@ class KVOffload:
                 "where": self.where,
                 "memory_bytes": self.memory_bytes,
                 "disk_bytes": self.disk_bytes,
+                "pinned_idle_bytes": self.pinned.idle_bytes if self.pinned is not None else 0,
                 "restore_mb_s": None if self.restore_bytes_per_s is None else self.restore_bytes_per_s / 1e6,
                 "prefill_tok_s": self.prefill_tokens_per_s,
                 **self.counts,

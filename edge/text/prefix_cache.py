@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +32,44 @@ import torch
 logger = logging.getLogger(__name__)
 
 MIN_TOKENS = 16  # shorter prefixes cost less to prefill than to copy and track
+
+
+class PrefillCost:
+    """What a prefill of n tokens costs, fixed + n x per_token (ms), fitted to the last
+    `keep` measured prefills of one kind by least squares. A call has a fixed part
+    (launches, a graph or a weight pass) that a rate per token alone would spread over
+    its tokens: a warm-up's 3-token chunk would make every later chunk look dear.
+
+    Until its samples span a factor of two in length the slope cannot be fitted; then
+    the slope is `fallback` (the whole prefills' per-token cost: a chunk after cached
+    tokens does a prompt token's work, plus attention to them) and the rest of what was
+    measured is the fixed part."""
+
+    def __init__(self, keep: int = 32) -> None:
+        self.samples: deque[tuple[int, float]] = deque(maxlen=keep)
+
+    def note(self, tokens: int, ms: float) -> None:
+        self.samples.append((tokens, ms))
+
+    def fit(self, fallback: float | None = None) -> tuple[float, float] | None:
+        """(fixed ms, ms a token), or None before any sample (or any fallback slope)."""
+        if not self.samples:
+            return None
+        n = np.array([t for t, _ in self.samples], dtype=np.float64)
+        ms = np.array([m for _, m in self.samples], dtype=np.float64)
+        if n.max() >= 2 * n.min():
+            slope = float(np.cov(n, ms, bias=True)[0, 1] / n.var())
+            fixed = float(ms.mean() - slope * n.mean())
+            if slope > 0 and fixed >= 0:
+                return fixed, slope
+            if slope > 0:  # through the origin
+                return 0.0, float((n * ms).sum() / (n * n).sum())
+        per_token = fallback if fallback is not None else float((ms / n).mean())
+        return max(0.0, float(np.median(ms - per_token * n))), per_token
+
+    def per_token(self) -> float | None:
+        fitted = self.fit()
+        return None if fitted is None else fitted[1]
 
 
 @dataclass
@@ -55,31 +93,38 @@ class PrefixCache:
         self._lock = threading.Lock()
         self.nbytes = 0
         self.hits = self.misses = self.evictions = self.refused = 0
-        # Measured prefill rates (ms a token): prefills from position 0 (whole prompts,
-        # prefixes), and chunks after cached tokens (what a hit runs). Where the GPU prefills a whole
+        # Measured prefill costs: prefills from position 0 (whole prompts, prefixes),
+        # and chunks after cached tokens (what a hit runs). Where the GPU prefills a whole
         # prompt in a captured graph, a chunk after cached tokens runs op by op and can
         # cost more than the whole prompt: then prompts are not split (and no prefix kept).
-        self.whole_ms_per_token: float | None = None
-        self.chunk_ms_per_token: float | None = None
+        self.whole = PrefillCost()
+        self.chunk = PrefillCost()
+
+    def estimates(self) -> tuple[tuple[float, float], tuple[float, float]] | None:
+        """((fixed ms, ms a token) of a whole prefill, the same of a chunk after cached
+        tokens), or None until both kinds have been measured."""
+        with self._lock:
+            whole = self.whole.fit()
+            chunk = self.chunk.fit(fallback=whole[1] if whole is not None else None)
+        return None if whole is None or chunk is None else (whole, chunk)
 
     def worth(self, prefix: int, rest: int) -> bool:
         """Whether splitting a prompt at its prefix pays: a hit (the rest prefilled after
-        the kept prefix) at most half a whole prefill, by the rates measured so far (until
+        the kept prefix) at most half a whole prefill, by the costs measured so far (until
         both are measured, it is assumed to)."""
-        whole, chunk = self.whole_ms_per_token, self.chunk_ms_per_token
-        if whole is None or chunk is None:
+        fitted = self.estimates()
+        if fitted is None:
             return True
-        return rest * chunk <= 0.5 * (prefix + rest) * whole
+        (w_fixed, w_rate), (c_fixed, c_rate) = fitted
+        return c_fixed + rest * c_rate <= 0.5 * (w_fixed + (prefix + rest) * w_rate)
 
     def note_prefill(self, start: int, tokens: int, ms: float, whole: bool) -> None:
         """A measured prefill: `whole` (from position 0, as a prompt or a prefix is
         prefilled fresh), or a chunk of `tokens` after `start` cached ones."""
         if tokens <= 0 or ms <= 0 or not (whole or start > 0):
             return
-        name = "whole_ms_per_token" if whole else "chunk_ms_per_token"
         with self._lock:
-            old, new = getattr(self, name), ms / tokens
-            setattr(self, name, new if old is None else 0.7 * old + 0.3 * new)
+            (self.whole if whole else self.chunk).note(tokens, ms)
 
     def get(self, ids: list[int]) -> PrefixEntry | None:
         key = prefix_key(ids)
@@ -130,8 +175,9 @@ class PrefixCache:
                 self._evict_oldest()
 
     def snapshot(self) -> dict[str, int | float | None]:
+        snap: dict[str, int | float | None]
         with self._lock:
-            return {
+            snap = {
                 "entries": len(self._entries),
                 "bytes": self.nbytes,
                 "capacity_bytes": self.capacity_bytes,
@@ -139,6 +185,10 @@ class PrefixCache:
                 "misses": self.misses,
                 "evictions": self.evictions,
                 "refused": self.refused,
-                "whole_ms_per_token": self.whole_ms_per_token,
-                "hit_ms_per_token": self.chunk_ms_per_token,
             }
+        fitted = self.estimates()
+        if fitted is not None:
+            (snap["whole_fixed_ms"], snap["whole_ms_per_token"]), (snap["hit_fixed_ms"], snap["hit_ms_per_token"]) = (
+                fitted
+            )
+        return snap

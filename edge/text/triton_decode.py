@@ -257,14 +257,14 @@ def rope_kv_write(
     return q
 
 
-def attn_splits(kv_len: int, n_kv: int, sms: int) -> tuple[int, int]:
+def attn_splits(kv_len: int, n_kv: int, sms: int, max_splits: int = MAX_ATTN_SPLITS) -> tuple[int, int]:
     """(splits, chunk): enough chunks of the cache to give every SM work, each at least
     one tile long; a power of two so the merge kernel can reduce over them. Chosen as
     for one sequence whatever the batch, so that a sequence's attention is summed in the
     same order alone or batched (batch invariance)."""
     want = max(1, (2 * sms) // max(1, n_kv))
     splits = 1
-    while splits < min(want, MAX_ATTN_SPLITS) and kv_len // (splits * 2) >= ATTN_BLOCK_T:
+    while splits < min(want, max_splits) and kv_len // (splits * 2) >= ATTN_BLOCK_T:
         splits *= 2
     chunk = triton.cdiv(triton.cdiv(kv_len, splits), ATTN_BLOCK_T) * ATTN_BLOCK_T
     return splits, chunk

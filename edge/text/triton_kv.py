@@ -16,12 +16,21 @@ halves rounded up), so a cache coded here equals one coded there, code for code.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from edge.text import triton_decode
 from edge.text.quant_cache import QuantLayer
 
-ATTN8_WARPS = 4  # warps of the int8 attention program (8 measured slower in the batcher on the H200)
+# The int8 attention program: warps, software-pipeline stages, cache positions per tile
+# (at most a key block, so that a tile has one set of key scales), and how many times
+# more splits of the cache than the float kernel takes (its tiles are half the bytes).
+ATTN8_WARPS = 4
+ATTN8_STAGES = 1
+ATTN8_SPREAD = 1
+ATTN8_BLOCK_T = 64
+ROPE_WRITE_WARPS = 2  # warps of the fused step's rotary-and-write program
 
 if triton_decode.TRITON_SUPPORT:
     import triton
@@ -275,6 +284,16 @@ if triton_decode.TRITON_SUPPORT:
                 _code_values(pos, kv, ring_v, vc, vs, vz, code_len, HD, KB, VG, W, RING, INT4, VSYM)
 
     @triton.jit
+    def _softmax_step(scores, t_mask, m, l_sum):
+        """One tile's step of the online softmax: (weights, the old sums' rescale, the new
+        running max, the new running sum); positions outside t_mask weigh nothing."""
+        scores = tl.where(t_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        return p, alpha, m_new, l_sum * alpha + tl.sum(p, axis=1)
+
+    @triton.jit
     def _attn_kernel(
         q_ptr,
         kc,
@@ -321,7 +340,8 @@ if triton_decode.TRITON_SUPPORT:
         its float tokens in the row's ring; else query i is position start_in + i of row
         0, coded up to coded_in, its float tokens from position coded_in on in a run of
         float tokens of one row (kf, vf [1, NKV, falloc, HD]). A tile lies wholly below
-        or above the coded length (key blocks are whole tiles)."""
+        or above the coded length (key blocks are whole tiles). int4 codes only: int8
+        goes to _attn8_kernel."""
         HALF: tl.constexpr = HD // 2
         NG: tl.constexpr = HD // VG
         qh = tl.program_id(0)
@@ -341,6 +361,7 @@ if triton_decode.TRITON_SUPPORT:
         head = row * NKV + kh
         start = sp * chunk
         end = tl.minimum(start + chunk, pos + 1)
+        below = tl.maximum(tl.minimum(end, coded), start)  # coded tiles: start..below, then float ones
         rg = tl.arange(0, GP)
         g_mask = rg < GROUP
         rh = tl.arange(0, HALF)
@@ -355,88 +376,73 @@ if triton_decode.TRITON_SUPPORT:
         l_sum = tl.zeros((GP,), dtype=tl.float32)
         acc_e = tl.zeros((GP, HALF), dtype=tl.float32)
         acc_o = tl.zeros((GP, HALF), dtype=tl.float32)
-        for t0 in range(start, end, BLOCK_T):
+        for t0 in range(start, below, BLOCK_T):
             rt = t0 + tl.arange(0, BLOCK_T)
             t_mask = rt < end
-            if t0 < coded:
-                # Codes read whole and split into even and odd channels. The keys' scales
-                # (and zero points) are folded into the query, once a tile; the values'
-                # scales, one per token and group, multiply the codes.
-                blk = t0 // KB
-                s_at = (head * blocks + blk) * HD + 2 * rh
-                q_ks_e = (q_e32 * tl.load(ks + s_at).to(tl.float32)[None, :]).to(dt)
-                q_ks_o = (q_o32 * tl.load(ks + s_at + 1).to(tl.float32)[None, :]).to(dt)
-                tok = head * code_len + rt
-                g_at = tok[:, None] * NG + tl.arange(0, NG)[None, :]
-                vs_t = tl.load(vs + g_at, mask=t_mask[:, None], other=0.0).to(tl.float32)[:, :, None]
-                if INT4:
-                    c_at = (tok * HALF)[:, None] + rh[None, :]
-                    kp = tl.load(kc + c_at, mask=t_mask[:, None], other=0)
-                    vp = tl.load(vc + c_at, mask=t_mask[:, None], other=0)
-                    ck_e, ck_o = (kp & 15).to(dt), (kp >> 4).to(dt)
-                    cv_e, cv_o = (vp & 15).to(tl.float32), (vp >> 4).to(tl.float32)
-                    if VSYM:
-                        cv_e, cv_o = cv_e - 8.0, cv_o - 8.0
-                else:
-                    c_at = (tok * HD)[:, None] + rd[None, :]
-                    kw = tl.load(kc + c_at, mask=t_mask[:, None], other=0)
-                    vw = tl.load(vc + c_at, mask=t_mask[:, None], other=0)
-                    ck_e, ck_o = tl.split(tl.reshape(kw, (BLOCK_T, HALF, 2)))
-                    cv_e, cv_o = tl.split(tl.reshape(vw, (BLOCK_T, HALF, 2)))
-                    ck_e, ck_o = ck_e.to(dt), ck_o.to(dt)
-                    cv_e, cv_o = cv_e.to(tl.float32), cv_o.to(tl.float32)
-                scores = tl.dot(q_ks_e, tl.trans(ck_e), input_precision=PREC) + tl.dot(
-                    q_ks_o, tl.trans(ck_o), input_precision=PREC
-                )
-                v_e = tl.reshape(tl.reshape(cv_e, (BLOCK_T, NG, HALF // NG)) * vs_t, (BLOCK_T, HALF))
-                v_o = tl.reshape(tl.reshape(cv_o, (BLOCK_T, NG, HALF // NG)) * vs_t, (BLOCK_T, HALF))
-                if INT4:
-                    z_e = tl.load(kz + s_at).to(tl.float32)
-                    z_o = tl.load(kz + s_at + 1).to(tl.float32)
-                    q_z = tl.sum(q_e32 * z_e[None, :], axis=1) + tl.sum(q_o32 * z_o[None, :], axis=1)
-                    scores += q_z[:, None]
-                    if not VSYM:
-                        vz_t = tl.load(vz + g_at, mask=t_mask[:, None], other=0.0).to(tl.float32)[:, :, None]
-                        v_e += tl.reshape(tl.broadcast_to(vz_t, (BLOCK_T, NG, HALF // NG)), (BLOCK_T, HALF))
-                        v_o += tl.reshape(tl.broadcast_to(vz_t, (BLOCK_T, NG, HALF // NG)), (BLOCK_T, HALF))
-                if SINK > 0:
-                    if t0 < SINK:  # the first tokens: float, in place of their codes
-                        sunk = rt < SINK
-                        sk_at = ((head * SINK + rt) * HD)[:, None] + rd[None, :]
-                        sk_e, sk_o = tl.split(
-                            tl.reshape(tl.load(sink_k + sk_at, mask=sunk[:, None], other=0.0), (BLOCK_T, HALF, 2))
-                        )
-                        sv_e, sv_o = tl.split(
-                            tl.reshape(tl.load(sink_v + sk_at, mask=sunk[:, None], other=0.0), (BLOCK_T, HALF, 2))
-                        )
-                        sunk_scores = tl.dot(q_e, tl.trans(sk_e.to(dt)), input_precision=PREC) + tl.dot(
-                            q_o, tl.trans(sk_o.to(dt)), input_precision=PREC
-                        )
-                        scores = tl.where(sunk[None, :], sunk_scores, scores)
-                        v_e = tl.where(sunk[:, None], sv_e.to(tl.float32), v_e)
-                        v_o = tl.where(sunk[:, None], sv_o.to(tl.float32), v_o)
-                v_e, v_o = v_e.to(dt), v_o.to(dt)
-            else:
-                slot = (rt - fbase) % fmod
-                f_at = (((row * NKV + kh) * falloc + slot) * HD)[:, None] + rd[None, :]
-                k_e, k_o = tl.split(
-                    tl.reshape(tl.load(kf_ptr + f_at, mask=t_mask[:, None], other=0.0), (BLOCK_T, HALF, 2))
-                )
-                v_e, v_o = tl.split(
-                    tl.reshape(tl.load(vf_ptr + f_at, mask=t_mask[:, None], other=0.0), (BLOCK_T, HALF, 2))
-                )
-                scores = tl.dot(q_e, tl.trans(k_e.to(dt)), input_precision=PREC) + tl.dot(
-                    q_o, tl.trans(k_o.to(dt)), input_precision=PREC
-                )
-                v_e, v_o = v_e.to(dt), v_o.to(dt)
-            scores = tl.where(t_mask[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(scores - m_new[:, None])
-            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            # Packed codes read whole and split into even and odd channels. The keys' scales
+            # (and zero points) are folded into the query, once a tile; the values'
+            # scales, one per token and group, multiply the codes.
+            blk = t0 // KB
+            s_at = (head * blocks + blk) * HD + 2 * rh
+            q_ks_e = (q_e32 * tl.load(ks + s_at).to(tl.float32)[None, :]).to(dt)
+            q_ks_o = (q_o32 * tl.load(ks + s_at + 1).to(tl.float32)[None, :]).to(dt)
+            tok = head * code_len + rt
+            g_at = tok[:, None] * NG + tl.arange(0, NG)[None, :]
+            vs_t = tl.load(vs + g_at, mask=t_mask[:, None], other=0.0).to(tl.float32)[:, :, None]
+            c_at = (tok * HALF)[:, None] + rh[None, :]
+            kp = tl.load(kc + c_at, mask=t_mask[:, None], other=0)
+            vp = tl.load(vc + c_at, mask=t_mask[:, None], other=0)
+            ck_e, ck_o = (kp & 15).to(dt), (kp >> 4).to(dt)
+            cv_e, cv_o = (vp & 15).to(tl.float32), (vp >> 4).to(tl.float32)
+            if VSYM:
+                cv_e, cv_o = cv_e - 8.0, cv_o - 8.0
+            scores = tl.dot(q_ks_e, tl.trans(ck_e), input_precision=PREC) + tl.dot(
+                q_ks_o, tl.trans(ck_o), input_precision=PREC
+            )
+            v_e = tl.reshape(tl.reshape(cv_e, (BLOCK_T, NG, HALF // NG)) * vs_t, (BLOCK_T, HALF))
+            v_o = tl.reshape(tl.reshape(cv_o, (BLOCK_T, NG, HALF // NG)) * vs_t, (BLOCK_T, HALF))
+            z_e = tl.load(kz + s_at).to(tl.float32)
+            z_o = tl.load(kz + s_at + 1).to(tl.float32)
+            q_z = tl.sum(q_e32 * z_e[None, :], axis=1) + tl.sum(q_o32 * z_o[None, :], axis=1)
+            scores += q_z[:, None]
+            if not VSYM:
+                vz_t = tl.load(vz + g_at, mask=t_mask[:, None], other=0.0).to(tl.float32)[:, :, None]
+                v_e += tl.reshape(tl.broadcast_to(vz_t, (BLOCK_T, NG, HALF // NG)), (BLOCK_T, HALF))
+                v_o += tl.reshape(tl.broadcast_to(vz_t, (BLOCK_T, NG, HALF // NG)), (BLOCK_T, HALF))
+            if SINK > 0:
+                if t0 < SINK:  # the first tokens: float, in place of their codes
+                    sunk = rt < SINK
+                    sk_at = ((head * SINK + rt) * HD)[:, None] + rd[None, :]
+                    sk_e, sk_o = tl.split(
+                        tl.reshape(tl.load(sink_k + sk_at, mask=sunk[:, None], other=0.0), (BLOCK_T, HALF, 2))
+                    )
+                    sv_e, sv_o = tl.split(
+                        tl.reshape(tl.load(sink_v + sk_at, mask=sunk[:, None], other=0.0), (BLOCK_T, HALF, 2))
+                    )
+                    sunk_scores = tl.dot(q_e, tl.trans(sk_e.to(dt)), input_precision=PREC) + tl.dot(
+                        q_o, tl.trans(sk_o.to(dt)), input_precision=PREC
+                    )
+                    scores = tl.where(sunk[None, :], sunk_scores, scores)
+                    v_e = tl.where(sunk[:, None], sv_e.to(tl.float32), v_e)
+                    v_o = tl.where(sunk[:, None], sv_o.to(tl.float32), v_o)
+            v_e, v_o = v_e.to(dt), v_o.to(dt)
+            p, alpha, m, l_sum = _softmax_step(scores, t_mask, m, l_sum)
             acc_e = acc_e * alpha[:, None] + tl.dot(p.to(dt), v_e, input_precision=PREC)
             acc_o = acc_o * alpha[:, None] + tl.dot(p.to(dt), v_o, input_precision=PREC)
-            m = m_new
+        for t0 in range(below, end, BLOCK_T):
+            rt = t0 + tl.arange(0, BLOCK_T)
+            t_mask = rt < end
+            slot = (rt - fbase) % fmod
+            f_at = (((row * NKV + kh) * falloc + slot) * HD)[:, None] + rd[None, :]
+            k_e, k_o = tl.split(tl.reshape(tl.load(kf_ptr + f_at, mask=t_mask[:, None], other=0.0), (BLOCK_T, HALF, 2)))
+            v_e, v_o = tl.split(tl.reshape(tl.load(vf_ptr + f_at, mask=t_mask[:, None], other=0.0), (BLOCK_T, HALF, 2)))
+            scores = tl.dot(q_e, tl.trans(k_e.to(dt)), input_precision=PREC) + tl.dot(
+                q_o, tl.trans(k_o.to(dt)), input_precision=PREC
+            )
+            v_e, v_o = v_e.to(dt), v_o.to(dt)
+            p, alpha, m, l_sum = _softmax_step(scores, t_mask, m, l_sum)
+            acc_e = acc_e * alpha[:, None] + tl.dot(p.to(dt), v_e, input_precision=PREC)
+            acc_o = acc_o * alpha[:, None] + tl.dot(p.to(dt), v_o, input_precision=PREC)
         slot_out = (qh * SPLITS + sp) * GP + rg
         tl.store(acc_ptr + (slot_out * HD)[:, None] + 2 * rh[None, :], acc_e)
         tl.store(acc_ptr + (slot_out * HD)[:, None] + 2 * rh[None, :] + 1, acc_o)
@@ -484,8 +490,11 @@ if triton_decode.TRITON_SUPPORT:
         PREC: tl.constexpr,
     ):
         """_attn_kernel for int8 codes, whose channels are not packed: tiles are read whole,
-        as triton_decode's float kernel reads them, and the keys' scales are folded into
-        the query (one product a tile), the values' into the codes."""
+        as triton_decode's float kernel reads them. The keys' scales are folded into the
+        query (one product a tile); a value's scale, one per token, into the softmax
+        weights, so the codes go to the tensor cores as they are (integers to 127 are
+        exact in bf16). The coded tiles and the float ones run as two loops without a
+        branch inside, which Triton can pipeline as it does the float kernel's."""
         NG: tl.constexpr = HD // VG
         qh = tl.program_id(0)
         sp = tl.program_id(1)
@@ -504,6 +513,7 @@ if triton_decode.TRITON_SUPPORT:
         head = row * NKV + kh
         start = sp * chunk
         end = tl.minimum(start + chunk, pos + 1)
+        below = tl.maximum(tl.minimum(end, coded), start)  # coded tiles: start..below
         rg = tl.arange(0, GP)
         g_mask = rg < GROUP
         rd = tl.arange(0, HD)
@@ -514,41 +524,44 @@ if triton_decode.TRITON_SUPPORT:
         m = tl.full((GP,), float("-inf"), dtype=tl.float32)
         l_sum = tl.zeros((GP,), dtype=tl.float32)
         acc = tl.zeros((GP, HD), dtype=tl.float32)
-        for t0 in range(start, end, BLOCK_T):
+        for t0 in range(start, below, BLOCK_T):
             rt = t0 + tl.arange(0, BLOCK_T)
             t_mask = rt < end
-            if t0 < coded:
-                q_ks = (q32 * tl.load(ks + (head * blocks + t0 // KB) * HD + rd).to(tl.float32)[None, :]).to(dt)
-                tok = head * code_len + rt
-                c_at = (tok * HD)[:, None] + rd[None, :]
-                ck = tl.load(kc + c_at, mask=t_mask[:, None], other=0).to(dt)
-                cv = tl.load(vc + c_at, mask=t_mask[:, None], other=0).to(tl.float32)
+            q_ks = (q32 * tl.load(ks + (head * blocks + t0 // KB) * HD + rd).to(tl.float32)[None, :]).to(dt)
+            tok = head * code_len + rt
+            c_at = (tok * HD)[:, None] + rd[None, :]
+            ck = tl.load(kc + c_at, mask=t_mask[:, None], other=0).to(dt)
+            cv = tl.load(vc + c_at, mask=t_mask[:, None], other=0).to(dt)
+            scores = tl.dot(q_ks, tl.trans(ck), input_precision=PREC)
+            if NG == 1:
+                v_w = tl.load(vs + tok, mask=t_mask, other=0.0).to(tl.float32)  # per token: onto p
+                v = cv
+            else:
                 g_at = tok[:, None] * NG + tl.arange(0, NG)[None, :]
                 vs_t = tl.load(vs + g_at, mask=t_mask[:, None], other=0.0).to(tl.float32)[:, :, None]
-                scores = tl.dot(q_ks, tl.trans(ck), input_precision=PREC)
-                v = tl.reshape(tl.reshape(cv, (BLOCK_T, NG, VG)) * vs_t, (BLOCK_T, HD))
-                if SINK > 0:
-                    if t0 < SINK:  # the first tokens: float, in place of their codes
-                        sunk = rt < SINK
-                        sk_at = ((head * SINK + rt) * HD)[:, None] + rd[None, :]
-                        sk = tl.load(sink_k + sk_at, mask=sunk[:, None], other=0.0).to(dt)
-                        sv = tl.load(sink_v + sk_at, mask=sunk[:, None], other=0.0).to(tl.float32)
-                        scores = tl.where(sunk[None, :], tl.dot(q, tl.trans(sk), input_precision=PREC), scores)
-                        v = tl.where(sunk[:, None], sv, v)
-                v = v.to(dt)
-            else:
-                slot = (rt - fbase) % fmod
-                f_at = (((row * NKV + kh) * falloc + slot) * HD)[:, None] + rd[None, :]
-                k = tl.load(kf_ptr + f_at, mask=t_mask[:, None], other=0.0).to(dt)
-                v = tl.load(vf_ptr + f_at, mask=t_mask[:, None], other=0.0).to(dt)
-                scores = tl.dot(q, tl.trans(k), input_precision=PREC)
-            scores = tl.where(t_mask[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(scores - m_new[:, None])
-            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+                v = tl.reshape(tl.reshape(cv.to(tl.float32), (BLOCK_T, NG, VG)) * vs_t, (BLOCK_T, HD)).to(dt)
+                v_w = tl.full((BLOCK_T,), 1.0, dtype=tl.float32)
+            if SINK > 0:
+                if t0 < SINK:  # the first tokens: float, in place of their codes
+                    sunk = rt < SINK
+                    sk_at = ((head * SINK + rt) * HD)[:, None] + rd[None, :]
+                    sk = tl.load(sink_k + sk_at, mask=sunk[:, None], other=0.0).to(dt)
+                    sv = tl.load(sink_v + sk_at, mask=sunk[:, None], other=0.0).to(dt)
+                    scores = tl.where(sunk[None, :], tl.dot(q, tl.trans(sk), input_precision=PREC), scores)
+                    v = tl.where(sunk[:, None], sv, v)
+                    v_w = tl.where(sunk, 1.0, v_w)
+            p, alpha, m, l_sum = _softmax_step(scores, t_mask, m, l_sum)
+            acc = acc * alpha[:, None] + tl.dot((p * v_w[None, :]).to(dt), v, input_precision=PREC)
+        for t0 in range(below, end, BLOCK_T):
+            rt = t0 + tl.arange(0, BLOCK_T)
+            t_mask = rt < end
+            slot = (rt - fbase) % fmod
+            f_at = (((row * NKV + kh) * falloc + slot) * HD)[:, None] + rd[None, :]
+            k = tl.load(kf_ptr + f_at, mask=t_mask[:, None], other=0.0).to(dt)
+            v = tl.load(vf_ptr + f_at, mask=t_mask[:, None], other=0.0).to(dt)
+            scores = tl.dot(q, tl.trans(k), input_precision=PREC)
+            p, alpha, m, l_sum = _softmax_step(scores, t_mask, m, l_sum)
             acc = acc * alpha[:, None] + tl.dot(p.to(dt), v, input_precision=PREC)
-            m = m_new
         slot_out = (qh * SPLITS + sp) * GP + rg
         tl.store(acc_ptr + (slot_out * HD)[:, None] + rd[None, :], acc)
         tl.store(ml_ptr + slot_out * 2, m)
@@ -607,7 +620,7 @@ def rope_write(
     _rope_write_kernel[(bsz, n_heads + 2 * n_kv)](
         qkv, cos, sin, pos, q, layer.ring_k, layer.ring_v, layer.k_codes, layer.k_scale, kz, layer.v_codes,
         layer.v_scale, vz, *_sink(layer), n_heads, n_kv, layer.max_len, layer.code_len, layer.k_scale.shape[2],
-        hd**-0.5, RING=layer.fmt.ring, num_warps=2, **_layout(layer),
+        hd**-0.5, RING=layer.fmt.ring, num_warps=ROPE_WRITE_WARPS, **_layout(layer),
     )  # fmt: skip
     return q
 
@@ -640,13 +653,15 @@ def _attend(
     prec = "ieee" if kf.dtype == torch.float32 else "tf32"  # a float32 float part: no TF32
     if layer.fmt.dtype == "int8":
         layout = _layout(layer)
+        block_t = math.gcd(ATTN8_BLOCK_T, layer.fmt.key_block)  # tiles never straddle a key block
+        chunk = triton.cdiv(chunk, block_t) * block_t  # splits start on a tile (and so a block)
         _attn8_kernel[(nq * n_kv, splits)](
             q, layer.k_codes, layer.k_scale, layer.v_codes, layer.v_scale, kf, vf, *_sink(layer),
             pos if pos is not None else q, acc, ml, start, coded, q_scale, n_heads, n_kv, layer.code_len,
             layer.k_scale.shape[2], kf.shape[2], fmod, chunk, splits, group, triton_decode.ATTN_GROUP_ROWS,
             HD=hd, KB=layout["KB"], VG=layout["VG"], W=layout["W"], SINK=layout["SINK"],
-            DECODE=pos is not None, BLOCK_T=triton_decode.ATTN_BLOCK_T, F32_DOT=not q.is_cuda, PREC=prec,
-            num_warps=ATTN8_WARPS,
+            DECODE=pos is not None, BLOCK_T=block_t, F32_DOT=not q.is_cuda, PREC=prec,
+            num_warps=ATTN8_WARPS, num_stages=ATTN8_STAGES,
         )  # fmt: skip
     else:
         _attn_kernel[(nq * n_kv, splits)](
@@ -667,7 +682,10 @@ def attention(layer: QuantLayer, q: torch.Tensor, pos: torch.Tensor, kv_len: int
     """q [B, NH, HD] (times q_scale) of each row's token at pos[b] against its cache
     positions 0..pos[b] -> [B, NH * HD] in the cache's float type."""
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-    splits, chunk = triton_decode.attn_splits(kv_len, layer.ring_k.shape[1], sms)
+    spread = ATTN8_SPREAD if layer.fmt.dtype == "int8" else 1
+    splits, chunk = triton_decode.attn_splits(
+        kv_len, layer.ring_k.shape[1], sms * spread, triton_decode.MAX_ATTN_SPLITS * spread
+    )
     return _attend(layer, q, (layer.ring_k, layer.ring_v), layer.fmt.ring, pos, 0, 0, kv_len, splits, chunk, q_scale)
 
 

@@ -1,0 +1,214 @@
+"""Retrieval over the box's collections: the encoder (ours against transformers', ONNX
+through the backend seam against torch), the index (exact, and HNSW's recall), the
+retriever, the citation checks, and a `qa` job with a collection through the daemon."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from edge.docs import index, minilm
+from edge.docs.embed import Embedder, locate
+from edge.docs.ingest import add
+from edge.docs.retrieve import Passage, Retriever, check_citations, content_words, context_of
+from edge.docs.store import CollectionError, DocStore
+from tests.conftest import SAMPLES, Broker, DaemonProc, Requester, start_daemon, write_profile
+
+LEAFLETS = SAMPLES / "leaflets"  # four short clinic leaflets, Markdown
+
+
+@pytest.fixture(scope="module")
+def embedder(embed_engine_dir: Path) -> Embedder:
+    return Embedder.load(locate(embed_engine_dir), threads=2)
+
+
+def _collection(root: Path, embedder: Embedder) -> DocStore:
+    store = DocStore(root / "state" / "docs")
+    add(store, "clinic", [LEAFLETS], embedder)
+    return store
+
+
+def test_our_encoder_is_transformers_bert_with_mean_pooling() -> None:
+    from transformers import BertModel
+
+    ours = minilm.load()
+    ref = BertModel.from_pretrained(str(minilm.model_dir())).eval()
+    ids = torch.tensor([[101, 2129, 2411, 2003, 1996, 11160, 2904, 102, 0, 0], [101, 7592, 102] + [0] * 7])
+    mask = (ids != 0).long()
+    with torch.no_grad():
+        got = ours(ids, mask)[0]
+        hidden = ref(input_ids=ids, attention_mask=mask).last_hidden_state
+    keep = mask.unsqueeze(-1).float()
+    want = torch.nn.functional.normalize((hidden * keep).sum(1) / keep.sum(1), dim=1)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert torch.allclose(got.norm(dim=1), torch.ones(2))
+
+
+def test_the_onnx_encoder_through_the_backend_matches_torch_in_any_batch_order(
+    embed_engine_dir: Path, embedder: Embedder
+) -> None:
+    info = locate(embed_engine_dir)
+    manifest = json.loads((info.path / "manifest.json").read_text())
+    assert manifest["onnx_max_error"] <= 1e-4 and info.dimensions == 384 and info.max_tokens == 256
+    texts = ["Pump alarm", "x " * 400, "When is the pharmacy open on Saturdays?"] + [f"note {i}" for i in range(40)]
+    got = embedder.embed(texts)  # sorted by length into batches of 32, given back in order
+    tok = embedder._tokenizer
+    torch_model = minilm.load()
+    for i in (0, 1, 2, 42):
+        ids = torch.tensor([tok.encode(texts[i]).ids])
+        assert ids.shape[1] <= 256
+        with torch.no_grad():
+            want = torch_model(ids, torch.ones_like(ids))[0][0].numpy()
+        np.testing.assert_allclose(got[i], want, atol=1e-4)
+    assert embedder.embed([]).shape == (0, 384)
+
+
+def test_the_flat_index_is_exact_and_hnsw_keeps_recall() -> None:
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((6000, 384)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    queries = vectors[rng.choice(6000, 50, replace=False)] + 0.05 * rng.standard_normal((50, 384)).astype(np.float32)
+    exact = np.argsort(-(queries @ vectors.T), axis=1)[:, :5]
+    flat, kind = index.build(vectors)
+    assert kind == "flat"  # under EXACT_MAX
+    hnsw, _ = index.build(vectors, "hnsw")
+    hits = 0
+    for q, want in zip(queries, exact, strict=True):
+        _, rows = flat.search(q[None, :], 5)  # type: ignore[attr-defined]
+        assert list(rows[0]) == list(want)
+        _, rows = hnsw.search(q[None, :], 5)  # type: ignore[attr-defined]
+        hits += len(set(rows[0]) & set(want))
+    assert hits / exact.size >= 0.95
+    assert index.build(np.zeros((index.EXACT_MAX + 1, 4), dtype=np.float32))[1] == "hnsw"
+
+
+def test_the_retriever_finds_the_passage_and_reads_a_new_version(tmp_path: Path, embedder: Embedder) -> None:
+    store = _collection(tmp_path, embedder)
+    retriever = Retriever(store, embedder)
+    questions = {
+        "When is the pharmacy open on Saturdays?": "pharmacy.md#0:0",
+        "How often should I change the dressing?": "wound-care.md#0:0",
+        "The pump's occlusion alarm is sounding, what do I do?": "pump.md#0:0",
+        "How long does the pump battery last?": "pump.md#1:0",
+    }
+    for question, want in questions.items():
+        passages, ms = retriever.search("clinic", question, 3)
+        assert passages[0].id == want, (question, passages)
+        assert passages[0].score > passages[1].score and ms["embed"] > 0 and ms["search"] >= 0
+    (tmp_path / "parking.md").write_text("# Parking\n\nThe car park by gate B is free for 2 hours.", encoding="utf-8")
+    add(store, "clinic", [tmp_path / "parking.md"], embedder)
+    passages, _ = retriever.search("clinic", "Where can I park for free?", 2)
+    assert passages[0].id == "parking.md#0:0"
+    with pytest.raises(CollectionError, match="no collection named 'nope'"):
+        retriever.search("nope", "anything", 2)
+
+
+def _p(pid: str, text: str, score: float = 0.7) -> Passage:
+    return Passage(pid, score, text, "")
+
+
+def test_citations_are_checked_against_what_was_retrieved() -> None:
+    passages = [
+        _p("pharmacy.md#0:0", "The pharmacy is open from 9 am to 1 pm on Saturdays.", 0.81),
+        _p("visiting.md#0:0", "Visiting hours on ward 2 are 3 pm to 7 pm every day.", 0.42),
+    ]
+    answer = (
+        "On Saturdays the pharmacy is open from 9 am to 1 pm (source: pharmacy.md#0:0). "
+        "Parking is free at gate B (source: visiting.md#0:0). "
+        "Visitors come between 3 pm and 7 pm (source: ward9#1:0)."
+    )
+    cited = {c["id"]: c for c in check_citations(answer, passages)}
+    assert list(cited) == ["pharmacy.md#0:0", "visiting.md#0:0", "ward9#1:0"]
+    assert cited["pharmacy.md#0:0"] == {
+        "id": "pharmacy.md#0:0", "score": 0.81, "retrieved": True, "overlap": 1.0, "supported": True,
+    }  # fmt: skip
+    # Retrieved, but the sentence citing it says what the passage does not.
+    assert cited["visiting.md#0:0"]["retrieved"] and not cited["visiting.md#0:0"]["supported"]
+    assert cited["visiting.md#0:0"]["overlap"] < 0.5
+    # An id the job never retrieved: flagged, whatever the sentence says.
+    assert cited["ward9#1:0"] == {"id": "ward9#1:0", "score": None, "retrieved": False, "overlap": 0.0,
+                                  "supported": False}  # fmt: skip
+    # Two ids in one citation, and a citation right after another, judge the same sentence.
+    both = check_citations("Open 9 am to 1 pm on Saturdays (source: pharmacy.md#0:0, visiting.md#0:0).", passages)
+    assert [c["supported"] for c in both] == [True, False]
+    again = check_citations(
+        "Open Saturdays 9 am to 1 pm. (source: pharmacy.md#0:0) (source: pharmacy.md#0:0)", passages
+    )
+    assert again == [cited["pharmacy.md#0:0"]]
+    # One unsupported sentence makes the id unsupported.
+    mixed = check_citations(
+        "Open Saturdays (source: pharmacy.md#0:0). Dogs are welcome inside (source: pharmacy.md#0:0).", passages
+    )
+    assert mixed[0]["supported"] is False and mixed[0]["overlap"] == 0.0
+    assert check_citations("No citation here.", passages) == []
+    assert content_words("The 2 pumps, at 9.30 am") == {"2", "pumps", "9.30"}
+    assert (
+        context_of(passages).splitlines()[0]
+        == "[doc: pharmacy.md#0:0] The pharmacy is open from 9 am to 1 pm on Saturdays."
+    )
+
+
+@pytest.fixture(scope="module")
+def rag_daemon(
+    broker: Broker, engine_dir: Path, tmp_path_factory: pytest.TempPathFactory, embedder: Embedder
+) -> Iterator[DaemonProc]:
+    directory = tmp_path_factory.mktemp("rag-daemon")
+    _collection(directory, embedder)
+    profile = write_profile(directory, broker.port, engine_dir, device_id="rag1",
+                            models={"qa": {"max_new_tokens": 48, "max_context_tokens": 1024, "top_k": 2}})  # fmt: skip
+    d = start_daemon(profile)
+    d.wait_ready(timeout=300)
+    yield d
+    d.stop()
+
+
+@pytest.mark.integration
+def test_a_qa_job_with_a_collection_answers_with_checked_citations(
+    rag_daemon: DaemonProc, requester: Requester
+) -> None:
+    topic = "edge/rag1/jobs/qa"
+    result = requester.request(
+        topic, {"id": "r1", "question": "When is the pharmacy open on Saturdays?", "collection": "clinic"}, timeout=180
+    )
+    assert result["status"] == "ok", result
+    out = result["output"]
+    assert out["passages"][0]["id"] == "pharmacy.md#0:0" and len(out["passages"]) == 2
+    assert out["passages"][0]["score"] >= out["passages"][1]["score"]
+    stages = result["timings"]["stages"]
+    for name in ("embed", "search", "assemble", "prefill", "decode"):
+        assert stages[name] >= 0, name
+    assert stages["embed"] > 0 and stages["prefill"] > 0 and stages["decode"] > 0
+    # Every id the answer cites is listed and checked; those retrieved carry their score.
+    scores = {p["id"]: p["score"] for p in out["passages"]}
+    cited_in_text = [c["id"] for c in check_citations(out["answer"], [])]
+    assert [c["id"] for c in out["citations"]] == cited_in_text
+    for c in out["citations"]:
+        assert c["retrieved"] == (c["id"] in scores) and c["score"] == scores.get(c["id"])
+        assert isinstance(c["supported"], bool)
+    # A collection the box does not have: a structured error naming the field; the next job runs.
+    bad = requester.request(topic, {"id": "r2", "question": "Anything?", "collection": "nope"}, timeout=60)
+    assert bad["status"] == "error" and bad["error"]["field"] == "collection"
+    assert "no collection named 'nope'" in bad["error"]["message"]
+    again = requester.request(topic, {"id": "r3", "question": "Who may visit on ward 2?", "collection": "clinic"},
+                              timeout=180)  # fmt: skip
+    assert again["status"] == "ok" and again["output"]["passages"][0]["id"] == "visiting.md#0:0"
+
+
+def test_retrieval_settings_are_checked_in_the_profile() -> None:
+    from edge.config import ProfileError, parse_profile
+
+    def refused(**qa: object) -> str:
+        with pytest.raises(ProfileError) as err:
+            parse_profile({"device_id": "a", "models": {"qa": qa}}, "p.yaml")
+        return str(err.value)
+
+    assert "models.qa.embed_backend" in refused(embed_backend="torch-cuda")  # takes image input only
+    assert "models.qa.collection" in refused(collection="../etc")
+    assert "models.qa.top_k" in refused(top_k=0)
+    qa = parse_profile({"device_id": "a", "models": {"qa": {"collection": "clinic"}}}).models.qa
+    assert (qa.collection, qa.top_k, qa.embed_backend) == ("clinic", 4, "onnxruntime")
