@@ -2,10 +2,12 @@
 """The newcomer's demo: one box, real models, a real broker, sample jobs, status, stop.
 
 Starts Mosquitto on 127.0.0.1:1883 if nothing listens there, starts the daemon with
-profiles/cpu-dev.yaml, sends every sample label as an `ocr` job, every sample part as an
-`inspect` job and two `qa` jobs, prints the answers and `edgectl status`, then stops
-what it started. Exits 0 only if every label was read exactly, every part was judged as
-its truth says, and every question answered.
+profiles/cpu-dev.yaml (the sample leaflets added first as collection `leaflets`), sends
+every sample label as an `ocr` job, every sample part as an `inspect` job, `qa` jobs with
+and without context, and `qa` jobs that retrieve from the leaflets, prints the answers
+and `edgectl status`, then stops what it started. Exits 0 only if every label was read
+exactly, every part was judged as its truth says, every question answered, and every
+retrieving question found its leaflet first.
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ QUESTIONS: list[dict[str, Any]] = [
     },
     {"question": "I have a rash on my arms and a fever. Is it measles?"},
     {"question": "What is a normal resting heart rate for adults?"},
+]
+# Questions over the sample leaflets (samples/leaflets), with the chunk each must find first.
+RETRIEVALS: list[tuple[str, str]] = [
+    ("How long does the pump battery last?", "pump.md#1:0"),
+    ("When is the pharmacy open on Saturdays?", "pharmacy.md#0:0"),
 ]
 
 
@@ -102,6 +109,13 @@ def main() -> int:
         print(f"demo: starting mosquitto on {host}:{port}")
         broker = start_broker(port)
 
+    print("demo: edgectl docs add --collection leaflets samples/leaflets (builds the retrieval encoder once)")
+    added = subprocess.run(
+        [sys.executable, "-m", "edge.cli", "docs", "add", "--profile", str(args.profile), "--collection", "leaflets",
+         str(REPO / "samples" / "leaflets")],
+        cwd=REPO, check=False,
+    )  # fmt: skip
+    failures = int(added.returncode != 0)
     log = REPO / ".edge" / "demo-daemon.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"demo: starting edgectl serve --profile {args.profile.relative_to(REPO)}")
@@ -112,7 +126,6 @@ def main() -> int:
             stdout=fh,
             stderr=subprocess.STDOUT,
         )
-    failures = 0
     # Job ids are unique per run: the daemon answers a repeated id from its journal
     # instead of running the job again, which is not what a demo should show.
     run = uuid.uuid4().hex[:6]
@@ -193,6 +206,29 @@ def main() -> int:
                 )
             else:
                 print(f"  error: {result.get('error')}")
+        print("\n== Q&A with retrieval: the sample leaflets, citations checked ==")
+        for i, (question, want) in enumerate(RETRIEVALS):
+            rag_job: dict[str, Any] = {"id": f"demo-{run}-rag-{i}", "task": "qa", "question": question}
+            rag_job |= {"collection": "leaflets", "top_k": 2, "max_new_tokens": 48}
+            result = request(profile, "qa", rag_job, timeout=300)
+            out = result.get("output", {})
+            passages = out.get("passages", [])
+            ok = result.get("status") == "ok" and bool(passages) and passages[0]["id"] == want
+            failures += not ok
+            print(f"  Q: {question}")
+            if result.get("status") != "ok":
+                print(f"  error: {result.get('error')}")
+                continue
+            found = ", ".join(f"{p['id']} ({p['score']:.2f})" for p in passages)
+            print(f"  [{'ok ' if ok else 'BAD'}] retrieved {found}; wanted {want} first")
+            print(f"  A: {out['answer']}")
+            cited = ", ".join(
+                f"{c['id']}: {'supported' if c['supported'] else 'NOT supported'}" for c in out["citations"]
+            )
+            stages = result["timings"]["stages"]
+            print(
+                f"     citations: {cited or 'none'}; embed {stages['embed']:.1f} ms, search {stages['search']:.2f} ms"
+            )
         print("\n== edgectl status ==")
         status = subprocess.run(
             [sys.executable, "-m", "edge.cli", "status", "--profile", str(args.profile)], cwd=REPO, check=False
