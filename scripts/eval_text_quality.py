@@ -177,10 +177,23 @@ def main() -> None:
         action="store_true",
         help="only the compact token table rows, merged into the existing results",
     )
+    parser.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="only the clinic adapter's behaviour rows, merged into the existing results",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     base = import_smollm2(args.engine_dir)
+    if args.adapter_only:
+        result = json.loads(args.out.read_text())
+        result["adapter"] = adapter_behaviour(args.engine_dir)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        for row in result["adapter"]:
+            print(row)
+        print(f"wrote {args.out.relative_to(REPO)}")
+        return
     if args.tables_only:
         reference = load_checkpoint(base)
         ids = reference.tokenizer.encode(evaluation_text(), add_special_tokens=False).ids[: args.max_tokens]
