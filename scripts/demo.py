@@ -209,7 +209,7 @@ def main() -> int:
         print("\n== Q&A with retrieval: the sample leaflets, citations checked ==")
         for i, (question, want) in enumerate(RETRIEVALS):
             rag_job: dict[str, Any] = {"id": f"demo-{run}-rag-{i}", "task": "qa", "question": question}
-            rag_job |= {"collection": "leaflets", "top_k": 2, "max_new_tokens": 48}
+            rag_job |= {"collection": "leaflets", "max_new_tokens": 48}  # the profile's top_k
             result = request(profile, "qa", rag_job, timeout=300)
             out = result.get("output", {})
             passages = out.get("passages", [])

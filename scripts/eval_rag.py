@@ -7,9 +7,10 @@ and questions worded apart from them, beside the Python manual's topics).
   with all-MiniLM-L6-v2 through onnxruntime, indexed; edge.docs.retrieve.Retriever):
   recall@1 and recall@5 of the chunk stating each question's fact;
 - answers, by the clinic text engine (the served checkpoint, greedy) given the top
-  passages as a `qa` job with a collection gets them: citation precision (cited ids
-  that are the right chunk, over all cited ids), the share of citations the check
-  marks supported, and answer accuracy (the fact's value stated in the answer);
+  passages as a `qa` job with a collection gets them, for each of several top_k:
+  citation precision (cited ids that are the right chunk, over all cited ids), the
+  share of citations the check marks supported, and answer accuracy (the fact's value
+  stated in the answer); the headline figures are at the profile's default top_k;
 - search latency per question on 2 threads at 10k and 100k chunks: the set's vectors
   and perturbed copies of them (unit length), the index kind the product picks at each
   size (exact to edge.docs.index.EXACT_MAX, HNSW beyond), and both kinds for reference,
@@ -17,7 +18,7 @@ and questions worded apart from them, beside the Python manual's topics).
 
 Writes bench/results/rag.json and prints a table.
 
-    python scripts/eval_rag.py [--answers 120] [--threads 2]
+    python scripts/eval_rag.py [--answers 120] [--top-k 1,2,4] [--threads 2]
 """
 
 from __future__ import annotations
@@ -170,7 +171,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--questions", type=int, default=400)
     parser.add_argument("--answers", type=int, default=120, help="questions answered by the text engine")
-    parser.add_argument("--top-k", type=int, default=3, help="passages put into an answer's prompt")
+    parser.add_argument(
+        "--top-k", default="1,2,4", help="passages put into an answer's prompt: each of these, one run apiece"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--engine-dir", type=Path, default=REPO / ".edge" / "engines")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "rag.json")
@@ -201,8 +204,16 @@ def main() -> None:
     print(f"search latency on {args.threads} threads:", flush=True)
     rows = latency(vectors, queries, args.threads)
     served = {r["chunks"]: r for r in rows if r["product_choice"]}
-    print(f"answers by the clinic text engine ({args.answers} questions, top {args.top_k} passages):", flush=True)
-    answered = answers(args.engine_dir, found, args.answers, args.top_k)
+    from edge.config.schema import QAModelConfig
+
+    served_k = QAModelConfig().top_k  # the profile's default: the headline figures are its
+    sweep = []
+    for k in (int(x) for x in args.top_k.split(",")):
+        print(f"answers by the clinic text engine ({args.answers} questions, top {k} passages):", flush=True)
+        sweep.append(answers(args.engine_dir, found, args.answers, k))
+        print(f"  citation precision {sweep[-1]['citation_precision']:.3f}, answer accuracy "
+              f"{sweep[-1]['answer_accuracy']:.3f}", flush=True)  # fmt: skip
+    answered = next(a for a in sweep if a["top_k"] == served_k)
     result = {
         "set": f"engines/rag_data.py (seed {rag_data.SEED})",
         "encoder": embedder.model,
@@ -215,6 +226,8 @@ def main() -> None:
         "citation_precision": answered["citation_precision"],
         "answer_accuracy": answered["answer_accuracy"],
         "answers": answered,
+        "answers_by_top_k": sweep,
+        "default_top_k": served_k,
         "search_p50_ms_10k": served[10_000]["p50_ms"],
         "search_p95_ms_10k": served[10_000]["p95_ms"],
         "search_p50_ms_100k": served[100_000]["p50_ms"],

@@ -577,8 +577,8 @@ def rag(d: dict[str, Any]) -> str:
         f"{d['questions']} questions worded apart from the passages; encoder {d['encoder']} on onnxruntime, index "
         f"{d['index_library']} (exact up to {d['exact_max']} chunks, HNSW beyond), {d['threads']} threads, "
         f"{d['machine']} (`bench/results/rag.json`, `scripts/eval_rag.py`). Answers: the clinic text engine, "
-        f"greedy, {a['answered']} questions with their top {a['top_k']} passages in the prompt as a `qa` job with "
-        "a collection gets them.",
+        f"greedy, {a['answered']} questions with their top {a['top_k']} passages in the prompt (the profile's "
+        "default `models.qa.top_k`) as a `qa` job with a collection gets them.",
         "",
         "| figure | value | goal |",
         "|---|---:|---|",
@@ -593,6 +593,22 @@ def rag(d: dict[str, Any]) -> str:
         f"| search p50 / p95 at 100k chunks, ms | {d['search_p50_ms_100k']:.2f} / {d['search_p95_ms_100k']:.2f} "
         f"| p95 ≤ {goals['search_p95_ms_100k']:.0f}: "
         f"{met(d['search_p95_ms_100k'], goals['search_p95_ms_100k'], at_most=True)} |",
+    ]
+    if d.get("answers_by_top_k"):
+        lines += [
+            "",
+            f"Answers by how many passages go into the prompt (the same questions; the profile's default is "
+            f"top_k {d.get('default_top_k', a['top_k'])}):",
+            "",
+            "| top_k | answers that cite | citation precision | citations supported | answer accuracy |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        for r in d["answers_by_top_k"]:
+            lines.append(
+                f"| {r['top_k']} | {r['answers_citing']:.3f} | {r['citation_precision']:.3f} "
+                f"| {r['supported_share']:.3f} | {r['answer_accuracy']:.3f} |"
+            )
+    lines += [
         "",
         "Search per question at each size, both index kinds (the set's vectors and perturbed copies of them; "
         "recall of HNSW's top 5 against the exact scan's):",

@@ -211,4 +211,4 @@ def test_retrieval_settings_are_checked_in_the_profile() -> None:
     assert "models.qa.collection" in refused(collection="../etc")
     assert "models.qa.top_k" in refused(top_k=0)
     qa = parse_profile({"device_id": "a", "models": {"qa": {"collection": "clinic"}}}).models.qa
-    assert (qa.collection, qa.top_k, qa.embed_backend) == ("clinic", 4, "onnxruntime")
+    assert (qa.collection, qa.top_k, qa.embed_backend) == ("clinic", 1, "onnxruntime")

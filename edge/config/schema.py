@@ -537,11 +537,13 @@ class QAModelConfig(StrictModel):
         "`collection` retrieves from. None: such jobs retrieve nothing.",
     )
     top_k: int = Field(
-        default=4,
+        default=1,
         ge=1,
         le=16,
         title="Passages retrieved",
-        description="Passages a retrieving job puts into its prompt when it does not say (`top_k`).",
+        description="Passages a retrieving job puts into its prompt when it does not say (`top_k`). 1 for the "
+        "shipped model: given more, SmolLM2-135M with the clinic adapter cites the right one far less often "
+        "(scripts/eval_rag.py measures each; a larger model of your own may do better with more).",
     )
     embed_backend: Literal["onnxruntime"] = Field(
         default="onnxruntime",
