@@ -369,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _docs_encoder(profile: Profile) -> Any:
     """The retrieval encoder, built first (in a child process, as the daemon builds
     engines) when the engine directory has none."""
+    from edge.builds import BuildCommand, command_line
     from edge.docs.embed import Embedder, locate
     from edge.engines import EngineMissing
 
@@ -377,8 +378,8 @@ def _docs_encoder(profile: Profile) -> Any:
         info = locate(engine_dir)
     except EngineMissing:
         print(f"building the retrieval encoder into {engine_dir} (once)", flush=True)
-        cmd = [sys.executable, "-m", "engines.embed_build", "--engine-dir", str(engine_dir), "--no-progress"]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        build = BuildCommand("the retrieval encoder", "engines.embed_build", ())
+        subprocess.run(command_line(build, engine_dir, progress=False), check=True, stdout=subprocess.DEVNULL)
         info = locate(engine_dir)
     qa = profile.models.qa
     return Embedder.load(info, qa.embed_backend, qa.embed_threads)

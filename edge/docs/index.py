@@ -96,10 +96,8 @@ class VectorIndex:
 
     def vectors(self, rows: list[int]) -> np.ndarray:
         """The stored vectors of `rows` (kept chunks, reused in the next version)."""
-        out = np.zeros((len(rows), self.meta.dimensions), dtype=np.float32)
-        for r, row in enumerate(rows):
-            out[r] = self._index.reconstruct(int(row))  # type: ignore[attr-defined]
-        return out
+        keys = np.asarray(rows, dtype=np.int64)
+        return np.asarray(self._index.reconstruct_batch(keys), dtype=np.float32).reshape(len(rows), -1)  # type: ignore[attr-defined]
 
     def search(self, query: np.ndarray, k: int) -> list[tuple[int, float]]:
         """The k rows nearest `query` [D] (best first) with their cosine similarity."""

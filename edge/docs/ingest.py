@@ -121,13 +121,10 @@ def _vectors(
             logger.warning("collection %s: its index cannot be read (%s); every chunk is embedded again", old.name, err)
         if stored is not None and stored.meta.model == encoder.model:
             known = {(c.id, c.text): row for row, c in enumerate(old.chunks)}
-    reuse = [(i, known[(c.id, c.text)]) for i, c in enumerate(chunks) if (c.id, c.text) in known]
+    reuse = [i for i, c in enumerate(chunks) if (c.id, c.text) in known]
     fresh = [i for i, c in enumerate(chunks) if (c.id, c.text) not in known]
-    dim = stored.meta.dimensions if stored is not None and reuse else 0
-    parts: dict[int, np.ndarray] = {}
-    if reuse and stored is not None:
-        for (i, _), vec in zip(reuse, stored.vectors([row for _, row in reuse]), strict=True):
-            parts[i] = vec
+    old_vectors = stored.vectors([known[(chunks[i].id, chunks[i].text)] for i in reuse]) if stored and reuse else None
+    new_vectors = None
     if fresh:
         step = max(1, len(fresh) // 10)
 
@@ -135,13 +132,11 @@ def _vectors(
             if done == total or done % step < 32:
                 say(f"embedding {done}/{total} chunks")
 
-        new = encoder.embed([passage_text(chunks[i]) for i in fresh], progress=tell)
-        dim = new.shape[1]
-        for i, vec in zip(fresh, new, strict=True):
-            parts[i] = vec
-    out = np.zeros((len(chunks), dim), dtype=np.float32)
-    for i, vec in parts.items():
-        out[i] = vec
+        new_vectors = encoder.embed([passage_text(chunks[i]) for i in fresh], progress=tell)
+    filled = [(rows, v) for rows, v in ((reuse, old_vectors), (fresh, new_vectors)) if v is not None]
+    out = np.zeros((len(chunks), filled[0][1].shape[1] if filled else 0), dtype=np.float32)
+    for rows, vectors in filled:
+        out[rows] = vectors
     return out
 
 

@@ -36,7 +36,7 @@ class QATask:
         responder: Responder,
         retrieval: Retrieval | None = None,
         collection: str | None = None,
-        top_k: int = 4,
+        top_k: int = QAModelConfig.model_fields["top_k"].default,
     ) -> None:
         self.engine = engine
         self._responder = responder

@@ -51,24 +51,16 @@ if triton_decode.TRITON_SUPPORT:
         copied into k/v [NKV, T, HD] (what attention reads) and into the cache's row."""
         t = tl.program_id(0)
         head = tl.program_id(1)
-        HALF: tl.constexpr = HD // 2
         row = tl.load(row_ptr)
         src = qkv_ptr + t * (NH + 2 * NKV) * HD + head * HD
-        r = tl.arange(0, HALF)
         if head < NH + NKV:
             o1, o2 = triton_decode.rotate(src, cos_ptr, sin_ptr, t, HD)
             if head < NH:
-                dst = q_ptr + (t * NH + head) * HD
-                tl.store(dst + r, (o1 * q_scale).to(q_ptr.dtype.element_ty))
-                tl.store(dst + HALF + r, (o2 * q_scale).to(q_ptr.dtype.element_ty))
+                triton_decode.store_halves(q_ptr + (t * NH + head) * HD, o1 * q_scale, o2 * q_scale, HD)
             else:
                 kv = head - NH
-                dst = k_ptr + (kv * T + t) * HD
-                tl.store(dst + r, o1.to(k_ptr.dtype.element_ty))
-                tl.store(dst + HALF + r, o2.to(k_ptr.dtype.element_ty))
-                cached = k_cache_ptr + ((row * NKV + kv) * max_len + t) * HD
-                tl.store(cached + r, o1.to(k_cache_ptr.dtype.element_ty))
-                tl.store(cached + HALF + r, o2.to(k_cache_ptr.dtype.element_ty))
+                triton_decode.store_halves(k_ptr + (kv * T + t) * HD, o1, o2, HD)
+                triton_decode.store_halves(k_cache_ptr + ((row * NKV + kv) * max_len + t) * HD, o1, o2, HD)
         else:
             kv = head - NH - NKV
             rd = tl.arange(0, HD)

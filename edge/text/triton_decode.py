@@ -73,6 +73,14 @@ if TRITON_SUPPORT:
         return x1 * c - x2 * s, x2 * c + x1 * s
 
     @triton.jit
+    def store_halves(dst, o1, o2, HD: tl.constexpr):
+        """A rotated head (rotate's two halves) stored at `dst`, in dst's element type."""
+        HALF: tl.constexpr = HD // 2
+        r = tl.arange(0, HALF)
+        tl.store(dst + r, o1.to(dst.dtype.element_ty))
+        tl.store(dst + HALF + r, o2.to(dst.dtype.element_ty))
+
+    @triton.jit
     def _rope_kv_kernel(
         qkv_ptr,
         cos_ptr,
@@ -91,20 +99,14 @@ if TRITON_SUPPORT:
         query buffer, rotate k into the cache at the position, copy v into the cache."""
         b = tl.program_id(0)
         head = tl.program_id(1)
-        HALF: tl.constexpr = HD // 2
         pos = tl.load(pos_ptr + b)
         row = qkv_ptr + b * (NH + 2 * NKV) * HD + head * HD
-        r = tl.arange(0, HALF)
         if head < NH + NKV:
             o1, o2 = rotate(row, cos_ptr, sin_ptr, pos, HD)
             if head < NH:
-                dst = q_ptr + (b * NH + head) * HD
-                tl.store(dst + r, (o1 * q_scale).to(q_ptr.dtype.element_ty))
-                tl.store(dst + HALF + r, (o2 * q_scale).to(q_ptr.dtype.element_ty))
+                store_halves(q_ptr + (b * NH + head) * HD, o1 * q_scale, o2 * q_scale, HD)
             else:
-                dst = k_cache_ptr + ((b * NKV + head - NH) * max_len + pos) * HD
-                tl.store(dst + r, o1.to(k_cache_ptr.dtype.element_ty))
-                tl.store(dst + HALF + r, o2.to(k_cache_ptr.dtype.element_ty))
+                store_halves(k_cache_ptr + ((b * NKV + head - NH) * max_len + pos) * HD, o1, o2, HD)
         else:
             rd = tl.arange(0, HD)
             dst = v_cache_ptr + ((b * NKV + head - NH - NKV) * max_len + pos) * HD

@@ -249,27 +249,19 @@ if triton_decode.TRITON_SUPPORT:
         into the query buffer; k rotated and v written as _write_kernel writes them."""
         b = tl.program_id(0)
         head = tl.program_id(1)
-        HALF: tl.constexpr = HD // 2
         pos = tl.load(pos_ptr + b)
         row = qkv_ptr + b * (NH + 2 * NKV) * HD + head * HD
-        r = tl.arange(0, HALF)
         slot = _ring_slot(pos, max_len, RING)
         due = _block_due(pos, max_len, KB, W)
         if head < NH + NKV:
             o1, o2 = triton_decode.rotate(row, cos_ptr, sin_ptr, pos, HD)
             if head < NH:
-                dst = q_ptr + (b * NH + head) * HD
-                tl.store(dst + r, (o1 * q_scale).to(q_ptr.dtype.element_ty))
-                tl.store(dst + HALF + r, (o2 * q_scale).to(q_ptr.dtype.element_ty))
+                triton_decode.store_halves(q_ptr + (b * NH + head) * HD, o1 * q_scale, o2 * q_scale, HD)
             else:
                 kv = b * NKV + head - NH
-                dst = ring_k + (kv * (RING + 1) + slot) * HD
-                tl.store(dst + r, o1.to(ring_k.dtype.element_ty))
-                tl.store(dst + HALF + r, o2.to(ring_k.dtype.element_ty))
+                triton_decode.store_halves(ring_k + (kv * (RING + 1) + slot) * HD, o1, o2, HD)
                 if pos < SINK:
-                    sdst = sink_k + (kv * SINK + pos) * HD
-                    tl.store(sdst + r, o1.to(sink_k.dtype.element_ty))
-                    tl.store(sdst + HALF + r, o2.to(sink_k.dtype.element_ty))
+                    triton_decode.store_halves(sink_k + (kv * SINK + pos) * HD, o1, o2, HD)
                 if due:
                     _code_keys(pos, kv, ring_k, kc, ks, kz, code_len, blocks, HD, KB, W, RING, INT4, SINK)
         else:
@@ -292,6 +284,31 @@ if triton_decode.TRITON_SUPPORT:
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
         return p, alpha, m_new, l_sum * alpha + tl.sum(p, axis=1)
+
+    @triton.jit
+    def _span(qh, sp, pos_ptr, start_in, coded_in, NKV, chunk, KB: tl.constexpr, W: tl.constexpr,
+              DECODE: tl.constexpr):  # fmt: skip
+        """Where attention program (qh, sp) works: its query qi and KV head kh, the cache
+        row and head it reads, where that row's float tokens start (fbase), and its chunk
+        of positions: coded tiles start..below, float tiles below..end. DECODE: query qi
+        is row qi's token at pos[qi], coded up to fmt.coded(pos+1); else position
+        start_in + qi of row 0, coded up to coded_in."""
+        qi = qh // NKV
+        kh = qh % NKV
+        if DECODE:
+            pos = tl.load(pos_ptr + qi)
+            row = qi
+            coded = tl.maximum(pos - W, 0) // KB * KB
+            fbase = 0
+        else:
+            pos = start_in + qi
+            row = 0
+            coded = coded_in
+            fbase = coded_in
+        start = sp * chunk
+        end = tl.minimum(start + chunk, pos + 1)
+        below = tl.maximum(tl.minimum(end, coded), start)
+        return qi, kh, row, row * NKV + kh, fbase, start, below, end
 
     @triton.jit
     def _attn_kernel(
@@ -346,22 +363,9 @@ if triton_decode.TRITON_SUPPORT:
         NG: tl.constexpr = HD // VG
         qh = tl.program_id(0)
         sp = tl.program_id(1)
-        qi = qh // NKV
-        kh = qh % NKV
-        if DECODE:
-            pos = tl.load(pos_ptr + qi)
-            row = qi
-            coded = tl.maximum(pos - W, 0) // KB * KB
-            fbase = 0
-        else:
-            pos = start_in + qi
-            row = 0
-            coded = coded_in
-            fbase = coded_in
-        head = row * NKV + kh
-        start = sp * chunk
-        end = tl.minimum(start + chunk, pos + 1)
-        below = tl.maximum(tl.minimum(end, coded), start)  # coded tiles: start..below, then float ones
+        qi, kh, row, head, fbase, start, below, end = _span(
+            qh, sp, pos_ptr, start_in, coded_in, NKV, chunk, KB, W, DECODE
+        )
         rg = tl.arange(0, GP)
         g_mask = rg < GROUP
         rh = tl.arange(0, HALF)
@@ -498,22 +502,9 @@ if triton_decode.TRITON_SUPPORT:
         NG: tl.constexpr = HD // VG
         qh = tl.program_id(0)
         sp = tl.program_id(1)
-        qi = qh // NKV
-        kh = qh % NKV
-        if DECODE:
-            pos = tl.load(pos_ptr + qi)
-            row = qi
-            coded = tl.maximum(pos - W, 0) // KB * KB
-            fbase = 0
-        else:
-            pos = start_in + qi
-            row = 0
-            coded = coded_in
-            fbase = coded_in
-        head = row * NKV + kh
-        start = sp * chunk
-        end = tl.minimum(start + chunk, pos + 1)
-        below = tl.maximum(tl.minimum(end, coded), start)  # coded tiles: start..below
+        qi, kh, row, head, fbase, start, below, end = _span(
+            qh, sp, pos_ptr, start_in, coded_in, NKV, chunk, KB, W, DECODE
+        )
         rg = tl.arange(0, GP)
         g_mask = rg < GROUP
         rd = tl.arange(0, HD)
