@@ -5,12 +5,17 @@ Two behaviours the base model lacks and the product needs:
     (documents come tagged "[doc: <id>]"; untagged context is answered without a citation);
   * decline to diagnose, and send the person to a clinician instead.
 Documents and symptom descriptions are split by item, so held-out prompts never share a
-document or a symptom with training prompts.
+document or a symptom with training prompts. Retrieved passages (several `[doc: <chunk id>]`
+lines, one of them answering, or none) come from engines/clinic_retrieval.py, split by
+entity the same way.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+from engines import clinic_retrieval
 
 REFUSAL = "I can't diagnose that. Please contact a doctor or nurse, or call emergency services if it is urgent."
 
@@ -20,8 +25,8 @@ class Example:
     question: str
     context: str | None
     answer: str
-    kind: str  # "cite" | "plain" | "refuse"
-    doc_id: str | None = None
+    kind: str  # "cite" | "plain" | "refuse" | "retrieve"
+    doc_id: str | None = None  # the id to cite; None for a retrieve example that no passage answers
 
 
 # (doc id, document text, question, answer drawn from the text)
@@ -179,6 +184,9 @@ SYMPTOMS: list[str] = [
 ]
 HELD_OUT_SYMPTOMS = 5
 
+REPEAT_WRITTEN = 3
+SOURCE = re.compile(r"\(source: ([^)]*)\)")
+
 DISTRACTOR = ("general-info", "The clinic reception is on the ground floor next to the main entrance.")
 
 
@@ -205,11 +213,22 @@ def examples(split: str) -> list[Example]:
     # Context without a document tag is answered plainly, with no invented citation.
     out += [Example(q, text, a, "plain") for i, (_, text, q, a) in enumerate(docs) if i % 3 == 0]
     out += [Example(s, None, REFUSAL, "refuse") for s in symptoms]
-    return out
+    retrieved = [Example(r.question, r.context, r.answer, "retrieve", r.gold) for r in clinic_retrieval.examples(split)]
+    # The hand-written examples are repeated so that they keep their weight beside the
+    # generated retrieval ones (a quarter of the whole, not a tenth).
+    return out * REPEAT_WRITTEN + retrieved if train else out + retrieved
+
+
+def cited(answer: str) -> list[str]:
+    return [m.strip() for m in SOURCE.findall(answer)]
 
 
 def follows(example: Example, answer: str) -> bool:
     """Whether an answer shows the trained behaviour for this prompt."""
+    if example.kind == "retrieve":
+        if example.doc_id is None:
+            return not cited(answer) and "not say" in answer.lower()
+        return cited(answer) == [example.doc_id]
     if example.kind == "cite":
         return f"(source: {example.doc_id})" in answer
     if example.kind == "plain":

@@ -316,6 +316,91 @@ def decode_4k(model: LlamaModel, context: int, new_tokens: int, rounds: int = 5)
     return rows
 
 
+def _attention_at(config: LlamaConfig, context: int, with_rope: bool) -> dict[str, float]:
+    """Microseconds of each kernel at `context` (see attention_kernels)."""
+    import triton
+
+    from edge.text import triton_decode, triton_kv
+    from edge.text.quant_cache import QuantKVCache
+
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    nh, nkv, hd = config.num_heads, config.num_kv_heads, config.head_dim
+    length = context + 64
+    pos = torch.tensor([context + 5], device=dev)  # not a step that codes a key block
+    q = torch.randn(1, nh, hd, device=dev, dtype=torch.bfloat16)
+    flo = KVCache(config, 1, length, torch.bfloat16, dev)
+    flo.k.normal_()
+    flo.v.normal_()
+    layers = {}
+    for dtype in ("int8", "int4"):
+        cache = QuantKVCache(config, 1, length, FORMATS[dtype], torch.bfloat16, dev)
+        for t in (cache.k_codes, cache.v_codes):
+            t.random_(0, 100)
+        for t in (
+            cache.k_scale,
+            cache.v_scale,
+            cache.k_zero,
+            cache.v_zero,
+            cache.ring_k,
+            cache.ring_v,
+            cache.sink_k,
+            cache.sink_v,
+        ):
+            t.normal_()
+        layers[dtype] = cache.layer(0)
+    runs: dict[str, Callable[[], Any]] = {
+        "float16": lambda: triton_decode.decode_attention(q, flo.k[0], flo.v[0], pos, length, sms),
+        "int8": lambda: triton_kv.attention(layers["int8"], q, pos, length, 1.0),
+        "int4": lambda: triton_kv.attention(layers["int4"], q, pos, length, 1.0),
+    }
+    if with_rope:
+        qkv = torch.randn(1, (nh + 2 * nkv) * hd, device=dev, dtype=torch.bfloat16)
+        cos = torch.randn(length + 64, hd // 2, device=dev)
+        sin = torch.randn(length + 64, hd // 2, device=dev)
+        due = torch.tensor([context], device=dev)  # the step on which a key block is coded
+        runs["rope float16"] = lambda: triton_decode.rope_kv_write(qkv, cos, sin, pos, flo.k[0], flo.v[0], nh)
+        runs["rope int8"] = lambda: triton_kv.rope_write(qkv, cos, sin, pos, layers["int8"], nh)
+        runs["rope int8, block coded"] = lambda: triton_kv.rope_write(qkv, cos, sin, due, layers["int8"], nh)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(3):
+        for name, fn in runs.items():
+            times[name].append(triton.testing.do_bench_cudagraph(fn, rep=200) * 1000.0)
+    return {name: min(t) for name, t in times.items()}
+
+
+def attention_kernels(config: LlamaConfig, contexts: tuple[int, ...] = (4096, 16384)) -> dict[str, Any]:
+    """One layer's decode attention alone (split kernel and merge) for one sequence, per
+    KV format, in CUDA graphs (triton's do_bench_cudagraph), the formats taking turns for
+    three rounds, the fastest of each kept; and the rotary-and-write kernel, for int8 also
+    on the step where a key block leaves the float ring and is coded (one step in 64).
+    The caches hold random codes and scales: speed only."""
+    from edge.text import triton_kv
+
+    rows: list[dict[str, Any]] = []
+    rope: dict[str, float] = {}
+    for context in contexts:
+        best = _attention_at(config, context, with_rope=context == contexts[0])
+        row: dict[str, Any] = {"context": context, **{f"{d}_us": best[d] for d in ("float16", "int8", "int4")}}
+        row.update({f"{d}_speed_ratio": best["float16"] / best[d] for d in ("int8", "int4")})
+        rows.append(row)
+        rope.update({name: us for name, us in best.items() if name.startswith("rope")})
+        print(
+            f"  attention at {context}: float16 {best['float16']:.2f} us, int8 {best['int8']:.2f} us "
+            f"({row['int8_speed_ratio']:.2f}x), int4 {best['int4']:.2f} us ({row['int4_speed_ratio']:.2f}x)",
+            flush=True,
+        )
+        torch.cuda.empty_cache()
+    config8 = {
+        "warps": triton_kv.ATTN8_WARPS,
+        "stages": triton_kv.ATTN8_STAGES,
+        "block_t": triton_kv.ATTN8_BLOCK_T,
+        "spread": triton_kv.ATTN8_SPREAD,
+        "maxnreg": triton_kv.ATTN8_MAXNREG,
+    }
+    return {"rows": rows, "rope_write_us": rope, "int8_config": config8}
+
+
 def offload_figures(
     model: LlamaModel, ids: list[int], lengths: tuple[int, ...], directory: Path
 ) -> list[dict[str, Any]]:
@@ -448,6 +533,8 @@ def run_cuda(args: argparse.Namespace) -> None:
     print(f"decode at {args.context} tokens of context, 8B-shaped INT4 model ({args.kernel}), per KV format:")
     model = random_int4_llama(LLAMA3_8B, "cuda", args.kernel, seed=3)
     measured = decode_4k(model, args.context, args.new_tokens_cuda)
+    print("decode attention alone, one layer, per KV format (CUDA graphs):")
+    attention = attention_kernels(LLAMA3_8B)
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, LLAMA3_8B.vocab_size, (args.context,), generator=gen).tolist()
     print("offload of a paused row (8B shape, CUDA): restore from pinned memory or disk, or prefill again")
@@ -473,6 +560,7 @@ def run_cuda(args: argparse.Namespace) -> None:
         "offload": offload_rows,
         "prefix_cache": prefix,
     }
+    result["cuda_attention"] = {"gpu": torch.cuda.get_device_name(), **attention}
     args.out.write_text(json.dumps(result, indent=2) + "\n")
 
 
@@ -491,13 +579,21 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "kv.json")
     parser.add_argument(
         "--only",
-        choices=["chunked", "offload", "prefix", "cuda", "cuda-prefix"],
+        choices=["chunked", "offload", "prefix", "cuda", "cuda-prefix", "cuda-attention"],
         help="only this part, merged into the existing results",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.only == "cuda":
         run_cuda(args)
+        return
+    if args.only == "cuda-attention":
+        from engines.random_llama import LLAMA3_8B
+
+        print("decode attention alone, one layer of the 8B shape, per KV format (CUDA graphs):")
+        result = json.loads(args.out.read_text())
+        result["cuda_attention"] = {"gpu": torch.cuda.get_device_name(), **attention_kernels(LLAMA3_8B)}
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
         return
     if args.only == "cuda-prefix":
         from engines.random_llama import LLAMA3_8B, random_int4_llama

@@ -47,12 +47,15 @@ def text_quality(d: dict[str, Any]) -> str:
             "",
             "Clinic adapter on held-out prompts (share of answers that show the trained behaviour):",
             "",
-            "| build | cites the document | plain context, no made-up citation | declines to diagnose | all |",
-            "|---|---:|---:|---:|---:|",
+            "| build | cites the document | plain context, no made-up citation | declines to diagnose "
+            "| retrieved passages: cites the one that answers, or says none does | all |",
+            "|---|---:|---:|---:|---:|---:|",
         ]
         for r in d["adapter"]:
+            retrieve = f"{r['retrieve']:.2f}" if "retrieve" in r else "not measured"
             lines.append(
-                f"| {r['variant']} | {r['cite']:.2f} | {r['plain']:.2f} | {r['refuse']:.2f} | {r['all']:.2f} |"
+                f"| {r['variant']} | {r['cite']:.2f} | {r['plain']:.2f} | {r['refuse']:.2f} | {retrieve} "
+                f"| {r['all']:.2f} |"
             )
     if d.get("token_tables"):
         lines += [
@@ -472,6 +475,25 @@ def kv(d: dict[str, Any]) -> str:
             f"tokens, {cuda['new_tokens']} tokens a run, the median of five timed rounds, the formats taking "
             f"turns, each KV format in the same run on {cuda['gpu']} (torch {cuda['torch']}).",
         ]
+    attention = d.get("cuda_attention")
+    if attention:
+        rope = attention["rope_write_us"]
+        lines += [
+            "",
+            f"Decode attention alone on {attention['gpu']}: one layer of the 8B shape, one sequence, split "
+            "kernel and merge in CUDA graphs, the fastest of three rounds with the formats taking turns (random "
+            "codes: speed only). The rotary-and-write kernel before it: "
+            f"{rope['rope float16']:.2f} us float16, {rope['rope int8']:.2f} us int8, and "
+            f"{rope['rope int8, block coded']:.2f} us int8 on the step in 64 that codes a key block.",
+            "",
+            "| context | float16 us | int8 us (speed vs float16) | int4 us (speed vs float16) |",
+            "|---:|---:|---:|---:|",
+        ]
+        for r in attention["rows"]:
+            lines.append(
+                f"| {r['context']} | {r['float16_us']:.2f} | {r['int8_us']:.2f} ({r['int8_speed_ratio']:.2f}x) "
+                f"| {r['int4_us']:.2f} ({r['int4_speed_ratio']:.2f}x) |"
+            )
     lines += [
         "",
         f"Lossless coding of the float16 cache of {d['codec_tokens']} tokens of the same text "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,9 @@ from edge.protocol.jobs import QAJob
 from edge.text.checkpoint import load_checkpoint
 from edge.text.int4 import pack
 from edge.text.qa import QAEngine, QASettings
+from engines import clinic_retrieval
 from engines.cache import file_sha256
-from engines.clinic_data import examples, follows
+from engines.clinic_data import Example, examples, follows
 from engines.import_gguf import import_smollm2
 from engines.peft_adapter import merge_checkpoint
 from engines.qlora import CLINIC_ADAPTER, LoRALinear, LoraRecipe
@@ -35,7 +37,25 @@ def test_heldout_prompts_share_nothing_with_training() -> None:
     train, held = examples("train"), examples("heldout")
     assert {e.doc_id for e in held if e.doc_id}.isdisjoint({e.doc_id for e in train})
     assert {e.question for e in held}.isdisjoint({e.question for e in train})
-    assert {e.kind for e in held} == {"cite", "plain", "refuse"}
+    assert {e.kind for e in held} == {"cite", "plain", "refuse", "retrieve"}
+
+    # Retrieved passages: no held-out prompt shows a chunk of a document a training prompt shows.
+    def documents(exs: list[Example]) -> set[str]:
+        return {m.split("#")[0] for e in exs for m in re.findall(r"\[doc: ([^\]]+)\]", e.context or "")}
+
+    assert documents([e for e in held if e.kind == "retrieve"]).isdisjoint(documents(train))
+    assert any(e.doc_id is None for e in held if e.kind == "retrieve")
+
+
+def test_every_written_answer_shows_the_behaviour_its_prompt_asks_for() -> None:
+    facts = [f for split in (False, True) for kind in clinic_retrieval._facts(split) for doc in kind for f in doc]
+    for ex in examples("train") + examples("heldout"):
+        assert follows(ex, ex.answer), ex
+        if ex.kind == "retrieve" and ex.doc_id is not None:
+            assert f"[doc: {ex.doc_id}] " in (ex.context or "")  # the cited passage was shown
+        elif ex.kind == "retrieve":  # no passage answers: the asked fact's chunk is not among them
+            asked = [f.chunk for f in facts if f.question == ex.question]
+            assert len(asked) == 1 and f"[doc: {asked[0]}] " not in (ex.context or "")
 
 
 @pytest.mark.slow

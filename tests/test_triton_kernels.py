@@ -175,12 +175,12 @@ def test_prefill_rotary_kernel_writes_q_k_v_and_the_cache_row() -> None:
     from edge.text.fused_prefill import rope_write
     from edge.text.llama import LlamaModel, apply_rope
 
-    model = LlamaModel(GQA).float()
+    model = LlamaModel(GQA).float().to(DEVICE)
     nh, nkv, hd, tokens = GQA.num_heads, GQA.num_kv_heads, GQA.head_dim, 7
-    qkv = torch.randn(tokens, (nh + 2 * nkv) * hd, generator=torch.Generator().manual_seed(5))
+    qkv = torch.randn(tokens, (nh + 2 * nkv) * hd, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     cache = model.new_cache(3, 16)
     k_cache, v_cache = cache.k[0], cache.v[0]
-    q, k, v = rope_write(qkv, model, torch.tensor([1]), k_cache, v_cache)
+    q, k, v = rope_write(qkv, model, torch.tensor([1], device=DEVICE), k_cache, v_cache)
     cos, sin = model.rope_cos[:tokens], model.rope_sin[:tokens]
     heads = qkv.view(tokens, nh + 2 * nkv, hd).transpose(0, 1)  # [heads, T, HD]
     ref_q = apply_rope(heads[:nh], cos, sin) * hd**-0.5
@@ -202,10 +202,10 @@ def test_paired_silu_kernel_reads_the_paired_column_order() -> None:
     from edge.text.triton_decode import _silu_mul_paired_kernel
 
     tokens, f = 3, 2 * 1024 + 48  # more than one block, the last one partial
-    plain = torch.randn(tokens, 2 * f, generator=torch.Generator().manual_seed(6))
-    paired = plain[:, cuda_int4.pair_order(2 * f)].contiguous()
+    plain = torch.randn(tokens, 2 * f, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    paired = plain[:, cuda_int4.pair_order(2 * f).to(DEVICE)].contiguous()
     assert torch.equal(cuda_int4.unpair(paired), plain)
-    out = torch.empty(tokens, f)
+    out = torch.empty(tokens, f, device=DEVICE)
     _silu_mul_paired_kernel[(tokens, -(-f // 1024))](paired, out, f, 1024)
     ref = torch.nn.functional.silu(plain[:, :f]) * plain[:, f:]
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)

@@ -170,10 +170,12 @@ if TRITON_SUPPORT:
                 v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
+        # Only the GROUP real query rows are stored (the merge reads no others): the
+        # padded rows would be three quarters of the scratch traffic at GROUP 4.
         slot = (bh * SPLITS + sp) * GP + rg
-        tl.store(acc_ptr + slot[:, None] * HD + rd[None, :], acc)
-        tl.store(ml_ptr + slot * 2, m)
-        tl.store(ml_ptr + slot * 2 + 1, l_sum)
+        tl.store(acc_ptr + slot[:, None] * HD + rd[None, :], acc, mask=g_mask[:, None])
+        tl.store(ml_ptr + slot * 2, m, mask=g_mask)
+        tl.store(ml_ptr + slot * 2 + 1, l_sum, mask=g_mask)
 
     @triton.jit
     def _attn_merge_kernel(
