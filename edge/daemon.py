@@ -171,10 +171,7 @@ class Daemon:
         before any model (interpreter, libraries, the CUDA context) enters the ledger."""
         if not bound_heap():
             logger.warning("cannot fix the C heap's mmap threshold: freed job buffers may stay resident")
-        models = self.profile.models
-        on_cuda = (models.inspect.enabled and models.inspect.device == "cuda") or (
-            models.qa.enabled and models.qa.device == "cuda"
-        )
+        on_cuda = self.profile.models.uses_cuda()
         if on_cuda:
             try:
                 self.probe, _runtime = open_cuda()

@@ -206,8 +206,59 @@ def test_retrieval_settings_are_checked_in_the_profile() -> None:
             parse_profile({"device_id": "a", "models": {"qa": qa}}, "p.yaml")
         return str(err.value)
 
-    assert "models.qa.embed_backend" in refused(embed_backend="torch-cuda")  # takes image input only
+    assert "models.qa.embed_backend" in refused(embed_backend="tensorrt")  # takes one image input only
     assert "models.qa.collection" in refused(collection="../etc")
     assert "models.qa.top_k" in refused(top_k=0)
-    qa = parse_profile({"device_id": "a", "models": {"qa": {"collection": "clinic"}}}).models.qa
+    models = parse_profile({"device_id": "a", "models": {"qa": {"collection": "clinic"}}}).models
+    qa = models.qa
     assert (qa.collection, qa.top_k, qa.embed_backend) == ("clinic", 1, "onnxruntime")
+    assert not models.uses_cuda()
+    # The encoder on the GPU makes the daemon measure GPU memory, though the LLM runs on the CPU.
+    on_gpu = parse_profile({"device_id": "a", "models": {"qa": {"embed_backend": "torch-cuda"}}}).models
+    assert on_gpu.qa.device == "cpu" and on_gpu.uses_cuda()
+
+
+def test_an_encoder_backend_that_cannot_run_here_is_a_structured_error(
+    tmp_path: Path, embed_engine_dir: Path, embedder: Embedder
+) -> None:
+    """A profile naming torch-cuda for the encoder on a box without CUDA: a retrieving job
+    is told so (unavailable, on its collection field), and the daemon keeps serving."""
+    from edge.backends import available_backends
+    from edge.memory import HostProbe
+    from edge.protocol.errors import ErrorCode, JobError
+    from edge.scheduler.ledger import MemoryLedger
+    from edge.scheduler.models import ModelManager
+    from edge.tasks.retrieval import Retrieval
+
+    if "torch-cuda" in available_backends():
+        pytest.skip("torch-cuda runs here: tests/test_rag.py's GPU test covers it")
+    store = _collection(tmp_path, embedder)
+    manager = ModelManager(MemoryLedger(8 << 30, 0), HostProbe())
+    retrieval = Retrieval(manager, store, embed_engine_dir, backend="torch-cuda")
+    with pytest.raises(JobError) as err:
+        retrieval.search("clinic", "When is the pharmacy open?", 1)
+    assert err.value.code == ErrorCode.UNAVAILABLE and err.value.field == "collection"
+    assert "torch-cuda" in err.value.message
+    assert not manager.loaded("all-MiniLM-L6-v2")
+
+
+@pytest.mark.gpu
+def test_the_encoder_on_torch_cuda_matches_onnxruntime_and_retrieves_alike(
+    tmp_path: Path, embed_engine_dir: Path, embedder: Embedder
+) -> None:
+    """The encoder through the torch-cuda backend (float16, token inputs, batches of
+    varying length) gives the CPU encoder's vectors within float16's error, and the
+    retriever ranks the same passage first with either."""
+    gpu = Embedder.load(locate(embed_engine_dir), "torch-cuda")
+    assert gpu.session.device.startswith("cuda")
+    texts = ["Pump alarm", "x " * 400, "When is the pharmacy open on Saturdays?"] + [f"note {i}" for i in range(40)]
+    got, want = gpu.embed(texts), embedder.embed(texts)
+    assert got.shape == want.shape == (len(texts), 384)
+    cosine = (got * want).sum(1) / np.linalg.norm(got, axis=1)
+    assert cosine.min() > 0.999, cosine.min()
+    store = _collection(tmp_path, embedder)
+    questions = ["When is the pharmacy open on Saturdays?", "Who may visit on ward 2?", "Where do I park?"]
+    for question in questions:
+        on_cpu, _ = Retriever(store, embedder).search("clinic", question, 3)
+        on_gpu, _ = Retriever(store, gpu).search("clinic", question, 3)
+        assert on_gpu[0].id == on_cpu[0].id, question

@@ -4,14 +4,18 @@ one CUDA graph per batch size.
 A batch is padded up to the next captured size (1, 2, 4, ... max) and replayed, so the
 launch work of a forward pass (about 150 kernels for a small ViT) is paid once at capture
 instead of on every batch. For a model that takes normalised images, raw uint8 images go
-up and are resized and normalised on the GPU. Registered only where torch sees a CUDA
-device; knows nothing of any particular model (the `ModelSource` says what to build).
+up and are resized and normalised on the GPU. A model of several inputs (token ids and
+their mask, say) runs each batch as it comes, without a graph: its batches differ in
+length as well as size, and integer inputs keep their type. Registered only where torch
+sees a CUDA device; knows nothing of any particular model (the `ModelSource` says what
+to build).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -34,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 TORCH_CUDA_SUPPORT = torch.cuda.is_available()
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+T = TypeVar("T")
 
 
 def graph_sizes(max_batch: int) -> list[int]:
@@ -54,8 +59,8 @@ class TorchCudaSession(InferenceSession):
         use_graphs: bool = True,
         high_priority: bool = True,
     ) -> None:
-        if len(inputs) != 1:
-            raise BackendUnavailable(f"torch-cuda runs models of one input, not {len(inputs)}")
+        if not inputs or (image is not None and len(inputs) != 1):
+            raise BackendUnavailable(f"torch-cuda runs an image model of one input, not {len(inputs)}")
         self._model = model
         self._inputs = inputs
         self._outputs = outputs
@@ -63,7 +68,7 @@ class TorchCudaSession(InferenceSession):
         self.device = str(self._device)
         self._dtype = next(model.parameters()).dtype
         self._sizes = graph_sizes(max_batch)
-        self._use_graphs = use_graphs
+        self._use_graphs = use_graphs and len(inputs) == 1
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple[torch.Tensor, ...]]] = {}
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self._image = image
@@ -144,8 +149,27 @@ class TorchCudaSession(InferenceSession):
     @torch.inference_mode()
     def run_staged(self, inputs: dict[str, np.ndarray], clock: StageClock) -> list[np.ndarray]:
         """The upload, the model and the copy back, as "model" on the GPU's clock."""
-        array = inputs[self._inputs[0]]
-        return staged_on_stream(self._stream, clock, lambda: torch.from_numpy(array).to(self._device), self._forward)
+        missing = [name for name in self._inputs if name not in inputs]
+        if missing:
+            raise ValueError(f"missing model inputs: {', '.join(missing)}")
+        if len(self._inputs) == 1:
+            array = inputs[self._inputs[0]]
+            return staged_on_stream(
+                self._stream, clock, lambda: torch.from_numpy(array).to(self._device), self._forward
+            )
+        return staged_on_stream(self._stream, clock, lambda: self._upload(inputs), self._forward_inputs)
+
+    def _upload(self, inputs: dict[str, np.ndarray]) -> tuple[torch.Tensor, ...]:
+        """The named arrays on the GPU in the model's order: floating ones in the model's
+        type, integer ones (token ids, masks) as they are."""
+        tensors = []
+        for name in self._inputs:
+            t = torch.from_numpy(np.ascontiguousarray(inputs[name])).to(self._device)
+            tensors.append(t.to(self._dtype) if t.is_floating_point() else t)
+        return tuple(tensors)
+
+    def _forward_inputs(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return tuple(t.float() for t in self._model(*tensors))
 
     def run_images(self, images: list[np.ndarray]) -> list[np.ndarray]:
         return self.run_images_staged(images, StageClock())
@@ -171,8 +195,8 @@ class TorchCudaSession(InferenceSession):
 def staged_on_stream(
     stream: torch.cuda.Stream,
     clock: StageClock,
-    upload: Callable[[], torch.Tensor],
-    forward: Callable[[torch.Tensor], Sequence[torch.Tensor]],
+    upload: Callable[[], T],
+    forward: Callable[[T], Sequence[torch.Tensor]],
     upload_stage: str | None = None,
 ) -> list[np.ndarray]:
     """upload() then forward() on `stream`, the outputs copied back, each stage timed on

@@ -542,15 +542,16 @@ class QAModelConfig(StrictModel):
         le=16,
         title="Passages retrieved",
         description="Passages a retrieving job puts into its prompt when it does not say (`top_k`). 1 for the "
-        "shipped model: given more, SmolLM2-135M with the clinic adapter cites the right one far less often "
+        "shipped model: SmolLM2-135M with the clinic adapter answers most accurately from one passage "
         "(scripts/eval_rag.py measures each; a larger model of your own may do better with more).",
     )
-    embed_backend: Literal["onnxruntime"] = Field(
+    embed_backend: Literal["onnxruntime", "torch-cuda"] = Field(
         default="onnxruntime",
         title="Retrieval encoder backend",
         description="Where the retrieval encoder (all-MiniLM-L6-v2) runs: onnxruntime on the CPU (about 3 ms "
-        "a question). The torch-cuda and tensorrt backends take one image input and do not serve its two "
-        "token inputs yet. Its memory is counted in the ledger like every model's.",
+        "a question), or torch-cuda on a CUDA GPU (float16, each batch as it comes). The tensorrt backend "
+        "takes one image input and does not serve the encoder's two token inputs. Its memory is counted in "
+        "the ledger like every model's.",
     )
     embed_threads: int = Field(
         default=2,
@@ -619,6 +620,14 @@ class ModelsConfig(StrictModel):
         title="Q&A model",
         description="Text branch: the instruction-tuned LLM that answers questions.",
     )
+
+    def uses_cuda(self) -> bool:
+        """Whether an enabled model holds GPU memory: the ViT or the LLM on CUDA, or the
+        retrieval encoder on torch-cuda (which it may be where the LLM runs on the CPU)."""
+        qa = self.qa
+        return (self.inspect.enabled and self.inspect.device == "cuda") or (
+            qa.enabled and (qa.device == "cuda" or qa.embed_backend == "torch-cuda")
+        )
 
 
 class LimitsConfig(StrictModel):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edge.backends import BackendUnavailable
 from edge.docs.embed import MODEL, Embedder, locate
 from edge.docs.retrieve import Passage, Retriever
 from edge.docs.store import CollectionError, DocStore
@@ -67,8 +68,10 @@ class Retrieval:
             if self._retriever is None:
                 info = locate(self._engine_dir)  # EngineMissing: no encoder built
                 load = lambda: Embedder.load(info, self._backend, self._threads)  # noqa: E731
+                # torch-cuda holds the encoder on the GPU: measured there, not as the host's.
+                device = "cuda" if self._backend == "torch-cuda" else "cpu"
                 floor = info.onnx.stat().st_size if self._backend == "onnxruntime" else 0
-                self._manager.register(MODEL, "text", self._backend, load, float("inf"), "cpu", host_floor_bytes=floor)
+                self._manager.register(MODEL, "text", self._backend, load, float("inf"), device, host_floor_bytes=floor)
                 self._retriever = Retriever(self.store, ManagedEncoder(self._manager, self._keep), self._threads)
             return self._retriever
 
@@ -85,7 +88,7 @@ class Retrieval:
     def search(self, collection: str, question: str, top_k: int) -> tuple[list[Passage], dict[str, float]]:
         try:
             return self._ready().search(collection, question, top_k)
-        except EngineMissing as err:
+        except (EngineMissing, BackendUnavailable) as err:  # no encoder built, or its backend cannot run here
             raise JobError(ErrorCode.UNAVAILABLE, str(err), "collection") from err
         except CollectionError as err:
             raise JobError(ErrorCode.INVALID_FIELD, str(err), "collection") from err

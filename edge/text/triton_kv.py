@@ -25,10 +25,10 @@ from edge.text.quant_cache import QuantLayer
 
 # The int8 attention program: warps, software-pipeline stages, cache positions per tile
 # (at most a key block, so that a tile has one set of key scales), how many times the
-# float kernel's splits of the cache it takes, and a register cap. Uncapped it takes 152
-# registers a thread against the float kernel's 64 (3 programs an SM on the H200, so two
-# waves at 4K where the float kernel runs one); capped at 128 it was as fast at 4K and
-# 25% faster at 16K there.
+# float kernel's splits of the cache it takes, and a register cap. The cap keeps it at
+# 128 registers a thread, 4 programs an SM, so at 4K the 512 programs of an 8B-shaped
+# layer run in one wave on the H200's 132 SMs; with the value tile loaded before the key
+# product it took 152 (3 programs an SM, two waves) and was 30% slower at 16K.
 ATTN8_WARPS = 4
 ATTN8_STAGES = 1
 ATTN8_SPREAD = 1.0
@@ -528,8 +528,8 @@ if triton_decode.TRITON_SUPPORT:
             ck = tl.load(kc + c_at, mask=t_mask[:, None], other=0).to(dt)
             scores = tl.dot(q_ks, tl.trans(ck), input_precision=PREC)
             # The value tile is loaded after the key product: issued before it (one trip to
-            # memory for a one-tile program) it was 0.35 us faster at 4K but 30% slower at
-            # 16K on the H200, its tile held in registers across the product.
+            # memory for a one-tile program), it is held in registers across the product
+            # (see ATTN8_MAXNREG).
             cv = tl.load(vc + c_at, mask=t_mask[:, None], other=0).to(dt)
             if NG == 1:
                 v_w = tl.load(vs + tok, mask=t_mask, other=0.0).to(tl.float32)  # per token: onto p
