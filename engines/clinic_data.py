@@ -12,9 +12,9 @@ entity the same way.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
+from edge.docs.retrieve import cited_ids
 from engines import clinic_retrieval
 
 REFUSAL = "I can't diagnose that. Please contact a doctor or nurse, or call emergency services if it is urgent."
@@ -185,7 +185,6 @@ SYMPTOMS: list[str] = [
 HELD_OUT_SYMPTOMS = 5
 
 REPEAT_WRITTEN = 3
-SOURCE = re.compile(r"\(source: ([^)]*)\)")
 
 DISTRACTOR = ("general-info", "The clinic reception is on the ground floor next to the main entrance.")
 
@@ -219,16 +218,12 @@ def examples(split: str) -> list[Example]:
     return out * REPEAT_WRITTEN + retrieved if train else out + retrieved
 
 
-def cited(answer: str) -> list[str]:
-    return [m.strip() for m in SOURCE.findall(answer)]
-
-
 def follows(example: Example, answer: str) -> bool:
     """Whether an answer shows the trained behaviour for this prompt."""
     if example.kind == "retrieve":
         if example.doc_id is None:
-            return not cited(answer) and "not say" in answer.lower()
-        return cited(answer) == [example.doc_id]
+            return not cited_ids(answer) and "not say" in answer.lower()
+        return cited_ids(answer) == [example.doc_id]  # read as the daemon reads citations
     if example.kind == "cite":
         return f"(source: {example.doc_id})" in answer
     if example.kind == "plain":

@@ -15,7 +15,7 @@ import torch
 from edge.docs import index, minilm
 from edge.docs.embed import Embedder, locate
 from edge.docs.ingest import add
-from edge.docs.retrieve import Passage, Retriever, check_citations, content_words, context_of
+from edge.docs.retrieve import Passage, Retriever, check_citations, cited_ids, content_words, context_of
 from edge.docs.store import CollectionError, DocStore
 from tests.conftest import SAMPLES, Broker, DaemonProc, Requester, start_daemon, write_profile
 
@@ -110,6 +110,12 @@ def test_the_retriever_finds_the_passage_and_reads_a_new_version(tmp_path: Path,
 
 def _p(pid: str, text: str, score: float = 0.7) -> Passage:
     return Passage(pid, score, text, "")
+
+
+def test_cited_ids_are_read_as_the_check_reads_them() -> None:
+    answer = "Open 9 to 1 (source: pharmacy.md#0:0, visiting.md#0:0). Park at B ( Source: pharmacy.md#0:0 )."
+    assert cited_ids(answer) == ["pharmacy.md#0:0", "visiting.md#0:0", "pharmacy.md#0:0"]
+    assert cited_ids("No citation here (sources vary).") == []
 
 
 def test_citations_are_checked_against_what_was_retrieved() -> None:

@@ -70,7 +70,7 @@ class TorchCudaSession(InferenceSession):
         self._sizes = graph_sizes(max_batch)
         self._use_graphs = use_graphs and len(inputs) == 1
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple[torch.Tensor, ...]]] = {}
-        self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self._pool = torch.cuda.graph_pool_handle() if self._use_graphs else None
         self._image = image
         self.accepts_images = image is not None
         if image is not None:

@@ -134,6 +134,11 @@ def _citing_sentences(answer: str) -> list[tuple[str, str]]:
     return out
 
 
+def cited_ids(answer: str) -> list[str]:
+    """Every id the answer cites, in order (repeats kept), as check_citations reads them."""
+    return [cited for cited, _ in _citing_sentences(answer)]
+
+
 def check_citations(answer: str, passages: list[Passage]) -> list[dict[str, Any]]:
     """One entry per cited id, in the order first cited: id, the retrieval score (None if
     it was not retrieved), retrieved, overlap (the lowest over its sentences) and
