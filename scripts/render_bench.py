@@ -647,6 +647,33 @@ def rag(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def aarch64(d: dict[str, Any]) -> str:
+    host, arm = d["host"], d["arm64"]
+    lines = [
+        f"`edgectl docs add` of samples/leaflets and retrieval, by an {arm['machine']} Python under qemu-user "
+        f"(Debian {d['debian']}, Python {arm['python']}, {arm['libc']}) beside the same run here ({host['machine']}, "
+        f"Python {host['python']}) (`bench/results/aarch64.json`, `scripts/check_aarch64.py`; emulated, so no "
+        "speed is claimed):",
+        "",
+        f"| | {host['machine']} | {arm['machine']} (emulated) |",
+        "|---|---|---|",
+    ]
+    for name, version in arm["versions"].items():
+        lines.append(f"| {name} | {host['versions'][name]} | {version} |")
+    h = d["hnsw"]
+    lines += [
+        f"| HNSW recall@10, {h['vectors']} seeded random unit vectors (a hard case; the set's are above) "
+        f"| {d['hnsw_recall_at_10_host']:.3f} | {d['hnsw_recall_at_10_arm64']:.3f} |",
+        "",
+        f"The same chunk ids ({d['chunks']} chunks): {'yes' if d['chunk_ids_equal'] else '**no**'}; the same "
+        f"passages first for each question: {'yes' if d['passages_equal'] else '**no**'}; embeddings within "
+        f"{d['embedding_max_diff']:.1e}, scores within {d['score_max_diff']:.1e}. qemu-user shows a program the "
+        "host's /proc/cpuinfo, which onnxruntime's CPU probe cannot parse on arm64 (it crashes on import), so the "
+        "arm64 side sees an arm64 kernel's, of the AGX Orin's Cortex-A78AE cores.",
+    ]
+    return "\n".join(lines)
+
+
 TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "first_start": ("first_start.json", first_start),
     "daemon_cpu": ("daemon_cpu.json", lambda d: daemon(d, "bench/results/daemon_cpu.json")),
@@ -658,6 +685,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "text_cuda": ("text_cuda.json", text_cuda),
     "kv": ("kv.json", kv),
     "rag": ("rag.json", rag),
+    "aarch64": ("aarch64.json", aarch64),
     "gemv_sweep_cuda": ("gemv_sweep_cuda.json", gemv_sweep_cuda),
     "vision_cpu": ("vision_cpu.json", vision_cpu),
     "vision_cuda": ("vision_cuda.json", vision_cuda),

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -181,3 +183,26 @@ def test_the_tensorrt_backend_is_refused_by_name_where_tensorrt_is_absent() -> N
         BackendUnavailable, match=r"backend 'tensorrt' is not available here \(TensorRT's Python runtime"
     ):
         get_backend("tensorrt")
+
+
+def test_a_backend_whose_runtime_is_not_installed_is_refused_and_the_others_serve(embed_engine_dir: Path) -> None:
+    """In an interpreter where torch cannot be imported at all, torch-cuda is refused by
+    name with the reason, and onnxruntime still loads and runs a model (the encoder)."""
+    script = """
+import sys
+sys.modules["torch"] = None  # torch not installed: its import fails
+from pathlib import Path
+from edge.backends import BackendUnavailable, get_backend
+from edge.docs.embed import Embedder, locate
+try:
+    get_backend("torch-cuda")
+except BackendUnavailable as err:
+    print("refused:", err)
+print("dimensions:", Embedder.load(locate(Path(sys.argv[1]))).embed(["Pump alarm"]).shape[1])
+"""
+    run = subprocess.run(
+        [sys.executable, "-c", script, str(embed_engine_dir)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert "refused: backend 'torch-cuda' is not available here (torch is not installed)" in run.stdout
+    assert "dimensions: 384" in run.stdout

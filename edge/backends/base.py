@@ -118,16 +118,28 @@ class Backend(abc.ABC):
 _REGISTRY: dict[str, type[Backend]] = {}
 # Plugins that cannot run here, with why (said when a profile asks for one).
 _UNAVAILABLE: dict[str, str] = {}
-# The plugins; each registers itself on import, where its runtime is installed and usable.
-PLUGINS = ("edge.backends.onnxruntime_backend", "edge.backends.torch_backend", "edge.backends.tensorrt_backend")
+# The plugins, by backend name; each registers itself on import, where its runtime is
+# installed and usable.
+PLUGINS = {
+    "onnxruntime": "edge.backends.onnxruntime_backend",
+    "torch-cuda": "edge.backends.torch_backend",
+    "tensorrt": "edge.backends.tensorrt_backend",
+}
 _discovered = False
 
 
 def _discover() -> None:
+    """Import every plugin once. One whose runtime is not installed at all (its module
+    fails to import) is unavailable with that reason; the others serve as ever: a box
+    with onnxruntime and no torch still runs the ONNX models."""
     global _discovered
     if not _discovered:
-        for module in PLUGINS:
-            importlib.import_module(module)
+        for name, module in PLUGINS.items():
+            try:
+                importlib.import_module(module)
+            except ImportError as err:
+                logger.debug("backend %s not loaded: %s", name, err)
+                mark_unavailable(name, f"{err.name or err} is not installed")
         _discovered = True
 
 
