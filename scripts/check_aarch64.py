@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -236,8 +237,6 @@ def main() -> int:
     if args.command == "probe":
         probe(args.profile, args.out)
         return 0
-    import os
-
     from engines.embed_build import build_embedder
 
     work = args.work.resolve()

@@ -187,7 +187,8 @@ def test_the_tensorrt_backend_is_refused_by_name_where_tensorrt_is_absent() -> N
 
 def test_a_backend_whose_runtime_is_not_installed_is_refused_and_the_others_serve(embed_engine_dir: Path) -> None:
     """In an interpreter where torch cannot be imported at all, torch-cuda is refused by
-    name with the reason, and onnxruntime still loads and runs a model (the encoder)."""
+    name with the reason, and onnxruntime still loads and runs a model (the encoder); a
+    module of the project's own missing still fails."""
     script = """
 import sys
 sys.modules["torch"] = None  # torch not installed: its import fails
@@ -206,3 +207,10 @@ print("dimensions:", Embedder.load(locate(Path(sys.argv[1]))).embed(["Pump alarm
     assert run.returncode == 0, run.stderr
     assert "refused: backend 'torch-cuda' is not available here (torch is not installed)" in run.stdout
     assert "dimensions: 384" in run.stdout
+    # One of our own modules missing is not a missing runtime: discovery fails loudly.
+    broken = subprocess.run(
+        [sys.executable, "-c", 'import sys; sys.modules["edge.gpu_streams"] = None\n'
+         'from edge.backends import get_backend; get_backend("onnxruntime")'],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert broken.returncode == 1 and "ModuleNotFoundError: import of edge.gpu_streams halted" in broken.stderr

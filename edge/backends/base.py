@@ -130,14 +130,17 @@ _discovered = False
 
 def _discover() -> None:
     """Import every plugin once. One whose runtime is not installed at all (its module
-    fails to import) is unavailable with that reason; the others serve as ever: a box
-    with onnxruntime and no torch still runs the ONNX models."""
+    fails to import it) is unavailable with that reason; the others serve as ever: a box
+    with onnxruntime and no torch still runs the ONNX models. A missing module of our own
+    is a broken install, not a missing runtime: that error goes up."""
     global _discovered
     if not _discovered:
         for name, module in PLUGINS.items():
             try:
                 importlib.import_module(module)
             except ImportError as err:
+                if (err.name or "").split(".")[0] == __name__.split(".")[0]:
+                    raise
                 logger.debug("backend %s not loaded: %s", name, err)
                 mark_unavailable(name, f"{err.name or err} is not installed")
         _discovered = True
