@@ -460,6 +460,10 @@ def prefix_ttft(model: LlamaModel, document: list[int], questions: list[list[int
     cached = ContinuousBatcher(model, None, frozenset(), 1, longest)
     cached.prefix_cache = PrefixCache(1 << 30)
     plain = ContinuousBatcher(model, None, frozenset(), 1, longest)
+    for batcher in (cached, plain):  # as the daemon readies its batcher before any job
+        batcher.warm_up()
+        if batcher.device.type == "cuda":
+            batcher.capture_graphs()
 
     def ttft(batcher: ContinuousBatcher, question: list[int]) -> float:
         seq = Sequence("q", document + question, SamplingParams(max_new_tokens=1))
@@ -483,6 +487,9 @@ def prefix_ttft(model: LlamaModel, document: list[int], questions: list[list[int
         # Whether the batcher still splits such prompts once it has measured both
         # prefill rates (a hit must cost at most half a whole prefill).
         "split": cached.prefix_cache.worth(len(document), len(questions[0])),
+        "warmed": True,  # the batchers warmed up first, the chunk after cached tokens included
+        # Declined splits the batcher made all the same, to measure a hit again (recheck.py).
+        "rechecked": snap.get("rechecked", 0),
         # The batcher's fitted costs (fixed ms + ms a token) of a hit's chunk and a whole prefill.
         **{key: snap.get(key) for key in ("hit_fixed_ms", "hit_ms_per_token", "whole_fixed_ms", "whole_ms_per_token")},
         "document_tokens": len(document),

@@ -541,14 +541,20 @@ def kv(d: dict[str, Any]) -> str:
             "Prefix cache (`models.qa.prefix_cache_mib`): time to first token of prompts sharing a reference "
             "document, median of three rounds; the first prefills and keeps it (cold), the later ones prefill "
             "their question only (warm). The batcher keeps splitting prompts only while a hit measures at most "
-            "half a whole prefill"
-            + (
-                ": on CUDA the question after a kept document runs op by op, weights dequantized, and costs about "
-                "what the whole prompt costs, so there it stopped splitting after the first round and a warm "
-                "prompt was prefilled whole:"
-                if any(not p_.get("split", True) for w, p_ in prefixes if w.startswith("CUDA"))
-                else ":"
-            ),
+            "half a whole prefill (and splits one declined prompt in 16 all the same, to measure a hit again)"
+            + "".join(
+                f"; {where}, a hit measured dearer than that (the batcher's fitted costs below), so it stopped "
+                "splitting after the first round and a warm prompt was prefilled whole"
+                + (
+                    ""
+                    if p_.get("warmed")
+                    else " (measured before the benchmark warmed its batchers up as the daemon does: the one chunk "
+                    "after cached tokens it timed was the first that model ran)"
+                )
+                for where, p_ in prefixes
+                if not p_.get("split", True)
+            )
+            + ":",
             "",
             "| where | document tokens | TTFT cold ms | TTFT warm ms | cold / warm | no prefix cache ms "
             "| hit ms (fixed + a token) / whole ms a token | still split |",

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from edge.text.checkpoint import TextCheckpoint, load_checkpoint
 from edge.text.continuous import ContinuousBatcher, Sequence
@@ -53,9 +54,24 @@ def test_sequences_joining_between_steps_match_each_alone(ckpt: TextCheckpoint) 
     prompts = [_prompt(ckpt, q) for q in QUESTIONS]
     news = [20, 12, 16]
     batcher = ContinuousBatcher(ckpt.model, ckpt.tokenizer, frozenset(), slots=3, slot_len=256)
-    # Warm-up (4 prefill lengths; 3 batch sizes x KV lengths 1..256) leaves nothing that
-    # changes what the sequences below decode, nor any row taken.
-    assert batcher.warm_up() == 4 + 3 * 9
+    # Warm-up (4 prefill lengths, each from position 0 and as a chunk after as many cached
+    # tokens; 3 batch sizes x KV lengths 1..256) leaves nothing that changes what the
+    # sequences below decode, nor any row taken.
+    prefills: list[tuple[int, int]] = []
+    forward = batcher.model.forward
+
+    def counting(ids: torch.Tensor, cache: object, start: int, last_only: bool = True) -> torch.Tensor:
+        prefills.append((start, ids.shape[1]))
+        return forward(ids, cache, start, last_only)  # type: ignore[arg-type]
+
+    batcher.model.forward = counting  # type: ignore[method-assign]
+    try:
+        assert batcher.warm_up() == 2 * 4 + 3 * 9
+    finally:
+        batcher.model.forward = forward  # type: ignore[method-assign]
+    # What a prefix-cache hit and a chunked prefill run (a chunk after cached tokens) is
+    # warmed as well as a fresh prompt, either side of the INT4 GEMV's row limit.
+    assert prefills == [(start, n) for n in (1, 8, 9, 64) for start in (0, n)]
     assert batcher.kv.rows_free == 3 and not batcher.batch_sizes
     streamed: dict[int, list[str]] = {i: [] for i in range(3)}
     seqs = [

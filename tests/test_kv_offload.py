@@ -259,3 +259,26 @@ def test_pinned_buffers_are_sized_in_eighths_of_an_octave() -> None:
         size = _size_class(nbytes)
         assert nbytes <= size <= nbytes * 1.125
     assert _size_class(128 << 20) == 128 << 20
+
+
+def test_a_restore_is_measured_again_when_the_figures_say_recompute() -> None:
+    """One slow restore measured (as a first one can be) would make every resume prefill
+    again, and restoring would never be measured again; one declined restore in
+    `recheck.every` is made all the same, and its measurement moves the rate."""
+    from edge.text.llama import KVCache, LlamaConfig
+
+    config = LlamaConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    cache = KVCache(config, 2, 32, torch.float32, torch.device("cpu"))
+    offload = KVOffload("memory", torch.device("cpu"))
+    offload.note_prefill(1000, 1.0)  # recomputing 20 tokens: 20 ms
+    offload.restore_bytes_per_s = 1000.0  # restoring a 20 KB row: 20 s
+    every = offload.recheck.every
+    saved = offload.save(cache, 1, 20, None)
+    assert saved is not None
+    choices = [offload.choose(saved) for _ in range(every)]
+    assert choices == ["recompute"] * (every - 1) + ["restore"]
+    offload.restore(saved, cache, 0)  # a memory copy: far faster than 1 KB/s
+    assert offload.restore_bytes_per_s > 1e5
+    again = offload.save(cache, 1, 20, None)
+    assert again is not None and offload.choose(again) == "restore"
+    assert offload.snapshot()["rechecked"] == 1

@@ -166,3 +166,65 @@ def test_a_short_chunks_fixed_cost_does_not_stop_prompts_splitting() -> None:
     assert whole_rate == pytest.approx(1.2) and rate == pytest.approx(1.2) and fixed == pytest.approx(36.4)
     assert cache.worth(600, 40)
     assert not cache.worth(600, 600)  # half the prompt after the prefix: a hit saves too little
+
+
+def test_a_declined_split_is_made_once_in_a_while_so_a_hit_is_measured_again() -> None:
+    cache = PrefixCache(1 << 20)
+    cache.note_prefill(0, 2000, 50.0, whole=True)
+    cache.note_prefill(2000, 24, 48.0, whole=False)  # a hit as dear as the whole prompt
+    every = cache.recheck.every
+    assert every == 16
+    decisions = [cache.should_split(2000, 24) for _ in range(2 * every)]
+    assert decisions == [i % every == every - 1 for i in range(2 * every)]
+    snap = cache.snapshot()
+    assert snap["declined"] == 2 * every and snap["rechecked"] == 2
+    cheap = PrefixCache(1 << 20)  # where a hit pays, every prompt splits and none is declined
+    cheap.note_prefill(0, 2000, 50.0, whole=True)
+    cheap.note_prefill(2000, 24, 1.0, whole=False)
+    assert all(cheap.should_split(2000, 24) for _ in range(every)) and cheap.snapshot()["declined"] == 0
+
+
+def test_prompts_split_again_once_a_slow_first_hit_is_measured_again(ckpt: TextCheckpoint) -> None:
+    """A first hit measured slow (as a run that loaded its kernels is) turns splitting off;
+    the declined splits made now and then measure hits again, and once those say a hit
+    pays, prompts are split, and hit, every time."""
+    from edge.text.recheck import Recheck
+
+    engine = QAEngine(ckpt, QASettings(max_context_tokens=512, max_sequences=1, prefix_cache_mib=16))
+    batcher = engine.batcher
+    cache = batcher.prefix_cache
+    assert cache is not None
+    cache.recheck = Recheck(every=2)
+    doc = engine.prompt_parts("How much water per sachet?", LEAFLET)[1]
+    cache.note_prefill(0, doc + 8, 100.0, whole=True)
+    cache.note_prefill(doc, 8, 10_000.0, whole=False)  # a hit measured at 100 whole prompts
+    splits = []
+    for i in range(8):
+        ids, prefix = engine.prompt_parts(f"Question {i}: how much water per sachet?", LEAFLET)
+        seq = Sequence(i, ids, SamplingParams(max_new_tokens=1))
+        seq.prefix = prefix
+        batcher.single(seq)
+        splits.append(seq.split is not None)
+    snap = cache.snapshot()
+    # Declined, rechecked (the miss that keeps the document), declined, rechecked (a hit):
+    # the median of the hits measured is now the real cost, and every prompt splits.
+    assert splits == [False, True, False, True, True, True, True, True]
+    assert snap["rechecked"] == 2 and snap["hits"] == 5 and snap["misses"] == 1
+
+
+def test_edgectl_status_says_how_many_prompts_were_left_whole() -> None:
+    from edge.health.status import render_table
+
+    cache = PrefixCache(1 << 20)
+    kv = {"rows": 2, "rows_free": 2, "reserved_tokens": 0, "capacity_tokens": 512, "capacity_bytes": 1 << 20}
+
+    def prefix_line() -> str:
+        table = render_table({"memory": {"kv": {**kv, "prefix_cache": cache.snapshot()}}}, 0, [])
+        return next(line for line in table.splitlines() if "prefix cache" in line)
+
+    assert prefix_line().endswith("0 hits, 0 misses")
+    cache.note_prefill(0, 2000, 50.0, whole=True)
+    cache.note_prefill(2000, 24, 48.0, whole=False)
+    for _ in range(3):
+        cache.should_split(2000, 24)
+    assert prefix_line().endswith("0 hits, 0 misses, 3 not split")

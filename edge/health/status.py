@@ -190,6 +190,8 @@ def render_table(doc: dict[str, Any], code: int, reasons: list[str]) -> str:
             lines.append(
                 f"             prefix cache {prefixes['entries']} entries, {_fmt_bytes(prefixes['bytes'])} of "
                 f"{_fmt_bytes(prefixes['capacity_bytes'])}; {prefixes['hits']} hits, {prefixes['misses']} misses"
+                # Prompts left whole because the measured costs say a hit does not pay here.
+                + (f", {prefixes['declined']} not split" if prefixes.get("declined") else "")
             )
     lines.append(
         "  models     name                           branch   backend                        device  counted    "

@@ -81,6 +81,7 @@ class Sequence:
     pauses: int = 0
     saved: SavedRow | None = None  # its row off the device while paused (edge/text/kv_offload.py)
     prefix: int = 0  # leading prompt tokens others may share (system and documents; prefix_cache.py)
+    split: int | None = None  # where its prefill stops to keep the prefix (decided at admission)
     # Where its time went (edge/timing.py): tokenizing its prompt, decoding tokens to
     # text, and the host's clock as each token was taken. On CUDA each prefill, and each
     # decode step it was in, is also bracketed by CUDA events (prefill_gpu_ms and
@@ -173,19 +174,25 @@ class ContinuousBatcher:
     @torch.inference_mode()
     def warm_up(self, prefill_lengths: tuple[int, ...] = (1, 8, 9, 64)) -> int:
         """Run every shape serving will run, before any job: prefills of a few lengths
-        (either side of the INT4 GEMV's row limit) and one decode step at every batch
-        size and every power-of-two KV length. Kernels compiled on first use (Triton's,
-        on CUDA) are built now, while no other branch's thread is waiting on the
-        interpreter, and their memory is inside the model's measured footprint. Writes
-        only to free rows, which a prefill overwrites; returns the steps run."""
+        (either side of the INT4 GEMV's row limit), each also as a chunk after as many
+        cached tokens (what a prefix-cache hit, a chunked prefill and a prompt resumed
+        mid-prefill run: attention to the cache, and on CUDA its own kernels), and one
+        decode step at every batch size and every power-of-two KV length. Kernels
+        compiled or loaded on first use (Triton's, on CUDA) are built now, while no other
+        branch's thread is waiting on the interpreter, their memory is inside the model's
+        measured footprint, and no job's first prefill carries their cost into the
+        figures the prefix cache and the offload decide by. Writes only to free rows,
+        which a prefill overwrites; returns the steps run."""
         if self.running:
             raise RuntimeError("warm_up runs before any sequence is admitted")
         device = self.model.device
         runs = 0
         for length in prefill_lengths:
-            if length < self.slot_len:
-                self.model(torch.zeros((1, length), dtype=torch.long, device=device), self._row(0), 0)
-                runs += 1
+            ids = torch.zeros((1, length), dtype=torch.long, device=device)
+            for start in (0, length):
+                if start + length < self.slot_len:
+                    self.model(ids, self._row(0), start)
+                    runs += 1
         for batch in range(1, self.slots + 1):
             ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
             pos = torch.zeros(batch, dtype=torch.long, device=device)
@@ -216,13 +223,16 @@ class ContinuousBatcher:
             # On the device the logits are on, so drawing a token needs no copy back first.
             seq.generator = torch.Generator(device=self.device).manual_seed(seq.seed)
         seq.slot, seq.kv = slot.row, slot
-        seq.logits, seq.prefilled = None, 0
+        seq.logits, seq.prefilled, seq.split = None, 0, None
         self.note_timed()  # the costs restore-or-recompute and the prefix split go by
         if seq.saved is not None and self._restore(seq):
             self.running.append(seq)
             return
-        if self._cached_prefix(seq, ids) is not None:
-            entry = self.prefix_cache.get(ids[: seq.prefix]) if self.prefix_cache is not None else None
+        # Decided once: each chunk of a chunked prefill, and the part after a kept prefix,
+        # stops where this says.
+        seq.split = self._split_at(seq, ids)
+        if seq.split is not None and self.prefix_cache is not None:
+            entry = self.prefix_cache.get(ids[: seq.split])
             if entry is not None:  # the prefix's row as its first prefill left it
                 self.cache.load_row(slot.row, entry.tokens, entry.saved)
                 seq.prefilled = entry.tokens
@@ -234,12 +244,13 @@ class ContinuousBatcher:
                 self._prefill(seq, ids, len(ids))
         self.running.append(seq)
 
-    def _cached_prefix(self, seq: Sequence, ids: list[int]) -> int | None:
-        """Where the sequence's prompt splits for the prefix cache, if it does."""
+    def _split_at(self, seq: Sequence, ids: list[int]) -> int | None:
+        """Where the sequence's prompt splits for the prefix cache, if it does: where the
+        measured costs say a hit pays, and now and then where they do not (recheck.py)."""
         if self.prefix_cache is None or not MIN_PREFIX <= seq.prefix < len(ids):
             return None
-        if seq.prefilled == 0 and not self.prefix_cache.worth(seq.prefix, len(ids) - seq.prefix):
-            return None  # measured: a hit would not pay here
+        if not self.prefix_cache.should_split(seq.prefix, len(ids) - seq.prefix):
+            return None
         return seq.prefix
 
     def _restore(self, seq: Sequence) -> bool:
@@ -261,7 +272,7 @@ class ContinuousBatcher:
         there; the last of them sets its next-token logits."""
         assert seq.slot is not None
         start, end = seq.prefilled, min(len(ids), seq.prefilled + count)
-        boundary = self._cached_prefix(seq, ids)
+        boundary = seq.split
         if boundary is not None and start < boundary < end:
             end = boundary  # the prefix alone, so that what is kept is the prefix's own row
         t0 = time.perf_counter()

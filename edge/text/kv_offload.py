@@ -13,7 +13,10 @@ measured figures say restoring is the faster.
 - restore: from memory while the copy is still held, else from the file.
 - choose: restoring costs the row's bytes over the measured restore bandwidth;
   recomputing costs its tokens over the measured prefill rate. Until both have been
-  measured once, it restores.
+  measured once, it restores. Every prefill measures the prefill rate, but only a
+  restore measures restoring: where the figures say recompute, one row in
+  `recheck.every` is restored all the same, so that a slow first restore is not the
+  figure for good (recheck.py).
 
 Offloaded rows live as long as the daemon: the directory is emptied when the store is
 made, so nothing offloaded survives a restart (the job itself does: its journal entry is
@@ -36,6 +39,8 @@ from typing import Literal, Protocol
 
 import numpy as np
 import torch
+
+from edge.text.recheck import Recheck
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +170,7 @@ class KVOffload:
         self.restore_bytes_per_s: float | None = None
         self.prefill_tokens_per_s: float | None = None
         self.counts = {"saved": 0, "restored": 0, "recomputed": 0, "skipped": 0}
+        self.recheck = Recheck()
         self._lock = threading.Lock()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-offload") if where == "disk" else None
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
@@ -294,7 +300,9 @@ class KVOffload:
             return "restore"
         restore_s = saved.nbytes / self.restore_bytes_per_s
         recompute_s = saved.length / self.prefill_tokens_per_s
-        return "restore" if restore_s <= recompute_s else "recompute"
+        if restore_s <= recompute_s or self.recheck.take_anyway():
+            return "restore"
+        return "recompute"
 
     def restore(self, saved: SavedRow, cache: RowCache, row: int) -> torch.Tensor | None:
         """Put `saved` into row `row`; returns its logits on the device (None if it was
@@ -379,6 +387,7 @@ class KVOffload:
                 "restore_mb_s": None if self.restore_bytes_per_s is None else self.restore_bytes_per_s / 1e6,
                 "prefill_tok_s": self.prefill_tokens_per_s,
                 **self.counts,
+                "rechecked": self.recheck.taken,
             }
 
     def close(self) -> None:

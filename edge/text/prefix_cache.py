@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from edge.text.recheck import Recheck
+
 logger = logging.getLogger(__name__)
 
 MIN_TOKENS = 16  # shorter prefixes cost less to prefill than to copy and track
@@ -96,9 +98,11 @@ class PrefixCache:
         # Measured prefill costs: prefills from position 0 (whole prompts, prefixes),
         # and chunks after cached tokens (what a hit runs). Where the GPU prefills a whole
         # prompt in a captured graph, a chunk after cached tokens runs op by op and can
-        # cost more than the whole prompt: then prompts are not split (and no prefix kept).
+        # cost more than the whole prompt: then prompts are not split (and no prefix kept),
+        # but for one in `recheck.every`, which measures a hit's cost again.
         self.whole = PrefillCost()
         self.chunk = PrefillCost()
+        self.recheck = Recheck()
 
     def estimates(self) -> tuple[tuple[float, float], tuple[float, float]] | None:
         """((fixed ms, ms a token) of a whole prefill, the same of a chunk after cached
@@ -117,6 +121,11 @@ class PrefixCache:
             return True
         (w_fixed, w_rate), (c_fixed, c_rate) = fitted
         return c_fixed + rest * c_rate <= 0.5 * (w_fixed + (prefix + rest) * w_rate)
+
+    def should_split(self, prefix: int, rest: int) -> bool:
+        """Whether to split this prompt: where it pays, and where it does not once in
+        `recheck.every` prompts, so that a hit's cost is measured again (recheck.py)."""
+        return self.worth(prefix, rest) or self.recheck.take_anyway()
 
     def note_prefill(self, start: int, tokens: int, ms: float, whole: bool) -> None:
         """A measured prefill: `whole` (from position 0, as a prompt or a prefix is
@@ -185,6 +194,8 @@ class PrefixCache:
                 "misses": self.misses,
                 "evictions": self.evictions,
                 "refused": self.refused,
+                "declined": self.recheck.declined,
+                "rechecked": self.recheck.taken,
             }
         fitted = self.estimates()
         if fitted is not None:
