@@ -236,6 +236,9 @@ def chunked_prefill(model: LlamaModel, ids: list[int], long_tokens: int, chunks:
     for chunk in chunks:
         batcher = ContinuousBatcher(model, None, frozenset(), slots=3, slot_len=long_tokens + 16)
         batcher.prefill_chunk = chunk
+        batcher.warm_up()  # as the daemon readies its batcher before any job
+        if batcher.device.type == "cuda":
+            batcher.capture_graphs()
         running = [Sequence(i, p, SamplingParams(max_new_tokens=long_tokens)) for i, p in enumerate(shorts)]
         for seq in running:
             slot = batcher.kv.allocate_slots(str(seq.owner), long_tokens + 16)
@@ -274,7 +277,7 @@ def chunked_prefill(model: LlamaModel, ids: list[int], long_tokens: int, chunks:
             f"its first token after {rows[-1]['ttft_ms']:.0f} ms",
             flush=True,
         )
-    return {"prompt_tokens": long_tokens, "running": 2, "rows": rows}
+    return {"prompt_tokens": long_tokens, "running": 2, "warmed": True, "rows": rows}
 
 
 def decode_4k(model: LlamaModel, context: int, new_tokens: int, rounds: int = 5) -> list[dict[str, Any]]:
@@ -532,43 +535,74 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+CUDA_PARTS = {
+    "cuda": ("decode", "attention", "offload", "prefix", "chunked"),
+    "cuda-decode": ("decode",),
+    "cuda-attention": ("attention",),
+    "cuda-prefix": ("prefix",),
+    "cuda-chunked": ("chunked",),
+}
+
+
 def run_cuda(args: argparse.Namespace) -> None:
+    """The CUDA parts `args.only` names, on the 8B shape, each merged into the results and
+    written as soon as it is measured (a part's figures compare within one run)."""
     import tempfile
 
     from engines.random_llama import LLAMA3_8B, random_int4_llama
 
-    print(f"decode at {args.context} tokens of context, 8B-shaped INT4 model ({args.kernel}), per KV format:")
+    parts = CUDA_PARTS[args.only]
+    result = json.loads(args.out.read_text()) if args.out.exists() else {"rows": []}
+    gpu = torch.cuda.get_device_name()
+
+    def save() -> None:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+    if "attention" in parts:
+        print("decode attention alone, one layer, per KV format (CUDA graphs):")
+        result["cuda_attention"] = {"gpu": gpu, **attention_kernels(LLAMA3_8B)}
+        save()
+    if parts == ("attention",):
+        return
+    cuda = result.setdefault("cuda_decode", {})
+    cuda.update(
+        {
+            "model": "Llama-3-8B shape, INT4 weights (random: speed only)",
+            "kernel": args.kernel,
+            "context": args.context,
+            "new_tokens": args.new_tokens_cuda,
+            "gpu": gpu,
+            "torch": torch.__version__,
+        }
+    )
     model = random_int4_llama(LLAMA3_8B, "cuda", args.kernel, seed=3)
-    measured = decode_4k(model, args.context, args.new_tokens_cuda)
-    print("decode attention alone, one layer, per KV format (CUDA graphs):")
-    attention = attention_kernels(LLAMA3_8B)
+    if "decode" in parts:
+        print(f"decode at {args.context} tokens of context, 8B-shaped INT4 model ({args.kernel}), per KV format:")
+        measured = decode_4k(model, args.context, args.new_tokens_cuda)
+        by_dtype = {m["kv_dtype"]: m for m in measured}
+        for row in result["rows"]:
+            if row.get("shipped") and row["kv_dtype"] in by_dtype:
+                row["decode_tok_s_4k"] = by_dtype[row["kv_dtype"]]["decode_tok_s_4k"]
+                row["decode_ratio_4k"] = row["decode_tok_s_4k"] / by_dtype["float16"]["decode_tok_s_4k"]
+        cuda["rows"] = measured
+        save()
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, LLAMA3_8B.vocab_size, (args.context,), generator=gen).tolist()
-    print("offload of a paused row (8B shape, CUDA): restore from pinned memory or disk, or prefill again")
-    with tempfile.TemporaryDirectory() as tmp:
-        offload_rows = offload_figures(model, ids, (1024, args.context), Path(tmp))
     questions = [torch.randint(0, LLAMA3_8B.vocab_size, (24,), generator=gen).tolist() for _ in range(4)]
-    prefix = prefix_ttft(model, ids[:2048], questions)
-    print(f"  prefix cache: TTFT {prefix['ttft_cold_ms']:.1f} ms cold, {prefix['ttft_warm_ms']:.1f} ms warm")
-    result = json.loads(args.out.read_text()) if args.out.exists() else {"rows": []}
-    by_dtype = {m["kv_dtype"]: m for m in measured}
-    for row in result["rows"]:
-        if row.get("shipped") and row["kv_dtype"] in by_dtype:
-            row["decode_tok_s_4k"] = by_dtype[row["kv_dtype"]]["decode_tok_s_4k"]
-            row["decode_ratio_4k"] = row["decode_tok_s_4k"] / by_dtype["float16"]["decode_tok_s_4k"]
-    result["cuda_decode"] = {
-        "model": "Llama-3-8B shape, INT4 weights (random: speed only)",
-        "kernel": args.kernel,
-        "context": args.context,
-        "new_tokens": args.new_tokens_cuda,
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "rows": measured,
-        "offload": offload_rows,
-        "prefix_cache": prefix,
-    }
-    result["cuda_attention"] = {"gpu": torch.cuda.get_device_name(), **attention}
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if "offload" in parts:
+        print("offload of a paused row (8B shape, CUDA): restore from pinned memory or disk, or prefill again")
+        with tempfile.TemporaryDirectory() as tmp:
+            cuda["offload"] = offload_figures(model, ids, (1024, args.context), Path(tmp))
+        save()
+    if "prefix" in parts:
+        prefix = prefix_ttft(model, ids[:2048], questions)
+        print(f"  prefix cache: TTFT {prefix['ttft_cold_ms']:.1f} ms cold, {prefix['ttft_warm_ms']:.1f} ms warm")
+        cuda["prefix_cache"] = prefix
+        save()
+    if "chunked" in parts:
+        print("chunked prefill (8B shape, CUDA): a 2048-token prompt joins two decoding sequences")
+        cuda["chunked_prefill"] = chunked_prefill(model, ids, 2048, (0, 256))
+        save()
 
 
 def main() -> None:
@@ -586,33 +620,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "kv.json")
     parser.add_argument(
         "--only",
-        choices=["chunked", "offload", "prefix", "cuda", "cuda-prefix", "cuda-attention"],
+        choices=["chunked", "offload", "prefix", *CUDA_PARTS],
         help="only this part, merged into the existing results",
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if args.only == "cuda":
+    if args.only in CUDA_PARTS:
         run_cuda(args)
-        return
-    if args.only == "cuda-attention":
-        from engines.random_llama import LLAMA3_8B
-
-        print("decode attention alone, one layer of the 8B shape, per KV format (CUDA graphs):")
-        result = json.loads(args.out.read_text())
-        result["cuda_attention"] = {"gpu": torch.cuda.get_device_name(), **attention_kernels(LLAMA3_8B)}
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        return
-    if args.only == "cuda-prefix":
-        from engines.random_llama import LLAMA3_8B, random_int4_llama
-
-        model8b = random_int4_llama(LLAMA3_8B, "cuda", args.kernel, seed=3)
-        gen = torch.Generator().manual_seed(2)
-        doc = torch.randint(0, LLAMA3_8B.vocab_size, (2048,), generator=gen).tolist()
-        questions = [torch.randint(0, LLAMA3_8B.vocab_size, (24,), generator=gen).tolist() for _ in range(4)]
-        result = json.loads(args.out.read_text())
-        result["cuda_decode"]["prefix_cache"] = prefix_ttft(model8b, doc, questions)
-        print(result["cuda_decode"]["prefix_cache"])
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
         return
 
     ckpt = load_checkpoint(import_smollm2(args.engine_dir))
@@ -691,7 +705,7 @@ def main() -> None:
         "rows": rows,
         "codecs": codecs(kv, config.num_kv_heads * config.head_dim),
     }
-    kept_parts = ["cuda_decode"]  # measured by its own run, on CUDA
+    kept_parts = ["cuda_decode", "cuda_attention"]  # measured by their own runs, on CUDA
     for name, measure in parts.items():
         if args.skip_chunked and name == "chunked_prefill":
             kept_parts.append(name)

@@ -6,13 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from edge.text.checkpoint import TextCheckpoint, load_checkpoint
 from edge.text.continuous import ContinuousBatcher, Sequence
 from edge.text.generate import SamplingParams, generate
 from edge.text.qa import chatml
 from engines.import_gguf import import_smollm2
+from tests.spies import prefills_run
 
 QUESTIONS = [
     "Name three symptoms of dehydration.",
@@ -57,18 +57,8 @@ def test_sequences_joining_between_steps_match_each_alone(ckpt: TextCheckpoint) 
     # Warm-up (4 prefill lengths, each from position 0 and as a chunk after as many cached
     # tokens; 3 batch sizes x KV lengths 1..256) leaves nothing that changes what the
     # sequences below decode, nor any row taken.
-    prefills: list[tuple[int, int]] = []
-    forward = batcher.model.forward
-
-    def counting(ids: torch.Tensor, cache: object, start: int, last_only: bool = True) -> torch.Tensor:
-        prefills.append((start, ids.shape[1]))
-        return forward(ids, cache, start, last_only)  # type: ignore[arg-type]
-
-    batcher.model.forward = counting  # type: ignore[method-assign]
-    try:
+    with prefills_run(batcher.model) as prefills:
         assert batcher.warm_up() == 2 * 4 + 3 * 9
-    finally:
-        batcher.model.forward = forward  # type: ignore[method-assign]
     # What a prefix-cache hit and a chunked prefill run (a chunk after cached tokens) is
     # warmed as well as a fresh prompt, either side of the INT4 GEMV's row limit.
     assert prefills == [(start, n) for n in (1, 8, 9, 64) for start in (0, n)]

@@ -18,6 +18,7 @@ from edge.text.kv_quant import FORMATS
 from edge.text.prefix_cache import PrefixCache
 from edge.text.qa import QAEngine, QASettings
 from engines.import_gguf import import_smollm2
+from tests.spies import prefills_run
 
 LEAFLET = (
     "Oral rehydration solution: dissolve one sachet in 200 ml of drinking water. Give small sips "
@@ -99,24 +100,14 @@ def test_a_hit_answers_as_the_miss_did_and_prefills_only_the_question(ckpt: Text
     engine = QAEngine(ckpt, settings)
     batcher = engine.batcher
     assert batcher.prefix_cache is not None
-    prefilled: list[tuple[int, int]] = []
-    forward = batcher.model.forward
-
-    def counting(ids: torch.Tensor, cache: object, start: int, last_only: bool = True) -> torch.Tensor:
-        prefilled.append((start, ids.shape[1]))
-        return forward(ids, cache, start, last_only)  # type: ignore[arg-type]
-
-    batcher.model.forward = counting  # type: ignore[method-assign]
-    try:
-        questions = ["How much water per sachet?", "When should I seek care?"]
-        seqs = []
+    questions = ["How much water per sachet?", "When should I seek care?"]
+    seqs = []
+    with prefills_run(batcher.model) as prefilled:
         for q in questions + questions[:1]:
             ids, prefix = engine.prompt_parts(q, LEAFLET)
             seq = Sequence(q, ids, SamplingParams(max_new_tokens=24))
             seq.prefix = prefix
             seqs.append(_run(batcher, seq))
-    finally:
-        batcher.model.forward = forward  # type: ignore[method-assign]
     prefix = seqs[0].prefix
     snap = batcher.prefix_cache.snapshot()
     assert snap["misses"] == 1 and snap["hits"] == 2 and snap["entries"] == 1
