@@ -541,7 +541,7 @@ def kv(d: dict[str, Any]) -> str:
             "Prefix cache (`models.qa.prefix_cache_mib`): time to first token of prompts sharing a reference "
             "document, median of three rounds; the first prefills and keeps it (cold), the later ones prefill "
             "their question only (warm). The batcher keeps splitting prompts only while a hit measures at most "
-            "half a whole prefill (and splits one declined prompt in 16 all the same, to measure a hit again)"
+            "half a whole prefill (and now and then splits a declined prompt all the same, to measure a hit again)"
             + "".join(
                 f"; {where}, a hit measured dearer than that (the batcher's fitted costs below), so it stopped "
                 "splitting after the first round and a warm prompt was prefilled whole"

@@ -263,8 +263,8 @@ def test_pinned_buffers_are_sized_in_eighths_of_an_octave() -> None:
 
 def test_a_restore_is_measured_again_when_the_figures_say_recompute() -> None:
     """One slow restore measured (as a first one can be) would make every resume prefill
-    again, and restoring would never be measured again; one declined restore in
-    `recheck.every` is made all the same, and its measurement moves the rate."""
+    again, and restoring would never be measured again; a declined restore is made all
+    the same after `recheck.every` declines, and its measurement moves the rate."""
     from edge.text.llama import KVCache, LlamaConfig
 
     config = LlamaConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
@@ -281,4 +281,4 @@ def test_a_restore_is_measured_again_when_the_figures_say_recompute() -> None:
     assert offload.restore_bytes_per_s > 1e5
     again = offload.save(cache, 1, 20, None)
     assert again is not None and offload.choose(again) == "restore"
-    assert offload.snapshot()["rechecked"] == 1
+    assert offload.snapshot()["rechecked"] == 1 and offload.recheck.wait == every

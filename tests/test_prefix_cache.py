@@ -159,22 +159,30 @@ def test_a_short_chunks_fixed_cost_does_not_stop_prompts_splitting() -> None:
     assert not cache.worth(600, 600)  # half the prompt after the prefix: a hit saves too little
 
 
-def test_a_declined_split_is_made_once_in_a_while_so_a_hit_is_measured_again() -> None:
+def test_a_declined_split_is_made_now_and_then_so_a_hit_is_measured_again() -> None:
+    """After 16 declines, then 32, 64, ... (at most 1024) while a hit stays dear; back to
+    16 once the costs choose to split."""
     cache = PrefixCache(1 << 20)
     cache.note_prefill(0, 2000, 50.0, whole=True)
     cache.note_prefill(2000, 24, 48.0, whole=False)  # a hit as dear as the whole prompt
-    every = cache.recheck.every
-    assert every == 16
-    decisions = [cache.should_split(2000, 24) for _ in range(2 * every)]
-    assert decisions == [i % every == every - 1 for i in range(2 * every)]
+    assert (cache.recheck.every, cache.recheck.most) == (16, 1024)
+    decisions = [cache.should_split(2000, 24) for _ in range(16 + 32 + 64)]
+    assert [i + 1 for i, split in enumerate(decisions) if split] == [16, 16 + 32, 16 + 32 + 64]
     snap = cache.snapshot()
-    assert snap["declined"] == 2 * every and snap["rechecked"] == 2
+    assert snap["declined"] == 16 + 32 + 64 and snap["rechecked"] == 3
+    for _ in range(1024 // 128):  # the wait doubles up to its bound, and stays there
+        assert sum(cache.should_split(2000, 24) for _ in range(cache.recheck.wait)) == 1
+    assert cache.recheck.wait == 1024
+    for _ in range(3):  # hits measured cheap: the costs now choose to split
+        cache.note_prefill(2000, 24, 1.0, whole=False)
+    assert cache.should_split(2000, 24) and cache.recheck.wait == 16
     cheap = PrefixCache(1 << 20)  # where a hit pays, every prompt splits and none is declined
     cheap.note_prefill(0, 2000, 50.0, whole=True)
     cheap.note_prefill(2000, 24, 1.0, whole=False)
-    assert all(cheap.should_split(2000, 24) for _ in range(every)) and cheap.snapshot()["declined"] == 0
+    assert all(cheap.should_split(2000, 24) for _ in range(40)) and cheap.snapshot()["declined"] == 0
 
 
+@pytest.mark.slow
 def test_prompts_split_again_once_a_slow_first_hit_is_measured_again(ckpt: TextCheckpoint) -> None:
     """A first hit measured slow (as a run that loaded its kernels is) turns splitting off;
     the declined splits made now and then measure hits again, and once those say a hit
@@ -190,17 +198,18 @@ def test_prompts_split_again_once_a_slow_first_hit_is_measured_again(ckpt: TextC
     cache.note_prefill(0, doc + 8, 100.0, whole=True)
     cache.note_prefill(doc, 8, 10_000.0, whole=False)  # a hit measured at 100 whole prompts
     splits = []
-    for i in range(8):
+    for i in range(9):
         ids, prefix = engine.prompt_parts(f"Question {i}: how much water per sachet?", LEAFLET)
         seq = Sequence(i, ids, SamplingParams(max_new_tokens=1))
         seq.prefix = prefix
         batcher.single(seq)
         splits.append(seq.split is not None)
     snap = cache.snapshot()
-    # Declined, rechecked (the miss that keeps the document), declined, rechecked (a hit):
-    # the median of the hits measured is now the real cost, and every prompt splits.
-    assert splits == [False, True, False, True, True, True, True, True]
-    assert snap["rechecked"] == 2 and snap["hits"] == 5 and snap["misses"] == 1
+    # Declined once, rechecked (the miss that keeps the document), declined 3 times (the
+    # wait doubled to 4), rechecked (a hit): the median of the hits measured is now their
+    # real cost, and every prompt splits.
+    assert splits == [False, True, False, False, False, True, True, True, True]
+    assert snap["rechecked"] == 2 and snap["hits"] == 4 and snap["misses"] == 1
 
 
 def test_edgectl_status_says_how_many_prompts_were_left_whole() -> None:

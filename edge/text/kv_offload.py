@@ -14,9 +14,9 @@ measured figures say restoring is the faster.
 - choose: restoring costs the row's bytes over the measured restore bandwidth;
   recomputing costs its tokens over the measured prefill rate. Until both have been
   measured once, it restores. Every prefill measures the prefill rate, but only a
-  restore measures restoring: where the figures say recompute, one row in
-  `recheck.every` is restored all the same, so that a slow first restore is not the
-  figure for good (recheck.py).
+  restore measures restoring: where the figures say recompute, a row is restored all
+  the same now and then (after 16 such resumes, then 32, ...), so that a slow first
+  restore is not the figure for good (recheck.py).
 
 Offloaded rows live as long as the daemon: the directory is emptied when the store is
 made, so nothing offloaded survives a restart (the job itself does: its journal entry is
@@ -300,9 +300,10 @@ class KVOffload:
             return "restore"
         restore_s = saved.nbytes / self.restore_bytes_per_s
         recompute_s = saved.length / self.prefill_tokens_per_s
-        if restore_s <= recompute_s or self.recheck.take_anyway():
+        if restore_s <= recompute_s:
+            self.recheck.chosen()
             return "restore"
-        return "recompute"
+        return "restore" if self.recheck.take_anyway() else "recompute"
 
     def restore(self, saved: SavedRow, cache: RowCache, row: int) -> torch.Tensor | None:
         """Put `saved` into row `row`; returns its logits on the device (None if it was

@@ -99,7 +99,7 @@ class PrefixCache:
         # and chunks after cached tokens (what a hit runs). Where the GPU prefills a whole
         # prompt in a captured graph, a chunk after cached tokens runs op by op and can
         # cost more than the whole prompt: then prompts are not split (and no prefix kept),
-        # but for one in `recheck.every`, which measures a hit's cost again.
+        # but for one now and then, which measures a hit's cost again.
         self.whole = PrefillCost()
         self.chunk = PrefillCost()
         self.recheck = Recheck()
@@ -123,9 +123,13 @@ class PrefixCache:
         return c_fixed + rest * c_rate <= 0.5 * (w_fixed + (prefix + rest) * w_rate)
 
     def should_split(self, prefix: int, rest: int) -> bool:
-        """Whether to split this prompt: where it pays, and where it does not once in
-        `recheck.every` prompts, so that a hit's cost is measured again (recheck.py)."""
-        return self.worth(prefix, rest) or self.recheck.take_anyway()
+        """Whether to split this prompt: where it pays, and now and then where it does not
+        (after 16 prompts left whole, then 32, ...), so that a hit's cost is measured
+        again (recheck.py)."""
+        if self.worth(prefix, rest):
+            self.recheck.chosen()
+            return True
+        return self.recheck.take_anyway()
 
     def note_prefill(self, start: int, tokens: int, ms: float, whole: bool) -> None:
         """A measured prefill: `whole` (from position 0, as a prompt or a prefix is
