@@ -197,21 +197,30 @@ def test_triton_write_codes_as_torch_and_attends_as_the_reference(name: str) -> 
 
 @needs_triton
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["int8", "int4-sym"])
-def test_fused_decode_step_over_a_quantized_cache_matches_the_op_by_op_step(name: str) -> None:
+@pytest.mark.parametrize(("name", "coders"), [("int8", 8), ("int4-sym", 8), ("int8", 0), ("int4-sym", 0)])
+def test_fused_decode_step_over_a_quantized_cache_matches_the_op_by_op_step(
+    name: str, coders: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The fused step's rotary kernel writes and codes the cache itself: in float32 its
     logits are the op-by-op step's over a cache of the same format (same codes, same
     attention), past the point where key blocks are coded, for two rows at different
-    positions."""
+    positions. A leaving block is coded by 8 more programs a KV head sharing it out
+    (triton_kv.BLOCK_CODERS), or with none (a head size that does not split) by the KV
+    head's key and value programs."""
+    from edge.text import triton_kv
+
+    monkeypatch.setattr(triton_kv, "BLOCK_CODERS", coders)
+    assert triton_kv._block_coders(CONFIG.head_dim, SMALL_FORMATS[name].key_block) == coders
+    config = CONFIG
     fmt = SMALL_FORMATS[name]
-    fused = random_int4_llama(CONFIG, DEVICE, "triton", group=32, dtype=torch.float32, seed=5)
-    ref = random_int4_llama(CONFIG, DEVICE, "dequant", group=32, dtype=torch.float32, seed=5)
+    fused = random_int4_llama(config, DEVICE, "triton", group=32, dtype=torch.float32, seed=5)
+    ref = random_int4_llama(config, DEVICE, "dequant", group=32, dtype=torch.float32, seed=5)
     ref.fused_decode = False
-    cache = QuantKVCache(CONFIG, 2, 64, fmt, torch.float32, DEVICE)
-    ref_cache = QuantKVCache(CONFIG, 2, 64, fmt, torch.float32, DEVICE)
+    cache = QuantKVCache(config, 2, 64, fmt, torch.float32, DEVICE)
+    ref_cache = QuantKVCache(config, 2, 64, fmt, torch.float32, DEVICE)
     gen = torch.Generator().manual_seed(1)
     steps = 50  # past fmt.coded: blocks of 32 leave the window of 8 at 41
-    ids = torch.randint(0, CONFIG.vocab_size, (2, steps), generator=gen).to(DEVICE)
+    ids = torch.randint(0, config.vocab_size, (2, steps), generator=gen).to(DEVICE)
     offsets = [0, 5]
     # Where the two rotaries' last bits differ (on a GPU) a code can land a step apart: an
     # int4 step moves the logits by about 2e-3.

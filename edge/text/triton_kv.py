@@ -38,6 +38,7 @@ ATTN8_SPREAD = 2.0
 ATTN8_BLOCK_T = 64
 ATTN8_MAXNREG = 128
 ROPE_WRITE_WARPS = 2  # warps of the fused step's rotary-and-write program
+BLOCK_CODERS = 8  # programs a KV head sharing a leaving key block's coding (a power of two)
 
 if triton_decode.TRITON_SUPPORT:
     import triton
@@ -70,12 +71,16 @@ if triton_decode.TRITON_SUPPORT:
         RING: tl.constexpr,
         INT4: tl.constexpr,
         SINK: tl.constexpr,
+        part=0,
+        PARTS: tl.constexpr = 1,
     ):
         """Code the key block leaving the window with the token at `pos`, from the ring
         (scales per channel): its tokens are older than that one, written by earlier
-        launches. The sink tokens (read float) count as the one after them."""
+        launches. The sink tokens (read float) count as the one after them. Channels are
+        independent here, so the block may be coded in PARTS programs, `part` of them
+        taking its share of the channel pairs."""
         HALF: tl.constexpr = HD // 2
-        r = tl.arange(0, HALF)
+        r = part * (HALF // PARTS) + tl.arange(0, HALF // PARTS)
         b0 = pos - W - KB
         rt = b0 + tl.arange(0, KB)
         src = ring_ptr + ((head * (RING + 1) + tl.maximum(rt, SINK) % RING) * HD)[:, None]
@@ -123,18 +128,22 @@ if triton_decode.TRITON_SUPPORT:
         RING: tl.constexpr,
         INT4: tl.constexpr,
         VSYM: tl.constexpr,
+        part=0,
+        PARTS: tl.constexpr = 1,
     ):
         """Code the values of the block leaving the window with the token at `pos`
-        (scales per token and group of VG channels)."""
+        (scales per token and group of VG channels); tokens are independent, so PARTS
+        programs may share the block, `part` of them taking its share of the tokens."""
         HALF: tl.constexpr = HD // 2
         NG: tl.constexpr = HD // VG
         GH: tl.constexpr = VG // 2
+        KT: tl.constexpr = KB // PARTS
         r = tl.arange(0, HALF)
         b0 = pos - W - KB
-        rt = b0 + tl.arange(0, KB)
+        rt = b0 + part * KT + tl.arange(0, KT)
         src = ring_ptr + ((head * (RING + 1) + rt % RING) * HD)[:, None]
-        ve = tl.reshape(tl.load(src + 2 * r[None, :]).to(tl.float32), (KB, NG, GH))
-        vo = tl.reshape(tl.load(src + 2 * r[None, :] + 1).to(tl.float32), (KB, NG, GH))
+        ve = tl.reshape(tl.load(src + 2 * r[None, :]).to(tl.float32), (KT, NG, GH))
+        vo = tl.reshape(tl.load(src + 2 * r[None, :] + 1).to(tl.float32), (KT, NG, GH))
         g_at = (head * code_len + rt)[:, None] * NG + tl.arange(0, NG)[None, :]
         code_at = ((head * code_len + rt) * (HALF if INT4 else HD))[:, None]
         if INT4 and VSYM:
@@ -145,7 +154,7 @@ if triton_decode.TRITON_SUPPORT:
             c_o = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(vo, safe) + 0.5), -7.0), 7.0) + 8.0
             c_e = c_e.to(tl.uint8)
             c_o = c_o.to(tl.uint8)
-            tl.store(codes_ptr + code_at + r[None, :], tl.reshape(c_e | (c_o << 4), (KB, HALF)))
+            tl.store(codes_ptr + code_at + r[None, :], tl.reshape(c_e | (c_o << 4), (KT, HALF)))
         elif INT4:
             lo = tl.minimum(tl.min(ve, axis=2), tl.min(vo, axis=2)).to(tl.float16).to(tl.float32)
             hi = tl.maximum(tl.max(ve, axis=2), tl.max(vo, axis=2))
@@ -155,7 +164,7 @@ if triton_decode.TRITON_SUPPORT:
             c_o = tl.math.div_rn(vo - lo[:, :, None], safe)
             c_e = tl.minimum(tl.maximum(tl.floor(c_e + 0.5), 0.0), 15.0).to(tl.uint8)
             c_o = tl.minimum(tl.maximum(tl.floor(c_o + 0.5), 0.0), 15.0).to(tl.uint8)
-            tl.store(codes_ptr + code_at + r[None, :], tl.reshape(c_e | (c_o << 4), (KB, HALF)))
+            tl.store(codes_ptr + code_at + r[None, :], tl.reshape(c_e | (c_o << 4), (KT, HALF)))
             tl.store(zero_ptr + g_at, lo.to(tl.float16))
         else:
             amax = tl.maximum(tl.max(tl.abs(ve), axis=2), tl.max(tl.abs(vo), axis=2))
@@ -163,8 +172,8 @@ if triton_decode.TRITON_SUPPORT:
             safe = tl.where(s > 0, s, 1.0)[:, :, None]
             c_e = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(ve, safe) + 0.5), -127.0), 127.0)
             c_o = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(vo, safe) + 0.5), -127.0), 127.0)
-            tl.store(codes_ptr + code_at + 2 * r[None, :], tl.reshape(c_e, (KB, HALF)).to(tl.int8))
-            tl.store(codes_ptr + code_at + 2 * r[None, :] + 1, tl.reshape(c_o, (KB, HALF)).to(tl.int8))
+            tl.store(codes_ptr + code_at + 2 * r[None, :], tl.reshape(c_e, (KT, HALF)).to(tl.int8))
+            tl.store(codes_ptr + code_at + 2 * r[None, :] + 1, tl.reshape(c_o, (KT, HALF)).to(tl.int8))
         tl.store(scale_ptr + g_at, s.to(tl.float16))
 
     @triton.jit
@@ -251,16 +260,34 @@ if triton_decode.TRITON_SUPPORT:
         INT4: tl.constexpr,
         VSYM: tl.constexpr,
         SINK: tl.constexpr,
+        CODERS: tl.constexpr,
     ):
         """triton_decode's rotary kernel for a quantized cache: q rotated and pre-scaled
-        into the query buffer; k rotated and v written as _write_kernel writes them."""
+        into the query buffer; k rotated and v written as _write_kernel writes them.
+
+        On the step a key block leaves the window it is coded here too. With CODERS > 0
+        the launch has CODERS more programs a KV head that share that coding (each its
+        share of the keys' channel pairs and of the values' tokens), beside the rotary
+        programs and at the same time: the block's tokens are older than the step's, so
+        no rotary program writes them. One program coding a whole block took about 16
+        times the launch's usual time on the H200 (23.8 us), every 64th step of every
+        layer; shared by 8 coders a KV head the launch took 8.3 us on that step. With
+        CODERS 0 (a head size or key block that does not split) the KV head's key program
+        codes its keys and its value program its values."""
         b = tl.program_id(0)
         head = tl.program_id(1)
         pos = tl.load(pos_ptr + b)
+        due = _block_due(pos, max_len, KB, W)
         row = qkv_ptr + b * (NH + 2 * NKV) * HD + head * HD
         slot = _ring_slot(pos, max_len, RING)
-        due = _block_due(pos, max_len, KB, W)
-        if head < NH + NKV:
+        if head >= NH + 2 * NKV:
+            if due:
+                coder = head - NH - 2 * NKV
+                kv = b * NKV + coder // CODERS
+                part = coder % CODERS
+                _code_keys(pos, kv, ring_k, kc, ks, kz, code_len, blocks, HD, KB, W, RING, INT4, SINK, part, CODERS)
+                _code_values(pos, kv, ring_v, vc, vs, vz, code_len, HD, KB, VG, W, RING, INT4, VSYM, part, CODERS)
+        elif head < NH + NKV:
             o1, o2 = triton_decode.rotate(row, cos_ptr, sin_ptr, pos, HD)
             if head < NH:
                 triton_decode.store_halves(q_ptr + (b * NH + head) * HD, o1 * q_scale, o2 * q_scale, HD)
@@ -269,8 +296,9 @@ if triton_decode.TRITON_SUPPORT:
                 triton_decode.store_halves(ring_k + (kv * (RING + 1) + slot) * HD, o1, o2, HD)
                 if pos < SINK:
                     triton_decode.store_halves(sink_k + (kv * SINK + pos) * HD, o1, o2, HD)
-                if due:
-                    _code_keys(pos, kv, ring_k, kc, ks, kz, code_len, blocks, HD, KB, W, RING, INT4, SINK)
+                if CODERS == 0:
+                    if due:
+                        _code_keys(pos, kv, ring_k, kc, ks, kz, code_len, blocks, HD, KB, W, RING, INT4, SINK)
         else:
             kv = b * NKV + head - NH - NKV
             rd = tl.arange(0, HD)
@@ -279,8 +307,9 @@ if triton_decode.TRITON_SUPPORT:
             tl.store(dst + rd, x.to(ring_v.dtype.element_ty))
             if pos < SINK:
                 tl.store(sink_v + (kv * SINK + pos) * HD + rd, x.to(sink_v.dtype.element_ty))
-            if due:
-                _code_values(pos, kv, ring_v, vc, vs, vz, code_len, HD, KB, VG, W, RING, INT4, VSYM)
+            if CODERS == 0:
+                if due:
+                    _code_values(pos, kv, ring_v, vc, vs, vz, code_len, HD, KB, VG, W, RING, INT4, VSYM)
 
     @triton.jit
     def _softmax_step(scores, t_mask, m, l_sum):
@@ -616,14 +645,23 @@ def rope_write(
     [B, NH, HD]; each row's k and v written into the layer at pos[b]."""
     bsz = qkv.shape[0]
     n_kv, hd = layer.ring_k.shape[1], layer.ring_k.shape[-1]
+    coders = _block_coders(hd, layer.fmt.key_block)
     q = torch.empty(bsz, n_heads, hd, device=qkv.device, dtype=layer.ring_k.dtype)
     kz, vz = _zeros(layer)
-    _rope_write_kernel[(bsz, n_heads + 2 * n_kv)](
+    _rope_write_kernel[(bsz, n_heads + 2 * n_kv + n_kv * coders)](
         qkv, cos, sin, pos, q, layer.ring_k, layer.ring_v, layer.k_codes, layer.k_scale, kz, layer.v_codes,
         layer.v_scale, vz, *_sink(layer), n_heads, n_kv, layer.max_len, layer.code_len, layer.k_scale.shape[2],
-        hd**-0.5, RING=layer.fmt.ring, num_warps=ROPE_WRITE_WARPS, **_layout(layer),
+        hd**-0.5, RING=layer.fmt.ring, CODERS=coders, num_warps=ROPE_WRITE_WARPS, **_layout(layer),
     )  # fmt: skip
     return q
+
+
+def _block_coders(head_dim: int, key_block: int) -> int:
+    """Programs a KV head that _rope_write_kernel adds to code a block leaving the window:
+    BLOCK_CODERS where that many split the head's channel pairs and the block's tokens
+    evenly, else 0 (the key and value programs code it)."""
+    n = BLOCK_CODERS
+    return n if n > 0 and (head_dim // 2) % n == 0 and key_block % n == 0 else 0
 
 
 def _attend(
