@@ -236,7 +236,15 @@ class Daemon:
         try:
             checkpoint = builds.locate(self.profile, "qa", self.builds)
             paths = self.profile.paths
-            self.qa = start_qa(cfg, checkpoint, self.manager, self.responder, paths.state_dir, paths.engine_dir)
+            self.qa = start_qa(
+                cfg,
+                checkpoint,
+                self.manager,
+                self.responder,
+                paths.state_dir,
+                paths.engine_dir,
+                self.profile.device_id,
+            )
         except BuildStopped:
             return True
         except Exception as err:
@@ -375,6 +383,8 @@ class Daemon:
                 "lost": self.journal.lost,
             },
             "models": models_section(self.manager),
+            # What the loaded text model resolved to (the figures' engine_config).
+            "text_engine": self.qa.engine.config() if self.qa is not None else None,
             "branches": branches_section(self.workers, self.task_errors, {"vision": vision}),
             "jobs": self.stats.snapshot(),
             "builds": self.builds.snapshot(),

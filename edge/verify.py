@@ -84,6 +84,8 @@ class Check:
     ok: bool
     samples: int
     tolerance: dict[str, float] = field(default_factory=dict)
+    # For the text model: what the engine under test resolved to (TextEngine.config).
+    engine_config: dict[str, Any] | None = None
 
 
 def compare(
@@ -285,11 +287,19 @@ def verify_text(profile: Profile, checkpoint: Path, have: set[str], skipped: lis
     import onnxruntime as ort
     import torch
 
-    from edge.text.checkpoint import load_checkpoint
-    from edge.text.qa import chatml
+    from edge.text.engine import TextEngine, variant
+    from edge.text.prompt import chatml
 
-    ref_ckpt = load_checkpoint(checkpoint, dtype=torch.float32, device="cpu", exact_cpu=True)
-    model, tok = ref_ckpt.model, ref_ckpt.tokenizer
+    # Every engine here is the profile's qa section with only the named fields changed:
+    # the reference is its exact float32 CPU form, one sequence, nothing warmed.
+    qa = profile.models.qa
+
+    def engine(**changes: Any) -> TextEngine:
+        cfg = variant(qa, max_sequences=1, kv_offload="off", prefix_cache_mib=0, **changes)
+        return TextEngine.load(checkpoint, cfg, origin={"profile": profile.device_id, "changed": changes}, warm=False)
+
+    ref_engine = engine(device="cpu", dtype="float32", cpu_kernel="exact")
+    model, tok = ref_engine.model, ref_engine.tokenizer
     sequences: list[list[int]] = []
     for question in PROMPTS:
         ids = tok.encode(chatml("You are a careful assistant in a clinic.", question), add_special_tokens=False).ids
@@ -310,7 +320,7 @@ def verify_text(profile: Profile, checkpoint: Path, have: set[str], skipped: lis
         return out
 
     ref = torch_logits(model, "cpu")
-    reference = f"torch-cpu float32 ({ref_ckpt.int4_kernel})"
+    reference = f"torch-cpu float32 ({ref_engine.int4_kernel})"
     checks = []
 
     export = _text_onnx(checkpoint, "float32")
@@ -333,28 +343,27 @@ def verify_text(profile: Profile, checkpoint: Path, have: set[str], skipped: lis
     from edge.text.int4 import cpu_kernel_available
 
     if cpu_kernel_available():
-        bf16 = load_checkpoint(checkpoint, dtype=torch.float32, device="cpu", exact_cpu=False)
+        bf16 = engine(device="cpu", dtype="float32", cpu_kernel="bf16")
         got = torch_logits(bf16.model, "cpu")
-        checks.append(
-            compare(
-                "text", f"torch-cpu ({bf16.int4_kernel})", reference, "bfloat16", got, ref, _token_top1, TEXT_TOLERANCES
-            )
+        check = compare(
+            "text", f"torch-cpu ({bf16.int4_kernel})", reference, "bfloat16", got, ref, _token_top1, TEXT_TOLERANCES
         )
+        checks.append(replace(check, engine_config=bf16.config()))
         del bf16
     if "torch-cuda" in have:
-        cuda = load_checkpoint(checkpoint, dtype=torch.float16, device="cuda")
-        checks.append(
-            compare(
-                "text",
-                f"torch-cuda ({cuda.int4_kernel})",
-                reference,
-                "float16",
-                torch_logits(cuda.model, "cuda"),
-                ref,
-                _token_top1,
-                TEXT_TOLERANCES,
-            )
+        # The dtype the profile serves on CUDA (its own, or "auto"'s).
+        cuda = engine(device="cuda")
+        check = compare(
+            "text",
+            f"torch-cuda ({cuda.int4_kernel})",
+            reference,
+            cuda.config()["dtype"],
+            torch_logits(cuda.model, "cuda"),
+            ref,
+            _token_top1,
+            TEXT_TOLERANCES,
         )
+        checks.append(replace(check, engine_config=cuda.config()))
         del cuda
     else:
         skipped.append({"model": "text", "backend": "torch-cuda", "why": "no CUDA device"})

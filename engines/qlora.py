@@ -28,7 +28,7 @@ from edge.config.schema import DEFAULT_SYSTEM_PROMPT
 from edge.text.checkpoint import load_checkpoint
 from edge.text.int4 import QuantizedWeight, dequantize, group_size_for, pack
 from edge.text.llama import LlamaModel
-from edge.text.qa import chatml, user_message
+from edge.text.prompt import chatml, user_message
 from engines.cache import build_cached, cache_key, read_manifest
 from engines.clinic_data import Example, examples
 from engines.float_checkpoint import write_float_checkpoint

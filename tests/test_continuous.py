@@ -10,7 +10,7 @@ import pytest
 from edge.text.checkpoint import TextCheckpoint, load_checkpoint
 from edge.text.continuous import ContinuousBatcher, Sequence
 from edge.text.generate import SamplingParams, generate
-from edge.text.qa import chatml
+from edge.text.prompt import chatml
 from engines.import_gguf import import_smollm2
 from tests.spies import prefills_run
 

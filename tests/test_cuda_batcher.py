@@ -70,7 +70,7 @@ def test_prefill_and_decode_are_timed_on_the_gpus_clock() -> None:
     the result's stages are the GPU's time, not the host's clock around the launches."""
     import time
 
-    from edge.text.qa import QAEngine
+    from edge.tasks.qa import stages as seq_stages
 
     batcher = _batcher(frozenset())
     prompts = [list(range(3 + i, 12 + i)) for i in range(3)]
@@ -85,7 +85,7 @@ def test_prefill_and_decode_are_timed_on_the_gpus_clock() -> None:
         assert gpu_prefill is not None and gpu_decode is not None
         # The GPU's own time: positive, and its stages together within the wall time.
         assert gpu_prefill > 0.0 and gpu_decode > 0.0 and gpu_prefill + gpu_decode <= wall_ms
-        stages = QAEngine.stages(seq)
+        stages = seq_stages(seq)
         assert stages["prefill"] == gpu_prefill and stages["decode"] == gpu_decode
 
 

@@ -11,11 +11,12 @@ from torch import nn
 
 from edge.config.schema import QAModelConfig
 from edge.protocol.jobs import QAJob
+from edge.tasks import qa
 from edge.text.checkpoint import load_checkpoint
 from edge.text.embedding import GROUPS, LEVELS, QuantizedEmbedding, compact_embedding
+from edge.text.engine import TextEngine, resolve_embedding
 from edge.text.generate import SamplingParams, generate
 from edge.text.llama import LlamaConfig, LlamaModel
-from edge.text.qa import QAEngine, QASettings, resolve_embedding
 from engines.import_gguf import import_smollm2
 
 
@@ -86,18 +87,16 @@ def test_a_table_tied_to_a_float_output_projection_stays_float() -> None:
 
 
 def test_auto_is_int8_on_cuda_and_float_on_the_cpu() -> None:
-    assert resolve_embedding(QASettings(device="cuda")) == "int8"
-    assert resolve_embedding(QASettings(device="cpu")) == "float"
-    assert resolve_embedding(QASettings(device="cpu", embedding="int4")) == "int4"
-    with pytest.raises(ValueError, match="embedding"):
-        resolve_embedding(QASettings(embedding="int5"))
+    assert resolve_embedding(QAModelConfig(device="cuda")) == "int8"
+    assert resolve_embedding(QAModelConfig(device="cpu")) == "float"
+    assert resolve_embedding(QAModelConfig(device="cpu", embedding="int4")) == "int4"
 
 
 def test_the_config_names_the_field_of_a_bad_table_format() -> None:
     from pydantic import ValidationError
 
     with pytest.raises(ValidationError, match="embedding"):
-        QAModelConfig(embedding="int5")  # type: ignore[arg-type]
+        QAModelConfig.model_validate({"embedding": "int5"})
     assert QAModelConfig().embedding == "auto"
 
 
@@ -147,8 +146,18 @@ def test_the_real_model_with_an_int8_table_answers_as_with_the_float_one(served:
 
 @pytest.mark.slow
 def test_the_qa_engine_serves_with_the_table_it_is_configured_for(served: Path) -> None:
-    engine = QAEngine.load(served, QASettings(max_context_tokens=256, max_new_tokens=8, embedding="int4"))
+    engine = TextEngine.load(
+        served,
+        QAModelConfig(
+            max_context_tokens=256,
+            max_new_tokens=8,
+            embedding="int4",
+            max_sequences=1,
+            kv_offload="off",
+            prefix_cache_mib=0,
+        ),
+    )
     table = engine.batcher.model.embed_tokens
     assert isinstance(table, QuantizedEmbedding) and table.fmt == "int4"
-    result = engine.answer(QAJob(id="q", question="What does an ECG record?", max_new_tokens=8))
+    result = qa.answer(engine, QAJob(id="q", question="What does an ECG record?", max_new_tokens=8))
     assert result["answer"].strip()

@@ -286,6 +286,11 @@ def test_status_json_and_ok_exit(daemon: DaemonProc) -> None:
     assert {m["branch"] for m in doc["models"]} == {"vision", "text"}
     assert all(m["memory_bytes"] > 0 for m in doc["models"])
     assert set(doc["branches"]) == {"vision", "text"}
+    # The text model says what it resolved to, as every benchmark row does.
+    engine = doc["text_engine"]
+    assert engine["device"] == "cpu" and engine["dtype"] == "float32"
+    assert engine["kernel"] == "cpu-f32" and engine["group_size"] == 32
+    assert engine["origin"] == {"profile": doc["device"]}
     # The ledger holds every loaded model at its measured size, within the budget.
     memory = doc["memory"]
     assert set(memory["models"]) == {m["name"] for m in doc["models"]} | {"runtime"}

@@ -16,7 +16,7 @@ from edge.text.continuous import ContinuousBatcher, Sequence
 from edge.text.generate import SamplingParams
 from edge.text.kv_offload import KVOffload, SavedRow
 from edge.text.kv_quant import FORMATS
-from edge.text.qa import chatml
+from edge.text.prompt import chatml
 from engines.import_gguf import import_smollm2
 
 QUESTIONS = ["Name three symptoms of dehydration.", "What is a normal body temperature?"]

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from edge.config.schema import QAModelConfig
 from edge.text import cpu_kv
 from edge.text.checkpoint import TextCheckpoint, load_checkpoint
 from edge.text.continuous import ContinuousBatcher, Sequence
+from edge.text.engine import TextEngine
 from edge.text.generate import SamplingParams
 from edge.text.kv_quant import FORMATS
 from edge.text.prefix_cache import PrefixCache
-from edge.text.qa import QAEngine, QASettings
 from engines.import_gguf import import_smollm2
 from tests.spies import prefills_run
 
@@ -75,15 +76,17 @@ def ckpt(engine_dir: Path) -> TextCheckpoint:
 
 
 def test_prompts_split_after_the_documents(ckpt: TextCheckpoint) -> None:
-    engine = QAEngine(ckpt, QASettings(max_context_tokens=1024))
-    a, pa = engine.prompt_parts("How much water per sachet?", LEAFLET)
-    b, pb = engine.prompt_parts("When should I seek care?", LEAFLET)
-    c, pc = engine.prompt_parts("How much water per sachet?", LEAFLET.replace("200 ml", "250 ml"))
+    engine = TextEngine(
+        ckpt, QAModelConfig(max_context_tokens=1024, max_sequences=1, kv_offload="off", prefix_cache_mib=0)
+    )
+    a, pa = engine.prompter.parts("How much water per sachet?", LEAFLET)
+    b, pb = engine.prompter.parts("When should I seek care?", LEAFLET)
+    c, pc = engine.prompter.parts("How much water per sachet?", LEAFLET.replace("200 ml", "250 ml"))
     leaflet_tokens = len(ckpt.tokenizer.encode(LEAFLET, add_special_tokens=False).ids)
     assert pa == pb and pa > leaflet_tokens and a[:pa] == b[:pb]
     assert pa < len(a) and a[pa:] != b[pb:]
     assert c[:pc] != a[:pa]  # other documents: another key
-    bare, pbare = engine.prompt_parts("What is a normal body temperature?", None)
+    bare, pbare = engine.prompter.parts("What is a normal body temperature?", None)
     assert 0 < pbare < len(bare)  # the system turn alone
 
 
@@ -96,15 +99,17 @@ def _run(batcher: ContinuousBatcher, seq: Sequence) -> Sequence:
 def test_a_hit_answers_as_the_miss_did_and_prefills_only_the_question(ckpt: TextCheckpoint, dtype: str) -> None:
     if dtype != "float16" and not cpu_kv.available():
         pytest.skip("no C compiler for the quantized-KV kernel")
-    settings = QASettings(max_context_tokens=512, max_sequences=2, kv_dtype=dtype, prefix_cache_mib=16)
-    engine = QAEngine(ckpt, settings)
+    settings = QAModelConfig.model_validate(
+        {"max_context_tokens": 512, "max_sequences": 2, "kv_dtype": dtype, "prefix_cache_mib": 16, "kv_offload": "off"}
+    )
+    engine = TextEngine(ckpt, settings)
     batcher = engine.batcher
     assert batcher.prefix_cache is not None
     questions = ["How much water per sachet?", "When should I seek care?"]
     seqs = []
     with prefills_run(batcher.model) as prefilled:
         for q in questions + questions[:1]:
-            ids, prefix = engine.prompt_parts(q, LEAFLET)
+            ids, prefix = engine.prompter.parts(q, LEAFLET)
             seq = Sequence(q, ids, SamplingParams(max_new_tokens=24))
             seq.prefix = prefix
             seqs.append(_run(batcher, seq))
@@ -189,17 +194,19 @@ def test_prompts_split_again_once_a_slow_first_hit_is_measured_again(ckpt: TextC
     pays, prompts are split, and hit, every time."""
     from edge.text.recheck import Recheck
 
-    engine = QAEngine(ckpt, QASettings(max_context_tokens=512, max_sequences=1, prefix_cache_mib=16))
+    engine = TextEngine(
+        ckpt, QAModelConfig(max_context_tokens=512, max_sequences=1, prefix_cache_mib=16, kv_offload="off")
+    )
     batcher = engine.batcher
     cache = batcher.prefix_cache
     assert cache is not None
     cache.recheck = Recheck(every=2)
-    doc = engine.prompt_parts("How much water per sachet?", LEAFLET)[1]
+    doc = engine.prompter.parts("How much water per sachet?", LEAFLET)[1]
     cache.note_prefill(0, doc + 8, 100.0, whole=True)
     cache.note_prefill(doc, 8, 10_000.0, whole=False)  # a hit measured at 100 whole prompts
     splits = []
     for i in range(9):
-        ids, prefix = engine.prompt_parts(f"Question {i}: how much water per sachet?", LEAFLET)
+        ids, prefix = engine.prompter.parts(f"Question {i}: how much water per sachet?", LEAFLET)
         seq = Sequence(i, ids, SamplingParams(max_new_tokens=1))
         seq.prefix = prefix
         batcher.single(seq)

@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from edge.config.schema import QAModelConfig
 from edge.protocol.jobs import QAJob
-from edge.text.qa import QAEngine, QASettings
+from edge.tasks import qa
+from edge.text.engine import TextEngine
 
 pytestmark = pytest.mark.gpu
 
@@ -61,18 +63,14 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def _answers(path: Path, device: str, dtype: str, embedding: str = "float") -> list[list[int]]:
-    settings = QASettings(
-        max_context_tokens=256,
-        max_new_tokens=NEW_TOKENS,
-        max_sequences=1,
-        device=device,
-        dtype=dtype,
-        embedding=embedding,
+    fields = {"device": device, "dtype": dtype, "embedding": embedding, "max_new_tokens": NEW_TOKENS}
+    settings = QAModelConfig.model_validate(
+        {"max_context_tokens": 256, "max_sequences": 1, "kv_offload": "off", "prefix_cache_mib": 0, **fields}
     )
-    engine = QAEngine.load(path, settings)
+    engine = TextEngine.load(path, settings)
     out = []
     for i, prompt in enumerate(PROMPTS):
-        seq = engine.prepare(QAJob(id=f"p{i}", question=prompt, max_new_tokens=NEW_TOKENS))
+        seq = qa.job_sequence(engine, QAJob(id=f"p{i}", question=prompt, max_new_tokens=NEW_TOKENS))
         engine.batcher.single(seq, f"p{i}")
         out.append(list(seq.tokens))
     if device == "cuda":
@@ -111,14 +109,18 @@ def test_continuous_batching_on_cuda_answers_as_one_at_a_time(checkpoints: tuple
     """Four sequences joining and leaving one graph-captured batch give what each gives
     alone: the batch-size buckets and their padding rows change nothing."""
     _, awq = checkpoints
-    settings = QASettings(max_context_tokens=256, max_new_tokens=24, max_sequences=4, device="cuda")
-    engine = QAEngine.load(awq, settings)
+    settings = QAModelConfig(
+        max_context_tokens=256, max_new_tokens=24, max_sequences=4, device="cuda", kv_offload="off", prefix_cache_mib=0
+    )
+    engine = TextEngine.load(awq, settings)
     alone = []
     for i, prompt in enumerate(PROMPTS[:6]):
-        seq = engine.prepare(QAJob(id=f"a{i}", question=prompt, max_new_tokens=24 - i))
+        seq = qa.job_sequence(engine, QAJob(id=f"a{i}", question=prompt, max_new_tokens=24 - i))
         alone.append(list(engine.batcher.single(seq, f"a{i}").tokens))
     batcher = engine.batcher
-    seqs = [engine.prepare(QAJob(id=f"b{i}", question=p, max_new_tokens=24 - i)) for i, p in enumerate(PROMPTS[:6])]
+    seqs = [
+        qa.job_sequence(engine, QAJob(id=f"b{i}", question=p, max_new_tokens=24 - i)) for i, p in enumerate(PROMPTS[:6])
+    ]
     batcher.run_all(seqs)
     assert [list(s.tokens) for s in seqs] == alone
     assert max(batcher.batch_sizes) == 4
@@ -126,8 +128,18 @@ def test_continuous_batching_on_cuda_answers_as_one_at_a_time(checkpoints: tuple
 
 def test_sampling_on_the_gpu_is_repeatable_with_a_seed(checkpoints: tuple[Path, Path]) -> None:
     _, awq = checkpoints
-    engine = QAEngine.load(awq, QASettings(max_context_tokens=256, max_new_tokens=16, device="cuda"))
+    engine = TextEngine.load(
+        awq,
+        QAModelConfig(
+            max_context_tokens=256,
+            max_new_tokens=16,
+            device="cuda",
+            max_sequences=1,
+            kv_offload="off",
+            prefix_cache_mib=0,
+        ),
+    )
     job = QAJob(id="s", question=PROMPTS[0], max_new_tokens=16, temperature=0.8, top_p=0.9, seed=7)
-    first = engine.answer(job)["answer"]
-    assert engine.answer(job)["answer"] == first
+    first = qa.answer(engine, job)["answer"]
+    assert qa.answer(engine, job)["answer"] == first
     assert torch.cuda.is_available()

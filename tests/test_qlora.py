@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from edge.config.schema import QAModelConfig
 from edge.protocol.jobs import QAJob
+from edge.tasks import qa
 from edge.text.checkpoint import load_checkpoint
+from edge.text.engine import TextEngine
 from edge.text.int4 import pack
-from edge.text.qa import QAEngine, QASettings
 from engines import clinic_retrieval
 from engines.cache import file_sha256
 from engines.clinic_data import Example, examples, follows
@@ -23,13 +25,17 @@ from engines.qlora import CLINIC_ADAPTER, LoRALinear, LoraRecipe
 
 def follow_rate(path: Path) -> tuple[float, list[str]]:
     held = examples("heldout")
-    settings = QASettings(max_context_tokens=512, max_new_tokens=40, max_sequences=len(held))
-    engine = QAEngine(load_checkpoint(path), settings)
+    settings = QAModelConfig(
+        max_context_tokens=512, max_new_tokens=40, max_sequences=len(held), kv_offload="off", prefix_cache_mib=0
+    )
+    engine = TextEngine(load_checkpoint(path), settings)
     # All prompts decoded together (each answer is the one it would get alone, greedy:
     # tests/test_continuous.py), a few times faster than one after another.
-    seqs = [engine.prepare(QAJob(id=f"h{i}", question=e.question, context=e.context)) for i, e in enumerate(held)]
+    seqs = [
+        qa.job_sequence(engine, QAJob(id=f"h{i}", question=e.question, context=e.context)) for i, e in enumerate(held)
+    ]
     engine.batcher.run_all(seqs)
-    answers = [engine.output(seq)["answer"] for seq in seqs]
+    answers = [qa.result_of(seq)["answer"] for seq in seqs]
     return sum(follows(e, a) for e, a in zip(held, answers, strict=True)) / len(held), answers
 
 

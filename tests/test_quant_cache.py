@@ -12,13 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from edge.config.schema import QAModelConfig
 from edge.text import cpu_kv, kv_attention, triton_decode
 from edge.text.checkpoint import TextCheckpoint, load_checkpoint
 from edge.text.continuous import ContinuousBatcher, Sequence
+from edge.text.engine import kv_format
 from edge.text.generate import SamplingParams
 from edge.text.kv_quant import FORMATS, KVFormat, dequantize, quantize
 from edge.text.llama import LlamaConfig
-from edge.text.qa import QASettings, chatml, kv_format
+from edge.text.prompt import chatml
 from edge.text.quant_cache import QuantKVCache
 from engines.import_gguf import import_smollm2
 from engines.random_llama import random_int4_llama
@@ -247,9 +249,9 @@ def test_fused_decode_step_over_a_quantized_cache_matches_the_op_by_op_step(
 
 
 def test_kv_dtype_is_checked_and_reaches_the_pool() -> None:
-    assert kv_format(QASettings(device="cpu", kv_dtype="int4")) == FORMATS["int4"]
-    with pytest.raises(ValueError, match="kv_dtype must be one of float16, int8, int4, got 'fp8'"):
-        kv_format(QASettings(device="cpu", kv_dtype="fp8"))
+    assert kv_format(QAModelConfig(device="cpu", kv_dtype="int4")) == FORMATS["int4"]
+    with pytest.raises(ValueError, match="kv_dtype"):
+        QAModelConfig.model_validate({"device": "cpu", "kv_dtype": "fp8"})
 
 
 @pytest.fixture(scope="module")

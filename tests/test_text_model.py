@@ -8,11 +8,14 @@ from typing import Any
 import pytest
 import torch
 
+from edge.config.schema import QAModelConfig
 from edge.protocol.errors import ErrorCode, JobError
 from edge.protocol.jobs import QAJob
+from edge.tasks import qa
 from edge.text.checkpoint import TextCheckpoint, load_checkpoint
+from edge.text.engine import TextEngine
 from edge.text.generate import SamplingParams, generate
-from edge.text.qa import QAEngine, QASettings, chatml
+from edge.text.prompt import chatml
 from engines.import_gguf import SMOLLM2_FILE, import_smollm2, smollm2_gguf_path
 
 
@@ -122,17 +125,23 @@ def test_sampling_is_seeded(ckpt: TextCheckpoint) -> None:
 
 
 def test_qa_engine_context_window(ckpt: TextCheckpoint) -> None:
-    engine = QAEngine(ckpt, QASettings(max_context_tokens=96, max_new_tokens=8))
+    engine = TextEngine(
+        ckpt,
+        QAModelConfig(max_context_tokens=96, max_new_tokens=8, max_sequences=1, kv_offload="off", prefix_cache_mib=0),
+    )
     with pytest.raises(JobError) as err:
-        engine.answer(QAJob(id="a", question="q", context="word " * 200))
+        qa.answer(engine, QAJob(id="a", question="q", context="word " * 200))
     assert err.value.code == ErrorCode.PROMPT_TOO_LONG and err.value.field == "context"
-    out = engine.answer(QAJob(id="b", question="What colour is the sky?", max_new_tokens=500))
+    out = qa.answer(engine, QAJob(id="b", question="What colour is the sky?", max_new_tokens=500))
     assert out["prompt_tokens"] + out["completion_tokens"] <= 96
     assert out["answer"]
 
 
 def test_qa_answers_from_context(ckpt: TextCheckpoint) -> None:
-    engine = QAEngine(ckpt, QASettings(max_context_tokens=512, max_new_tokens=40))
+    engine = TextEngine(
+        ckpt,
+        QAModelConfig(max_context_tokens=512, max_new_tokens=40, max_sequences=1, kv_offload="off", prefix_cache_mib=0),
+    )
     context = "Clinic opening hours: the clinic is open from 8 am to 6 pm, Monday to Friday."
-    out = engine.answer(QAJob(id="c", question="When does the clinic open?", context=context))
+    out = qa.answer(engine, QAJob(id="c", question="When does the clinic open?", context=context))
     assert "8" in out["answer"]

@@ -17,7 +17,7 @@ from edge.builds import selector
 from edge.config.schema import Profile
 from edge.engines import find
 from edge.text.checkpoint import load_checkpoint
-from edge.text.qa import chatml
+from edge.text.prompt import chatml
 from engines.quantize import QuantRecipe
 from engines.text_build import SERVING_GROUP, quantize_checkpoint
 from engines.text_onnx import ONNX_FILE, export_checkpoint, past_names, present_names

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from edge.config.schema import QAModelConfig
 from edge.protocol.errors import ErrorCode
 from edge.protocol.jobs import ParsedJob, QAJob
 from edge.scheduler.branch import Outcome
@@ -20,16 +21,22 @@ from edge.scheduler.ledger import MemoryLedger
 from edge.scheduler.queue import PriorityDeadlineQueue
 from edge.scheduler.text_worker import TextMemory, TextWorker
 from edge.scheduler.work import Reply, WorkItem
+from edge.tasks import qa
 from edge.tasks.qa import QATask
 from edge.text.checkpoint import load_checkpoint
-from edge.text.qa import QAEngine, QASettings
+from edge.text.engine import TextEngine
 from engines.import_gguf import import_smollm2
 from tests import fakes
 
 
-def _engine(engine_dir: Path, sequences: int) -> QAEngine:
+def _engine(engine_dir: Path, sequences: int) -> TextEngine:
     ckpt = load_checkpoint(import_smollm2(engine_dir, progress=False))
-    return QAEngine(ckpt, QASettings(max_context_tokens=192, max_new_tokens=16, max_sequences=sequences))
+    return TextEngine(
+        ckpt,
+        QAModelConfig(
+            max_context_tokens=192, max_new_tokens=16, max_sequences=sequences, kv_offload="off", prefix_cache_mib=0
+        ),
+    )
 
 
 def _item(job_id: str, question: str, priority: int = 5, new: int = 16, deadline_ms: int | None = None) -> WorkItem:
@@ -40,7 +47,7 @@ def _item(job_id: str, question: str, priority: int = 5, new: int = 16, deadline
 
 @dataclass
 class Harness:
-    engine: QAEngine
+    engine: TextEngine
     ledger: MemoryLedger
     queue: PriorityDeadlineQueue
     worker: TextWorker
@@ -74,8 +81,8 @@ def harness(request: pytest.FixtureRequest, engine_dir: Path, tmp_path: Path) ->
     worker.stop(30)
 
 
-def _alone(engine: QAEngine, question: str, new: int) -> str:
-    return str(engine.answer(QAJob(id="ref", question=question, max_new_tokens=new))["answer"])
+def _alone(engine: TextEngine, question: str, new: int) -> str:
+    return str(qa.answer(engine, QAJob(id="ref", question=question, max_new_tokens=new))["answer"])
 
 
 @pytest.mark.parametrize("harness", [(1, 0.05)], indirect=True)

@@ -7,9 +7,11 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-import torch
+import numpy as np
 
 from edge.config.schema import QAModelConfig
 from edge.docs.retrieve import Passage, check_citations, context_of
@@ -21,8 +23,10 @@ from edge.scheduler.models import ModelManager
 from edge.scheduler.work import WorkItem
 from edge.tasks.base import Output
 from edge.tasks.retrieval import Retrieval
+from edge.text.chat import ChatTemplateError
 from edge.text.continuous import Sequence
-from edge.text.qa import QAEngine, QASettings
+from edge.text.engine import TextEngine
+from edge.text.generate import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +36,7 @@ class QATask:
 
     def __init__(
         self,
-        engine: QAEngine,
+        engine: TextEngine,
         responder: Responder,
         retrieval: Retrieval | None = None,
         collection: str | None = None,
@@ -60,7 +64,7 @@ class QATask:
                 pieces += 1
 
             on_text = publish_delta
-        seq = self.engine.prepare(job, item, on_text=on_text)
+        seq = job_sequence(self.engine, job, item, on_text)
         if passages is not None:
             self._retrieved[seq] = passages
         return seq
@@ -89,14 +93,93 @@ class QATask:
     def output(self, seq: Sequence) -> Output:
         item = seq.owner
         if isinstance(item, WorkItem):
-            item.stages.update(self.engine.stages(seq))
-            item.latency.update(self.engine.latency(seq, item.received_at))
-        out = self.engine.output(seq)
+            item.stages.update(stages(seq))
+            item.latency.update(latency(seq, item.received_at))
+        out = result_of(seq)
         passages = self._retrieved.pop(seq, None)
         if passages is not None:
             out["passages"] = [{"id": p.id, "score": round(p.score, 4), "title": p.title} for p in passages]
             out["citations"] = check_citations(seq.text, passages)
         return out
+
+
+def job_sequence(
+    engine: TextEngine, job: QAJob, owner: Any = None, on_text: Callable[[str], None] | None = None
+) -> Sequence:
+    """The job as a sequence for the engine's batcher, every check done: the prompt in
+    the model's template, within the context window, its sampling parameters."""
+    t0 = time.perf_counter()
+    try:
+        ids, prefix = engine.prompter.parts(job.question, job.context)
+    except ChatTemplateError as err:
+        why = f"the model's chat template refused the question: {err}"
+        raise JobError(ErrorCode.INVALID_FIELD, why, "question") from err
+    tokenize_ms = (time.perf_counter() - t0) * 1000.0
+    new_tokens = job.max_new_tokens or engine.cfg.max_new_tokens
+    window = engine.cfg.max_context_tokens
+    if len(ids) + 1 > window:
+        raise JobError(
+            ErrorCode.PROMPT_TOO_LONG,
+            f"prompt is {len(ids)} tokens; this device's context window is {window}",
+            "context" if job.context else "question",
+        )
+    # Never refuse a job for wanting more tokens than fit: generate what fits and report
+    # finish_reason "length", which is what the caller can act on.
+    new_tokens = min(new_tokens, window - len(ids))
+    params = SamplingParams(
+        max_new_tokens=new_tokens,
+        temperature=job.temperature,
+        top_p=job.top_p,
+        stop=tuple(job.stop),
+        seed=job.seed,
+    )
+    seq = engine.sequence(ids, params, owner, prefix, on_text)
+    seq.tokenize_ms = tokenize_ms
+    return seq
+
+
+def answer(engine: TextEngine, job: QAJob, on_text: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run one job to completion alone (the batcher must be idle): tools and tests."""
+    return result_of(engine.batcher.single(job_sequence(engine, job, on_text=on_text), job.id))
+
+
+def stages(seq: Sequence) -> dict[str, float]:
+    """Milliseconds by stage: prefill and decode on the GPU's clock where they ran on
+    CUDA (events around each prefill and each decode step it was in); elsewhere as the
+    host saw them, decode less the text decoding inside its steps."""
+    prefill, decode = seq.prefill_gpu_ms(), seq.decode_gpu_ms()
+    return {
+        "tokenize": seq.tokenize_ms,
+        "prefill": seq.prefill_ms if prefill is None else prefill,
+        "decode": max(0.0, seq.decode_s * 1000.0 - seq.detokenize_ms) if decode is None else decode,
+        "detokenize": seq.detokenize_ms,
+    }
+
+
+def latency(seq: Sequence, received_at: float) -> dict[str, float]:
+    """Time to the first token from the job's arrival, and the time between tokens (p50,
+    p99), on the host's clock as the tokens were taken."""
+    times = seq.token_times
+    if not times:
+        return {}
+    gaps = np.diff(np.asarray(times)) * 1000.0
+    out = {"ttft_ms": (times[0] - received_at) * 1000.0}
+    if gaps.size:
+        out["token_p50_ms"] = float(np.percentile(gaps, 50))
+        out["token_p99_ms"] = float(np.percentile(gaps, 99))
+    return out
+
+
+def result_of(seq: Sequence) -> dict[str, Any]:
+    return {
+        # Not stripped: streamed deltas must concatenate to exactly this text.
+        "answer": seq.text,
+        "finish_reason": seq.finish,
+        "prompt_tokens": len(seq.prompt),
+        "completion_tokens": len(seq.tokens),
+        "prefill_ms": round(seq.prefill_ms, 3),
+        "decode_tokens_per_s": round(seq.tokens_per_s, 2),
+    }
 
 
 def qa_model_name(cfg: QAModelConfig) -> str:
@@ -112,33 +195,17 @@ def start_qa(
     responder: Responder,
     state_dir: Path | None = None,
     engine_dir: Path | None = None,
+    profile_name: str | None = None,
 ) -> QATask:
     """Load the text model (its KV cache allocated and every serving shape warmed up
     inside the measured load) and return the task."""
-    if cfg.threads and cfg.device == "cpu":
-        torch.set_num_threads(cfg.threads)
-    settings = QASettings(
-        max_context_tokens=cfg.max_context_tokens,
-        max_new_tokens=cfg.max_new_tokens,
-        system_prompt=cfg.system_prompt,
-        max_sequences=cfg.max_sequences,
-        prefill_chunk=cfg.prefill_chunk,
-        device=cfg.device,
-        dtype=cfg.dtype,
-        cuda_graphs=cfg.cuda_graphs,
-        cpu_kernel=cfg.cpu_kernel,
-        embedding=cfg.embedding,
-        kv_dtype=cfg.kv_dtype,
-        kv_offload=cfg.kv_offload,
-        kv_offload_mib=cfg.kv_offload_mib,
-        prefix_cache_mib=cfg.prefix_cache_mib,
-        offload_dir=state_dir / "kv-offload" if state_dir is not None else None,
-    )
+    offload_dir = state_dir / "kv-offload" if state_dir is not None else None
     name = qa_model_name(cfg)
     # The backend label says what actually runs: the device and the INT4 kernel.
-    load = lambda: QAEngine.load(checkpoint, settings)  # noqa: E731
+    origin = {"profile": profile_name} if profile_name else None
+    load = lambda: TextEngine.load(checkpoint, cfg, offload_dir, origin)  # noqa: E731
     manager.register(name, "text", f"torch-{cfg.device}", load, float("inf"), cfg.device)
-    engine: QAEngine = manager.load(name)
+    engine: TextEngine = manager.load(name)
     kernel = engine.int4_kernel or "float"
     manager.describe(name, f"torch-{cfg.device} {kernel}" + (" + CUDA graphs" if engine.graphs else ""))
     retrieval = None

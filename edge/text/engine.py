@@ -1,0 +1,304 @@
+"""The text engine: the profile's qa section made into a served model.
+
+One way in: the daemon, every benchmark, every evaluation and `edgectl verify` build
+their text model with `TextEngine.load(checkpoint, cfg)`, where `cfg` is a profile's
+`models.qa` section (a benchmark that measures a variant changes a field of it and says
+which). The engine knows no job: it turns questions into prompt tokens, sequences into
+tokens, and says what it resolved to (`config`), so every figure names what it ran."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from edge.config.schema import QAModelConfig
+from edge.text import cpu_kv, triton_decode
+from edge.text.checkpoint import TextCheckpoint, load_checkpoint
+from edge.text.continuous import ContinuousBatcher, Sequence
+from edge.text.embedding import EmbeddingFormat, QuantizedEmbedding
+from edge.text.generate import SamplingParams
+from edge.text.kv_offload import KVOffload
+from edge.text.kv_quant import FORMATS, KVFormat
+from edge.text.prefix_cache import PrefixCache
+from edge.text.prompt import Prompter
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def variant(cfg: QAModelConfig, **changes: Any) -> QAModelConfig:
+    """The section with `changes` applied, validated as a profile's own would be: how a
+    benchmark or a check says which fields of the served configuration it changed."""
+    return QAModelConfig.model_validate({**cfg.model_dump(), **changes})
+
+
+def resolve_embedding(cfg: QAModelConfig) -> EmbeddingFormat:
+    """The token table's format: "auto" is int8 on CUDA, float on the CPU."""
+    if cfg.embedding == "auto":
+        return "int8" if cfg.device == "cuda" else "float"
+    return cfg.embedding
+
+
+def resolve_dtype(cfg: QAModelConfig) -> torch.dtype:
+    """The activations' type: "auto" is float32 on the CPU, float16 on CUDA."""
+    if cfg.dtype != "auto":
+        return DTYPES[cfg.dtype]
+    return torch.float16 if cfg.device == "cuda" else torch.float32
+
+
+def kv_format(cfg: QAModelConfig) -> KVFormat:
+    """The KV cache's format, checked against what this box can run: the quantized
+    formats need their attention kernels (Triton on CUDA, a C compiler on the CPU)."""
+    fmt = FORMATS[cfg.kv_dtype]
+    if fmt.dtype == "float16":
+        return fmt
+    if cfg.device == "cuda" and not triton_decode.TRITON_SUPPORT:
+        raise RuntimeError(f"models.qa.kv_dtype {fmt.dtype} on CUDA needs Triton, which is not installed here")
+    if cfg.device == "cpu" and not cpu_kv.available():
+        raise RuntimeError(f"models.qa.kv_dtype {fmt.dtype} on the CPU needs a C compiler (install gcc, or set CC)")
+    return fmt
+
+
+def group_sizes(path: Path) -> list[int]:
+    """The INT4 group sizes a checkpoint was built with (none: a float checkpoint)."""
+    quant = path / "quant.json"
+    if not quant.exists():
+        return []
+    linears = json.loads(quant.read_text(encoding="utf-8"))["linears"]
+    return sorted({int(info["group_size"]) for info in linears.values()})
+
+
+class TextEngine:
+    """A text model as the profile's qa section describes it, over a continuous batcher
+    whose KV cache is allocated once (max_sequences rows of max_context_tokens, its rows
+    handed out by the batcher's KV cache manager), warmed up before the first job.
+
+    `origin` says where the section came from: the profile's name and the fields a
+    caller changed from it (a benchmark's variant), recorded in `config`."""
+
+    def __init__(
+        self,
+        checkpoint: TextCheckpoint,
+        cfg: QAModelConfig,
+        offload_dir: Path | None = None,
+        origin: dict[str, Any] | None = None,
+    ) -> None:
+        self._ckpt = checkpoint
+        self.cfg = cfg
+        self.origin = origin or {}
+        self.prompter = Prompter(checkpoint.tokenizer, checkpoint.chat, cfg.system_prompt)
+        self.batcher = ContinuousBatcher(
+            checkpoint.model,
+            checkpoint.tokenizer,
+            checkpoint.eos_ids,
+            slots=cfg.max_sequences,
+            slot_len=cfg.max_context_tokens,
+            kv_format=kv_format(cfg),
+        )
+        self.batcher.prefill_chunk = cfg.prefill_chunk
+        if cfg.kv_offload != "off":
+            self.batcher.offload = KVOffload(cfg.kv_offload, self.batcher.device, offload_dir, cfg.kv_offload_mib << 20)
+            self.batcher.kv.offload_snapshot = self.batcher.offload.snapshot
+        if cfg.prefix_cache_mib > 0:
+            self.batcher.prefix_cache = PrefixCache(cfg.prefix_cache_mib << 20)
+            self.batcher.kv.prefix_snapshot = self.batcher.prefix_cache.snapshot
+        # Device bytes a prefill of the longest prompt takes beyond the model (its
+        # activations): measured at warm-up on CUDA, reserved by each job while it is
+        # prefilled. On the CPU that working memory stays in the heap after warm-up,
+        # inside the model's measured footprint.
+        self.prefill_bytes = 0
+        self.graphs = 0
+
+    @classmethod
+    def load(
+        cls,
+        path: Path,
+        cfg: QAModelConfig,
+        offload_dir: Path | None = None,
+        origin: dict[str, Any] | None = None,
+        warm: bool = True,
+    ) -> TextEngine:
+        """Load the checkpoint at `path` as `cfg` says, and warm it up (`warm` False
+        only for tools that measure the warm-up itself)."""
+        if cfg.device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("models.qa.device is 'cuda' but torch sees no CUDA device here")
+        if cfg.threads and cfg.device == "cpu":
+            torch.set_num_threads(cfg.threads)
+        t0 = time.perf_counter()
+        ckpt = load_checkpoint(
+            path,
+            dtype=resolve_dtype(cfg),
+            device=cfg.device,
+            exact_cpu=cfg.cpu_kernel == "exact",
+            embedding=resolve_embedding(cfg),
+        )
+        engine = cls(ckpt, cfg, offload_dir, origin)
+        engine._stage("weights and KV cache", t0)
+        if warm:
+            engine.warm_up()
+        return engine
+
+    # -- what it is ------------------------------------------------------------------------
+
+    @property
+    def model(self) -> Any:
+        return self.batcher.model
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._ckpt.tokenizer
+
+    @property
+    def checkpoint(self) -> TextCheckpoint:
+        return self._ckpt
+
+    @property
+    def device(self) -> torch.device:
+        return self.batcher.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return resolve_dtype(self.cfg)
+
+    @property
+    def int4_kernel(self) -> str | None:
+        return self._ckpt.int4_kernel
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.batcher.cache.nbytes
+
+    def config(self) -> dict[str, Any]:
+        """What this engine resolved to: the figures' `engine_config` and status's."""
+        model = self.batcher.model
+        table = model.embed_tokens
+        groups = group_sizes(self._ckpt.path)
+        fused = bool(model.fused_decode) if model.fused_decode is not None else triton_decode.can_fuse(model)
+        folds = fused and triton_decode.folds_norm(model, 1)[0]
+        return {
+            "device": self.device.type,
+            "dtype": DTYPE_NAMES[self.dtype],
+            "kernel": self.int4_kernel or "float",
+            "group_size": groups[0] if len(groups) == 1 else (groups or None),
+            "embedding": table.fmt if isinstance(table, QuantizedEmbedding) else "float",
+            "kv_dtype": self.batcher.kv.dtype,
+            "fused_step": fused,
+            "fold_norms": bool(folds),
+            "cuda_graphs": self.graphs > 0,
+            "triton": bool(triton_decode.TRITON_SUPPORT),
+            "threads": torch.get_num_threads() if self.device.type == "cpu" else None,
+            "max_sequences": self.cfg.max_sequences,
+            "max_context_tokens": self.cfg.max_context_tokens,
+            "prefill_chunk": self.cfg.prefill_chunk,
+            "kv_offload": self.cfg.kv_offload,
+            "prefix_cache_mib": self.cfg.prefix_cache_mib,
+            "checkpoint": self._ckpt.path.name,
+            **({"origin": self.origin} if self.origin else {}),
+        }
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def _stage(self, what: str, since: float) -> None:
+        """A load stage's time and, on CUDA, the device memory after it: what a slow or
+        large load is made of, in the log."""
+        took = time.perf_counter() - since
+        if self.device.type != "cuda":
+            logger.info("text model: %s in %.1f s", what, took)
+            return
+        free, total = torch.cuda.mem_get_info(self.device)
+        logger.info(
+            "text model: %s in %.1f s; allocated %.0f MiB, reserved %.0f MiB, device in use %.0f MiB",
+            what,
+            took,
+            torch.cuda.memory_allocated(self.device) / 2**20,
+            torch.cuda.memory_reserved(self.device) / 2**20,
+            (total - free) / 2**20,
+        )
+
+    def warm_up(self) -> None:
+        """Every serving shape once before any job, so every weight page is resident
+        before memory is measured and no kernel is built or tuned mid-run: on CUDA the
+        INT4 GEMV's tuner for every row count a step or a short prefill feeds it, each
+        decode shape, the longest prefill (whose activations are measured), and the CUDA
+        graphs of the decode step. One short generation last."""
+        model = self.batcher.model
+        t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            from edge.text.int4 import share_dequant_buffer, tune_gemv
+
+            tune_gemv(model, self.dtype)
+            # Before the prefill is measured and the graphs captured: the slab buffer is
+            # then the model's, held once, not in each prefill's activations.
+            shared = share_dequant_buffer(model, self.dtype)
+            self._stage(f"INT4 GEMV tuned, {shared / 2**20:.0f} MiB prefill dequantization buffer", t0)
+        t0 = time.perf_counter()
+        self.batcher.warm_up()
+        self._stage("every decode shape run", t0)
+        if self.device.type == "cuda":
+            t0 = time.perf_counter()
+            self.prefill_bytes = self._measure_prefill()
+            if self.cfg.cuda_graphs:
+                self.graphs = self.batcher.capture_graphs()
+            torch.cuda.empty_cache()  # the warm-up's transient blocks are not the model's
+            self._stage(f"longest prefill measured ({self.prefill_bytes / 2**20:.0f} MiB), {self.graphs} graphs", t0)
+        self.generate(self.prompter.ids("Hello", None), SamplingParams(max_new_tokens=2), "warm-up")
+
+    @torch.inference_mode()
+    def _measure_prefill(self) -> int:
+        length = self.batcher.slot_len - 1
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        ids = torch.zeros((1, length), dtype=torch.long, device=self.device)
+        self.batcher.model(ids, self.batcher.cache.rows(0, 1), 0)
+        torch.cuda.synchronize(self.device)
+        return max(0, int(torch.cuda.max_memory_allocated(self.device)) - before)
+
+    # -- serving ---------------------------------------------------------------------------
+
+    def sequence(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        owner: Any = None,
+        prefix: int = 0,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Sequence:
+        """A sequence for the batcher: `prefix` leading tokens others may share."""
+        seq = Sequence(owner, ids, params, on_text)
+        seq.prefix = prefix
+        return seq
+
+    def kv_tokens(self, seq: Sequence) -> int:
+        """KV positions the sequence can ever occupy: what it reserves before it runs."""
+        return min(len(seq.prompt) + seq.params.max_new_tokens, self.batcher.slot_len)
+
+    def generate(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        owner: str = "alone",
+        prefix: int = 0,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Sequence:
+        """Run one prompt to its end alone (the batcher must be idle)."""
+        room = self.batcher.slot_len - len(ids)
+        if room < 1:
+            raise ValueError(f"prompt is {len(ids)} tokens; the context window is {self.batcher.slot_len}")
+        if params.max_new_tokens > room:
+            params = SamplingParams(room, params.temperature, params.top_p, params.stop, params.seed)
+        return self.batcher.single(self.sequence(ids, params, None, prefix, on_text), owner)
+
+    def ask(self, question: str, context: str | None = None, max_new_tokens: int | None = None) -> Sequence:
+        """One question answered greedily, alone: evaluations and tools."""
+        ids, prefix = self.prompter.parts(question, context)
+        params = SamplingParams(max_new_tokens=max_new_tokens or self.cfg.max_new_tokens)
+        return self.generate(ids, params, prefix=prefix)
