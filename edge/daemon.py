@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -49,8 +48,6 @@ from edge.tasks.qa import QATask, qa_model_name, start_qa
 from edge.tracing import JobTracer
 
 logger = logging.getLogger(__name__)
-
-GIL_SWITCH_S = 0.001
 
 MIB = 2**20
 
@@ -114,10 +111,6 @@ class Daemon:
         self.intake.profile = profile
 
     def run(self) -> int:
-        # A thread waiting for the GIL gets it within this long: the intake, paho and the
-        # vision worker each take it briefly per job, and at Python's default (5 ms) a
-        # burst of frames waited that long at every hand-over while the text branch ran.
-        sys.setswitchinterval(GIL_SWITCH_S)
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
         signal.signal(signal.SIGHUP, self.request_reload)

@@ -340,7 +340,7 @@ def verify_text(profile: Profile, checkpoint: Path, have: set[str], skipped: lis
         got.append(session.run(["logits"], feed)[0][0])
     checks.append(compare("text", "onnxruntime", reference, "float32", got, ref, _token_top1, TEXT_TOLERANCES))
 
-    from edge.text.int4 import cpu_kernel_available
+    from edge.text.ops.int4 import cpu_kernel_available
 
     if cpu_kernel_available():
         bf16 = engine(device="cpu", dtype="float32", cpu_kernel="bf16")

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from edge.text.int4 import dequantize, group_size_for, pack
+from edge.text.ops.int4 import dequantize, group_size_for, pack
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from edge.text.checkpoint import SIDE_FILES
-from edge.text.llama import LlamaModel
+from edge.text.model.checkpoint import SIDE_FILES
+from edge.text.model.llama import LlamaModel
 
 
 def write_float_checkpoint(model: LlamaModel, src: Path, out: Path) -> dict[str, Any]:

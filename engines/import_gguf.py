@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from edge.text.llama import LlamaConfig
+from edge.text.architecture import LlamaConfig
 from engines.cache import build_cached, cache_key, file_sha256
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ shards), `tokenizer.json`, and `tokenizer_config.json` with the chat template an
 special tokens. Supported: the Llama family (Llama 2/3.x with its RoPE scaling, SmolLM,
 TinyLlama, Mistral-style models without a sliding window) and the Qwen2 family (q/k/v
 biases, tied embeddings). Anything else is refused with an error naming what is not
-supported. The output is the layout `edge.text.checkpoint` loads: float32 weights under
+supported. The output is the layout `edge.text.model.checkpoint` loads: float32 weights under
 our module names, our config, the tokenizer, and generation.json with the chat template,
 the special tokens and the end-of-turn ids.
 """
@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from edge.text.llama import LlamaConfig
+from edge.text.architecture import LlamaConfig
 from engines.cache import build_cached, cache_key, file_sha256
 from engines.import_gguf import MAX_POSITIONS, SourceModelError, expected_tensors
 

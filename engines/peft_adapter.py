@@ -28,8 +28,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from edge.text.checkpoint import load_checkpoint
-from edge.text.llama import LlamaModel
+from edge.text.model.checkpoint import load_checkpoint
+from edge.text.model.llama import LlamaModel
 from engines.base_quantization import FILE as BASE_QUANTIZATION
 from engines.base_quantization import BaseQuantization, BaseQuantizationError, read_base_quantization
 from engines.cache import build_cached, cache_key, file_sha256, read_manifest

@@ -25,13 +25,11 @@ from torch import nn
 from tqdm import tqdm
 
 from edge.config.schema import DEFAULT_SYSTEM_PROMPT
-from edge.text.checkpoint import load_checkpoint
-from edge.text.int4 import QuantizedWeight, dequantize, group_size_for, pack
-from edge.text.llama import LlamaModel
+from edge.text.model.checkpoint import load_checkpoint
+from edge.text.model.llama import LlamaModel
+from edge.text.ops.int4 import QuantizedWeight, dequantize, group_size_for, pack
 from edge.text.prompt import chatml, user_message
-from engines.cache import build_cached, cache_key, read_manifest
 from engines.clinic_data import Example, examples
-from engines.float_checkpoint import write_float_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -166,32 +164,6 @@ def merge(model: LlamaModel) -> None:
             linear.weight = nn.Parameter(w, requires_grad=False)
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, linear)
-
-
-def _build(src: Path, out: Path, recipe: LoraRecipe, progress: bool) -> dict[str, Any]:
-    ckpt = load_checkpoint(src, fuse=False)
-    stats = train(ckpt.model, ckpt.tokenizer, recipe, progress)
-    merge(ckpt.model)
-    written = write_float_checkpoint(ckpt.model, src, out)
-    (out / "adapter.json").write_text(json.dumps({"recipe": asdict(recipe), **stats}, indent=2) + "\n")
-    return {**written, "merged_adapter": asdict(recipe), "training": stats}
-
-
-def train_and_merge(src: Path, recipe: LoraRecipe | None = None, progress: bool = True) -> Path:
-    """Cached by the base checkpoint's inputs, the recipe and the training data."""
-    recipe = recipe or LoraRecipe()
-    source = read_manifest(src)
-    if source is None:
-        raise FileNotFoundError(f"{src} is not a built checkpoint (no manifest)")
-    data = [asdict(e) for e in examples("train")]
-    inputs = {
-        "source": source["inputs"],
-        "recipe": asdict(recipe),
-        "data": cache_key({"d": data}),
-        "qlora": QLORA_VERSION,
-    }
-    out = src.parent / f"{src.name}-clinic-{cache_key(inputs)}"
-    return build_cached(out, inputs, lambda scratch: _build(src, scratch, recipe, progress))
 
 
 # The clinic adapter as the repo ships it: a PEFT LoRA directory, so a first start merges

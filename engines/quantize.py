@@ -22,8 +22,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from edge.text.int4 import QuantizedWeight, fake_quantize, group_size_for, pack
-from edge.text.llama import DecoderLayer, LlamaModel
+from edge.text.model.llama import DecoderLayer, LlamaModel
+from edge.text.ops.int4 import QuantizedWeight, fake_quantize, group_size_for, pack
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class QuantRecipe:
     # is the largest matrix by far (SmolLM2: 113 MB in float32 of 135M params). Rounded to
     # INT4 (a copy when tied to the embedding, which stays float for lookups).
     lm_head: bool = True
-    # Zero points fixed at 8 (edge/text/int4.py quantize_codes): what TensorRT takes.
+    # Zero points fixed at 8 (edge/text/ops/int4.py quantize_codes): what TensorRT takes.
     symmetric: bool = False
 
     def _rule(self, name: str) -> int | None:

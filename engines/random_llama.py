@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from edge.text.int4 import Int4Linear, QuantizedWeight
-from edge.text.llama import DecoderLayer, LlamaConfig, LlamaModel
+from edge.text.architecture import LlamaConfig
+from edge.text.model.llama import DecoderLayer, LlamaModel
+from edge.text.ops.int4 import Int4Linear, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ def write_random_checkpoint(
     out_dir: Path, config: LlamaConfig, device: torch.device | str = "cpu", group: int = 128, seed: int = 0
 ) -> Path:
     """An INT4 text checkpoint of `config`'s shape with random weights, in the serving
-    format (what edge/text/checkpoint.py loads), with a manifest that says it is random:
+    format (what edge/text/model/checkpoint.py loads), with a manifest that says it is random:
     for speed and memory figures of a real-size model through the whole daemon. The
     weights are drawn on `device` (fast on a GPU) and written once."""
     from safetensors.torch import save_file

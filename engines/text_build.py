@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from edge.text.checkpoint import SIDE_FILES, load_checkpoint
+from edge.text.model.checkpoint import SIDE_FILES, load_checkpoint
 from engines.cache import build_cached, cache_key, read_manifest, stop_on_sigterm, tag_serves
 from engines.corpus import calibration_text, corpus_fingerprint
 from engines.import_gguf import SourceModelError

@@ -38,7 +38,8 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from safetensors.torch import load_file
 
-from edge.text.llama import LlamaConfig, rope_tables
+from edge.text.architecture import LlamaConfig
+from edge.text.model.llama import rope_tables
 from engines.cache import build_cached, cache_key, file_sha256, read_manifest, stop_on_sigterm, tag_serves
 
 logger = logging.getLogger(__name__)

@@ -401,11 +401,11 @@ def kernel_decode(device: str, text: Path, prompt_tokens: int, new_tokens: int) 
     CPU the plain generation loop."""
     import torch
 
-    from edge.text.checkpoint import load_checkpoint
+    from edge.text.model.checkpoint import load_checkpoint
 
     if device == "cuda":
-        from edge.text.cuda_graphs import GraphDecoder
-        from edge.text.int4 import tune_gemv
+        from edge.text.ops.int4 import tune_gemv
+        from edge.text.runtime.cuda_graphs import GraphDecoder
 
         ckpt = load_checkpoint(text, dtype=torch.float16, device="cuda")
         model = ckpt.model
@@ -430,7 +430,7 @@ def kernel_decode(device: str, text: Path, prompt_tokens: int, new_tokens: int) 
             torch.cuda.synchronize()
             rates.append(new_tokens / (start.elapsed_time(end) / 1000.0))
         return {"decode_tok_s": statistics.median(rates), "loop": "GraphDecoder (CUDA graphs), batch 1"}
-    from edge.text.generate import SamplingParams, generate
+    from edge.text.runtime.generate import SamplingParams, generate
 
     torch.set_num_threads(CPU_TEXT_THREADS)  # as the daemon's text branch runs (the profile)
     ckpt = load_checkpoint(text)
@@ -442,7 +442,7 @@ def kernel_decode(device: str, text: Path, prompt_tokens: int, new_tokens: int) 
         params = SamplingParams(max_new_tokens=new_tokens)
         out = generate(ckpt.model, ckpt.tokenizer, prompt, params, frozenset(), cache)
         rates.append(out.tokens_per_s)
-    return {"decode_tok_s": statistics.median(rates), "loop": "edge.text.generate, batch 1"}
+    return {"decode_tok_s": statistics.median(rates), "loop": "edge.text.runtime.generate, batch 1"}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -4,8 +4,8 @@ and what lossless coding gets from real keys and values.
 
 On the CPU, SmolLM2-135M-Instruct (real weights, float32), on held-out text (the Python
 reference topics of the evaluation split), every figure through the cache the daemon
-serves (models.qa.kv_dtype; edge/text/quant_cache.py and the attention kernels that read
-its codes, edge/text/kv_attention.py):
+serves (models.qa.kv_dtype; edge/text/kv/quant_cache.py and the attention kernels that read
+its codes, edge/text/kv/kv_attention.py):
 - perplexity with each KV format, the text read in chunks of 64 tokens: each chunk
   attends to the earlier ones as the cache holds them (codes, and the float ring of the
   newest) and to its own in float, as chunked prefill does; the delta is against the
@@ -14,7 +14,7 @@ its codes, edge/text/kv_attention.py):
   cache, against the float cache's;
 - capacity: the tokens the shipped jetson-orin profile's KV pool (its max_sequences rows
   of max_context_tokens float16 tokens) holds in each format, counted from the caches as
-  allocated (edge/text/kv_capacity.py), and the same for one 4K row;
+  allocated (edge/text/kv/kv_capacity.py), and the same for one 4K row;
 - lossless codecs (lz4, delta + lz4, byte-shuffle + lz4 or zstd) on the float16 cache of
   the same text, each checked to give back every byte;
 - chunked prefill: the time between the tokens of two decoding sequences while a
@@ -52,12 +52,14 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from eval_text_quality import agreement  # noqa: E402
 
-from edge.text.checkpoint import load_checkpoint  # noqa: E402
-from edge.text.continuous import ContinuousBatcher, Sequence  # noqa: E402
-from edge.text.generate import SamplingParams  # noqa: E402
-from edge.text.kv_capacity import cache_bytes, longest_rows  # noqa: E402
-from edge.text.kv_quant import FORMATS, KVDtype, KVFormat  # noqa: E402
-from edge.text.llama import KVCache, LlamaConfig, LlamaModel  # noqa: E402
+from edge.text.architecture import LlamaConfig  # noqa: E402
+from edge.text.kv.float_cache import KVCache  # noqa: E402
+from edge.text.kv.kv_capacity import cache_bytes, longest_rows  # noqa: E402
+from edge.text.kv.kv_quant import FORMATS, KVDtype, KVFormat  # noqa: E402
+from edge.text.model.checkpoint import load_checkpoint  # noqa: E402
+from edge.text.model.llama import LlamaModel  # noqa: E402
+from edge.text.runtime.continuous import ContinuousBatcher, Sequence  # noqa: E402
+from edge.text.runtime.generate import SamplingParams  # noqa: E402
 from engines.corpus import corpus_fingerprint, evaluation_text  # noqa: E402
 from engines.import_gguf import import_smollm2  # noqa: E402
 
@@ -323,8 +325,8 @@ def _attention_at(config: LlamaConfig, context: int, with_rope: bool) -> dict[st
     """Microseconds of each kernel at `context` (see attention_kernels)."""
     import triton
 
-    from edge.text import triton_decode, triton_kv
-    from edge.text.quant_cache import QuantKVCache
+    from edge.text.kv.quant_cache import QuantKVCache
+    from edge.text.ops.triton import decode_ops, triton_kv
 
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -353,7 +355,7 @@ def _attention_at(config: LlamaConfig, context: int, with_rope: bool) -> dict[st
             t.normal_()
         layers[dtype] = cache.layer(0)
     runs: dict[str, Callable[[], Any]] = {
-        "float16": lambda: triton_decode.decode_attention(q, flo.k[0], flo.v[0], pos, length, sms),
+        "float16": lambda: decode_ops.decode_attention(q, flo.k[0], flo.v[0], pos, length, sms),
         "int8": lambda: triton_kv.attention(layers["int8"], q, pos, length, 1.0),
         "int4": lambda: triton_kv.attention(layers["int4"], q, pos, length, 1.0),
     }
@@ -362,7 +364,7 @@ def _attention_at(config: LlamaConfig, context: int, with_rope: bool) -> dict[st
         cos = torch.randn(length + 64, hd // 2, device=dev)
         sin = torch.randn(length + 64, hd // 2, device=dev)
         due = torch.tensor([context], device=dev)  # the step on which a key block is coded
-        runs["rope float16"] = lambda: triton_decode.rope_kv_write(qkv, cos, sin, pos, flo.k[0], flo.v[0], nh)
+        runs["rope float16"] = lambda: decode_ops.rope_kv_write(qkv, cos, sin, pos, flo.k[0], flo.v[0], nh)
         runs["rope int8"] = lambda: triton_kv.rope_write(qkv, cos, sin, pos, layers["int8"], nh)
         runs["rope int8, block coded"] = lambda: triton_kv.rope_write(qkv, cos, sin, due, layers["int8"], nh)
     times: dict[str, list[float]] = {name: [] for name in runs}
@@ -378,7 +380,7 @@ def attention_kernels(config: LlamaConfig, contexts: tuple[int, ...] = (4096, 16
     three rounds, the fastest of each kept; and the rotary-and-write kernel, for int8 also
     on the step where a key block leaves the float ring and is coded (one step in 64).
     The caches hold random codes and scales: speed only."""
-    from edge.text import triton_kv
+    from edge.text.ops.triton import triton_kv
 
     rows: list[dict[str, Any]] = []
     rope: dict[str, float] = {}
@@ -409,7 +411,7 @@ def offload_figures(
 ) -> list[dict[str, Any]]:
     """A paused row of each length and KV format: saved to host memory and to a file
     (lz4 where it pays), restored from each, against prefilling it again."""
-    from edge.text.kv_offload import KVOffload
+    from edge.text.kv.kv_offload import KVOffload
 
     rows = []
     for dtype in ("float16", "int8", "int4"):
@@ -457,7 +459,7 @@ def prefix_ttft(model: LlamaModel, document: list[int], questions: list[list[int
     """Time to first token of prompts sharing a document: the first (a miss: the document
     prefilled and kept), the later ones (hits: the question alone), and the same prompts
     with no prefix cache (prefilled whole)."""
-    from edge.text.prefix_cache import PrefixCache
+    from edge.text.kv.prefix_cache import PrefixCache
 
     longest = len(document) + max(len(q) for q in questions) + 8
     cached = ContinuousBatcher(model, None, frozenset(), 1, longest)
@@ -683,7 +685,7 @@ def main() -> None:
     previous = json.loads(args.out.read_text()) if args.out.exists() else {}
     result = {
         "what": "SmolLM2-135M-Instruct (real weights): quantized KV formats and lossless codecs on real KV",
-        "serving": "every quality figure through the served cache (edge/text/quant_cache.py) and the attention "
+        "serving": "every quality figure through the served cache (edge/text/kv/quant_cache.py) and the attention "
         "kernels that read its codes: our C kernel on the CPU here",
         "eval_text": f"pydoc_data topics, eval split, corpus {corpus_fingerprint()}",
         "eval_tokens": len(eval_ids),

@@ -49,8 +49,8 @@ from edge.scheduler.ledger import MemoryLedger, measure  # noqa: E402
 from edge.scheduler.queue import BatchPolicy, PriorityDeadlineQueue  # noqa: E402
 from edge.scheduler.text_worker import TextMemory, TextWorker  # noqa: E402
 from edge.scheduler.work import Reply, WorkItem  # noqa: E402
-from edge.text.continuous import ContinuousBatcher, Sequence  # noqa: E402
-from edge.text.generate import SamplingParams  # noqa: E402
+from edge.text.runtime.continuous import ContinuousBatcher, Sequence  # noqa: E402
+from edge.text.runtime.generate import SamplingParams  # noqa: E402
 from edge.vision.inspect import InspectPipeline  # noqa: E402
 
 GIB = 1 << 30
@@ -148,6 +148,7 @@ def vision_throughput(pipeline: InspectPipeline, images: list[np.ndarray], batch
 
 def build_text_cpu(ledger: MemoryLedger, probe: Probe) -> tuple[ContinuousBatcher, Callable[[WorkItem], Sequence], Any]:
     from edge.text.qa import QAEngine, QASettings
+
     from engines.text_build import build_text_engine
 
     path = build_text_engine(REPO / ".edge" / "engines", "clinic", "awq-int4", progress=False)
@@ -171,7 +172,7 @@ def build_text_cuda(
     kernel: str = "triton",
     dtype: torch.dtype = torch.float16,
 ) -> tuple[ContinuousBatcher, Callable[[WorkItem], Sequence], Any]:
-    from edge.text.int4 import tune_gemv
+    from edge.text.ops.int4 import tune_gemv
     from engines.random_llama import LLAMA3_8B, random_int4_llama
 
     def load() -> ContinuousBatcher:

@@ -33,7 +33,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from edge.text.llama import KVCache, LlamaConfig  # noqa: E402
+from edge.text.architecture import LlamaConfig  # noqa: E402
+from edge.text.kv.float_cache import KVCache  # noqa: E402
 from engines.random_llama import LLAMA3_8B, int4_weight_bytes, random_int4_llama  # noqa: E402
 
 GIB = 1 << 30
@@ -193,14 +194,13 @@ def ours_cuda(
     tokens, peak memory with a cache of `long_context + prompt_len` tokens (llama-bench's
     largest context for the same test), then the in-graph kernel profile and continuous
     batching at `batch_sizes`."""
-    from edge.text.embedding import compact_embedding
-    from edge.text.int4 import tune_gemv
+    from edge.text.model.embedding import compact_embedding
+    from edge.text.ops.int4 import tune_gemv
 
     torch.cuda.empty_cache()
     variant = kernel
     kernel = kernel.split("+")[0]
     model = random_int4_llama(config, "cuda", kernel)
-    model.l2_prefetch = variant.endswith("+prefetch")
     model.fold_norms = not variant.endswith("+unfolded")
     compact_embedding(model, embedding)  # type: ignore[arg-type]
     tune_gemv(model, torch.bfloat16)  # at load, as serving does: its timing copies are gone before the peak
@@ -223,10 +223,10 @@ def single_sequence(
     model: Any, variant: str, prompt_len: int, new_tokens: int, long_context: int, bandwidth: float, profile: bool
 ) -> dict[str, Any]:
     """ours_cuda's batch-1 figures; what it allocates is freed when it returns."""
-    from edge.text import fused_prefill
-    from edge.text.cuda_graphs import GraphDecoder
-    from edge.text.fused_prefill import PrefillGraphs
-    from edge.text.int4 import share_dequant_buffer
+    from edge.text.ops.int4 import share_dequant_buffer
+    from edge.text.runtime import fused_prefill
+    from edge.text.runtime.cuda_graphs import GraphDecoder
+    from edge.text.runtime.fused_prefill import PrefillGraphs
 
     config: LlamaConfig = model.config
     cache_len = long_context + prompt_len
@@ -324,10 +324,10 @@ def single_sequence(
 
 def batched(model: Any, prompt_len: int, new_tokens: int, sizes: tuple[int, ...]) -> list[dict[str, Any]]:
     """Aggregate tok/s of n sequences decoded together by the serving batcher
-    (edge/text/continuous.py: continuous batching, steps replayed as CUDA graphs, tokens
+    (edge/text/runtime/continuous.py: continuous batching, steps replayed as CUDA graphs, tokens
     chosen on the GPU), each sequence prefilled alone when it joins."""
-    from edge.text.continuous import ContinuousBatcher, Sequence
-    from edge.text.generate import SamplingParams
+    from edge.text.runtime.continuous import ContinuousBatcher, Sequence
+    from edge.text.runtime.generate import SamplingParams
 
     batcher = ContinuousBatcher(model, None, frozenset(), slots=max(sizes), slot_len=prompt_len + new_tokens + 1)
     batcher.warm_up(prefill_lengths=(prompt_len,))
@@ -365,7 +365,7 @@ def gemv_graphs(model: Any, bandwidth: float, repeat: int = 20) -> dict[str, Any
     """Each kind of INT4 product of the step (every layer's qkv, then every layer's o, ...)
     captured in a CUDA graph of its own and replayed: its time inside a graph, as the
     step runs it, without a profiler (the figure stands where CUPTI cannot trace)."""
-    from edge.text.triton_decode import _gemv
+    from edge.text.runtime.fused_step import _gemv
 
     layers = list(model.layers)
     kinds = {
@@ -413,7 +413,7 @@ def graph_profile(
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from edge.text.int4 import Int4Linear
+    from edge.text.ops.int4 import Int4Linear
 
     for i in range(2):
         decoder.step(token, start + i)
@@ -482,7 +482,6 @@ def graph_profile(
 
 DECODE_NAMES = {
     "cuda-mma": "fused step, CUDA tensor-core GEMV",
-    "cuda-mma+prefetch": "fused step, CUDA tensor-core GEMV, L2 prefetch",
     "cuda-mma+unfolded": "fused step, CUDA tensor-core GEMV, RMSNorm kernels kept",
     "triton": "fused Triton step",
     "triton+ops": "Triton GEMV + torch ops",
@@ -494,10 +493,10 @@ def check_cuda(kernels: list[str], embedding: str = "float") -> dict[str, float]
     """Relative error of each kernel's logits (prefill and graph decode) against the
     dequantize-then-matmul reference, on a small random model with the same weights (and
     the same compact token table, looked up inside the graphs)."""
-    from edge.text import fused_prefill
-    from edge.text.embedding import QuantizedEmbedding, compact_embedding
-    from edge.text.fused_prefill import PrefillGraphs
-    from edge.text.int4 import share_dequant_buffer
+    from edge.text.model.embedding import QuantizedEmbedding, compact_embedding
+    from edge.text.ops.int4 import share_dequant_buffer
+    from edge.text.runtime import fused_prefill
+    from edge.text.runtime.fused_prefill import PrefillGraphs
 
     config = LlamaConfig(
         vocab_size=1024, hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=2, intermediate_size=1536
@@ -523,7 +522,7 @@ def check_cuda(kernels: list[str], embedding: str = "float") -> dict[str, float]
     ref = ref_model(ids, ref_cache, 0, last_only=False)[0]
     errors: dict[str, float] = {}
     for kernel in kernels:
-        from edge.text.cuda_graphs import GraphDecoder
+        from edge.text.runtime.cuda_graphs import GraphDecoder
 
         model = random_int4_llama(config, "cuda", kernel.split("+")[0], seed=3)
         compact_embedding(model, embedding)  # type: ignore[arg-type]
@@ -567,9 +566,9 @@ KERNEL_SHAPES = {  # (N, K) of the 8B model's INT4 matrices, and how many per to
 def _bench_shape(n: int, k: int, gen: torch.Generator) -> dict[str, Any]:
     from triton.testing import do_bench
 
-    from edge.text import cuda_int4
-    from edge.text.int4 import Int4Linear
-    from edge.text.triton_int4 import int4_dequant, int4_gemv
+    from edge.text.ops.cuda import cuda_int4
+    from edge.text.ops.int4 import Int4Linear
+    from edge.text.ops.triton.triton_int4 import int4_dequant, int4_gemv
     from engines.random_llama import random_quantized
 
     q = random_quantized(n, k, 128, torch.device("cuda"), gen)
@@ -814,8 +813,8 @@ CPU_PROMPT = "Explain in a few sentences why hand hygiene matters in a hospital 
 
 
 def _ours_cpu(path: Path, prompt_ids: list[int], new_tokens: int, repeat: int) -> dict[str, Any]:
-    from edge.text.checkpoint import load_checkpoint
-    from edge.text.generate import SamplingParams, generate
+    from edge.text.model.checkpoint import load_checkpoint
+    from edge.text.runtime.generate import SamplingParams, generate
 
     ckpt = load_checkpoint(path)
     cache = ckpt.model.new_cache(1, len(prompt_ids) + new_tokens + 1)
@@ -833,7 +832,7 @@ def _python_share(path: Path, prompt_ids: list[int], steps: int = 32) -> dict[st
     dispatch) versus the Python around them, measured with torch's profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    from edge.text.checkpoint import load_checkpoint
+    from edge.text.model.checkpoint import load_checkpoint
 
     ckpt = load_checkpoint(path)
     model = ckpt.model
@@ -895,8 +894,9 @@ def _llamacpp_cpu(gguf: Path, prompt: str, new_tokens: int, threads: int) -> dic
 
 
 def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
-    from edge.text.checkpoint import load_checkpoint
     from edge.text.qa import chatml
+
+    from edge.text.model.checkpoint import load_checkpoint
     from engines.import_gguf import import_smollm2, smollm2_gguf_path
     from engines.quantize import QuantRecipe
     from engines.text_build import quantize_checkpoint

@@ -83,9 +83,10 @@ def retrieval(store: DocStore, embedder: Embedder, facts: list[rag_data.Fact]) -
 
 
 def answers(engine_dir: Path, found: list[Any], count: int, top_k: int) -> dict[str, Any]:
-    from edge.protocol.jobs import QAJob
-    from edge.text.checkpoint import load_checkpoint
     from edge.text.qa import QAEngine, QASettings
+
+    from edge.protocol.jobs import QAJob
+    from edge.text.model.checkpoint import load_checkpoint
     from engines.text_build import build_text_engine
 
     path = build_text_engine(engine_dir, "clinic", "awq-int4", progress=False)

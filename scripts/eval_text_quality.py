@@ -24,9 +24,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from edge.text.checkpoint import TextCheckpoint, load_checkpoint  # noqa: E402
-from edge.text.embedding import QuantizedEmbedding, compact_embedding  # noqa: E402
-from edge.text.generate import SamplingParams, generate  # noqa: E402
+from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint  # noqa: E402
+from edge.text.model.embedding import QuantizedEmbedding, compact_embedding  # noqa: E402
+from edge.text.runtime.generate import SamplingParams, generate  # noqa: E402
 from engines.corpus import corpus_fingerprint, evaluation_text  # noqa: E402
 from engines.import_gguf import import_smollm2  # noqa: E402
 from engines.quantize import QuantRecipe  # noqa: E402
@@ -82,8 +82,9 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> dict[str, float]:
 def adapter_behaviour(engine_dir: Path) -> list[dict[str, Any]]:
     """Held-out clinic prompts: how often each build cites its document / declines to
     diagnose / answers untagged context without a made-up citation."""
-    from edge.protocol.jobs import QAJob
     from edge.text.qa import QAEngine, QASettings
+
+    from edge.protocol.jobs import QAJob
     from engines.clinic_data import examples, follows
     from engines.peft_adapter import merge_checkpoint
     from engines.qlora import CLINIC_ADAPTER

@@ -13,7 +13,7 @@ sudo_cmd=""
 if [ "$(id -u)" -ne 0 ]; then sudo_cmd="sudo"; fi
 
 # mosquitto: the broker; libsystemd-dev + pkg-config + gcc: to build systemd-python
-# (gcc also compiles the CPU INT4 kernel, edge/text/cpu_int4.c, at first use);
+# (gcc also compiles the CPU INT4 kernel, edge/text/ops/cpu/cpu_int4.c, at first use);
 # systemd: systemd-analyze for the unit test; fonts: to render sample labels;
 # openssl: the TLS test makes its own certificate authority.
 packages=(mosquitto libsystemd-dev pkg-config gcc fonts-dejavu-core systemd openssl)
@@ -85,9 +85,9 @@ PY
   touch "${done_stamps[0]}"
 fi
 # Where torch sees a GPU (a Jetson, a CUDA workstation), our CUDA INT4 kernel is built
-# now for it (edge/text/cuda_int4.py; about 30 s, once), not at the daemon's first start.
+# now for it (edge/text/ops/cuda/cuda_int4.py; about 30 s, once), not at the daemon's first start.
 if .venv/bin/python -c "import torch, sys; sys.exit(not torch.cuda.is_available())" >/dev/null 2>&1; then
-  .venv/bin/python -m edge.text.cuda_int4 >/dev/null ||
+  .venv/bin/python -m edge.text.ops.cuda.cuda_int4 >/dev/null ||
     echo "setup: the CUDA INT4 kernel did not build (no nvcc?); serving falls back to Triton or torch's kernel" >&2
 fi
 echo "setup: ready (.venv)"

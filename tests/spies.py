@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 import torch
 
-from edge.text.llama import LlamaModel
+from edge.text.model.llama import LlamaModel
 
 
 @contextmanager

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from edge.text.checkpoint import TextCheckpoint, load_checkpoint
-from edge.text.continuous import ContinuousBatcher, Sequence
-from edge.text.generate import SamplingParams, generate
+from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint
 from edge.text.prompt import chatml
+from edge.text.runtime.continuous import ContinuousBatcher, Sequence
+from edge.text.runtime.generate import SamplingParams, generate
 from engines.import_gguf import import_smollm2
 from tests.spies import prefills_run
 

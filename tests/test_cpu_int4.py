@@ -1,4 +1,4 @@
-"""Our float32 CPU INT4 kernel (edge/text/cpu_int4.c), built here with the machine's C
+"""Our float32 CPU INT4 kernel (edge/text/ops/cpu/cpu_int4.c), built here with the machine's C
 compiler: it computes the quantized model exactly (only float32 sums round), a row's
 result does not depend on its batch, and without a compiler the checkpoint falls back to
 torch's kernel instead of failing."""
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from edge.text import cpu_int4
-from edge.text.checkpoint import default_int4_kernel
-from edge.text.int4 import Int4Linear, cpu_kernel_available, dequantize, pack
+from edge.text.model.checkpoint import default_int4_kernel
+from edge.text.ops.cpu import cpu_int4
+from edge.text.ops.int4 import Int4Linear, cpu_kernel_available, dequantize, pack
 
 
 def _weights(n: int, k: int, group: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,8 +116,8 @@ def test_a_compiler_error_is_reported_with_its_message(tmp_path: Path, monkeypat
 def test_a_checkpoint_loads_on_the_kernel_its_setting_names(tmp_path: Path) -> None:
     """models.qa.cpu_kernel's two values at the loader: exact serves ours in every INT4
     layer, bf16 torch's tiled kernel."""
-    from edge.text.checkpoint import load_checkpoint
-    from edge.text.llama import LlamaConfig
+    from edge.text.architecture import LlamaConfig
+    from edge.text.model.checkpoint import load_checkpoint
     from engines.random_llama import write_random_checkpoint
 
     config = LlamaConfig(

@@ -1,4 +1,4 @@
-"""The continuous batcher on CUDA graphs (edge/text/continuous.py, cuda_graphs.StepGraphs):
+"""The continuous batcher on CUDA graphs (edge/text/runtime/continuous.py, cuda_graphs.StepGraphs):
 each step is launched on the tokens chosen on the GPU before the host has read them, and
 a sequence those tokens end drops its row of that step. Sequences decoded together, some
 ending on EOS mid-batch while others go on, give the same tokens as each one alone."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge.text.continuous import ContinuousBatcher, Sequence
-from edge.text.generate import SamplingParams
-from edge.text.kv_quant import FORMATS, KVFormat
-from edge.text.llama import LlamaConfig
+from edge.text.architecture import LlamaConfig
+from edge.text.kv.kv_quant import FORMATS, KVFormat
+from edge.text.runtime.continuous import ContinuousBatcher, Sequence
+from edge.text.runtime.generate import SamplingParams
 
 CUDA = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]

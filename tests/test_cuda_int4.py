@@ -1,4 +1,4 @@
-"""Our CUDA INT4 kernels (edge/text/cuda_int4.cu): the tiled layout they read, and, on
+"""Our CUDA INT4 kernels (edge/text/ops/cuda/cuda_int4.cu): the tiled layout they read, and, on
 a GPU, the tensor-core GEMV and the prefill dequantization against the float reference.
 
 Without a GPU the layout is still checked: `reference_weight` decodes the tiled codes
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from edge.text import cuda_int4
-from edge.text.int4 import QuantizedWeight, dequantize, pack
+from edge.text.ops.cuda import cuda_int4
+from edge.text.ops.int4 import QuantizedWeight, dequantize, pack
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -79,8 +79,8 @@ def test_a_layer_the_cuda_kernel_cannot_take_falls_back(
     """K = 96 is no whole number of chunks: such a layer takes the Triton kernel, or,
     where Triton is absent (JetPack's torch), torch's tiled kernel, which in turn
     dequantizes a layer of 40 rows (it packs 16 at a time). It never fails to load."""
-    from edge.text import triton_int4
-    from edge.text.int4 import Int4Linear
+    from edge.text.ops.int4 import Int4Linear
+    from edge.text.ops.triton import triton_int4
 
     monkeypatch.setattr(triton_int4, "TRITON_SUPPORT", triton)
     q = _weight(40, 96, 32, seed=7)
@@ -118,7 +118,7 @@ def test_folded_norm_refuses_buffers_it_cannot_take() -> None:
 def test_prefill_slabs_are_even_whole_tiles_under_the_cap(n: int, k: int, rows: int) -> None:
     """The 8B model's shapes: the down projection goes in two slabs of 2048 rows (64 MiB
     at most dequantized at once, not its whole 117 MB), gate/up in four even ones."""
-    from edge.text.int4 import PREFILL_SLAB_VALUES, dequant_slab_rows
+    from edge.text.ops.int4 import PREFILL_SLAB_VALUES, dequant_slab_rows
 
     got = dequant_slab_rows(n, k)
     assert got == rows
@@ -286,7 +286,7 @@ def test_dequant_writes_into_a_given_buffer_or_refuses_it() -> None:
 def test_prefill_products_share_one_dequantization_buffer() -> None:
     from torch import nn
 
-    from edge.text.int4 import Int4Linear, dequant_slab_elements, share_dequant_buffer
+    from edge.text.ops.int4 import Int4Linear, dequant_slab_elements, share_dequant_buffer
 
     shapes = [(640, 576), (256, 1152)]
     weights = [_weight(n, k, 64, seed=i) for i, (n, k) in enumerate(shapes)]
@@ -316,7 +316,7 @@ def test_prefill_products_share_one_dequantization_buffer() -> None:
 @gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_linear_serves_decode_and_prefill_from_the_tiled_copy() -> None:
-    from edge.text.int4 import Int4Linear, tune_gemv
+    from edge.text.ops.int4 import Int4Linear, tune_gemv
 
     q = _weight(640, 576, 64, seed=2)
     weight = dequantize(q).cuda()
@@ -344,9 +344,10 @@ def test_fused_decode_with_the_cuda_gemv_matches_the_reference(fold: bool) -> No
     folded into the products or as kernels of their own: logits agree with the float32
     dequantized model after a prefill, and three sequences stepped together give each
     one's logits alone."""
-    from edge.text.cuda_graphs import GraphDecoder
-    from edge.text.llama import KVCache, LlamaConfig
-    from edge.text.triton_decode import folds_norm, fused_decode_step
+    from edge.text.architecture import LlamaConfig
+    from edge.text.kv.float_cache import KVCache
+    from edge.text.runtime.cuda_graphs import GraphDecoder
+    from edge.text.runtime.fused_step import folds_norm, fused_decode_step
     from engines.random_llama import random_int4_llama
 
     config = LlamaConfig(
@@ -401,4 +402,4 @@ def test_kernel_builds_for_the_orin_and_for_hopper(arch: str, tmp_path: Path, mo
     mtime = path.stat().st_mtime_ns
     assert cuda_int4.build(arch) == path and path.stat().st_mtime_ns == mtime
     lib = ctypes.CDLL(str(path))
-    assert all(hasattr(lib, name) for name in ("edge_int4_gemv", "edge_int4_dequant", "edge_l2_prefetch"))
+    assert all(hasattr(lib, name) for name in ("edge_int4_gemv", "edge_int4_dequant"))

@@ -1,4 +1,4 @@
-"""The compact token table (edge/text/embedding.py): its rows within the rounding its
+"""The compact token table (edge/text/model/embedding.py): its rows within the rounding its
 format promises, its size, where it is refused, and the real model served with it."""
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from torch import nn
 from edge.config.schema import QAModelConfig
 from edge.protocol.jobs import QAJob
 from edge.tasks import qa
-from edge.text.checkpoint import load_checkpoint
-from edge.text.embedding import GROUPS, LEVELS, QuantizedEmbedding, compact_embedding
+from edge.text.architecture import LlamaConfig
 from edge.text.engine import TextEngine, resolve_embedding
-from edge.text.generate import SamplingParams, generate
-from edge.text.llama import LlamaConfig, LlamaModel
+from edge.text.model.checkpoint import load_checkpoint
+from edge.text.model.embedding import GROUPS, LEVELS, QuantizedEmbedding, compact_embedding
+from edge.text.model.llama import LlamaModel
+from edge.text.runtime.generate import SamplingParams, generate
 from engines.import_gguf import import_smollm2
 
 

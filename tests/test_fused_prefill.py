@@ -1,4 +1,4 @@
-"""The fused prefill (edge/text/fused_prefill.py) against the model's op-by-op forward:
+"""The fused prefill (edge/text/runtime/fused_prefill.py) against the model's op-by-op forward:
 the same next-token logits and the same keys and values in the cache, run eagerly and
 replayed from its captured graphs into any row, with the padding of a bucket."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge.text.fused_prefill import PrefillGraphs, fused_prefill, supported
-from edge.text.llama import LlamaConfig
+from edge.text.architecture import LlamaConfig
+from edge.text.runtime.fused_prefill import PrefillGraphs, fused_prefill, supported
 
 CUDA = torch.cuda.is_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
@@ -83,7 +83,7 @@ def test_a_chunk_after_earlier_tokens_runs_flash_attention_without_a_score_matri
     whole one does."""
     import torch.nn.functional as F
 
-    from edge.text.llama import chunk_mask
+    from edge.text.model.llama import chunk_mask
 
     gen = torch.Generator("cuda").manual_seed(4)
     seq, end = 512, 4608

@@ -26,7 +26,7 @@ def test_one_stream_per_thread() -> None:
 
 
 def test_captures_leave_no_workspace_per_graph() -> None:
-    from edge.text.cuda_graphs import capture
+    from edge.text.runtime.cuda_graphs import capture
 
     a = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
     pool = torch.cuda.graph_pool_handle()

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from edge.text.checkpoint import load_checkpoint
-from edge.text.generate import SamplingParams, generate
+from edge.text.model.checkpoint import load_checkpoint
+from edge.text.runtime.generate import SamplingParams, generate
 from engines.import_gguf import SourceModelError, build_tokenizer_json, import_gguf
 from tests.test_import_hf import LLAMA_TEMPLATE, MESSAGES, QWEN_TEMPLATE, random_family_model
 

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from edge.text.chat import ChatTemplateError
-from edge.text.checkpoint import load_checkpoint
-from edge.text.generate import SamplingParams, generate
+from edge.text.model.chat import ChatTemplateError
+from edge.text.model.checkpoint import load_checkpoint
+from edge.text.runtime.generate import SamplingParams, generate
 from engines.import_gguf import SourceModelError
 from engines.import_hf import import_hf, read_hf_config
 from tests.conftest import Broker, Requester, start_daemon, write_profile

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from edge.scheduler.kv_cache import KVCacheManager
+from edge.text.kv.kv_cache import KVCacheManager
 
 
 def test_rows_are_granted_lowest_first_and_none_when_full() -> None:

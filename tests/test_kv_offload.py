@@ -1,4 +1,4 @@
-"""Offload of paused sequences' KV rows (edge/text/kv_offload.py) on the real SmolLM2:
+"""Offload of paused sequences' KV rows (edge/text/kv/kv_offload.py) on the real SmolLM2:
 a sequence paused for another and resumed from host memory or from a file answers what
 it answers uninterrupted, greedy token for token, in every KV format; the choice between
 restoring and recomputing follows the measured rates; files do not outlive their use."""
@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from edge.text import cpu_kv
-from edge.text.checkpoint import TextCheckpoint, load_checkpoint
-from edge.text.continuous import ContinuousBatcher, Sequence
-from edge.text.generate import SamplingParams
-from edge.text.kv_offload import KVOffload, SavedRow
-from edge.text.kv_quant import FORMATS
+from edge.text.kv.kv_offload import KVOffload, SavedRow
+from edge.text.kv.kv_quant import FORMATS
+from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint
+from edge.text.ops.cpu import cpu_kv
 from edge.text.prompt import chatml
+from edge.text.runtime.continuous import ContinuousBatcher, Sequence
+from edge.text.runtime.generate import SamplingParams
 from engines.import_gguf import import_smollm2
 
 QUESTIONS = ["Name three symptoms of dehydration.", "What is a normal body temperature?"]
@@ -152,7 +152,8 @@ def test_the_choice_follows_the_measured_rates() -> None:
 
 
 def test_files_are_coded_where_it_pays_and_cleared_and_memory_is_bounded(tmp_path: Path) -> None:
-    from edge.text.llama import KVCache, LlamaConfig
+    from edge.text.architecture import LlamaConfig
+    from edge.text.kv.float_cache import KVCache
 
     config = LlamaConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
     cache = KVCache(config, 2, 32, torch.float32, torch.device("cpu"))
@@ -201,7 +202,7 @@ def test_on_cuda_a_row_copied_on_a_side_stream_restores_as_uninterrupted(
     """On CUDA the row goes to pinned memory on a side stream while the serving stream
     waits for the copy on the GPU; the urgent sequence then overwrites the row at once.
     Resumed (on CUDA graphs), the paused sequence decodes what it decodes alone."""
-    from edge.text.llama import LlamaConfig
+    from edge.text.architecture import LlamaConfig
     from engines.random_llama import random_int4_llama
 
     config = LlamaConfig(vocab_size=1024, hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=2,
@@ -252,7 +253,7 @@ def test_on_cuda_a_row_copied_on_a_side_stream_restores_as_uninterrupted(
 def test_pinned_buffers_are_sized_in_eighths_of_an_octave() -> None:
     """A pooled buffer is at most 1/8 larger than asked for, so that rows of nearby
     lengths share buffers without holding much more host memory than they fill."""
-    from edge.text.kv_offload import _size_class
+    from edge.text.kv.kv_offload import _size_class
 
     assert _size_class(1) == 4096 and _size_class(4096) == 4096
     for nbytes in (4097, 100_000, 128 << 20, (128 << 20) + 1, 3_000_001):
@@ -265,7 +266,8 @@ def test_a_restore_is_measured_again_when_the_figures_say_recompute() -> None:
     """One slow restore measured (as a first one can be) would make every resume prefill
     again, and restoring would never be measured again; a declined restore is made all
     the same after `recheck.every` declines, and its measurement moves the rate."""
-    from edge.text.llama import KVCache, LlamaConfig
+    from edge.text.architecture import LlamaConfig
+    from edge.text.kv.float_cache import KVCache
 
     config = LlamaConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
     cache = KVCache(config, 2, 32, torch.float32, torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""The quantized KV formats (edge/text/kv_quant.py): codes within half a step of the
+"""The quantized KV formats (edge/text/kv/kv_quant.py): codes within half a step of the
 float values, the newest tokens kept exact, and sizes that are the tensors' own."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge.text.kv_quant import FORMATS, KVFormat, bytes_per_token, dequantize, quantize
+from edge.text.kv.kv_quant import FORMATS, KVFormat, bytes_per_token, dequantize, quantize
 
 
 def _kv(tokens: int, dim: int = 64, heads: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +79,8 @@ def test_the_benchs_chunked_read_is_the_whole_windows_read_and_formats_cost_litt
     sys.path.insert(0, str(REPO / "scripts"))
     import bench_kv
 
-    from edge.text.llama import LlamaConfig, LlamaModel
+    from edge.text.architecture import LlamaConfig
+    from edge.text.model.llama import LlamaModel
 
     torch.manual_seed(3)
     config = LlamaConfig(vocab_size=300, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -103,8 +104,8 @@ def test_capacity_is_counted_from_the_served_caches() -> None:
     pool exactly; a quantized format's rows are the longest whose cache fits, one token
     more does not; and int4 with its float ring holds over 3.5x float16's tokens in the
     shipped jetson-orin profile's pool (2 rows of 2048)."""
-    from edge.text.kv_capacity import cache_bytes, longest_rows
-    from edge.text.llama import LlamaConfig
+    from edge.text.architecture import LlamaConfig
+    from edge.text.kv.kv_capacity import cache_bytes, longest_rows
 
     smollm2 = LlamaConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
                           intermediate_size=1536)  # fmt: skip

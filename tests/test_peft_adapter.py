@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from edge.text.checkpoint import load_checkpoint
-from edge.text.int4 import dequantize, pack
+from edge.text.model.checkpoint import load_checkpoint
+from edge.text.ops.int4 import dequantize, pack
 from engines.import_hf import import_hf
 from engines.peft_adapter import AdapterError, merge_checkpoint, read_adapter
 from tests.test_import_hf import make_model

@@ -1,4 +1,4 @@
-"""The prefix cache (edge/text/prefix_cache.py): prompts sharing the system turn and
+"""The prefix cache (edge/text/kv/prefix_cache.py): prompts sharing the system turn and
 context documents prefill them once; a hit answers exactly what the miss answered, in
 the float and the quantized caches; entries are evicted least recently used first, within
 the byte bound and what the ledger grants."""
@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from edge.config.schema import QAModelConfig
-from edge.text import cpu_kv
-from edge.text.checkpoint import TextCheckpoint, load_checkpoint
-from edge.text.continuous import ContinuousBatcher, Sequence
 from edge.text.engine import TextEngine
-from edge.text.generate import SamplingParams
-from edge.text.kv_quant import FORMATS
-from edge.text.prefix_cache import PrefixCache
+from edge.text.kv.kv_quant import FORMATS
+from edge.text.kv.prefix_cache import PrefixCache
+from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint
+from edge.text.ops.cpu import cpu_kv
+from edge.text.runtime.continuous import ContinuousBatcher, Sequence
+from edge.text.runtime.generate import SamplingParams
 from engines.import_gguf import import_smollm2
 from tests.spies import prefills_run
 
@@ -192,7 +192,7 @@ def test_prompts_split_again_once_a_slow_first_hit_is_measured_again(ckpt: TextC
     """A first hit measured slow (as a run that loaded its kernels is) turns splitting off;
     the declined splits made now and then measure hits again, and once those say a hit
     pays, prompts are split, and hit, every time."""
-    from edge.text.recheck import Recheck
+    from edge.text.kv.recheck import Recheck
 
     engine = TextEngine(
         ckpt, QAModelConfig(max_context_tokens=512, max_sequences=1, prefix_cache_mib=16, kv_offload="off")

@@ -12,9 +12,9 @@ import torch
 from edge.config.schema import QAModelConfig
 from edge.protocol.jobs import QAJob
 from edge.tasks import qa
-from edge.text.checkpoint import load_checkpoint
 from edge.text.engine import TextEngine
-from edge.text.int4 import pack
+from edge.text.model.checkpoint import load_checkpoint
+from edge.text.ops.int4 import pack
 from engines import clinic_retrieval
 from engines.cache import file_sha256
 from engines.clinic_data import Example, examples, follows
@@ -92,7 +92,7 @@ def test_lora_starts_at_the_base_and_merges_exactly() -> None:
     w = torch.randn(32, 64)
     layer = LoRALinear(pack(w, 64), rank=4, alpha=8, dropout=0.0, gen=torch.Generator().manual_seed(0))
     x = torch.randn(5, 64)
-    from edge.text.int4 import dequantize
+    from edge.text.ops.int4 import dequantize
 
     torch.testing.assert_close(layer(x), x @ dequantize(layer.base).T)  # B = 0 at start
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""The quantized KV cache as served (edge/text/quant_cache.py): codes written in steps
+"""The quantized KV cache as served (edge/text/kv/quant_cache.py): codes written in steps
 equal the formats' reference, and the attention kernels that read them (our C kernel on
 the CPU, the Triton kernels, here in Triton's interpreter) give what attention over the
 reference's read-back gives; on the real SmolLM2, sequences served together over a
@@ -13,15 +13,18 @@ import torch
 import torch.nn.functional as F
 
 from edge.config.schema import QAModelConfig
-from edge.text import cpu_kv, kv_attention, triton_decode
-from edge.text.checkpoint import TextCheckpoint, load_checkpoint
-from edge.text.continuous import ContinuousBatcher, Sequence
+from edge.text.architecture import LlamaConfig
 from edge.text.engine import kv_format
-from edge.text.generate import SamplingParams
-from edge.text.kv_quant import FORMATS, KVFormat, dequantize, quantize
-from edge.text.llama import LlamaConfig
+from edge.text.kv import kv_attention
+from edge.text.kv.kv_quant import FORMATS, KVFormat, dequantize, quantize
+from edge.text.kv.quant_cache import QuantKVCache
+from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint
+from edge.text.ops.cpu import cpu_kv
+from edge.text.ops.triton import decode_ops
 from edge.text.prompt import chatml
-from edge.text.quant_cache import QuantKVCache
+from edge.text.runtime import fused_step
+from edge.text.runtime.continuous import ContinuousBatcher, Sequence
+from edge.text.runtime.generate import SamplingParams
 from engines.import_gguf import import_smollm2
 from engines.random_llama import random_int4_llama
 
@@ -36,7 +39,7 @@ SMALL_FORMATS = {
     "int4": KVFormat("int4", key_block=32, value_group=32, window=8, sink=3),
     "int4-sym": KVFormat("int4", key_block=32, value_group=64, window=8, value_symmetric=True, sink=4),
 }
-needs_triton = pytest.mark.skipif(not triton_decode.TRITON_SUPPORT, reason="triton is not installed")
+needs_triton = pytest.mark.skipif(not decode_ops.TRITON_SUPPORT, reason="triton is not installed")
 needs_cc = pytest.mark.skipif(not cpu_kv.available(), reason="no C compiler for the CPU kernel")
 
 
@@ -156,7 +159,7 @@ def test_triton_write_codes_as_torch_and_attends_as_the_reference(name: str) -> 
     """Triton's decode write (interpreted here, compiled on a GPU) leaves the codes the
     torch store leaves, byte for byte, and its decode and chunk attention match
     attention over the reference's read-back."""
-    from edge.text import triton_kv
+    from edge.text.ops.triton import triton_kv
 
     fmt = SMALL_FORMATS[name]
     k, v = _kv(104)  # 80 cached, then a chunk of 24
@@ -209,7 +212,7 @@ def test_fused_decode_step_over_a_quantized_cache_matches_the_op_by_op_step(
     positions. A leaving block is coded by 8 more programs a KV head sharing it out
     (triton_kv.BLOCK_CODERS), or with none (a head size that does not split) by the KV
     head's key and value programs."""
-    from edge.text import triton_kv
+    from edge.text.ops.triton import triton_kv
 
     monkeypatch.setattr(triton_kv, "BLOCK_CODERS", coders)
     assert triton_kv._block_coders(CONFIG.head_dim, SMALL_FORMATS[name].key_block) == coders
@@ -230,7 +233,7 @@ def test_fused_decode_step_over_a_quantized_cache_matches_the_op_by_op_step(
     for step in range(steps):
         pos = torch.tensor([max(0, step - o) for o in offsets], device=DEVICE)
         tokens = torch.stack([ids[b, int(pos[b])] for b in range(2)]).view(2, 1)
-        got = triton_decode.fused_decode_step(fused, tokens, cache, pos, 64)
+        got = fused_step.fused_decode_step(fused, tokens, cache, pos, 64)
         want = ref.decode_step(tokens, ref_cache, pos, 64)
         for b in range(2):
             err = float((got[b].float().cpu() - want[b].cpu()).norm() / want[b].norm())

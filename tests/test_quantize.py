@@ -8,8 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from edge.text.checkpoint import load_checkpoint
-from edge.text.int4 import (
+from edge.text.architecture import LlamaConfig
+from edge.text.model.checkpoint import load_checkpoint
+from edge.text.model.llama import LlamaModel
+from edge.text.ops.int4 import (
     Int4Linear,
     concat_rows,
     cpu_kernel_available,
@@ -19,7 +21,6 @@ from edge.text.int4 import (
     pack,
     unpack_codes,
 )
-from edge.text.llama import LlamaConfig, LlamaModel
 from engines.quantize import QuantRecipe, quantize_model, search_clip, search_scales
 from engines.text_build import quantize_checkpoint
 
@@ -207,7 +208,7 @@ def test_quantized_checkpoint_loads_and_tracks_the_float_model(engine_dir: Path)
 
 
 def test_symmetric_codes_have_zero_point_eight_and_round_to_nearest() -> None:
-    from edge.text.int4 import quantize_codes
+    from edge.text.ops.int4 import quantize_codes
 
     w = torch.randn(32, 256)
     codes, scales, zeros = quantize_codes(w, 64, symmetric=True)

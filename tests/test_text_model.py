@@ -12,10 +12,10 @@ from edge.config.schema import QAModelConfig
 from edge.protocol.errors import ErrorCode, JobError
 from edge.protocol.jobs import QAJob
 from edge.tasks import qa
-from edge.text.checkpoint import TextCheckpoint, load_checkpoint
 from edge.text.engine import TextEngine
-from edge.text.generate import SamplingParams, generate
+from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint
 from edge.text.prompt import chatml
+from edge.text.runtime.generate import SamplingParams, generate
 from engines.import_gguf import SMOLLM2_FILE, import_smollm2, smollm2_gguf_path
 
 

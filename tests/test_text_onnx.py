@@ -16,7 +16,7 @@ import torch
 from edge.builds import selector
 from edge.config.schema import Profile
 from edge.engines import find
-from edge.text.checkpoint import load_checkpoint
+from edge.text.model.checkpoint import load_checkpoint
 from edge.text.prompt import chatml
 from engines.quantize import QuantRecipe
 from engines.text_build import SERVING_GROUP, quantize_checkpoint

@@ -23,8 +23,8 @@ from edge.scheduler.text_worker import TextMemory, TextWorker
 from edge.scheduler.work import Reply, WorkItem
 from edge.tasks import qa
 from edge.tasks.qa import QATask
-from edge.text.checkpoint import load_checkpoint
 from edge.text.engine import TextEngine
+from edge.text.model.checkpoint import load_checkpoint
 from engines.import_gguf import import_smollm2
 from tests import fakes
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge.text import triton_decode, triton_int4
-from edge.text.int4 import dequantize, pack
-from edge.text.llama import KVCache, LlamaConfig
+from edge.text.architecture import LlamaConfig
+from edge.text.kv.float_cache import KVCache
+from edge.text.ops.int4 import dequantize, pack
+from edge.text.ops.triton import decode_ops, triton_int4
+from edge.text.runtime import fused_step
 from engines.random_llama import random_int4_llama
 
 pytestmark = pytest.mark.skipif(not triton_int4.TRITON_SUPPORT, reason="triton is not installed")
@@ -97,7 +99,7 @@ def test_fused_decode_step_matches_reference() -> None:
     for step in range(steps):
         pos = torch.tensor([max(0, step - o) for o in offsets], device=DEVICE)
         tokens = torch.stack([ids[b, int(pos[b])] for b in range(batch)]).view(batch, 1)
-        got = triton_decode.fused_decode_step(fused, tokens, cache, pos, kv_len)
+        got = fused_step.fused_decode_step(fused, tokens, cache, pos, kv_len)
         for b in range(batch):
             expect = want[b, int(pos[b])]
             err = float((got[b].float().cpu() - expect.cpu()).norm() / expect.norm())
@@ -106,9 +108,9 @@ def test_fused_decode_step_matches_reference() -> None:
 
 def test_attention_splits_cover_the_window() -> None:
     for kv_len in (32, 100, 256, 4096):
-        splits, chunk = triton_decode.attn_splits(kv_len, 8, 132)
-        assert splits & (splits - 1) == 0 and splits <= triton_decode.MAX_ATTN_SPLITS
-        assert splits * chunk >= kv_len and chunk % triton_decode.ATTN_BLOCK_T == 0
+        splits, chunk = decode_ops.attn_splits(kv_len, 8, 132)
+        assert splits & (splits - 1) == 0 and splits <= decode_ops.MAX_ATTN_SPLITS
+        assert splits * chunk >= kv_len and chunk % decode_ops.ATTN_BLOCK_T == 0
         assert (splits - 1) * chunk < kv_len  # no chunk lies wholly past the window
 
 
@@ -116,7 +118,7 @@ def test_attention_splits_cover_the_window() -> None:
 def test_tune_gemv_tunes_every_shape_at_load() -> None:
     """After tune_gemv, decode at any batch size finds its configuration cached: the
     autotuner (which captures CUDA graphs) never runs while other threads use the GPU."""
-    from edge.text.int4 import Int4Linear, tune_gemv
+    from edge.text.ops.int4 import Int4Linear, tune_gemv
 
     model = random_int4_llama(GQA, "cuda", "triton", group=32, dtype=torch.float16, seed=3)
     tuner = triton_int4._int4_gemv_bits_tuned
@@ -172,8 +174,8 @@ def test_prefill_rotary_kernel_writes_q_k_v_and_the_cache_row() -> None:
     """fused_prefill.rope_write (Triton's interpreter here, the GPU in a bench run):
     q rotated and scaled by 1/sqrt(head_dim), k rotated, v copied, for positions
     0..T-1, with k and v also in the given cache row and no other."""
-    from edge.text.fused_prefill import rope_write
-    from edge.text.llama import LlamaModel, apply_rope
+    from edge.text.model.llama import LlamaModel, apply_rope
+    from edge.text.runtime.fused_prefill import rope_write
 
     model = LlamaModel(GQA).float().to(DEVICE)
     nh, nkv, hd, tokens = GQA.num_heads, GQA.num_kv_heads, GQA.head_dim, 7
@@ -198,8 +200,8 @@ def test_prefill_rotary_kernel_writes_q_k_v_and_the_cache_row() -> None:
 def test_paired_silu_kernel_reads_the_paired_column_order() -> None:
     """A paired gate/up product (columns in cuda_int4.pair_order) gives silu(gate) * up
     in the original order, with no reordering copy first."""
-    from edge.text import cuda_int4
-    from edge.text.triton_decode import _silu_mul_paired_kernel
+    from edge.text.ops.cuda import cuda_int4
+    from edge.text.ops.triton.decode_ops import _silu_mul_paired_kernel
 
     tokens, f = 3, 2 * 1024 + 48  # more than one block, the last one partial
     plain = torch.randn(tokens, 2 * f, generator=torch.Generator().manual_seed(6)).to(DEVICE)

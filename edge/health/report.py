@@ -7,10 +7,10 @@ from typing import Any
 
 from edge.memory import peak_rss_bytes, rss_bytes
 from edge.scheduler.branch import Worker
-from edge.scheduler.kv_cache import KVCacheManager
 from edge.scheduler.ledger import MemoryLedger
 from edge.scheduler.models import ModelManager
 from edge.scheduler.text_worker import TextWorker
+from edge.text.kv.kv_cache import KVCacheManager
 
 
 def memory_section(ledger: MemoryLedger, probe: Any, kv: KVCacheManager | None) -> dict[str, Any]:

@@ -15,9 +15,10 @@ from edge.protocol.errors import ErrorCode, JobError, internal_error
 from edge.scheduler.queue import BatchPolicy, PriorityDeadlineQueue
 from edge.scheduler.work import WorkItem
 
-# Both branches are threads of one process. A thread waiting for the interpreter lock
-# gets it after at most this long; Python's default (5 ms) is paid at every hand-over,
-# and a camera job's path hands over several times while the text branch decodes.
+# Both branches, the intake and paho are threads of one process. A thread waiting for
+# the interpreter lock gets it after at most this long; at Python's default (5 ms) a
+# camera job's path, which hands over several times, waited that long at each hand-over
+# while the text branch decoded.
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 

@@ -10,7 +10,7 @@ keep-alive has run out (Ollama's order, with measured sizes instead of its estim
 
 Memory a model allocated once as part of its measured footprint and hands out to jobs
 piece by piece (the text branch's KV cache) is not booked here a second time: its one
-owner is the KV cache manager (edge/scheduler/kv_cache.py); the ledger holds the whole
+owner is the KV cache manager (edge/text/kv/kv_cache.py); the ledger holds the whole
 cache inside the model's entry.
 """
 
@@ -186,10 +186,6 @@ class MemoryLedger:
             for name in names:
                 if name in self._models:
                     self._models[name].last_used = now
-
-    def is_loaded(self, name: str) -> bool:
-        with self._lock:
-            return name in self._models
 
     def remove_model(self, name: str) -> int:
         """Drop an unloaded model; returns the bytes freed. Refused while jobs use it."""

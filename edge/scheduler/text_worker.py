@@ -10,7 +10,7 @@ a job does not fit:
      memory or the state directory, models.qa.kv_offload) or dropped, the row given
      back, and it goes back in the queue with its tokens; when it is admitted again its
      row is restored or prefilled again, whichever the measured figures say is faster
-     (edge/text/kv_offload.py);
+     (edge/text/kv/kv_offload.py);
   3. if nothing can be paused it keeps waiting, and is answered `over_budget`, with the
      figures, if its deadline passes first.
 
@@ -32,11 +32,11 @@ from typing import Any, Protocol
 from edge.logs import job_fields
 from edge.protocol.errors import ErrorCode, JobError, internal_error
 from edge.scheduler.branch import Completion, Outcome, Worker, expired_error
-from edge.scheduler.kv_cache import KVSlot
 from edge.scheduler.ledger import MemoryLedger
 from edge.scheduler.queue import PriorityDeadlineQueue
 from edge.scheduler.work import WorkItem
-from edge.text.continuous import ContinuousBatcher, Sequence
+from edge.text.kv.kv_cache import KVSlot
+from edge.text.runtime.continuous import ContinuousBatcher, Sequence
 
 logger = logging.getLogger(__name__)
 

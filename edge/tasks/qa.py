@@ -23,10 +23,10 @@ from edge.scheduler.models import ModelManager
 from edge.scheduler.work import WorkItem
 from edge.tasks.base import Output
 from edge.tasks.retrieval import Retrieval
-from edge.text.chat import ChatTemplateError
-from edge.text.continuous import Sequence
 from edge.text.engine import TextEngine
-from edge.text.generate import SamplingParams
+from edge.text.model.chat import ChatTemplateError
+from edge.text.runtime.continuous import Sequence
+from edge.text.runtime.generate import SamplingParams
 
 logger = logging.getLogger(__name__)
 

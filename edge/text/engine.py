@@ -18,15 +18,18 @@ from typing import Any
 import torch
 
 from edge.config.schema import QAModelConfig
-from edge.text import cpu_kv, triton_decode
-from edge.text.checkpoint import TextCheckpoint, load_checkpoint
-from edge.text.continuous import ContinuousBatcher, Sequence
-from edge.text.embedding import EmbeddingFormat, QuantizedEmbedding
-from edge.text.generate import SamplingParams
-from edge.text.kv_offload import KVOffload
-from edge.text.kv_quant import FORMATS, KVFormat
-from edge.text.prefix_cache import PrefixCache
+from edge.text.kv.kv_offload import KVOffload
+from edge.text.kv.kv_quant import FORMATS, KVFormat
+from edge.text.kv.prefix_cache import PrefixCache
+from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint
+from edge.text.model.embedding import EmbeddingFormat, QuantizedEmbedding
+from edge.text.ops.cpu import cpu_kv
+from edge.text.ops.int4 import share_dequant_buffer, tune_gemv
+from edge.text.ops.triton import decode_ops
 from edge.text.prompt import Prompter
+from edge.text.runtime import fused_step
+from edge.text.runtime.continuous import ContinuousBatcher, Sequence
+from edge.text.runtime.generate import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +63,7 @@ def kv_format(cfg: QAModelConfig) -> KVFormat:
     fmt = FORMATS[cfg.kv_dtype]
     if fmt.dtype == "float16":
         return fmt
-    if cfg.device == "cuda" and not triton_decode.TRITON_SUPPORT:
+    if cfg.device == "cuda" and not decode_ops.TRITON_SUPPORT:
         raise RuntimeError(f"models.qa.kv_dtype {fmt.dtype} on CUDA needs Triton, which is not installed here")
     if cfg.device == "cpu" and not cpu_kv.available():
         raise RuntimeError(f"models.qa.kv_dtype {fmt.dtype} on the CPU needs a C compiler (install gcc, or set CC)")
@@ -181,8 +184,8 @@ class TextEngine:
         model = self.batcher.model
         table = model.embed_tokens
         groups = group_sizes(self._ckpt.path)
-        fused = bool(model.fused_decode) if model.fused_decode is not None else triton_decode.can_fuse(model)
-        folds = fused and triton_decode.folds_norm(model, 1)[0]
+        fused = bool(model.fused_decode) if model.fused_decode is not None else fused_step.can_fuse(model)
+        folds = fused and fused_step.folds_norm(model, 1)[0]
         return {
             "device": self.device.type,
             "dtype": DTYPE_NAMES[self.dtype],
@@ -193,7 +196,7 @@ class TextEngine:
             "fused_step": fused,
             "fold_norms": bool(folds),
             "cuda_graphs": self.graphs > 0,
-            "triton": bool(triton_decode.TRITON_SUPPORT),
+            "triton": bool(decode_ops.TRITON_SUPPORT),
             "threads": torch.get_num_threads() if self.device.type == "cpu" else None,
             "max_sequences": self.cfg.max_sequences,
             "max_context_tokens": self.cfg.max_context_tokens,
@@ -232,8 +235,6 @@ class TextEngine:
         model = self.batcher.model
         t0 = time.perf_counter()
         if self.device.type == "cuda":
-            from edge.text.int4 import share_dequant_buffer, tune_gemv
-
             tune_gemv(model, self.dtype)
             # Before the prefill is measured and the graphs captured: the slab buffer is
             # then the model's, held once, not in each prefill's activations.

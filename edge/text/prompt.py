@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer
 
-from edge.text.chat import ChatTemplate
+from edge.text.model.chat import ChatTemplate
 
 
 def chatml(system: str, user: str) -> str:

@@ -1,4 +1,4 @@
-"""A KV cache held as int8 or int4 codes (edge/text/kv_quant.py's formats), for serving.
+"""A KV cache held as int8 or int4 codes (edge/text/kv/kv_quant.py's formats), for serving.
 
 Per layer and row, for every KV head:
 - codes for each position (int8, or int4 two channels a byte), written when a key block
@@ -15,9 +15,9 @@ Per layer and row, for every KV head:
 A row holding n tokens has its first fmt.coded(n) as codes and the rest in the ring.
 Writing tokens start..end-1 codes every key block that leaves the window, from the ring
 and the new tokens, then puts the new tokens in the ring. Attention reads the codes where
-they are (edge/text/kv_attention.py): nothing here dequantizes for attention.
+they are (edge/text/kv/kv_attention.py): nothing here dequantizes for attention.
 
-On CUDA the decode step writes and codes in its own Triton kernel (edge/text/triton_kv.py);
+On CUDA the decode step writes and codes in its own Triton kernel (edge/text/ops/triton/triton_kv.py);
 what is here (torch) serves prefills on every device and the CPU's decode step.
 """
 
@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from edge.text import kv_quant
-from edge.text.kv_quant import SYM4_ZERO, KVFormat, _unpack4
+from edge.text.kv import kv_quant
+from edge.text.kv.kv_quant import SYM4_ZERO, KVFormat, _unpack4
 
 if TYPE_CHECKING:
-    from edge.text.llama import LlamaConfig
+    from edge.text.architecture import LlamaConfig
 
 
 @dataclass

@@ -438,16 +438,6 @@ cudaError_t gemv_for_group(const void* codes, const void* scales, const void* ze
   }
 }
 
-// Asks L2 for [p, p + bytes) ahead of the kernel that reads it: the decode step runs it
-// on a side stream while latency-bound kernels (attention, norms) leave the memory idle,
-// so the next small product finds its weight in L2. One 128-byte line per prefetch.
-__global__ void l2_prefetch_kernel(const char* __restrict__ p, long long lines) {
-  const long long stride = (long long)gridDim.x * blockDim.x;
-  for (long long line = (long long)blockIdx.x * blockDim.x + threadIdx.x; line < lines; line += stride) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p + line * 128));
-  }
-}
-
 }  // namespace
 
 extern "C" {
@@ -455,16 +445,6 @@ extern "C" {
 // A consumer's partial sums sit in shared memory: at most this much without opting in to
 // more, beside the warps' 8 KB of sums (K up to 16384 at 8 rows).
 constexpr size_t MAX_PARTS_BYTES = 32 * 1024;
-
-int edge_l2_prefetch(const void* p, long long bytes, void* stream) {
-  const long long lines = (bytes + 127) / 128;
-  if (lines <= 0) return 0;
-  const int block = 256;
-  const long long blocks = (lines + block - 1) / block;
-  l2_prefetch_kernel<<<unsigned(blocks < 1024 ? blocks : 1024), block, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const char*>(p), lines);
-  return int(cudaGetLastError());
-}
 
 // dtype: 0 bfloat16, 1 float16 activations; warps 1..16 per tile; unroll 2, 4 or 8.
 // out [M, N] float32, or, where `act` is given (a paired gate/up weight, N = 2F rows),

@@ -7,11 +7,9 @@ so checkpoints from any Llama-family source load after one conversion.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, overload
 
 import torch
@@ -19,50 +17,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-from edge.text import kv_attention, triton_decode
-from edge.text.embedding import QuantizedEmbedding
-from edge.text.kv_quant import KVFormat
-from edge.text.quant_cache import QuantKVCache, QuantLayer
+from edge.text.architecture import LlamaConfig
+from edge.text.kv import kv_attention
+from edge.text.kv.float_cache import KVCache
+from edge.text.kv.kv_quant import KVFormat
+from edge.text.kv.quant_cache import QuantKVCache, QuantLayer
+from edge.text.model.embedding import QuantizedEmbedding
+from edge.text.ops.int4 import silu_gate_up
+from edge.text.ops.triton import decode_ops
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-    max_position: int = 8192
-    tie_embeddings: bool = False
-    # q, k and v projections with biases (the Qwen2 family).
-    attention_bias: bool = False
-    # Per-head width where it is not hidden_size / num_heads (0: it is).
-    head_size: int = 0
-    # RoPE frequency scaling: None, {"rope_type": "linear", "factor": f} or Llama 3's
-    # {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-    # "original_max_position_embeddings"}, or {"rope_type": "freq_factors", "factors": [...]}:
-    # one divisor per frequency, which is how llama.cpp stores Llama 3's scaling.
-    rope_scaling: dict[str, Any] | None = None
-
-    @property
-    def head_dim(self) -> int:
-        return self.head_size or self.hidden_size // self.num_heads
-
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
-
-    @classmethod
-    def from_json(cls, path: Path) -> LlamaConfig:
-        return cls(**json.loads(path.read_text(encoding="utf-8")))
 
 
 @dataclass(frozen=True)
@@ -74,44 +38,6 @@ class DecodeAt:
     pos: torch.Tensor  # [B] long
     kv_len: int
     bias: torch.Tensor  # [B, 1, 1, kv_len] float32
-
-
-class KVCache:
-    """Keys and values for `batch` sequences of up to `max_len` tokens, allocated once."""
-
-    def __init__(self, config: LlamaConfig, batch: int, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
-        shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_len = max_len
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
-
-    @property
-    def batch(self) -> int:
-        return int(self.k.shape[1])
-
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[i], self.v[i]
-
-    def save_row(self, row: int, length: int) -> dict[str, torch.Tensor]:
-        """Copies of a row's keys and values for its first `length` tokens."""
-        return {"k": self.k[:, row, :, :length].clone(), "v": self.v[:, row, :, :length].clone()}
-
-    def load_row(self, row: int, length: int, saved: dict[str, torch.Tensor]) -> None:
-        """Put a row saved at `length` tokens into row `row`."""
-        self.k[:, row, :, :length] = saved["k"].to(self.k.device, non_blocking=True)
-        self.v[:, row, :, :length] = saved["v"].to(self.v.device, non_blocking=True)
-
-    def rows(self, first: int, count: int) -> KVCache:
-        """A cache over sequences first..first+count-1 that shares this one's memory."""
-        view = KVCache.__new__(KVCache)
-        view.k = self.k[:, first : first + count]
-        view.v = self.v[:, first : first + count]
-        view.max_len = self.max_len
-        return view
 
 
 class RMSNorm(nn.Module):
@@ -258,7 +184,7 @@ class Attention(nn.Module):
     def _quantized(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: QuantLayer, start: int | DecodeAt
     ) -> torch.Tensor:
-        """Attention over a quantized cache (edge/text/kv_attention.py): a decode step and
+        """Attention over a quantized cache (edge/text/kv/kv_attention.py): a decode step and
         a chunk after cached tokens read the codes in the kernel; a fresh prompt attends
         to itself in float, as with a float cache, and is coded as it is stored."""
         bsz, _, seq, hd = q.shape
@@ -312,12 +238,12 @@ class MLP(nn.Module):
         self.gate_up_proj: nn.Module | None = None  # set by fuse_projections()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None and x.is_cuda and triton_decode.TRITON_SUPPORT:
+        if self.gate_up_proj is not None and x.is_cuda and decode_ops.TRITON_SUPPORT:
             # One kernel reads the [gate; up] product (in the INT4 kernel's paired order
             # where it has one): no reordering copy and no separate SiLU and product
             # tensors, which were a 512-token chunk's largest transients on an 8B model.
             flat = x.reshape(-1, x.shape[-1])
-            act = triton_decode.silu_gate_up(self.gate_up_proj, flat, x.dtype)
+            act = silu_gate_up(self.gate_up_proj, flat, x.dtype)
             down: torch.Tensor = self.down_proj(act)
             return down.view(*x.shape[:-1], down.shape[-1])
         if self.gate_up_proj is not None:
@@ -357,7 +283,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
-        # Serving may swap in a compact table (edge/text/embedding.py).
+        # Serving may swap in a compact table (edge/text/model/embedding.py).
         self.embed_tokens: nn.Embedding | QuantizedEmbedding = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -367,16 +293,12 @@ class LlamaModel(nn.Module):
         cos, sin = rope_tables(config, config.max_position, torch.device("cpu"))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        # Whether decode_step runs the fused Triton step: decided on first use (the
-        # projections are swapped for INT4 ones after construction); set False to
-        # force the per-op torch path.
+        # Whether the runtime's decode step is the fused one (runtime/fused_step.py):
+        # decided there on first use (the projections are swapped for INT4 ones after
+        # construction); set False to force this model's per-op decode_step.
         self.fused_decode: bool | None = None
-        # Whether the fused step reads small products' weights into L2 ahead of them
-        # (triton_decode._Prefetcher, only where L2 is large). Off: on the H200 it made
-        # the step no faster (README, GPU speed).
-        self.l2_prefetch = False
         # Whether the fused step folds the RMSNorms into the CUDA GEMVs around them
-        # (triton_decode.folds_norm, where the layers allow it); False keeps the norm kernels.
+        # (fused_step.folds_norm, where the layers allow it); False keeps the norm kernels.
         self.fold_norms = True
 
     @property
@@ -398,7 +320,7 @@ class LlamaModel(nn.Module):
 
     def new_cache(self, batch: int, max_len: int, kv_format: KVFormat | None = None) -> KVCache | QuantKVCache:
         """A KV cache of `batch` rows: float in the activations' type, or int8/int4 codes
-        (edge/text/quant_cache.py) for a quantized format."""
+        (edge/text/kv/quant_cache.py) for a quantized format."""
         length = min(max_len, self.config.max_position)
         if kv_format is not None and kv_format.dtype != "float16":
             return QuantKVCache(self.config, batch, length, kv_format, self.dtype, self.device)
@@ -441,15 +363,12 @@ class LlamaModel(nn.Module):
     def decode_step(
         self, ids: torch.Tensor, cache: KVCache | QuantKVCache, pos: torch.Tensor, kv_len: int
     ) -> torch.Tensor:
-        """Logits [B, V] for one token per sequence at device-side positions `pos` [B].
+        """Logits [B, V] for one token per sequence at device-side positions `pos` [B],
+        op by op (the runtime runs the fused step instead where it can: fused_step.decode_step).
 
         Attends over the first kv_len cache slots (masked beyond each position): a
         fixed shape, so one CUDA graph per kv_len bucket serves every step.
         """
-        if self.fused_decode is None:
-            self.fused_decode = triton_decode.can_fuse(self)
-        if self.fused_decode:
-            return triton_decode.fused_decode_step(self, ids, cache, pos, kv_len)
         dtype = self.dtype
         cos = self.rope_cos.index_select(0, pos).to(dtype).unsqueeze(1).unsqueeze(1)
         sin = self.rope_sin.index_select(0, pos).to(dtype).unsqueeze(1).unsqueeze(1)

@@ -15,8 +15,10 @@ from typing import Any
 import torch
 
 from edge.gpu_streams import side_stream
-from edge.text.llama import KVCache, LlamaModel
-from edge.text.quant_cache import QuantKVCache
+from edge.text.kv.float_cache import KVCache
+from edge.text.kv.quant_cache import QuantKVCache
+from edge.text.model.llama import LlamaModel
+from edge.text.runtime import fused_step
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +58,9 @@ class GraphDecoder:
         return min(self.cache.max_len, (pos // self.bucket + 1) * self.bucket)
 
     def _capture(self, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        captured = capture(lambda: self.model.decode_step(self.ids, self.cache, self.pos, kv_len), self.pool)
+        captured = capture(
+            lambda: fused_step.decode_step(self.model, self.ids, self.cache, self.pos, kv_len), self.pool
+        )
         logger.debug("captured decode graph for kv_len %d", kv_len)
         return captured
 
@@ -129,7 +133,7 @@ class StepGraphs:
     def _capture(self, batch: int, kv_len: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         ids, pos = self._inputs(batch)
         self._dev.zero_()
-        captured = capture(lambda: self.model.decode_step(ids, self.cache, pos, kv_len), self.pool)
+        captured = capture(lambda: fused_step.decode_step(self.model, ids, self.cache, pos, kv_len), self.pool)
         logger.debug("captured the decode step for batch %d, KV length %d", batch, kv_len)
         return captured
 

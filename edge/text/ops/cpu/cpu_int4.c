@@ -10,7 +10,7 @@
  * Each output is summed in the same order whatever M is and however the rows are split
  * between threads, so a sequence's logits do not depend on its batch.
  *
- * Built on the box by edge/text/cpu_int4.py (cc -O3 -march=native -fopenmp) and called
+ * Built on the box by edge/text/ops/cpu/cpu_int4.py (cc -O3 -march=native -fopenmp) and called
  * through ctypes. GCC's vector types keep it portable: the compiler lowers them to the
  * machine's registers (AVX-512, AVX2, NEON).
  */

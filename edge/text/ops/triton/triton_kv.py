@@ -1,4 +1,4 @@
-"""Triton kernels for a quantized KV cache on CUDA (edge/text/quant_cache.py's layout).
+"""Triton kernels for a quantized KV cache on CUDA (edge/text/kv/quant_cache.py's layout).
 
 - writing a decode step's token: into the ring slot of its position, and, when a key
   block leaves the window with this step, that block coded from the ring in the same
@@ -17,11 +17,14 @@ halves rounded up), so a cache coded here equals one coded there, code for code.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-from edge.text import triton_decode
-from edge.text.quant_cache import QuantLayer
+from edge.text.ops.triton import decode_ops
+
+if TYPE_CHECKING:  # the cache's layer, read by attribute: ops sit below kv
+    from edge.text.kv.quant_cache import QuantLayer
 
 # The int8 attention program: warps, software-pipeline stages, cache positions per tile
 # (at most a key block, so that a tile has one set of key scales), how many times the
@@ -40,7 +43,7 @@ ATTN8_MAXNREG = 128
 ROPE_WRITE_WARPS = 2  # warps of the fused step's rotary-and-write program
 BLOCK_CODERS = 8  # programs a KV head sharing a leaving key block's coding (a power of two)
 
-if triton_decode.TRITON_SUPPORT:
+if decode_ops.TRITON_SUPPORT:
     import triton
     import triton.language as tl
 
@@ -288,14 +291,14 @@ if triton_decode.TRITON_SUPPORT:
                 _code_keys(pos, kv, ring_k, kc, ks, kz, code_len, blocks, HD, KB, W, RING, INT4, SINK, part, CODERS)
                 _code_values(pos, kv, ring_v, vc, vs, vz, code_len, HD, KB, VG, W, RING, INT4, VSYM, part, CODERS)
         elif head < NH + NKV:
-            o1, o2 = triton_decode.rotate(row, cos_ptr, sin_ptr, pos, HD)
+            o1, o2 = decode_ops.rotate(row, cos_ptr, sin_ptr, pos, HD)
             if head < NH:
-                triton_decode.store_halves(q_ptr + (b * NH + head) * HD, o1 * q_scale, o2 * q_scale, HD)
+                decode_ops.store_halves(q_ptr + (b * NH + head) * HD, o1 * q_scale, o2 * q_scale, HD)
             else:
                 kv = b * NKV + head - NH
-                triton_decode.store_halves(ring_k + (kv * (RING + 1) + slot) * HD, o1, o2, HD)
+                decode_ops.store_halves(ring_k + (kv * (RING + 1) + slot) * HD, o1, o2, HD)
                 if pos < SINK:
-                    triton_decode.store_halves(sink_k + (kv * SINK + pos) * HD, o1, o2, HD)
+                    decode_ops.store_halves(sink_k + (kv * SINK + pos) * HD, o1, o2, HD)
                 if CODERS == 0:
                     if due:
                         _code_keys(pos, kv, ring_k, kc, ks, kz, code_len, blocks, HD, KB, W, RING, INT4, SINK)
@@ -490,7 +493,7 @@ if triton_decode.TRITON_SUPPORT:
         tl.store(ml_ptr + slot_out * 2 + 1, l_sum, mask=g_mask)
 
 
-if triton_decode.TRITON_SUPPORT:
+if decode_ops.TRITON_SUPPORT:
 
     @triton.jit
     def _attn8_kernel(
@@ -641,7 +644,7 @@ def write_tokens(layer: QuantLayer, k: torch.Tensor, v: torch.Tensor, pos: torch
 def rope_write(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, layer: QuantLayer, n_heads: int
 ) -> torch.Tensor:
-    """triton_decode.rope_kv_write for a quantized cache: rotated, pre-scaled queries
+    """decode_ops.rope_kv_write for a quantized cache: rotated, pre-scaled queries
     [B, NH, HD]; each row's k and v written into the layer at pos[b]."""
     bsz = qkv.shape[0]
     n_kv, hd = layer.ring_k.shape[1], layer.ring_k.shape[-1]
@@ -680,11 +683,9 @@ def _attend(
     nq, n_heads, hd = q.shape
     n_kv = layer.ring_k.shape[1]
     group = n_heads // n_kv
-    if group > triton_decode.ATTN_GROUP_ROWS:
-        raise ValueError(
-            f"{group} query heads per KV head; the attention takes at most {triton_decode.ATTN_GROUP_ROWS}"
-        )
-    rows = nq * n_kv * splits * triton_decode.ATTN_GROUP_ROWS
+    if group > decode_ops.ATTN_GROUP_ROWS:
+        raise ValueError(f"{group} query heads per KV head; the attention takes at most {decode_ops.ATTN_GROUP_ROWS}")
+    rows = nq * n_kv * splits * decode_ops.ATTN_GROUP_ROWS
     acc = torch.empty(rows, hd, device=q.device, dtype=torch.float32)
     ml = torch.empty(rows, 2, device=q.device, dtype=torch.float32)
     kz, vz = _zeros(layer)
@@ -697,7 +698,7 @@ def _attend(
         _attn8_kernel[(nq * n_kv, splits)](
             q, layer.k_codes, layer.k_scale, layer.v_codes, layer.v_scale, kf, vf, *_sink(layer),
             pos if pos is not None else q, acc, ml, start, coded, q_scale, n_heads, n_kv, layer.code_len,
-            layer.k_scale.shape[2], kf.shape[2], fmod, chunk, splits, group, triton_decode.ATTN_GROUP_ROWS,
+            layer.k_scale.shape[2], kf.shape[2], fmod, chunk, splits, group, decode_ops.ATTN_GROUP_ROWS,
             HD=hd, KB=layout["KB"], VG=layout["VG"], W=layout["W"], SINK=layout["SINK"],
             DECODE=pos is not None, BLOCK_T=block_t, F32_DOT=not q.is_cuda, PREC=prec,
             num_warps=ATTN8_WARPS, num_stages=ATTN8_STAGES,
@@ -707,13 +708,13 @@ def _attend(
         _attn_kernel[(nq * n_kv, splits)](
             q, layer.k_codes, layer.k_scale, kz, layer.v_codes, layer.v_scale, vz, kf, vf, *_sink(layer),
             pos if pos is not None else q, acc, ml, start, coded, q_scale, n_heads, n_kv, layer.code_len,
-            layer.k_scale.shape[2], kf.shape[2], fmod, chunk, splits, group, triton_decode.ATTN_GROUP_ROWS,
-            DECODE=pos is not None, BLOCK_T=triton_decode.ATTN_BLOCK_T, F32_DOT=not q.is_cuda, PREC=prec,
+            layer.k_scale.shape[2], kf.shape[2], fmod, chunk, splits, group, decode_ops.ATTN_GROUP_ROWS,
+            DECODE=pos is not None, BLOCK_T=decode_ops.ATTN_BLOCK_T, F32_DOT=not q.is_cuda, PREC=prec,
             num_warps=4, **_layout(layer),
         )  # fmt: skip
     out = torch.empty(nq, n_heads * hd, device=q.device, dtype=kf.dtype)
-    triton_decode._attn_merge_kernel[(nq * n_kv, group)](
-        acc, ml, out, n_heads, n_kv, splits, group, triton_decode.ATTN_GROUP_ROWS, hd
+    decode_ops._attn_merge_kernel[(nq * n_kv, group)](
+        acc, ml, out, n_heads, n_kv, splits, group, decode_ops.ATTN_GROUP_ROWS, hd
     )
     return out
 
@@ -723,8 +724,8 @@ def attention(layer: QuantLayer, q: torch.Tensor, pos: torch.Tensor, kv_len: int
     positions 0..pos[b] -> [B, NH * HD] in the cache's float type."""
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
     spread = ATTN8_SPREAD if layer.fmt.dtype == "int8" else 1.0
-    splits, chunk = triton_decode.attn_splits(
-        kv_len, layer.ring_k.shape[1], int(sms * spread), int(triton_decode.MAX_ATTN_SPLITS * spread)
+    splits, chunk = decode_ops.attn_splits(
+        kv_len, layer.ring_k.shape[1], int(sms * spread), int(decode_ops.MAX_ATTN_SPLITS * spread)
     )
     return _attend(layer, q, (layer.ring_k, layer.ring_v), layer.fmt.ring, pos, 0, 0, kv_len, splits, chunk, q_scale)
 
@@ -742,7 +743,7 @@ def chunk_attention(
     `coded` and the float tokens from `coded` on (float_k, float_v [1, NKV, F, HD]) ->
     [T, NH, HD]. One split per query: the chunk's queries fill the GPU."""
     end = start + q.shape[0]
-    chunk = triton.cdiv(end, triton_decode.ATTN_BLOCK_T) * triton_decode.ATTN_BLOCK_T
+    chunk = triton.cdiv(end, decode_ops.ATTN_BLOCK_T) * decode_ops.ATTN_BLOCK_T
     out = _attend(
         layer, q.contiguous(), (float_k.contiguous(), float_v.contiguous()), float_k.shape[2], None, start, coded,
         end, 1, chunk, q_scale,

@@ -1,6 +1,6 @@
 /* Attention over a quantized KV cache for the CPU, reading the codes as they are stored.
  *
- * The cache (edge/text/quant_cache.py) holds each row's oldest tokens as int8 or int4
+ * The cache (edge/text/kv/quant_cache.py) holds each row's oldest tokens as int8 or int4
  * codes and its newest in float32 (the float window and the key block not yet full):
  *   keys:   code[t, d] * kscale[t / KB, d] (+ kzero[t / KB, d] for int4): a scale per
  *           channel over a block of KB tokens;
@@ -20,7 +20,7 @@
  * (t - fbase[i]) % fmod of float row frows[i]: the ring of the cache's newest tokens
  * (fbase 0, fmod its length) or a contiguous run of float tokens starting at fbase.
  *
- * Built on the box by edge/text/cpu_kv.py (cc -O3 -march=native -fopenmp, as
+ * Built on the box by edge/text/ops/cpu/cpu_kv.py (cc -O3 -march=native -fopenmp, as
  * cpu_int4.c) and called through ctypes. Each (query, KV head) pair is summed in the
  * same order whatever the batch, so a sequence's answer does not depend on it.
  */

@@ -42,16 +42,17 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from edge.scheduler.kv_cache import KVCacheManager, KVSlot
-from edge.text import fused_prefill
-from edge.text.cuda_graphs import StepGraphs
-from edge.text.generate import SamplingParams, _find_stop, choose_rows, sample_rows, streamable_end
-from edge.text.kv_offload import KVOffload, SavedRow
-from edge.text.kv_quant import KVFormat
-from edge.text.llama import KVCache, LlamaModel
-from edge.text.prefix_cache import MIN_TOKENS as MIN_PREFIX
-from edge.text.prefix_cache import PrefixCache
-from edge.text.quant_cache import QuantKVCache
+from edge.text.kv.float_cache import KVCache
+from edge.text.kv.kv_cache import KVCacheManager, KVSlot
+from edge.text.kv.kv_offload import KVOffload, SavedRow
+from edge.text.kv.kv_quant import KVFormat
+from edge.text.kv.prefix_cache import MIN_TOKENS as MIN_PREFIX
+from edge.text.kv.prefix_cache import PrefixCache
+from edge.text.kv.quant_cache import QuantKVCache
+from edge.text.model.llama import LlamaModel
+from edge.text.runtime import fused_prefill, fused_step
+from edge.text.runtime.cuda_graphs import StepGraphs
+from edge.text.runtime.generate import SamplingParams, _find_stop, choose_rows, sample_rows, streamable_end
 from edge.timing import events_ms
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class Sequence:
     prefilled: int = 0  # tokens of prompt + tokens in its KV row; short of them: mid-prefill
     decode_s: float = 0.0
     pauses: int = 0
-    saved: SavedRow | None = None  # its row off the device while paused (edge/text/kv_offload.py)
+    saved: SavedRow | None = None  # its row off the device while paused (edge/text/kv/kv_offload.py)
     prefix: int = 0  # leading prompt tokens others may share (system and documents; prefix_cache.py)
     split: int | None = None  # where its prefill stops to keep the prefix (decided at admission)
     # Where its time went (edge/timing.py): tokenizing its prompt, decoding tokens to
@@ -125,7 +126,7 @@ class ContinuousBatcher:
     ) -> None:
         """tokenizer None: token ids only (no text, no stop strings), for random-weight
         models in benchmarks. kv_format: how the KV cache holds keys and values (float
-        in the activations' type unless told; edge/text/kv_quant.py)."""
+        in the activations' type unless told; edge/text/kv/kv_quant.py)."""
         self.model = model
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
@@ -164,7 +165,7 @@ class ContinuousBatcher:
         (after warm_up, which builds and tunes every kernel); returns how many."""
         self.graphs = StepGraphs(self.model, self.cache, self.slots)
         captured = self.graphs.capture_all()
-        # A quantized cache is written by its own kernels (edge/text/kv_attention.py): its
+        # A quantized cache is written by its own kernels (edge/text/kv/kv_attention.py): its
         # prompts are prefilled op by op.
         if fused_prefill.supported(self.model) and isinstance(self.cache, KVCache):
             self.prefill_graphs = fused_prefill.PrefillGraphs(self.model, self.cache, pool=self.graphs.pool)
@@ -198,7 +199,7 @@ class ContinuousBatcher:
             pos = torch.zeros(batch, dtype=torch.long, device=device)
             kv_len = 1
             while True:
-                self.model.decode_step(ids, self.cache, pos, min(kv_len, self.slot_len))
+                fused_step.decode_step(self.model, ids, self.cache, pos, min(kv_len, self.slot_len))
                 runs += 1
                 if kv_len >= self.slot_len:
                     break
@@ -455,7 +456,7 @@ class ContinuousBatcher:
     def _decode(self, ids: list[int], positions: list[int], kv_len: int) -> torch.Tensor:
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device).view(-1, 1)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return self.model.decode_step(ids_t, self.cache, pos_t, kv_len)
+        return fused_step.decode_step(self.model, ids_t, self.cache, pos_t, kv_len)
 
     def _advance(self, seq: Sequence, token: int) -> bool:
         """Take the token chosen for the sequence; True once it is finished."""

@@ -40,7 +40,7 @@ from typing import Literal, Protocol
 import numpy as np
 import torch
 
-from edge.text.recheck import Recheck
+from edge.text.kv.recheck import Recheck
 
 logger = logging.getLogger(__name__)
 

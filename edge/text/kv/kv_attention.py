@@ -1,4 +1,4 @@
-"""Attention over a quantized KV cache (edge/text/quant_cache.py), on the device the cache
+"""Attention over a quantized KV cache (edge/text/kv/quant_cache.py), on the device the cache
 is on: our C kernel on the CPU (cpu_kv.c), Triton kernels on CUDA (triton_kv.py). Both
 read the codes where they are stored; neither dequantizes into a buffer.
 
@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from edge.text import cpu_kv
-from edge.text.quant_cache import QuantLayer
+from edge.text.kv.quant_cache import QuantLayer
+from edge.text.ops.cpu import cpu_kv
+from edge.text.ops.triton import triton_kv
 
 
 def _codes(layer: QuantLayer) -> tuple[torch.Tensor, ...]:
@@ -37,8 +38,6 @@ def decode(
     -> [B, NH, D] in q's type. A row's attention reaches no further than kv_len (rows a
     step does not advance sit at the last position; their output is not read)."""
     if q.is_cuda:
-        from edge.text import triton_kv
-
         triton_kv.write_tokens(layer, k, v, pos)
         out = triton_kv.attention(layer, q.contiguous(), pos, kv_len, q_scale=q.shape[-1] ** -0.5)
         return out.view(q.shape).to(q.dtype)
@@ -74,8 +73,6 @@ def chunk(layer: QuantLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     float_v = torch.cat([ring_v, v.to(ring_v.dtype)], dim=2)
     queries = q[0].transpose(0, 1)  # [T, NH, D]
     if q.is_cuda:
-        from edge.text import triton_kv
-
         out = triton_kv.chunk_attention(layer, queries, float_k, float_v, start, coded, q_scale=q.shape[-1] ** -0.5)
     else:
         out = cpu_kv.attention(

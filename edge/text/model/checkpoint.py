@@ -21,11 +21,14 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from torch import nn
 
-from edge.text import cpu_int4
-from edge.text.chat import ChatTemplate
-from edge.text.embedding import EmbeddingFormat, compact_embedding
-from edge.text.int4 import EXACT_TOP, Int4Linear, QuantizedWeight, concat_rows, cpu_kernel_available
-from edge.text.llama import LlamaConfig, LlamaModel, fuse_projections
+from edge.text.architecture import LlamaConfig
+from edge.text.model.chat import ChatTemplate
+from edge.text.model.embedding import EmbeddingFormat, compact_embedding
+from edge.text.model.llama import LlamaModel, fuse_projections
+from edge.text.ops.cpu import cpu_int4
+from edge.text.ops.cuda import cuda_int4
+from edge.text.ops.int4 import EXACT_TOP, Int4Linear, QuantizedWeight, concat_rows, cpu_kernel_available
+from edge.text.ops.triton.triton_int4 import TRITON_SUPPORT
 
 # Files every checkpoint carries beside its weights; build steps copy them forward.
 SIDE_FILES = ("config.json", "tokenizer.json", "generation.json")
@@ -52,9 +55,6 @@ def default_int4_kernel(device: torch.device, exact_cpu: bool = True) -> str:
     if device.type == "cuda":
         # Ours: the CUDA tensor-core GEMV where nvcc built it for this GPU, else the
         # Triton one; torch's tiled kernel decodes slower and prefills ten times slower.
-        from edge.text import cuda_int4
-        from edge.text.triton_int4 import TRITON_SUPPORT
-
         # Without Triton (JetPack's torch) the CUDA GEMV still serves, in the per-op step.
         if cuda_int4.available(device):
             return "cuda-mma"
@@ -82,7 +82,7 @@ def load_checkpoint(
     """Load for serving. `fuse` merges q/k/v and gate/up into single linears. Without
     `int4_kernel` the device's default serves; `exact_cpu=False` takes torch's bfloat16
     kernel on the CPU instead of ours. `embedding` "int8" or "int4" keeps the token table
-    compact (edge/text/embedding.py)."""
+    compact (edge/text/model/embedding.py)."""
     device = torch.device(device)
     config = LlamaConfig.from_json(path / "config.json")
     with torch.device("meta"):

@@ -37,9 +37,9 @@ class KVCacheManager:
         if rows < 1 or row_tokens < 1 or bytes_per_token < 0:
             raise ValueError(f"a KV cache of {rows} rows x {row_tokens} tokens ({bytes_per_token} B/token)")
         self.dtype = dtype  # the format the cache holds keys and values in (models.qa.kv_dtype)
-        # The paused sequences' offloaded rows, for status (edge/text/kv_offload.py).
+        # The paused sequences' offloaded rows, for status (edge/text/kv/kv_offload.py).
         self.offload_snapshot: Callable[[], dict[str, Any]] | None = None
-        # The prefix cache's entries, for status (edge/text/prefix_cache.py).
+        # The prefix cache's entries, for status (edge/text/kv/prefix_cache.py).
         self.prefix_snapshot: Callable[[], dict[str, Any]] | None = None
         self.rows = rows
         self.row_tokens = row_tokens

@@ -27,9 +27,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from edge.text import triton_decode
-from edge.text.cuda_graphs import capture
-from edge.text.llama import DecoderLayer, KVCache, LlamaModel
+from edge.text.kv.float_cache import KVCache
+from edge.text.model.llama import DecoderLayer, LlamaModel
+from edge.text.ops.int4 import silu_gate_up
+from edge.text.ops.triton import decode_ops
+from edge.text.runtime import fused_step
+from edge.text.runtime.cuda_graphs import capture
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +41,7 @@ logger = logging.getLogger(__name__)
 # bucket's activations stay in the graphs' pool for the life of the model.
 GRAPH_BUCKETS = (16, 32, 64, 128, 256, 512)
 
-if triton_decode.TRITON_SUPPORT:
+if decode_ops.TRITON_SUPPORT:
     import triton
     import triton.language as tl
 
@@ -54,13 +57,13 @@ if triton_decode.TRITON_SUPPORT:
         row = tl.load(row_ptr)
         src = qkv_ptr + t * (NH + 2 * NKV) * HD + head * HD
         if head < NH + NKV:
-            o1, o2 = triton_decode.rotate(src, cos_ptr, sin_ptr, t, HD)
+            o1, o2 = decode_ops.rotate(src, cos_ptr, sin_ptr, t, HD)
             if head < NH:
-                triton_decode.store_halves(q_ptr + (t * NH + head) * HD, o1 * q_scale, o2 * q_scale, HD)
+                decode_ops.store_halves(q_ptr + (t * NH + head) * HD, o1 * q_scale, o2 * q_scale, HD)
             else:
                 kv = head - NH
-                triton_decode.store_halves(k_ptr + (kv * T + t) * HD, o1, o2, HD)
-                triton_decode.store_halves(k_cache_ptr + ((row * NKV + kv) * max_len + t) * HD, o1, o2, HD)
+                decode_ops.store_halves(k_ptr + (kv * T + t) * HD, o1, o2, HD)
+                decode_ops.store_halves(k_cache_ptr + ((row * NKV + kv) * max_len + t) * HD, o1, o2, HD)
         else:
             kv = head - NH - NKV
             rd = tl.arange(0, HD)
@@ -73,7 +76,7 @@ if triton_decode.TRITON_SUPPORT:
 def supported(model: LlamaModel) -> bool:
     """The fused prefill takes what the fused decode step takes (Int4Linear projections
     without bias, on CUDA, with Triton)."""
-    return triton_decode.can_fuse(model)
+    return fused_step.can_fuse(model)
 
 
 def rope_write(
@@ -110,16 +113,16 @@ def fused_prefill(
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
         assert attn.qkv_proj is not None and mlp.gate_up_proj is not None
-        h = triton_decode.add_rmsnorm(x, delta, layer.input_layernorm.weight, eps)
+        h = decode_ops.add_rmsnorm(x, delta, layer.input_layernorm.weight, eps)
         qkv = attn.qkv_proj(h)
         q, k, v = rope_write(qkv, model, row, cache.k[i], cache.v[i])
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0, enable_gqa=k.shape[1] != q.shape[1])
         o = attn.o_proj(out.transpose(1, 2).reshape(tokens, -1))
-        h = triton_decode.add_rmsnorm(x, o, layer.post_attention_layernorm.weight, eps)
-        delta = mlp.down_proj(triton_decode.silu_gate_up(mlp.gate_up_proj, h, dtype))
+        h = decode_ops.add_rmsnorm(x, o, layer.post_attention_layernorm.weight, eps)
+        delta = mlp.down_proj(silu_gate_up(mlp.gate_up_proj, h, dtype))
     assert delta is not None
     x.add_(delta)
-    h = triton_decode.add_rmsnorm(x.index_select(0, last), None, model.norm.weight, eps)
+    h = decode_ops.add_rmsnorm(x.index_select(0, last), None, model.norm.weight, eps)
     logits: torch.Tensor = model.lm_head(h)
     return logits.float()
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from edge.text import cpu_int4
+from edge.text.ops.cpu import cpu_int4
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +116,6 @@ def _load(device: torch.device) -> ctypes.CDLL:
         p, i = ctypes.c_void_p, ctypes.c_int
         lib.edge_int4_gemv.restype = i
         lib.edge_int4_gemv.argtypes = [p, p, p, p, p, p, p, ctypes.c_float, p, p, p, p, i, i, i, i, i, i, i, p]
-        lib.edge_l2_prefetch.restype = i
-        lib.edge_l2_prefetch.argtypes = [p, ctypes.c_longlong, p]
         lib.edge_int4_dequant.restype = i
         lib.edge_int4_dequant.argtypes = [p, p, p, p, i, i, i, i, i, i, p]
         _libs[arch] = lib
@@ -385,14 +383,6 @@ def gemv_residual(
 
 def l2_bytes(device: torch.device | str) -> int:
     return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0))
-
-
-def prefetch(tiled: TiledInt4) -> None:
-    """Ask L2 for the weight's bytes now, on the current stream (a side stream in the
-    decode step), ahead of the GEMV that reads it."""
-    lib = _load(tiled.codes.device)
-    for t in (tiled.codes, tiled.scales, tiled.zeros):
-        _check(lib.edge_l2_prefetch(t.data_ptr(), t.numel() * t.element_size(), _stream()), "L2 prefetch")
 
 
 def dequant(

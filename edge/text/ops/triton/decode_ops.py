@@ -1,38 +1,19 @@
-"""One decode step of an INT4 Llama in a dozen Triton kernels per layer.
+"""The Triton kernels of a decode layer: residual add + RMSNorm, rotary + KV-cache
+write, attention split over the cache and merged, SiLU * up. The fused decode step
+(edge/text/runtime/fused_step.py) strings them between the INT4 products.
 
-Written op by op in torch, a decode step is about forty kernels per layer (the norm
-alone is five, rotary six, attention eight, each INT4 product three), and on a big GPU
-each costs more than its work: for an 8B model they added 1.45 ms per token to the
-2.9 ms spent reading weights. Here each layer is:
-
-    residual add + RMSNorm -> qkv GEMV -> rotary + KV-cache write -> attention
-    (split over the cache, then merged) -> o GEMV -> residual add + RMSNorm ->
-    gate/up GEMV -> SiLU * up -> down GEMV
-
-On the CUDA GEMV with bfloat16 activations the norms and the SiLU fold into the products
-(folds_norm): o GEMV + residual -> gate/up GEMV + SiLU -> down GEMV + residual -> the
-next layer's qkv GEMV, with no kernel between them.
-
-The residual stream stays in float32 between layers (the GEMVs accumulate in float32
-and the next kernel reads that directly, so nothing is cast back and forth), and
-attention reads the cache only up to each sequence's position, not the whole bucket.
-Positions live in a device tensor, so the step captures into one CUDA graph per
-KV-length bucket like the torch path does.
+Each reads the cache only up to each sequence's position, not the whole bucket, and
+positions live in a device tensor, so a step that uses them captures into one CUDA
+graph per KV-length bucket.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
-from edge.text import cuda_int4, triton_int4
-from edge.text.int4 import GEMV_KERNELS, Int4Linear
-
-if TYPE_CHECKING:
-    from edge.text.llama import KVCache, LlamaModel
-    from edge.text.quant_cache import QuantKVCache
+from edge.text.ops.triton import triton_int4
 
 logger = logging.getLogger(__name__)
 
@@ -307,182 +288,3 @@ def silu_mul(gate_up: torch.Tensor, dtype: torch.dtype, paired: bool = False) ->
     kernel = _silu_mul_paired_kernel if paired else _silu_mul_kernel
     kernel[(bsz, triton.cdiv(f, block))](gate_up, out, f, block)
     return out
-
-
-def silu_gate_up(linear: torch.nn.Module, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """silu(gate) * up [T, F] of a gated unit's [gate; up] product on h [T, K]."""
-    if isinstance(linear, Int4Linear):
-        out, paired = linear.forward_paired(h)
-    else:
-        out, paired = linear(h), False
-    return silu_mul(out, dtype, paired)
-
-
-def _gemv(linear: torch.nn.Module, x: torch.Tensor, norm: cuda_int4.NormInput | None = None) -> torch.Tensor:
-    if isinstance(linear, Int4Linear):
-        return linear.gemv(x, norm)
-    assert norm is None
-    weight = linear.weight
-    assert isinstance(weight, torch.Tensor)
-    return (x.to(weight.dtype) @ weight.T).float()
-
-
-def can_fuse(model: LlamaModel) -> bool:
-    """True when every projection is a fused Triton INT4 linear on a CUDA device."""
-    if not TRITON_SUPPORT or model.device.type != "cuda":
-        return False
-    if model.config.num_heads // model.config.num_kv_heads > ATTN_GROUP_ROWS:
-        return False
-    from edge.text.llama import DecoderLayer  # llama imports this module
-
-    for layer in model.layers:
-        if not isinstance(layer, DecoderLayer):
-            return False
-        attn, mlp = layer.self_attn, layer.mlp
-        parts = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(isinstance(p, Int4Linear) and p.kernel in GEMV_KERNELS and p.bias is None for p in parts):
-            return False  # biased projections (Qwen2) take the per-op path
-    return True
-
-
-def folds_norm(model: LlamaModel, bsz: int) -> tuple[bool, bool]:
-    """(layers, head): whether the step folds each layer's two RMSNorms into the CUDA
-    GEMVs around them (cuda_int4.cu's header), and the final one into the head. Only for
-    bfloat16: the norm's input is the residual times its weight, not yet divided by the
-    RMS, which float16's range would not always hold."""
-    from edge.text.llama import DecoderLayer  # llama imports this module
-
-    if not model.fold_norms or model.dtype != torch.bfloat16 or model.device.type != "cuda":
-        return False, False
-    for layer in model.layers:
-        if not isinstance(layer, DecoderLayer):
-            return False, False
-        attn, mlp = layer.self_attn, layer.mlp
-        consumers = (attn.qkv_proj, mlp.gate_up_proj)
-        producers = (attn.o_proj, mlp.down_proj)
-        if not all(isinstance(p, Int4Linear) and p.folds_norm(bsz, model.dtype, producer=False) for p in consumers):
-            return False, False
-        if not all(isinstance(p, Int4Linear) and p.folds_norm(bsz, model.dtype, producer=True) for p in producers):
-            return False, False
-        if not (isinstance(mlp.gate_up_proj, Int4Linear) and mlp.gate_up_proj.paired):
-            return False, False
-    head = model.lm_head
-    return True, isinstance(head, Int4Linear) and head.folds_norm(bsz, model.dtype, producer=False)
-
-
-# Prefetch a small product's weight into L2 ahead of it only where L2 holds it with room
-# to spare (Hopper's 50-60 MB, an A100's 40 MB; not the Orin's 4 MB).
-PREFETCH_MIN_L2 = 32 * 2**20
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-
-class _Prefetcher:
-    """Reads a coming product's weight into L2 on a side stream while the step's
-    latency-bound kernels (rotary, attention, norms) leave the memory idle, and joins
-    the side stream back before that product (a fork and join a CUDA graph captures).
-    Only with model.l2_prefetch (off by default: measured no faster on the H200), the
-    cuda-mma kernel and a large L2."""
-
-    def __init__(self, model: LlamaModel, device: torch.device) -> None:
-        self.side: torch.cuda.Stream | None = None
-        if model.l2_prefetch and device.type == "cuda":
-            if cuda_int4.l2_bytes(device) >= PREFETCH_MIN_L2:
-                if device not in _side_streams:
-                    _side_streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-                self.side = _side_streams[device]
-        self.pending = False
-
-    def start(self, linear: torch.nn.Module | None) -> None:
-        """After what the main stream has queued so far, ask L2 for `linear`'s weight."""
-        if self.side is None or not (isinstance(linear, Int4Linear) and linear.kernel == "cuda-mma"):
-            return
-        if linear.weight_bytes * 2 > cuda_int4.l2_bytes(linear.codes.device):
-            return
-        self.join()
-        self.side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.side):
-            cuda_int4.prefetch(linear.tiled)
-        self.pending = True
-
-    def join(self) -> None:
-        if self.pending:
-            assert self.side is not None
-            torch.cuda.current_stream().wait_stream(self.side)
-            self.pending = False
-
-
-def _attend(
-    model: LlamaModel,
-    qkv: torch.Tensor,
-    cache: KVCache | QuantKVCache,
-    i: int,
-    pos: torch.Tensor,
-    kv_len: int,
-    sms: int,
-) -> torch.Tensor:
-    """Layer i's rotary, cache write and attention for the step's rows: [B, NH * HD]."""
-    from edge.text import triton_kv  # it builds on this module's kernels
-    from edge.text.quant_cache import QuantKVCache
-
-    bsz = qkv.shape[0]
-    n_heads = model.config.num_heads
-    if isinstance(cache, QuantKVCache):
-        layer = cache.rows(0, bsz).layer(i)
-        q = triton_kv.rope_write(qkv, model.rope_cos, model.rope_sin, pos, layer, n_heads)
-        return triton_kv.attention(layer, q, pos, kv_len, q_scale=1.0)
-    k_cache, v_cache = cache.k[i, :bsz], cache.v[i, :bsz]
-    q = rope_kv_write(qkv, model.rope_cos, model.rope_sin, pos, k_cache, v_cache, n_heads)
-    return decode_attention(q, k_cache, v_cache, pos, kv_len, sms)
-
-
-def fused_decode_step(
-    model: LlamaModel, ids: torch.Tensor, cache: KVCache | QuantKVCache, pos: torch.Tensor, kv_len: int
-) -> torch.Tensor:
-    """Logits [B, V] float32 for one token per sequence at device-side positions pos [B]."""
-    from edge.text.llama import DecoderLayer  # llama imports this module
-
-    config = model.config
-    dtype = model.dtype
-    bsz = ids.shape[0]
-    sms = torch.cuda.get_device_properties(ids.device).multi_processor_count if ids.is_cuda else 4
-    layers = [layer for layer in model.layers if isinstance(layer, DecoderLayer)]
-    ahead = _Prefetcher(model, ids.device)
-    fold, fold_head = folds_norm(model, bsz)
-    eps = config.rms_norm_eps
-    ahead.start(layers[0].self_attn.qkv_proj)
-    x = model.embed_tokens(ids.view(bsz)).float()  # the residual stream, float32
-    h = add_rmsnorm(x, None, layers[0].input_layernorm.weight, eps)
-    norm_in: cuda_int4.NormInput | None = None  # h still to be divided by its RMS (folded norm)
-    for i, layer in enumerate(layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        assert attn.qkv_proj is not None and mlp.gate_up_proj is not None
-        ahead.join()
-        qkv = _gemv(attn.qkv_proj, h, norm_in)
-        ahead.start(attn.o_proj)  # beside the rotary, KV write and attention kernels
-        attended = _attend(model, qkv, cache, i, pos, kv_len, sms)
-        ahead.join()
-        gate_up = mlp.gate_up_proj
-        if fold and attended.dtype == dtype:
-            assert isinstance(attn.o_proj, Int4Linear) and isinstance(gate_up, Int4Linear)
-            residual = cuda_int4.Residual(x, layer.post_attention_layernorm.weight)
-            h, norm_in = attn.o_proj.gemv_residual(attended, residual, eps)
-            act = gate_up.gemv_silu(h, norm_in)
-            assert act is not None
-        else:
-            o = _gemv(attn.o_proj, attended)
-            h, norm_in = add_rmsnorm(x, o, layer.post_attention_layernorm.weight, eps), None
-            act = gate_up.gemv_silu(h) if isinstance(gate_up, Int4Linear) and h.dtype == dtype else None
-            if act is None:
-                act = silu_mul(_gemv(gate_up, h), dtype)
-        if i + 1 < len(layers):  # the next layer's q/k/v, beside the down product and the norm
-            ahead.start(layers[i + 1].self_attn.qkv_proj)
-        last = i + 1 == len(layers)
-        next_norm = model.norm.weight if last else layers[i + 1].input_layernorm.weight
-        if fold and (fold_head or not last):
-            assert isinstance(mlp.down_proj, Int4Linear)
-            h, norm_in = mlp.down_proj.gemv_residual(act, cuda_int4.Residual(x, next_norm), eps)
-        else:
-            down = _gemv(mlp.down_proj, act)
-            h, norm_in = add_rmsnorm(x, down, next_norm, eps), None
-    ahead.join()
-    return _gemv(model.lm_head, h, norm_in)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from edge.text import cpu_int4
+from edge.text.ops.cpu import cpu_int4
 
 logger = logging.getLogger(__name__)
 

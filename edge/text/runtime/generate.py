@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 import torch
 from tokenizers import Tokenizer
 
-from edge.text.llama import KVCache, LlamaModel
-from edge.text.quant_cache import QuantKVCache
+from edge.text.kv.float_cache import KVCache
+from edge.text.kv.quant_cache import QuantKVCache
+from edge.text.model.llama import LlamaModel
 
 logger = logging.getLogger(__name__)
 

@@ -1,14 +1,15 @@
 """How many tokens a KV pool holds in each format, counted from the caches as the server
-allocates them (codes, scales, zero points and the float ring; edge/text/quant_cache.py),
+allocates them (codes, scales, zero points and the float ring; edge/text/kv/quant_cache.py),
 on torch's meta device, so nothing is allocated to count."""
 
 from __future__ import annotations
 
 import torch
 
-from edge.text.kv_quant import KVFormat
-from edge.text.llama import KVCache, LlamaConfig
-from edge.text.quant_cache import QuantKVCache
+from edge.text.architecture import LlamaConfig
+from edge.text.kv.float_cache import KVCache
+from edge.text.kv.kv_quant import KVFormat
+from edge.text.kv.quant_cache import QuantKVCache
 
 META = torch.device("meta")
 
