@@ -49,7 +49,7 @@ def test_the_student_plan_serves_in_batches_with_graphs(on_box: Path) -> None:
     from edge.backends import BackendOptions, get_backend
     from edge.backends.configs import TensorRTConfig
     from edge.builds import locate
-    from edge.config import load_profile
+    from edge.config.loader import load_profile
     from edge.verify import sample_images
     from edge.vision.student import StudentArtifact
 
@@ -70,7 +70,7 @@ def test_a_plan_for_another_box_is_refused_at_load(on_box: Path, tmp_path: Path)
     from edge.backends.base import BackendOptions
     from edge.backends.configs import TensorRTConfig
     from edge.builds import locate
-    from edge.config import load_profile
+    from edge.config.loader import load_profile
     from edge.plans import plans
     from edge.vision.student import StudentArtifact
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from edge.config.schema import DEFAULT_SYSTEM_PROMPT
+from edge.config.text import DEFAULT_SYSTEM_PROMPT
 from edge.protocol.errors import ErrorCode, JobError
 from edge.protocol.jobs import QAJob
 from edge.text import cpu_kv, triton_decode
