@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from edge.config.schema import Profile
+from edge.config.profile import Profile
 from edge.engines import EngineMissing, damaged, find, open_engine
 from edge.health.notify import Notifier
 

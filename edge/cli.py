@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from edge import logs
-from edge.config import Profile, ProfileError, load_profile
-from edge.config.schema import BrokerConfig, TopicsConfig
+from edge.config.broker import BrokerConfig, TopicsConfig
+from edge.config.loader import ProfileError, load_profile
+from edge.config.profile import Profile
 
 logger = logging.getLogger(__name__)
 

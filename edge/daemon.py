@@ -23,7 +23,7 @@ from edge import __version__, builds
 from edge.builds import BuildStopped, ChildBuilds
 from edge.comms.message import IncomingJob
 from edge.comms.mqtt import DaemonLink
-from edge.config.schema import Profile
+from edge.config.profile import Profile
 from edge.health.metrics import MetricsServer
 from edge.health.notify import Notifier, watchdog_interval_s
 from edge.health.report import branches_section, memory_section, models_section

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from edge.config import ProfileError, load_profile
+from edge.config.loader import ProfileError, load_profile
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def _profile(report: InstallReport, template: Path, device_id: str | None) -> No
         doc["device_id"] = device_id
     header = (
         f"# Written by `edgectl install` from {template.name}; every field is described in\n"
-        "# edge/config/schema.py. `systemctl reload edged` applies the run-time fields.\n"
+        "# edge/config/profile.py and its sections. `systemctl reload edged` applies the run-time fields.\n"
     )
     target.write_text(header + yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
     os.chmod(target, 0o640)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from edge.comms.message import IncomingJob
-from edge.config.schema import Profile
+from edge.config.profile import Profile
 from edge.journal.store import QUEUED, SENT, Entry, Journal, JournalFull, NewJob, digest
 from edge.logs import job_fields
 from edge.protocol.errors import ErrorCode, JobError

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from edge import logs
-from edge.config import ProfileError, load_profile
-from edge.config.schema import Profile
+from edge.config.loader import ProfileError, load_profile
+from edge.config.profile import Profile
 from edge.health.metrics import MetricsServer
 from edge.scheduler.branch import Worker
 from edge.scheduler.models import ModelManager

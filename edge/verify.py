@@ -32,8 +32,8 @@ import numpy as np
 
 from edge import builds
 from edge.backends import BackendOptions, BackendUnavailable, ModelSource, available_backends, get_backend
-from edge.backends.configs import OnnxRuntimeConfig, TensorRTConfig, TorchCudaConfig
-from edge.config.schema import Profile
+from edge.config.backends import OnnxRuntimeConfig, TensorRTConfig, TorchCudaConfig
+from edge.config.profile import Profile
 from edge.engines import EngineMissing, read_manifest
 
 logger = logging.getLogger(__name__)

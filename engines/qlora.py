@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 
-from edge.config.schema import DEFAULT_SYSTEM_PROMPT
+from edge.config.text import DEFAULT_SYSTEM_PROMPT
 from edge.text.model.checkpoint import load_checkpoint
 from edge.text.model.llama import LlamaModel
 from edge.text.ops.int4 import QuantizedWeight, dequantize, group_size_for, pack

@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 from bench_daemon import start_broker, start_daemon  # noqa: E402
 
 from edge.comms.client import request  # noqa: E402
-from edge.config import load_profile  # noqa: E402
+from edge.config.loader import load_profile  # noqa: E402
 
 TARGET_S = 300.0
 # Log lines that mark the first start's stages, with the stage they end.

@@ -117,7 +117,7 @@ def probe(profile_path: Path, out: Path) -> None:
     """In whichever Python runs it: what the collection holds and what retrieval returns."""
     import numpy as np
 
-    from edge.config import load_profile
+    from edge.config.loader import load_profile
     from edge.docs import index
     from edge.docs.embed import Embedder, locate
     from edge.docs.retrieve import Retriever

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from edge.comms.client import RequestTimeout, request  # noqa: E402
-from edge.config import load_profile  # noqa: E402
+from edge.config.loader import load_profile  # noqa: E402
 from edge.health.status import StatusUnreachable, query_status  # noqa: E402
 
 QUESTIONS: list[dict[str, Any]] = [

@@ -205,7 +205,7 @@ def main() -> None:
     print(f"search latency on {args.threads} threads:", flush=True)
     rows = latency(vectors, queries, args.threads)
     served = {r["chunks"]: r for r in rows if r["product_choice"]}
-    from edge.config.schema import QAModelConfig
+    from edge.config.text import QAModelConfig
 
     served_k = QAModelConfig().top_k  # the profile's default: the headline figures are its
     sweep = []

@@ -16,7 +16,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from edge.config import load_profile  # noqa: E402
+from edge.config.loader import load_profile  # noqa: E402
 from edge.verify import render, verify  # noqa: E402
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from edge.config import ProfileError, load_profile, parse_profile
+from edge.config.loader import ProfileError, load_profile, parse_profile
 from tests.conftest import REPO, edgectl
 
 
@@ -62,7 +62,7 @@ def test_bad_profile_names_the_field(data: dict[str, object], path_in_message: s
 def test_every_field_is_described() -> None:
     from pydantic import BaseModel
 
-    from edge.config.schema import Profile
+    from edge.config.profile import Profile
 
     seen: set[type[BaseModel]] = set()
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from edge.config.schema import QAModelConfig
+from edge.config.text import QAModelConfig
 from edge.protocol.jobs import QAJob
 from edge.tasks import qa
 from edge.text.architecture import LlamaConfig

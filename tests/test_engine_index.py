@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from edge.builds import locate, selector
-from edge.config.schema import PathsConfig, Profile
+from edge.config.profile import Profile
+from edge.config.service import PathsConfig
 from edge.engines import EngineMissing, find, open_engine, read_manifest
 from engines.cache import tag_serves
 

@@ -255,7 +255,7 @@ def test_a_profile_naming_a_qwen2_directory_and_a_peft_adapter_builds_them_and_a
 ) -> None:
     # Float weights, so the daemon's answer can be held to transformers' token for token:
     # the base with peft's own merge of the adapter, greedy.
-    from edge.config.schema import DEFAULT_SYSTEM_PROMPT
+    from edge.config.text import DEFAULT_SYSTEM_PROMPT
     from tests.test_peft_adapter import make_adapter
 
     base, tokenizer = make_model(tmp_path / "qwen-small", "qwen2")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from edge.config import load_profile
+from edge.config.loader import load_profile
 from edge.install import SERVICE_PATHS, install
 from tests.conftest import REPO, edgectl
 

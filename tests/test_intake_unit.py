@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from edge.comms.message import IncomingJob
-from edge.config.schema import PathsConfig, Profile
+from edge.config.profile import Profile
+from edge.config.service import PathsConfig
 from edge.intake import Intake
 from edge.journal.store import ANSWERED, QUEUED, SENT
 from edge.protocol.errors import ErrorCode, JobError

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from edge.config.schema import MetricsConfig
+from edge.config.service import MetricsConfig
 from edge.health import sensors
 from edge.health.metrics import JobMetrics, MetricsServer, SnapshotCollector
 from edge.protocol import results

@@ -13,7 +13,7 @@ import pytest
 from edge import builds
 from edge.backends import tensorrt_backend
 from edge.builds import BuildCommand
-from edge.config.schema import Profile
+from edge.config.profile import Profile
 from edge.plans import Target
 
 

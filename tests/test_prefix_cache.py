@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from edge.config.schema import QAModelConfig
+from edge.config.text import QAModelConfig
 from edge.text.engine import TextEngine
 from edge.text.kv.kv_quant import FORMATS
 from edge.text.kv.prefix_cache import PrefixCache

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from edge.config.schema import QAModelConfig
+from edge.config.text import QAModelConfig
 from edge.protocol.jobs import QAJob
 from edge.tasks import qa
 from edge.text.engine import TextEngine

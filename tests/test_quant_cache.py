@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from edge.config.schema import QAModelConfig
+from edge.config.text import QAModelConfig
 from edge.text.architecture import LlamaConfig
 from edge.text.engine import kv_format
 from edge.text.kv import kv_attention

@@ -205,7 +205,7 @@ def test_a_qa_job_with_a_collection_answers_with_checked_citations(
 
 
 def test_retrieval_settings_are_checked_in_the_profile() -> None:
-    from edge.config import ProfileError, parse_profile
+    from edge.config.loader import ProfileError, parse_profile
 
     def refused(**qa: object) -> str:
         with pytest.raises(ProfileError) as err:

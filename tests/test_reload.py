@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edge.config.schema import Profile
+from edge.config.profile import Profile
 from edge.reload import RUNTIME_FIELDS, plan
 
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from edge.backends.configs import OnnxRuntimeConfig
-from edge.config.schema import InspectModelConfig, OCRModelConfig, QAModelConfig
+from edge.config.backends import OnnxRuntimeConfig
+from edge.config.text import QAModelConfig
+from edge.config.vision import InspectModelConfig, OCRModelConfig
 from edge.memory import HostProbe
 from edge.protocol.errors import ErrorCode, JobError
 from edge.protocol.images import ImageLimits

@@ -158,8 +158,8 @@ def test_a_plan_built_for_another_gpu_or_version_is_refused_and_rebuilt(
 
 def test_an_asymmetric_text_model_or_an_unknown_gpu_is_refused_by_name(built: dict[str, Any], engine_dir: Path) -> None:
     from edge.builds import locate
-    from edge.config import load_profile
-    from edge.config.schema import Profile
+    from edge.config.loader import load_profile
+    from edge.config.profile import Profile
     from engines.trt_build import PlanBuildError, current_target, text_job
 
     asymmetric = load_profile(built["profile"]).model_dump()

@@ -47,9 +47,9 @@ def test_every_plan_agrees_with_the_other_backends(on_box: Path) -> None:
 
 def test_the_student_plan_serves_in_batches_with_graphs(on_box: Path) -> None:
     from edge.backends import BackendOptions, get_backend
-    from edge.backends.configs import TensorRTConfig
     from edge.builds import locate
-    from edge.config import load_profile
+    from edge.config.backends import TensorRTConfig
+    from edge.config.loader import load_profile
     from edge.verify import sample_images
     from edge.vision.student import StudentArtifact
 
@@ -68,9 +68,9 @@ def test_the_student_plan_serves_in_batches_with_graphs(on_box: Path) -> None:
 def test_a_plan_for_another_box_is_refused_at_load(on_box: Path, tmp_path: Path) -> None:
     from edge.backends import BackendUnavailable, get_backend
     from edge.backends.base import BackendOptions
-    from edge.backends.configs import TensorRTConfig
     from edge.builds import locate
-    from edge.config import load_profile
+    from edge.config.backends import TensorRTConfig
+    from edge.config.loader import load_profile
     from edge.plans import plans
     from edge.vision.student import StudentArtifact
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from edge.config.schema import QAModelConfig
+from edge.config.text import QAModelConfig
 from edge.protocol.errors import ErrorCode, JobError
 from edge.protocol.jobs import QAJob
 from edge.tasks import qa

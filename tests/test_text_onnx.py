@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from edge.builds import selector
-from edge.config.schema import Profile
+from edge.config.profile import Profile
 from edge.engines import find
 from edge.text.model.checkpoint import load_checkpoint
 from edge.text.prompt import chatml

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from edge.config.schema import QAModelConfig
+from edge.config.text import QAModelConfig
 from edge.protocol.errors import ErrorCode
 from edge.protocol.jobs import ParsedJob, QAJob
 from edge.scheduler.branch import Outcome

@@ -434,7 +434,7 @@ def _user_folder(root: Path) -> Path:
 
 def test_a_users_folder_trains_the_student_and_its_classes_serve(tmp_path: Path) -> None:
     from edge.builds import locate
-    from edge.config import load_profile
+    from edge.config.loader import load_profile
     from engines.folder_data import scan
 
     folder = _user_folder(tmp_path / "plant-parts")

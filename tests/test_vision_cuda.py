@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from edge.backends import BackendOptions, get_backend
-from edge.backends.configs import TorchCudaConfig
+from edge.config.backends import TorchCudaConfig
 from edge.vision.inspect import InspectPipeline, preprocess
 from edge.vision.student import INPUT, StudentArtifact
 from engines.factory_data import make_sample

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from edge.backends.configs import BackendConfig, OnnxRuntimeConfig
+from edge.config.backends import BackendConfig, OnnxRuntimeConfig
 from edge.timing import StageClock
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from edge.backends.base import (
     ModelSource,
     register_backend,
 )
-from edge.backends.configs import OnnxRuntimeConfig
+from edge.config.backends import OnnxRuntimeConfig
 
 logger = logging.getLogger(__name__)
 

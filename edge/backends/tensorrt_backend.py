@@ -39,8 +39,8 @@ from edge.backends.base import (
     mark_unavailable,
     register_backend,
 )
-from edge.backends.configs import TensorRTConfig
 from edge.backends.torch_backend import graph_sizes, images_on_gpu, staged_on_stream
+from edge.config.backends import TensorRTConfig
 from edge.plans import Plan, PlanMismatch, Target, find_plan
 from edge.timing import StageClock
 

@@ -30,7 +30,7 @@ from edge.backends.base import (
     ModelSource,
     register_backend,
 )
-from edge.backends.configs import TorchCudaConfig
+from edge.config.backends import TorchCudaConfig
 from edge.gpu_streams import side_stream
 from edge.timing import DeviceStages, StageClock
 

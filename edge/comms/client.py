@@ -34,7 +34,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from edge.comms.mqtt import GROUP_PROPERTY, ONLINE, make_client
-from edge.config.schema import Profile
+from edge.config.profile import Profile
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 from edge.comms.identity import TAKEOVER_REASON, IdentityWatch
 from edge.comms.message import BatchIntakeCallback, DeliveredCallback, IncomingJob
 from edge.comms.pump import IntakePump
-from edge.config.schema import Profile
+from edge.config.profile import Profile
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,7 @@
-"""Profile schema and loading."""
+"""The profile: its schema, one module a concern, and its loader.
 
-from edge.config.loader import ProfileError, load_profile, parse_profile
-from edge.config.schema import Profile
-
-__all__ = ["Profile", "ProfileError", "load_profile", "parse_profile"]
+base (StrictModel and shared types), broker, vision, text, service, profile (the whole
+`Profile`), loader (`load_profile`, `parse_profile`, `ProfileError`). Nothing is
+re-exported here, so that importing one section (edge.config.text, say) does not import
+the whole profile.
+"""

@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from edge.config.schema import Profile
+from edge.config.profile import Profile
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.backends import BackendOptions
-from edge.config.schema import InspectModelConfig
+from edge.config.vision import InspectModelConfig
 from edge.memory import MemoryUse
 from edge.protocol.errors import ErrorCode, JobError
 from edge.protocol.images import Decoded

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from edge.backends import BackendOptions
-from edge.config.schema import OCRModelConfig
+from edge.config.vision import OCRModelConfig
 from edge.memory import MemoryUse
 from edge.protocol.errors import JobError
 from edge.protocol.jobs import OCRJob

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from edge.config.schema import QAModelConfig
+from edge.config.text import QAModelConfig
 from edge.docs.retrieve import Passage, check_citations, context_of
 from edge.docs.store import DocStore
 from edge.protocol.errors import ErrorCode, JobError

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from edge.config.schema import QAModelConfig
+from edge.config.text import QAModelConfig
 from edge.text.kv.kv_offload import KVOffload
 from edge.text.kv.kv_quant import FORMATS, KVFormat
 from edge.text.kv.prefix_cache import PrefixCache

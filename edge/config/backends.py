@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from edge.schema_base import StrictModel
+from edge.config.base import StrictModel
 
 
 class OnnxRuntimeConfig(StrictModel):

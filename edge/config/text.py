@@ -1,0 +1,287 @@
+"""The text branch's model section (`models.qa`) and its defaults.
+
+The text runtime (edge/text) imports this module, so it imports nothing from edge but
+edge.config.base: reading the text settings never pulls in the rest of the profile.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from edge.config.base import Device, StrictModel
+
+# The prompt the clinic adapter was trained with; kept here as the default so they agree.
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a careful assistant in a clinic. Answer briefly and factually. When context is given, answer from it."
+)
+
+
+BUILTIN_TEXT_SOURCE = "smollm2-135m-instruct"
+
+
+class LayerRule(StrictModel):
+    match: str = Field(
+        min_length=1,
+        title="Layers",
+        description="Module-name pattern (fnmatch) of the layers this rule is for, e.g. '*.self_attn.*', "
+        "'*.mlp.down_proj', 'lm_head'. The first matching rule wins.",
+    )
+    format: Literal["float", "int4"] = Field(
+        title="Format",
+        description="'float' keeps these layers in floating point (fp16 in the checkpoint); 'int4' quantizes "
+        "them with their own group size.",
+    )
+    group_size: Literal[32, 64, 128, 256] | None = Field(
+        default=None,
+        title="Group size",
+        description="INT4 group size for these layers (format 'int4'); the build's own otherwise.",
+    )
+
+    @model_validator(mode="after")
+    def _group_for_int4(self) -> LayerRule:
+        if self.format == "float" and self.group_size is not None:
+            raise ValueError("group_size applies to format 'int4' only")
+        return self
+
+    def to_selector(self) -> dict[str, Any]:
+        return {"match": self.match, "format": self.format, "group_size": self.group_size}
+
+
+class QAModelConfig(StrictModel):
+    enabled: bool = Field(default=True, title="Enabled", description="Serve the `qa` task.")
+    source: str = Field(
+        default=BUILTIN_TEXT_SOURCE,
+        title="Source model",
+        description="The base model, imported into the engine directory on first use: the built-in "
+        f"'{BUILTIN_TEXT_SOURCE}', or a path to a Hugging Face model directory (config.json, *.safetensors, "
+        "tokenizer.json, tokenizer_config.json with its chat template) of the Llama family (Llama 2/3.x, "
+        "SmolLM, TinyLlama, Mistral without a sliding window) or the Qwen2 family.",
+    )
+    adapter: str = Field(
+        default="clinic",
+        title="Merged adapter",
+        description="Merged into the base before quantization: 'clinic' (the built-in QLoRA adapter for the "
+        "built-in model: cite the given documents, decline to diagnose), 'none', or a path to a PEFT LoRA "
+        "adapter directory (adapter_config.json, adapter_model.safetensors) trained for the source model.",
+    )
+    quantization: Literal["awq-int4", "rtn-int4", "awq-int4-sym", "rtn-int4-sym", "float"] = Field(
+        default="awq-int4",
+        title="Weight format",
+        description="How the served weights are stored: AWQ INT4, round-to-nearest INT4, or float. The '-sym' "
+        "forms fix every zero point at 8 (signed 4-bit codes times a scale): the only INT4 form TensorRT "
+        "takes, so a text model built into a TensorRT plan needs one of them.",
+    )
+    layers: list[LayerRule] = Field(
+        default_factory=list,
+        title="Mixed precision",
+        description="Per-layer overrides of the INT4 recipe, e.g. attention projections in float and the "
+        "FFN at INT4 g128: [{match: '*.self_attn.*', format: float}]. Empty: every projection INT4 at the "
+        "build's group size.",
+    )
+    engine: Path | None = Field(
+        default=None,
+        title="Engine directory",
+        description="A text checkpoint to serve as it is (its manifest says what it is), instead of the one "
+        "built for source, adapter and quantization in paths.engine_dir.",
+    )
+    device: Device = Field(
+        default="cpu",
+        title="Device",
+        description="Where the text model runs: 'cpu', or 'cuda' (our INT4 tensor-core GEMV, built with nvcc "
+        "at first start, or the Triton one where nvcc is absent; the fused decode step, decode steps "
+        "captured as CUDA graphs, tokens chosen on the GPU).",
+    )
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        default="auto",
+        title="Activation type",
+        description="Activations and float weights: 'auto' is float32 on the CPU and float16 on CUDA.",
+    )
+    cpu_kernel: Literal["exact", "bf16"] = Field(
+        default="exact",
+        title="CPU INT4 kernel",
+        description="On the CPU: 'exact' (ours, built on the box: the quantized model in float32, so answers "
+        "are the model's own on every CPU and match the GPU's; slower, mostly in prefill) or "
+        "'bf16' (torch's tiled kernel: faster prefill, every product rounded to bfloat16, so about one "
+        "greedy answer in ten strays from the model's). 'exact' falls back to 'bf16' without a C compiler.",
+    )
+    embedding: Literal["auto", "float", "int8", "int4"] = Field(
+        default="auto",
+        title="Token table",
+        description="How the token embedding table is held: 'int8' (8-bit codes, a scale per 64 values: half "
+        "the memory of a 16-bit table, rounding below the activations' own), 'int4' (a scale per 32 values: "
+        "0.28x, the size of llama.cpp's Q4_0 table, a small measured quality cost), or 'float'. 'auto' is "
+        "int8 on CUDA and float on the CPU. A table that is also a float output projection stays float.",
+    )
+    cuda_graphs: bool = Field(
+        default=True,
+        title="CUDA graphs",
+        description="On CUDA, capture the decode step at load for every batch-size and KV-length bucket.",
+    )
+    max_context_tokens: int = Field(
+        default=2048,
+        ge=64,
+        le=8192,
+        title="Context window",
+        description="Prompt plus generated tokens allowed per job; sizes the KV cache.",
+    )
+    max_sequences: int = Field(
+        default=2,
+        ge=1,
+        le=64,
+        title="Concurrent sequences",
+        description="Sequences decoded together (continuous batching). The KV cache holds this many "
+        "sequences of max_context_tokens, allocated once at load: max_sequences x max_context_tokens is the "
+        "KV budget in tokens.",
+    )
+    kv_dtype: Literal["float16", "int8", "int4"] = Field(
+        default="float16",
+        title="KV cache format",
+        description="How the KV cache holds keys and values: 'float16' (unquantized, in the activations' "
+        "type: float32 on the CPU), 'int8' (8-bit codes, key scales per channel per 64-token block, value "
+        "scales per token: about half the bytes per token, quality measured unchanged) or 'int4' (4-bit "
+        "codes, key scales and zero points per channel per 64-token block, one value scale per token and 64 "
+        "channels, the newest 32 tokens kept float: under a third of the bytes; README, KV cache, for the "
+        "measured quality). The attention kernels read the codes (our C kernel on the CPU, Triton on CUDA). "
+        "The cache is still max_sequences x max_context_tokens, in fewer bytes, and the ledger counts what "
+        "it takes.",
+    )
+    kv_offload: Literal["off", "memory", "disk"] = Field(
+        default="memory",
+        title="KV offload of paused sequences",
+        description="Where the KV row of a sequence paused for a more urgent job goes: 'memory' (host "
+        "memory; on a Jetson the same DRAM as the GPU's, so it frees the row, not the DRAM), 'disk' (a file "
+        "under paths.state_dir/kv-offload, lz4-coded where that pays) or 'off' (dropped). On resume the row "
+        "is restored, or the sequence prefilled again where the measured prefill rate says that is faster. "
+        "Offloaded rows do not survive a restart of the daemon: the directory is emptied at start, and a "
+        "job that was paused is prefilled again from its journal entry.",
+    )
+    prefix_cache_mib: int = Field(
+        default=64,
+        ge=0,
+        le=65536,
+        title="Prefix cache",
+        description="Memory (MiB, on the model's device) for prefilled prompt prefixes: the system prompt "
+        "and a job's context documents, prefilled once and reused by later jobs whose prompts start with "
+        "the same tokens, so they prefill only their question. Least recently used entries go first; each "
+        "entry's bytes are reserved in the memory ledger. 0: off.",
+    )
+    kv_offload_mib: int = Field(
+        default=256,
+        ge=0,
+        le=65536,
+        title="KV offload host memory",
+        description="Most host memory (MiB) offloaded rows hold at once (with 'disk', until each is "
+        "written); a row beyond it is dropped and prefilled again on resume.",
+    )
+    prefill_chunk: int = Field(
+        default=256,
+        ge=0,
+        le=8192,
+        title="Prefill chunk",
+        description="A prompt longer than this that arrives while other sequences decode is prefilled this "
+        "many tokens at a time, one chunk between two of their decode steps, so they wait one chunk's time "
+        "between tokens rather than the whole prompt's. 0: every prompt at once. A sequence alone is "
+        "prefilled at once.",
+    )
+    max_new_tokens: int = Field(
+        default=128,
+        ge=1,
+        le=2048,
+        title="Default new tokens",
+        description="Tokens generated when a job does not say.",
+    )
+    max_new_tokens_limit: int = Field(
+        default=512,
+        ge=1,
+        le=4096,
+        title="New tokens cap",
+        description="Largest max_new_tokens a job may ask for.",
+    )
+    system_prompt: str = Field(
+        default=DEFAULT_SYSTEM_PROMPT,
+        title="System prompt",
+        description="System message put before every question.",
+    )
+    threads: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        title="Threads",
+        description="torch intra-op threads for the text branch; 0 keeps torch's default.",
+    )
+    collection: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
+        title="Default collection",
+        description="The document collection (`edgectl docs add --collection NAME`) a job without its own "
+        "`collection` retrieves from. None: such jobs retrieve nothing.",
+    )
+    top_k: int = Field(
+        default=1,
+        ge=1,
+        le=16,
+        title="Passages retrieved",
+        description="Passages a retrieving job puts into its prompt when it does not say (`top_k`). 1 for the "
+        "shipped model: SmolLM2-135M with the clinic adapter answers most accurately from one passage "
+        "(scripts/eval_rag.py measures each; a larger model of your own may do better with more).",
+    )
+    embed_backend: Literal["onnxruntime", "torch-cuda"] = Field(
+        default="onnxruntime",
+        title="Retrieval encoder backend",
+        description="Where the retrieval encoder (all-MiniLM-L6-v2) runs: onnxruntime on the CPU (about 3 ms "
+        "a question), or torch-cuda on a CUDA GPU (float16, each batch as it comes). The tensorrt backend "
+        "takes one image input and does not serve the encoder's two token inputs. Its memory is counted in "
+        "the ledger like every model's.",
+    )
+    embed_threads: int = Field(
+        default=2,
+        ge=0,
+        le=64,
+        title="Retrieval encoder threads",
+        description="Threads for embedding questions and searching the index; 0: the runtime's default.",
+    )
+
+    @field_validator("source")
+    @classmethod
+    def _source_exists(cls, value: str) -> str:
+        if value == BUILTIN_TEXT_SOURCE:
+            return value
+        path = Path(value).expanduser()
+        if path.is_file() and path.suffix == ".gguf":
+            return str(path.resolve())
+        if not path.is_dir():
+            raise ValueError(
+                f"{value!r} is neither the built-in {BUILTIN_TEXT_SOURCE!r}, a model directory nor a .gguf file"
+            )
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{value!r} has no config.json: not a Hugging Face model directory")
+        return str(path.resolve())
+
+    @model_validator(mode="after")
+    def _layers_need_int4(self) -> QAModelConfig:
+        if self.layers and self.quantization == "float":
+            raise ValueError("layers are per-layer overrides of INT4 quantization; quantization is 'float'")
+        return self
+
+    @field_validator("adapter")
+    @classmethod
+    def _adapter_exists(cls, value: str) -> str:
+        if value in ("clinic", "none"):
+            return value
+        path = Path(value).expanduser()
+        if not (path / "adapter_config.json").is_file():
+            raise ValueError(
+                f"{value!r} is neither 'clinic', 'none' nor a PEFT adapter directory (no adapter_config.json)"
+            )
+        return str(path.resolve())
+
+    @model_validator(mode="after")
+    def _clinic_needs_its_base(self) -> QAModelConfig:
+        if self.adapter == "clinic" and self.source != BUILTIN_TEXT_SOURCE and self.engine is None:
+            raise ValueError(
+                f"adapter 'clinic' was trained for {BUILTIN_TEXT_SOURCE}; with another source use adapter 'none'"
+            )
+        return self
