@@ -27,10 +27,10 @@ sys.path.insert(0, str(REPO))
 from edge.text.checkpoint import TextCheckpoint, load_checkpoint  # noqa: E402
 from edge.text.embedding import QuantizedEmbedding, compact_embedding  # noqa: E402
 from edge.text.generate import SamplingParams, generate  # noqa: E402
-from engines.corpus import corpus_fingerprint, evaluation_text  # noqa: E402
-from engines.import_gguf import import_smollm2  # noqa: E402
-from engines.quantize import QuantRecipe  # noqa: E402
-from engines.text_build import quantize_checkpoint  # noqa: E402
+from engines.text.corpus import corpus_fingerprint, evaluation_text  # noqa: E402
+from engines.text.import_gguf import import_smollm2  # noqa: E402
+from engines.text.quantize import QuantRecipe  # noqa: E402
+from engines.text.text_build import quantize_checkpoint  # noqa: E402
 
 WINDOW = 512
 
@@ -84,9 +84,9 @@ def adapter_behaviour(engine_dir: Path) -> list[dict[str, Any]]:
     diagnose / answers untagged context without a made-up citation."""
     from edge.protocol.jobs import QAJob
     from edge.text.qa import QAEngine, QASettings
-    from engines.clinic_data import examples, follows
-    from engines.peft_adapter import merge_checkpoint
-    from engines.qlora import CLINIC_ADAPTER
+    from engines.text.clinic_data import examples, follows
+    from engines.text.peft_adapter import merge_checkpoint
+    from engines.text.qlora import CLINIC_ADAPTER
 
     base = import_smollm2(engine_dir)
     merged = merge_checkpoint(base, CLINIC_ADAPTER)  # the shipped adapter, as served

@@ -11,7 +11,7 @@ from edge.text.checkpoint import TextCheckpoint, load_checkpoint
 from edge.text.continuous import ContinuousBatcher, Sequence
 from edge.text.generate import SamplingParams, generate
 from edge.text.qa import chatml
-from engines.import_gguf import import_smollm2
+from engines.text.import_gguf import import_smollm2
 from tests.spies import prefills_run
 
 QUESTIONS = [

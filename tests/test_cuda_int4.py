@@ -347,7 +347,7 @@ def test_fused_decode_with_the_cuda_gemv_matches_the_reference(fold: bool) -> No
     from edge.text.cuda_graphs import GraphDecoder
     from edge.text.llama import KVCache, LlamaConfig
     from edge.text.triton_decode import folds_norm, fused_decode_step
-    from engines.random_llama import random_int4_llama
+    from engines.text.random_llama import random_int4_llama
 
     config = LlamaConfig(
         vocab_size=1024, hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=2, intermediate_size=1536

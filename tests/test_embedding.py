@@ -16,7 +16,7 @@ from edge.text.embedding import GROUPS, LEVELS, QuantizedEmbedding, compact_embe
 from edge.text.generate import SamplingParams, generate
 from edge.text.llama import LlamaConfig, LlamaModel
 from edge.text.qa import QAEngine, QASettings, resolve_embedding
-from engines.import_gguf import import_smollm2
+from engines.text.import_gguf import import_smollm2
 
 
 def _table(vocab: int = 300, hidden: int = 128, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -104,8 +104,8 @@ def test_the_config_names_the_field_of_a_bad_table_format() -> None:
 @pytest.fixture(scope="module")
 def served(engine_dir: Path) -> Path:
     """The served INT4 checkpoint (AWQ g32) the daemon builds."""
-    from engines.quantize import QuantRecipe
-    from engines.text_build import SERVING_GROUP, quantize_checkpoint
+    from engines.text.quantize import QuantRecipe
+    from engines.text.text_build import SERVING_GROUP, quantize_checkpoint
 
     base = import_smollm2(engine_dir, progress=False)
     return quantize_checkpoint(base, QuantRecipe(method="awq", group_size=SERVING_GROUP), progress=False)

@@ -17,7 +17,7 @@ from edge.text.generate import SamplingParams
 from edge.text.kv_offload import KVOffload, SavedRow
 from edge.text.kv_quant import FORMATS
 from edge.text.qa import chatml
-from engines.import_gguf import import_smollm2
+from engines.text.import_gguf import import_smollm2
 
 QUESTIONS = ["Name three symptoms of dehydration.", "What is a normal body temperature?"]
 
@@ -202,7 +202,7 @@ def test_on_cuda_a_row_copied_on_a_side_stream_restores_as_uninterrupted(
     waits for the copy on the GPU; the urgent sequence then overwrites the row at once.
     Resumed (on CUDA graphs), the paused sequence decodes what it decodes alone."""
     from edge.text.llama import LlamaConfig
-    from engines.random_llama import random_int4_llama
+    from engines.text.random_llama import random_int4_llama
 
     config = LlamaConfig(vocab_size=1024, hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=2,
                          intermediate_size=1536)  # fmt: skip

@@ -17,7 +17,7 @@ from edge.text.generate import SamplingParams
 from edge.text.kv_quant import FORMATS
 from edge.text.prefix_cache import PrefixCache
 from edge.text.qa import QAEngine, QASettings
-from engines.import_gguf import import_smollm2
+from engines.text.import_gguf import import_smollm2
 from tests.spies import prefills_run
 
 LEAFLET = (

@@ -20,8 +20,8 @@ from edge.text.kv_quant import FORMATS, KVFormat, dequantize, quantize
 from edge.text.llama import LlamaConfig
 from edge.text.qa import QASettings, chatml, kv_format
 from edge.text.quant_cache import QuantKVCache
-from engines.import_gguf import import_smollm2
-from engines.random_llama import random_int4_llama
+from engines.text.import_gguf import import_smollm2
+from engines.text.random_llama import random_int4_llama
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Small enough for Triton's interpreter: 2 KV heads of 64 channels, 3 query heads each.

@@ -13,7 +13,7 @@ from edge.protocol.jobs import QAJob
 from edge.text.checkpoint import TextCheckpoint, load_checkpoint
 from edge.text.generate import SamplingParams, generate
 from edge.text.qa import QAEngine, QASettings, chatml
-from engines.import_gguf import SMOLLM2_FILE, import_smollm2, smollm2_gguf_path
+from engines.text.import_gguf import SMOLLM2_FILE, import_smollm2, smollm2_gguf_path
 
 
 @pytest.fixture(scope="module")

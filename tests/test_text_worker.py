@@ -23,7 +23,7 @@ from edge.scheduler.work import Reply, WorkItem
 from edge.tasks.qa import QATask
 from edge.text.checkpoint import load_checkpoint
 from edge.text.qa import QAEngine, QASettings
-from engines.import_gguf import import_smollm2
+from engines.text.import_gguf import import_smollm2
 from tests import fakes
 
 

@@ -12,7 +12,7 @@ import torch
 from edge.text import triton_decode, triton_int4
 from edge.text.int4 import dequantize, pack
 from edge.text.llama import KVCache, LlamaConfig
-from engines.random_llama import random_int4_llama
+from engines.text.random_llama import random_int4_llama
 
 pytestmark = pytest.mark.skipif(not triton_int4.TRITON_SUPPORT, reason="triton is not installed")
 

@@ -30,8 +30,8 @@ from edge.text.int4 import QuantizedWeight, dequantize, group_size_for, pack
 from edge.text.llama import LlamaModel
 from edge.text.qa import chatml, user_message
 from engines.cache import build_cached, cache_key, read_manifest
-from engines.clinic_data import Example, examples
-from engines.float_checkpoint import write_float_checkpoint
+from engines.text.clinic_data import Example, examples
+from engines.text.float_checkpoint import write_float_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +195,7 @@ def train_and_merge(src: Path, recipe: LoraRecipe | None = None, progress: bool 
 
 
 # The clinic adapter as the repo ships it: a PEFT LoRA directory, so a first start merges
-# it (seconds) instead of training it (minutes). `python -m engines.qlora --export DIR`
+# it (seconds) instead of training it (minutes). `python -m engines.text.qlora --export DIR`
 # trains it again and writes it, with its hash.
 CLINIC_ADAPTER = Path(__file__).parent / "adapters" / "clinic"
 
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from engines.cache import file_sha256, stop_on_sigterm
-    from engines.import_gguf import import_smollm2
+    from engines.text.import_gguf import import_smollm2
 
     parser = argparse.ArgumentParser(description="Train the clinic QLoRA adapter and write it as a PEFT directory.")
     parser.add_argument("--export", type=Path, default=CLINIC_ADAPTER, help="adapter directory to write")
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     stats = train(ckpt.model, ckpt.tokenizer, recipe, not args.no_progress)
     written = export_peft(ckpt.model, recipe, args.export)
     provenance = {
-        "command": "python -m engines.qlora --export " + str(args.export),
+        "command": "python -m engines.text.qlora --export " + str(args.export),
         "sha256": {"adapter_model.safetensors": file_sha256(args.export / "adapter_model.safetensors")},
         "recipe": asdict(recipe),
         "training": {k: v for k, v in stats.items() if k != "train_seconds"},
