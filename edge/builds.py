@@ -1,5 +1,5 @@
 """First-start builds: an engine the profile needs that is not built yet is built in a
-child process (`python -m engines.<build> ...`), which a stop request ends at once.
+child process (`python -m engines.<branch>.<build> ...`), which a stop request ends at once.
 
 A build takes minutes (the student's training, the adapter's); a build running inside
 this process could not be stopped, and systemd's start timeout (TimeoutStartSec) is
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from edge.artifacts import EngineMissing, damaged, find, open_engine
 from edge.config.profile import Profile
-from edge.engines import EngineMissing, damaged, find, open_engine
 from edge.health.notify import Notifier
 
 logger = logging.getLogger(__name__)
@@ -50,12 +50,12 @@ def build_command(task: str, profile: Profile) -> BuildCommand:
     if task == "inspect":
         inspect = models.inspect
         args = ("--size", inspect.build_size, "--dataset", inspect.dataset)
-        return BuildCommand("the inspection model", "engines.vision_build", args)
+        return BuildCommand("the inspection model", "engines.vision.vision_build", args)
     if task == "qa":
         qa = models.qa
         return BuildCommand(
             "the text engine",
-            "engines.text_build",
+            "engines.text.text_build",
             (
                 "--source",
                 qa.source,
@@ -130,8 +130,8 @@ def ensure_plans(profile: Profile, task: str, built_from: Path | None, builds: B
     cfg = profile.models.inspect if task == "inspect" else profile.models.ocr
     if cfg.backend.type != "tensorrt" or builds is None or not profile.build_missing_engines:
         return
+    from edge.artifacts import PlanMismatch
     from edge.backends.tensorrt_backend import TRT_SUPPORT, load_plan
-    from edge.plans import PlanMismatch
 
     if not TRT_SUPPORT:
         return

@@ -125,7 +125,7 @@ def cmd_install(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     """Every model through every backend here against one reference each; exit 0 only
     when every check is within its tolerance."""
-    from edge.engines import EngineMissing
+    from edge.artifacts import EngineMissing
     from edge.verify import render, verify
 
     profile = _load(args.profile)
@@ -370,16 +370,16 @@ def build_parser() -> argparse.ArgumentParser:
 def _docs_encoder(profile: Profile) -> Any:
     """The retrieval encoder, built first (in a child process, as the daemon builds
     engines) when the engine directory has none."""
+    from edge.artifacts import EngineMissing
     from edge.builds import BuildCommand, command_line
     from edge.docs.embed import Embedder, locate
-    from edge.engines import EngineMissing
 
     engine_dir = profile.paths.engine_dir
     try:
         info = locate(engine_dir)
     except EngineMissing:
         print(f"building the retrieval encoder into {engine_dir} (once)", flush=True)
-        build = BuildCommand("the retrieval encoder", "engines.embed_build", ())
+        build = BuildCommand("the retrieval encoder", "engines.retrieval.embed_build", ())
         subprocess.run(command_line(build, engine_dir, progress=False), check=True, stdout=subprocess.DEVNULL)
         info = locate(engine_dir)
     qa = profile.models.qa
@@ -387,11 +387,11 @@ def _docs_encoder(profile: Profile) -> Any:
 
 
 def cmd_docs(args: argparse.Namespace) -> int:
+    from edge.artifacts import EngineMissing
     from edge.backends import BackendUnavailable
     from edge.docs.extract import DocumentError
     from edge.docs.ingest import Limits, add, remove_documents
     from edge.docs.store import CollectionError, DocStore
-    from edge.engines import EngineMissing
 
     profile = _load(args.profile)
     store = DocStore(profile.paths.state_dir / "docs")

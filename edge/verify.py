@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 
 from edge import builds
+from edge.artifacts import EngineMissing, read_manifest
 from edge.backends import BackendOptions, BackendUnavailable, ModelSource, available_backends, get_backend
 from edge.config.backends import OnnxRuntimeConfig, TensorRTConfig, TorchCudaConfig
 from edge.config.profile import Profile
-from edge.engines import EngineMissing, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ def verify_ocr(profile: Profile, have: set[str], skipped: list[dict[str, str]]) 
 
 
 def _text_onnx(checkpoint: Path, dtype: str) -> Path:
-    """The checkpoint's ONNX export (engines/text_onnx.py), made in a child process
+    """The checkpoint's ONNX export (engines/text/text_onnx.py), made in a child process
     if it is not there yet."""
     for directory in sorted(checkpoint.parent.iterdir()):
         manifest = read_manifest(directory) if directory.is_dir() and not directory.name.startswith(".") else None
@@ -272,7 +272,7 @@ def _text_onnx(checkpoint: Path, dtype: str) -> Path:
             and manifest.get("dtype") == dtype
         ):
             return directory
-    line = [sys.executable, "-m", "engines.text_onnx", "--checkpoint", str(checkpoint), "--dtype", dtype]
+    line = [sys.executable, "-m", "engines.text.text_onnx", "--checkpoint", str(checkpoint), "--dtype", dtype]
     done = subprocess.run(line, check=False, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"exporting {checkpoint.name} to ONNX failed: {done.stderr.strip()[-500:]}")

@@ -16,11 +16,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from edge import engines as engine_index
+from edge import artifacts
 
 logger = logging.getLogger(__name__)
 
-MANIFEST = engine_index.MANIFEST
+MANIFEST = artifacts.MANIFEST
 
 # Off inside `existing_only()`: a daemon told not to build engines must find them built.
 _BUILDS_ALLOWED: contextvars.ContextVar[bool] = contextvars.ContextVar("builds_allowed", default=True)
@@ -65,7 +65,7 @@ def cache_key(inputs: dict[str, Any]) -> str:
 
 def read_manifest(out_dir: Path) -> dict[str, Any] | None:
     """The manifest of a complete build (serving reads them the same way)."""
-    return engine_index.read_manifest(out_dir)
+    return artifacts.read_manifest(out_dir)
 
 
 def build_cached(out_dir: Path, inputs: dict[str, Any], build: Callable[[Path], dict[str, Any]]) -> Path:
@@ -98,7 +98,7 @@ def build_cached(out_dir: Path, inputs: dict[str, Any], build: Callable[[Path], 
 
 def tag_serves(out_dir: Path, selector: dict[str, Any]) -> None:
     """Record in a built directory's manifest that it serves `selector` (what serving
-    finds it by, edge/engines.py), if it does not say so already. One checkpoint can
+    finds it by, edge/artifacts.py), if it does not say so already. One checkpoint can
     serve several selectors (the imported base is also the float model without an
     adapter). The manifest is replaced atomically: a reader sees the old one or the new."""
     manifest = read_manifest(out_dir)

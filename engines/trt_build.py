@@ -12,7 +12,7 @@ Each plan lives in its own directory under `engine_dir/tensorrt/`, beside the ON
 file it was built from, with the timing cache the build ended with and a manifest:
 the runtime and version, the compute capability, the optimisation profiles, the
 precision of every layer (layers.json, counted in the manifest), and the hashes of its
-inputs. Serving reads only that manifest (edge/plans.py).
+inputs. Serving reads only that manifest (edge/artifacts.py).
 
 What is built:
   student   FP16 (the float ONNX converted, inputs and outputs kept float32) and INT8
@@ -21,7 +21,7 @@ What is built:
             its accuracy on the held-out test images measured here before the build.
   ocr       detection, angle and recognition in FP16, with profiles for the shapes the
             OCR pipeline feeds (edge/vision/ocr.py's bounds).
-  text      the INT4 checkpoint exported by engines/text_onnx.py in float16, with a
+  text      the INT4 checkpoint exported by engines/text/text_onnx.py in float16, with a
             prefill and a decode profile. TensorRT's INT4 is weight-only and symmetric:
             an asymmetric checkpoint is refused, naming models.qa.quantization.
 
@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from edge.plans import PLANS_DIR, Target
+from edge.artifacts import PLANS_DIR, Target
 from engines.cache import build_cached, cache_key, file_sha256, stop_on_sigterm
 
 logger = logging.getLogger(__name__)
@@ -353,7 +353,7 @@ def _student_onnx(student_dir: Path, dst: Path) -> None:
     """The student exported again from its weights by this code (a constant attention
     scale: builds exported before that hold a square root of a shape)."""
     from edge.vision.vit import load_student
-    from engines.vision_build import export_onnx
+    from engines.vision.vision_build import export_onnx
 
     export_onnx(load_student(student_dir), dst)
 
@@ -361,8 +361,8 @@ def _student_onnx(student_dir: Path, dst: Path) -> None:
 def _student_images(split: str, count: int, manifest: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
     """Normalised images and labels of the student's own dataset split."""
     from edge.vision.vit import ViTConfig
-    from engines.vision_build import SIZES, _split_arrays
-    from engines.vision_teacher import normalise
+    from engines.vision.vision_build import SIZES, _split_arrays
+    from engines.vision.vision_teacher import normalise
 
     if manifest.get("dataset", "synthetic") != "synthetic":
         raise PlanBuildError("INT8 calibration of a student trained on a user's folder is not supported yet")
@@ -475,7 +475,7 @@ def ocr_jobs(model_dir: Path, det_limit_side_len: int = 960) -> list[PlanJob]:
 
 
 def text_job(checkpoint: Path, max_context: int, max_sequences: int) -> PlanJob:
-    from engines.text_onnx import export_checkpoint, is_symmetric, past_names
+    from engines.text.text_onnx import export_checkpoint, is_symmetric, past_names
 
     quant_path = checkpoint / "quant.json"
     if not quant_path.exists():

@@ -118,16 +118,16 @@ def start_broker(workdir: Path, root: Path | None) -> tuple[subprocess.Popen[byt
 def prepare_engines(device: str, workdir: Path, engine_dir: Path, student_size: str) -> tuple[Path, Path, str]:
     """(text checkpoint, student, what they are)."""
     if device == "cuda":
-        from engines.random_llama import LLAMA3_8B, write_random_checkpoint
-        from engines.random_student import write_random_student
+        from engines.text.random_llama import LLAMA3_8B, write_random_checkpoint
+        from engines.vision.random_student import write_random_student
 
         t0 = time.perf_counter()
         text = write_random_checkpoint(workdir / "llama3-8b-int4-random", LLAMA3_8B, device="cuda")
         student = write_random_student(workdir / "student-random")
         print(f"wrote the random 8B checkpoint and student in {time.perf_counter() - t0:.0f} s", flush=True)
         return text, student, "Llama-3-8B shape, INT4 g128, random weights; ViT-Tiny student, random weights"
-    from engines.text_build import build_text_engine
-    from engines.vision_build import build_student
+    from engines.text.text_build import build_text_engine
+    from engines.vision.vision_build import build_student
 
     text = build_text_engine(engine_dir, "clinic", "awq-int4", progress=False)
     student = build_student(engine_dir, student_size, progress=False)

@@ -60,8 +60,8 @@ from edge.text.model.checkpoint import load_checkpoint  # noqa: E402
 from edge.text.model.llama import LlamaModel  # noqa: E402
 from edge.text.runtime.continuous import ContinuousBatcher, Sequence  # noqa: E402
 from edge.text.runtime.generate import SamplingParams  # noqa: E402
-from engines.corpus import corpus_fingerprint, evaluation_text  # noqa: E402
-from engines.import_gguf import import_smollm2  # noqa: E402
+from engines.text.corpus import corpus_fingerprint, evaluation_text  # noqa: E402
+from engines.text.import_gguf import import_smollm2  # noqa: E402
 
 CONTEXT = 1024  # tokens per perplexity window
 CHUNK = 64  # tokens per step of the chunked read
@@ -551,7 +551,7 @@ def run_cuda(args: argparse.Namespace) -> None:
     written as soon as it is measured (a part's figures compare within one run)."""
     import tempfile
 
-    from engines.random_llama import LLAMA3_8B, random_int4_llama
+    from engines.text.random_llama import LLAMA3_8B, random_int4_llama
 
     parts = CUDA_PARTS[args.only]
     result = json.loads(args.out.read_text()) if args.out.exists() else {"rows": []}

@@ -149,7 +149,7 @@ def vision_throughput(pipeline: InspectPipeline, images: list[np.ndarray], batch
 def build_text_cpu(ledger: MemoryLedger, probe: Probe) -> tuple[ContinuousBatcher, Callable[[WorkItem], Sequence], Any]:
     from edge.text.qa import QAEngine, QASettings
 
-    from engines.text_build import build_text_engine
+    from engines.text.text_build import build_text_engine
 
     path = build_text_engine(REPO / ".edge" / "engines", "clinic", "awq-int4", progress=False)
     settings = QASettings(max_context_tokens=1024, max_new_tokens=32, max_sequences=4)
@@ -173,7 +173,7 @@ def build_text_cuda(
     dtype: torch.dtype = torch.float16,
 ) -> tuple[ContinuousBatcher, Callable[[WorkItem], Sequence], Any]:
     from edge.text.ops.int4 import tune_gemv
-    from engines.random_llama import LLAMA3_8B, random_int4_llama
+    from engines.text.random_llama import LLAMA3_8B, random_int4_llama
 
     def load() -> ContinuousBatcher:
         model = random_int4_llama(config or LLAMA3_8B, device, kernel, dtype=dtype)
@@ -371,7 +371,7 @@ def student_dir(device: str) -> Path:
         carried = REPO / ".edge" / "exp" / "student"
         if carried.is_dir():
             return carried
-    from engines.vision_build import build_student
+    from engines.vision.vision_build import build_student
 
     return build_student(REPO / ".edge" / "engines", "default", progress=False)
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 
 from edge.text.architecture import LlamaConfig  # noqa: E402
 from edge.text.kv.float_cache import KVCache  # noqa: E402
-from engines.random_llama import LLAMA3_8B, int4_weight_bytes, random_int4_llama  # noqa: E402
+from engines.text.random_llama import LLAMA3_8B, int4_weight_bytes, random_int4_llama  # noqa: E402
 
 GIB = 1 << 30
 # llama-bench's second depth; ours decodes after a prompt of this many tokens too.
@@ -569,7 +569,7 @@ def _bench_shape(n: int, k: int, gen: torch.Generator) -> dict[str, Any]:
     from edge.text.ops.cuda import cuda_int4
     from edge.text.ops.int4 import Int4Linear
     from edge.text.ops.triton.triton_int4 import int4_dequant, int4_gemv
-    from engines.random_llama import random_quantized
+    from engines.text.random_llama import random_quantized
 
     q = random_quantized(n, k, 128, torch.device("cuda"), gen)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
@@ -897,9 +897,9 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
     from edge.text.qa import chatml
 
     from edge.text.model.checkpoint import load_checkpoint
-    from engines.import_gguf import import_smollm2, smollm2_gguf_path
-    from engines.quantize import QuantRecipe
-    from engines.text_build import quantize_checkpoint
+    from engines.text.import_gguf import import_smollm2, smollm2_gguf_path
+    from engines.text.quantize import QuantRecipe
+    from engines.text.text_build import quantize_checkpoint
 
     torch.set_num_threads(args.threads)
     base = import_smollm2(args.engine_dir)

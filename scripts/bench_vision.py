@@ -56,7 +56,7 @@ def _rate(fn: Callable[[], Any], images: int, min_seconds: float = 2.0, min_runs
 
 
 # (row name, build size, distilled); the stream builds are found, never built here: on a
-# CPU they would take hours (build them on a GPU machine, see engines/vision_build.py).
+# CPU they would take hours (build them on a GPU machine, see engines/vision/vision_build.py).
 STUDENTS = (
     ("student, distilled", "default", True),
     ("student, no distillation", "default", False),
@@ -70,9 +70,9 @@ STUDENTS = (
 def _accuracy(engine_dir: Path) -> dict[str, Any]:
     from edge.vision.vit import load_student
     from engines.cache import EngineMissing, existing_only
-    from engines.distill import predict
-    from engines.vision_build import SIZES, build_dataset, build_student, load_split, teacher_probe
-    from engines.vision_teacher import probe_features
+    from engines.vision.distill import predict
+    from engines.vision.vision_build import SIZES, build_dataset, build_student, load_split, teacher_probe
+    from engines.vision.vision_teacher import probe_features
 
     data_dir = build_dataset(engine_dir, SIZES["default"])  # every size's stored splits
     test = load_split(data_dir, "test")
@@ -129,8 +129,8 @@ def _accuracy(engine_dir: Path) -> dict[str, Any]:
 def _cpu_speed(engine_dir: Path, student_dir: str, threads: int) -> dict[str, Any]:
     import onnxruntime as ort
 
-    from engines.factory_data import make_sample
-    from engines.vision_teacher import TOKENS_OUTPUT, normalise, token_model_bytes
+    from engines.vision.factory_data import make_sample
+    from engines.vision.vision_teacher import TOKENS_OUTPUT, normalise, token_model_bytes
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
@@ -201,7 +201,7 @@ def print_cpu(result: dict[str, Any]) -> None:
     for name in acc["not_built"]:
         size, distill = next((size, distill) for n, size, distill in STUDENTS if n == name)
         how = f"--size {size}" + ("" if distill else " --no-distill")
-        print(f"  {name:<40} not built here (python -m engines.vision_build {how} on a GPU machine)")
+        print(f"  {name:<40} not built here (python -m engines.vision.vision_build {how} on a GPU machine)")
     print(f"onnxruntime, {result['threads']} threads, images/s")
     print(f"  {'batch':<8}" + "".join(f"{b:>10}" for b in BATCHES))
     for name, rates in result["speed"]["images_per_s"].items():

@@ -5,7 +5,7 @@ distillation, on one GPU (`--device cuda`; the CPU takes hours at these sizes).
     python scripts/bench_vision_data.py [--images 16000,32000,64000,128000,256000] [--variants ...]
 
 For each stream length the students below train on exactly the same freshly generated
-images (engines/vision_stream.train_students_streaming: each batch made once, the
+images (engines/vision/vision_stream.train_students_streaming: each batch made once, the
 teacher's targets made once), with the stream build's recipe and a cosine schedule over
 that length, then are measured on the held-out test split, against the teacher's linear
 probe (trained on the 600 stored training images, as in bench_vision.py):
@@ -48,11 +48,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from edge.vision.vit import ViTConfig  # noqa: E402
-from engines.distill import TrainRecipe, predict  # noqa: E402
-from engines.factory_data import CLASSES  # noqa: E402
-from engines.vision_build import SIZES, build_dataset, load_split, teacher_probe  # noqa: E402
-from engines.vision_stream import StreamPlan, TeacherFeatures, generate, train_students_streaming  # noqa: E402
-from engines.vision_teacher import teacher_weights, train_probe  # noqa: E402
+from engines.vision.distill import TrainRecipe, predict  # noqa: E402
+from engines.vision.factory_data import CLASSES  # noqa: E402
+from engines.vision.vision_build import SIZES, build_dataset, load_split, teacher_probe  # noqa: E402
+from engines.vision.vision_stream import StreamPlan, TeacherFeatures, generate, train_students_streaming  # noqa: E402
+from engines.vision.vision_teacher import teacher_weights, train_probe  # noqa: E402
 
 VARIANTS = ("distilled", "distilled_stream_head", "features", "plain")
 

@@ -237,7 +237,7 @@ def main() -> int:
     if args.command == "probe":
         probe(args.profile, args.out)
         return 0
-    from engines.embed_build import build_embedder
+    from engines.retrieval.embed_build import build_embedder
 
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Retrieval with checked citations, evaluated on the set made for this project
-(engines/rag_data.py: a clinic's leaflets, manuals, ward guides and procedure sheets,
+(engines/retrieval/rag_data.py: a clinic's leaflets, manuals, ward guides and procedure sheets,
 and questions worded apart from them, beside the Python manual's topics).
 
 - retrieval, through the product's own path (edge.docs.ingest.add: chunked, embedded
@@ -42,8 +42,8 @@ from edge.docs.embed import Embedder, locate  # noqa: E402
 from edge.docs.ingest import add  # noqa: E402
 from edge.docs.retrieve import Passage, Retriever, check_citations, context_of  # noqa: E402
 from edge.docs.store import DocStore  # noqa: E402
-from engines import rag_data  # noqa: E402
-from engines.embed_build import build_embedder  # noqa: E402
+from engines.retrieval import rag_data  # noqa: E402
+from engines.retrieval.embed_build import build_embedder  # noqa: E402
 
 SIZES = (10_000, 100_000)
 
@@ -87,7 +87,7 @@ def answers(engine_dir: Path, found: list[Any], count: int, top_k: int) -> dict[
 
     from edge.protocol.jobs import QAJob
     from edge.text.model.checkpoint import load_checkpoint
-    from engines.text_build import build_text_engine
+    from engines.text.text_build import build_text_engine
 
     path = build_text_engine(engine_dir, "clinic", "awq-int4", progress=False)
     engine = QAEngine(load_checkpoint(path), QASettings(max_context_tokens=1024, max_new_tokens=48))
@@ -216,7 +216,7 @@ def main() -> None:
               f"{sweep[-1]['answer_accuracy']:.3f}", flush=True)  # fmt: skip
     answered = next(a for a in sweep if a["top_k"] == served_k)
     result = {
-        "set": f"engines/rag_data.py (seed {rag_data.SEED})",
+        "set": f"engines/retrieval/rag_data.py (seed {rag_data.SEED})",
         "encoder": embedder.model,
         "index_library": "faiss-cpu",
         "exact_max": index.EXACT_MAX,

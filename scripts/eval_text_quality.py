@@ -27,10 +27,10 @@ sys.path.insert(0, str(REPO))
 from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint  # noqa: E402
 from edge.text.model.embedding import QuantizedEmbedding, compact_embedding  # noqa: E402
 from edge.text.runtime.generate import SamplingParams, generate  # noqa: E402
-from engines.corpus import corpus_fingerprint, evaluation_text  # noqa: E402
-from engines.import_gguf import import_smollm2  # noqa: E402
-from engines.quantize import QuantRecipe  # noqa: E402
-from engines.text_build import quantize_checkpoint  # noqa: E402
+from engines.text.corpus import corpus_fingerprint, evaluation_text  # noqa: E402
+from engines.text.import_gguf import import_smollm2  # noqa: E402
+from engines.text.quantize import QuantRecipe  # noqa: E402
+from engines.text.text_build import quantize_checkpoint  # noqa: E402
 
 WINDOW = 512
 
@@ -85,9 +85,9 @@ def adapter_behaviour(engine_dir: Path) -> list[dict[str, Any]]:
     from edge.text.qa import QAEngine, QASettings
 
     from edge.protocol.jobs import QAJob
-    from engines.clinic_data import examples, follows
-    from engines.peft_adapter import merge_checkpoint
-    from engines.qlora import CLINIC_ADAPTER
+    from engines.text.clinic_data import examples, follows
+    from engines.text.peft_adapter import merge_checkpoint
+    from engines.text.qlora import CLINIC_ADAPTER
 
     base = import_smollm2(engine_dir)
     merged = merge_checkpoint(base, CLINIC_ADAPTER)  # the shipped adapter, as served

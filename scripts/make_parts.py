@@ -18,7 +18,7 @@ import cv2
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from engines.factory_data import CLASSES, make_sample  # noqa: E402
+from engines.vision.factory_data import CLASSES, make_sample  # noqa: E402
 
 SEED = 1000
 

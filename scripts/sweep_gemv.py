@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from bench_text import cuda_time  # noqa: E402
 
 from edge.text.ops.triton.triton_int4 import counter_size, int4_dequant, int4_gemv, max_split  # noqa: E402
-from engines.random_llama import LLAMA3_8B, random_quantized  # noqa: E402
+from engines.text.random_llama import LLAMA3_8B, random_quantized  # noqa: E402
 
 GROUP = 128
 

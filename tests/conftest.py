@@ -135,7 +135,7 @@ def _shared_engines(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def embed_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The session's engine directory with the retrieval encoder built in it."""
-    from engines.embed_build import build_embedder
+    from engines.retrieval.embed_build import build_embedder
 
     path = _shared_engines(tmp_path_factory)
     # A lock of its own: the encoder builds in seconds, and need not wait for the others.
@@ -148,8 +148,8 @@ def embed_engine_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def engine_dir(tmp_path_factory: pytest.TempPathFactory, embed_engine_dir: Path) -> Path:
     """Engines built once per test session (the build itself is tested elsewhere)."""
-    from engines.text_build import build_text_engine
-    from engines.vision_build import build_student
+    from engines.text.text_build import build_text_engine
+    from engines.vision.vision_build import build_student
 
     path = _shared_engines(tmp_path_factory)
     with (path / ".tests.lock").open("w") as lock:

@@ -118,7 +118,7 @@ def test_a_checkpoint_loads_on_the_kernel_its_setting_names(tmp_path: Path) -> N
     layer, bf16 torch's tiled kernel."""
     from edge.text.architecture import LlamaConfig
     from edge.text.model.checkpoint import load_checkpoint
-    from engines.random_llama import write_random_checkpoint
+    from engines.text.random_llama import write_random_checkpoint
 
     config = LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2

@@ -22,7 +22,7 @@ CONFIG = LlamaConfig(
 
 
 def _batcher(eos: frozenset[int], kv_format: KVFormat | None = None) -> ContinuousBatcher:
-    from engines.random_llama import random_int4_llama
+    from engines.text.random_llama import random_int4_llama
 
     model = random_int4_llama(CONFIG, "cuda", "cuda-mma", group=64, seed=5)
     batcher = ContinuousBatcher(model, None, eos, slots=4, slot_len=128, kv_format=kv_format)

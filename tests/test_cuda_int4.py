@@ -346,9 +346,9 @@ def test_fused_decode_with_the_cuda_gemv_matches_the_reference(fold: bool) -> No
     one's logits alone."""
     from edge.text.architecture import LlamaConfig
     from edge.text.kv.float_cache import KVCache
+    from edge.text.ops.triton.decode_ops import folds_norm, fused_decode_step
     from edge.text.runtime.cuda_graphs import GraphDecoder
-    from edge.text.runtime.fused_step import folds_norm, fused_decode_step
-    from engines.random_llama import random_int4_llama
+    from engines.text.random_llama import random_int4_llama
 
     config = LlamaConfig(
         vocab_size=1024, hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=2, intermediate_size=1536

@@ -7,18 +7,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from edge.text.qa import resolve_embedding
 from torch import nn
 
 from edge.config.text import QAModelConfig
 from edge.protocol.jobs import QAJob
 from edge.tasks import qa
 from edge.text.architecture import LlamaConfig
-from edge.text.engine import TextEngine, resolve_embedding
+from edge.text.engine import TextEngine
 from edge.text.model.checkpoint import load_checkpoint
 from edge.text.model.embedding import GROUPS, LEVELS, QuantizedEmbedding, compact_embedding
 from edge.text.model.llama import LlamaModel
 from edge.text.runtime.generate import SamplingParams, generate
-from engines.import_gguf import import_smollm2
+from engines.text.import_gguf import import_smollm2
 
 
 def _table(vocab: int = 300, hidden: int = 128, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -104,8 +105,8 @@ def test_the_config_names_the_field_of_a_bad_table_format() -> None:
 @pytest.fixture(scope="module")
 def served(engine_dir: Path) -> Path:
     """The served INT4 checkpoint (AWQ g32) the daemon builds."""
-    from engines.quantize import QuantRecipe
-    from engines.text_build import SERVING_GROUP, quantize_checkpoint
+    from engines.text.quantize import QuantRecipe
+    from engines.text.text_build import SERVING_GROUP, quantize_checkpoint
 
     base = import_smollm2(engine_dir, progress=False)
     return quantize_checkpoint(base, QuantRecipe(method="awq", group_size=SERVING_GROUP), progress=False)

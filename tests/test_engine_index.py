@@ -1,4 +1,4 @@
-"""Serving finds builds by the manifests they wrote (edge/engines.py), never by importing
+"""Serving finds builds by the manifests they wrote (edge/artifacts.py), never by importing
 or re-running the build pipeline."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
+from edge.artifacts import EngineMissing, find, open_engine, read_manifest
 from edge.builds import locate, selector
 from edge.config.profile import Profile
 from edge.config.service import PathsConfig
-from edge.engines import EngineMissing, find, open_engine, read_manifest
 from engines.cache import tag_serves
 
 QA = {"task": "qa", "source": "smollm2-135m-instruct", "adapter": "clinic", "quantization": "awq-int4"}

@@ -19,7 +19,7 @@ CONFIG = LlamaConfig(
 
 
 def _model(kernel: str):  # type: ignore[no-untyped-def]
-    from engines.random_llama import random_int4_llama
+    from engines.text.random_llama import random_int4_llama
 
     return random_int4_llama(CONFIG, "cuda", kernel, group=64, seed=7)
 

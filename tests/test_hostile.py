@@ -274,7 +274,7 @@ def test_a_full_disk_at_start_refuses_jobs_until_space_returns(
 def test_a_task_whose_model_cannot_load_is_a_warning(
     tmp_path: Path, broker: Broker, engine_dir: Path, ocr_engine_dir: Path
 ) -> None:
-    from engines.vision_build import build_student
+    from engines.vision.vision_build import build_student
 
     built = build_student(engine_dir, "quick", progress=False)
     broken = tmp_path / "student"
@@ -293,7 +293,7 @@ def test_a_task_whose_model_cannot_load_is_a_warning(
 
 
 def test_a_damaged_build_is_never_built_over(tmp_path: Path, broker: Broker, engine_dir: Path) -> None:
-    from engines.vision_build import build_student
+    from engines.vision.vision_build import build_student
 
     built = build_student(engine_dir, "quick", progress=False)
     engines = tmp_path / "engines"

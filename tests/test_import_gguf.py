@@ -3,7 +3,7 @@ models of both families are built here with transformers, with tokenizers that s
 text as those families' real ones do, and written as llama.cpp's converter writes them
 (a Llama file's q/k rows interleaved, Llama 3's RoPE scaling as a rope_freqs tensor,
 Qwen2's biases, the vocabulary, merges and the pre-tokenizer's name). Transformers' own
-GGUF reader checks that layout; engines/import_gguf.py imports the file, and its logits,
+GGUF reader checks that layout; engines/text/import_gguf.py imports the file, and its logits,
 greedy tokens, tokenizer and chat prompt must equal transformers' on the source model.
 A SentencePiece vocabulary (Llama 2, TinyLlama) is held to transformers' reading of it."""
 
@@ -21,7 +21,7 @@ import torch
 
 from edge.text.model.checkpoint import load_checkpoint
 from edge.text.runtime.generate import SamplingParams, generate
-from engines.import_gguf import SourceModelError, build_tokenizer_json, import_gguf
+from engines.text.import_gguf import SourceModelError, build_tokenizer_json, import_gguf
 from tests.test_import_hf import LLAMA_TEMPLATE, MESSAGES, QWEN_TEMPLATE, random_family_model
 
 SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|header|>", "<|eot|>"]
@@ -269,7 +269,7 @@ def test_the_text_pipeline_builds_a_gguf_source_with_a_peft_adapter(family: dict
     import json
 
     from edge.builds import source_id
-    from engines.text_build import build_text_engine, layer_recipe, quantize_checkpoint
+    from engines.text.text_build import build_text_engine, layer_recipe, quantize_checkpoint
     from tests.test_peft_adapter import make_adapter
 
     peft_model = make_adapter(family["hf"], tmp_path / "adapter")
@@ -397,7 +397,7 @@ def _metadata_only(path: Path, arch: str, **fields: Any) -> Any:
 def test_what_is_not_supported_is_refused_by_name(
     tmp_path: Path, arch: str, fields: dict[str, Any], named: str
 ) -> None:
-    from engines.import_gguf import read_config
+    from engines.text.import_gguf import read_config
 
     reader = _metadata_only(tmp_path / "m.gguf", arch, **fields)
     with pytest.raises(SourceModelError, match=re.escape(named)):

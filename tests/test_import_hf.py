@@ -1,6 +1,6 @@
 """A user's own Hugging Face model, Llama or Qwen2 family, against transformers itself:
 random-weight models of both families are built here with transformers, saved as a
-model directory with a tokenizer and a chat template, imported by engines/import_hf.py
+model directory with a tokenizer and a chat template, imported by engines/text/import_hf.py
 and served by our runtime. Float logits and greedy tokens must equal transformers'; the
 prompt is the model's own template, rendered as transformers renders it; what we do not
 support is refused by name."""
@@ -18,8 +18,8 @@ import torch
 from edge.text.model.chat import ChatTemplateError
 from edge.text.model.checkpoint import load_checkpoint
 from edge.text.runtime.generate import SamplingParams, generate
-from engines.import_gguf import SourceModelError
-from engines.import_hf import import_hf, read_hf_config
+from engines.text.import_gguf import SourceModelError
+from engines.text.import_hf import import_hf, read_hf_config
 from tests.conftest import Broker, Requester, start_daemon, write_profile
 
 SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|header|>", "<|eot|>"]
@@ -189,8 +189,8 @@ def test_greedy_tokens_equal_transformers(family: dict[str, Any]) -> None:
 
 
 def test_awq_int4_stays_close_to_float(family: dict[str, Any]) -> None:
-    from engines.quantize import QuantRecipe
-    from engines.text_build import quantize_checkpoint
+    from engines.text.quantize import QuantRecipe
+    from engines.text.text_build import quantize_checkpoint
 
     flt = load_checkpoint(family["ckpt"], dtype=torch.float32)
     # Text, as served (AWQ chooses its scales on text: random ids are not its inputs).

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from edge.text.qa import chatml
 
 from edge.text.kv.kv_offload import KVOffload, SavedRow
 from edge.text.kv.kv_quant import FORMATS
 from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint
 from edge.text.ops.cpu import cpu_kv
-from edge.text.prompt import chatml
 from edge.text.runtime.continuous import ContinuousBatcher, Sequence
 from edge.text.runtime.generate import SamplingParams
-from engines.import_gguf import import_smollm2
+from engines.text.import_gguf import import_smollm2
 
 QUESTIONS = ["Name three symptoms of dehydration.", "What is a normal body temperature?"]
 
@@ -203,7 +203,7 @@ def test_on_cuda_a_row_copied_on_a_side_stream_restores_as_uninterrupted(
     waits for the copy on the GPU; the urgent sequence then overwrites the row at once.
     Resumed (on CUDA graphs), the paused sequence decodes what it decodes alone."""
     from edge.text.architecture import LlamaConfig
-    from engines.random_llama import random_int4_llama
+    from engines.text.random_llama import random_int4_llama
 
     config = LlamaConfig(vocab_size=1024, hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=2,
                          intermediate_size=1536)  # fmt: skip

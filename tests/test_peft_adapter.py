@@ -1,6 +1,6 @@
 """A user's PEFT LoRA adapter merged at build, against peft itself: adapters made with
 peft on the random-weight models of both families (tests/test_import_hf.py), merged by
-engines/peft_adapter.py, must give the logits of peft's merge_and_unload; rank, alpha,
+engines/text/peft_adapter.py, must give the logits of peft's merge_and_unload; rank, alpha,
 rsLoRA and target_modules honoured; what is not handled refused by name."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 
 from edge.text.model.checkpoint import load_checkpoint
 from edge.text.ops.int4 import dequantize, pack
-from engines.import_hf import import_hf
-from engines.peft_adapter import AdapterError, merge_checkpoint, read_adapter
+from engines.text.import_hf import import_hf
+from engines.text.peft_adapter import AdapterError, merge_checkpoint, read_adapter
 from tests.test_import_hf import make_model
 
 

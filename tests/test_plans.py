@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from edge import builds
+from edge.artifacts import Target
 from edge.backends import tensorrt_backend
 from edge.builds import BuildCommand
 from edge.config.profile import Profile
-from edge.plans import Target
 
 
 class Recorder:

@@ -18,7 +18,7 @@ from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint
 from edge.text.ops.cpu import cpu_kv
 from edge.text.runtime.continuous import ContinuousBatcher, Sequence
 from edge.text.runtime.generate import SamplingParams
-from engines.import_gguf import import_smollm2
+from engines.text.import_gguf import import_smollm2
 from tests.spies import prefills_run
 
 LEAFLET = (

@@ -52,9 +52,9 @@ FIRST = 16
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The imported float model and its AWQ INT4 (group 32, as served), built here or
     taken from EDGE_TEST_ENGINE_DIR."""
-    from engines.import_gguf import import_smollm2
-    from engines.quantize import QuantRecipe
-    from engines.text_build import SERVING_GROUP, quantize_checkpoint
+    from engines.text.import_gguf import import_smollm2
+    from engines.text.quantize import QuantRecipe
+    from engines.text.text_build import SERVING_GROUP, quantize_checkpoint
 
     reuse = os.environ.get("EDGE_TEST_ENGINE_DIR")
     engine_dir = Path(reuse) if reuse else tmp_path_factory.mktemp("engines")

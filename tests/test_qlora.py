@@ -17,10 +17,10 @@ from edge.text.model.checkpoint import load_checkpoint
 from edge.text.ops.int4 import pack
 from engines import clinic_retrieval
 from engines.cache import file_sha256
-from engines.clinic_data import Example, examples, follows
-from engines.import_gguf import import_smollm2
-from engines.peft_adapter import merge_checkpoint
-from engines.qlora import CLINIC_ADAPTER, LoRALinear, LoraRecipe
+from engines.text.clinic_data import Example, examples, follows
+from engines.text.import_gguf import import_smollm2
+from engines.text.peft_adapter import merge_checkpoint
+from engines.text.qlora import CLINIC_ADAPTER, LoRALinear, LoraRecipe
 
 
 def follow_rate(path: Path) -> tuple[float, list[str]]:
@@ -80,7 +80,7 @@ def test_the_shipped_adapter_is_what_its_provenance_says() -> None:
     provenance = json.loads((CLINIC_ADAPTER / "provenance.json").read_text())
     weights = CLINIC_ADAPTER / "adapter_model.safetensors"
     assert file_sha256(weights) == provenance["sha256"]["adapter_model.safetensors"]
-    assert provenance["command"].startswith("python -m engines.qlora --export")
+    assert provenance["command"].startswith("python -m engines.text.qlora --export")
     config = json.loads((CLINIC_ADAPTER / "adapter_config.json").read_text())
     assert config["r"] == LoraRecipe().rank and config["lora_alpha"] == LoraRecipe().alpha
     base = json.loads((CLINIC_ADAPTER / "base_quantization.json").read_text())

@@ -21,8 +21,8 @@ from edge.text.ops.int4 import (
     pack,
     unpack_codes,
 )
-from engines.quantize import QuantRecipe, quantize_model, search_clip, search_scales
-from engines.text_build import quantize_checkpoint
+from engines.text.quantize import QuantRecipe, quantize_model, search_clip, search_scales
+from engines.text.text_build import quantize_checkpoint
 
 TINY = LlamaConfig(vocab_size=96, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=256)
 
@@ -126,7 +126,7 @@ def test_clip_search_never_worse_than_no_clip() -> None:
 def test_clip_search_picks_per_group_the_ratio_with_least_per_token_error() -> None:
     # The search's quadratic form against the definition: for each (row, group) the
     # ratio whose clipped group gives the least mean squared per-token output error.
-    from engines.quantize import CLIP_RATIOS
+    from engines.text.quantize import CLIP_RATIOS
 
     torch.manual_seed(2)
     x = torch.randn(512, 96, dtype=torch.float64).float()
@@ -167,7 +167,7 @@ def test_keep_override_leaves_layers_in_float() -> None:
 
 
 def test_per_layer_rules_in_order_the_first_match_deciding() -> None:
-    from engines.text_build import layer_recipe
+    from engines.text.text_build import layer_recipe
 
     rules: list[dict[str, Any]] = [
         {"match": "*.self_attn.q_proj", "format": "int4", "group_size": 32},
@@ -191,7 +191,7 @@ def test_per_layer_rules_in_order_the_first_match_deciding() -> None:
 
 
 def test_quantized_checkpoint_loads_and_tracks_the_float_model(engine_dir: Path) -> None:
-    from engines.import_gguf import import_smollm2
+    from engines.text.import_gguf import import_smollm2
 
     base = import_smollm2(engine_dir, progress=False)
     rtn = quantize_checkpoint(base, QuantRecipe(method="rtn"), progress=False)

@@ -223,7 +223,7 @@ def test_a_first_start_build_extends_the_start_timeout_and_sigterm_stops_it(tmp_
         child = None
         while child is None and time.monotonic() < deadline:
             found = subprocess.run(
-                ["pgrep", "-f", f"engines.text_build --engine-dir {engines}"], capture_output=True, text=True
+                ["pgrep", "-f", f"engines.text.text_build --engine-dir {engines}"], capture_output=True, text=True
             )
             child = int(found.stdout.split()[0]) if found.stdout.strip() else None
             time.sleep(0.2)
@@ -238,7 +238,7 @@ def test_a_first_start_build_extends_the_start_timeout_and_sigterm_stops_it(tmp_
         collector.join()
         daemon.stop()
     assert not Path(f"/proc/{child}").exists(), "the build process outlived the daemon"
-    assert "stopping the engines.text_build build" in daemon.log.read_text()
+    assert "stopping the engines.text.text_build build" in daemon.log.read_text()
     assert "Traceback" not in daemon.log.read_text()
     # Nothing half-built: no scratch directory left, nor a checkpoint that serves (a
     # finished step of the build, such as the import, may stay: it is complete).

@@ -66,7 +66,7 @@ def test_ocr_task_reads_labels_and_fails_a_bad_image_alone(manager: ModelManager
 
 
 def test_inspect_task_batches_reads_labels_and_splits_under_a_squeeze(engine_dir: Path) -> None:
-    from engines.vision_build import build_student
+    from engines.vision.vision_build import build_student
 
     student = build_student(engine_dir, "quick", progress=False)
     probe = HostProbe()
@@ -99,7 +99,7 @@ def test_inspect_task_batches_reads_labels_and_splits_under_a_squeeze(engine_dir
 
 
 def test_qa_task_streams_pieces_through_the_responder(engine_dir: Path, tmp_path: Path) -> None:
-    from engines.text_build import build_text_engine
+    from engines.text.text_build import build_text_engine
 
     checkpoint = build_text_engine(engine_dir, "clinic", "awq-int4", progress=False)
     responder, link, _journal = fakes.responder(tmp_path)
@@ -135,7 +135,7 @@ def test_a_job_that_cannot_fit_is_over_budget_with_figures(manager: ModelManager
 def test_camera_frames_decoded_at_a_reduced_scale_get_the_full_frames_verdict(engine_dir: Path, tmp_path: Path) -> None:
     import cv2
 
-    from engines.vision_build import build_student
+    from engines.vision.vision_build import build_student
 
     student = build_student(engine_dir, "quick", progress=False)
     names = sorted(p.stem for p in (SAMPLES / "parts").glob("*.png"))

@@ -18,7 +18,7 @@ from typing import Any
 import onnx
 import pytest
 
-from edge.plans import PlanMismatch, Target, find_plan, plans
+from edge.artifacts import PlanMismatch, Target, find_plan, plans
 from tests.conftest import edgectl, write_profile
 
 trt = pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx builds the plans (x86_64 dev install)")

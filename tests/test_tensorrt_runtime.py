@@ -66,12 +66,12 @@ def test_the_student_plan_serves_in_batches_with_graphs(on_box: Path) -> None:
 
 
 def test_a_plan_for_another_box_is_refused_at_load(on_box: Path, tmp_path: Path) -> None:
+    from edge.artifacts import plans
     from edge.backends import BackendUnavailable, get_backend
     from edge.backends.base import BackendOptions
     from edge.builds import locate
     from edge.config.backends import TensorRTConfig
     from edge.config.loader import load_profile
-    from edge.plans import plans
     from edge.vision.student import StudentArtifact
 
     profile = load_profile(on_box)

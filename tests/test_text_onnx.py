@@ -1,4 +1,4 @@
-"""The text model's ONNX export (engines/text_onnx.py) against our own runtime, on
+"""The text model's ONNX export (engines/text/text_onnx.py) against our own runtime, on
 onnxruntime's CPU provider, with the real SmolLM2 weights as served (AWQ INT4)."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from edge.text.qa import chatml
 
+from edge.artifacts import find
 from edge.builds import selector
 from edge.config.profile import Profile
-from edge.engines import find
 from edge.text.model.checkpoint import load_checkpoint
-from edge.text.prompt import chatml
-from engines.quantize import QuantRecipe
-from engines.text_build import SERVING_GROUP, quantize_checkpoint
-from engines.text_onnx import ONNX_FILE, export_checkpoint, past_names, present_names
+from engines.text.quantize import QuantRecipe
+from engines.text.text_build import SERVING_GROUP, quantize_checkpoint
+from engines.text.text_onnx import ONNX_FILE, export_checkpoint, past_names, present_names
 
 STEPS = 32
 
@@ -98,7 +98,7 @@ def test_the_exported_model_is_our_runtime_on_onnxruntime(engine_dir: Path) -> N
 def test_a_symmetric_checkpoint_exports_signed_codes_and_matches(engine_dir: Path) -> None:
     """Zero points fixed at 8 become signed INT4 codes without a zero point (the form
     TensorRT takes), the same weights exactly; float16 exports keep the interface."""
-    from engines.import_gguf import import_smollm2
+    from engines.text.import_gguf import import_smollm2
 
     base = import_smollm2(engine_dir, progress=False)
     sym = quantize_checkpoint(base, QuantRecipe(method="rtn", group_size=SERVING_GROUP, symmetric=True), progress=False)
@@ -123,8 +123,8 @@ def test_a_symmetric_checkpoint_exports_signed_codes_and_matches(engine_dir: Pat
 
 
 def test_a_float_checkpoint_exports_float_products(engine_dir: Path) -> None:
-    from engines.import_gguf import import_smollm2
-    from engines.text_onnx import export_text_onnx
+    from engines.text.import_gguf import import_smollm2
+    from engines.text.text_onnx import export_text_onnx
 
     base = import_smollm2(engine_dir, progress=False)
     out = engine_dir / ".float-export-test"

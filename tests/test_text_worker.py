@@ -25,7 +25,7 @@ from edge.tasks import qa
 from edge.tasks.qa import QATask
 from edge.text.engine import TextEngine
 from edge.text.model.checkpoint import load_checkpoint
-from engines.import_gguf import import_smollm2
+from engines.text.import_gguf import import_smollm2
 from tests import fakes
 
 

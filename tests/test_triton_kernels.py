@@ -14,7 +14,7 @@ from edge.text.kv.float_cache import KVCache
 from edge.text.ops.int4 import dequantize, pack
 from edge.text.ops.triton import decode_ops, triton_int4
 from edge.text.runtime import fused_step
-from engines.random_llama import random_int4_llama
+from engines.text.random_llama import random_int4_llama
 
 pytestmark = pytest.mark.skipif(not triton_int4.TRITON_SUPPORT, reason="triton is not installed")
 

@@ -64,9 +64,9 @@ def test_verify_passes_on_this_box_and_prints_the_interface(engine_dir: Path, tm
 def test_verify_fails_when_a_backend_computes_another_model(engine_dir: Path, tmp_path: Path) -> None:
     """A student whose ONNX file is not its weights' (an export of other weights, as a
     stale or swapped file would be) is out of tolerance: exit 1, the check not ok."""
-    from edge.engines import find
+    from edge.artifacts import find
     from edge.vision.vit import load_student
-    from engines.vision_build import export_onnx
+    from engines.vision.vision_build import export_onnx
 
     student = find(engine_dir, task="inspect", size="quick", distilled=True, dataset="synthetic")
     assert student is not None

@@ -21,10 +21,10 @@ from edge.scheduler.work import Reply, WorkItem
 from edge.vision.inspect import InspectPipeline, preprocess
 from edge.vision.vit import ExportWrapper, InspectViT, ViTConfig, load_student
 from engines.cache import existing_only
-from engines.factory_data import CLASSES, make_sample, patch_targets
-from engines.shipped_student import SHIPPED
-from engines.vision_build import ONNX_OUTPUTS, SIZES, build_student
-from engines.vision_teacher import (
+from engines.vision.factory_data import CLASSES, make_sample, patch_targets
+from engines.vision.shipped_student import SHIPPED
+from engines.vision.vision_build import ONNX_OUTPUTS, SIZES, build_student
+from engines.vision.vision_teacher import (
     TEACHER_DIM,
     TOKENS_OUTPUT,
     normalise,
@@ -211,7 +211,7 @@ def test_cancel_takes_a_queued_job_out_by_id() -> None:
 def test_streaming_teacher_targets_match_the_stored_ones() -> None:
     """On-the-fly teacher targets (torch teacher, pooled on the device) are what the CPU
     build stores (ONNX tokens, pooled, float16) and feeds its probe."""
-    from engines.vision_stream import TeacherFeatures, TeacherTargets
+    from engines.vision.vision_stream import TeacherFeatures, TeacherTargets
 
     torch.manual_seed(0)
     probe = torch.nn.Linear(2 * TEACHER_DIM, len(CLASSES))
@@ -233,7 +233,7 @@ def test_streaming_teacher_targets_match_the_stored_ones() -> None:
 
 def test_generated_samples_are_the_generators_own() -> None:
     """Worker processes make exactly what make_sample makes, in index order."""
-    from engines.vision_stream import generate
+    from engines.vision.vision_stream import generate
 
     made = generate(3, "test", range(500, 503), 14, workers=2)
     for k, i in enumerate(range(500, 503)):
@@ -246,9 +246,9 @@ def test_students_on_one_stream_can_take_soft_labels_from_their_own_heads() -> N
     """Two distilled students on one stream from the same start, each with its teacher
     head: same images, so the same cross-entropy at the first step, but each its own
     soft-label loss; a missing head for one of them is refused."""
-    from engines.distill import TrainRecipe
-    from engines.vision_stream import StreamPlan, train_students_streaming
-    from engines.vision_teacher import teacher_weights
+    from engines.vision.distill import TrainRecipe
+    from engines.vision.vision_stream import StreamPlan, train_students_streaming
+    from engines.vision.vision_teacher import teacher_weights
 
     config = ViTConfig(num_classes=len(CLASSES))
     weights = teacher_weights()
@@ -278,10 +278,10 @@ def test_streaming_distillation_trains_on_new_images() -> None:
     teacher's selected weights, the baseline from random ones with no teacher terms."""
     from dataclasses import replace
 
-    from engines.distill import TrainRecipe
-    from engines.vision_stream import StreamPlan, train_students_streaming
-    from engines.vision_teacher import teacher_weights
-    from engines.weight_select import init_from_teacher
+    from engines.vision.distill import TrainRecipe
+    from engines.vision.vision_stream import StreamPlan, train_students_streaming
+    from engines.vision.vision_teacher import teacher_weights
+    from engines.vision.weight_select import init_from_teacher
 
     config = ViTConfig(num_classes=len(CLASSES))
     weights = teacher_weights()
@@ -311,7 +311,7 @@ def test_streaming_distillation_trains_on_new_images() -> None:
 def test_a_long_stream_build_that_is_not_shipped_is_refused_without_a_gpu(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from engines import vision_build
+    from engines.vision import vision_build
 
     with pytest.raises(vision_build.BuildRefused, match=r"no CUDA device here.*--device cpu"):
         build_student(tmp_path, "stream-long", progress=False)
@@ -337,13 +337,16 @@ def test_the_shipped_stream_student_is_installed_and_judges_held_out_parts(tmp_p
     import onnxruntime as ort
 
     from edge.vision.student import StudentArtifact
-    from engines.vision_build import SIZES as ALL
+    from engines.vision.vision_build import SIZES as ALL
 
     path = build_student(tmp_path, "stream", progress=False)
     shipped = json.loads((SHIPPED / "distilled-stream" / "manifest.json").read_text())
     manifest = json.loads((path / "manifest.json").read_text())
     assert path.name == shipped_name(shipped)
-    assert manifest["inputs"] == shipped["inputs"] and manifest["installed_from"] == "engines/students/distilled-stream"
+    assert (
+        manifest["inputs"] == shipped["inputs"]
+        and manifest["installed_from"] == "engines/vision/students/distilled-stream"
+    )
     assert manifest["trained_on"] == "cuda" and manifest["train_images"] == ALL["stream"].stream_steps * 128
     assert manifest["test_accuracy"] >= 0.9, manifest["test_accuracy"]  # measured here, on 500 held-out parts
     assert abs(manifest["test_accuracy"] - manifest["test_accuracy_at_training"]) <= 0.01
@@ -370,7 +373,7 @@ def shipped_name(manifest: dict[str, Any]) -> str:
 
 
 def test_a_damaged_or_foreign_shipped_student_is_not_used(tmp_path: Path) -> None:
-    from engines.shipped_student import ShippedStudentError, find_shipped, load_shipped
+    from engines.vision.shipped_student import ShippedStudentError, find_shipped, load_shipped
 
     root = tmp_path / "students"
     shutil.copytree(SHIPPED / "distilled-stream", root / "distilled-stream")
@@ -435,7 +438,7 @@ def _user_folder(root: Path) -> Path:
 def test_a_users_folder_trains_the_student_and_its_classes_serve(tmp_path: Path) -> None:
     from edge.builds import locate
     from edge.config.loader import load_profile
-    from engines.folder_data import scan
+    from engines.vision.folder_data import scan
 
     folder = _user_folder(tmp_path / "plant-parts")
     classes, items = scan(folder)
@@ -462,7 +465,7 @@ def test_a_users_folder_trains_the_student_and_its_classes_serve(tmp_path: Path)
 
 
 def test_a_folder_that_cannot_be_a_dataset_is_refused_by_name(tmp_path: Path) -> None:
-    from engines.folder_data import DatasetError, scan
+    from engines.vision.folder_data import DatasetError, scan
 
     (tmp_path / "burr").mkdir()
     with pytest.raises(DatasetError, match="no 'clean' class folder"):

@@ -14,7 +14,7 @@ from edge.backends import BackendOptions, get_backend
 from edge.config.backends import TorchCudaConfig
 from edge.vision.inspect import InspectPipeline, preprocess
 from edge.vision.student import INPUT, StudentArtifact
-from engines.factory_data import make_sample
+from engines.vision.factory_data import make_sample
 
 pytestmark = pytest.mark.gpu
 
@@ -27,7 +27,7 @@ def student(tmp_path_factory: pytest.TempPathFactory) -> Path:
     given = os.environ.get("EDGE_TEST_STUDENT_DIR")
     if given:
         return Path(given)
-    from engines.random_student import write_random_student
+    from engines.vision.random_student import write_random_student
 
     return write_random_student(tmp_path_factory.mktemp("engines") / "student")
 

@@ -1,7 +1,7 @@
 """TensorRT backend: a model's plan, built on this box (engines/trt_build.py), run with
 the TensorRT 10/11 runtime API on the branch's CUDA stream.
 
-Loading finds the plan by its manifest (edge/plans.py), refusing one built for another
+Loading finds the plan by its manifest (edge/artifacts.py), refusing one built for another
 GPU or TensorRT version, deserializes it and creates one execution context per
 optimisation profile. Buffers are torch CUDA tensors: their addresses go to
 `set_tensor_address`, the input shapes to `set_input_shape`, and `execute_async_v3`
@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from edge.artifacts import Plan, PlanMismatch, Target, find_plan
 from edge.backends.base import (
     Backend,
     BackendOptions,
@@ -41,7 +42,6 @@ from edge.backends.base import (
 )
 from edge.backends.torch_backend import graph_sizes, images_on_gpu, staged_on_stream
 from edge.config.backends import TensorRTConfig
-from edge.plans import Plan, PlanMismatch, Target, find_plan
 from edge.timing import StageClock
 
 logger = logging.getLogger(__name__)
@@ -264,7 +264,7 @@ class TensorRTSession(InferenceSession):
 
 
 class TensorRTTextModel:
-    """The text model's plan (engines/text_onnx.py's interface): a prompt through the
+    """The text model's plan (engines/text/text_onnx.py's interface): a prompt through the
     prefill profile, each further token through the decode profile, the KV cache as
     plan inputs and outputs (the presents of one call are the pasts of the next)."""
 

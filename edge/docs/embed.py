@@ -1,5 +1,5 @@
 """Sentence embeddings for retrieval, through the backend seam: the encoder's build
-(engines/embed_build.py) is found by its manifest and loaded by whichever backend the
+(engines/retrieval/embed_build.py) is found by its manifest and loaded by whichever backend the
 profile names (onnxruntime on the CPU by default; a torch backend builds the module from
 edge/docs/minilm.py).
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from edge.artifacts import EngineMissing, find
 from edge.backends import BackendOptions, InferenceSession, ModelSource, get_backend
-from edge.engines import EngineMissing, find
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def locate(engine_dir: Path, model: str = MODEL) -> EmbedInfo:
     engine = find(engine_dir, task="embed", model=model)
     if engine is None:
         raise EngineMissing(
-            f"no retrieval encoder ({model}) in {engine_dir}; run `python -m engines.embed_build "
+            f"no retrieval encoder ({model}) in {engine_dir}; run `python -m engines.retrieval.embed_build "
             f"--engine-dir {engine_dir}` (edgectl docs add builds it when missing)"
         )
     m = engine.manifest

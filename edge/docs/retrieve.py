@@ -3,7 +3,7 @@ top passages put into the prompt with their ids; then the answer's citations che
 against what was retrieved.
 
 Passages go into the context as the clinic adapter was trained to read them,
-`[doc: <chunk id>] <text>` one a line (engines/clinic_data.py), and it cites them as
+`[doc: <chunk id>] <text>` one a line (engines/text/clinic_data.py), and it cites them as
 `(source: <chunk id>)`. A citation is checked, never passed on silently:
 - `retrieved`: the id is one of the passages this job retrieved (a model can make ids up);
 - `overlap`: the share of the citing sentence's content words (lower-cased words of 3

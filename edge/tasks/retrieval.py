@@ -16,11 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
+from edge.artifacts import EngineMissing
 from edge.backends import BackendUnavailable
 from edge.docs.embed import MODEL, Embedder, locate
 from edge.docs.retrieve import Passage, Retriever
 from edge.docs.store import CollectionError, DocStore
-from edge.engines import EngineMissing
 from edge.protocol.errors import ErrorCode, JobError
 from edge.scheduler.models import ModelManager
 

@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from edge.vision.vit import IMAGE_MEAN, IMAGE_STD, InspectViT, ViTConfig
-from engines.distill import Targets, TrainRecipe, _lr_at, distill_losses, make_optimizer
-from engines.factory_data import make_sample, patch_targets
-from engines.vision_teacher import torch_teacher
-from engines.weight_select import init_from_teacher
+from engines.vision.distill import Targets, TrainRecipe, _lr_at, distill_losses, make_optimizer
+from engines.vision.factory_data import make_sample, patch_targets
+from engines.vision.vision_teacher import torch_teacher
+from engines.vision.weight_select import init_from_teacher
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from edge.vision.vit import InspectViT, ViTConfig
-from engines.vision_teacher import normalise
-from engines.weight_select import init_from_teacher
+from engines.vision.vision_teacher import normalise
+from engines.vision.weight_select import init_from_teacher
 
 logger = logging.getLogger(__name__)
 

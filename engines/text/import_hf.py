@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from edge.text.architecture import LlamaConfig
 from engines.cache import build_cached, cache_key, file_sha256
-from engines.import_gguf import MAX_POSITIONS, SourceModelError, expected_tensors
+from engines.text.import_gguf import MAX_POSITIONS, SourceModelError, expected_tensors
 
 logger = logging.getLogger(__name__)
 

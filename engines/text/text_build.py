@@ -14,10 +14,10 @@ from safetensors.torch import save_file
 
 from edge.text.model.checkpoint import SIDE_FILES, load_checkpoint
 from engines.cache import build_cached, cache_key, read_manifest, stop_on_sigterm, tag_serves
-from engines.corpus import calibration_text, corpus_fingerprint
-from engines.import_gguf import SourceModelError
-from engines.peft_adapter import AdapterError
-from engines.quantize import QuantRecipe, quantize_model
+from engines.text.corpus import calibration_text, corpus_fingerprint
+from engines.text.import_gguf import SourceModelError
+from engines.text.peft_adapter import AdapterError
+from engines.text.quantize import QuantRecipe, quantize_model
 
 logger = logging.getLogger(__name__)
 
@@ -96,10 +96,10 @@ def build_text_engine(
     Every step is cached by its inputs, so a second call returns at once.
     """
     from edge.builds import source_id
-    from engines.import_gguf import import_gguf, import_smollm2
-    from engines.import_hf import import_hf
-    from engines.peft_adapter import merge_checkpoint
-    from engines.qlora import CLINIC_ADAPTER
+    from engines.text.import_gguf import import_gguf, import_smollm2
+    from engines.text.import_hf import import_hf
+    from engines.text.peft_adapter import merge_checkpoint
+    from engines.text.qlora import CLINIC_ADAPTER
 
     if source == SMOLLM2_SOURCE:
         path = import_smollm2(engine_dir, progress)
@@ -110,7 +110,7 @@ def build_text_engine(
     if adapter == "clinic":
         if source != SMOLLM2_SOURCE:
             raise ValueError(f"the clinic adapter was trained for {SMOLLM2_SOURCE}, not {source}")
-        # The shipped adapter (engines/adapters/clinic), trained once by engines/qlora.py.
+        # The shipped adapter (engines/text/adapters/clinic), trained once by engines/text/qlora.py.
         path = merge_checkpoint(path, CLINIC_ADAPTER)
     elif adapter != "none":
         path = merge_checkpoint(path, Path(adapter))
@@ -119,7 +119,7 @@ def build_text_engine(
         path = quantize_checkpoint(path, layer_recipe(method, layers or [], symmetric=quant.endswith("-sym")), progress)
     elif quant != "float" or layers:
         raise ValueError(f"unknown quantization {quant!r}" if quant != "float" else "layers need INT4 quantization")
-    # What serving looks the checkpoint up by (edge/engines.py): the profile's words.
+    # What serving looks the checkpoint up by (edge/artifacts.py): the profile's words.
     selector = text_selector(source_id(source), source_id(adapter), quant)
     if layers:
         selector["layers"] = layers

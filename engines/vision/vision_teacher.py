@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from edge.vision.vit import IMAGE_MEAN, IMAGE_STD, InspectViT, ViTConfig
-from engines.weight_select import init_from_teacher
+from engines.vision.weight_select import init_from_teacher
 
 logger = logging.getLogger(__name__)
 

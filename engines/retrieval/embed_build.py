@@ -2,7 +2,7 @@
 ONNX with dynamic batch and length axes, checked against torch -> its tokenizer beside it
 -> manifest (kind "embed", serving {"task": "embed", "model": ...}).
 
-    python -m engines.embed_build --engine-dir .edge/engines
+    python -m engines.retrieval.embed_build --engine-dir .edge/engines
 
 Serving (edge/docs/embed.py) reads the manifest and loads the ONNX file through the
 backend seam; the torch backends build the module from edge/docs/minilm.py instead.

@@ -13,7 +13,7 @@ import torch
 
 from edge.vision import student as artifact
 from edge.vision.vit import InspectViT, ViTConfig
-from engines.factory_data import CLASSES
+from engines.vision.factory_data import CLASSES
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ Two behaviours the base model lacks and the product needs:
   * decline to diagnose, and send the person to a clinician instead.
 Documents and symptom descriptions are split by item, so held-out prompts never share a
 document or a symptom with training prompts. Retrieved passages (several `[doc: <chunk id>]`
-lines, one of them answering, or none) come from engines/clinic_retrieval.py, split by
+lines, one of them answering, or none) come from engines/text/clinic_retrieval.py, split by
 entity the same way.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edge.docs.retrieve import cited_ids
-from engines import clinic_retrieval
+from engines.text import clinic_retrieval
 
 REFUSAL = "I can't diagnose that. Please contact a doctor or nurse, or call emergency services if it is urgent."
 

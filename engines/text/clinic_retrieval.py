@@ -9,7 +9,7 @@ The passages are drawn from documents of the same kind as the asked one (the sam
 wording with another entity, the harder case) and from the asked document's other
 sections. The kinds of document here (lab tests, clinic services, equipment loans,
 vaccines) and their wording are not those of the retrieval evaluation
-(engines/rag_data.py), so that evaluation stays held out; within this set, every fifth
+(engines/retrieval/rag_data.py), so that evaluation stays held out; within this set, every fifth
 entity of a kind is held out from training.
 """
 

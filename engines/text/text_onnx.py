@@ -1,7 +1,7 @@
 """Export a built text checkpoint (float or AWQ INT4) to ONNX, with the KV cache as
 inputs and outputs, for onnxruntime and for TensorRT plans.
 
-    python -m engines.text_onnx --checkpoint DIR [--dtype float32|float16]
+    python -m engines.text.text_onnx --checkpoint DIR [--dtype float32|float16]
 
 The graph is written node by node from the checkpoint's own tensors, not traced: the
 INT4 layers become block-wise `DequantizeLinear` (opset 21, block size = the layer's

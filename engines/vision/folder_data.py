@@ -19,7 +19,7 @@ from typing import Any
 import cv2
 import numpy as np
 
-from engines.factory_data import patch_targets
+from engines.vision.factory_data import patch_targets
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ LoRA on the embeddings, and LoRA on a head tied to the embeddings.
 
 An adapter trained on a 4-bit base (QLoRA) is merged into the dequantized base it was
 trained against, not the float one: a `base_quantization.json` beside the adapter says
-which (engines/base_quantization.py: our own INT4 groups, or a bitsandbytes NF4/FP4
+which (engines/text/base_quantization.py: our own INT4 groups, or a bitsandbytes NF4/FP4
 base). Each adapted linear is merged into its rounded weight; the others keep their
 full-precision weights. The served model carries no adapter and no extra latency.
 """
@@ -30,10 +30,10 @@ from torch import nn
 
 from edge.text.model.checkpoint import load_checkpoint
 from edge.text.model.llama import LlamaModel
-from engines.base_quantization import FILE as BASE_QUANTIZATION
-from engines.base_quantization import BaseQuantization, BaseQuantizationError, read_base_quantization
 from engines.cache import build_cached, cache_key, file_sha256, read_manifest
-from engines.float_checkpoint import write_float_checkpoint
+from engines.text.base_quantization import FILE as BASE_QUANTIZATION
+from engines.text.base_quantization import BaseQuantization, BaseQuantizationError, read_base_quantization
+from engines.text.float_checkpoint import write_float_checkpoint
 
 logger = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from edge.text.qa import chatml, user_message
 from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
@@ -28,8 +29,7 @@ from edge.config.text import DEFAULT_SYSTEM_PROMPT
 from edge.text.model.checkpoint import load_checkpoint
 from edge.text.model.llama import LlamaModel
 from edge.text.ops.int4 import QuantizedWeight, dequantize, group_size_for, pack
-from edge.text.prompt import chatml, user_message
-from engines.clinic_data import Example, examples
+from engines.text.clinic_data import Example, examples
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ def merge(model: LlamaModel) -> None:
 
 
 # The clinic adapter as the repo ships it: a PEFT LoRA directory, so a first start merges
-# it (seconds) instead of training it (minutes). `python -m engines.qlora --export DIR`
+# it (seconds) instead of training it (minutes). `python -m engines.text.qlora --export DIR`
 # trains it again and writes it, with its hash.
 CLINIC_ADAPTER = Path(__file__).parent / "adapters" / "clinic"
 
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from engines.cache import file_sha256, stop_on_sigterm
-    from engines.import_gguf import import_smollm2
+    from engines.text.import_gguf import import_smollm2
 
     parser = argparse.ArgumentParser(description="Train the clinic QLoRA adapter and write it as a PEFT directory.")
     parser.add_argument("--export", type=Path, default=CLINIC_ADAPTER, help="adapter directory to write")
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     stats = train(ckpt.model, ckpt.tokenizer, recipe, not args.no_progress)
     written = export_peft(ckpt.model, recipe, args.export)
     provenance = {
-        "command": "python -m engines.qlora --export " + str(args.export),
+        "command": "python -m engines.text.qlora --export " + str(args.export),
         "sha256": {"adapter_model.safetensors": file_sha256(args.export / "adapter_model.safetensors")},
         "recipe": asdict(recipe),
         "training": {k: v for k, v in stats.items() if k != "train_seconds"},

@@ -1,7 +1,7 @@
 """The vision build, one command: data -> teacher tokens -> teacher probe -> distilled
 student -> ONNX with a dynamic batch axis, verified against PyTorch -> manifest.
 
-    python -m engines.vision_build --engine-dir .edge/engines [--size default|quick]
+    python -m engines.vision.vision_build --engine-dir .edge/engines [--size default|quick]
 
 Every step is cached by its inputs (generator version and seed, split sizes, the
 teacher file's hash, the training recipe), so a second call returns at once.
@@ -26,12 +26,18 @@ from edge.builds import source_id
 from edge.vision import student as artifact
 from edge.vision.vit import ExportWrapper, InspectViT, ViTConfig
 from engines.cache import build_cached, cache_key, file_sha256, stop_on_sigterm
-from engines.distill import TrainData, TrainRecipe, predict, train_student
-from engines.factory_data import CLASSES, iter_split, patch_targets
-from engines.folder_data import DatasetError, fingerprint, scan, split_arrays
-from engines.shipped_student import find_shipped, load_shipped
-from engines.vision_stream import StreamPlan, train_student_streaming
-from engines.vision_teacher import probe_features, teacher_onnx_path, teacher_tokens, teacher_weights, train_probe
+from engines.vision.distill import TrainData, TrainRecipe, predict, train_student
+from engines.vision.factory_data import CLASSES, iter_split, patch_targets
+from engines.vision.folder_data import DatasetError, fingerprint, scan, split_arrays
+from engines.vision.shipped_student import find_shipped, load_shipped
+from engines.vision.vision_stream import StreamPlan, train_student_streaming
+from engines.vision.vision_teacher import (
+    probe_features,
+    teacher_onnx_path,
+    teacher_tokens,
+    teacher_weights,
+    train_probe,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +206,7 @@ def teacher_probe(data_dir: Path, classes: int = len(CLASSES)) -> tuple[torch.nn
 
 
 def install_shipped(shipped: Path, out: Path, size: VisionSize) -> dict[str, Any]:
-    """A shipped student (engines/shipped_student.py) written as a build: its weights,
+    """A shipped student (engines/vision/shipped_student.py) written as a build: its weights,
     config and ONNX export, and its accuracy measured here on the held-out test split."""
     model, manifest = load_shipped(shipped)
     logger.info("installing the shipped student %s (trained on %s)", shipped.name, manifest.get("trained_on"))
@@ -212,7 +218,7 @@ def install_shipped(shipped: Path, out: Path, size: VisionSize) -> dict[str, Any
     details = {k: v for k, v in manifest.items() if k not in ("inputs", "built_at", "val_accuracy", "test_accuracy")}
     details.update(
         {
-            "installed_from": f"engines/students/{shipped.name}",
+            "installed_from": f"engines/vision/students/{shipped.name}",
             "onnx_max_abs_diff": onnx_error,
             "test_accuracy": accuracy(probs, test["labels"]),
             "test_accuracy_at_training": manifest.get("test_accuracy"),
@@ -232,7 +238,7 @@ def build_student(
 ) -> Path:
     """`device` trains a stream size there, "auto" on CUDA if there is a GPU (the result
     is the same build wherever it was trained, so it is not part of the cache key).
-    `dataset`: a folder of the user's labelled images (engines/folder_data.py) instead
+    `dataset`: a folder of the user's labelled images (engines/vision/folder_data.py) instead
     of the synthetic factory set; its classes are the student's, and `size_name` gives
     the training length only (default or quick: stream sizes generate synthetic images)."""
     size = SIZES[size_name]

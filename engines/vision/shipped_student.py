@@ -2,7 +2,7 @@
 
 A `stream` student distils 256,000 generated images with the teacher on the GPU: about
 four minutes on an H200, hours on two CPU cores. A box without CUDA asking for one gets
-the shipped weights instead of a refusal. `engines/students/<tag>-<size>/` holds:
+the shipped weights instead of a refusal. `engines/vision/students/<tag>-<size>/` holds:
 
   student.safetensors  the serving weights in float16 (half the size of float32; the
                        install measures what that rounding costs, see below)
@@ -10,13 +10,13 @@ the shipped weights instead of a refusal. `engines/students/<tag>-<size>/` holds
                        data, recipe, model), where and how long it trained, its scores
   provenance.json      the weights file's SHA-256 and the command that trains it again
 
-Installing (engines/vision_build.py, when the shipped manifest's inputs are the ones the
+Installing (engines/vision/vision_build.py, when the shipped manifest's inputs are the ones the
 build asks for) checks the hash, writes student.pt and config.json, exports the ONNX
 model, and measures the installed student on the held-out test split: the manifest's
 test_accuracy is the installed model's own, test_accuracy_at_training the GPU build's.
 
-`python -m engines.shipped_student --export <build dir>` writes a shipped directory from
-a build (the one `python -m engines.vision_build --size stream --device cuda` makes).
+`python -m engines.vision.shipped_student --export <build dir>` writes a shipped directory from
+a build (the one `python -m engines.vision.vision_build --size stream --device cuda` makes).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def export_shipped(build_dir: Path, root: Path = SHIPPED) -> Path:
     half = {k: v.half().contiguous() for k, v in model.serving_state().items()}
     save_file(half, str(out / WEIGHTS))
     (out / artifact.MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    command = f"python -m engines.vision_build --size {manifest['size']} --device cuda"
+    command = f"python -m engines.vision.vision_build --size {manifest['size']} --device cuda"
     if not manifest["distilled"]:
         command += " --no-distill"
     provenance = {
@@ -101,7 +101,7 @@ def export_shipped(build_dir: Path, root: Path = SHIPPED) -> Path:
         "trained_on": manifest.get("trained_on"),
         "train_seconds": manifest.get("train_seconds"),
         "test_accuracy": manifest.get("test_accuracy"),
-        "reproduce": f"{command}, then python -m engines.shipped_student --export <the build directory>",
+        "reproduce": f"{command}, then python -m engines.vision.shipped_student --export <the build directory>",
     }
     (out / PROVENANCE).write_text(json.dumps(provenance, indent=2) + "\n", encoding="utf-8")
     return out

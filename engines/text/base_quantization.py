@@ -4,7 +4,7 @@ A QLoRA adapter learns its update on top of the rounded base, not the float one,
 merged into the same rounding. `base_quantization.json` beside the adapter says which:
 
 - `{"format": "edge-int4", "group_size": 64}`: our own INT4 groups, the format
-  `engines/qlora.py` trains against;
+  `engines/text/qlora.py` trains against;
 - `{"format": "bnb-nf4", "dtype": "bfloat16", "double_quant": true}` (or `bnb-fp4`): a
   bitsandbytes 4-bit base, as transformers' `BitsAndBytesConfig(load_in_4bit=True,
   bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,

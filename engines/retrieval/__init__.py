@@ -1,0 +1,1 @@
+"""Retrieval builds: the document encoder, and the retrieval evaluation set."""

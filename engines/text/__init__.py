@@ -1,0 +1,1 @@
+"""Text model builds: import (GGUF, Hugging Face), QLoRA and adapter merge, AWQ, ONNX export."""

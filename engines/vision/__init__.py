@@ -1,0 +1,1 @@
+"""Inspection student builds: synthetic or folder data, the teacher, distillation, ONNX."""
