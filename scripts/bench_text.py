@@ -894,9 +894,8 @@ def _llamacpp_cpu(gguf: Path, prompt: str, new_tokens: int, threads: int) -> dic
 
 
 def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
-    from edge.text.qa import chatml
-
     from edge.text.model.checkpoint import load_checkpoint
+    from edge.text.prompt import chatml
     from engines.text.import_gguf import import_smollm2, smollm2_gguf_path
     from engines.text.quantize import QuantRecipe
     from engines.text.text_build import quantize_checkpoint

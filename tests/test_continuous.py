@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from edge.text.qa import chatml
 
 from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint
+from edge.text.prompt import chatml
 from edge.text.runtime.continuous import ContinuousBatcher, Sequence
 from edge.text.runtime.generate import SamplingParams, generate
 from engines.text.import_gguf import import_smollm2

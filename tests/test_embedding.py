@@ -7,14 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from edge.text.qa import resolve_embedding
 from torch import nn
 
 from edge.config.text import QAModelConfig
 from edge.protocol.jobs import QAJob
 from edge.tasks import qa
 from edge.text.architecture import LlamaConfig
-from edge.text.engine import TextEngine
+from edge.text.engine import TextEngine, resolve_embedding
 from edge.text.model.checkpoint import load_checkpoint
 from edge.text.model.embedding import GROUPS, LEVELS, QuantizedEmbedding, compact_embedding
 from edge.text.model.llama import LlamaModel

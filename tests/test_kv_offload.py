@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from edge.text.qa import chatml
 
 from edge.text.kv.kv_offload import KVOffload, SavedRow
 from edge.text.kv.kv_quant import FORMATS
 from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint
 from edge.text.ops.cpu import cpu_kv
+from edge.text.prompt import chatml
 from edge.text.runtime.continuous import ContinuousBatcher, Sequence
 from edge.text.runtime.generate import SamplingParams
 from engines.text.import_gguf import import_smollm2

@@ -11,16 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from edge.text.qa import chatml, kv_format
 
 from edge.config.text import QAModelConfig
 from edge.text.architecture import LlamaConfig
+from edge.text.engine import kv_format
 from edge.text.kv import kv_attention
 from edge.text.kv.kv_quant import FORMATS, KVFormat, dequantize, quantize
 from edge.text.kv.quant_cache import QuantKVCache
 from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint
 from edge.text.ops.cpu import cpu_kv
 from edge.text.ops.triton import decode_ops
+from edge.text.prompt import chatml
 from edge.text.runtime import fused_step
 from edge.text.runtime.continuous import ContinuousBatcher, Sequence
 from edge.text.runtime.generate import SamplingParams

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 import torch
-from edge.text.qa import chatml
 
 from edge.config.text import QAModelConfig
 from edge.protocol.errors import ErrorCode, JobError
@@ -15,6 +14,7 @@ from edge.protocol.jobs import QAJob
 from edge.tasks import qa
 from edge.text.engine import TextEngine
 from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint
+from edge.text.prompt import chatml
 from edge.text.runtime.generate import SamplingParams, generate
 from engines.text.import_gguf import SMOLLM2_FILE, import_smollm2, smollm2_gguf_path
 

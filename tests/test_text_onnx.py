@@ -12,12 +12,12 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from edge.text.qa import chatml
 
 from edge.artifacts import find
 from edge.builds import selector
 from edge.config.profile import Profile
 from edge.text.model.checkpoint import load_checkpoint
+from edge.text.prompt import chatml
 from engines.text.quantize import QuantRecipe
 from engines.text.text_build import SERVING_GROUP, quantize_checkpoint
 from engines.text.text_onnx import ONNX_FILE, export_checkpoint, past_names, present_names

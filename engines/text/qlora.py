@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from edge.text.qa import chatml, user_message
 from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
@@ -29,6 +28,7 @@ from edge.config.text import DEFAULT_SYSTEM_PROMPT
 from edge.text.model.checkpoint import load_checkpoint
 from edge.text.model.llama import LlamaModel
 from edge.text.ops.int4 import QuantizedWeight, dequantize, group_size_for, pack
+from edge.text.prompt import chatml, user_message
 from engines.text.clinic_data import Example, examples
 
 logger = logging.getLogger(__name__)
