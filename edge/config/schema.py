@@ -543,7 +543,7 @@ class QAModelConfig(StrictModel):
         title="Passages retrieved",
         description="Passages a retrieving job puts into its prompt when it does not say (`top_k`). 1 for the "
         "shipped model: SmolLM2-135M with the clinic adapter answers most accurately from one passage "
-        "(scripts/eval_rag.py measures each; a larger model of your own may do better with more).",
+        "(bench/eval_rag.py measures each; a larger model of your own may do better with more).",
     )
     embed_backend: Literal["onnxruntime", "torch-cuda"] = Field(
         default="onnxruntime",
