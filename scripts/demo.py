@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,12 +23,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from edge.comms.client import RequestTimeout, request  # noqa: E402
-from edge.config.loader import load_profile  # noqa: E402
-from edge.health.status import StatusUnreachable, query_status  # noqa: E402
+from bench.common import REPO, Broker, listening
+from edge.comms.client import RequestTimeout, request
+from edge.config.loader import load_profile
+from edge.health.status import StatusUnreachable, query_status
 
 QUESTIONS: list[dict[str, Any]] = [
     {
@@ -50,26 +46,14 @@ RETRIEVALS: list[tuple[str, str]] = [
 ]
 
 
-def listening(host: str, port: int) -> bool:
+def start_broker(port: int) -> Broker:
+    """Mosquitto on `port` with the settings we ship (docs/mosquitto-edge.conf)."""
+    broker = Broker(Path(tempfile.mkdtemp(prefix="edge-demo-")), port)
     try:
-        with socket.create_connection((host, port), timeout=0.3):
-            return True
-    except OSError:
-        return False
-
-
-def start_broker(port: int) -> subprocess.Popen[bytes]:
-    binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
-    conf = Path(tempfile.mkdtemp(prefix="edge-demo-")) / "mosquitto.conf"
-    settings = (REPO / "docs" / "mosquitto-edge.conf").read_text(encoding="utf-8")
-    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n{settings}")
-    proc = subprocess.Popen([binary, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(100):
-        if listening("127.0.0.1", port):
-            return proc
-        time.sleep(0.05)
-    proc.terminate()
-    raise SystemExit(f"demo: mosquitto did not start on port {port}")
+        broker.start(timeout=5.0)
+    except TimeoutError as err:
+        raise SystemExit(f"demo: {err}") from None
+    return broker
 
 
 def wait_ready(daemon: subprocess.Popen[bytes], socket_path: Path, log: Path, timeout: float = 1800) -> None:
@@ -244,8 +228,7 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             daemon.kill()
         if broker is not None:
-            broker.terminate()
-            broker.wait(10)
+            broker.stop()
         print(f"\ndemo: stopped the daemon{' and the broker' if broker else ''}; daemon log in {log.relative_to(REPO)}")
     print("demo: all good" if failures == 0 else f"demo: {failures} check(s) failed")
     return 0 if failures == 0 else 1

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Write samples/parts: one generated part image per inspection class, with its truth.
 
-    python scripts/make_parts.py
+    python -m scripts.make_parts
 
 The images come from the same generator the student is trained on, from a seed and
 split the builds never use (seed 1000, test split), so they are held out.
@@ -15,10 +15,9 @@ from pathlib import Path
 
 import cv2
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from engines.vision.factory_data import CLASSES, make_sample
 
-from engines.vision.factory_data import CLASSES, make_sample  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 SEED = 1000
 

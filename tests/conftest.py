@@ -1,4 +1,5 @@
-"""Shared fixtures: a real Mosquitto on a free loopback port, daemons as real processes."""
+"""Shared fixtures: a real Mosquitto on a free loopback port (bench/common.py starts it), daemons as
+real processes."""
 
 from __future__ import annotations
 
@@ -16,9 +17,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 import fcntl
 import json
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -37,7 +36,12 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-REPO = Path(__file__).resolve().parents[1]
+# The broker and the repository root are bench/common.py's (the demo and the benchmarks
+# start the same broker); the tests import them from here.
+from bench.common import REPO as REPO
+from bench.common import Broker as Broker
+from bench.common import free_port as free_port
+
 SAMPLES = REPO / "samples"
 LABELS = json.loads((SAMPLES / "labels" / "labels.json").read_text(encoding="utf-8"))
 
@@ -53,71 +57,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: 0 if item.path in first else 2 if item.path in built else 1)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_port(port: int, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on port {port}")
-
-
-class Broker:
-    """A real mosquitto process; stop() and start() keep the same port."""
-
-    def __init__(self, workdir: Path, persistence: bool = False) -> None:
-        self.port = free_port()
-        self.conf = workdir / "mosquitto.conf"
-        # With persistence the broker writes its sessions and queued messages to disk
-        # when it stops, and reads them back when it starts: what production brokers do.
-        # Started as root, mosquitto switches to its own user, which cannot write the
-        # test's directory; `user root` keeps it as is (for any other user it does nothing).
-        keep = (
-            f"persistence true\npersistence_location {workdir}/\nuser root\n" if persistence else "persistence false\n"
-        )
-        settings = (REPO / "docs" / "mosquitto-edge.conf").read_text(encoding="utf-8")  # what we ship
-        self.conf.write_text(
-            f"listener {self.port} 127.0.0.1\nallow_anonymous true\n{keep}{settings}", encoding="utf-8"
-        )
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
-        self.proc = subprocess.Popen(
-            [binary, "-c", str(self.conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        wait_port(self.port)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(10)
-            self.proc = None
-
-
 @pytest.fixture(scope="session")
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
-    b = Broker(tmp_path_factory.mktemp("broker"))
-    b.start()
-    yield b
-    b.stop()
+    with Broker(tmp_path_factory.mktemp("broker")) as b:
+        yield b
 
 
 @pytest.fixture
 def own_broker(tmp_path: Path) -> Iterator[Broker]:
     """A broker a test may stop and restart without disturbing the others."""
-    b = Broker(tmp_path)
-    b.start()
-    yield b
-    b.stop()
+    with Broker(tmp_path) as b:
+        yield b
 
 
 def _shared_engines(tmp_path_factory: pytest.TempPathFactory) -> Path:

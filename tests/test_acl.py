@@ -13,7 +13,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from tests.conftest import REPO, free_port, wait_port
+from tests.conftest import REPO, Broker
 
 pytestmark = pytest.mark.integration
 
@@ -26,20 +26,12 @@ def acl_broker(tmp_path: Path) -> Iterator[int]:
     for i, (user, pw) in enumerate(USERS.items()):
         args = ["mosquitto_passwd", "-b", str(tmp_path / "passwd"), user, pw]
         subprocess.run(args[:1] + (["-c"] if i == 0 else []) + args[1:], check=True)
-    port = free_port()
-    conf = tmp_path / "mosquitto.conf"
-    conf.write_text(
-        f"listener {port} 127.0.0.1\nallow_anonymous false\npassword_file {tmp_path / 'passwd'}\n"
-        f"acl_file {tmp_path / 'acl'}\npersistence false\nuser root\n",
-        encoding="utf-8",
+    settings = (
+        f"allow_anonymous false\npassword_file {tmp_path / 'passwd'}\n"
+        f"acl_file {tmp_path / 'acl'}\npersistence false\nuser root\n"
     )
-    proc = subprocess.Popen(["mosquitto", "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_port(port)
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    with Broker(tmp_path, settings=settings) as broker:
+        yield broker.port
 
 
 class Peer:

@@ -2,24 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_vision_data.py"
-
-
-def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_vision_data", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+from bench import vision_data
 
 
 def _run(lengths: list[int], head_accuracy: float = 0.87) -> dict[str, Any]:
@@ -38,19 +25,17 @@ def _run(lengths: list[int], head_accuracy: float = 0.87) -> dict[str, Any]:
 
 
 def test_runs_split_between_gpus_join_into_one_table(capsys: pytest.CaptureFixture[str]) -> None:
-    bench = _script()
-    joined = bench.combine([_run([256_000]), _run([32_000, 128_000])])
+    joined = vision_data.combine([_run([256_000]), _run([32_000, 128_000])])
     assert [(r["images"], r["variant"]) for r in joined["rows"]] == [
         (n, v) for n in (32_000, 128_000, 256_000) for v in ("distilled", "plain")
     ]
-    bench.print_table(joined)
+    vision_data.print_table(joined)
     table = capsys.readouterr().out
     assert "256,000" in table and "+0.0" in table  # distilled - plain, both 0.5 + n / 1e6
 
 
 def test_runs_that_do_not_compare_are_not_joined() -> None:
-    bench = _script()
     with pytest.raises(ValueError, match="teacher_heads"):
-        bench.combine([_run([256_000]), _run([32_000], head_accuracy=0.9)])
+        vision_data.combine([_run([256_000]), _run([32_000], head_accuracy=0.9)])
     with pytest.raises(ValueError, match="twice"):
-        bench.combine([_run([32_000]), _run([32_000])])
+        vision_data.combine([_run([32_000]), _run([32_000])])

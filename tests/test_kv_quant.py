@@ -68,17 +68,13 @@ def test_bad_shapes_are_refused() -> None:
 
 
 def test_the_benchs_chunked_read_is_the_whole_windows_read_and_formats_cost_little() -> None:
-    """scripts/bench_kv.py's perplexity: read in chunks over a float16 cache it is the
+    """The perplexity bench/kv.py measures: read in chunks over a float16 cache it is the
     whole window read at once (float16 rounding apart); over int8 and int4 caches it
     moves, by little: the coded tokens are read as coded."""
     import math
-    import sys
 
-    from tests.conftest import REPO
-
-    sys.path.insert(0, str(REPO / "scripts"))
-    import bench_kv
-
+    from bench.common import perplexity
+    from bench.kv import CHUNK, CONTEXT
     from edge.text.architecture import LlamaConfig
     from edge.text.model.llama import LlamaModel
 
@@ -91,10 +87,10 @@ def test_the_benchs_chunked_read_is_the_whole_windows_read_and_formats_cost_litt
     with torch.inference_mode():
         logits = model(torch.tensor([ids[:-1]]), cache, 0, last_only=False)[0]
     whole = math.exp(float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))))
-    chunked = bench_kv.perplexity(model, ids, FORMATS["float16"])
+    chunked = perplexity(model, ids, CONTEXT, CHUNK, FORMATS["float16"])
     assert chunked == pytest.approx(whole, rel=1e-4)
-    int8 = bench_kv.perplexity(model, ids, FORMATS["int8"])
-    int4 = bench_kv.perplexity(model, ids, FORMATS["int4"])
+    int8 = perplexity(model, ids, CONTEXT, CHUNK, FORMATS["int8"])
+    int4 = perplexity(model, ids, CONTEXT, CHUNK, FORMATS["int4"])
     assert int8 != chunked and int4 != chunked  # the coded tokens were read as coded
     assert abs(int8 / chunked - 1) < 0.01 and abs(int4 / chunked - 1) < 0.05
 

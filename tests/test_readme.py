@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import plots as bench_plots
 from tests.conftest import REPO
 
 
@@ -24,16 +25,11 @@ def test_ci_runs_the_readme_test_command() -> None:
 
 
 def test_benchmark_tables_match_the_results() -> None:
-    res = subprocess.run(
-        [sys.executable, "scripts/render_bench.py", "--check"], cwd=REPO, capture_output=True, text=True
-    )
+    res = subprocess.run([sys.executable, "-m", "bench.render", "--check"], cwd=REPO, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout
 
 
 def test_the_readme_shows_every_plot_and_a_changed_result_makes_it_stale(tmp_path: Path) -> None:
-    sys.path.insert(0, str(REPO / "scripts"))
-    import bench_plots
-
     readme = (REPO / "README.md").read_text()
     for plot in bench_plots.PLOTS:
         assert f"](docs/plots/{plot.name}.png)" in readme, plot.name
@@ -50,9 +46,6 @@ def test_the_readme_shows_every_plot_and_a_changed_result_makes_it_stale(tmp_pat
 def test_plots_are_drawn_once_per_result_and_carry_their_fingerprint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sys.path.insert(0, str(REPO / "scripts"))
-    import bench_plots
-
     monkeypatch.setattr(bench_plots, "PLOT_DIR", tmp_path)
     plots = tuple(p for p in bench_plots.PLOTS if p.name in ("decode_cuda", "memory_daemon"))
     assert bench_plots.stale(plots) == [str(tmp_path / "decode_cuda.png"), str(tmp_path / "memory_daemon.png")]

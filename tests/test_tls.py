@@ -20,7 +20,7 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.reasoncodes import ReasonCode
 
-from tests.conftest import edgectl, free_port, start_daemon, wait_port, write_profile
+from tests.conftest import Broker, edgectl, start_daemon, write_profile
 
 pytestmark = pytest.mark.integration
 
@@ -48,25 +48,16 @@ def tls_broker(tmp_path: Path) -> Iterator[tuple[int, Path]]:
     pki.mkdir()
     make_pki(pki)
     subprocess.run(["mosquitto_passwd", "-c", "-b", str(pki / "passwd"), "edge", PASSWORD], check=True)
-    port = free_port()
-    conf = tmp_path / "mosquitto.conf"
-    conf.write_text(
-        f"listener {port} 127.0.0.1\n"
+    settings = (
         f"cafile {pki / 'ca.crt'}\ncertfile {pki / 'server.crt'}\nkeyfile {pki / 'server.key'}\n"
         "require_certificate true\nallow_anonymous false\n"
         f"password_file {pki / 'passwd'}\npersistence false\n"
         # Started as root, mosquitto would switch to its own user, which cannot read
         # the test's private directory; as any other user this line does nothing.
-        "user root\n",
-        encoding="utf-8",
+        "user root\n"
     )
-    proc = subprocess.Popen(["mosquitto", "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_port(port)
-        yield port, pki
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    with Broker(tmp_path, settings=settings) as broker:
+        yield broker.port, pki
 
 
 def _connect(port: int, pki: Path, cert: bool, password: str) -> str:

@@ -4,7 +4,7 @@ chunks, so the index and the chunks it points at change together, all or nothing
 
 Up to EXACT_MAX chunks the index is exact (a flat scan: every vector compared); beyond
 that it is HNSW, approximate, with its recall against the exact scan measured by
-scripts/eval_rag.py (bench/results/rag.json). That script times both kinds at 10k and
+bench/eval_rag.py (bench/results/rag.json). That script times both kinds at 10k and
 100k chunks on 2 threads: the flat scan well under a millisecond at 10k, over the 5 ms
 goal at 100k, its time growing with the count. EXACT_MAX is set between the two, not
 measured at itself.

@@ -76,7 +76,7 @@ def quantize_checkpoint(src: Path, recipe: QuantRecipe, progress: bool = True) -
 
 
 # SmolLM2-135M's merged clinic adapter is a small change to small weights: at group 64
-# or 128 the rounding noise erases most of it, at 32 it survives (scripts/
+# or 128 the rounding noise erases most of it, at 32 it survives (bench/
 # eval_text_quality.py measures this). Finer groups cost 3 bytes per 32 weights.
 SERVING_GROUP = 32
 

@@ -65,7 +65,7 @@ class VisionSize:
 # same device, or with --no-distill the baseline on the same images (meant for a GPU:
 # `--device cuda`, about 4 minutes on an H200 with 32 cores generating images; the
 # result is an ordinary build directory to copy into another box's engine directory).
-# At this length distillation still clearly beats the baseline (scripts/bench_vision_data.py);
+# At this length distillation still clearly beats the baseline (bench/vision_data.py);
 # stream-long: three times as many images (768,000, about 13 minutes): a little more
 # accurate, but there the baseline has caught up with the distilled student;
 # quick-stream: the stream's smoke-sized test.

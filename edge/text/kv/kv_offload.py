@@ -9,7 +9,7 @@ measured figures say restoring is the faster.
   stream waits for it on the GPU (not the host) before it reuses the row; on the CPU it
   is a memory copy. A file, when asked for, is written by a worker thread after that:
   lz4-coded where that pays (float KV barely compresses, about 1.0x; see
-  scripts/bench_kv.py), raw otherwise.
+  bench/kv.py), raw otherwise.
 - restore: from memory while the copy is still held, else from the file.
 - choose: restoring costs the row's bytes over the measured restore bandwidth;
   recomputing costs its tokens over the measured prefill rate. Until both have been

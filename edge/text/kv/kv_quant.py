@@ -74,7 +74,7 @@ class KVFormat:
 FORMATS: dict[KVDtype, KVFormat] = {
     "float16": KVFormat("float16"),
     "int8": KVFormat("int8", key_block=64),
-    # Chosen on the real model (scripts/bench_kv.py): Δppl under 0.5% and over 3.5x the
+    # Chosen on the real model (bench/kv.py): Δppl under 0.5% and over 3.5x the
     # tokens of float16 in the same bytes.
     "int4": KVFormat("int4", key_block=64, value_group=64, window=32, value_symmetric=True, sink=4),
 }

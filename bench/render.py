@@ -3,7 +3,7 @@
 
 Each table sits between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` in README.md.
 `--check` exits 1 if the README differs from what the results say (the tests run it).
-It also draws the plots under docs/plots (scripts/bench_plots.py), and `--check` fails
+It also draws the plots under docs/plots (bench/plots.py), and `--check` fails
 where one was drawn from other results than today's.
 """
 
@@ -14,14 +14,10 @@ import json
 import re
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_plots
-
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
+from bench import plots
+from bench.common import REPO, RESULTS
 
 
 def _load(name: str) -> dict[str, Any] | None:
@@ -204,7 +200,7 @@ def text_cuda(d: dict[str, Any]) -> str:
 
 def gemv_sweep_cuda(d: dict[str, Any]) -> str:
     lines = [
-        f"{d['device']}, `scripts/sweep_gemv.py`: each INT4 matrix kind of the 8B step, {d['copies']} distinct "
+        f"{d['device']}, `bench/sweep_gemv.py`: each INT4 matrix kind of the 8B step, {d['copies']} distinct "
         "weights of it in one CUDA graph (the lm_head alone), the tuner's choice against every configuration "
         "of a wider space, each checked against the float product first (`bench/results/gemv_sweep_cuda.json`).",
         "",
@@ -614,7 +610,7 @@ def rag(d: dict[str, Any]) -> str:
         f"(clinic leaflets, device manuals, ward guides and procedure sheets, beside the Python manual's topics), "
         f"{d['questions']} questions worded apart from the passages; encoder {d['encoder']} on onnxruntime, index "
         f"{d['index_library']} (exact up to {d['exact_max']} chunks, HNSW beyond), {d['threads']} threads, "
-        f"{d['machine']} (`bench/results/rag.json`, `scripts/eval_rag.py`). Answers: the clinic text engine, "
+        f"{d['machine']} (`bench/results/rag.json`, `bench/eval_rag.py`). Answers: the clinic text engine, "
         f"greedy, {a['answered']} questions with their top {a['top_k']} passages in the prompt (the profile's "
         "default `models.qa.top_k`) as a `qa` job with a collection gets them.",
         "",
@@ -668,7 +664,7 @@ def aarch64(d: dict[str, Any]) -> str:
     lines = [
         f"`edgectl docs add` of samples/leaflets and retrieval, by an {arm['machine']} Python under qemu-user "
         f"(Debian {d['debian']}, Python {arm['python']}, {arm['libc']}) beside the same run here ({host['machine']}, "
-        f"Python {host['python']}) (`bench/results/aarch64.json`, `scripts/check_aarch64.py`; emulated, so no "
+        f"Python {host['python']}) (`bench/results/aarch64.json`, `bench/check_aarch64.py`; emulated, so no "
         "speed is claimed):",
         "",
         f"| | {host['machine']} | {arm['machine']} (emulated) |",
@@ -729,15 +725,15 @@ def main() -> int:
     current = path.read_text()
     wanted = render(current)
     if args.check:
-        stale = bench_plots.stale()
+        stale = plots.stale()
         if wanted != current:
-            print("README.md benchmark tables differ from bench/results; run scripts/render_bench.py")
+            print("README.md benchmark tables differ from bench/results; run python -m bench.render")
         if stale:
-            print("plots drawn from other results:", ", ".join(stale), "; run scripts/render_bench.py")
+            print("plots drawn from other results:", ", ".join(stale), "; run python -m bench.render")
         return 1 if wanted != current or stale else 0
     path.write_text(wanted)
     print("README.md tables written from bench/results")
-    for written in bench_plots.write():
+    for written in plots.write():
         print("drew", written)
     return 0
 

@@ -2,16 +2,16 @@
 """The daemon as a real process: a real Mosquitto, `edgectl serve` with both branches,
 and an outside MQTT v5 client sending camera bursts and a Q&A stream.
 
-    python scripts/bench_daemon.py cuda   # Llama-3-8B-shape INT4 (random weights) + student, both on
-                                          # CUDA, the budget 8 GiB of GPU memory
-    python scripts/bench_daemon.py cpu    # SmolLM2-135M AWQ INT4 (real weights) + student on the CPU
+    python -m bench.daemon cuda   # Llama-3-8B-shape INT4 (random weights) + student, both on
+                                  # CUDA, the budget 8 GiB of GPU memory
+    python -m bench.daemon cpu    # SmolLM2-135M AWQ INT4 (real weights) + student on the CPU
 
 Runs, one after another against the same daemon: Q&A alone (questions one at a time,
 for the decode rate the daemon reports per answer), cameras alone, cameras with the Q&A
 stream. Reported: p50/p99 per task as the requester sees them (publish to result, through
 the broker) and the daemon's own; deadline misses; Q&A decode tok/s through the daemon
 beside the bare decode loop's figure for the same checkpoint and prompt length, measured
-in this process after the daemon stopped (CUDA graphs on the GPU, as bench_text does);
+in this process after the daemon stopped (CUDA graphs on the GPU, as bench.text does);
 the process's peak of the memory the budget covers (on CUDA: the caching allocator's
 peak plus the context, from `edgectl status`) with the ledger's peak and the budget.
 
@@ -27,7 +27,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,8 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench.common import REPO, RESULTS, Broker, percentile, write_json
 
 GIB = 1 << 30
 
@@ -76,43 +74,6 @@ CPU_CONTEXT = (
     "Dehydration in older adults shows as dry mouth, little or dark urine, dizziness, confusion and "
     "low blood pressure. Encourage small frequent drinks and check the fluid chart every shift."
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_port(port: int, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on port {port}")
-
-
-def start_broker(workdir: Path, root: Path | None) -> tuple[subprocess.Popen[bytes], int]:
-    """Mosquitto on a free loopback port, with the queue settings we ship. `root`: a
-    directory Debian's packages were unpacked into (dpkg -x), for machines without apt."""
-    port = free_port()
-    conf = workdir / "mosquitto.conf"
-    shipped = (REPO / "docs" / "mosquitto-edge.conf").read_text(encoding="utf-8")
-    conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n{shipped}")
-    env = dict(os.environ)
-    if root is not None:
-        binary = str(root / "usr/sbin/mosquitto")
-        libs = [str(root / "usr/lib/x86_64-linux-gnu"), str(root / "lib/x86_64-linux-gnu")]
-        env["LD_LIBRARY_PATH"] = ":".join([*libs, env.get("LD_LIBRARY_PATH", "")])
-    else:
-        binary = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
-    log = (workdir / "mosquitto.log").open("wb")
-    proc = subprocess.Popen([binary, "-c", str(conf)], stdout=log, stderr=subprocess.STDOUT, env=env)
-    wait_port(port)
-    return proc, port
 
 
 def prepare_engines(device: str, workdir: Path, engine_dir: Path, student_size: str) -> tuple[Path, Path, str]:
@@ -254,13 +215,6 @@ class Client:
         self._client.loop_stop()
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def qa_job(job_id: str, device: str, load: Load, new_tokens: int, rng: random.Random, vocab: int) -> dict[str, Any]:
     if device == "cuda":
         words = " ".join(f"t{rng.randrange(1000, vocab)}" for _ in range(load.prompt_words))
@@ -346,10 +300,10 @@ def run_load(client: Client, device: str, load: Load, with_qa: bool, vocab: int,
         errors = sorted({s.doc["error"]["code"] for s in sent if s.doc is not None and s.doc["status"] != "ok"})
         tasks[task] = {
             "jobs": len(sent),
-            "p50_ms": _pct(e2e, 0.5),
-            "p99_ms": _pct(e2e, 0.99),
-            "daemon_p50_ms": _pct(own, 0.5),
-            "daemon_p99_ms": _pct(own, 0.99),
+            "p50_ms": percentile(e2e, 0.5),
+            "p99_ms": percentile(e2e, 0.99),
+            "daemon_p50_ms": percentile(own, 0.5),
+            "daemon_p99_ms": percentile(own, 0.99),
             "missed": len(missed),
             "errors": errors,
             "per_s": len(sent) / elapsed,
@@ -397,7 +351,7 @@ def start_daemon(profile: Path, workdir: Path, timeout: float = 600) -> tuple[su
 
 def kernel_decode(device: str, text: Path, prompt_tokens: int, new_tokens: int) -> dict[str, Any]:
     """The bare decode loop on the same checkpoint and prompt length, batch 1: on CUDA the
-    graph-captured step with the host reading each token (as bench_text times it); on the
+    graph-captured step with the host reading each token (as bench.text times it); on the
     CPU the plain generation loop."""
     import torch
 
@@ -451,7 +405,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.seconds:
         load = Load(**{**asdict(load), "seconds": args.seconds})
     workdir = Path(tempfile.mkdtemp(prefix="bench-daemon-"))
-    broker, port = start_broker(workdir, args.mosquitto_root)
+    broker = Broker(workdir, root=args.mosquitto_root, log=workdir / "mosquitto.log")
+    broker.start()
+    port = broker.port
     daemon = None
     try:
         text, student, models = prepare_engines(device, workdir, args.engine_dir, args.student_size)
@@ -474,8 +430,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if daemon is not None:
             daemon.kill()
-        broker.terminate()
-        broker.wait(10)
+        broker.stop()
     prompt_tokens = int(statistics.median(o["prompt_tokens"] for o in solo))
     # As many tokens as the daemon's answers had (an answer may end early, at EOS).
     new_tokens = int(statistics.median(o["completion_tokens"] for o in solo))
@@ -555,9 +510,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     result = run(args)
-    out = args.out or REPO / "bench" / "results" / f"daemon_{args.device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    out = args.out or RESULTS / f"daemon_{args.device}.json"
+    write_json(out, result)
     print_result(result)
     print(f"wrote {out}")
 

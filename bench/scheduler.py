@@ -2,9 +2,9 @@
 """Both branches under one memory budget: cameras send bursts of inspect jobs with
 deadlines, alone and while a Q&A stream runs.
 
-    python scripts/bench_scheduler.py cpu    # ViT student on onnxruntime + SmolLM2 INT4, 2 cores
-    python scripts/bench_scheduler.py cuda   # student FP16 + CUDA graphs + Llama-3-8B shape INT4
-                                             # (random weights), process capped at 8 GiB
+    python -m bench.scheduler cpu    # ViT student on onnxruntime + SmolLM2 INT4, 2 cores
+    python -m bench.scheduler cuda   # student FP16 + CUDA graphs + Llama-3-8B shape INT4
+                                     # (random weights), process capped at 8 GiB
 
 The scheduler's own parts run as the daemon runs them (the vision worker's dynamic
 batcher, the text worker's continuous batching, the memory ledger with the text KV pool);
@@ -18,11 +18,9 @@ and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import resource
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -34,24 +32,22 @@ import cv2
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from edge.backends import BackendOptions  # noqa: E402
-from edge.protocol.errors import ErrorCode, JobError  # noqa: E402
-from edge.protocol.jobs import ImageRef, InspectJob, ParsedJob, QAJob  # noqa: E402
-from edge.scheduler.branch import (  # noqa: E402
+from bench.common import REPO, RESULTS, percentile, write_json
+from edge.backends import BackendOptions
+from edge.protocol.errors import ErrorCode, JobError
+from edge.protocol.jobs import ImageRef, InspectJob, ParsedJob, QAJob
+from edge.scheduler.branch import (
     BranchWorker,
     Outcome,
     share_interpreter_between_branches,
 )
-from edge.scheduler.ledger import MemoryLedger, measure  # noqa: E402
-from edge.scheduler.queue import BatchPolicy, PriorityDeadlineQueue  # noqa: E402
-from edge.scheduler.text_worker import TextMemory, TextWorker  # noqa: E402
-from edge.scheduler.work import Reply, WorkItem  # noqa: E402
-from edge.text.runtime.continuous import ContinuousBatcher, Sequence  # noqa: E402
-from edge.text.runtime.generate import SamplingParams  # noqa: E402
-from edge.vision.inspect import InspectPipeline  # noqa: E402
+from edge.scheduler.ledger import MemoryLedger, measure
+from edge.scheduler.queue import BatchPolicy, PriorityDeadlineQueue
+from edge.scheduler.text_worker import TextMemory, TextWorker
+from edge.scheduler.work import Reply, WorkItem
+from edge.text.runtime.continuous import ContinuousBatcher, Sequence
+from edge.text.runtime.generate import SamplingParams
+from edge.vision.inspect import InspectPipeline
 
 GIB = 1 << 30
 BUDGET = 8 * GIB
@@ -124,13 +120,6 @@ class Collector:
         code = outcome.error.code.value if outcome.error else None
         with self.lock:
             self.records.append(Record(item.job.task, latency, late or code is not None, code))
-
-
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def vision_throughput(pipeline: InspectPipeline, images: list[np.ndarray], batches: list[int]) -> dict[int, float]:
@@ -299,8 +288,8 @@ def run_load(
         lat = [r.latency_ms for r in recs if r.error is None]
         tasks[task] = {
             "jobs": len(recs),
-            "p50_ms": _pct(lat, 0.5),
-            "p99_ms": _pct(lat, 0.99),
+            "p50_ms": percentile(lat, 0.5),
+            "p99_ms": percentile(lat, 0.99),
             "missed": sum(r.missed for r in recs),
             "errors": sorted({r.error for r in recs if r.error}),
             "per_s": len(recs) / elapsed,
@@ -402,9 +391,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     result = run(args.device, args.seconds)
-    out = args.out or REPO / "bench" / "results" / f"scheduler_{args.device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    out = args.out or RESULTS / f"scheduler_{args.device}.json"
+    write_json(out, result)
     print_result(result)
     assert result["ledger_peak_bytes"] <= BUDGET and result["process_peak_bytes"] <= BUDGET, "over budget"
     print(f"wrote {out}")

@@ -2,13 +2,13 @@
 """Inspection accuracy against the number of training images, with and without
 distillation, on one GPU (`--device cuda`; the CPU takes hours at these sizes).
 
-    python scripts/bench_vision_data.py [--images 16000,32000,64000,128000,256000] [--variants ...]
+    python -m bench.vision_data [--images 16000,32000,64000,128000,256000] [--variants ...]
 
 For each stream length the students below train on exactly the same freshly generated
 images (engines/vision/vision_stream.train_students_streaming: each batch made once, the
 teacher's targets made once), with the stream build's recipe and a cosine schedule over
 that length, then are measured on the held-out test split, against the teacher's linear
-probe (trained on the 600 stored training images, as in bench_vision.py):
+probe (trained on the 600 stored training images, as in bench/vision.py):
   distilled   the shipped recipe: weight selection from the teacher, true labels,
               the probe's soft labels, cosine distillation of CLS and patch tokens
   features    the same without the probe's soft labels (kd_weight 0): what the
@@ -23,9 +23,9 @@ on 500 images one image is 0.2 points.
 
 The lengths can be split between GPUs, one run per GPU with the same options, and the
 results joined with --combine:
-    CUDA_VISIBLE_DEVICES=0 python scripts/bench_vision_data.py --images 256000 --out a.json &
-    CUDA_VISIBLE_DEVICES=1 python scripts/bench_vision_data.py --images 32000,64000,128000 --out b.json
-    python scripts/bench_vision_data.py --combine a.json b.json
+    CUDA_VISIBLE_DEVICES=0 python -m bench.vision_data --images 256000 --out a.json &
+    CUDA_VISIBLE_DEVICES=1 python -m bench.vision_data --images 32000,64000,128000 --out b.json
+    python -m bench.vision_data --combine a.json b.json
 
 Writes bench/results/vision_data.json and prints a table.
 """
@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -44,15 +43,13 @@ from typing import Any
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from edge.vision.vit import ViTConfig  # noqa: E402
-from engines.vision.distill import TrainRecipe, predict  # noqa: E402
-from engines.vision.factory_data import CLASSES  # noqa: E402
-from engines.vision.vision_build import SIZES, build_dataset, load_split, teacher_probe  # noqa: E402
-from engines.vision.vision_stream import StreamPlan, TeacherFeatures, generate, train_students_streaming  # noqa: E402
-from engines.vision.vision_teacher import teacher_weights, train_probe  # noqa: E402
+from bench.common import REPO, RESULTS, write_json
+from edge.vision.vit import ViTConfig
+from engines.vision.distill import TrainRecipe, predict
+from engines.vision.factory_data import CLASSES
+from engines.vision.vision_build import SIZES, build_dataset, load_split, teacher_probe
+from engines.vision.vision_stream import StreamPlan, TeacherFeatures, generate, train_students_streaming
+from engines.vision.vision_teacher import teacher_weights, train_probe
 
 VARIANTS = ("distilled", "distilled_stream_head", "features", "plain")
 
@@ -104,7 +101,7 @@ def run(
         return {f"{n}_accuracy": _accuracy(head(x).argmax(1).numpy(), tests[n]["labels"]) for n, x in feats.items()}
 
     # The stored head's figures here come from the PyTorch teacher's features (bfloat16
-    # on CUDA), as its soft labels do in training; bench_vision.py's from onnxruntime's.
+    # on CUDA), as its soft labels do in training; bench/vision.py's from onnxruntime's.
     heads = {"stored": {**probe_info, "train_images": size.train, **head_scores(probe)}}
     stream_head = None
     if probe_images:
@@ -163,7 +160,7 @@ def run(
             )
         # Written after every length: a long run cut short keeps what it measured.
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        write_json(out, result)
     return result
 
 
@@ -214,7 +211,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=SIZES["stream"].stream_batch)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "vision_data.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "vision_data.json")
     parser.add_argument(
         "--combine", type=Path, nargs="+", metavar="RESULT",
         help="write the union of these results (runs that split --images between GPUs) to --out instead",
@@ -225,7 +222,7 @@ def main() -> None:
             result = combine([json.loads(p.read_text(encoding="utf-8")) for p in args.combine])
         except (OSError, ValueError, KeyError) as e:
             parser.error(f"--combine: {e}")
-        args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        write_json(args.out, result)
         print_table(result)
         print(f"wrote {args.out}")
         return

@@ -1,7 +1,7 @@
-"""The README's plots, drawn from bench/results/*.json (render_bench.py writes them).
+"""The README's plots, drawn from bench/results/*.json (bench/render.py writes them).
 
 Each PNG carries a fingerprint of what it was drawn from (the results it reads and the
-source of the function that draws it) in a text chunk, so `render_bench.py --check` can
+source of the function that draws it) in a text chunk, so `python -m bench.render --check` can
 tell a stale plot without matplotlib and without comparing pixels, which differ between
 matplotlib and FreeType versions. A plot whose results are unchanged is not redrawn.
 """
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"
+from bench.common import REPO, RESULTS
+
 PLOT_DIR = REPO / "docs" / "plots"
 FINGERPRINT_KEY = "edge-source"
 GIB = 1 << 30
@@ -121,7 +121,7 @@ def draw_latency_daemon(results: Results, fig: Any) -> None:
         ax.set_xlabel("vision batch size", fontsize=8)
         ax.set_ylabel("batches", fontsize=8)
         ax.set_title("batches the vision branch ran, by size", fontsize=9)
-    fig.suptitle("the daemon under the camera load (scripts/bench_daemon.py)", fontsize=10)
+    fig.suptitle("the daemon under the camera load (bench/daemon.py)", fontsize=10)
 
 
 def draw_memory_daemon(results: Results, fig: Any) -> None:

@@ -2,7 +2,7 @@
 the tokenizer, the faiss index), run by an arm64 Python under qemu-user beside the same
 run by this machine's Python, and compared.
 
-    python scripts/check_aarch64.py [--work /var/tmp/edge-aarch64]
+    python -m bench.check_aarch64 [--work /var/tmp/edge-aarch64]
 
 Needs, the first time, network and root on a Debian or Ubuntu host with
 `apt-get install qemu-user mmdebstrap`: it unpacks Debian 12 for arm64 (Python 3.11,
@@ -38,8 +38,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from bench.common import REPO, RESULTS, write_json
 
 SUITE = "bookworm"  # Debian 12: Python 3.11, the project's lowest
 PYTHON = "python3.11"
@@ -197,7 +196,7 @@ def _run_side(name: str, python: list[str], env: dict[str, str], work: Path, eng
     out = side / "probe.json"
     t0 = time.perf_counter()
     run = subprocess.run(
-        [*python, str(Path(__file__).resolve()), "probe", "--profile", str(profile), "--out", str(out)],
+        [*python, "-m", "bench.check_aarch64", "probe", "--profile", str(profile), "--out", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True,
     )  # fmt: skip
     if run.returncode != 0:
@@ -232,7 +231,7 @@ def main() -> int:
     p.add_argument("--profile", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     parser.add_argument("--work", type=Path, default=Path("/var/tmp/edge-aarch64"), help="tree, wheels and runs")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "aarch64.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "aarch64.json")
     args = parser.parse_args()
     if args.command == "probe":
         probe(args.profile, args.out)
@@ -267,7 +266,7 @@ def main() -> int:
         "docs_add_said_arm64": arm["docs_add_said"],
         "docs_add_s": {"host": native["docs_add_s"], "arm64_emulated": arm["docs_add_s"]},
     }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(f"\n| | {result['host']['machine']} (here) | {result['arm64']['machine']} (emulated) |")
     print("|---|---|---|")
     for name in ("python", "libc"):

@@ -1,4 +1,4 @@
-"""llama.cpp as the peer of `scripts/bench_text.py cuda`, run in the same run on the same GPU.
+"""llama.cpp as the peer of `python -m bench.text cuda`, run in the same run on the same GPU.
 
 - `llama-bench` is built from the llama.cpp source vendored in the llama-cpp-python
   sdist, pinned (LLAMACPP_VERSION), trimmed to what llama-bench needs (`trim` writes that
@@ -10,10 +10,10 @@
 - `llama-bench -ngl 99 -fa 1 -p 512 -n 128 -d 0,4096 -o json` gives prefill and decode
   rates at each depth.
 
-    python scripts/llamacpp_peer.py trim SDIST.tar.gz OUT.tar.gz   # the source tarball, once
-    python scripts/llamacpp_peer.py build SRC.tar.gz WORK [ARCH]    # ahead of a benchmark run
+    python -m bench.llamacpp_peer trim SDIST.tar.gz OUT.tar.gz   # the source tarball, once
+    python -m bench.llamacpp_peer build SRC.tar.gz WORK [ARCH]    # ahead of a benchmark run
 
-`scripts/bench_text.py cuda --llamacpp-src SRC.tar.gz` builds (or finds built), writes the
+`python -m bench.text cuda --llamacpp-src SRC.tar.gz` builds (or finds built), writes the
 model and runs it in its own run. It needs gguf (a dependency of edge) and CMake with the
 CUDA toolkit.
 """

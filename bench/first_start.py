@@ -8,18 +8,16 @@ student, measure the OCR working memory, load every model. A real Mosquitto on a
 loopback port, the daemon as its own process, one inspect and one qa job from an
 outside client. Writes bench/results/first_start.json and prints a table.
 
-    .venv/bin/python scripts/bench_first_start.py
+    .venv/bin/python -m bench.first_start
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
 import signal
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,13 +25,10 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench_daemon import start_broker, start_daemon  # noqa: E402
-
-from edge.comms.client import request  # noqa: E402
-from edge.config.loader import load_profile  # noqa: E402
+from bench.common import REPO, RESULTS, Broker, write_json
+from bench.daemon import start_daemon
+from edge.comms.client import request
+from edge.config.loader import load_profile
 
 TARGET_S = 300.0
 # Log lines that mark the first start's stages, with the stage they end.
@@ -62,12 +57,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", type=Path, default=REPO / "profiles" / "cpu-dev.yaml")
     parser.add_argument("--mosquitto-root", type=Path, default=None, help="where mosquitto's .debs were unpacked")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "first_start.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "first_start.json")
     args = parser.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="edge-first-start-"))
-    broker, port = start_broker(workdir, args.mosquitto_root)
-    profile_path = profile_for(workdir, port, args.profile)
+    broker = Broker(workdir, root=args.mosquitto_root, log=workdir / "mosquitto.log")
+    broker.start()
+    profile_path = profile_for(workdir, broker.port, args.profile)
     profile = load_profile(profile_path)
     t0 = time.monotonic()
     daemon, _ = start_daemon(profile_path, workdir, timeout=3600)
@@ -82,8 +78,7 @@ def main() -> None:
     finally:
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(120)
-        broker.terminate()
-        broker.wait(10)
+        broker.stop()
     log = (workdir / "daemon.log").read_text(encoding="utf-8", errors="replace")
     stages = {name: float(m.group(1)) for name, rx in STAGES.items() if (m := rx.search(log))}
     result: dict[str, Any] = {
@@ -97,8 +92,7 @@ def main() -> None:
         "inspect_class": inspect.get("output", {}).get("class"),
         "statuses": {"inspect": inspect.get("status"), "qa": qa.get("status")},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    write_json(args.out, result)
     print("| stage | seconds |\n|---|---:|")
     for name, s in stages.items():
         print(f"| {name} | {s:.0f} |")

@@ -18,15 +18,13 @@ and questions worded apart from them, beside the Python manual's topics).
 
 Writes bench/results/rag.json and prints a table.
 
-    python scripts/eval_rag.py [--answers 120] [--top-k 1,2,4] [--threads 2]
+    python -m bench.eval_rag [--answers 120] [--top-k 1,2,4] [--threads 2]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,16 +32,14 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from edge.docs import index  # noqa: E402
-from edge.docs.embed import Embedder, locate  # noqa: E402
-from edge.docs.ingest import add  # noqa: E402
-from edge.docs.retrieve import Passage, Retriever, check_citations, context_of  # noqa: E402
-from edge.docs.store import DocStore  # noqa: E402
-from engines.retrieval import rag_data  # noqa: E402
-from engines.retrieval.embed_build import build_embedder  # noqa: E402
+from bench.common import REPO, RESULTS, write_json
+from edge.docs import index
+from edge.docs.embed import Embedder, locate
+from edge.docs.ingest import add
+from edge.docs.retrieve import Passage, Retriever, check_citations, context_of
+from edge.docs.store import DocStore
+from engines import rag_data
+from engines.retrieval.embed_build import build_embedder
 
 SIZES = (10_000, 100_000)
 
@@ -177,7 +173,7 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--engine-dir", type=Path, default=REPO / ".edge" / "engines")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "rag.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "rag.json")
     args = parser.parse_args()
     import torch
 
@@ -236,8 +232,7 @@ def main() -> None:
         "search": rows,
         "goals": {"recall_at_5": 0.9, "search_p95_ms_100k": 5.0},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print()
     print("| figure | value | goal |")
     print("|---|---:|---:|")

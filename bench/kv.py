@@ -26,7 +26,7 @@ and int4 KV in the same run; merged into the rows by kv_dtype.
 
 Writes bench/results/kv.json and prints a table.
 
-    python scripts/bench_kv.py [--max-tokens 8192] [--threads 2] [--only chunked|cuda]
+    python -m bench.kv [--max-tokens 8192] [--threads 2] [--only chunked|cuda]
 """
 
 from __future__ import annotations
@@ -34,9 +34,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import platform
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -46,22 +44,15 @@ from typing import Any
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
-
-from eval_text_quality import agreement  # noqa: E402
-
-from edge.text.architecture import LlamaConfig  # noqa: E402
-from edge.text.kv.float_cache import KVCache  # noqa: E402
-from edge.text.kv.kv_capacity import cache_bytes, longest_rows  # noqa: E402
-from edge.text.kv.kv_quant import FORMATS, KVDtype, KVFormat  # noqa: E402
-from edge.text.model.checkpoint import load_checkpoint  # noqa: E402
-from edge.text.model.llama import LlamaModel  # noqa: E402
-from edge.text.runtime.continuous import ContinuousBatcher, Sequence  # noqa: E402
-from edge.text.runtime.generate import SamplingParams  # noqa: E402
-from engines.text.corpus import corpus_fingerprint, evaluation_text  # noqa: E402
-from engines.text.import_gguf import import_smollm2  # noqa: E402
+from bench.common import REPO, RESULTS, agreement, perplexity, write_json
+from edge.text.kv.kv_capacity import cache_bytes, longest_rows
+from edge.text.kv.kv_quant import FORMATS, KVDtype, KVFormat
+from edge.text.model.checkpoint import load_checkpoint
+from edge.text.model.llama import KVCache, LlamaConfig, LlamaModel
+from edge.text.runtime.continuous import ContinuousBatcher, Sequence
+from edge.text.runtime.generate import SamplingParams
+from engines.text.corpus import corpus_fingerprint, evaluation_text
+from engines.text.import_gguf import import_smollm2
 
 CONTEXT = 1024  # tokens per perplexity window
 CHUNK = 64  # tokens per step of the chunked read
@@ -103,25 +94,6 @@ def profile_pool() -> tuple[int, int]:
 
 def _cache_format(fmt: KVFormat) -> KVFormat | None:
     return None if fmt.dtype == "float16" else fmt
-
-
-def perplexity(model: LlamaModel, ids: list[int], fmt: KVFormat) -> float:
-    """Of `ids` read in windows of CONTEXT tokens, each a chunk of CHUNK tokens at a time
-    into a served cache in `fmt` (a chunk after cached tokens reads them as stored)."""
-    nll, count = 0.0, 0
-    for start in range(0, len(ids) - 1, CONTEXT):
-        window = ids[start : start + CONTEXT + 1]
-        if len(window) < 2:
-            break
-        cache = model.new_cache(1, CONTEXT + 1, _cache_format(fmt))
-        for c in range(0, len(window) - 1, CHUNK):
-            chunk = torch.tensor([window[c : min(c + CHUNK, len(window) - 1)]])
-            targets = torch.tensor(window[c + 1 : c + 1 + chunk.shape[1]])
-            with torch.inference_mode():
-                logits = model(chunk, cache, c, last_only=False)[0]
-            nll += float(torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum"))
-            count += chunk.shape[1]
-    return math.exp(nll / count)
 
 
 def continuations(model: LlamaModel, prompts: list[list[int]], new_tokens: int, fmt: KVFormat) -> list[list[int]]:
@@ -558,7 +530,7 @@ def run_cuda(args: argparse.Namespace) -> None:
     gpu = torch.cuda.get_device_name()
 
     def save() -> None:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.out, result)
 
     if "attention" in parts:
         print("decode attention alone, one layer, per KV format (CUDA graphs):")
@@ -619,7 +591,7 @@ def main() -> None:
     parser.add_argument("--new-tokens-cuda", type=int, default=256, help="cuda: tokens decoded per timed run")
     parser.add_argument("--kernel", default="cuda-mma", help="cuda: the INT4 GEMV kernel")
     parser.add_argument("--skip-chunked", action="store_true", help="keep the chunked-prefill figures already there")
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "kv.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "kv.json")
     parser.add_argument(
         "--only",
         choices=["chunked", "offload", "prefix", *CUDA_PARTS],
@@ -643,7 +615,7 @@ def main() -> None:
         name = {"chunked": "chunked_prefill", "prefix": "prefix_cache"}.get(args.only, args.only)
         result = json.loads(args.out.read_text())
         result[name] = parts[name]()
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.out, result)
         return
     eval_ids = ids[: args.max_tokens]
     stride = len(eval_ids) // args.prompts
@@ -654,7 +626,8 @@ def main() -> None:
     reference: dict[str, Any] = {}
     for dtype, fmt in VARIANTS:
         t0 = time.perf_counter()
-        ppl = perplexity(model, eval_ids, fmt)
+        # In windows of CONTEXT tokens, CHUNK at a time into a served cache in `fmt`.
+        ppl = perplexity(model, eval_ids, CONTEXT, CHUNK, _cache_format(fmt))
         conts = continuations(model, prompts, args.new_tokens, fmt)
         if dtype == "float16":
             reference = {"ppl": ppl, "conts": conts}
@@ -722,8 +695,7 @@ def main() -> None:
             if row["shipped"] and row["kv_dtype"] in by_dtype:
                 row["decode_tok_s_4k"] = by_dtype[row["kv_dtype"]]["decode_tok_s_4k"]
                 row["decode_ratio_4k"] = row["decode_tok_s_4k"] / by_dtype["float16"]["decode_tok_s_4k"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(f"wrote {args.out.relative_to(REPO) if args.out.is_relative_to(REPO) else args.out}")
 
 

@@ -3,21 +3,18 @@
 box against its reference, written to bench/results/verify_<cpu|cuda>.json (the same
 object `edgectl verify --json` prints) and printed as a table.
 
-    python scripts/verify_backends.py --profile profiles/gpu-dev.yaml [--out FILE]
+    python -m bench.verify_backends --profile profiles/gpu-dev.yaml [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from edge.config.loader import load_profile  # noqa: E402
-from edge.verify import render, verify  # noqa: E402
+from bench.common import RESULTS, write_json
+from edge.config.loader import load_profile
+from edge.verify import render, verify
 
 
 def main() -> int:
@@ -27,9 +24,9 @@ def main() -> int:
     args = parser.parse_args()
     doc = verify(load_profile(args.profile))
     doc["profile"] = args.profile.name
-    out = args.out or REPO / "bench" / "results" / f"verify_{'cuda' if doc['gpu'] else 'cpu'}.json"
+    out = args.out or RESULTS / f"verify_{'cuda' if doc['gpu'] else 'cpu'}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
+    write_json(out, doc)
     print(render(doc))
     print(f"written to {out}")
     return 0 if doc["ok"] else 1

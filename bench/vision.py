@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Vision-branch accuracy and speed, against baselines measured in the same run.
 
-    python scripts/bench_vision.py cpu    # accuracy table + onnxruntime speed, 2 threads
-    python scripts/bench_vision.py cuda   # student: torch FP16 + CUDA graphs vs eager FP32
+    python -m bench.vision cpu    # accuracy table + onnxruntime speed, 2 threads
+    python -m bench.vision cuda   # student: torch FP16 + CUDA graphs vs eager FP32
 
 cpu: accuracy on the held-out test split of the teacher's linear probe, the distilled
 student and the same student trained without distillation: the default builds (600
@@ -23,7 +23,6 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,10 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from edge.vision.vit import ExportWrapper, InspectViT, ViTConfig  # noqa: E402
+from bench.common import REPO, RESULTS, write_json
+from edge.vision.vit import ExportWrapper, InspectViT, ViTConfig
 
 BATCHES = (1, 8, 32)
 
@@ -216,7 +213,7 @@ def print_cpu(result: dict[str, Any]) -> None:
 
 
 def _cuda_rate(fn: Callable[[], Any], images: int) -> float:
-    from bench_text import cuda_time  # the same CUDA-event timing as the text benchmark
+    from bench.text import cuda_time  # the same CUDA-event timing as the text benchmark
 
     return images / cuda_time(fn, repeat=20, warmup=3)
 
@@ -279,9 +276,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="default: bench/results/vision_<device>.json")
     args = parser.parse_args()
     result = run_cpu(args) if args.device == "cpu" else run_cuda(args)
-    out = args.out or REPO / "bench" / "results" / f"vision_{args.device}.json"
+    out = args.out or RESULTS / f"vision_{args.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    write_json(out, result)
     (print_cpu if args.device == "cpu" else print_cuda)(result)
     print(f"wrote {out}")
 

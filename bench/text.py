@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Text-branch speed and memory, against baselines measured in the same run.
 
-    python scripts/bench_text.py cuda   # Llama-3-8B shape, random INT4 weights, 8 GiB cap
-    python scripts/bench_text.py cpu    # SmolLM2-135M (real weights), 2 threads
+    python -m bench.text cuda   # Llama-3-8B shape, random INT4 weights, 8 GiB cap
+    python -m bench.text cpu    # SmolLM2-135M (real weights), 2 threads
 
 cuda: HBM copy bandwidth; decode tok/s at batch 1 and its fraction of the bandwidth
 roofline (weight bytes streamed per token / copy bandwidth); time to first token for a
@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -30,12 +29,9 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from edge.text.architecture import LlamaConfig  # noqa: E402
-from edge.text.kv.float_cache import KVCache  # noqa: E402
-from engines.text.random_llama import LLAMA3_8B, int4_weight_bytes, random_int4_llama  # noqa: E402
+from bench.common import REPO, RESULTS, write_json
+from edge.text.model.llama import KVCache, LlamaConfig
+from engines.text.random_llama import LLAMA3_8B, int4_weight_bytes, random_int4_llama
 
 GIB = 1 << 30
 # llama-bench's second depth; ours decodes after a prompt of this many tokens too.
@@ -619,7 +615,7 @@ class PeerBuild(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        import llamacpp_peer as peer
+        from bench import llamacpp_peer as peer
 
         try:
             self.args.llamacpp_work.mkdir(parents=True, exist_ok=True)
@@ -664,7 +660,7 @@ def run_cuda(args: argparse.Namespace) -> dict[str, Any]:
         # Each row on disk as soon as it is measured: a run cut short keeps what it had.
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if not isinstance(v, dict | list)}))
-        partial.write_text(json.dumps({"rows": rows, "copy_bandwidth_gb_s": bandwidth / 1e9}, indent=1) + "\n")
+        write_json(partial, {"rows": rows, "copy_bandwidth_gb_s": bandwidth / 1e9}, indent=1)
 
     if not args.skip_baseline:
         keep(hf_baseline(config, args.prompt, args.new_tokens))
@@ -732,9 +728,9 @@ def run_cuda(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def llamacpp_peer(args: argparse.Namespace, config: LlamaConfig, builder: PeerBuild) -> dict[str, Any]:
-    """llama.cpp's llama-bench on the same GPU in the same run (scripts/llamacpp_peer.py):
+    """llama.cpp's llama-bench on the same GPU in the same run (bench/llamacpp_peer.py):
     built from the pinned source here, on a random Q4_0 GGUF of the same shape."""
-    import llamacpp_peer as peer
+    from bench import llamacpp_peer as peer
 
     work = args.llamacpp_work
     binary, build_s = builder.binary()
@@ -755,10 +751,10 @@ def peer_row(
     the prompt's prefill as its time to first token, its buffers (GPU and host, where its
     Q4_0 token table stays) as its peak, and its roofline over what it streams per token
     (every Q4_0 matrix but the host-side table, and its float16 KV cache)."""
-    import llamacpp_peer
+    from bench.llamacpp_peer import q4_0_bytes
 
     decode, prefill = peer["decode_tok_s"], peer["prefill_tok_s"]
-    weights = llamacpp_peer.q4_0_bytes(config, embedding=False)
+    weights = q4_0_bytes(config, embedding=False)
     kv_token = config.kv_bytes_per_token(torch.float16)
     per_token = weights + kv_token * (new_tokens // 2)
     per_token_4k = weights + kv_token * (LONG_CONTEXT + new_tokens // 2)
@@ -976,7 +972,7 @@ def main() -> None:
     parser.add_argument(
         "--llamacpp-src",
         type=Path,
-        help="cuda: the trimmed llama.cpp source tarball (scripts/llamacpp_peer.py trim): build and run llama-bench",
+        help="cuda: the trimmed llama.cpp source tarball (bench/llamacpp_peer.py trim): build and run llama-bench",
     )
     parser.add_argument("--llamacpp-work", type=Path, default=Path("/tmp/edge-llamacpp"), help="its build directory")
     parser.add_argument("--llamacpp-jobs", type=int, default=16)
@@ -994,14 +990,13 @@ def main() -> None:
     parser.add_argument("--engine-dir", type=Path, default=REPO / ".edge" / "engines")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    args.out_path = args.out or REPO / "bench" / "results" / f"text_{args.device}.json"
+    args.out_path = args.out or RESULTS / f"text_{args.device}.json"
     if args.device == "cuda":
         result = run_cuda(args)
     else:
         result = run_cpu(args)
     out = args.out_path
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(out, result)
     (print_cuda if args.device == "cuda" else print_cpu)(result)
     print(f"wrote {out}")
 

@@ -5,49 +5,30 @@ Perplexity on held-out text the quantizer never saw (Python reference topics dis
 from the calibration ones), and agreement of greedy continuations with the float
 model's. Writes bench/results/text_quality.json and prints a table.
 
-    python scripts/eval_text_quality.py [--max-tokens 16384]
+    python -m bench.eval_text_quality [--max-tokens 16384]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint  # noqa: E402
-from edge.text.model.embedding import QuantizedEmbedding, compact_embedding  # noqa: E402
-from edge.text.runtime.generate import SamplingParams, generate  # noqa: E402
-from engines.text.corpus import corpus_fingerprint, evaluation_text  # noqa: E402
-from engines.text.import_gguf import import_smollm2  # noqa: E402
-from engines.text.quantize import QuantRecipe  # noqa: E402
-from engines.text.text_build import quantize_checkpoint  # noqa: E402
+from bench.common import REPO, RESULTS, agreement, perplexity, write_json
+from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint
+from edge.text.model.embedding import QuantizedEmbedding, compact_embedding
+from edge.text.runtime.generate import SamplingParams, generate
+from engines.text.corpus import corpus_fingerprint, evaluation_text
+from engines.text.import_gguf import import_smollm2
+from engines.text.quantize import QuantRecipe
+from engines.text.text_build import quantize_checkpoint
 
 WINDOW = 512
-
-
-def perplexity(ckpt: TextCheckpoint, ids: list[int]) -> float:
-    model = ckpt.model
-    nll, count = 0.0, 0
-    for start in range(0, len(ids) - 1, WINDOW):
-        chunk = torch.tensor([ids[start : start + WINDOW + 1]])
-        if chunk.shape[1] < 2:
-            break
-        cache = model.new_cache(1, WINDOW + 1)
-        with torch.inference_mode():
-            logits = model(chunk[:, :-1], cache, 0, last_only=False)[0]
-        nll += float(torch.nn.functional.cross_entropy(logits, chunk[0, 1:], reduction="sum"))
-        count += chunk.shape[1] - 1
-    return math.exp(nll / count)
 
 
 def continuations(ckpt: TextCheckpoint, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -59,24 +40,6 @@ def continuations(ckpt: TextCheckpoint, prompts: list[list[int]], new_tokens: in
         )
         outs.append(gen.token_ids)
     return outs
-
-
-def agreement(ref: list[list[int]], got: list[list[int]]) -> dict[str, float]:
-    same = total = exact = prefix = 0
-    for a, b in zip(ref, got, strict=True):
-        n = min(len(a), len(b))
-        same += sum(x == y for x, y in zip(a[:n], b[:n], strict=True))
-        total += len(a)
-        exact += a == b
-        p = 0
-        while p < n and a[p] == b[p]:
-            p += 1
-        prefix += p
-    return {
-        "token_agreement": same / total,
-        "exact_match": exact / len(ref),
-        "mean_common_prefix": prefix / len(ref),
-    }
 
 
 def adapter_behaviour(engine_dir: Path) -> list[dict[str, Any]]:
@@ -128,7 +91,7 @@ def token_tables(
     stride = len(ids) // args.prompts
     prompts = [ids[i * stride : i * stride + 48] for i in range(args.prompts)]
     ref_conts = continuations(reference, prompts, args.new_tokens)
-    ref_ppl = perplexity(reference, ids)
+    ref_ppl = perplexity(reference.model, ids, WINDOW)
     rows = []
     for fmt in ("int8", "int4"):
         ckpt = load_checkpoint(base)
@@ -141,7 +104,7 @@ def token_tables(
         table = model.embed_tokens
         assert isinstance(table, QuantizedEmbedding)
         t0 = time.perf_counter()
-        ppl = perplexity(ckpt, ids)
+        ppl = perplexity(ckpt.model, ids, WINDOW)
         conts = continuations(ckpt, prompts, args.new_tokens)
         rows.append(
             {
@@ -172,7 +135,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--engine-dir", type=Path, default=REPO / ".edge" / "engines")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "text_quality.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "text_quality.json")
     parser.add_argument(
         "--tables-only",
         action="store_true",
@@ -190,7 +153,7 @@ def main() -> None:
     if args.adapter_only:
         result = json.loads(args.out.read_text())
         result["adapter"] = adapter_behaviour(args.engine_dir)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.out, result)
         for row in result["adapter"]:
             print(row)
         print(f"wrote {args.out.relative_to(REPO)}")
@@ -200,7 +163,7 @@ def main() -> None:
         ids = reference.tokenizer.encode(evaluation_text(), add_special_tokens=False).ids[: args.max_tokens]
         result = json.loads(args.out.read_text())
         result["token_tables"] = token_tables(base, reference, ids, args)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.out, result)
         print_tables(result["token_tables"])
         print(f"wrote {args.out.relative_to(REPO)}")
         return
@@ -231,7 +194,7 @@ def main() -> None:
     for name, path in variants.items():
         ckpt = reference if path == base else load_checkpoint(path)
         t0 = time.perf_counter()
-        ppl = perplexity(ckpt, ids)
+        ppl = perplexity(ckpt.model, ids, WINDOW)
         conts = ref_conts if ckpt is reference else continuations(ckpt, prompts, args.new_tokens)
         manifest = json.loads((path / "manifest.json").read_text())
         rows.append(
@@ -260,8 +223,7 @@ def main() -> None:
         "rows": rows,
         "token_tables": tables,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(f"{'variant':<30} {'weights MiB':>11} {'perplexity':>10} {'tok agree':>9} {'exact':>6} {'prefix':>7}")
     for r in rows:
         print(

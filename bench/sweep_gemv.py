@@ -9,7 +9,7 @@ split-K, warps, pipeline stages). Every configuration's result is checked agains
 dequantized float product first. It shows whether the tuner's space, and not the kernel,
 limits the bandwidth a GEMV reaches.
 
-    python scripts/sweep_gemv.py [--budget-s 200]
+    python -m bench.sweep_gemv [--budget-s 200]
 
 Writes bench/results/gemv_sweep_cuda.json and prints a table.
 """
@@ -19,21 +19,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
-
-from bench_text import cuda_time  # noqa: E402
-
-from edge.text.ops.triton.triton_int4 import counter_size, int4_dequant, int4_gemv, max_split  # noqa: E402
-from engines.text.random_llama import LLAMA3_8B, random_quantized  # noqa: E402
+from bench.common import RESULTS, write_json
+from bench.text import cuda_time
+from edge.text.ops.triton.triton_int4 import counter_size, int4_dequant, int4_gemv, max_split
+from engines.text.random_llama import LLAMA3_8B, random_quantized
 
 GROUP = 128
 
@@ -80,7 +75,7 @@ def merge(paths: list[Path], out: Path) -> None:
             if entry.get("best") is not None or kind not in merged["shapes"]:
                 merged["shapes"][kind] = entry
     merged["shapes"] = {kind: merged["shapes"][kind] for kind in shapes() if kind in merged["shapes"]}
-    out.write_text(json.dumps(merged, indent=1) + "\n")
+    write_json(out, merged, indent=1)
     print(f"wrote {out}")
 
 
@@ -92,7 +87,7 @@ def main() -> None:
     parser.add_argument(
         "--merge", nargs="+", type=Path, help="combine earlier sweeps' results (each kind from the last that swept it)"
     )
-    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "gemv_sweep_cuda.json")
+    parser.add_argument("--out", type=Path, default=RESULTS / "gemv_sweep_cuda.json")
     args = parser.parse_args()
     if args.merge:
         merge(args.merge, args.out)
@@ -151,8 +146,7 @@ def main() -> None:
         del weights
         torch.cuda.empty_cache()
     result["seconds"] = time.perf_counter() - started
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result, indent=1)
     print(f"wrote {args.out}")
 
 

@@ -1,0 +1,1 @@
+"""Set-up, demo and sample generators, run from the repository root as `python -m scripts.<name>`."""
