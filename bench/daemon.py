@@ -10,8 +10,10 @@ Runs, one after another against the same daemon: Q&A alone (questions one at a t
 for the decode rate the daemon reports per answer), cameras alone, cameras with the Q&A
 stream. Reported: p50/p99 per task as the requester sees them (publish to result, through
 the broker) and the daemon's own; deadline misses; Q&A decode tok/s through the daemon
-beside the bare decode loop's figure for the same checkpoint and prompt length, measured
-in this process after the daemon stopped (CUDA graphs on the GPU, as bench.text does);
+beside the same engine's own loop (the profile's qa section built by TextEngine.load, the
+same questions through its batcher, no MQTT or scheduler), measured in this process after
+the daemon stopped; the profile is the device's shipped one (profiles/gpu-dev.yaml,
+profiles/cpu-dev.yaml) with only what a bench run must set, listed in the result;
 the process's peak of the memory the budget covers (on CUDA: the caching allocator's
 peak plus the context, from `edgectl status`) with the ledger's peak and the budget.
 
@@ -39,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO, RESULTS, Broker, percentile, write_json
+from bench.text_engines import SHIPPED, is_served
+from engines.text.text_build import SERVING_GROUP
 
 GIB = 1 << 30
 
@@ -83,10 +87,15 @@ def prepare_engines(device: str, workdir: Path, engine_dir: Path, student_size: 
         from engines.vision.random_student import write_random_student
 
         t0 = time.perf_counter()
-        text = write_random_checkpoint(workdir / "llama3-8b-int4-random", LLAMA3_8B, device="cuda")
+        # Quantized as `edgectl build` quantizes (its group size), so the row is the served one.
+        text = write_random_checkpoint(workdir / "llama3-8b-int4-random", LLAMA3_8B, device="cuda", group=SERVING_GROUP)
         student = write_random_student(workdir / "student-random")
         print(f"wrote the random 8B checkpoint and student in {time.perf_counter() - t0:.0f} s", flush=True)
-        return text, student, "Llama-3-8B shape, INT4 g128, random weights; ViT-Tiny student, random weights"
+        return (
+            text,
+            student,
+            f"Llama-3-8B shape, INT4 g{SERVING_GROUP}, random weights; ViT-Tiny student, random weights",
+        )
     from engines.text.text_build import build_text_engine
     from engines.vision.vision_build import build_student
 
@@ -95,47 +104,49 @@ def prepare_engines(device: str, workdir: Path, engine_dir: Path, student_size: 
     return text, student, f"SmolLM2-135M + clinic adapter, AWQ INT4 g32 (real weights); {student_size} student"
 
 
-def write_profile(workdir: Path, device: str, port: int, text: Path, student: Path) -> Path:
+def write_profile(workdir: Path, device: str, port: int, text: Path, student: Path) -> tuple[Path, dict[str, Any]]:
+    """The shipped profile for `device` (profiles/gpu-dev.yaml, profiles/cpu-dev.yaml),
+    with only what a bench run must set: the broker's port, private paths, the engines it
+    serves, OCR off (the camera load is inspection) and the camera branch's batch for
+    the load. Returns the profile's path and the changes made, for the result."""
     import yaml
 
+    shipped = REPO / "profiles" / f"{SHIPPED[device]}.yaml"
+    profile = yaml.safe_load(shipped.read_text(encoding="utf-8"))
     cuda = device == "cuda"
-    profile = {
+    changes: dict[str, Any] = {
         "device_id": "bench",
-        "memory_budget_mib": 8192,
-        "memory_headroom_mib": 256,
-        "log_level": "info",
-        "broker": {"host": "127.0.0.1", "port": port},
-        "models": {
-            "ocr": {"enabled": False},
-            "inspect": {
-                "device": device,
-                "engine": str(student),
-                "max_batch": 32 if cuda else 8,
-                "preferred_batch_sizes": [32] if cuda else [8],
-                "max_queue_delay_ms": 5,
-                "threads": 0 if cuda else 1,
-            },
-            "qa": {
-                "device": device,
-                "engine": str(text),
-                # 4 sequences x 1,024 positions: a 4,096-token KV pool.
-                "max_sequences": 4,
-                "max_context_tokens": 1024,
-                "max_new_tokens": 64,
-                "threads": 0 if cuda else CPU_TEXT_THREADS,
-            },
-        },
-        "queue": {"max_size": 4096, "memory_wait_ms": 50},
-        "paths": {
-            "state_dir": str(workdir / "state"),
-            "runtime_dir": str(workdir / "run"),
-            "engine_dir": str(workdir / "engines"),
-            "media_dir": str(REPO / "samples"),
-        },
+        "broker.port": port,
+        "paths": "a private directory",
+        "models.ocr.enabled": False,
+        "models.inspect.engine": str(student),
+        "models.inspect.max_batch": 32 if cuda else 8,
+        "models.inspect.preferred_batch_sizes": [32] if cuda else [8],
+        "models.inspect.threads": 0 if cuda else 1,
+        "models.qa.engine": str(text),
+        "models.qa.threads": 0 if cuda else CPU_TEXT_THREADS,
+        "queue.max_size": 4096,
+        "queue.memory_wait_ms": 50,
     }
+    profile["device_id"] = "bench"
+    profile["broker"]["port"] = port
+    profile["paths"] = {
+        "state_dir": str(workdir / "state"),
+        "runtime_dir": str(workdir / "run"),
+        "engine_dir": str(workdir / "engines"),
+        "media_dir": str(REPO / "samples"),
+    }
+    models = profile["models"]
+    models["ocr"] = {"enabled": False}
+    inspect = models["inspect"]
+    inspect.update({"device": device, "engine": str(student), "threads": changes["models.inspect.threads"]})
+    inspect["max_batch"] = changes["models.inspect.max_batch"]
+    inspect["preferred_batch_sizes"] = changes["models.inspect.preferred_batch_sizes"]
+    models["qa"].update({"engine": str(text), "threads": changes["models.qa.threads"]})
+    profile["queue"] = {**profile.get("queue", {}), "max_size": 4096, "memory_wait_ms": 50}
     path = workdir / "profile.yaml"
     path.write_text(yaml.safe_dump(profile), encoding="utf-8")
-    return path
+    return path, {"shipped": SHIPPED[device], "changed": changes}
 
 
 @dataclass
@@ -349,54 +360,43 @@ def start_daemon(profile: Path, workdir: Path, timeout: float = 600) -> tuple[su
     raise TimeoutError(f"the daemon was not ready:\n{(workdir / 'daemon.log').read_text()}")
 
 
-def kernel_decode(device: str, text: Path, prompt_tokens: int, new_tokens: int) -> dict[str, Any]:
-    """The bare decode loop on the same checkpoint and prompt length, batch 1: on CUDA the
-    graph-captured step with the host reading each token (as bench.text times it); on the
-    CPU the plain generation loop."""
-    import torch
+def kernel_decode(profile: Path, device: str, load: Load, vocab: int, new_tokens: int) -> dict[str, Any]:
+    """The same engine without the daemon: the profile's qa section built by
+    TextEngine.load as the daemon builds it, the same questions asked one at a time
+    through its batcher, the decode rate as the daemon reports it (Sequence.tokens_per_s)."""
+    from edge.config.loader import load_profile
+    from edge.text.engine import TextEngine
+    from edge.text.runtime.generate import SamplingParams
 
-    from edge.text.model.checkpoint import load_checkpoint
-
-    if device == "cuda":
-        from edge.text.ops.int4 import tune_gemv
-        from edge.text.runtime.cuda_graphs import GraphDecoder
-
-        ckpt = load_checkpoint(text, dtype=torch.float16, device="cuda")
-        model = ckpt.model
-        tune_gemv(model, torch.float16)
-        cache = model.new_cache(1, 1024)
-        ids = torch.randint(1000, model.config.vocab_size, (1, prompt_tokens), device="cuda")
-        logits = model(ids, cache, 0)[0, -1]
-        token = logits.argmax().view(1)
-        decoder = GraphDecoder(model, cache)
-        for pos in range(prompt_tokens, prompt_tokens + new_tokens, decoder.bucket):
-            decoder.step(token, pos)  # capture every bucket the timed run uses
-        torch.cuda.synchronize()
-        rates = []
-        for _ in range(3):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            tok = token
-            start.record()
-            for pos in range(prompt_tokens, prompt_tokens + new_tokens):
-                tok = decoder.step(tok, pos)[0].argmax().view(1)
-                int(tok)  # the host needs each token (EOS, stop strings, streaming)
-            end.record()
-            torch.cuda.synchronize()
-            rates.append(new_tokens / (start.elapsed_time(end) / 1000.0))
-        return {"decode_tok_s": statistics.median(rates), "loop": "GraphDecoder (CUDA graphs), batch 1"}
-    from edge.text.runtime.generate import SamplingParams, generate
-
-    torch.set_num_threads(CPU_TEXT_THREADS)  # as the daemon's text branch runs (the profile)
-    ckpt = load_checkpoint(text)
-    # The daemon's prompt length and answer length; which tokens does not change the speed.
-    prompt = torch.randint(1000, ckpt.model.config.vocab_size, (prompt_tokens,)).tolist()
-    cache = ckpt.model.new_cache(1, prompt_tokens + new_tokens + 1)
+    cfg = load_profile(profile).models.qa
+    engine = TextEngine.load(cfg.engine, cfg, origin={"profile": "bench"})  # type: ignore[arg-type]
+    rng = random.Random(1)
     rates = []
-    for _ in range(3):
-        params = SamplingParams(max_new_tokens=new_tokens)
-        out = generate(ckpt.model, ckpt.tokenizer, prompt, params, frozenset(), cache)
-        rates.append(out.tokens_per_s)
-    return {"decode_tok_s": statistics.median(rates), "loop": "edge.text.runtime.generate, batch 1"}
+    for i in range(load.solo_questions + 1):
+        job = qa_job(f"k{i}", device, load, new_tokens, rng, vocab)
+        ids, prefix = engine.prompter.parts(job["question"], job.get("context"))
+        seq = engine.generate(ids, SamplingParams(max_new_tokens=new_tokens), prefix=prefix)
+        if i:  # as the daemon's: the first warms the path up
+            rates.append(seq.tokens_per_s)
+    config = engine.config()
+    del engine
+    return {
+        "decode_tok_s": statistics.median(rates),
+        "loop": "TextEngine.generate: the daemon's batcher, one sequence, no MQTT or scheduler",
+        "engine_config": config,
+    }
+
+
+def _same_engine(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """The daemon's engine and the loop's resolved alike (where they came from aside)."""
+    strip = ("origin",)
+    return {k: v for k, v in a.items() if k not in strip} == {k: v for k, v in b.items() if k not in strip}
+
+
+def profile_origin(changes: dict[str, Any], device: str) -> dict[str, Any]:
+    """The profile changes as the qa section's origin: only models.qa.* fields count."""
+    qa = {k.removeprefix("models.qa."): v for k, v in changes["changed"].items() if k.startswith("models.qa.")}
+    return {"profile": changes["shipped"], "changed": qa}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -412,7 +412,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         text, student, models = prepare_engines(device, workdir, args.engine_dir, args.student_size)
         vocab = int(json.loads((text / "config.json").read_text())["vocab_size"])
-        profile = write_profile(workdir, device, port, text, student)
+        profile, profile_changes = write_profile(workdir, device, port, text, student)
         t0 = time.monotonic()
         daemon, sock = start_daemon(profile, workdir)
         start_s = time.monotonic() - t0
@@ -432,9 +432,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             daemon.kill()
         broker.stop()
     prompt_tokens = int(statistics.median(o["prompt_tokens"] for o in solo))
-    # As many tokens as the daemon's answers had (an answer may end early, at EOS).
-    new_tokens = int(statistics.median(o["completion_tokens"] for o in solo))
-    kernel = kernel_decode(device, text, prompt_tokens, new_tokens)
+    kernel = kernel_decode(profile, device, load, vocab, load.solo_new_tokens)
     memory = final["memory"]
     dev_name = "cpu"
     if device == "cuda":
@@ -453,6 +451,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decode_tok_s_daemon": statistics.median(o["decode_tokens_per_s"] for o in solo),
         "decode_tok_s_kernel": kernel["decode_tok_s"],
         "kernel_loop": kernel["loop"],
+        # What the daemon's text engine resolved to (its status), the kernel loop's the same.
+        "engine_config": loaded["text_engine"],
+        "engine_config_kernel": kernel["engine_config"],
+        "same_engine": _same_engine(loaded["text_engine"], kernel["engine_config"]),
+        "served": is_served({**loaded["text_engine"], "origin": profile_origin(profile_changes, device)}),
+        "profile": profile_changes,
         "solo": {
             "questions": len(solo),
             "prompt_tokens": prompt_tokens,

@@ -38,7 +38,7 @@ from edge.docs.embed import Embedder, locate
 from edge.docs.ingest import add
 from edge.docs.retrieve import Passage, Retriever, check_citations, context_of
 from edge.docs.store import DocStore
-from engines import rag_data
+from engines.retrieval import rag_data
 from engines.retrieval.embed_build import build_embedder
 
 SIZES = (10_000, 100_000)
@@ -79,19 +79,18 @@ def retrieval(store: DocStore, embedder: Embedder, facts: list[rag_data.Fact]) -
 
 
 def answers(engine_dir: Path, found: list[Any], count: int, top_k: int) -> dict[str, Any]:
-    from edge.text.qa import QAEngine, QASettings
-
+    from bench.text_engines import engine_fields, load_engine
     from edge.protocol.jobs import QAJob
-    from edge.text.model.checkpoint import load_checkpoint
+    from edge.tasks.qa import answer
     from engines.text.text_build import build_text_engine
 
     path = build_text_engine(engine_dir, "clinic", "awq-int4", progress=False)
-    engine = QAEngine(load_checkpoint(path), QASettings(max_context_tokens=1024, max_new_tokens=48))
+    engine = load_engine(path, "cpu", max_context_tokens=1024, max_new_tokens=48)
     cited = right = supported = correct = with_citation = 0
     examples: list[dict[str, Any]] = []
     for fact, gold, passages in found[:count]:
         shown = passages[:top_k]
-        out = engine.answer(QAJob(id="eval", question=fact.question, context=context_of(shown), max_new_tokens=48))
+        out = answer(engine, QAJob(id="eval", question=fact.question, context=context_of(shown), max_new_tokens=48))
         citations = check_citations(out["answer"], shown)
         cited += len(citations)
         right += sum(c["id"] == gold for c in citations)
@@ -112,6 +111,7 @@ def answers(engine_dir: Path, found: list[Any], count: int, top_k: int) -> dict[
         "supported_share": supported / cited if cited else 0.0,
         "answer_accuracy": correct / n,
         "examples": examples,
+        **engine_fields(engine),
     }
 
 

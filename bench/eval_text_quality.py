@@ -45,9 +45,9 @@ def continuations(ckpt: TextCheckpoint, prompts: list[list[int]], new_tokens: in
 def adapter_behaviour(engine_dir: Path) -> list[dict[str, Any]]:
     """Held-out clinic prompts: how often each build cites its document / declines to
     diagnose / answers untagged context without a made-up citation."""
-    from edge.text.qa import QAEngine, QASettings
-
+    from bench.text_engines import engine_fields, load_engine
     from edge.protocol.jobs import QAJob
+    from edge.tasks.qa import answer
     from engines.text.clinic_data import examples, follows
     from engines.text.peft_adapter import merge_checkpoint
     from engines.text.qlora import CLINIC_ADAPTER
@@ -67,16 +67,18 @@ def adapter_behaviour(engine_dir: Path) -> list[dict[str, Any]]:
     held = examples("heldout")
     rows = []
     for name, path in variants.items():
-        engine = QAEngine(load_checkpoint(path), QASettings(max_context_tokens=512, max_new_tokens=40))
+        # The served CPU engine with this build in it; each answer alone, greedy.
+        engine = load_engine(path, "cpu", max_context_tokens=512, max_new_tokens=40)
         hits: dict[str, list[bool]] = {}
         for ex in held:
-            answer = engine.answer(QAJob(id="h", question=ex.question, context=ex.context))["answer"]
-            hits.setdefault(ex.kind, []).append(follows(ex, answer))
+            said = answer(engine, QAJob(id="h", question=ex.question, context=ex.context))["answer"]
+            hits.setdefault(ex.kind, []).append(follows(ex, said))
         rows.append(
             {
                 "variant": name,
                 **{kind: round(sum(v) / len(v), 3) for kind, v in hits.items()},
                 "all": round(sum(sum(v) for v in hits.values()) / len(held), 3),
+                **engine_fields(engine),
             }
         )
     return rows

@@ -136,18 +136,18 @@ def vision_throughput(pipeline: InspectPipeline, images: list[np.ndarray], batch
 
 
 def build_text_cpu(ledger: MemoryLedger, probe: Probe) -> tuple[ContinuousBatcher, Callable[[WorkItem], Sequence], Any]:
-    from edge.text.qa import QAEngine, QASettings
-
+    from bench.text_engines import load_engine
+    from edge.tasks.qa import job_sequence
     from engines.text.text_build import build_text_engine
 
     path = build_text_engine(REPO / ".edge" / "engines", "clinic", "awq-int4", progress=False)
-    settings = QASettings(max_context_tokens=1024, max_new_tokens=32, max_sequences=4)
-    engine, used = measure(probe, lambda: QAEngine.load(path, settings))
+    changes = {"max_context_tokens": 1024, "max_new_tokens": 32, "max_sequences": 4}
+    engine, used = measure(probe, lambda: load_engine(path, "cpu", **changes))
     assert ledger.add_model("text", "text", used), "text model over budget"
 
     def prepare(item: WorkItem) -> Sequence:
         assert isinstance(item.job.request, QAJob)
-        return engine.prepare(item.job.request, item)
+        return job_sequence(engine, item.job.request, item)
 
     return engine.batcher, prepare, engine
 

@@ -5,8 +5,8 @@
   program (the block's tokens are all older than the step's, so no other program of the
   launch writes them). The fused decode step does this in its rotary kernel
   (`rope_write`); the per-op step through `write_tokens`;
-- attention split over the cache like triton_decode's, each tile read from the codes
-  (below the row's coded length) or from the float ring, then merged by triton_decode's
+- attention split over the cache like decode_ops', each tile read from the codes
+  (below the row's coded length) or from the float ring, then merged by decode_ops'
   merge kernel. int4 codes hold the even channel in the low nibble, so every tile is
   taken as its even and its odd channels: two products per tile, no interleaving.
 
@@ -265,7 +265,7 @@ if decode_ops.TRITON_SUPPORT:
         SINK: tl.constexpr,
         CODERS: tl.constexpr,
     ):
-        """triton_decode's rotary kernel for a quantized cache: q rotated and pre-scaled
+        """decode_ops' rotary kernel for a quantized cache: q rotated and pre-scaled
         into the query buffer; k rotated and v written as _write_kernel writes them.
 
         On the step a key block leaves the window it is coded here too. With CODERS > 0
@@ -391,7 +391,7 @@ if decode_ops.TRITON_SUPPORT:
         PREC: tl.constexpr,
     ):
         """The query heads of one KV head of query i attend to one chunk of the cache
-        (online softmax, partial sums to the merge kernel, as triton_decode's split
+        (online softmax, partial sums to the merge kernel, as decode_ops' split
         kernel). DECODE: query i is row i's token at pos[i], coded up to fmt.coded(pos+1),
         its float tokens in the row's ring; else query i is position start_in + i of row
         0, coded up to coded_in, its float tokens from position coded_in on in a run of
@@ -486,7 +486,7 @@ if decode_ops.TRITON_SUPPORT:
             p, alpha, m, l_sum = _softmax_step(scores, t_mask, m, l_sum)
             acc_e = acc_e * alpha[:, None] + tl.dot(p.to(dt), v_e, input_precision=PREC)
             acc_o = acc_o * alpha[:, None] + tl.dot(p.to(dt), v_o, input_precision=PREC)
-        slot_out = (qh * SPLITS + sp) * GP + rg  # the real query rows only, as triton_decode's
+        slot_out = (qh * SPLITS + sp) * GP + rg  # the real query rows only, as decode_ops'
         tl.store(acc_ptr + (slot_out * HD)[:, None] + 2 * rh[None, :], acc_e, mask=g_mask[:, None])
         tl.store(acc_ptr + (slot_out * HD)[:, None] + 2 * rh[None, :] + 1, acc_o, mask=g_mask[:, None])
         tl.store(ml_ptr + slot_out * 2, m, mask=g_mask)
@@ -533,7 +533,7 @@ if decode_ops.TRITON_SUPPORT:
         PREC: tl.constexpr,
     ):
         """_attn_kernel for int8 codes, whose channels are not packed: tiles are read whole,
-        as triton_decode's float kernel reads them. The keys' scales are folded into the
+        as decode_ops' float kernel reads them. The keys' scales are folded into the
         query (one product a tile); a value's scale, one per token, into the softmax
         weights, so the codes go to the tensor cores as they are (integers to 127 are
         exact in bf16). The coded tiles and the float ones run as two loops without a
@@ -595,7 +595,7 @@ if decode_ops.TRITON_SUPPORT:
             scores = tl.dot(q, tl.trans(k), input_precision=PREC)
             p, alpha, m, l_sum = _softmax_step(scores, t_mask, m, l_sum)
             acc = acc * alpha[:, None] + tl.dot(p.to(dt), v, input_precision=PREC)
-        slot_out = (qh * SPLITS + sp) * GP + rg  # the real query rows only, as triton_decode's
+        slot_out = (qh * SPLITS + sp) * GP + rg  # the real query rows only, as decode_ops'
         tl.store(acc_ptr + (slot_out * HD)[:, None] + rd[None, :], acc, mask=g_mask[:, None])
         tl.store(ml_ptr + slot_out * 2, m, mask=g_mask)
         tl.store(ml_ptr + slot_out * 2 + 1, l_sum, mask=g_mask)
