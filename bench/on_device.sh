@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One call on a GPU machine with no network (the H200 this project measures on): what the
+# text engine is checked and measured by there, its results under $OUT.
+#   bench/on_device.sh [tests|daemon|all]
+# Carried beside the tree (ignored by git): .whl/ (the Python packages the machine lacks,
+# cp312 wheels: pydantic and its core, paho-mqtt, opentelemetry, lz4, zstandard, pypdf) and
+# .deb/ (Debian 12's mosquitto and the 13 libraries it needs, unpacked here, not installed).
+set -uo pipefail
+what="${1:-all}"
+out="${OUT:-/tmp/edge-out}"
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
+root=/tmp/mosquitto-root
+mkdir -p "$root"
+for f in .deb/*.deb; do dpkg -x "$f" "$root"; done
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
+# Our CUDA INT4 kernel, built for this GPU now rather than inside the first load.
+python3 -m edge.text.ops.cuda.cuda_int4 || echo "the CUDA kernel did not build"
+status=0
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  python3 -m pytest -p no:cacheprovider -m gpu -q -x --timeout 300 \
+    tests/test_load_budget.py tests/test_cuda_int4.py tests/test_cuda_batcher.py tests/test_quant_cache.py \
+    tests/test_fused_prefill.py 2>&1 | tee "$out/gpu_tests.log" | tail -25
+  status=${PIPESTATUS[0]}
+fi
+if [ "$what" = daemon ] || [ "$what" = all ]; then
+  python3 -m bench.daemon cuda --mosquitto-root "$root" --out "$out/daemon_cuda.json" 2>&1 | tail -40
+  cp /tmp/bench-daemon-*/daemon.log "$out/daemon_cuda.log" 2>/dev/null || true
+fi
+exit "$status"
