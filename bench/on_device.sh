@@ -19,9 +19,12 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee
 python3 -m edge.text.ops.cuda.cuda_int4 || echo "the CUDA kernel did not build"
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest -p no:cacheprovider -m gpu -q -x --timeout 300 \
-    tests/test_load_budget.py tests/test_cuda_int4.py tests/test_cuda_batcher.py tests/test_quant_cache.py \
-    tests/test_fused_prefill.py 2>&1 | tee "$out/gpu_tests.log" | tail -25
+  files=()
+  for f in tests/test_load_budget.py tests/test_cuda_int4.py tests/test_cuda_batcher.py tests/test_quant_cache.py \
+    tests/test_fused_prefill.py tests/test_triton_kernels.py tests/test_kv_offload.py; do
+    [ -f "$f" ] && files+=("$f")
+  done
+  python3 -m pytest -p no:cacheprovider -m gpu -q --timeout 300 "${files[@]}" 2>&1 | tee "$out/gpu_tests.log" | tail -25
   status=${PIPESTATUS[0]}
 fi
 if [ "$what" = daemon ] || [ "$what" = all ]; then
