@@ -346,8 +346,8 @@ def test_fused_decode_with_the_cuda_gemv_matches_the_reference(fold: bool) -> No
     one's logits alone."""
     from edge.text.architecture import LlamaConfig
     from edge.text.kv.float_cache import KVCache
-    from edge.text.runtime.fused_step import folds_norm, fused_decode_step
     from edge.text.runtime.cuda_graphs import GraphDecoder
+    from edge.text.runtime.fused_step import folds_norm, fused_decode_step
     from engines.text.random_llama import random_int4_llama
 
     config = LlamaConfig(

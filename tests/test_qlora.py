@@ -15,8 +15,8 @@ from edge.tasks import qa
 from edge.text.engine import TextEngine
 from edge.text.model.checkpoint import load_checkpoint
 from edge.text.ops.int4 import pack
-from engines.text import clinic_retrieval
 from engines.cache import file_sha256
+from engines.text import clinic_retrieval
 from engines.text.clinic_data import Example, examples, follows
 from engines.text.import_gguf import import_smollm2
 from engines.text.peft_adapter import merge_checkpoint

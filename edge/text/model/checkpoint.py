@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 from tokenizers import Tokenizer
 from torch import nn
 
@@ -82,43 +82,69 @@ def load_checkpoint(
     """Load for serving. `fuse` merges q/k/v and gate/up into single linears. Without
     `int4_kernel` the device's default serves; `exact_cpu=False` takes torch's bfloat16
     kernel on the CPU instead of ours. `embedding` "int8" or "int4" keeps the token table
-    compact (edge/text/model/embedding.py)."""
+    compact (edge/text/model/embedding.py).
+
+    On `device` the load holds what the model keeps and little more at any moment, so a
+    model that fits its memory budget once loaded also fits it while loading: the
+    checkpoint is read on the host a tensor at a time, never whole; each INT4 linear
+    (q/k/v and gate/up concatenated on the host first) is made on the device before the
+    next is read, the cuda-mma kernel's tiles a slab at a time from the host's codes
+    (cuda_int4.repack); float tensors reach the device already in `dtype`; and a token
+    table to be compacted is compacted on the device from the host's float one, which
+    never goes there."""
     device = torch.device(device)
     config = LlamaConfig.from_json(path / "config.json")
     with torch.device("meta"):
         model = LlamaModel(config)
-    # Straight onto the device, a tensor at a time: no whole host copy of the weights
-    # first (on a Jetson that copy would sit in the same DRAM as the GPU's).
-    state = load_file(str(path / "model.safetensors"), device=str(device))
     quant_path = path / "quant.json"
     kernel = None
-    if quant_path.exists():
-        kernel = int4_kernel or default_int4_kernel(device, exact_cpu)
-        linears = json.loads(quant_path.read_text(encoding="utf-8"))["linears"]
-        quantized = {
-            name: QuantizedWeight(
-                qweight=state.pop(f"{name}.qweight").to(device),
-                scales=state.pop(f"{name}.scales").to(device),
-                zeros=state.pop(f"{name}.zeros").to(device),
-                group_size=int(info["group_size"]),
-            )
-            for name, info in linears.items()
-        }
-        biases = {
-            name: state.pop(f"{name}.bias").to(device=device, dtype=dtype)
-            for name in quantized
-            if f"{name}.bias" in state
-        }
-        if fuse:
-            _fuse_quantized(model, quantized, biases, kernel)
-        for name, q in quantized.items():
-            exact_top = EXACT_TOP if name == "lm_head" else 0
-            _set_module(model, name, Int4Linear(q, kernel, biases.get(name), exact_top=exact_top))
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    state: dict[str, torch.Tensor] = {}
+    # Read a tensor at a time, never a whole host copy of the weights (on a Jetson that
+    # copy would sit in the same DRAM as the GPU's).
+    with safe_open(str(path / "model.safetensors"), framework="pt", device="cpu") as weights:
+        keys: list[str] = list(weights.keys())
+        taken: set[str] = set()
+
+        def read(key: str) -> torch.Tensor:
+            taken.add(key)
+            tensor: torch.Tensor = weights.get_tensor(key)
+            return tensor
+
+        if quant_path.exists():
+            kernel = int4_kernel or default_int4_kernel(device, exact_cpu)
+            linears = json.loads(quant_path.read_text(encoding="utf-8"))["linears"]
+            groups = {name: int(info["group_size"]) for name, info in linears.items()}
+            for target, parts in _int4_units(groups, set(keys), config.num_layers, fuse):
+                sources = [
+                    QuantizedWeight(read(f"{n}.qweight"), read(f"{n}.scales"), read(f"{n}.zeros"), groups[n])
+                    for n in parts
+                ]
+                q = sources[0] if len(sources) == 1 else concat_rows(sources)
+                bias = None
+                if f"{parts[0]}.bias" in keys:
+                    bias = torch.cat([read(f"{n}.bias") for n in parts]).to(device=device, dtype=dtype)
+                exact_top = EXACT_TOP if target == "lm_head" else 0
+                gated = target.endswith("mlp.gate_up_proj")
+                _set_module(model, target, Int4Linear(q, kernel, bias, exact_top, gated, device=device))
+                if len(parts) > 1:
+                    parent = model.get_submodule(target.rpartition(".")[0])
+                    for n in parts:
+                        delattr(parent, n.rpartition(".")[2])
+                del sources, q, bias  # this linear's codes, before the next one's are read
+        for key in keys:
+            if key in taken:
+                continue
+            tensor = weights.get_tensor(key)
+            # A table to be compacted stays on the host: compact_embedding makes its
+            # compact form on the device from there.
+            on_host = key == "embed_tokens.weight" and embedding != "float"
+            state[key] = tensor.to(dtype) if on_host else tensor.to(device=device, dtype=dtype)
     if config.tie_embeddings and isinstance(model.lm_head, nn.Linear):
         state.setdefault("lm_head.weight", state["embed_tokens.weight"])
     # assign=True adopts the loaded tensors instead of copying into meta placeholders.
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    # The model holds them now: fusing below frees each layer's parts as it goes.
+    state.clear()
     # INT4 layers got their buffers (codes, scales, bias) when they were built.
     int4 = {name for name, module in model.named_modules() if isinstance(module, Int4Linear)}
     missing = [m for m in missing if not m.startswith("rope_") and m.rpartition(".")[0] not in int4]
@@ -129,8 +155,13 @@ def load_checkpoint(
         model.lm_head.weight = model.embed_tokens.weight
     if fuse:
         fuse_projections(model)
-    state.clear()  # the float table goes once the compact one is made, not at return
-    compact_embedding(model, embedding)
+    compact_embedding(model, embedding, device=device)
+    table = model.embed_tokens
+    if isinstance(table, nn.Embedding) and embedding != "float":
+        # Kept in float after all (a tied float output layer reads it): now to the device.
+        table.weight = nn.Parameter(table.weight.detach().to(device), requires_grad=table.weight.requires_grad)
+        if config.tie_embeddings and isinstance(model.lm_head, nn.Linear):
+            model.lm_head.weight = table.weight
     model.rope_cos = model.rope_cos.to(device)
     model.rope_sin = model.rope_sin.to(device)
     model.eval()
@@ -152,23 +183,24 @@ def load_checkpoint(
     )
 
 
-def _fuse_quantized(
-    model: LlamaModel, quantized: dict[str, QuantizedWeight], biases: dict[str, torch.Tensor], kernel: str
-) -> None:
-    """Concatenate q/k/v and gate/up INT4 weights (popping them from `quantized`), and
-    their biases where they have them."""
-    for i in range(model.config.num_layers):
-        for fused, parts in FUSED.items():
-            names = [f"layers.{i}.{p}" for p in parts]
-            if not all(n in quantized for n in names):
+def _int4_units(
+    groups: dict[str, int], keys: set[str], num_layers: int, fuse: bool
+) -> list[tuple[str, tuple[str, ...]]]:
+    """(module, the checkpoint's INT4 linears it is made of) in the checkpoint's order:
+    with `fuse`, a layer's q/k/v and gate/up as one module each where their group sizes
+    agree and all or none of them have biases (a fused module at its first part)."""
+    fused: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for i in range(num_layers if fuse else 0):
+        for target, parts in FUSED.items():
+            names = tuple(f"layers.{i}.{p}" for p in parts)
+            if not all(n in groups for n in names):
                 continue
-            groups = {quantized[n].group_size for n in names}
-            if len(groups) != 1 or len({n in biases for n in names}) != 1:
+            if len({groups[n] for n in names}) != 1 or len({f"{n}.bias" in keys for n in names}) != 1:
                 continue
-            bias = torch.cat([biases.pop(n) for n in names]) if names[0] in biases else None
-            weight = concat_rows([quantized.pop(n) for n in names])
-            gated = fused == "mlp.gate_up_proj"
-            _set_module(model, f"layers.{i}.{fused}", Int4Linear(weight, kernel, bias, gated=gated))
-            parent = model.get_submodule(f"layers.{i}.{parts[0].rsplit('.', 1)[0]}")
-            for n in parts:
-                delattr(parent, n.rsplit(".", 1)[1])
+            for n in names:
+                fused[n] = (f"layers.{i}.{target}", names)
+    units: dict[str, tuple[str, ...]] = {}
+    for name in groups:
+        target, names = fused.get(name, (name, (name,)))
+        units.setdefault(target, names)
+    return list(units.items())

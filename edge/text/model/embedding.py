@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 EmbeddingFormat = Literal["float", "int8", "int4"]
 GROUPS = {"int8": 64, "int4": 32}
 LEVELS = {"int8": 127, "int4": 7}
+# The float32 working copy of the table's rows compacted at once (16 MiB: 1024 rows of
+# an 8B model's 4096).
+SLAB_BYTES = 16 << 20
 
 
 class QuantizedEmbedding(nn.Module):
@@ -38,25 +41,31 @@ class QuantizedEmbedding(nn.Module):
     codes: torch.Tensor
     scales: torch.Tensor
 
-    def __init__(self, weight: torch.Tensor, fmt: Literal["int8", "int4"]) -> None:
+    def __init__(
+        self, weight: torch.Tensor, fmt: Literal["int8", "int4"], device: torch.device | str | None = None
+    ) -> None:
+        """The codes are made and kept on `device` (default: the table's): a table on the
+        host reaches it a slab of rows at a time, never whole."""
         super().__init__()
         vocab, hidden = weight.shape
         group = GROUPS[fmt]
         if hidden % group:
             raise ValueError(f"an {fmt} token table needs a width divisible by {group}, got {hidden}")
+        device = weight.device if device is None else torch.device(device)
         self.fmt = fmt
         self.group = group
         self.num_embeddings, self.embedding_dim = vocab, hidden
         self.dtype = weight.dtype
         levels = LEVELS[fmt]
         width = hidden if fmt == "int8" else hidden // 2
-        codes = torch.empty(vocab, width, dtype=torch.int8, device=weight.device)
-        scales = torch.empty(vocab, hidden // group, dtype=torch.float16, device=weight.device)
+        codes = torch.empty(vocab, width, dtype=torch.int8, device=device)
+        scales = torch.empty(vocab, hidden // group, dtype=torch.float16, device=device)
         # A slice of rows at a time: a float32 working copy of a whole 8B table would be
-        # twice the table being replaced.
-        step = max(1, (64 << 20) // (hidden * 4))
+        # twice the table being replaced. A slice's copies (float32, quotient, rounded)
+        # are about three of SLAB_BYTES at once.
+        step = max(1, SLAB_BYTES // (hidden * 4))
         for start in range(0, vocab, step):
-            rows = weight[start : start + step].float().view(-1, hidden // group, group)
+            rows = weight[start : start + step].to(device).float().view(-1, hidden // group, group)
             scale = (rows.abs().amax(dim=-1) / levels).clamp_min(torch.finfo(torch.float16).tiny)
             scale = scale.to(torch.float16)  # rounded first: the codes are for the scale stored
             q = torch.round(rows / scale.float().unsqueeze(-1)).clamp_(-levels, levels).view(rows.shape[0], hidden)
@@ -98,11 +107,12 @@ class QuantizedEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, fmt={self.fmt}, group={self.group}"
 
 
-def compact_embedding(model: nn.Module, fmt: EmbeddingFormat) -> int:
-    """Replace `model.embed_tokens` by its `fmt` form; returns the bytes saved (0 for
-    "float", or where the table is also the output projection's weight: a tied float
-    lm_head still reads the whole table every step, so compacting a copy would add
-    memory, not save it)."""
+def compact_embedding(model: nn.Module, fmt: EmbeddingFormat, device: torch.device | str | None = None) -> int:
+    """Replace `model.embed_tokens` by its `fmt` form, made on `device` (default: the
+    table's; the loader keeps the float table on the host and makes the compact one on
+    its device); returns the bytes saved (0 for "float", or where the table is also the
+    output projection's weight: a tied float lm_head still reads the whole table every
+    step, so compacting a copy would add memory, not save it)."""
     table = model.embed_tokens
     if fmt == "float" or not isinstance(table, nn.Embedding):
         return 0
@@ -111,7 +121,7 @@ def compact_embedding(model: nn.Module, fmt: EmbeddingFormat) -> int:
         logger.info("token table left in float: it is also the float output projection's weight")
         return 0
     before = table.weight.numel() * table.weight.element_size()
-    compact = QuantizedEmbedding(table.weight.detach(), fmt)
+    compact = QuantizedEmbedding(table.weight.detach(), fmt, device)
     model.embed_tokens = compact
     saved = before - compact.nbytes
     logger.info("token table as %s: %.0f MiB (saves %.0f MiB)", fmt, compact.nbytes / 2**20, saved / 2**20)

@@ -57,6 +57,9 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros))
 
+    def to(self, device: torch.device | str) -> QuantizedWeight:
+        return QuantizedWeight(self.qweight.to(device), self.scales.to(device), self.zeros.to(device), self.group_size)
+
 
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Stack weights that share an input (q, k, v) into one, so one kernel reads them all."""
@@ -188,11 +191,16 @@ class Int4Linear(nn.Module):
         bias: torch.Tensor | None = None,
         exact_top: int = 0,
         gated: bool = False,
+        device: torch.device | str | None = None,
     ) -> None:
         """`gated`: the weight is a gated unit's [gate; up] (the fused gate/up product);
         the cuda-mma kernel then keeps its rows paired and can return silu(gate) * up
-        itself (gemv_silu)."""
+        itself (gemv_silu). `device`: where the layer's buffers are made (default: q's);
+        q may stay on the host, and the cuda-mma kernel's tiled copy is then made there a
+        slab at a time without the whole of q on the device (cuda_int4.repack). `bias`
+        is taken where it is."""
         super().__init__()
+        device = q.qweight.device if device is None else torch.device(device)
         # A float bias added after the product (Qwen2's q/k/v); None for most layers.
         self.bias: torch.Tensor | None
         self.register_buffer("bias", bias)
@@ -215,6 +223,8 @@ class Int4Linear(nn.Module):
             kernel = "cpu"
         self.kernel = kernel
         self.weight_bytes = q.nbytes
+        if kernel != "cuda-mma":
+            q = q.to(device)  # the other kernels keep q, or make their buffers from it there
         self._counters: torch.Tensor | None = None  # the Triton GEMV's split-K tile counters
         # Where the prefill product dequantizes its slabs: one flat buffer the model's
         # layers share (share_dequant_buffer), or None for a fresh slab each product.
@@ -254,7 +264,7 @@ class Int4Linear(nn.Module):
             self.register_buffer("zeros", q.zeros)
         elif kernel == "cuda-mma":
             self.paired = gated and bias is None and cuda_int4.can_pair(self.out_features)
-            tiled = cuda_int4.repack(q.qweight, q.scales, q.zeros, q.group_size, paired=self.paired)
+            tiled = cuda_int4.repack(q.qweight, q.scales, q.zeros, q.group_size, paired=self.paired, device=device)
             self.register_buffer("codes", tiled.codes)
             self.register_buffer("tile_scales", tiled.scales)
             self.register_buffer("tile_zeros", tiled.zeros)

@@ -45,6 +45,9 @@ MAX_PARTS_BYTES = 32 * 1024  # a folded norm's partial sums, in shared memory (c
 WARP_CHOICES = (1, 2, 4, 8, 16)  # warps per tile, splitting K
 UNROLL_CHOICES = (2, 4, 8)  # chunks a warp has in flight
 MIN_ARCH = (8, 0)  # mma.sync with bfloat16 operands
+# Codes repacked at once (16 Mi: an 8B model's 128256-row output layer in 32 slabs): a
+# slab's working copies on the device are under 3 bytes a code, 48 MiB.
+REPACK_SLAB_VALUES = 1 << 24
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 DEQUANT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -180,23 +183,66 @@ def unpair(out: torch.Tensor) -> torch.Tensor:
 
 
 def repack(
-    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, paired: bool = False
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group_size: int,
+    paired: bool = False,
+    device: torch.device | str | None = None,
 ) -> TiledInt4:
     """The checkpoint's layout (uint8 [N, K/2], even k in the low nibble; scales and
-    zeros [N, K/G]) into the tiled one, on whatever device the tensors are on. Rows are
+    zeros [N, K/G]) into the tiled one on `device` (default: the tensors' own). Rows are
     padded to a multiple of 16 with zero codes and scales (never stored back).
     `paired`: the weight is a gated unit's [gate; up] (N a multiple of 32), reordered by
-    pair_order for gemv_silu."""
+    pair_order for gemv_silu.
+
+    Made a slab of tiles at a time (REPACK_SLAB_VALUES codes): on `device` only the
+    result, one slab of the source and that slab's working copies exist at once, so the
+    source may stay on the host (the loader's) and an 8B model's output layer is never
+    held there twice, nor its unpacked codes (a byte each) whole. Tiles are independent:
+    the bytes are those of repacking the whole weight at once."""
     n, half = qweight.shape
     k = half * 2
     if not supports(k, group_size):
         raise ValueError(f"the CUDA INT4 kernel takes K a multiple of {CHUNK} and groups {GROUPS} ({k}, {group_size})")
-    if paired:
-        if not can_pair(n):
-            raise ValueError(f"a paired gate/up weight needs rows in multiples of {2 * TILE_ROWS}, got {n}")
-        order = pair_order(n, qweight.device)
-        qweight, scales, zeros = qweight[order], scales[order], zeros[order]
+    if paired and not can_pair(n):
+        raise ValueError(f"a paired gate/up weight needs rows in multiples of {2 * TILE_ROWS}, got {n}")
+    device = qweight.device if device is None else torch.device(device)
     tiles = -(-n // TILE_ROWS)
+    groups = k // group_size
+    codes = torch.empty(tiles, k // CHUNK, 32, 4, dtype=torch.int32, device=device)
+    tile_scales = torch.empty(tiles, groups, TILE_ROWS, dtype=torch.float16, device=device)
+    tile_zeros = torch.empty(tiles, groups, TILE_ROWS, dtype=torch.uint8, device=device)
+    step = max(1, REPACK_SLAB_VALUES // (TILE_ROWS * k))
+    for t0 in range(0, tiles, step):
+        t1 = min(tiles, t0 + step)
+        q, s, z = (_slab_rows(t, t0, t1, paired).to(device) for t in (qweight, scales, zeros))
+        words, slab_scales, slab_zeros = _repack_tiles(q, s, z, t1 - t0, group_size)
+        codes[t0:t1] = words
+        tile_scales[t0:t1] = slab_scales
+        tile_zeros[t0:t1] = slab_zeros
+        del q, s, z, words, slab_scales, slab_zeros
+    return TiledInt4(codes, tile_scales, tile_zeros, n=n, k=k, group_size=group_size, paired=paired)
+
+
+def _slab_rows(t: torch.Tensor, t0: int, t1: int, paired: bool) -> torch.Tensor:
+    """The rows of `t` [N, w] that tiles t0..t1-1 hold: a paired weight's in pair_order
+    (tile i: gate rows 8i..8i+7, then up rows 8i..8i+7), copied a block at a time."""
+    n = t.shape[0]
+    if not paired:
+        return t[t0 * TILE_ROWS : min(n, t1 * TILE_ROWS)]
+    f = n // 2
+    gate, up = t[8 * t0 : 8 * t1], t[f + 8 * t0 : f + 8 * t1]
+    return torch.stack([gate.reshape(t1 - t0, 8, -1), up.reshape(t1 - t0, 8, -1)], dim=1).reshape(-1, t.shape[1])
+
+
+def _repack_tiles(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, tiles: int, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`tiles` whole tiles of rows (the last of a weight padded here) into the GEMV's
+    codes [tiles, k/64, 32, 4], scales and zeros [tiles, k/G, 16]."""
+    n, half = qweight.shape
+    k = half * 2
     pad = tiles * TILE_ROWS - n
     codes = torch.stack([qweight & 0x0F, qweight >> 4], dim=-1).reshape(n, k)
     if pad:
@@ -207,18 +253,15 @@ def repack(
     grid = codes.reshape(tiles, 2, 8, k // CHUNK, 2, 4, 2, 2, 2)  # T rh g C h t i r e
     # -> T C g t h i | e r rh: lane = g*4 + t, word = h*2 + i, nibble = e*4 + r*2 + rh
     nib = grid.permute(0, 3, 2, 5, 4, 6, 8, 7, 1).reshape(tiles, k // CHUNK, 32, 4, 4, 2)
+    del codes, grid  # the unpacked codes: a byte each, twice the slab's packed ones
     # Nibbles 2b and 2b+1 are byte b of the little-endian word: bytes, then a view.
     packed = (nib[..., 0] | (nib[..., 1] << 4)).contiguous()
     words = packed.view(torch.int32).reshape(tiles, k // CHUNK, 32, 4)
     groups = k // group_size
-    return TiledInt4(
-        codes=words.contiguous(),
-        scales=scales.to(torch.float16).reshape(tiles, TILE_ROWS, groups).transpose(1, 2).contiguous(),
-        zeros=zeros.to(torch.uint8).reshape(tiles, TILE_ROWS, groups).transpose(1, 2).contiguous(),
-        n=n,
-        k=k,
-        group_size=group_size,
-        paired=paired,
+    return (
+        words,
+        scales.to(torch.float16).reshape(tiles, TILE_ROWS, groups).transpose(1, 2),
+        zeros.to(torch.uint8).reshape(tiles, TILE_ROWS, groups).transpose(1, 2),
     )
 
 
