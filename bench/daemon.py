@@ -119,11 +119,11 @@ def write_profile(workdir: Path, device: str, port: int, text: Path, student: Pa
         "broker.port": port,
         "paths": "a private directory",
         "models.ocr.enabled": False,
-        "models.inspect.engine": str(student),
+        "models.inspect.engine": student.name,
         "models.inspect.max_batch": 32 if cuda else 8,
         "models.inspect.preferred_batch_sizes": [32] if cuda else [8],
         "models.inspect.threads": 0 if cuda else 1,
-        "models.qa.engine": str(text),
+        "models.qa.engine": text.name,
         "models.qa.threads": 0 if cuda else CPU_TEXT_THREADS,
         "queue.max_size": 4096,
         "queue.memory_wait_ms": 50,
@@ -452,10 +452,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decode_tok_s_kernel": kernel["decode_tok_s"],
         "kernel_loop": kernel["loop"],
         # What the daemon's text engine resolved to (its status), the kernel loop's the same.
-        "engine_config": loaded["text_engine"],
-        "engine_config_kernel": kernel["engine_config"],
+        # What the daemon's text engine resolved to (its status), with the profile it came
+        # from and the qa fields the run changed; the kernel loop's must be the same.
+        "engine_config": {**loaded["text_engine"], "origin": profile_origin(profile_changes, device)},
         "same_engine": _same_engine(loaded["text_engine"], kernel["engine_config"]),
-        "served": is_served({**loaded["text_engine"], "origin": profile_origin(profile_changes, device)}),
         "profile": profile_changes,
         "solo": {
             "questions": len(solo),
@@ -476,6 +476,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "with_qa": mixed,
         "branches": final["branches"],
     }
+    result["served"] = is_served(result["engine_config"])
     result["decode_daemon_over_kernel"] = result["decode_tok_s_daemon"] / result["decode_tok_s_kernel"]
     result["camera_p99_ratio"] = result["camera_p99_ms_with_qa"] / result["camera_p99_ms_alone"]
     result["ledger_over_process_peak"] = result["ledger_peak_bytes"] / result["process_peak_bytes"]
@@ -495,7 +496,7 @@ def print_result(r: dict[str, Any]) -> None:
             )
     print(
         f"decode through the daemon {r['decode_tok_s_daemon']:.1f} tok/s, bare loop {r['decode_tok_s_kernel']:.1f} "
-        f"tok/s: {r['decode_daemon_over_kernel']:.2f}x (target >= 0.9x)"
+        f"tok/s: {r['decode_daemon_over_kernel']:.2f}x (target >= 0.95x)"
     )
     print(f"camera p99 with Q&A / alone: {r['camera_p99_ratio']:.2f}x (target <= 2x)")
     print(
