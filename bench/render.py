@@ -75,15 +75,17 @@ def text_cpu(d: dict[str, Any]) -> str:
         f"{d['model']}, {d['threads']} threads, {d['prompt_tokens']}-token prompt, {d['new_tokens']} new tokens, "
         f"one run (`bench/results/text_cpu.json`).",
         "",
-        "| decoder | tok/s | vs llama.cpp |",
-        "|---|---:|---:|",
+        "| decoder | tok/s | vs llama.cpp | engine |",
+        "|---|---:|---:|---|",
     ]
     for r in d["rows"]:
         if "error" in r:
-            lines.append(f"| {r['name']} | error: {r['error']} | |")
+            lines.append(f"| {r['name']} | error: {r['error']} | | |")
             continue
         vs = f"{r['vs_llamacpp']:.2f}x" if "vs_llamacpp" in r else "-"
-        lines.append(f"| {r['name']} | {r['decode_tok_s']:.1f} | {vs} |")
+        cfg = r.get("engine_config")
+        engine = "-" if cfg is None else ("**served**: " if r.get("served") else "") + engine_summary(cfg)
+        lines.append(f"| {r['name']} | {r['decode_tok_s']:.1f} | {vs} | {engine} |")
     prof = d.get("awq_step_profile", {})
     if "step_ms" in prof:
         lines += [

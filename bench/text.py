@@ -808,30 +808,35 @@ def print_cuda(result: dict[str, Any]) -> None:
 CPU_PROMPT = "Explain in a few sentences why hand hygiene matters in a hospital ward."
 
 
-def _ours_cpu(path: Path, prompt_ids: list[int], new_tokens: int, repeat: int) -> dict[str, Any]:
-    from edge.text.model.checkpoint import load_checkpoint
-    from edge.text.runtime.generate import SamplingParams, generate
+def _ours_cpu(path: Path, prompt_ids: list[int], new_tokens: int, repeat: int, threads: int) -> dict[str, Any]:
+    """The CPU engine the daemon builds from the shipped cpu-dev profile, serving `path`:
+    one sequence through its batcher, the decode rate as the daemon reports it."""
+    from bench.text_engines import engine_fields, load_engine
+    from edge.text.runtime.generate import SamplingParams
 
-    ckpt = load_checkpoint(path)
-    cache = ckpt.model.new_cache(1, len(prompt_ids) + new_tokens + 1)
-    rates = []
+    engine = load_engine(path, "cpu", threads=threads, max_context_tokens=len(prompt_ids) + new_tokens + 1)
+    rates, made = [], []
     for _ in range(repeat + 1):
-        out = generate(
-            ckpt.model, ckpt.tokenizer, prompt_ids, SamplingParams(max_new_tokens=new_tokens), frozenset(), cache
-        )
-        rates.append(out.tokens_per_s)
-    return {"decode_tok_s": statistics.median(rates[1:]), "int4_kernel": ckpt.int4_kernel}
+        seq = engine.generate(prompt_ids, SamplingParams(max_new_tokens=new_tokens))
+        rates.append(seq.tokens_per_s)
+        made.append(len(seq.tokens))
+    return {
+        "decode_tok_s": statistics.median(rates[1:]),
+        "generated_tokens": statistics.median(made[1:]),
+        "int4_kernel": engine.int4_kernel,
+        **engine_fields(engine),
+    }
 
 
-def _python_share(path: Path, prompt_ids: list[int], steps: int = 32) -> dict[str, float]:
+def _python_share(path: Path, prompt_ids: list[int], threads: int, steps: int = 32) -> dict[str, float]:
     """Where a CPU decode step's time goes: inside torch operators (kernels and their
-    dispatch) versus the Python around them, measured with torch's profiler."""
+    dispatch) versus the Python around them, measured with torch's profiler on the
+    served engine's model."""
     from torch.profiler import ProfilerActivity, profile
 
-    from edge.text.model.checkpoint import load_checkpoint
+    from bench.text_engines import load_engine
 
-    ckpt = load_checkpoint(path)
-    model = ckpt.model
+    model = load_engine(path, "cpu", warm=False, threads=threads).model
     cache = model.new_cache(1, len(prompt_ids) + steps + 1)
     ids = torch.tensor([prompt_ids])
     model(ids, cache, 0)
@@ -890,25 +895,31 @@ def _llamacpp_cpu(gguf: Path, prompt: str, new_tokens: int, threads: int) -> dic
 
 
 def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
-    from edge.text.model.checkpoint import load_checkpoint
+    from tokenizers import Tokenizer
+
     from edge.text.prompt import chatml
     from engines.text.import_gguf import import_smollm2, smollm2_gguf_path
     from engines.text.quantize import QuantRecipe
-    from engines.text.text_build import quantize_checkpoint
+    from engines.text.text_build import build_text_engine, quantize_checkpoint
 
     torch.set_num_threads(args.threads)
     base = import_smollm2(args.engine_dir)
-    awq = quantize_checkpoint(base, QuantRecipe(method="awq"))
-    tokenizer = load_checkpoint(base).tokenizer
+    # The served build (what `edgectl build` makes for cpu-dev: the clinic adapter merged,
+    # AWQ INT4 at its group size) and, beside it, the base at group 128 and in float.
+    served = build_text_engine(args.engine_dir, "clinic", "awq-int4", progress=False)
+    awq128 = quantize_checkpoint(base, QuantRecipe(method="awq", group_size=128))
+    tokenizer = Tokenizer.from_file(str(base / "tokenizer.json"))
     prompt = chatml("You are a helpful assistant.", CPU_PROMPT)
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False).ids
     gguf = smollm2_gguf_path()
     rows: list[dict[str, Any]] = []
+    t = args.threads
     variants: list[tuple[str, Callable[[], dict[str, Any]]]] = [
         ("llama.cpp (xllamacpp, same GGUF)", lambda: _llamacpp_cpu(gguf, prompt, args.new_tokens, args.threads)),
         ("transformers FP32 generate", lambda: _hf_cpu(gguf, prompt_ids, args.new_tokens, 2)),
-        ("edge float32", lambda: _ours_cpu(base, prompt_ids, args.new_tokens, 3)),
-        ("edge AWQ INT4 g128", lambda: _ours_cpu(awq, prompt_ids, args.new_tokens, 3)),
+        ("edge AWQ INT4 g32 + clinic adapter (served)", lambda: _ours_cpu(served, prompt_ids, args.new_tokens, 3, t)),
+        ("edge AWQ INT4 g128", lambda: _ours_cpu(awq128, prompt_ids, args.new_tokens, 3, t)),
+        ("edge float32", lambda: _ours_cpu(base, prompt_ids, args.new_tokens, 3, t)),
     ]
     for name, fn in variants:
         try:
@@ -917,7 +928,7 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
             rows.append({"name": name, "error": f"{type(err).__name__}: {err}"})
     overhead: dict[str, Any]
     try:
-        overhead = dict(_python_share(awq, prompt_ids))
+        overhead = dict(_python_share(served, prompt_ids, args.threads))
     except Exception as err:
         overhead = {"error": f"{type(err).__name__}: {err}"}
     ref = next((r["decode_tok_s"] for r in rows if r["name"].startswith("llama.cpp") and "decode_tok_s" in r), None)

@@ -34,9 +34,6 @@ NOT_YET = frozenset(
         ("text", "single_sequence"),
         ("text", "batched"),
         ("text", "check_cuda"),
-        ("text", "_ours_cpu"),
-        ("text", "_python_share"),
-        ("text", "run_cpu"),
     }
 )
 
