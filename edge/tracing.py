@@ -34,10 +34,11 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 
 
 def valid_traceparent(value: str | None) -> str | None:
-    """`value` if it is a W3C traceparent (version 00's form), else None."""
+    """`value` if it is a W3C traceparent (version 00's form), else None. W3C's form is
+    lower-case hex: an upper-case one is not W3C's, and is ignored like any other."""
     if value is None:
         return None
-    value = value.strip().lower()
+    value = value.strip()
     return value if TRACEPARENT.match(value) and not value.startswith("ff") else None
 
 

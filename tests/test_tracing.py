@@ -101,7 +101,8 @@ def test_a_refused_job_is_traced_too(tmp_path: Path) -> None:
     ("value", "valid"),
     [
         (PARENT, True),
-        (PARENT.upper(), True),
+        (PARENT.upper(), False),  # W3C's hex is lower case
+        (PARENT[:3] + PARENT[3:].replace("a", "A", 1), False),
         ("00-00000000000000000000000000000000-00f067aa0ba902b7-01", False),  # all-zero trace id
         ("00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01", False),  # all-zero span id
         ("ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", False),  # version ff is invalid
