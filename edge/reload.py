@@ -121,7 +121,13 @@ class Reloader:
             self.last = {"at": now, "ok": False, "error": str(err), "applied": [], "restart": []}
             return False
         change = plan(self._running(), new)
-        self._apply(change.profile, change.applied)
+        try:
+            self._apply(change.profile, change.applied)
+        except Exception as err:  # a value the schema took but the box could not apply
+            logger.exception("reload refused, the running profile stays: applying it failed")
+            why = f"applying it failed: {type(err).__name__}: {err}"
+            self.last = {"at": now, "ok": False, "error": why, "applied": [], "restart": []}
+            return False
         self._adopt(change.profile)
         self.last = {"at": now, "ok": True, "error": None, "applied": change.applied, "restart": change.restart}
         restart = ", ".join(change.restart)
@@ -147,6 +153,9 @@ class Reloader:
                 self._manager.set_keep_alive(model, float("inf") if keep is None else keep)
         if "metrics.listen" in changed:
             self._metrics.stop()
-            self._metrics.start(new.metrics.address)
+            if new.metrics.address is not None and not self._metrics.start(new.metrics.address):
+                why = self._metrics.error
+                self._metrics.start(self._running().metrics.address)  # the old listener back
+                raise RuntimeError(f"metrics.listen: {why}")
         # default_deadline_ms, drain_timeout_s and watchdog.stall_s are read from the
         # running profile where they are used: adopting it is enough.

@@ -90,6 +90,24 @@ def test_serve_with_bad_profile_exits_2_naming_the_field(tmp_path: Path) -> None
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        (b"device_id: x\n# caf\xe9\n", "not UTF-8 text (a byte 0xe9"),
+        (b"device_id: x\nmetrics:\n  listen: 127.0.0..1:9464\n", "metrics.listen"),
+        (b"device_id: x\nmetrics:\n  listen: 999.1.1.1:9464\n", "neither an IP address nor a host name"),
+    ],
+)
+def test_serve_with_a_profile_it_could_not_apply_exits_2_saying_why(tmp_path: Path, text: bytes, said: str) -> None:
+    """Values the box could not use are refused when the profile is read, in one line and
+    status 2, not by a traceback when they are applied."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(text)
+    res = edgectl("serve", "--profile", str(bad))
+    assert res.returncode == 2, res.stderr
+    assert said in res.stderr and "Traceback" not in res.stderr
+
+
 def test_serve_with_unreadable_yaml_exits_2(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("device_id: [unclosed\n")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import signal
+import socket
 import subprocess
 import time
 import urllib.parse
@@ -624,6 +625,27 @@ def test_sighup_applies_a_new_queue_limit_and_keeps_out_a_bad_profile(
         assert not refused["reload"]["ok"] and "queue.max_size" in refused["reload"]["error"]
         assert refused["branches"]["vision"]["max"] == 1 and refused["state"] == "ready"
         assert "reload refused, the running profile stays" in daemon.log.read_text()
+        # Profiles the schema alone would take but the box could not use are refused too,
+        # and the daemon lives on: a byte that is not UTF-8 in a comment, a listener host
+        # that is no host, a listener port another process holds.
+        taken = socket.socket()
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        bad_text = yaml.safe_dump({**doc, "queue": {"max_size": 1}}).encode() + b"# caf\xe9\n"
+        listeners = ["127.0.0..1:9464", f"127.0.0.1:{port}"]
+        last = refused["reload"]["at"]
+        for case, why in [(bad_text, "not UTF-8")] + [(yaml.safe_dump({**doc, "queue": {"max_size": 1},
+                                                          "metrics": {"listen": a}}).encode(), "metrics")
+                                                     for a in listeners]:  # fmt: skip
+            profile.write_bytes(case)
+            daemon.proc.send_signal(signal.SIGHUP)
+            got = _wait_reload(daemon, after=last)
+            last = got["reload"]["at"]
+            assert not got["reload"]["ok"] and got["state"] == "ready", got["reload"]
+            assert why in got["reload"]["error"] or "listen" in got["reload"]["error"], got["reload"]
+        taken.close()
+        assert daemon.proc.poll() is None
         ok = requester.request("edge/hup/jobs/ocr", {"id": "still", "image": {"path": f"labels/{LABELS[1]['name']}"}})
         assert ok["status"] == "ok"
     finally:

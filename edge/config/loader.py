@@ -50,6 +50,10 @@ def load_profile(path: Path) -> Profile:
         text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ProfileError(f"{path}: cannot read profile: {err.strerror}") from err
+    except UnicodeDecodeError as err:
+        raise ProfileError(
+            f"{path}: not UTF-8 text (a byte 0x{err.object[err.start]:02x} at offset {err.start})"
+        ) from err
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:

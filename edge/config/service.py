@@ -3,6 +3,8 @@ socket, metrics, tracing and the watchdog."""
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from pathlib import Path
 
 from pydantic import Field, field_validator
@@ -136,6 +138,26 @@ class StatusConfig(StrictModel):
     )
 
 
+# A host name's labels (RFC 1123): letters, digits and inner hyphens, at most 63 each.
+_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+
+
+def _listen_host(host: str) -> bool:
+    """An IP address (IPv6 in brackets) or a host name: what the listener can bind, checked
+    when the profile is read rather than when the listener starts."""
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    labels = host.removesuffix(".").split(".")
+    # All-digit labels are an IPv4 address or nothing (999.1.1.1 is not a name).
+    named = not all(label.isdigit() for label in labels)
+    return named and len(host) <= 253 and all(_LABEL.match(label) for label in labels)
+
+
 class MetricsConfig(StrictModel):
     listen: str | None = Field(
         default="127.0.0.1:9464",
@@ -152,6 +174,8 @@ class MetricsConfig(StrictModel):
         host, sep, port = value.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError("must be host:port, e.g. 127.0.0.1:9464")
+        if not _listen_host(host):
+            raise ValueError(f"{host!r} is neither an IP address nor a host name")
         return value
 
     @property
