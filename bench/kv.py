@@ -45,10 +45,12 @@ import numpy as np
 import torch
 
 from bench.common import REPO, RESULTS, agreement, perplexity, write_json
+from edge.text.architecture import LlamaConfig
+from edge.text.kv.float_cache import KVCache
 from edge.text.kv.kv_capacity import cache_bytes, longest_rows
 from edge.text.kv.kv_quant import FORMATS, KVDtype, KVFormat
 from edge.text.model.checkpoint import load_checkpoint
-from edge.text.model.llama import KVCache, LlamaConfig, LlamaModel
+from edge.text.model.llama import LlamaModel
 from edge.text.runtime.continuous import ContinuousBatcher, Sequence
 from edge.text.runtime.generate import SamplingParams
 from engines.text.corpus import corpus_fingerprint, evaluation_text

@@ -141,7 +141,7 @@ def build_text_cpu(ledger: MemoryLedger, probe: Probe) -> tuple[ContinuousBatche
     from engines.text.text_build import build_text_engine
 
     path = build_text_engine(REPO / ".edge" / "engines", "clinic", "awq-int4", progress=False)
-    changes = {"max_context_tokens": 1024, "max_new_tokens": 32, "max_sequences": 4}
+    changes: dict[str, Any] = {"max_context_tokens": 1024, "max_new_tokens": 32, "max_sequences": 4}
     engine, used = measure(probe, lambda: load_engine(path, "cpu", **changes))
     assert ledger.add_model("text", "text", used), "text model over budget"
 

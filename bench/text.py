@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from bench.common import REPO, RESULTS, write_json
-from edge.text.model.llama import KVCache, LlamaConfig
+from edge.text.architecture import LlamaConfig
+from edge.text.kv.float_cache import KVCache
 from engines.text.random_llama import LLAMA3_8B, int4_weight_bytes, random_int4_llama
 
 GIB = 1 << 30
