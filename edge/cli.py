@@ -112,7 +112,14 @@ def cmd_install(args: argparse.Namespace) -> int:
 
     try:
         report = install(args.root, args.template, device_id=args.device_id)
-    except (PermissionError, FileNotFoundError, RuntimeError, OSError, subprocess.CalledProcessError) as err:
+    except (
+        PermissionError,
+        FileNotFoundError,
+        RuntimeError,
+        ValueError,
+        OSError,
+        subprocess.CalledProcessError,
+    ) as err:
         print(f"edgectl install: {err}", file=sys.stderr)
         return 1
     if report.dry_run:

@@ -26,6 +26,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote
 
 import yaml
 
@@ -63,7 +64,27 @@ def default_template() -> Path:
 
 
 def _under(root: Path, path: str) -> Path:
-    return root / path.lstrip("/")
+    """`path` inside `root`. In a dry run everything is written under root: a link in the
+    tree that leads out of it is refused, not followed."""
+    target = root / path.lstrip("/")
+    if root != Path("/"):
+        inside = root.resolve()
+        if not target.resolve().is_relative_to(inside):
+            raise RuntimeError(f"{target} leads out of {root} (through a link): nothing is written outside it")
+    return target
+
+
+def unit_path(path: Path) -> str:
+    """`path` as one word of a unit file's command line: quoted where it has a space or a
+    quote, refused where systemd could not take it (a newline or another control
+    character would end the line or start another directive)."""
+    text = str(path)
+    if any(ord(c) < 32 or ord(c) == 127 for c in text):
+        raise ValueError(f"{text!r} has a control character: a unit file cannot name it")
+    if any(c in text for c in " \t\"'\\$%;"):
+        escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%").replace("$", "$$")
+        return f'"{escaped}"'
+    return text
 
 
 def _run(report: InstallReport, cmd: list[str]) -> None:
@@ -129,7 +150,14 @@ def _profile(report: InstallReport, template: Path, device_id: str | None) -> No
 
 
 def _unit(report: InstallReport, prefix: Path) -> None:
-    text = UNIT_SOURCE.read_text(encoding="utf-8").replace(SHIPPED_PREFIX, str(prefix))
+    source = UNIT_SOURCE.read_text(encoding="utf-8")
+    # The command line's word quoted as systemd reads it; the documentation URL as a URL.
+    executable = f"{SHIPPED_PREFIX}/.venv/bin/edgectl"
+    text = source.replace(executable, unit_path(prefix / ".venv" / "bin" / "edgectl"))
+    # A unit file reads % as a specifier: the URL's escapes are written %%.
+    text = text.replace(f"file://{SHIPPED_PREFIX}/", f"file://{quote(str(prefix)).replace('%', '%%')}/")
+    if SHIPPED_PREFIX in text:
+        raise RuntimeError(f"{UNIT_SOURCE} names {SHIPPED_PREFIX} where install does not expect it")
     target = _under(report.root, "/etc/systemd/system/edged.service")
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(text, encoding="utf-8")
@@ -153,6 +181,7 @@ def install(
     report = InstallReport(root)
     if not report.dry_run and os.geteuid() != 0:
         raise PermissionError("installing the service needs root (or --root DIR for a dry run)")
+    unit_path(prefix)  # a checkout a unit file cannot name is refused before anything is written
     if not (prefix / ".venv" / "bin" / "edgectl").exists():
         raise FileNotFoundError(f"{prefix}/.venv/bin/edgectl is missing: run scripts/setup.sh in {prefix} first")
     _user(report)

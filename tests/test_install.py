@@ -66,3 +66,39 @@ def test_a_checkout_without_its_environment_is_refused(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"scripts/setup\.sh"):
         install(tmp_path / "root", prefix=tmp_path)
     assert not (tmp_path / "root").exists()  # refused before anything was written
+
+
+def test_a_dry_run_never_writes_through_a_link_out_of_its_root(tmp_path: Path) -> None:
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    (root / "etc").symlink_to(outside)  # /etc inside the root leads out of it
+    res = edgectl("install", "--root", str(root))
+    assert res.returncode == 1 and "leads out of" in res.stderr and "Traceback" not in res.stderr
+    assert list(outside.iterdir()) == []  # nothing written where the link points
+
+
+def _checkout(path: Path) -> Path:
+    """A checkout at `path` as install sees one: its environment's edgectl, executable."""
+    edgectl_bin = path / ".venv" / "bin" / "edgectl"
+    edgectl_bin.parent.mkdir(parents=True)
+    edgectl_bin.write_text("#!/bin/sh\n")
+    edgectl_bin.chmod(0o755)
+    return path
+
+
+def test_a_checkout_path_with_a_space_is_quoted_in_the_unit_and_it_verifies(tmp_path: Path) -> None:
+    prefix = _checkout(tmp_path / "edge checkout")
+    report = install(tmp_path / "root", prefix=prefix)
+    unit = next(p for p in report.written if p.name == "edged.service")
+    text = unit.read_text()
+    assert f'ExecStart="{prefix}/.venv/bin/edgectl" serve --profile /etc/edge/profile.yaml' in text
+    verify = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    assert verify.returncode == 0 and verify.stderr.strip() == "", verify.stderr
+
+
+def test_a_checkout_path_with_a_newline_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    prefix = _checkout(tmp_path / "edge\nExecStartPre=touch pwned")
+    with pytest.raises(ValueError, match="control character"):
+        install(tmp_path / "root", prefix=prefix)
+    assert not (tmp_path / "root").exists()
