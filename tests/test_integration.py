@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -530,6 +531,43 @@ def _prometheus_query(port: int, query: str) -> list[dict[str, Any]]:
         doc = json.loads(resp.read())
     assert doc["status"] == "success", doc
     return doc["data"]["result"]  # type: ignore[no-any-return]
+
+
+def test_many_half_sent_requests_to_the_metrics_port_hold_nothing_for_long(daemon: DaemonProc) -> None:
+    """Hundreds of connections to the metrics listener, each sending half a request and
+    waiting: the daemon holds a bounded few (the rest are closed at once, the few dropped
+    after the request timeout), keeps its file descriptors, answers status, and serves
+    a scrape again once they are gone."""
+    host, port = json.loads(daemon.status().stdout)["metrics"]["listen"].rsplit(":", 1)
+    pid = daemon.proc.pid
+
+    def descriptors() -> int:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+
+    before = descriptors()
+    clients = []
+    try:
+        for _ in range(400):
+            c = socket.create_connection((host, int(port)), timeout=5)
+            c.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never finished
+            clients.append(c)
+        time.sleep(1.0)
+        held = descriptors() - before
+        assert held <= 64, f"the daemon holds {held} more descriptors for 400 half-sent requests"
+        assert daemon.proc.poll() is None and daemon.status().returncode == 0
+    finally:
+        for c in clients:
+            c.close()
+    deadline = time.monotonic() + 15
+    while True:  # the held ones time out; then a whole scrape is served
+        try:
+            with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as resp:
+                assert resp.status == 200 and b"edge_jobs" in resp.read()
+            break
+        except (OSError, AssertionError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def test_prometheus_scrapes_the_daemon(daemon: DaemonProc, requester: Requester, tmp_path: Path) -> None:

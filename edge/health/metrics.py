@@ -15,11 +15,15 @@ Every name starts with `edge_`; the README's Metrics section lists them.
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -233,6 +237,61 @@ def _journal_files(path: Path) -> list[Path]:
     return [f for f in files if f.exists()]
 
 
+# The listener serves scrapes, not the open internet: a few at a time, each given a few
+# seconds. A client that opens many connections, or sends half a request and waits, is
+# closed, so it can hold neither the process's file descriptors nor a thread for long.
+MAX_CONNECTIONS = 16
+REQUEST_TIMEOUT_S = 5.0
+
+
+class _Handler(WSGIRequestHandler):
+    timeout = REQUEST_TIMEOUT_S  # the socket's: a client that stops sending is dropped
+
+    def log_message(self, format: str, *args: Any) -> None:  # the base's parameter name
+        logger.debug("metrics: %s", format % args)
+
+
+class _BoundedServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.refused = 0
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)  # over the cap: closed at once, nothing held
+            return
+        try:
+            super().process_request(request, client_address)
+        except Exception:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        logger.debug("metrics: a request from %s failed", client_address, exc_info=True)
+
+
+def serve_metrics(host: str, port: int, registry: CollectorRegistry) -> _BoundedServer:
+    """The registry at http://host:port/metrics on a thread of its own, with bounded
+    connections and request time (prometheus_client's own server has neither)."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    server_class = type("MetricsHTTPServer", (_BoundedServer,), {"address_family": family})
+    server: WSGIServer = make_server(host, port, make_wsgi_app(registry), server_class, handler_class=_Handler)
+    assert isinstance(server, _BoundedServer)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server
+
+
 class MetricsServer:
     """The registry and its HTTP endpoint. `start` binds `address`; a port already taken
     is logged and said in the status (`error`), never fatal: jobs matter more."""
@@ -251,9 +310,9 @@ class MetricsServer:
             return False
         host, port = address
         try:
-            self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        except OSError as err:
-            self.error = f"cannot listen on {host}:{port}: {err.strerror or err}"
+            self._server = serve_metrics(host, port, self.registry)
+        except (OSError, UnicodeError) as err:  # no such address here, or a name that is none
+            self.error = f"cannot listen on {host}:{port}: {getattr(err, 'strerror', None) or err}"
             logger.error("metrics: %s; serving without them", self.error)
             return False
         self.address = (host, int(self._server.server_port))

@@ -38,9 +38,15 @@ def _send_datagram(message: str) -> bool:
 
 
 def notify(message: str) -> bool:
-    if _sd_daemon is not None:
-        return bool(_sd_daemon.notify(message))
-    return _send_datagram(message)
+    """Tell systemd; False where it could not be told. Never raises: a notification that
+    fails (no file descriptor left, the socket gone) is logged, and the daemon goes on."""
+    try:
+        if _sd_daemon is not None:
+            return bool(_sd_daemon.notify(message))
+        return _send_datagram(message)
+    except OSError as err:
+        logger.warning("systemd notification failed: %s", err)
+        return False
 
 
 def watchdog_interval_s() -> float | None:
