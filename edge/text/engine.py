@@ -250,7 +250,9 @@ class TextEngine:
                 self.graphs = self.batcher.capture_graphs()
             torch.cuda.empty_cache()  # the warm-up's transient blocks are not the model's
             self._stage(f"longest prefill measured ({self.prefill_bytes / 2**20:.0f} MiB), {self.graphs} graphs", t0)
-        self.generate(self.prompter.ids("Hello", None), SamplingParams(max_new_tokens=2), "warm-up")
+        # As a job's would be: its system turn the prefix the prefix cache keeps.
+        ids, prefix = self.prompter.parts("Hello", None)
+        self.generate(ids, SamplingParams(max_new_tokens=2), "warm-up", prefix=prefix)
 
     @torch.inference_mode()
     def _measure_prefill(self) -> int:
