@@ -114,36 +114,39 @@ def write_profile(workdir: Path, device: str, port: int, text: Path, student: Pa
     shipped = REPO / "profiles" / f"{SHIPPED[device]}.yaml"
     profile = yaml.safe_load(shipped.read_text(encoding="utf-8"))
     cuda = device == "cuda"
-    changes: dict[str, Any] = {
+    # What the run sets, as dotted profile keys; the result records the same keys, with
+    # the engines by name and the directories left out.
+    settings: dict[str, Any] = {
         "device_id": "bench",
         "broker.port": port,
-        "paths": "a private directory",
+        "paths": {
+            "state_dir": str(workdir / "state"),
+            "runtime_dir": str(workdir / "run"),
+            "engine_dir": str(workdir / "engines"),
+            "media_dir": str(REPO / "samples"),
+        },
         "models.ocr.enabled": False,
-        "models.inspect.engine": student.name,
+        "models.inspect.engine": str(student),
         "models.inspect.max_batch": 32 if cuda else 8,
         "models.inspect.preferred_batch_sizes": [32] if cuda else [8],
         "models.inspect.threads": 0 if cuda else 1,
-        "models.qa.engine": text.name,
+        "models.qa.engine": str(text),
         "models.qa.threads": 0 if cuda else CPU_TEXT_THREADS,
         "queue.max_size": 4096,
         "queue.memory_wait_ms": 50,
     }
-    profile["device_id"] = "bench"
-    profile["broker"]["port"] = port
-    profile["paths"] = {
-        "state_dir": str(workdir / "state"),
-        "runtime_dir": str(workdir / "run"),
-        "engine_dir": str(workdir / "engines"),
-        "media_dir": str(REPO / "samples"),
+    for dotted, value in settings.items():
+        *parents, last = dotted.split(".")
+        node = profile
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = value
+    changes = {
+        **settings,
+        "paths": "a private directory",
+        "models.inspect.engine": student.name,
+        "models.qa.engine": text.name,
     }
-    models = profile["models"]
-    models["ocr"] = {"enabled": False}
-    inspect = models["inspect"]
-    inspect.update({"device": device, "engine": str(student), "threads": changes["models.inspect.threads"]})
-    inspect["max_batch"] = changes["models.inspect.max_batch"]
-    inspect["preferred_batch_sizes"] = changes["models.inspect.preferred_batch_sizes"]
-    models["qa"].update({"engine": str(text), "threads": changes["models.qa.threads"]})
-    profile["queue"] = {**profile.get("queue", {}), "max_size": 4096, "memory_wait_ms": 50}
     path = workdir / "profile.yaml"
     path.write_text(yaml.safe_dump(profile), encoding="utf-8")
     return path, {"shipped": SHIPPED[device], "changed": changes}

@@ -7,7 +7,6 @@ moved onto the engine. The list only shrinks; the engine's own figures say what 
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 from bench.common import REPO
 from bench.text_engines import is_served
@@ -73,7 +72,7 @@ def test_a_row_is_served_only_from_the_shipped_profile_with_neutral_changes() ->
     assert not is_served({"device": "cuda", "group_size": 32})
 
 
-def test_the_served_engine_records_its_profile(tmp_path: Path) -> None:
+def test_the_served_engine_records_its_profile() -> None:
     """The engine a benchmark loads says where its section came from and what changed."""
     from bench.text_engines import section
 

@@ -248,7 +248,8 @@ class _Handler(WSGIRequestHandler):
     timeout = REQUEST_TIMEOUT_S  # the socket's: a client that stops sending is dropped
 
     def log_message(self, format: str, *args: Any) -> None:  # the base's parameter name
-        logger.debug("metrics: %s", format % args)
+        if logger.isEnabledFor(logging.DEBUG):  # formatted only when it is written
+            logger.debug("metrics: %s", format % args)
 
 
 class _BoundedServer(ThreadingMixIn, WSGIServer):

@@ -1,10 +1,11 @@
 """The text engine: the profile's qa section made into a served model.
 
-One way in: the daemon, every benchmark, every evaluation and `edgectl verify` build
-their text model with `TextEngine.load(checkpoint, cfg)`, where `cfg` is a profile's
-`models.qa` section (a benchmark that measures a variant changes a field of it and says
-which). The engine knows no job: it turns questions into prompt tokens, sequences into
-tokens, and says what it resolved to (`config`), so every figure names what it ran."""
+One way in: the daemon, `edgectl verify` and the benchmarks and evaluations moved onto it
+(tests/test_bench_engines.py lists those still building by hand) build their text model
+with `TextEngine.load(checkpoint, cfg)`, where `cfg` is a profile's `models.qa` section (a
+benchmark that measures a variant changes a field of it and says which). The engine knows
+no job: it turns questions into prompt tokens, sequences into tokens, and says what it
+resolved to (`config`), so every figure it measured names what it ran."""
 
 from __future__ import annotations
 
@@ -97,6 +98,8 @@ class TextEngine:
         self._ckpt = checkpoint
         self.cfg = cfg
         self.origin = origin or {}
+        # Read once: status and every metrics scrape ask for config().
+        self._groups = group_sizes(checkpoint.path)
         self.prompter = Prompter(checkpoint.tokenizer, checkpoint.chat, cfg.system_prompt)
         self.batcher = ContinuousBatcher(
             checkpoint.model,
@@ -160,10 +163,6 @@ class TextEngine:
         return self._ckpt.tokenizer
 
     @property
-    def checkpoint(self) -> TextCheckpoint:
-        return self._ckpt
-
-    @property
     def device(self) -> torch.device:
         return self.batcher.device
 
@@ -183,7 +182,7 @@ class TextEngine:
         """What this engine resolved to: the figures' `engine_config` and status's."""
         model = self.batcher.model
         table = model.embed_tokens
-        groups = group_sizes(self._ckpt.path)
+        groups = self._groups
         fused = bool(model.fused_decode) if model.fused_decode is not None else fused_step.can_fuse(model)
         folds = fused and fused_step.folds_norm(model, 1)[0]
         return {
@@ -299,9 +298,3 @@ class TextEngine:
         if params.max_new_tokens > room:
             params = SamplingParams(room, params.temperature, params.top_p, params.stop, params.seed)
         return self.batcher.single(self.sequence(ids, params, None, prefix, on_text), owner)
-
-    def ask(self, question: str, context: str | None = None, max_new_tokens: int | None = None) -> Sequence:
-        """One question answered greedily, alone: evaluations and tools."""
-        ids, prefix = self.prompter.parts(question, context)
-        params = SamplingParams(max_new_tokens=max_new_tokens or self.cfg.max_new_tokens)
-        return self.generate(ids, params, prefix=prefix)
