@@ -363,16 +363,16 @@ def start_daemon(profile: Path, workdir: Path, timeout: float = 600) -> tuple[su
     raise TimeoutError(f"the daemon was not ready:\n{(workdir / 'daemon.log').read_text()}")
 
 
-def kernel_decode(profile: Path, device: str, load: Load, vocab: int, new_tokens: int) -> dict[str, Any]:
+def kernel_decode(
+    profile: Path, origin: dict[str, Any], device: str, load: Load, vocab: int, new_tokens: int
+) -> dict[str, Any]:
     """The same engine without the daemon: the profile's qa section built by
     TextEngine.load as the daemon builds it, the same questions asked one at a time
     through its batcher, the decode rate as the daemon reports it (Sequence.tokens_per_s)."""
-    from edge.config.loader import load_profile
-    from edge.text.engine import TextEngine
+    from bench.text_engines import profile_engine
     from edge.text.runtime.generate import SamplingParams
 
-    cfg = load_profile(profile).models.qa
-    engine = TextEngine.load(cfg.engine, cfg, origin={"profile": "bench"})  # type: ignore[arg-type]
+    engine = profile_engine(profile, origin)
     rng = random.Random(1)
     rates = []
     for i in range(load.solo_questions + 1):
@@ -435,7 +435,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             daemon.kill()
         broker.stop()
     prompt_tokens = int(statistics.median(o["prompt_tokens"] for o in solo))
-    kernel = kernel_decode(profile, device, load, vocab, load.solo_new_tokens)
+    kernel = kernel_decode(profile, profile_origin(profile_changes, device), device, load, vocab, load.solo_new_tokens)
     memory = final["memory"]
     dev_name = "cpu"
     if device == "cuda":

@@ -3,7 +3,9 @@
 
 Perplexity on held-out text the quantizer never saw (Python reference topics disjoint
 from the calibration ones), and agreement of greedy continuations with the float
-model's. Writes bench/results/text_quality.json and prints a table.
+model's. Every build is read by the engine the daemon builds from the shipped CPU
+profile (bench/text_engines.py); each row records it. Writes
+bench/results/text_quality.json and prints a table.
 
     python -m bench.eval_text_quality [--max-tokens 16384]
 """
@@ -20,9 +22,10 @@ from typing import Any
 import torch
 
 from bench.common import REPO, RESULTS, agreement, perplexity, write_json
-from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint
-from edge.text.model.embedding import QuantizedEmbedding, compact_embedding
-from edge.text.runtime.generate import SamplingParams, generate
+from bench.text_engines import engine_fields, load_engine
+from edge.text.engine import TextEngine, kv_format
+from edge.text.model.embedding import QuantizedEmbedding
+from edge.text.runtime.generate import SamplingParams
 from engines.text.corpus import corpus_fingerprint, evaluation_text
 from engines.text.import_gguf import import_smollm2
 from engines.text.quantize import QuantRecipe
@@ -31,21 +34,19 @@ from engines.text.text_build import quantize_checkpoint
 WINDOW = 512
 
 
-def continuations(ckpt: TextCheckpoint, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    outs = []
-    for prompt in prompts:
-        cache = ckpt.model.new_cache(1, len(prompt) + new_tokens + 1)
-        gen = generate(
-            ckpt.model, ckpt.tokenizer, prompt, SamplingParams(max_new_tokens=new_tokens), frozenset(), cache
-        )
-        outs.append(gen.token_ids)
-    return outs
+def continuations(engine: TextEngine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy continuations, each prompt alone through the engine's batcher."""
+    return [list(engine.generate(p, SamplingParams(max_new_tokens=new_tokens)).tokens) for p in prompts]
+
+
+def engine_perplexity(engine: TextEngine, ids: list[int]) -> float:
+    """Perplexity with the engine's model reading its KV cache in the engine's format."""
+    return perplexity(engine.model, ids, WINDOW, kv_format=kv_format(engine.cfg))
 
 
 def adapter_behaviour(engine_dir: Path) -> list[dict[str, Any]]:
     """Held-out clinic prompts: how often each build cites its document / declines to
     diagnose / answers untagged context without a made-up citation."""
-    from bench.text_engines import engine_fields, load_engine
     from edge.protocol.jobs import QAJob
     from edge.tasks.qa import answer
     from engines.text.clinic_data import examples, follows
@@ -84,39 +85,34 @@ def adapter_behaviour(engine_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def token_tables(
-    base: Path, reference: TextCheckpoint, ids: list[int], args: argparse.Namespace
-) -> list[dict[str, Any]]:
-    """The float model with its token table compact (models.qa.embedding): perplexity and
-    greedy agreement against the same model with the float table, so only the table's
-    rounding differs."""
+def token_tables(served: Path, ids: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Compact token tables (models.qa.embedding) on the served build: perplexity and
+    greedy agreement against the same engine with its float table, so only the table's
+    rounding differs. (Its output projection is INT4, so the table is not tied to it and
+    every format is one the engine serves.)"""
     stride = len(ids) // args.prompts
     prompts = [ids[i * stride : i * stride + 48] for i in range(args.prompts)]
+    reference = load_engine(served, "cpu", embedding="float")
     ref_conts = continuations(reference, prompts, args.new_tokens)
-    ref_ppl = perplexity(reference.model, ids, WINDOW)
+    ref_ppl = engine_perplexity(reference, ids)
     rows = []
     for fmt in ("int8", "int4"):
-        ckpt = load_checkpoint(base)
-        model = ckpt.model
-        # The float model's output projection is the table itself (tied), and a tied
-        # float table is never compacted: the head gets its own copy, so that only the
-        # table's rounding differs from the reference.
-        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)
-        compact_embedding(model, fmt)
-        table = model.embed_tokens
-        assert isinstance(table, QuantizedEmbedding)
+        engine = load_engine(served, "cpu", embedding=fmt)
+        table = engine.model.embed_tokens
+        assert isinstance(table, QuantizedEmbedding), f"the {fmt} table was not compacted"
         t0 = time.perf_counter()
-        ppl = perplexity(ckpt.model, ids, WINDOW)
-        conts = continuations(ckpt, prompts, args.new_tokens)
+        ppl = engine_perplexity(engine, ids)
+        conts = continuations(engine, prompts, args.new_tokens)
         rows.append(
             {
-                "variant": f"fp32 reference, {fmt} token table",
+                "variant": f"AWQ INT4 g32 (served), {fmt} token table",
                 "table_bytes": table.nbytes,
                 "float_table_bytes": table.num_embeddings * table.embedding_dim * 2,  # 16-bit, as on a GPU
                 "perplexity": round(ppl, 4),
                 "reference_perplexity": round(ref_ppl, 4),
                 **{k: round(v, 4) for k, v in agreement(ref_conts, conts).items()},
                 "eval_seconds": round(time.perf_counter() - t0, 1),
+                **engine_fields(engine),
             }
         )
     return rows
@@ -161,10 +157,11 @@ def main() -> None:
         print(f"wrote {args.out.relative_to(REPO)}")
         return
     if args.tables_only:
-        reference = load_checkpoint(base)
+        reference = load_engine(base, "cpu")
         ids = reference.tokenizer.encode(evaluation_text(), add_special_tokens=False).ids[: args.max_tokens]
         result = json.loads(args.out.read_text())
-        result["token_tables"] = token_tables(base, reference, ids, args)
+        served = quantize_checkpoint(base, QuantRecipe(method="awq", group_size=32))
+        result["token_tables"] = token_tables(served, ids, args)
         write_json(args.out, result)
         print_tables(result["token_tables"])
         print(f"wrote {args.out.relative_to(REPO)}")
@@ -186,7 +183,7 @@ def main() -> None:
             base, QuantRecipe(method="awq", groups=(("*.self_attn.*", 32),))
         ),
     }
-    reference = load_checkpoint(base)
+    reference = load_engine(base, "cpu")
     ids = reference.tokenizer.encode(evaluation_text(), add_special_tokens=False).ids[: args.max_tokens]
     stride = len(ids) // args.prompts
     prompts = [ids[i * stride : i * stride + 48] for i in range(args.prompts)]
@@ -194,24 +191,25 @@ def main() -> None:
 
     rows: list[dict[str, Any]] = []
     for name, path in variants.items():
-        ckpt = reference if path == base else load_checkpoint(path)
+        engine = reference if path == base else load_engine(path, "cpu")
         t0 = time.perf_counter()
-        ppl = perplexity(ckpt.model, ids, WINDOW)
-        conts = ref_conts if ckpt is reference else continuations(ckpt, prompts, args.new_tokens)
+        ppl = engine_perplexity(engine, ids)
+        conts = ref_conts if engine is reference else continuations(engine, prompts, args.new_tokens)
         manifest = json.loads((path / "manifest.json").read_text())
         rows.append(
             {
                 "variant": name,
                 "checkpoint": path.name,
-                "int4_kernel": ckpt.int4_kernel,
+                "int4_kernel": engine.int4_kernel,
                 "weight_bytes": manifest["weight_bytes"],
                 "perplexity": round(ppl, 4),
                 **{k: round(v, 4) for k, v in agreement(ref_conts, conts).items()},
                 "eval_seconds": round(time.perf_counter() - t0, 1),
+                **engine_fields(engine),
             }
         )
     adapter_rows = adapter_behaviour(args.engine_dir)
-    tables = token_tables(base, reference, ids, args)
+    tables = token_tables(variants["AWQ INT4 g32"], ids, args)
     result = {
         "what": "SmolLM2-135M-Instruct (real weights): INT4 quality vs float reference",
         "adapter": adapter_rows,

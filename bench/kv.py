@@ -2,16 +2,18 @@
 """KV-cache memory: what quantized KV costs in quality and speed and gains in capacity,
 and what lossless coding gets from real keys and values.
 
-On the CPU, SmolLM2-135M-Instruct (real weights, float32), on held-out text (the Python
-reference topics of the evaluation split), every figure through the cache the daemon
-serves (models.qa.kv_dtype; edge/text/kv/quant_cache.py and the attention kernels that read
-its codes, edge/text/kv/kv_attention.py):
+Every model is the engine the daemon builds from the shipped profile of its device
+(bench/text_engines.py), with models.qa.kv_dtype and the fields a part measures changed
+(each part records its engine's configuration). On the CPU, SmolLM2-135M-Instruct (real
+weights, float32), on held-out text (the Python reference topics of the evaluation
+split), every figure through the cache the daemon serves (edge/text/kv/quant_cache.py
+and the attention kernels that read its codes, edge/text/kv/kv_attention.py):
 - perplexity with each KV format, the text read in chunks of 64 tokens: each chunk
   attends to the earlier ones as the cache holds them (codes, and the float ring of the
   newest) and to its own in float, as chunked prefill does; the delta is against the
   float cache (the activations' type);
-- greedy agreement: continuations decoded by the serving batcher over each format's
-  cache, against the float cache's;
+- greedy agreement (the served formats): continuations decoded together by the engine's
+  batcher over each format's cache, against the float cache's;
 - capacity: the tokens the shipped jetson-orin profile's KV pool (its max_sequences rows
   of max_context_tokens float16 tokens) holds in each format, counted from the caches as
   allocated (edge/text/kv/kv_capacity.py), and the same for one 4K row;
@@ -20,9 +22,10 @@ its codes, edge/text/kv/kv_attention.py):
 - chunked prefill: the time between the tokens of two decoding sequences while a
   2048-token prompt joins them, prefilled whole and a chunk per step.
 
-On CUDA (--only cuda): decode speed at 4K context of an 8B-shaped INT4 model (random
-weights: speed only) in the serving batcher, CUDA graphs and all, with float16, int8
-and int4 KV in the same run; merged into the rows by kv_dtype.
+On CUDA (--only cuda): decode speed at 4K context of an 8B-shaped INT4 checkpoint
+(random weights: speed only, quantized at the group size `edgectl build` uses) in the
+served engine, CUDA graphs and all, with float16, int8 and int4 KV in the same run;
+merged into the rows by kv_dtype.
 
 Writes bench/results/kv.json and prints a table.
 
@@ -45,14 +48,13 @@ import numpy as np
 import torch
 
 from bench.common import REPO, RESULTS, agreement, perplexity, write_json
+from bench.text_engines import engine_fields, fixed, load_engine
 from edge.text.architecture import LlamaConfig
+from edge.text.engine import TextEngine
 from edge.text.kv.float_cache import KVCache
 from edge.text.kv.kv_capacity import cache_bytes, longest_rows
 from edge.text.kv.kv_quant import FORMATS, KVDtype, KVFormat
-from edge.text.model.checkpoint import load_checkpoint
 from edge.text.model.llama import LlamaModel
-from edge.text.runtime.continuous import ContinuousBatcher, Sequence
-from edge.text.runtime.generate import SamplingParams
 from engines.text.corpus import corpus_fingerprint, evaluation_text
 from engines.text.import_gguf import import_smollm2
 
@@ -63,7 +65,7 @@ PROFILE = REPO / "profiles" / "jetson-orin.yaml"  # whose KV pool the capacity i
 
 # The shipped formats first (the rows the README's goals are read from), then other int4
 # layouts measured beside them: what the shipped one was chosen against.
-VARIANTS: list[tuple[str, KVFormat]] = [
+VARIANTS: list[tuple[KVDtype, KVFormat]] = [
     ("float16", FORMATS["float16"]),
     ("int8", FORMATS["int8"]),
     ("int4", FORMATS["int4"]),
@@ -98,12 +100,17 @@ def _cache_format(fmt: KVFormat) -> KVFormat | None:
     return None if fmt.dtype == "float16" else fmt
 
 
-def continuations(model: LlamaModel, prompts: list[list[int]], new_tokens: int, fmt: KVFormat) -> list[list[int]]:
-    """Greedy continuations decoded together by the serving batcher over `fmt`'s cache."""
+def continuations(
+    checkpoint: Path, prompts: list[list[int]], new_tokens: int, dtype: KVDtype
+) -> tuple[list[list[int]], dict[str, Any]]:
+    """Greedy continuations decoded together by the served engine's batcher over
+    `dtype`'s cache, and the engine's fields."""
     longest = max(len(p) for p in prompts) + new_tokens + 1
-    batcher = ContinuousBatcher(model, None, frozenset(), len(prompts), longest, kv_format=_cache_format(fmt))
-    seqs = batcher.run_all([Sequence(i, p, SamplingParams(max_new_tokens=new_tokens)) for i, p in enumerate(prompts)])
-    return [s.tokens for s in seqs]
+    engine = load_engine(
+        checkpoint, "cpu", kv_dtype=dtype, max_sequences=len(prompts), max_context_tokens=max(64, longest)
+    )
+    seqs = engine.batcher.run_all([engine.sequence(p, fixed(new_tokens), i) for i, p in enumerate(prompts)])
+    return [s.tokens for s in seqs], engine_fields(engine)
 
 
 def capacity(config: LlamaConfig, fmt: KVFormat) -> dict[str, float]:
@@ -203,26 +210,28 @@ def real_kv(model: LlamaModel, ids: list[int]) -> list[bytes]:
     return out
 
 
-def chunked_prefill(model: LlamaModel, ids: list[int], long_tokens: int, chunks: tuple[int, ...]) -> dict[str, Any]:
+def chunked_prefill(
+    checkpoint: Path, device: str, ids: list[int], long_tokens: int, chunks: tuple[int, ...]
+) -> dict[str, Any]:
     """Two sequences decode; a `long_tokens` prompt joins; the gaps between their tokens
-    from its arrival to its first token, for each prefill chunk (0: the whole prompt)."""
+    from its arrival to its first token, for each prefill chunk (0: the whole prompt;
+    models.qa.prefill_chunk), each in its own engine, warmed up as the daemon's is."""
     rows = []
     long_prompt = ids[:long_tokens]
     shorts = [ids[long_tokens + 100 * i : long_tokens + 100 * i + 48] for i in range(2)]
     for chunk in chunks:
-        batcher = ContinuousBatcher(model, None, frozenset(), slots=3, slot_len=long_tokens + 16)
-        batcher.prefill_chunk = chunk
-        batcher.warm_up()  # as the daemon readies its batcher before any job
-        if batcher.device.type == "cuda":
-            batcher.capture_graphs()
-        running = [Sequence(i, p, SamplingParams(max_new_tokens=long_tokens)) for i, p in enumerate(shorts)]
+        engine = load_engine(
+            checkpoint, device, max_sequences=3, max_context_tokens=long_tokens + 16, prefill_chunk=chunk
+        )
+        batcher = engine.batcher
+        running = [engine.sequence(p, fixed(long_tokens), i) for i, p in enumerate(shorts)]
         for seq in running:
             slot = batcher.kv.allocate_slots(str(seq.owner), long_tokens + 16)
             assert slot is not None
             batcher.admit(seq, slot)
         for _ in range(8):  # both decoding at their pace before the prompt arrives
             batcher.step()
-        joining = Sequence("long", long_prompt, SamplingParams(max_new_tokens=4))
+        joining = engine.sequence(long_prompt, fixed(4), "long")
         slot = batcher.kv.allocate_slots("long", long_tokens + 4)
         assert slot is not None
         arrived = time.perf_counter()
@@ -245,6 +254,7 @@ def chunked_prefill(model: LlamaModel, ids: list[int], long_tokens: int, chunks:
                 "gap_before_ms": float(np.median(before)),
                 "ttft_ms": (first - arrived) * 1000.0,
                 "gaps": len(gaps),
+                **engine_fields(engine),
             }
         )
         print(
@@ -253,30 +263,30 @@ def chunked_prefill(model: LlamaModel, ids: list[int], long_tokens: int, chunks:
             f"its first token after {rows[-1]['ttft_ms']:.0f} ms",
             flush=True,
         )
+        del engine, batcher, running, joining
+        _release(device)
     return {"prompt_tokens": long_tokens, "running": 2, "warmed": True, "rows": rows}
 
 
-def decode_4k(model: LlamaModel, context: int, new_tokens: int, rounds: int = 5) -> list[dict[str, Any]]:
-    """Decode tok/s of one sequence after `context` prompt tokens, in the serving batcher
-    (CUDA graphs, the fused step), for each shipped KV format. The formats take turns,
-    round after round, so that a slow spell of the machine falls on all of them alike;
-    each one's figure is the median of its rounds after a first that builds what is left
-    to build."""
-    gen = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, model.config.vocab_size, (context,), generator=gen).tolist()
+def decode_4k(checkpoint: Path, context: int, new_tokens: int, rounds: int = 5) -> list[dict[str, Any]]:
+    """Decode tok/s of one sequence after `context` prompt tokens, in the served engine
+    (CUDA graphs, the fused step), for each shipped KV format: one engine each, all held
+    at once. The formats take turns, round after round, so that a slow spell of the
+    machine falls on all of them alike; each one's figure is the median of its rounds
+    after a first that builds what is left to build."""
     dtypes: tuple[KVDtype, ...] = ("float16", "int8", "int4")
-    batchers = {}
-    for dtype in dtypes:
-        fmt = _cache_format(FORMATS[dtype])
-        batcher = ContinuousBatcher(model, None, frozenset(), 1, context + new_tokens + 1, fmt)
-        batcher.warm_up(prefill_lengths=(8,))
-        if batcher.device.type == "cuda":
-            batcher.capture_graphs()
-        batchers[dtype] = batcher
+    engines = {
+        dtype: load_engine(
+            checkpoint, "cuda", kv_dtype=dtype, max_sequences=1, max_context_tokens=context + new_tokens + 1
+        )
+        for dtype in dtypes
+    }
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, engines["float16"].model.config.vocab_size, (context,), generator=gen).tolist()
     rates: dict[str, list[float]] = {dtype: [] for dtype in dtypes}
     for _ in range(rounds + 1):
         for dtype in dtypes:
-            seq = batchers[dtype].single(Sequence("s", prompt, SamplingParams(max_new_tokens=new_tokens)))
+            seq = engines[dtype].generate(prompt, fixed(new_tokens))
             times = seq.token_times
             rates[dtype].append((len(times) - 1) / (times[-1] - times[0]))
     rows = []
@@ -286,12 +296,13 @@ def decode_4k(model: LlamaModel, context: int, new_tokens: int, rounds: int = 5)
                 "kv_dtype": dtype,
                 "decode_tok_s_4k": float(np.median(rates[dtype][1:])),
                 "decode_runs_tok_s": rates[dtype],
-                "kv_cache_bytes": batchers[dtype].cache.nbytes,
+                "kv_cache_bytes": engines[dtype].kv_cache_bytes,
+                **engine_fields(engines[dtype]),
             }
         )
         print(f"  {dtype:<8} {rows[-1]['decode_tok_s_4k']:.1f} tok/s at {context} tokens of context", flush=True)
-    del batchers
-    torch.cuda.empty_cache()
+    del engines
+    _release("cuda")
     return rows
 
 
@@ -381,16 +392,18 @@ def attention_kernels(config: LlamaConfig, contexts: tuple[int, ...] = (4096, 16
 
 
 def offload_figures(
-    model: LlamaModel, ids: list[int], lengths: tuple[int, ...], directory: Path
+    checkpoint: Path, device: str, ids: list[int], lengths: tuple[int, ...], directory: Path
 ) -> list[dict[str, Any]]:
     """A paused row of each length and KV format: saved to host memory and to a file
-    (lz4 where it pays), restored from each, against prefilling it again."""
+    (lz4 where it pays), restored from each, against prefilling it again, in the served
+    engine's cache (the store as models.qa.kv_offload builds it, each place in turn)."""
     from edge.text.kv.kv_offload import KVOffload
 
     rows = []
-    for dtype in ("float16", "int8", "int4"):
-        fmt = _cache_format(FORMATS[dtype])
-        batcher = ContinuousBatcher(model, None, frozenset(), 2, max(lengths) + 1, fmt)
+    dtypes: tuple[KVDtype, ...] = ("float16", "int8", "int4")
+    for dtype in dtypes:
+        engine = load_engine(checkpoint, device, kv_dtype=dtype, max_sequences=2, max_context_tokens=max(lengths) + 1)
+        batcher, model = engine.batcher, engine.model
         for length in lengths:
             chunk = torch.tensor([ids[:length]], device=batcher.device)
             recompute = []
@@ -400,7 +413,12 @@ def offload_figures(
                     model(chunk, batcher.cache.rows(0, 1), 0)
                 _sync(batcher.device)
                 recompute.append(time.perf_counter() - t0)
-            figures: dict[str, Any] = {"kv_dtype": dtype, "tokens": length, "recompute_ms": min(recompute) * 1000}
+            figures: dict[str, Any] = {
+                "kv_dtype": dtype,
+                "tokens": length,
+                "recompute_ms": min(recompute) * 1000,
+                **engine_fields(engine),
+            }
             for where in ("memory", "disk"):
                 store = KVOffload(where, batcher.device, directory / "offload", max_memory_bytes=1 << 34)
                 t0 = time.perf_counter()
@@ -425,41 +443,39 @@ def offload_figures(
                 f"from disk; prefill again {figures['recompute_ms']:.0f} ms",
                 flush=True,
             )
-        del batcher
+        del engine, batcher, model
+        _release(device)
     return rows
 
 
-def prefix_ttft(model: LlamaModel, document: list[int], questions: list[list[int]], repeat: int = 3) -> dict[str, Any]:
+def prefix_ttft(
+    checkpoint: Path, device: str, document: list[int], questions: list[list[int]], repeat: int = 3
+) -> dict[str, Any]:
     """Time to first token of prompts sharing a document: the first (a miss: the document
     prefilled and kept), the later ones (hits: the question alone), and the same prompts
-    with no prefix cache (prefilled whole)."""
-    from edge.text.kv.prefix_cache import PrefixCache
-
+    with no prefix cache (prefilled whole): two served engines, one with
+    models.qa.prefix_cache_mib 1024 and one with it 0."""
     longest = len(document) + max(len(q) for q in questions) + 8
-    cached = ContinuousBatcher(model, None, frozenset(), 1, longest)
-    cached.prefix_cache = PrefixCache(1 << 30)
-    plain = ContinuousBatcher(model, None, frozenset(), 1, longest)
-    for batcher in (cached, plain):  # as the daemon readies its batcher before any job
-        batcher.warm_up()
-        if batcher.device.type == "cuda":
-            batcher.capture_graphs()
+    cached_engine, plain_engine = (
+        load_engine(checkpoint, device, max_sequences=1, max_context_tokens=longest, prefix_cache_mib=mib)
+        for mib in (1024, 0)
+    )
+    cached = cached_engine.batcher
 
-    def ttft(batcher: ContinuousBatcher, question: list[int]) -> float:
-        seq = Sequence("q", document + question, SamplingParams(max_new_tokens=1))
-        seq.prefix = len(document)
+    def ttft(engine: TextEngine, question: list[int]) -> float:
         t0 = time.perf_counter()
-        batcher.single(seq)
+        seq = engine.generate(document + question, fixed(1), "q", prefix=len(document))
         return (seq.token_times[0] - t0) * 1000
 
     for question in questions[:1]:  # warm: kernels built, nothing kept
-        ttft(plain, question)
+        ttft(plain_engine, question)
     cold, warm, whole = [], [], []
     for _ in range(repeat):
         assert cached.prefix_cache is not None
         cached.prefix_cache.clear()
-        cold.append(ttft(cached, questions[0]))
-        warm += [ttft(cached, q) for q in questions[1:]]
-        whole += [ttft(plain, q) for q in questions]
+        cold.append(ttft(cached_engine, questions[0]))
+        warm += [ttft(cached_engine, q) for q in questions[1:]]
+        whole += [ttft(plain_engine, q) for q in questions]
     snap = cached.prefix_cache.snapshot() if cached.prefix_cache is not None else {}
     assert cached.prefix_cache is not None
     return {
@@ -478,26 +494,27 @@ def prefix_ttft(model: LlamaModel, document: list[int], questions: list[list[int
         "ttft_uncached_ms": float(np.median(whole)),
         "speedup": float(np.median(cold) / np.median(warm)),
         "entry_bytes": snap.get("bytes", 0),
+        **engine_fields(cached_engine),
     }
 
 
-def cpu_offload(model: LlamaModel, ids: list[int]) -> dict[str, Any]:
+def cpu_offload(checkpoint: Path, ids: list[int]) -> dict[str, Any]:
     import tempfile
 
     print("offload of a paused row (real SmolLM2, CPU): restore from memory or disk, or prefill again")
     with tempfile.TemporaryDirectory() as tmp:
-        rows = offload_figures(model, ids, (256, 1024, 2048), Path(tmp))
+        rows = offload_figures(checkpoint, "cpu", ids, (256, 1024, 2048), Path(tmp))
     return {"device": "cpu", "model": "SmolLM2-135M-Instruct", "rows": rows}
 
 
-def cpu_prefix(model: LlamaModel, tokenizer: Any, ids: list[int]) -> dict[str, Any]:
+def cpu_prefix(checkpoint: Path, tokenizer: Any, ids: list[int]) -> dict[str, Any]:
     """A 1536-token reference document (held-out text) asked four questions."""
     print("prefix cache (real SmolLM2, CPU): time to first token of a repeated document")
     questions = [
         tokenizer.encode(f"\n\nQuestion: {q}\nAnswer:", add_special_tokens=False).ids
         for q in ("What is this about?", "Which keyword is defined?", "Give one example.", "Summarise it.")
     ]
-    figures = prefix_ttft(model, ids[:1536], questions)
+    figures = prefix_ttft(checkpoint, "cpu", ids[:1536], questions)
     print(
         f"  TTFT {figures['ttft_cold_ms']:.0f} ms cold, {figures['ttft_warm_ms']:.0f} ms warm "
         f"({figures['speedup']:.1f}x); {figures['ttft_uncached_ms']:.0f} ms with no prefix cache",
@@ -509,6 +526,15 @@ def cpu_prefix(model: LlamaModel, tokenizer: Any, ids: list[int]) -> dict[str, A
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _release(device: str | torch.device) -> None:
+    """Gives an engine's device memory back before the next is loaded."""
+    import gc
+
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 CUDA_PARTS = {
@@ -525,7 +551,8 @@ def run_cuda(args: argparse.Namespace) -> None:
     written as soon as it is measured (a part's figures compare within one run)."""
     import tempfile
 
-    from engines.text.random_llama import LLAMA3_8B, random_int4_llama
+    from engines.text.random_llama import LLAMA3_8B, write_random_checkpoint
+    from engines.text.text_build import SERVING_GROUP
 
     parts = CUDA_PARTS[args.only]
     result = json.loads(args.out.read_text()) if args.out.exists() else {"rows": []}
@@ -543,42 +570,44 @@ def run_cuda(args: argparse.Namespace) -> None:
     cuda = result.setdefault("cuda_decode", {})
     cuda.update(
         {
-            "model": "Llama-3-8B shape, INT4 weights (random: speed only)",
-            "kernel": args.kernel,
+            "model": f"Llama-3-8B shape, INT4 weights at group size {SERVING_GROUP} (random: speed only)",
             "context": args.context,
             "new_tokens": args.new_tokens_cuda,
             "gpu": gpu,
             "torch": torch.__version__,
         }
     )
-    model = random_int4_llama(LLAMA3_8B, "cuda", args.kernel, seed=3)
-    if "decode" in parts:
-        print(f"decode at {args.context} tokens of context, 8B-shaped INT4 model ({args.kernel}), per KV format:")
-        measured = decode_4k(model, args.context, args.new_tokens_cuda)
-        by_dtype = {m["kv_dtype"]: m for m in measured}
-        for row in result["rows"]:
-            if row.get("shipped") and row["kv_dtype"] in by_dtype:
-                row["decode_tok_s_4k"] = by_dtype[row["kv_dtype"]]["decode_tok_s_4k"]
-                row["decode_ratio_4k"] = row["decode_tok_s_4k"] / by_dtype["float16"]["decode_tok_s_4k"]
-        cuda["rows"] = measured
-        save()
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, LLAMA3_8B.vocab_size, (args.context,), generator=gen).tolist()
     questions = [torch.randint(0, LLAMA3_8B.vocab_size, (24,), generator=gen).tolist() for _ in range(4)]
-    if "offload" in parts:
-        print("offload of a paused row (8B shape, CUDA): restore from pinned memory or disk, or prefill again")
-        with tempfile.TemporaryDirectory() as tmp:
-            cuda["offload"] = offload_figures(model, ids, (1024, args.context), Path(tmp))
-        save()
-    if "prefix" in parts:
-        prefix = prefix_ttft(model, ids[:2048], questions)
-        print(f"  prefix cache: TTFT {prefix['ttft_cold_ms']:.1f} ms cold, {prefix['ttft_warm_ms']:.1f} ms warm")
-        cuda["prefix_cache"] = prefix
-        save()
-    if "chunked" in parts:
-        print("chunked prefill (8B shape, CUDA): a 2048-token prompt joins two decoding sequences")
-        cuda["chunked_prefill"] = chunked_prefill(model, ids, 2048, (0, 256))
-        save()
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = write_random_checkpoint(
+            Path(tmp) / "llama3-8b-int4-random", LLAMA3_8B, device="cuda", group=SERVING_GROUP, seed=3
+        )
+        if "decode" in parts:
+            print(f"decode at {args.context} tokens of context, 8B-shaped INT4 model, served engine, per KV format:")
+            measured = decode_4k(checkpoint, args.context, args.new_tokens_cuda)
+            by_dtype = {m["kv_dtype"]: m for m in measured}
+            for row in result["rows"]:
+                if row.get("shipped") and row["kv_dtype"] in by_dtype:
+                    row["decode_tok_s_4k"] = by_dtype[row["kv_dtype"]]["decode_tok_s_4k"]
+                    row["decode_ratio_4k"] = row["decode_tok_s_4k"] / by_dtype["float16"]["decode_tok_s_4k"]
+            cuda["rows"] = measured
+            cuda["kernel"] = measured[0]["engine_config"]["kernel"]
+            save()
+        if "offload" in parts:
+            print("offload of a paused row (8B shape, CUDA): restore from pinned memory or disk, or prefill again")
+            cuda["offload"] = offload_figures(checkpoint, "cuda", ids, (1024, args.context), Path(tmp))
+            save()
+        if "prefix" in parts:
+            prefix = prefix_ttft(checkpoint, "cuda", ids[:2048], questions)
+            print(f"  prefix cache: TTFT {prefix['ttft_cold_ms']:.1f} ms cold, {prefix['ttft_warm_ms']:.1f} ms warm")
+            cuda["prefix_cache"] = prefix
+            save()
+        if "chunked" in parts:
+            print("chunked prefill (8B shape, CUDA): a 2048-token prompt joins two decoding sequences")
+            cuda["chunked_prefill"] = chunked_prefill(checkpoint, "cuda", ids, 2048, (0, 256))
+            save()
 
 
 def main() -> None:
@@ -591,7 +620,6 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--context", type=int, default=4096, help="cuda: context the decode is timed at")
     parser.add_argument("--new-tokens-cuda", type=int, default=256, help="cuda: tokens decoded per timed run")
-    parser.add_argument("--kernel", default="cuda-mma", help="cuda: the INT4 GEMV kernel")
     parser.add_argument("--skip-chunked", action="store_true", help="keep the chunked-prefill figures already there")
     parser.add_argument("--out", type=Path, default=RESULTS / "kv.json")
     parser.add_argument(
@@ -605,13 +633,15 @@ def main() -> None:
         run_cuda(args)
         return
 
-    ckpt = load_checkpoint(import_smollm2(args.engine_dir))
-    model, config = ckpt.model, ckpt.model.config
-    ids = ckpt.tokenizer.encode(evaluation_text(), add_special_tokens=False).ids
+    base = import_smollm2(args.engine_dir)
+    # The served CPU engine: its model reads the text for perplexity and the codecs.
+    engine = load_engine(base, "cpu")
+    model, config = engine.model, engine.model.config
+    ids = engine.tokenizer.encode(evaluation_text(), add_special_tokens=False).ids
     parts: dict[str, Callable[[], Any]] = {
-        "chunked_prefill": lambda: chunked_prefill(model, ids, 2048, (0, 256)),
-        "offload": lambda: cpu_offload(model, ids),
-        "prefix_cache": lambda: cpu_prefix(model, ckpt.tokenizer, ids),
+        "chunked_prefill": lambda: chunked_prefill(base, "cpu", ids, 2048, (0, 256)),
+        "offload": lambda: cpu_offload(base, ids),
+        "prefix_cache": lambda: cpu_prefix(base, engine.tokenizer, ids),
     }
     if args.only in ("chunked", "offload", "prefix"):
         name = {"chunked": "chunked_prefill", "prefix": "prefix_cache"}.get(args.only, args.only)
@@ -630,7 +660,9 @@ def main() -> None:
         t0 = time.perf_counter()
         # In windows of CONTEXT tokens, CHUNK at a time into a served cache in `fmt`.
         ppl = perplexity(model, eval_ids, CONTEXT, CHUNK, _cache_format(fmt))
-        conts = continuations(model, prompts, args.new_tokens, fmt)
+        # Greedy continuations through an engine for the formats a profile can name; the
+        # compared layouts are read for perplexity only.
+        conts, fields = continuations(base, prompts, args.new_tokens, dtype) if shipped(fmt) else (None, {})
         if dtype == "float16":
             reference = {"ppl": ppl, "conts": conts}
         row = {
@@ -646,12 +678,13 @@ def main() -> None:
             },
             "perplexity": ppl,
             "ppl_delta_pct": (ppl / reference["ppl"] - 1.0) * 100.0,
-            "greedy_agreement": agreement(reference["conts"], conts)["token_agreement"],
+            "greedy_agreement": agreement(reference["conts"], conts)["token_agreement"] if conts else None,
             **capacity(config, fmt),
+            **fields,
         }
         rows.append(row)
         print(
-            f"{row['name']:<80} ppl {ppl:.4f} ({row['ppl_delta_pct']:+.3f}%), greedy {row['greedy_agreement']:.3f}, "
+            f"{row['name']:<80} ppl {ppl:.4f} ({row['ppl_delta_pct']:+.3f}%), greedy {row['greedy_agreement']}, "
             f"capacity {row['capacity_ratio']:.2f}x ({time.perf_counter() - t0:.0f} s)",
             flush=True,
         )

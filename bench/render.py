@@ -25,6 +25,11 @@ def _load(name: str) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def _maybe(value: float | None, fmt: str) -> str:
+    """A figure, or "not measured" where a row has none."""
+    return "not measured" if value is None else format(value, fmt)
+
+
 def text_quality(d: dict[str, Any]) -> str:
     lines = [
         f"Held-out text: {d['eval_tokens']} tokens of {d['eval_text']}; greedy agreement over "
@@ -56,7 +61,7 @@ def text_quality(d: dict[str, Any]) -> str:
     if d.get("token_tables"):
         lines += [
             "",
-            "Compact token tables (`models.qa.embedding`) on the float model, against its float table:",
+            "Compact token tables (`models.qa.embedding`) on the served AWQ INT4 g32 build, against its float table:",
             "",
             "| token table | MiB (16-bit table) | perplexity (float table) | token agreement | exact match |",
             "|---|---:|---:|---:|---:|",
@@ -473,7 +478,7 @@ def kv(d: dict[str, Any]) -> str:
         speed = f"{r['decode_tok_s_4k']:.1f} ({r['decode_ratio_4k']:.2f}x)" if "decode_tok_s_4k" in r else ""
         lines.append(
             f"| {r['name']} | {'`' + r['kv_dtype'] + '`' if r.get('shipped') else 'compared'} "
-            f"| {r['perplexity']:.4f} | {r['ppl_delta_pct']:+.3f}% | {r['greedy_agreement']:.3f} "
+            f"| {r['perplexity']:.4f} | {r['ppl_delta_pct']:+.3f}% | {_maybe(r['greedy_agreement'], '.3f')} "
             f"| {r['bytes_per_token']:.0f} | {r['capacity_ratio']:.2f}x | {r['capacity_ratio_4k']:.2f}x | {speed} |"
         )
     shipped = {r["kv_dtype"]: r for r in d["rows"] if r.get("shipped")}

@@ -21,6 +21,8 @@ import argparse
 import platform
 import random
 import resource
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 
 from bench.common import REPO, RESULTS, percentile, write_json
+from bench.text_engines import engine_fields
 from edge.backends import BackendOptions
 from edge.protocol.errors import ErrorCode, JobError
 from edge.protocol.jobs import ImageRef, InspectJob, ParsedJob, QAJob
@@ -45,6 +48,7 @@ from edge.scheduler.ledger import MemoryLedger, measure
 from edge.scheduler.queue import BatchPolicy, PriorityDeadlineQueue
 from edge.scheduler.text_worker import TextMemory, TextWorker
 from edge.scheduler.work import Reply, WorkItem
+from edge.tasks.qa import result_of
 from edge.text.runtime.continuous import ContinuousBatcher, Sequence
 from edge.text.runtime.generate import SamplingParams
 from edge.vision.inspect import InspectPipeline
@@ -153,38 +157,30 @@ def build_text_cpu(ledger: MemoryLedger, probe: Probe) -> tuple[ContinuousBatche
 
 
 def build_text_cuda(
-    ledger: MemoryLedger,
-    probe: Probe,
-    new_tokens: int,
-    config: Any = None,
-    device: str = "cuda",
-    kernel: str = "triton",
-    dtype: torch.dtype = torch.float16,
+    ledger: MemoryLedger, probe: Probe, new_tokens: int, workdir: Path
 ) -> tuple[ContinuousBatcher, Callable[[WorkItem], Sequence], Any]:
-    from edge.text.ops.int4 import tune_gemv
-    from engines.text.random_llama import LLAMA3_8B, random_int4_llama
+    """The served CUDA engine (the shipped profile's qa section) over a Llama-3-8B-shaped
+    checkpoint with random weights, quantized at `edgectl build`'s group size: 4
+    sequences x 1,024 positions, the 4,096-token KV budget."""
+    from bench.text_engines import load_engine
+    from engines.text.random_llama import LLAMA3_8B, write_random_checkpoint
+    from engines.text.text_build import SERVING_GROUP
 
-    def load() -> ContinuousBatcher:
-        model = random_int4_llama(config or LLAMA3_8B, device, kernel, dtype=dtype)
-        # Tuning and kernel builds before the vision thread uses the GPU.
-        # Decode runs at most 4 rows, and every prompt here is 256 tokens (past the
-        # GEMV's row limit), so the GEMV is tuned for up to 4 rows only.
-        tuned = tune_gemv(model, dtype)
-        # 4 sequences x 1,024 positions: the 4,096-token KV budget.
-        batcher = ContinuousBatcher(model, None, frozenset(), slots=4, slot_len=1024)
-        steps = batcher.warm_up(prefill_lengths=(256,))
-        print(f"tuned the INT4 GEMV for {tuned} (shape, rows) pairs; warm-up ran {steps} steps", flush=True)
-        return batcher
-
-    batcher, used = measure(probe, load)
+    path = write_random_checkpoint(workdir / "llama3-8b-int4-random", LLAMA3_8B, device="cuda", group=SERVING_GROUP)
+    changes: dict[str, Any] = {"max_context_tokens": 1024, "max_new_tokens": new_tokens, "max_sequences": 4}
+    # Loaded and warmed up (GEMV tuned, kernels built, graphs captured) before the vision
+    # thread uses the GPU, as the daemon's start steps do.
+    engine, used = measure(probe, lambda: load_engine(path, "cuda", **changes))
     assert ledger.add_model("text", "text", used), "text model over budget"
     rng = random.Random(0)
+    vocab = engine.model.config.vocab_size
+    # Every prompt 256 random tokens, each run to its full length (random weights: speed only).
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
 
     def prepare(item: WorkItem) -> Sequence:
-        prompt = [rng.randrange(1000, batcher.model.config.vocab_size) for _ in range(256)]
-        return Sequence(item, prompt, SamplingParams(max_new_tokens=new_tokens))
+        return engine.sequence([rng.randrange(1000, vocab) for _ in range(256)], params, item)
 
-    return batcher, prepare, None
+    return engine.batcher, prepare, engine
 
 
 def run_load(
@@ -228,9 +224,7 @@ def run_load(
     vision = BranchWorker("vision", vq, {"inspect": InspectBatches("inspect", policy)}, collector.complete)
     tq = PriorityDeadlineQueue(4096)
     batcher, prepare, engine = text
-    output = engine.output if engine is not None else (lambda seq: {"tokens": len(seq.tokens)})
-    kv_tokens = engine.kv_tokens if engine is not None else (lambda seq: len(seq.prompt) + seq.params.max_new_tokens)
-    questions_task = Questions("qa", prepare, output, kv_tokens)
+    questions_task = Questions("qa", prepare, result_of, engine.kv_tokens)
     text_worker = TextWorker("text", tq, questions_task, batcher, TextMemory(ledger, "text", 0.05), collector.complete)
     vision.start()
     text_worker.start()
@@ -328,7 +322,15 @@ def run(device: str, seconds: float | None) -> dict[str, Any]:
     assert ledger.add_model("inspect", "vision", used), "student over budget"
     batches = [1, 8, 32] if device == "cuda" else [1, 8]
     throughput = vision_throughput(pipeline, images, batches)
-    text = build_text_cuda(ledger, probe, load.qa_new_tokens) if device == "cuda" else build_text_cpu(ledger, probe)
+    workdir = Path(tempfile.mkdtemp(prefix="edge-bench-scheduler-"))
+    try:
+        text = (
+            build_text_cuda(ledger, probe, load.qa_new_tokens, workdir)
+            if device == "cuda"
+            else build_text_cpu(ledger, probe)
+        )
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)  # loaded: the checkpoint's files are not needed
     resident = ledger.snapshot()
     share_interpreter_between_branches()  # as the daemon does before its workers start
     alone = run_load(load, False, pipeline, images, ledger, text)
@@ -343,6 +345,7 @@ def run(device: str, seconds: float | None) -> dict[str, Any]:
         "resident_models": {k: v["bytes"] for k, v in resident["models"].items()},
         "kv_pool_bytes": text[0].kv.capacity_bytes,
         "kv_pool_tokens": text[0].slots * text[0].slot_len,
+        **engine_fields(text[2]),
         "ledger_peak_bytes": snap["peak_bytes"],
         "process_peak_bytes": probe.peak_bytes(),
         "evictions": snap["evictions"],

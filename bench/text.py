@@ -30,9 +30,13 @@ from typing import Any
 import torch
 
 from bench.common import REPO, RESULTS, write_json
+from bench.text_engines import engine_fields, fixed, load_engine
 from edge.text.architecture import LlamaConfig
-from edge.text.kv.float_cache import KVCache
-from engines.text.random_llama import LLAMA3_8B, int4_weight_bytes, random_int4_llama
+from edge.text.engine import TextEngine
+from edge.text.model.embedding import QuantizedEmbedding
+from edge.text.runtime.generate import SamplingParams
+from engines.text.random_llama import LLAMA3_8B, int4_weight_bytes
+from engines.text.text_build import SERVING_GROUP
 
 GIB = 1 << 30
 # llama-bench's second depth; ours decodes after a prompt of this many tokens too.
@@ -140,32 +144,11 @@ def hf_baseline(config: LlamaConfig, prompt_len: int, new_tokens: int) -> dict[s
     }
 
 
-def _decode_rate(decoder: Any, token: torch.Tensor, start: int, new_tokens: int) -> float:
-    """Tokens per second decoding `new_tokens` greedily from position `start`, each token
-    back on the host (as serving needs it: EOS, stop strings, streaming) the way the
-    serving batcher reads it: the next step is launched on the token chosen on the GPU,
-    and the host reads that token while the step runs (StepGraphs.run_chosen)."""
-    # Capture the buckets the timed run will use before timing it.
-    for pos in range(start, start + new_tokens, decoder.bucket):
-        decoder.step(token, pos)
-    torch.cuda.synchronize()
-    back = torch.zeros(1, dtype=torch.long).pin_memory()
-    ready = torch.cuda.Event()
-
-    def decode() -> None:
-        tok = token
-        for pos in range(start, start + new_tokens):
-            logits = decoder.step(tok, pos)
-            if pos > start:
-                ready.synchronize()
-                int(back[0])  # the previous token, read while this step runs
-            tok = logits[0].argmax().view(1)
-            back.copy_(tok, non_blocking=True)
-            ready.record()
-        ready.synchronize()
-        int(back[0])
-
-    return new_tokens / cuda_time(decode, repeat=3, warmup=1)
+def _rate(seq: Any) -> float:
+    """Decode tok/s of a finished sequence: its tokens after the first over the time
+    between the first and the last, as each came back to the host."""
+    times = seq.token_times
+    return float((len(times) - 1) / (times[-1] - times[0]))
 
 
 def _attempt(measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -176,72 +159,85 @@ def _attempt(measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         return {"error": f"{type(err).__name__}: {err}"}
 
 
+# The CUDA rows: the engine the shipped GPU profile serves, then the same with one
+# profile field changed (what each default was chosen against), on a checkpoint
+# quantized at the group size `edgectl build` uses, and on one at group 128.
+CUDA_VARIANTS: dict[str, tuple[int, dict[str, Any]]] = {
+    "served": (SERVING_GROUP, {}),
+    "bfloat16": (SERVING_GROUP, {"dtype": "bfloat16"}),
+    "triton": (SERVING_GROUP, {"cuda_kernel": "triton"}),
+    "torch-int4": (SERVING_GROUP, {"cuda_kernel": "torch"}),
+    "float-table": (SERVING_GROUP, {"embedding": "float"}),
+    "int4-table": (SERVING_GROUP, {"embedding": "int4"}),
+    "no-graphs": (SERVING_GROUP, {"cuda_graphs": False}),
+    "g128": (128, {}),
+    "g128-bfloat16": (128, {"dtype": "bfloat16"}),
+}
+
+
+def _describe(engine: TextEngine) -> str:
+    c = engine.config()
+    step = "fused step" if c["fused_step"] else "per-op step"
+    folded = ", norms folded" if c["fold_norms"] else ""
+    graphs = "CUDA graphs" if c["cuda_graphs"] else "no graphs"
+    return (
+        f"edge INT4 g{c['group_size']}, {c['kernel']} GEMV, {c['dtype']}, {step}{folded}, {graphs}, "
+        f"{c['embedding']} token table"
+    )
+
+
 def ours_cuda(
-    config: LlamaConfig,
-    kernel: str,
+    checkpoint: Path,
+    changes: dict[str, Any],
     prompt_len: int,
     new_tokens: int,
     long_context: int,
     bandwidth: float,
-    embedding: str = "int8",
     batch_sizes: tuple[int, ...] = (),
     profile: bool = False,
 ) -> dict[str, Any]:
-    """One model: TTFT of a `prompt_len` prompt, decode after it and after `long_context`
-    tokens, peak memory with a cache of `long_context + prompt_len` tokens (llama-bench's
-    largest context for the same test), then the in-graph kernel profile and continuous
-    batching at `batch_sizes`."""
-    from edge.text.model.embedding import compact_embedding
-    from edge.text.ops.int4 import tune_gemv
-
-    torch.cuda.empty_cache()
-    variant = kernel
-    kernel = kernel.split("+")[0]
-    model = random_int4_llama(config, "cuda", kernel)
-    model.fold_norms = not variant.endswith("+unfolded")
-    compact_embedding(model, embedding)  # type: ignore[arg-type]
-    tune_gemv(model, torch.bfloat16)  # at load, as serving does: its timing copies are gone before the peak
+    """One engine the daemon would build from the shipped GPU profile with `changes`:
+    TTFT of a `prompt_len` prompt, decode after it and after `long_context` tokens, peak
+    memory with a KV row of `long_context + prompt_len` tokens (llama-bench's largest
+    context for the same test), then the in-graph profile and continuous batching at
+    `batch_sizes` (a second engine of the same section with that many rows)."""
     _release()
+    torch.cuda.reset_peak_memory_stats()
+    cache_len = long_context + prompt_len
+    engine = load_engine(checkpoint, "cuda", max_sequences=1, max_context_tokens=cache_len, **changes)
+    load_peak = torch.cuda.max_memory_allocated()
     row = {
-        "name": f"edge INT4 g128, {DECODE_NAMES[variant]}, CUDA graphs, {embedding} token table",
-        "embedding": embedding,
-        **single_sequence(model, variant, prompt_len, new_tokens, long_context, bandwidth, profile),
+        "name": _describe(engine),
+        "changed": changes,
+        **single_sequence(engine, prompt_len, new_tokens, long_context, bandwidth, profile),
+        "load_peak_gib": load_peak / GIB,
+        **engine_fields(engine),
     }
-    _release()  # the cache and graphs of the single sequence are gone: the batcher has its own
+    del engine
+    _release()
     if batch_sizes:
         try:
-            row["batched"] = batched(model, prompt_len, new_tokens, batch_sizes)
+            row["batched"] = batched(checkpoint, changes, prompt_len, new_tokens, batch_sizes)
         except Exception as err:  # the batch-1 row stands
             row["batched_error"] = f"{type(err).__name__}: {err}"
     return row
 
 
 def single_sequence(
-    model: Any, variant: str, prompt_len: int, new_tokens: int, long_context: int, bandwidth: float, profile: bool
+    engine: TextEngine, prompt_len: int, new_tokens: int, long_context: int, bandwidth: float, profile: bool
 ) -> dict[str, Any]:
-    """ours_cuda's batch-1 figures; what it allocates is freed when it returns."""
-    from edge.text.ops.int4 import share_dequant_buffer
-    from edge.text.runtime import fused_prefill
-    from edge.text.runtime.cuda_graphs import GraphDecoder
-    from edge.text.runtime.fused_prefill import PrefillGraphs
-
+    """ours_cuda's batch-1 figures, every one through the engine's batcher as a job runs."""
+    model = engine.model
     config: LlamaConfig = model.config
-    cache_len = long_context + prompt_len
-    cache = KVCache(config, 1, cache_len, torch.bfloat16, torch.device("cuda"))
-    ids = torch.randint(0, config.vocab_size, (1, prompt_len), device="cuda")
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, config.vocab_size, (prompt_len,), generator=gen).tolist()
+    long_prompt = torch.randint(0, config.vocab_size, (long_context,), generator=gen).tolist()
+    ids = torch.tensor([prompt], device="cuda")
 
-    def eager_prefill() -> torch.Tensor:
-        logits: torch.Tensor = model(ids, cache, 0)
-        return logits[0, -1].argmax()
+    def eager_prefill() -> None:
+        model(ids, engine.batcher.cache.rows(0, 1), 0)
 
-    # The op-by-op prefill of the same prompt, for comparison: timed before anything is
-    # captured and outside the peak window (serving runs it only for prompts longer than
-    # the largest graph bucket, which the long context below stands for).
-    ttft_eager = cuda_time(eager_prefill, repeat=10, warmup=3)
-    _release()
-    share_dequant_buffer(model, torch.bfloat16)  # as serving's load does, before any capture
-    # From here: what serving holds (the float table made by the random model's builder
-    # and replaced by its compact form is not).
+    # From here: what serving holds once loaded and warmed up.
     torch.cuda.reset_peak_memory_stats()
     phases: dict[str, dict[str, float]] = {"held": {"allocated_gib": torch.cuda.memory_allocated() / GIB}}
 
@@ -255,44 +251,32 @@ def single_sequence(
         }
         torch.cuda.reset_peak_memory_stats()
 
-    if variant.endswith("+ops"):
-        model.fused_decode = False  # the torch per-op step around the same INT4 GEMVs
-    # TTFT as serving prefills a fresh prompt: its length bucket's captured graph
-    # (fused_prefill.PrefillGraphs, what the batcher runs) where the model allows it.
-    decoder = GraphDecoder(model, cache)
-    prompt_graphs = PrefillGraphs(model, cache, pool=decoder.pool) if fused_prefill.supported(model) else None
-    if prompt_graphs is not None:
-        prompt_graphs.capture_all()
-        prompt = ids[0].tolist()
-        prefill: Callable[[], torch.Tensor] = lambda: prompt_graphs.run(prompt, 0).argmax()  # noqa: E731
-    else:
-        prefill = eager_prefill
-    phase("prefill_capture")
-    ttft = cuda_time(prefill, repeat=10, warmup=3)
-    token = prefill().view(1)
+    # The op-by-op prefill of the same prompt, for comparison (what serves a prompt
+    # longer than the largest captured prefill bucket).
+    ttft_eager = cuda_time(eager_prefill, repeat=10, warmup=3)
+    phase("eager_prefill")
+    # TTFT as a job sees it: a row granted, the prompt prefilled (its bucket's captured
+    # graph where the model allows it), the first token chosen and back on the host.
+    ttft = cuda_time(lambda: engine.generate(prompt, fixed(1)), repeat=10, warmup=3)
     phase("prefill")
-    tok_s = _decode_rate(decoder, token, prompt_len, new_tokens)
+    tok_s = statistics.median(_rate(engine.generate(prompt, fixed(new_tokens))) for _ in range(3))
     phase("decode")
-    # The long context: its prompt prefilled in pieces of prompt_len, then decode.
-    long_ids = torch.randint(0, config.vocab_size, (1, long_context), device="cuda")
-    for start in range(0, long_context, prompt_len):
-        model(long_ids[:, start : start + prompt_len], cache, start)
-    phase("long_prefill")
-    tok_s_4k = _decode_rate(decoder, token, long_context, new_tokens)
+    # The long context: its prompt prefilled as one, then decode.
+    tok_s_4k = statistics.median(_rate(engine.generate(long_prompt, fixed(new_tokens))) for _ in range(3))
     phase("decode_4k")
     peak = max(p.get("peak_gib", 0.0) for p in phases.values()) * GIB
     reserved = max(p.get("peak_reserved_gib", 0.0) for p in phases.values()) * GIB
     # What the profiles capture is not serving's memory: measured after the peak.
-    steps_profile = _attempt(lambda: graph_profile(model, decoder, token, prompt_len, bandwidth)) if profile else None
+    steps_profile = _attempt(lambda: graph_profile(engine, prompt, bandwidth)) if profile else None
     gemv_in_graphs = _attempt(lambda: gemv_graphs(model, bandwidth)) if profile and model.fused_decode else None
     weights = int4_weight_bytes(model) + 2 * config.hidden_size * (2 * config.num_layers + 1)
-    kv_token = config.kv_bytes_per_token(torch.bfloat16)
+    kv_token = config.kv_bytes_per_token(engine.dtype)
 
     def per_token(context: int) -> int:
         return weights + kv_token * (context + new_tokens // 2) + config.hidden_size * 2
 
     row: dict[str, Any] = {
-        "kernel": variant,
+        "kernel": engine.int4_kernel,
         "fused_decode": bool(model.fused_decode),
         "decode_tok_s": tok_s,
         "decode_tok_s_4k": tok_s_4k,
@@ -303,40 +287,38 @@ def single_sequence(
         "roofline_fraction_4k": tok_s_4k / (bandwidth / per_token(long_context)),
         "ttft_ms": ttft * 1000,
         "ttft_eager_ms": ttft_eager * 1000,
-        "prefill_graphs": prompt_graphs is not None,
+        "prefill_graphs": engine.batcher.prefill_graphs is not None,
         "peak_gib": peak / GIB,
         "peak_reserved_gib": reserved / GIB,
         "memory_phases": phases,
-        "kv_cache_tokens": cache_len,
+        "kv_cache_tokens": engine.batcher.slot_len,
     }
     if steps_profile is not None:
         row["graph_profile"] = steps_profile
     if gemv_in_graphs is not None:
         row["gemv_graphs"] = gemv_in_graphs
-    decoder.graphs.clear()  # its captured graphs hold memory the batcher needs
-    if prompt_graphs is not None:
-        prompt_graphs.graphs.clear()
     return row
 
 
-def batched(model: Any, prompt_len: int, new_tokens: int, sizes: tuple[int, ...]) -> list[dict[str, Any]]:
-    """Aggregate tok/s of n sequences decoded together by the serving batcher
-    (edge/text/runtime/continuous.py: continuous batching, steps replayed as CUDA graphs, tokens
-    chosen on the GPU), each sequence prefilled alone when it joins."""
-    from edge.text.runtime.continuous import ContinuousBatcher, Sequence
-    from edge.text.runtime.generate import SamplingParams
-
-    batcher = ContinuousBatcher(model, None, frozenset(), slots=max(sizes), slot_len=prompt_len + new_tokens + 1)
-    batcher.warm_up(prefill_lengths=(prompt_len,))
-    batcher.capture_graphs()
+def batched(
+    checkpoint: Path, changes: dict[str, Any], prompt_len: int, new_tokens: int, sizes: tuple[int, ...]
+) -> list[dict[str, Any]]:
+    """Aggregate tok/s of n sequences decoded together by the engine's batcher
+    (continuous batching, steps replayed as CUDA graphs, tokens chosen on the GPU), each
+    sequence prefilled alone when it joins: the same section with max(sizes) rows."""
+    engine = load_engine(
+        checkpoint, "cuda", max_sequences=max(sizes), max_context_tokens=prompt_len + new_tokens + 1, **changes
+    )
     gen = torch.Generator().manual_seed(1)
     out = []
     for n in sizes:
-        prompts = [torch.randint(0, model.config.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(n)]
-        seqs = [Sequence(i, p, SamplingParams(max_new_tokens=new_tokens)) for i, p in enumerate(prompts)]
+        prompts = [
+            torch.randint(0, engine.model.config.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(n)
+        ]
+        seqs = [engine.sequence(p, fixed(new_tokens), i) for i, p in enumerate(prompts)]
         torch.cuda.synchronize()
         started = time.perf_counter()
-        batcher.run_all(seqs)
+        engine.batcher.run_all(seqs)
         torch.cuda.synchronize()
         wall = time.perf_counter() - started
         tokens = sum(len(s.tokens) for s in seqs)
@@ -350,7 +332,7 @@ def batched(model: Any, prompt_len: int, new_tokens: int, sizes: tuple[int, ...]
                 "seconds": wall,
             }
         )
-    del batcher
+    del engine
     _release()
     return out
 
@@ -398,13 +380,12 @@ def gemv_graphs(model: Any, bandwidth: float, repeat: int = 20) -> dict[str, Any
     return out
 
 
-def graph_profile(
-    model: Any, decoder: Any, token: torch.Tensor, start: int, bandwidth: float, steps: int = 8
-) -> dict[str, Any]:
-    """Where a replayed decode step's time goes, from the GPU's own kernel records (CUPTI,
-    through torch.profiler) of `steps` graph replays: the step's span, the time kernels
-    run, the gaps between them, time per kernel, and each INT4 GEMV's time and achieved
-    bandwidth by matrix (the GEMVs come in layer order: qkv, o, gate_up, down, ..., lm_head)."""
+def graph_profile(engine: TextEngine, prompt: list[int], bandwidth: float, steps: int = 8) -> dict[str, Any]:
+    """Where a served decode step's time goes, from the GPU's own kernel records (CUPTI,
+    through torch.profiler) of `steps` steps of the engine's batcher decoding one
+    sequence: the step's span, the time kernels run, the gaps between them, time per
+    kernel, and each INT4 GEMV's time and achieved bandwidth by matrix (the GEMVs come in
+    layer order: qkv, o, gate_up, down, ..., lm_head)."""
     import tempfile
 
     from torch.profiler import ProfilerActivity
@@ -412,13 +393,23 @@ def graph_profile(
 
     from edge.text.ops.int4 import Int4Linear
 
-    for i in range(2):
-        decoder.step(token, start + i)
-    torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(steps):
-            decoder.step(token, start + i)
+    model, batcher = engine.model, engine.batcher
+    seq = engine.sequence(prompt, fixed(steps + 4), "profile")
+    slot = batcher.kv.allocate_slots("profile", len(prompt) + steps + 4)
+    assert slot is not None
+    try:
+        batcher.admit(seq, slot)
+        for _ in range(2):
+            batcher.step()
         torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                batcher.step()
+            torch.cuda.synchronize()
+        while seq.finish is None:
+            batcher.step()
+    finally:
+        batcher.kv.free(slot)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.loads(Path(f.name).read_text())
@@ -477,73 +468,88 @@ def graph_profile(
     }
 
 
-DECODE_NAMES = {
-    "cuda-mma": "fused step, CUDA tensor-core GEMV",
-    "cuda-mma+unfolded": "fused step, CUDA tensor-core GEMV, RMSNorm kernels kept",
-    "triton": "fused Triton step",
-    "triton+ops": "Triton GEMV + torch ops",
-    "cuda": "torch tiled INT4 + torch ops",
-}
+CHECK_SHAPE = LlamaConfig(
+    vocab_size=1024, hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=2, intermediate_size=1536
+)
 
 
-def check_cuda(kernels: list[str], embedding: str = "float") -> dict[str, float]:
-    """Relative error of each kernel's logits (prefill and graph decode) against the
-    dequantize-then-matmul reference, on a small random model with the same weights (and
-    the same compact token table, looked up inside the graphs)."""
-    from edge.text.model.embedding import QuantizedEmbedding, compact_embedding
-    from edge.text.ops.int4 import share_dequant_buffer
-    from edge.text.runtime import fused_prefill
-    from edge.text.runtime.fused_prefill import PrefillGraphs
+def _served_logits(engine: TextEngine, prompt: list[int], steps: int) -> tuple[list[torch.Tensor], list[int]]:
+    """The next-token logits a sequence gets as the engine's batcher serves it: after its
+    prefill, then after each decode step (CUDA graphs, tokens chosen on the GPU), with
+    the tokens chosen."""
+    batcher = engine.batcher
+    seq = engine.sequence(prompt, fixed(steps), "check")
+    slot = batcher.kv.allocate_slots("check", len(prompt) + steps)
+    assert slot is not None
+    got: list[torch.Tensor] = []
+    try:
+        batcher.admit(seq, slot)
+        while seq.finish is None:
+            assert seq.logits is not None
+            got.append(seq.logits.float().cpu().clone())
+            batcher.step()
+    finally:
+        batcher.kv.free(slot)
+    return got, seq.tokens
 
-    config = LlamaConfig(
-        vocab_size=1024, hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=2, intermediate_size=1536
-    )
-    # A fixed prompt: the figure is the same from run to run for the same kernels.
-    fixed = torch.Generator("cuda").manual_seed(7)
-    ids = torch.randint(0, config.vocab_size, (1, 40), device="cuda", generator=fixed)
-    ref_model = random_int4_llama(config, "cuda", "dequant", dtype=torch.float32, seed=3)
-    # The reference reads the served models' own token table (their bfloat16 one, or its
-    # compact form), in float32: only the kernels differ, not the weights. A table
-    # compacted from the float32 draws instead would round to other codes, and that
-    # difference alone moves the logits by up to 3% on some prompts.
-    served = random_int4_llama(config, "cuda", "dequant", seed=3)
-    if compact_embedding(served, embedding):  # type: ignore[arg-type]
-        assert isinstance(served.embed_tokens, QuantizedEmbedding)
-        ref_model.embed_tokens = served.embed_tokens.with_dtype(torch.float32)
-    else:
-        assert isinstance(served.embed_tokens, torch.nn.Embedding)
-        table = served.embed_tokens.weight.detach().float()
-        ref_model.embed_tokens.weight = torch.nn.Parameter(table, requires_grad=False)
-    del served
-    ref_cache = KVCache(config, 1, 64, torch.float32, torch.device("cuda"))
-    ref = ref_model(ids, ref_cache, 0, last_only=False)[0]
+
+def check_cuda(names: list[str]) -> dict[str, float]:
+    """Relative error of each variant's logits against the exact float32 CPU engine of the
+    same checkpoint (a small random one, at the variant's group size): the op-by-op
+    prefill, the first token's logits as served, and the worst decode step as served."""
+    import tempfile
+
+    from engines.text.random_llama import write_random_checkpoint
+
     errors: dict[str, float] = {}
-    for kernel in kernels:
-        from edge.text.runtime.cuda_graphs import GraphDecoder
+    # A fixed prompt: the figure is the same from run to run for the same kernels.
+    prompt = torch.randint(0, CHECK_SHAPE.vocab_size, (32,), generator=torch.Generator().manual_seed(7)).tolist()
+    with tempfile.TemporaryDirectory() as tmp:
+        paths: dict[int, Path] = {}
+        for name in names:
+            group, changes = CUDA_VARIANTS[name]
+            if group not in paths:
+                paths[group] = write_random_checkpoint(Path(tmp) / f"g{group}", CHECK_SHAPE, group=group, seed=3)
+            engine = load_engine(paths[group], "cuda", max_sequences=1, max_context_tokens=64, **changes)
+            reference = load_engine(
+                paths[group],
+                "cpu",
+                warm=False,
+                max_sequences=1,
+                max_context_tokens=64,
+                dtype="float32",
+                cpu_kernel="exact",
+            )
+            # The reference reads the checked engine's own token table (its compact codes,
+            # or its float table) in float32: only the kernels differ, not the table's
+            # rounding, which alone moves the logits by up to 3% on some prompts.
+            table = engine.model.embed_tokens
+            if isinstance(table, QuantizedEmbedding):
+                reference.model.embed_tokens = table.with_dtype(torch.float32).to("cpu")
+            else:
+                reference.model.embed_tokens.weight.data.copy_(table.weight.detach().float().cpu())
+            served, tokens = _served_logits(engine, prompt, 8)
+            path = prompt + tokens[: len(served) - 1]
+            ref_model = reference.model
+            with torch.inference_mode():
+                ref = ref_model(torch.tensor([path]), ref_model.new_cache(1, len(path)), 0, last_only=False)[0]
+                eager = (
+                    engine.model(
+                        torch.tensor([prompt], device="cuda"), engine.batcher.cache.rows(0, 1), 0, last_only=False
+                    )[0]
+                    .float()
+                    .cpu()
+                )
+            n = len(prompt)
 
-        model = random_int4_llama(config, "cuda", kernel.split("+")[0], seed=3)
-        compact_embedding(model, embedding)  # type: ignore[arg-type]
-        model.fused_decode = False if kernel.endswith("+ops") else None
-        model.fold_norms = not kernel.endswith("+unfolded")
-        cache = KVCache(config, 1, 64, torch.bfloat16, torch.device("cuda"))
-        got = model(ids[:, :32], cache, 0, last_only=False)[0]
-        errors[f"{kernel}_prefill"] = float((got - ref[:32]).norm() / ref[:32].norm())
-        decoder = GraphDecoder(model, cache, bucket=16)
-        worst = 0.0
-        for pos in range(32, 40):
-            step = decoder.step(ids[0, pos : pos + 1], pos)[0]
-            worst = max(worst, float((step - ref[pos]).norm() / ref[pos].norm()))
-        errors[f"{kernel}_graph_decode"] = worst
-        if fused_prefill.supported(model):
-            # The fused prefill as the batcher runs it: a captured bucket (the prompt
-            # padded to it), slabs dequantized into the shared buffer.
-            share_dequant_buffer(model, torch.bfloat16)
-            fresh = KVCache(config, 1, 64, torch.bfloat16, torch.device("cuda"))
-            graphs = PrefillGraphs(model, fresh, buckets=(16, 64))
-            graphs.capture_all()
-            logits = graphs.run(ids[0].tolist(), 0)
-            errors[f"{kernel}_fused_prefill"] = float((logits - ref[-1]).norm() / ref[-1].norm())
-            del graphs
+            def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+                return float((got - want).norm() / want.norm())
+
+            errors[f"{name}_prefill"] = rel(eager, ref[:n])
+            errors[f"{name}_first_token"] = rel(served[0], ref[n - 1])
+            errors[f"{name}_decode"] = max(rel(served[i], ref[n - 1 + i]) for i in range(1, len(served)))
+            del engine, reference
+            _release()
     return errors
 
 
@@ -634,16 +640,20 @@ class PeerBuild(threading.Thread):
 
 
 def run_cuda(args: argparse.Namespace) -> dict[str, Any]:
+    import tempfile
+
+    from engines.text.random_llama import write_random_checkpoint
+
     config = LLAMA3_8B
     props = torch.cuda.get_device_properties(0)
     builder = None
     if args.llamacpp_src is not None:
         builder = PeerBuild(args, f"{props.major}{props.minor}")
         builder.start()
-    checks = check_cuda(args.kernels, args.embedding[0])
-    print("kernel checks (relative error vs float reference):", json.dumps(checks))
+    checks = check_cuda(args.variants)
+    print("kernel checks (relative error vs the exact float32 CPU engine):", json.dumps(checks))
     if any(not (e < 2e-2) for e in checks.values()):
-        raise SystemExit("a kernel disagrees with the reference; not timing it")
+        raise SystemExit("a variant disagrees with the reference; not timing it")
     spin_up()
     bandwidth = copy_bandwidth()
     kernels = {} if args.skip_kernels else bench_kernels()
@@ -666,33 +676,44 @@ def run_cuda(args: argparse.Namespace) -> dict[str, Any]:
     if not args.skip_baseline:
         keep(hf_baseline(config, args.prompt, args.new_tokens))
         _release()
-    cap = args.cap_gib * GIB / props.total_memory
-    torch.cuda.set_per_process_memory_fraction(cap)
-    variants = [(k, args.embedding[0]) for k in args.kernels]
-    fused = [k for k in args.kernels if k in FUSED_KERNELS]
-    variants += [(fused[0], e) for e in args.embedding[1:] if fused]
-    first = True
-    for kernel, table in variants:
-        spin_up(1.0)
-        detail = kernel in FUSED_KERNELS and first
-        try:
-            row = ours_cuda(
-                config,
-                kernel,
-                args.prompt,
-                args.new_tokens,
-                LONG_CONTEXT,
-                bandwidth,
-                table,
-                batch_sizes=tuple(args.batch) if detail else (),
-                profile=detail,
-            )
-            first = first and not detail
-            keep(row)
-        except Exception as err:  # report a failing variant, keep measuring the others
-            keep({"name": f"edge INT4 ({kernel}, {table} table)", "error": f"{type(err).__name__}: {err}"})
-        _release()
-    torch.cuda.set_per_process_memory_fraction(1.0)
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        checkpoints: dict[int, Path] = {}
+        for name in args.variants:
+            group = CUDA_VARIANTS[name][0]
+            if group not in checkpoints:
+                checkpoints[group] = write_random_checkpoint(
+                    Path(tmp) / f"llama3-8b-int4-g{group}", config, device="cuda", group=group, seed=3
+                )
+                _release()
+        # Capped as the daemon is: the budget the shipped profile gives the process.
+        torch.cuda.set_per_process_memory_fraction(args.cap_gib * GIB / props.total_memory)
+        for name in args.variants:
+            group, changes = CUDA_VARIANTS[name]
+            spin_up(1.0)
+            detail = name == "served"
+            try:
+                row = ours_cuda(
+                    checkpoints[group],
+                    changes,
+                    args.prompt,
+                    args.new_tokens,
+                    LONG_CONTEXT,
+                    bandwidth,
+                    batch_sizes=tuple(args.batch) if detail else (),
+                    profile=detail,
+                )
+                keep({"variant": name, **row})
+            except Exception as err:  # report a failing variant, keep measuring the others
+                keep(
+                    {
+                        "variant": name,
+                        "name": f"edge ({name})",
+                        "changed": changes,
+                        "error": f"{type(err).__name__}: {err}",
+                    }
+                )
+            _release()
+        torch.cuda.set_per_process_memory_fraction(1.0)
     peer = None
     if args.llamacpp_src is not None:
         try:
@@ -701,17 +722,18 @@ def run_cuda(args: argparse.Namespace) -> dict[str, Any]:
             keep(peer_row(peer, config, args.prompt, args.new_tokens, bandwidth))
         except Exception as err:  # our rows stand; the failure is said in the table
             keep({"name": "llama.cpp", "error": f"{type(err).__name__}: {err}"})
-        ours = [r for r in rows if r["name"].startswith("edge") and "decode_tok_s" in r]
-        if ours and peer is not None:
-            best = max(ours, key=lambda r: r["decode_tok_s"])
-            theirs = rows[-1]
+        served = [r for r in rows if r.get("served") and "decode_tok_s" in r]
+        if served and peer is not None and "decode_tok_s" in rows[-1]:
+            ours, theirs = served[0], rows[-1]
             peer["vs"] = {
-                "row": best["name"],
-                "decode_512": best["decode_tok_s"] / theirs["decode_tok_s"],
-                "decode_4096": best["decode_tok_s_4k"] / theirs["decode_tok_s_4k"],
-                "ttft_512": theirs["ttft_ms"] / best["ttft_ms"],
-                "peak_memory": best["peak_gib"] / theirs["peak_gib"],
+                "row": ours["name"],
+                "decode_512": ours["decode_tok_s"] / theirs["decode_tok_s"],
+                "decode_4096": ours["decode_tok_s_4k"] / theirs["decode_tok_s_4k"],
+                "ttft_512": theirs["ttft_ms"] / ours["ttft_ms"],
+                "peak_memory": ours["peak_gib"] / theirs["peak_gib"],
             }
+    measured = [r for r in rows if r.get("name", "").startswith("edge") and "decode_tok_s" in r]
+    served_rows = [r for r in measured if r.get("served")]
     return {
         "device": props.name,
         "torch": torch.__version__,
@@ -724,6 +746,11 @@ def run_cuda(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_tokens": args.prompt,
         "new_tokens": args.new_tokens,
         "long_context_tokens": LONG_CONTEXT,
+        # The served row's decode over the fastest edge row's: whether the shipped
+        # default is the fast one.
+        "served_over_fastest": (
+            served_rows[0]["decode_tok_s"] / max(r["decode_tok_s"] for r in measured) if served_rows else None
+        ),
         "rows": rows,
     }
 
@@ -809,13 +836,13 @@ def print_cuda(result: dict[str, Any]) -> None:
 CPU_PROMPT = "Explain in a few sentences why hand hygiene matters in a hospital ward."
 
 
-def _ours_cpu(path: Path, prompt_ids: list[int], new_tokens: int, repeat: int, threads: int) -> dict[str, Any]:
-    """The CPU engine the daemon builds from the shipped cpu-dev profile, serving `path`:
-    one sequence through its batcher, the decode rate as the daemon reports it."""
-    from bench.text_engines import engine_fields, load_engine
-    from edge.text.runtime.generate import SamplingParams
-
-    engine = load_engine(path, "cpu", threads=threads, max_context_tokens=len(prompt_ids) + new_tokens + 1)
+def _ours_cpu(
+    path: Path, prompt_ids: list[int], new_tokens: int, repeat: int, threads: int, **changes: Any
+) -> dict[str, Any]:
+    """The CPU engine the daemon builds from the shipped cpu-dev profile with `changes`,
+    serving `path`: one sequence through its batcher, the decode rate as the daemon
+    reports it."""
+    engine = load_engine(path, "cpu", threads=threads, max_context_tokens=len(prompt_ids) + new_tokens + 1, **changes)
     rates, made = [], []
     for _ in range(repeat + 1):
         seq = engine.generate(prompt_ids, SamplingParams(max_new_tokens=new_tokens))
@@ -919,6 +946,10 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
         ("llama.cpp (xllamacpp, same GGUF)", lambda: _llamacpp_cpu(gguf, prompt, args.new_tokens, args.threads)),
         ("transformers FP32 generate", lambda: _hf_cpu(gguf, prompt_ids, args.new_tokens, 2)),
         ("edge AWQ INT4 g32 + clinic adapter (served)", lambda: _ours_cpu(served, prompt_ids, args.new_tokens, 3, t)),
+        (
+            "edge AWQ INT4 g32 + clinic adapter, torch's bfloat16 kernel",
+            lambda: _ours_cpu(served, prompt_ids, args.new_tokens, 3, t, cpu_kernel="bf16"),
+        ),
         ("edge AWQ INT4 g128", lambda: _ours_cpu(awq128, prompt_ids, args.new_tokens, 3, t)),
         ("edge float32", lambda: _ours_cpu(base, prompt_ids, args.new_tokens, 3, t)),
     ]
@@ -973,11 +1004,14 @@ def main() -> None:
     parser.add_argument("--cache", type=int, default=4096, help="cuda: KV cache tokens")
     parser.add_argument("--cap-gib", type=float, default=8.0, help="cuda: per-process memory cap")
     parser.add_argument(
-        "--kernels",
+        "--variants",
         nargs="+",
-        default=list(DECODE_NAMES),
-        choices=list(DECODE_NAMES),
-        help="cuda: decode variants to measure",
+        default=list(CUDA_VARIANTS),
+        choices=list(CUDA_VARIANTS),
+        help="cuda: the served engine and the profile-field variants to measure (CUDA_VARIANTS)",
+    )
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="cuda: where the random checkpoints are written (a temporary folder)"
     )
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--skip-kernels", action="store_true", help="cuda: no per-shape kernel timings outside graphs")
@@ -988,13 +1022,6 @@ def main() -> None:
     )
     parser.add_argument("--llamacpp-work", type=Path, default=Path("/tmp/edge-llamacpp"), help="its build directory")
     parser.add_argument("--llamacpp-jobs", type=int, default=16)
-    parser.add_argument(
-        "--embedding",
-        nargs="+",
-        default=["int8"],
-        choices=["int8", "int4", "float"],
-        help="cuda: the token table of each row (the first for every kernel, the others for the fused step)",
-    )
     parser.add_argument(
         "--batch", nargs="*", type=int, default=[1, 2, 4, 8], help="cuda: sequences decoded together by the batcher"
     )

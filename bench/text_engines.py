@@ -14,6 +14,7 @@ from edge.config.loader import load_profile
 from edge.config.profile import Profile
 from edge.config.text import QAModelConfig
 from edge.text.engine import TextEngine, variant
+from edge.text.runtime.generate import SamplingParams
 from engines.text.text_build import SERVING_GROUP
 
 # The profile a device ships with: what `edgectl serve` runs there unless told otherwise.
@@ -45,6 +46,15 @@ def load_engine(checkpoint: Path, device: str, warm: bool = True, **changes: Any
     return TextEngine.load(checkpoint, cfg, origin=origin, warm=warm)
 
 
+def profile_engine(profile: Path, origin: dict[str, Any]) -> TextEngine:
+    """The engine a whole profile file's qa section builds, as `edgectl serve` with that
+    profile builds it; `origin` names the shipped profile and the fields it changed."""
+    cfg = load_profile(profile).models.qa
+    if cfg.engine is None:
+        raise ValueError(f"{profile}: models.qa.engine is not set")
+    return TextEngine.load(cfg.engine, cfg, origin=origin)
+
+
 def is_served(config: dict[str, Any]) -> bool:
     """Whether an engine's resolved configuration is what the shipped profile serves on
     its device: built from that profile, changing only neutral fields, from a checkpoint
@@ -62,3 +72,9 @@ def engine_fields(engine: TextEngine) -> dict[str, Any]:
     """The two keys every text figure row carries."""
     config = engine.config()
     return {"engine_config": config, "served": is_served(config)}
+
+
+def fixed(new_tokens: int) -> SamplingParams:
+    """Greedy, exactly `new_tokens` tokens: a timed or compared run does not end where the
+    model would stop."""
+    return SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)

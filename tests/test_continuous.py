@@ -163,3 +163,20 @@ def test_a_sequence_paused_mid_prefill_starts_its_prefill_again(ckpt: TextCheckp
     while batcher.running:
         finish(batcher, batcher.step())
     assert first.tokens == _alone(ckpt, prompts[0], 10) and second.tokens == _alone(ckpt, prompts[1], 10)
+
+
+def test_ignore_eos_runs_every_token_the_model_would_have_stopped_at(ckpt: TextCheckpoint) -> None:
+    # Every token an end of text: a sequence stops at its first, unless it ignores them
+    # (a timed or compared run that must decode exactly its tokens).
+    every = frozenset(range(ckpt.model.config.vocab_size))
+    batcher = ContinuousBatcher(ckpt.model, ckpt.tokenizer, every, slots=2, slot_len=128)
+    ids = _prompt(ckpt, "Name a colour.")
+    stops, runs = batcher.run_all(
+        [
+            Sequence("stops", ids, SamplingParams(max_new_tokens=6)),
+            Sequence("runs", ids, SamplingParams(max_new_tokens=6, ignore_eos=True)),
+        ]
+    )
+    assert (stops.finish, len(stops.tokens)) == ("eos", 0)
+    assert (runs.finish, len(runs.tokens)) == ("length", 6)
+    assert runs.tokens == _alone(ckpt, ids, 6)

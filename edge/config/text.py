@@ -107,6 +107,14 @@ class QAModelConfig(StrictModel):
         "'bf16' (torch's tiled kernel: faster prefill, every product rounded to bfloat16, so about one "
         "greedy answer in ten strays from the model's). 'exact' falls back to 'bf16' without a C compiler.",
     )
+    cuda_kernel: Literal["auto", "cuda-mma", "triton", "torch"] = Field(
+        default="auto",
+        title="CUDA INT4 kernel",
+        description="On CUDA, the INT4 products' kernel: 'cuda-mma' (ours, on the tensor cores, built by nvcc "
+        "on the box for its GPU), 'triton' (ours, in Triton) or 'torch' (torch's tiled INT4 kernel). 'auto' "
+        "is cuda-mma where it builds, else triton where Triton is installed, else torch. A layer a kernel "
+        "cannot take falls back to the next, and the log says which and why.",
+    )
     embedding: Literal["auto", "float", "int8", "int4"] = Field(
         default="auto",
         title="Token table",

@@ -9,6 +9,7 @@ resolved to (`config`), so every figure it measured names what it ran."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -25,8 +26,9 @@ from edge.text.kv.prefix_cache import PrefixCache
 from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint
 from edge.text.model.embedding import EmbeddingFormat, QuantizedEmbedding
 from edge.text.ops.cpu import cpu_kv
+from edge.text.ops.cuda import cuda_int4
 from edge.text.ops.int4 import share_dequant_buffer, tune_gemv
-from edge.text.ops.triton import decode_ops
+from edge.text.ops.triton import decode_ops, triton_int4
 from edge.text.prompt import Prompter
 from edge.text.runtime import fused_step
 from edge.text.runtime.continuous import ContinuousBatcher, Sequence
@@ -49,6 +51,18 @@ def resolve_embedding(cfg: QAModelConfig) -> EmbeddingFormat:
     if cfg.embedding == "auto":
         return "int8" if cfg.device == "cuda" else "float"
     return cfg.embedding
+
+
+def cuda_kernel(cfg: QAModelConfig) -> str | None:
+    """The INT4 kernel a CUDA section names, checked against what this box can run (None:
+    the device's default; on the CPU cpu_kernel decides)."""
+    if cfg.device != "cuda" or cfg.cuda_kernel == "auto":
+        return None
+    if cfg.cuda_kernel == "cuda-mma" and not cuda_int4.available(cfg.device):
+        raise RuntimeError("models.qa.cuda_kernel cuda-mma is not built here (nvcc missing or failed; see the log)")
+    if cfg.cuda_kernel == "triton" and not triton_int4.TRITON_SUPPORT:
+        raise RuntimeError("models.qa.cuda_kernel triton needs Triton, which is not installed here")
+    return {"torch": "cuda"}.get(cfg.cuda_kernel, cfg.cuda_kernel)
 
 
 def resolve_dtype(cfg: QAModelConfig) -> torch.dtype:
@@ -143,6 +157,7 @@ class TextEngine:
             path,
             dtype=resolve_dtype(cfg),
             device=cfg.device,
+            int4_kernel=cuda_kernel(cfg),
             exact_cpu=cfg.cpu_kernel == "exact",
             embedding=resolve_embedding(cfg),
         )
@@ -296,5 +311,5 @@ class TextEngine:
         if room < 1:
             raise ValueError(f"prompt is {len(ids)} tokens; the context window is {self.batcher.slot_len}")
         if params.max_new_tokens > room:
-            params = SamplingParams(room, params.temperature, params.top_p, params.stop, params.seed)
+            params = dataclasses.replace(params, max_new_tokens=room)
         return self.batcher.single(self.sequence(ids, params, None, prefix, on_text), owner)

@@ -462,7 +462,7 @@ class ContinuousBatcher:
         """Take the token chosen for the sequence; True once it is finished."""
         if len(seq.tokens) >= seq.params.max_new_tokens:
             seq.finish = "length"
-        elif token in self.eos_ids:
+        elif token in self.eos_ids and not seq.params.ignore_eos:
             seq.finish = "eos"
         else:
             seq.tokens.append(token)

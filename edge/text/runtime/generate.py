@@ -24,6 +24,9 @@ class SamplingParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    # The end-of-text token taken as any other: for measurements that time a fixed number
+    # of tokens (a benchmark's run must not end early where the model would stop).
+    ignore_eos: bool = False
 
 
 @dataclass
@@ -128,7 +131,7 @@ def generate(
     emitted = 0
     for _ in range(params.max_new_tokens):
         token = sample_next(logits, params, gen)
-        if token in eos_ids:
+        if token in eos_ids and not params.ignore_eos:
             finish = "eos"
             break
         out.append(token)
