@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from edge.config.text import QAModelConfig
-from edge.text import engine as text_engine
 from edge.text.engine import cuda_kernel
+from edge.text.ops.cuda import cuda_int4
+from edge.text.ops.triton import triton_int4
 
 
 def test_auto_leaves_the_kernel_to_the_device() -> None:
@@ -18,16 +19,16 @@ def test_auto_leaves_the_kernel_to_the_device() -> None:
 
 
 def test_a_named_kernel_is_the_one_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(text_engine.cuda_int4, "available", lambda device="cuda": True)
-    monkeypatch.setattr(text_engine.triton_int4, "TRITON_SUPPORT", True)
+    monkeypatch.setattr(cuda_int4, "available", lambda device="cuda": True)
+    monkeypatch.setattr(triton_int4, "TRITON_SUPPORT", True)
     assert cuda_kernel(QAModelConfig(device="cuda", cuda_kernel="cuda-mma")) == "cuda-mma"
     assert cuda_kernel(QAModelConfig(device="cuda", cuda_kernel="triton")) == "triton"
     assert cuda_kernel(QAModelConfig(device="cuda", cuda_kernel="torch")) == "cuda"
 
 
 def test_a_kernel_the_box_cannot_run_is_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(text_engine.cuda_int4, "available", lambda device="cuda": False)
-    monkeypatch.setattr(text_engine.triton_int4, "TRITON_SUPPORT", False)
+    monkeypatch.setattr(cuda_int4, "available", lambda device="cuda": False)
+    monkeypatch.setattr(triton_int4, "TRITON_SUPPORT", False)
     with pytest.raises(RuntimeError, match="cuda_kernel cuda-mma is not built here"):
         cuda_kernel(QAModelConfig(device="cuda", cuda_kernel="cuda-mma"))
     with pytest.raises(RuntimeError, match="cuda_kernel triton needs Triton"):
