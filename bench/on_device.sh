@@ -2,11 +2,13 @@
 # One call on a GPU machine with no network (the H200 this project measures on): what the
 # text engine is checked and measured by there, its results under $OUT.
 #   bench/on_device.sh [tests|daemon|all]
+#   bench/on_device.sh text|kv|scheduler [its arguments]   (one measurement, its JSON under $OUT)
 # Carried beside the tree (ignored by git): .whl/ (the Python packages the machine lacks,
 # cp312 wheels: pydantic and its core, paho-mqtt, opentelemetry, lz4, zstandard, pypdf) and
 # .deb/ (Debian 12's mosquitto and the 13 libraries it needs, unpacked here, not installed).
 set -uo pipefail
 what="${1:-all}"
+shift || true
 out="${OUT:-/tmp/edge-out}"
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -31,4 +33,19 @@ if [ "$what" = daemon ] || [ "$what" = all ]; then
   python3 -m bench.daemon cuda --mosquitto-root "$root" --out "$out/daemon_cuda.json" 2>&1 | tail -40
   cp /tmp/bench-daemon-*/daemon.log "$out/daemon_cuda.log" 2>/dev/null || true
 fi
+case "$what" in
+  text)
+    # The served engine and its one-field variants, llama.cpp built and run in the same call
+    # from the trimmed source carried in .carry/ (bench/llamacpp_peer.py trim).
+    python3 -m bench.text cuda --skip-baseline --llamacpp-src .carry/llamacpp-src.tar.gz \
+      --llamacpp-jobs "$(nproc)" --out "$out/text_cuda.json" "$@" 2>&1 | tail -60
+    status=${PIPESTATUS[0]} ;;
+  kv)
+    cp bench/results/kv.json "$out/kv.json"
+    python3 -m bench.kv --only "${1:-cuda}" --out "$out/kv.json" 2>&1 | tail -40
+    status=${PIPESTATUS[0]} ;;
+  scheduler)
+    python3 -m bench.scheduler cuda --out "$out/scheduler_cuda.json" "$@" 2>&1 | tail -40
+    status=${PIPESTATUS[0]} ;;
+esac
 exit "$status"

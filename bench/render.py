@@ -25,6 +25,18 @@ def _load(name: str) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def _provenance(*records: dict[str, Any]) -> list[str]:
+    """A line under a table none of whose records says what engine it ran: measured
+    before the benchmarks built their text engines from the profile."""
+    if any("engine_config" in r for r in records):
+        return []
+    return [
+        "",
+        "*Measured before the benchmarks built their text engines from the profile (no engine configuration "
+        "recorded): an engine assembled by hand, to be measured again.*",
+    ]
+
+
 def _maybe(value: float | None, fmt: str) -> str:
     """A figure, or "not measured" where a row has none."""
     return "not measured" if value is None else format(value, fmt)
@@ -43,6 +55,7 @@ def text_quality(d: dict[str, Any]) -> str:
             f"| {r['variant']} | {r['weight_bytes'] / 2**20:.1f} | {r['perplexity']:.3f} | "
             f"{r['token_agreement']:.3f} | {r['exact_match']:.2f} | {r['mean_common_prefix']:.1f} |"
         )
+    lines += _provenance(*d["rows"])
     if d.get("adapter"):
         lines += [
             "",
@@ -123,8 +136,9 @@ def _cuda_rows(rows: list[dict[str, Any]], long: int, prompt: int) -> list[str]:
         if "error" in r:
             lines.append(f"| {r['name']} | error: {r['error'][:80]} | | | | |")
             continue
+        name = f"**served**: {r['name']}" if r.get("served") else r["name"]
         lines.append(
-            f"| {r['name']} | {_num(r, 'decode_tok_s')} | {_num(r, 'decode_tok_s_4k')} | "
+            f"| {name} | {_num(r, 'decode_tok_s')} | {_num(r, 'decode_tok_s_4k')} | "
             f"{_num(r, 'roofline_fraction', '.0%')} | {_num(r, 'ttft_ms')} | {_num(r, 'peak_gib', '.2f')} |"
         )
     return lines
@@ -140,6 +154,7 @@ def text_cuda(d: dict[str, Any]) -> str:
         "buffers (from its log) for it.",
         "",
         *_cuda_rows(d["rows"], long, d["prompt_tokens"]),
+        *_provenance(*[r for r in d["rows"] if r.get("name", "").startswith("edge")]),
     ]
     peer = d.get("llamacpp")
     vs = (peer or {}).get("vs") or {}
@@ -349,6 +364,7 @@ def scheduler(d: dict[str, Any], source: str) -> str:
         f"resident ({', '.join(f'{k} {v / gib:.2f} GiB' for k, v in d['resident_models'].items())}), KV pool "
         f"{d['kv_pool_tokens']} tokens ({d['kv_pool_bytes'] / gib:.2f} GiB); evictions {d['evictions']}; "
         f"text sequences paused {d['with_qa']['paused']}",
+        *_provenance(d),
     ]
     return "\n".join(lines)
 
@@ -481,6 +497,7 @@ def kv(d: dict[str, Any]) -> str:
             f"| {r['perplexity']:.4f} | {r['ppl_delta_pct']:+.3f}% | {_maybe(r['greedy_agreement'], '.3f')} "
             f"| {r['bytes_per_token']:.0f} | {r['capacity_ratio']:.2f}x | {r['capacity_ratio_4k']:.2f}x | {speed} |"
         )
+    lines += _provenance(*[r for r in d["rows"] if r.get("shipped")])
     shipped = {r["kv_dtype"]: r for r in d["rows"] if r.get("shipped")}
     int8, int4 = shipped.get("int8"), shipped.get("int4")
     speed8 = int8 is not None and int8.get("decode_ratio_4k", 0.0) >= 1.0

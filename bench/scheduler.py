@@ -314,7 +314,17 @@ def run(device: str, seconds: float | None) -> dict[str, Any]:
     ledger = MemoryLedger(BUDGET, 256 << 20)
     assert ledger.add_model("runtime", "daemon", probe.used_bytes(), keep_alive_s=float("inf"))
     images = part_images()
-    student = student_dir(device)
+    workdir = Path(tempfile.mkdtemp(prefix="edge-bench-scheduler-"))
+    try:
+        return _run_loaded(device, load, probe, ledger, images, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run_loaded(
+    device: str, load: Load, probe: Probe, ledger: MemoryLedger, images: list[np.ndarray], workdir: Path
+) -> dict[str, Any]:
+    student = student_dir(device, workdir)
     backend = "torch-cuda" if device == "cuda" else "onnxruntime"
     pipeline, used = measure(
         probe, lambda: InspectPipeline.load(student, backend, BackendOptions(threads=1, max_batch=load.max_batch))
@@ -322,15 +332,11 @@ def run(device: str, seconds: float | None) -> dict[str, Any]:
     assert ledger.add_model("inspect", "vision", used), "student over budget"
     batches = [1, 8, 32] if device == "cuda" else [1, 8]
     throughput = vision_throughput(pipeline, images, batches)
-    workdir = Path(tempfile.mkdtemp(prefix="edge-bench-scheduler-"))
-    try:
-        text = (
-            build_text_cuda(ledger, probe, load.qa_new_tokens, workdir)
-            if device == "cuda"
-            else build_text_cpu(ledger, probe)
-        )
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)  # loaded: the checkpoint's files are not needed
+    text = (
+        build_text_cuda(ledger, probe, load.qa_new_tokens, workdir)
+        if device == "cuda"
+        else build_text_cpu(ledger, probe)
+    )
     resident = ledger.snapshot()
     share_interpreter_between_branches()  # as the daemon does before its workers start
     alone = run_load(load, False, pipeline, images, ledger, text)
@@ -358,11 +364,16 @@ def run(device: str, seconds: float | None) -> dict[str, Any]:
     }
 
 
-def student_dir(device: str) -> Path:
+def student_dir(device: str, workdir: Path) -> Path:
+    """On CUDA a ViT-Tiny student with random weights (speed only, as bench.daemon's), or
+    the one carried under .edge/exp/student; on the CPU the default build."""
     if device == "cuda":
         carried = REPO / ".edge" / "exp" / "student"
         if carried.is_dir():
             return carried
+        from engines.vision.random_student import write_random_student
+
+        return write_random_student(workdir / "student-random")
     from engines.vision.vision_build import build_student
 
     return build_student(REPO / ".edge" / "engines", "default", progress=False)
