@@ -34,11 +34,11 @@ import shutil
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
 from bench.common import REPO, RESULTS, write_json
+from scripts.jetson_requirements import pins as pinned
 
 SUITE = "bookworm"  # Debian 12: Python 3.11, the project's lowest
 PYTHON = "python3.11"
@@ -67,7 +67,7 @@ HNSW_K = 10
 
 def pins() -> list[str]:
     """The retrieval path's requirements as pyproject.toml pins them."""
-    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    deps = pinned()[0]
     chosen = [d for d in deps if d.split("==")[0].lower() in RETRIEVAL]
     missing = set(RETRIEVAL) - {d.split("==")[0].lower() for d in chosen}
     if missing:

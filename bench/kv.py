@@ -132,7 +132,7 @@ def capacity(config: LlamaConfig, fmt: KVFormat) -> dict[str, float]:
 def _shuffle(raw: bytes) -> bytes:
     """Float16 values' bytes as two planes, the high bytes (sign, exponent) together."""
     a = np.frombuffer(raw, dtype=np.uint8).reshape(-1, 2)
-    return a.T.copy().tobytes()
+    return bytes(a.T.copy().tobytes())
 
 
 def _delta(raw: bytes, width: int) -> bytes:
@@ -140,7 +140,7 @@ def _delta(raw: bytes, width: int) -> bytes:
     a = np.frombuffer(raw, dtype=np.uint16).reshape(-1, width)
     out = a.copy()
     out[1:] = a[1:] - a[:-1]  # modulo 2^16: exactly invertible
-    return out.tobytes()
+    return bytes(out.tobytes())
 
 
 def codecs(kv: list[bytes], width: int) -> list[dict[str, Any]]:
@@ -152,11 +152,11 @@ def codecs(kv: list[bytes], width: int) -> list[dict[str, Any]]:
 
     def unshuffle(data: bytes) -> bytes:
         a = np.frombuffer(data, dtype=np.uint8).reshape(2, -1)
-        return a.T.copy().tobytes()
+        return bytes(a.T.copy().tobytes())
 
     def undelta(data: bytes) -> bytes:
         a = np.frombuffer(data, dtype=np.uint16).reshape(-1, width)
-        return np.cumsum(a, axis=0, dtype=np.uint16).tobytes()
+        return bytes(np.cumsum(a, axis=0, dtype=np.uint16).tobytes())
 
     table: list[tuple[str, Callable[[bytes], bytes], Callable[[bytes], bytes]]] = [
         ("lz4", lz4.frame.compress, lz4.frame.decompress),

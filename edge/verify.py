@@ -213,7 +213,7 @@ def _ocr_inputs(name: str) -> np.ndarray:
         h, w = (max(32, (s // 32) * 32) for s in img.shape[:2])
         img = cv2.resize(img, (w, h))
         x = (img.astype(np.float32) / 255.0 - 0.5) / 0.5
-        return x.transpose(2, 0, 1)[None]
+        return np.asarray(x.transpose(2, 0, 1)[None])
     _, h, w = ocr.CLS_SHAPE if name == "cls" else ocr.REC_SHAPE
     line = cv2.resize(img, (w, h)).astype(np.float32)
     x = (line / 255.0 - 0.5) / 0.5

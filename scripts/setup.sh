@@ -41,16 +41,14 @@ fi
 jetson=""
 if [ -f /etc/nv_tegra_release ]; then
   jetson=1
-  if ! "$python_bin" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" >/dev/null 2>&1; then
-    echo "setup: this is a Jetson, but $python_bin has no CUDA-enabled torch." >&2
-    echo "setup: install JetPack's PyTorch wheel first (NVIDIA's 'PyTorch for Jetson' page), then run this again." >&2
-    exit 1
-  fi
+  # The JetPack release, the Python, JetPack's torch, nvcc and TensorRT: what is wrong,
+  # said before anything is installed (scripts/jetson_check.py).
+  "$python_bin" scripts/jetson_check.py || exit 1
 fi
 if [ ! -x .venv/bin/python ]; then
   if [ -n "$jetson" ]; then "$python_bin" -m venv --system-site-packages .venv; else "$python_bin" -m venv .venv; fi
 fi
-hash="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+hash="$(cat pyproject.toml scripts/setup.sh requirements/*.txt | sha256sum | cut -c1-16)"
 # A dev install contains the runtime one, so either stamp satisfies a runtime setup.
 if [ -n "$extras" ]; then done_stamps=(".venv/.installed-$hash-dev"); else done_stamps=(".venv/.installed-$hash" ".venv/.installed-$hash-dev"); fi
 installed=""
@@ -58,14 +56,11 @@ for s in "${done_stamps[@]}"; do [ -f "$s" ] && installed=1; done
 if [ -z "$installed" ]; then
   echo "setup: installing Python packages into .venv (first run takes a few minutes)"
   if [ -n "$jetson" ]; then
-    # Everything pyproject pins except torch, which is JetPack's.
-    .venv/bin/python - "$extras" >.venv/requirements-jetson.txt <<'PY'
-import re, sys, tomllib
-project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-wanted = list(project["dependencies"]) + (project["optional-dependencies"]["dev"] if sys.argv[1] else [])
-print("\n".join(d for d in wanted if re.split(r"[=<>\[ ]", d, maxsplit=1)[0] not in ("torch", "triton")))
-PY
-    .venv/bin/pip install -q -r .venv/requirements-jetson.txt
+    # Everything pyproject pins except what JetPack brings (torch, TensorRT) or a Jetson
+    # cannot take: requirements/jetson.txt says which and why.
+    req=requirements/jetson.txt
+    [ -n "$extras" ] && req=requirements/jetson-dev.txt
+    .venv/bin/pip install -q -r "$req"
     .venv/bin/pip install -q --no-deps -e .
   else
     # torch first and pinned: the CPU build; an unpinned torch would pull a CUDA build.

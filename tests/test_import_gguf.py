@@ -83,7 +83,7 @@ def make_model(directory: Path, family: str) -> tuple[Any, Any]:
 
 def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter interleaves each head's rotary halves (its NORM RoPE)."""
-    return (
+    return np.asarray(
         weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
     )
 

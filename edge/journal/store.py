@@ -86,8 +86,13 @@ def digest(payload: bytes) -> str:
     return hashlib.sha256(payload).hexdigest()
 
 
+# sqlite3.SQLITE_FULL and the exception's sqlite_errorcode come with Python 3.11; the
+# code is SQLite's own (13) and the message says it on every version.
+_SQLITE_FULL = 13
+
+
 def _is_full(err: sqlite3.Error) -> bool:
-    return getattr(err, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "full" in str(err)
+    return getattr(err, "sqlite_errorcode", None) == _SQLITE_FULL or "full" in str(err)
 
 
 class JournalUnavailable(JournalFull):

@@ -4,10 +4,13 @@ blame, the field."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import Enum
 
 
-class ErrorCode(StrEnum):
+class ErrorCode(str, Enum):
+    """A job error's code: its value is what the protocol sends, and the member compares
+    equal to it and prints as it (enum.StrEnum's behaviour, which Python 3.10 lacks)."""
+
     PAYLOAD_TOO_LARGE = "payload_too_large"
     BAD_JSON = "bad_json"
     INVALID_FIELD = "invalid_field"
@@ -25,6 +28,12 @@ class ErrorCode(StrEnum):
     UNAVAILABLE = "unavailable"
     STORAGE_FULL = "storage_full"
     INTERNAL = "internal"
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
 
 
 @dataclass(frozen=True)

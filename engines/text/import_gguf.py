@@ -101,7 +101,9 @@ def _field(reader: Any, key: str) -> Any:
 def _unpermute_qk(weight: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's interleaving of rotary pairs so rotate-half RoPE applies."""
     rows = weight.shape[0]
-    return weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return np.asarray(
+        weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
 
 
 def _optional(reader: Any, key: str, default: Any = None) -> Any:
