@@ -21,6 +21,7 @@ from edge.health import sensors
 from edge.health.metrics import JobMetrics, MetricsServer, SnapshotCollector
 from edge.protocol import results
 from edge.protocol.errors import ErrorCode, JobError
+from tests import orin_sysfs
 
 SNAPSHOT: dict[str, Any] = {
     "state": "ready",
@@ -176,8 +177,11 @@ def test_gpu_figures_come_from_nvml_and_a_figure_it_lacks_is_left_out() -> None:
         nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(used=5 << 30),
         nvmlDeviceGetTemperature=lambda h, sensor: 61,
         nvmlDeviceGetPowerUsage=unsupported,
+        NVML_CLOCK_GRAPHICS=0,
+        nvmlDeviceGetClockInfo=lambda h, kind: {0: 1410, 2: 1593}[kind],  # graphics, memory (MHz)
     )
     families = {f.name: f for f in sensors.gpus(nvml)}
+    assert families["edge_gpu_frequency_hertz"].samples[0].value == 1410e6
     assert families["edge_gpu_utilization_ratio"].samples[0].value == pytest.approx(0.37)
     assert families["edge_gpu_memory_used_bytes"].samples[0].value == 5 << 30
     assert families["edge_gpu_temperature_celsius"].samples[0].labels == {"gpu": "0"}
@@ -220,6 +224,57 @@ def test_the_listener_must_be_host_and_port(listen: str) -> None:
     assert MetricsConfig(listen=None).address is None
 
 
+def _nvml_with_every_figure() -> SimpleNamespace:
+    """NVML's stand-in (the hardware seam) on a box with one discrete GPU."""
+    return SimpleNamespace(
+        nvmlDeviceGetCount=lambda: 1,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=1),
+        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(used=1),
+        nvmlDeviceGetTemperature=lambda h, s: 1,
+        nvmlDeviceGetPowerUsage=lambda h: 1000,
+        NVML_CLOCK_GRAPHICS=0,
+        nvmlDeviceGetClockInfo=lambda h, kind: 1000,
+    )
+
+
+def _queries(panel: dict[str, Any]) -> set[str]:
+    import re
+
+    return {name for target in panel["targets"] for name in re.findall(r"\bedge_[a-z0-9_]+", target["expr"])}
+
+
+def test_the_dashboards_gpu_panels_have_figures_on_a_discrete_gpu_and_on_a_jetson(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every GPU gauge a dashboard panel queries is exported on a box with NVML and no
+    Jetson files, and on a Jetson (the faked AGX Orin tree) without NVML; the memory
+    controller's, which have no NVML twin, on the Jetson."""
+    import json
+
+    from tests.conftest import REPO
+
+    discrete = {s.name for f in sensors.metrics(tmp_path / "no-sysfs", _nvml_with_every_figure()) for s in f.samples}
+    orin_sysfs.build(tmp_path / "orin")
+    monkeypatch.setattr(sensors, "_nvml_tried", True)  # a Jetson without NVML
+    monkeypatch.setattr(sensors, "_nvml", None)
+    jetson = {s.name for f in sensors.metrics(tmp_path / "orin") for s in f.samples}
+    dashboard = json.loads((REPO / "docs" / "grafana-dashboard.json").read_text())
+    gpu_panels = [p for p in dashboard["panels"] if any(n.startswith("edge_gpu_") for n in _queries(p))]
+    assert {p["title"] for p in gpu_panels} >= {
+        "Temperatures",
+        "Power",
+        "GPU and memory controller utilisation",
+        "GPU and memory clocks",
+    }
+    for panel in gpu_panels:
+        gpu_names = {n for n in _queries(panel) if n.startswith("edge_gpu_")}
+        assert gpu_names <= discrete, (panel["title"], gpu_names - discrete)
+        assert gpu_names <= jetson, (panel["title"], gpu_names - jetson)
+    emc_names = {n for p in dashboard["panels"] for n in _queries(p) if n.startswith("edge_emc_")}
+    assert emc_names == {"edge_emc_frequency_hertz", "edge_emc_utilization_ratio"} and emc_names <= jetson
+
+
 def test_the_dashboard_and_the_readme_name_only_metrics_the_daemon_exports(tmp_path: Path) -> None:
     """docs/grafana-dashboard.json's queries and the README's list: every edge_ name in
     them is a sample a daemon exports (its results counted, a full snapshot, a box with
@@ -229,13 +284,7 @@ def test_the_dashboard_and_the_readme_name_only_metrics_the_daemon_exports(tmp_p
 
     from tests.conftest import REPO
 
-    _write(tmp_path / "class/thermal/thermal_zone0/type", "cpu-thermal")
-    _write(tmp_path / "class/thermal/thermal_zone0/temp", "40000")
-    ina = tmp_path / "class/hwmon/hwmon0"
-    _write(ina / "name", "ina3221")
-    _write(ina / "in1_label", "VDD_IN")
-    _write(ina / "in1_input", "5000")
-    _write(ina / "curr1_input", "1000")
+    orin_sysfs.build(tmp_path)  # thermal zones, INA3221 rails, the iGPU and the EMC
     server = MetricsServer(lambda: SNAPSHOT, sensors_root=tmp_path)
     server.jobs.observe(
         results.ok_result(
@@ -243,25 +292,12 @@ def test_the_dashboard_and_the_readme_name_only_metrics_the_daemon_exports(tmp_p
             results.Timings(1.0, 2.0, 3.0, {"prefill": 1.0}, {"ttft_ms": 2.0, "token_p50_ms": 1.0}),
         )
     )  # fmt: skip
-    nvml = SimpleNamespace(
-        nvmlDeviceGetCount=lambda: 1,
-        nvmlDeviceGetHandleByIndex=lambda i: i,
-        nvmlDeviceGetUtilizationRates=lambda h: SimpleNamespace(gpu=1),
-        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(used=1),
-        nvmlDeviceGetTemperature=lambda h, s: 1,
-        nvmlDeviceGetPowerUsage=lambda h: 1000,
-    )
     exported = {s.name for family in server.registry.collect() for s in family.samples}
-    exported |= {s.name for family in sensors.gpus(nvml) for s in family.samples}
+    exported |= {s.name for family in sensors.gpus(_nvml_with_every_figure()) for s in family.samples}
     # The client's own _created timestamps aside, each family once.
     families = {re.sub(r"_(bucket|count|sum)$", "", n) for n in exported if not n.endswith("_created")}
     dashboard = json.loads((REPO / "docs" / "grafana-dashboard.json").read_text())
-    queried = {
-        name
-        for panel in dashboard["panels"]
-        for target in panel["targets"]
-        for name in re.findall(r"\bedge_[a-z0-9_]+", target["expr"])
-    }
+    queried = {name for panel in dashboard["panels"] for name in _queries(panel)}
     assert queried and queried <= exported, queried - exported
     readme = (REPO / "README.md").read_text()
     unlisted = sorted(name for name in families if not re.search(rf"`{name}\b", readme))
@@ -317,4 +353,6 @@ def test_the_real_nvml_reports_the_gpu_this_process_uses() -> None:
         assert s.value > 0.0
     for s in families.get("edge_gpu_utilization_ratio", SimpleNamespace(samples=[])).samples:
         assert 0.0 <= s.value <= 1.0
+    for s in families.get("edge_gpu_frequency_hertz", SimpleNamespace(samples=[])).samples:
+        assert 100e6 <= s.value <= 4e9  # a graphics clock, in hertz (NVML gives MHz)
     del held

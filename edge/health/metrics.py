@@ -7,7 +7,8 @@ Two kinds of figure:
 - what the daemon holds now, read from the same snapshot `edgectl status` shows at each
   scrape (`SnapshotCollector`): queues, jobs in hand, batch sizes, the memory ledger,
   the KV cache, the journal, the broker link, and the box's own sensors where it has
-  them (NVML on a discrete GPU, the kernel's thermal zones, a Jetson's power rails).
+  them (NVML on a discrete GPU, a Jetson's iGPU and memory controller from sysfs, the
+  kernel's thermal zones, a Jetson's power rails).
 
 Every name starts with `edge_`; the README's Metrics section lists them.
 """

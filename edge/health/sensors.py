@@ -1,14 +1,17 @@
 """The box's own sensors as metrics, where it has them; nothing where it does not.
 
 - Discrete NVIDIA GPUs through NVML (nvidia-ml-py): utilisation, memory in use,
-  temperature and power draw per GPU. NVML is not on a Jetson.
+  temperature, power draw and graphics clock per GPU. NVML is not on a Jetson (before
+  JetPack 7).
+- A Jetson's integrated GPU and memory controller from sysfs (`tegra`): the same GPU
+  gauges where they mean the same thing, and the EMC's own.
 - The kernel's thermal zones (/sys/class/thermal/thermal_zone*/temp, millidegrees):
   every Linux box has some; on a Jetson they are the CPU, GPU, SoC and board sensors.
 - A Jetson's power rails: its INA3221 monitors through hwmon (in*_label, in*_input in
   mV, curr*_input in mA), each rail's power their product.
 
 Each read happens at a scrape, and a sensor that fails to answer is left out of that
-scrape, never an error.
+scrape, never an error. `root` is where sysfs is (/sys; a test gives a faked tree).
 """
 
 from __future__ import annotations
@@ -20,39 +23,21 @@ from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from edge.health import sysfs, tegra
+
 logger = logging.getLogger(__name__)
 
 _nvml: Any = None
 _nvml_tried = False
 
 
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text(encoding="ascii").strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-def _number(path: Path) -> float | None:
-    text = _read(path)
-    try:
-        return float(text) if text is not None else None
-    except ValueError:
-        return None
-
-
 def thermal(root: Path) -> Iterator[Metric]:
-    zones = sorted((root / "class" / "thermal").glob("thermal_zone*"))
     gauge = GaugeMetricFamily("edge_thermal_celsius", "Temperature of each kernel thermal zone.", labels=["zone"])
     seen: dict[str, int] = {}
-    for zone in zones:
-        temp = _number(zone / "temp")
-        if temp is None:
-            continue
-        name = _read(zone / "type") or zone.name
+    for name, celsius in sysfs.thermal_zones(root):
         seen[name] = seen.get(name, 0) + 1
         label = name if seen[name] == 1 else f"{name}#{seen[name]}"  # boards repeat names
-        gauge.add_metric([label], temp / 1000.0)
+        gauge.add_metric([label], celsius)
     if gauge.samples:
         yield gauge
 
@@ -60,17 +45,8 @@ def thermal(root: Path) -> Iterator[Metric]:
 def power_rails(root: Path) -> Iterator[Metric]:
     gauge = GaugeMetricFamily("edge_power_rail_watts", "Power drawn on each monitored rail (a Jetson's INA3221).",
                               labels=["rail"])  # fmt: skip
-    for hwmon in sorted((root / "class" / "hwmon").glob("hwmon*")):
-        if not (_read(hwmon / "name") or "").startswith("ina3221"):
-            continue
-        for label_file in sorted(hwmon.glob("in*_label")):
-            channel = label_file.name[2 : -len("_label")]
-            mv = _number(hwmon / f"in{channel}_input")
-            ma = _number(hwmon / f"curr{channel}_input")
-            rail = _read(label_file)
-            if mv is None or ma is None or not rail or rail.startswith("NC"):
-                continue
-            gauge.add_metric([rail], mv * ma / 1e6)
+    for rail, watts in sysfs.ina3221_rails(root):
+        gauge.add_metric([rail], watts)
     if gauge.samples:
         yield gauge
 
@@ -99,6 +75,7 @@ def gpus(nvml: Any = None) -> Iterator[Metric]:
     mem = GaugeMetricFamily("edge_gpu_memory_used_bytes", "GPU memory in use, all processes.", labels=["gpu"])
     temp = GaugeMetricFamily("edge_gpu_temperature_celsius", "GPU temperature.", labels=["gpu"])
     power = GaugeMetricFamily("edge_gpu_power_watts", "GPU power draw.", labels=["gpu"])
+    clock = GaugeMetricFamily("edge_gpu_frequency_hertz", "GPU graphics clock.", labels=["gpu"])
     try:
         count = nv.nvmlDeviceGetCount()
     except Exception:
@@ -114,16 +91,29 @@ def gpus(nvml: Any = None) -> Iterator[Metric]:
             (mem, lambda h: nv.nvmlDeviceGetMemoryInfo(h).used),
             (temp, lambda h: nv.nvmlDeviceGetTemperature(h, 0)),
             (power, lambda h: nv.nvmlDeviceGetPowerUsage(h) / 1000.0),
+            (clock, lambda h: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_GRAPHICS) * 1e6),  # MHz
         ]
         for family, read in reads:
             try:
                 family.add_metric(label, float(read(handle)))
             except Exception:  # NVML_ERROR_NOT_SUPPORTED for that figure on this board
                 continue
-    yield from (f for f in (util, mem, temp, power) if f.samples)
+    yield from (f for f in (util, mem, temp, power, clock) if f.samples)
 
 
-def metrics(root: Path) -> Iterator[Metric]:
-    yield from gpus()
+def gpu_figures(root: Path, nvml: Any = None) -> Iterator[Metric]:
+    """The GPU gauges from NVML where it answers, else from a Jetson's sysfs (`tegra`),
+    under the same names so one dashboard serves either box. A JetPack 7 Jetson has NVML
+    too: a family NVML gives stands, sysfs fills only those it lacks, so that no family
+    is exported twice (a scrape with a name twice is refused)."""
+    from_nvml = list(gpus(nvml))
+    have = {family.name for family in from_nvml}
+    yield from from_nvml
+    yield from (family for family in tegra.gpu(root) if family.name not in have)
+
+
+def metrics(root: Path, nvml: Any = None) -> Iterator[Metric]:
+    yield from gpu_figures(root, nvml)
+    yield from tegra.emc(root)
     yield from thermal(root)
     yield from power_rails(root)
