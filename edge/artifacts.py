@@ -57,6 +57,26 @@ class Engine:
         return _built_at(self.manifest)
 
 
+# The oldest TensorRT whose plans we build and run: the engine API of TensorRT 10
+# (device_memory_size_v2, named tensors with execute_async_v3, weight streaming). JetPack
+# 6.1 and later ship 10.x; JetPack 6.0's 8.6 is not supported.
+OLDEST_TENSORRT = 10
+
+
+def unsupported_tensorrt(version: str) -> str | None:
+    """Why full TensorRT `version` cannot build or run our plans, or None where it can."""
+    try:
+        major = int(version.split(".")[0])
+    except ValueError:
+        return f"TensorRT reports version {version!r}, which is not a release number"
+    if major < OLDEST_TENSORRT:
+        return (
+            f"TensorRT {version} is installed; edge builds and runs plans with TensorRT {OLDEST_TENSORRT} or later "
+            "(JetPack 6.1 and later ship it; JetPack 6.0's 8.6 is not supported)"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class Target:
     runtime: str

@@ -23,6 +23,7 @@ import logging
 import os
 import pwd
 import shutil
+import stat
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,12 +47,20 @@ SERVICE_PATHS = {
 }
 
 
+# What the unit's ProtectHome=yes hides from the service: a checkout, an environment's
+# Python or a model under these cannot be read once it runs as a service.
+PROTECTED = ("/home", "/root", "/run/user")
+
+
 @dataclass
 class InstallReport:
     root: Path
     written: list[Path] = field(default_factory=list)
     kept: list[Path] = field(default_factory=list)
     commands: list[list[str]] = field(default_factory=list)  # run, or (a dry run) listed
+    # Why the service could not start from this checkout (a dry run says it; a real
+    # install refuses before it writes anything).
+    unreadable: list[str] = field(default_factory=list)
 
     @property
     def dry_run(self) -> bool:
@@ -85,6 +94,81 @@ def unit_path(path: Path) -> str:
         escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%").replace("$", "$$")
         return f'"{escaped}"'
     return text
+
+
+def _hidden(path: Path, protected: tuple[str, ...]) -> str | None:
+    for top in protected:
+        if path == Path(top) or path.is_relative_to(top):
+            return top
+    return None
+
+
+def _others_can(path: Path, bits: int) -> bool:
+    """Whether a user that is neither the owner nor in the group (the service's `edge`
+    user, before install makes it) has `bits` (stat's S_IXOTH and S_IROTH) on `path`."""
+    try:
+        return bool(os.stat(path).st_mode & bits)
+    except OSError:
+        return False
+
+
+def service_cannot_read(prefix: Path, profile: Path | None, protected: tuple[str, ...] | None = None) -> list[str]:
+    """What in this checkout (and the profile the service will read) the service, as
+    the unit runs it, could not reach: each with how to fix it."""
+    protected = PROTECTED if protected is None else protected
+    problems = []
+    where = _hidden(prefix.resolve(), protected)
+    if where:
+        problems.append(
+            f"the checkout {prefix} is under {where}, which the service cannot see (ProtectHome=yes in the unit): "
+            "clone it into /opt/edge (sudo git clone <repository> /opt/edge), run scripts/setup.sh there and install "
+            "from there"
+        )
+    python = (prefix / ".venv" / "bin" / "python").resolve()
+    where = _hidden(python, protected)
+    if where and not problems:
+        problems.append(
+            f"the environment's Python is {python}, under {where}, which the service cannot see: make the environment "
+            "with the system's Python (rm -rf .venv; PYTHON=/usr/bin/python3 scripts/setup.sh)"
+        )
+    edgectl = prefix / ".venv" / "bin" / "edgectl"
+    for part in [*reversed(edgectl.parent.resolve().parents), edgectl.parent.resolve()]:
+        if not _others_can(part, stat.S_IXOTH):
+            problems.append(
+                f"{part} cannot be entered by other users (mode {stat.S_IMODE(os.stat(part).st_mode):o}), so the "
+                f"service's user cannot reach {edgectl}: chmod o+x {part}"
+            )
+            break
+    else:
+        if not (_others_can(edgectl, stat.S_IROTH) and _others_can(edgectl, stat.S_IXOTH)):
+            problems.append(f"{edgectl} is not readable and executable by other users: chmod o+rx {edgectl}")
+    if profile is not None and profile.exists():
+        for name, value in _profile_paths(profile):
+            where = _hidden(Path(value), protected)
+            if where:
+                problems.append(
+                    f"the profile's {name} is {value}, under {where}, which the service cannot see: move it under "
+                    f"{SERVICE_PATHS['state_dir']} (or /opt/edge) and set {name} to the new place"
+                )
+    return problems
+
+
+def _profile_paths(profile: Path) -> list[tuple[str, str]]:
+    """Every absolute path a profile names (dotted field, value)."""
+    found: list[tuple[str, str]] = []
+
+    def walk(value: object, name: str) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                walk(inner, f"{name}.{key}" if name else str(key))
+        elif isinstance(value, list):
+            for i, inner in enumerate(value):
+                walk(inner, f"{name}[{i}]")
+        elif isinstance(value, str) and value.startswith("/"):
+            found.append((name, value))
+
+    walk(yaml.safe_load(profile.read_text(encoding="utf-8")), "")
+    return found
 
 
 def _run(report: InstallReport, cmd: list[str]) -> None:
@@ -184,6 +268,12 @@ def install(
     unit_path(prefix)  # a checkout a unit file cannot name is refused before anything is written
     if not (prefix / ".venv" / "bin" / "edgectl").exists():
         raise FileNotFoundError(f"{prefix}/.venv/bin/edgectl is missing: run scripts/setup.sh in {prefix} first")
+    existing = _under(root, "/etc/edge/profile.yaml")
+    report.unreadable = service_cannot_read(prefix, existing if existing.exists() else template or default_template())
+    for problem in report.unreadable:
+        print(("the service could not start: " if report.dry_run else "refused: ") + problem)
+    if report.unreadable and not report.dry_run:
+        raise PermissionError("; ".join(report.unreadable))
     _user(report)
     _directory(report, _under(root, "/etc/edge"), 0o750, group_only=True)
     _directory(report, _under(root, SERVICE_PATHS["state_dir"]), 0o750, group_only=False)

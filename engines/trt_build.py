@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from edge.artifacts import PLANS_DIR, Target
+from edge.artifacts import PLANS_DIR, Target, unsupported_tensorrt
 from engines.cache import build_cached, cache_key, file_sha256, stop_on_sigterm
 
 logger = logging.getLogger(__name__)
@@ -116,6 +116,9 @@ def current_target(compute_capability: str | None = None) -> Target:
         )
     gpu = _gpu_capability()
     if RUNTIME == "tensorrt":
+        refused = unsupported_tensorrt(str(trt.__version__))
+        if refused:
+            raise PlanBuildError(refused)
         if gpu is None:
             raise PlanBuildError("TensorRT builds plans for the GPU it runs on, and there is no CUDA GPU here")
         if compute_capability and compute_capability != gpu:

@@ -5,12 +5,16 @@ unit checked by `systemd-analyze verify`."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
+from edge import install as edge_install
 from edge.config.loader import load_profile
 from edge.install import SERVICE_PATHS, install
 from tests.conftest import REPO, edgectl
@@ -102,3 +106,71 @@ def test_a_checkout_path_with_a_newline_is_refused_before_anything_is_written(tm
     with pytest.raises(ValueError, match="control character"):
         install(tmp_path / "root", prefix=prefix)
     assert not (tmp_path / "root").exists()
+
+
+@pytest.fixture
+def open_tmp() -> Iterator[Path]:
+    """A folder every user may enter, as /opt is (pytest's own temporary folders are the
+    owner's alone, which the check rightly names)."""
+    path = Path(tempfile.mkdtemp(prefix="edge-install-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _venv_python(prefix: Path, target: Path) -> None:
+    """The checkout's environment Python, a link to `target` (as venv makes it)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("")
+    (prefix / ".venv" / "bin" / "python").symlink_to(target)
+
+
+def test_a_checkout_the_service_cannot_see_is_named_with_its_fix(
+    open_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The unit's ProtectHome hides /home, /root and /run/user: here a folder of the test's
+    # stands for /home (the same check, on a path this test may write).
+    home = open_tmp / "home"
+    monkeypatch.setattr("edge.install.PROTECTED", (str(home),))
+    prefix = _checkout(home / "ana" / "edge")
+    _venv_python(prefix, open_tmp / "usr" / "bin" / "python3")
+    report = install(open_tmp / "root", prefix=prefix)
+    assert len(report.unreadable) == 1
+    assert f"the checkout {prefix} is under {home}" in report.unreadable[0]
+    assert "clone it into /opt/edge" in report.unreadable[0]
+
+
+def test_an_environment_made_with_a_python_under_home_is_named(open_tmp: Path) -> None:
+    prefix = _checkout(open_tmp / "opt" / "edge")
+    pyenv = open_tmp / "root" / ".pyenv" / "versions" / "3.11.7" / "bin" / "python3.11"
+    _venv_python(prefix, pyenv)
+    problems = edge_install.service_cannot_read(prefix, None, protected=(str(open_tmp / "root"),))
+    assert problems and f"the environment's Python is {pyenv}" in problems[0]
+    assert "PYTHON=/usr/bin/python3 scripts/setup.sh" in problems[0]
+
+
+def test_a_folder_others_cannot_enter_is_named(open_tmp: Path) -> None:
+    prefix = _checkout(open_tmp / "opt" / "edge")
+    _venv_python(prefix, open_tmp / "usr" / "bin" / "python3")
+    (open_tmp / "opt").chmod(0o700)
+    try:
+        problems = edge_install.service_cannot_read(prefix, None, protected=())
+    finally:
+        (open_tmp / "opt").chmod(0o755)
+    assert problems == [
+        f"{open_tmp / 'opt'} cannot be entered by other users (mode 700), so the service's user cannot reach "
+        f"{prefix / '.venv' / 'bin' / 'edgectl'}: chmod o+x {open_tmp / 'opt'}"
+    ]
+
+
+def test_a_profile_path_the_service_cannot_see_is_named(open_tmp: Path) -> None:
+    prefix = _checkout(open_tmp / "opt" / "edge")
+    _venv_python(prefix, open_tmp / "usr" / "bin" / "python3")
+    profile = open_tmp / "profile.yaml"
+    profile.write_text("models:\n  qa:\n    engine: /home/ana/models/clinic-g32\n")
+    problems = edge_install.service_cannot_read(prefix, profile, protected=("/home",))
+    assert problems == [
+        "the profile's models.qa.engine is /home/ana/models/clinic-g32, under /home, which the service cannot see: "
+        "move it under /var/lib/edged (or /opt/edge) and set models.qa.engine to the new place"
+    ]
+    assert edge_install.service_cannot_read(prefix, None, protected=("/home",)) == []

@@ -68,3 +68,30 @@ def test_nothing_is_built_without_tensorrt_or_with_builds_off(tmp_path: Path, mo
     cpu = Profile.model_validate({"device_id": "x", "paths": {"engine_dir": str(tmp_path)}})
     builds.ensure_plans(cpu, "inspect", tmp_path / "s", recorder)  # not on tensorrt
     assert recorder.commands == []
+
+
+@pytest.mark.parametrize("version", ["10.3.0", "10.13.2.6", "11.0.0"])
+def test_tensorrt_10_and_later_builds_and_runs_plans(version: str) -> None:
+    from edge.artifacts import unsupported_tensorrt
+
+    assert unsupported_tensorrt(version) is None
+
+
+def test_jetpack_60s_tensorrt_is_refused_with_the_release_to_take() -> None:
+    from edge.artifacts import unsupported_tensorrt
+
+    why = unsupported_tensorrt("8.6.2.3")
+    assert why is not None and "TensorRT 8.6.2.3" in why and "JetPack 6.1" in why
+    assert "not a release number" in (unsupported_tensorrt("unknown") or "")
+
+
+def test_a_full_tensorrt_older_than_10_builds_no_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The version is the seam: this box's TensorRT (where there is one) is faked as 8.6.
+    from types import SimpleNamespace
+
+    from engines import trt_build
+
+    monkeypatch.setattr(trt_build, "trt", SimpleNamespace(__version__="8.6.2.3"))
+    monkeypatch.setattr(trt_build, "RUNTIME", "tensorrt")
+    with pytest.raises(trt_build.PlanBuildError, match=r"TensorRT 8\.6\.2\.3 is installed"):
+        trt_build.current_target()

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from edge.artifacts import Plan, PlanMismatch, Target, find_plan
+from edge.artifacts import Plan, PlanMismatch, Target, find_plan, unsupported_tensorrt
 from edge.backends.base import (
     Backend,
     BackendOptions,
@@ -49,9 +49,11 @@ logger = logging.getLogger(__name__)
 trt: Any
 try:
     trt = importlib.import_module("tensorrt")
-    TRT_SUPPORT = bool(torch.cuda.is_available())
+    TRT_REFUSED = unsupported_tensorrt(str(trt.__version__))
+    TRT_SUPPORT = bool(torch.cuda.is_available()) and TRT_REFUSED is None
 except ImportError:
     trt = None
+    TRT_REFUSED = None
     TRT_SUPPORT = False
 
 RUNTIME = "tensorrt"
@@ -357,5 +359,5 @@ else:
         "tensorrt",
         "TensorRT's Python runtime is not installed; on a Jetson it comes with JetPack (python3-libnvinfer)"
         if trt is None
-        else "TensorRT is installed but no CUDA device is visible",
+        else TRT_REFUSED or "TensorRT is installed but no CUDA device is visible",
     )
