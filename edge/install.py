@@ -206,12 +206,10 @@ def _directory(report: InstallReport, path: Path, mode: int, group_only: bool) -
     print(f"directory {path} ({mode:o})")
 
 
-def _profile(report: InstallReport, template: Path, device_id: str | None) -> None:
-    target = _under(report.root, "/etc/edge/profile.yaml")
-    if target.exists():
-        report.kept.append(target)
-        print(f"kept {target} (an existing profile is never replaced)")
-        return
+def write_service_profile(target: Path, template: Path, device_id: str | None = None) -> None:
+    """`template` with the service's paths (and `device_id`) at `target`, checked as the
+    daemon will read it: a profile that does not validate is not left there. What
+    `install` writes, and what the container image carries (docker/jetson/Dockerfile)."""
     doc = yaml.safe_load(template.read_text(encoding="utf-8"))
     doc["paths"] = dict(SERVICE_PATHS)
     if device_id is not None:
@@ -220,15 +218,25 @@ def _profile(report: InstallReport, template: Path, device_id: str | None) -> No
         f"# Written by `edgectl install` from {template.name}; every field is described in\n"
         "# edge/config/profile.py and its sections. `systemctl reload edged` applies the run-time fields.\n"
     )
+    target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(header + yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
     os.chmod(target, 0o640)
-    if not report.dry_run:
-        shutil.chown(target, "root", USER)
     try:
         load_profile(target)  # what the daemon will read: refuse to leave a bad one
     except ProfileError as err:
         target.unlink()
         raise RuntimeError(f"the profile made from {template} does not validate: {err}") from err
+
+
+def _profile(report: InstallReport, template: Path, device_id: str | None) -> None:
+    target = _under(report.root, "/etc/edge/profile.yaml")
+    if target.exists():
+        report.kept.append(target)
+        print(f"kept {target} (an existing profile is never replaced)")
+        return
+    write_service_profile(target, template, device_id)
+    if not report.dry_run:
+        shutil.chown(target, "root", USER)
     report.written.append(target)
     print(f"wrote {target}")
 

@@ -2,7 +2,10 @@
 Python, JetPack's PyTorch, nvcc and TensorRT, each problem said in words a plant engineer
 can act on. Standard library only, so that it runs on whatever Python the box has.
 
-    python3 scripts/jetson_check.py     exit 0: ready (what was found); 1: what to fix first
+    python3 scripts/jetson_check.py [--image]   exit 0: ready (what was found); 1: what to fix first
+
+--image: building a container image, where no GPU is visible yet: torch must be a CUDA
+build, but need not see the GPU.
 
 Supported: JetPack 6.1 and 6.2 (L4T r36.4, Ubuntu 22.04, Python 3.10, TensorRT 10.3) and
 JetPack 7 (L4T r38, Ubuntu 24.04, Python 3.12, TensorRT 10.13 and later). JetPack 6.0
@@ -74,10 +77,11 @@ def jetpack(release: tuple[int, int, int]) -> tuple[str, str | None]:
 def check(
     root: Path = Path("/"),
     python: tuple[int, int] = (sys.version_info[0], sys.version_info[1]),
-    torch_probe: Callable[[], tuple[str, bool] | None] | None = None,
+    torch_probe: Callable[[], tuple[str, bool, bool] | None] | None = None,
     dpkg: Callable[[str], str | None] | None = None,
     which: Callable[[str], str | None] = shutil.which,
     tensorrt_probe: Callable[[], str | None] | None = None,
+    image: bool = False,
 ) -> Findings:
     """Every check; the probes are replaceable so that the checks are tested without a
     Jetson (`root`: where /etc and /usr/local/cuda are)."""
@@ -109,12 +113,19 @@ def check(
         )
     elif not torch[1]:
         out.problems.append(
-            f"torch {torch[0]} is installed but sees no GPU: that is PyPI's CPU build, not JetPack's. "
+            f"torch {torch[0]} is installed but is not a CUDA build: that is PyPI's CPU build, not JetPack's. "
             f"Remove it (pip3 uninstall torch) and install NVIDIA's wheel for {name.split(' (')[0]} "
             f"(see {PYTORCH_PAGE})"
         )
+    elif not torch[2] and not image:
+        out.problems.append(
+            f"torch {torch[0]} is a CUDA build but sees no GPU: run setup as a user in the video group "
+            "(or as root), and in a container with the NVIDIA runtime (--runtime nvidia)"
+        )
     else:
-        out.found.append(f"torch {torch[0]} with CUDA")
+        out.found.append(
+            f"torch {torch[0]} with CUDA" + ("" if torch[2] else " (no GPU visible while the image builds)")
+        )
     nvcc = which("nvcc") or next((str(p) for p in [root / "usr/local/cuda/bin/nvcc"] if p.exists()), None)
     if nvcc is None:
         out.warnings.append(
@@ -155,12 +166,13 @@ def _dpkg_version(package: str) -> str | None:
     return done.stdout.strip() or None
 
 
-def _torch_version() -> tuple[str, bool] | None:
+def _torch_version() -> tuple[str, bool, bool] | None:
+    """(version, built with CUDA, sees a GPU), or None where torch does not import."""
     try:
         import torch
     except Exception:  # not installed, or a wheel built for another JetPack fails to load
         return None
-    return str(torch.__version__), bool(torch.cuda.is_available())
+    return str(torch.__version__), torch.version.cuda is not None, bool(torch.cuda.is_available())
 
 
 def _tensorrt_version() -> str | None:
@@ -172,7 +184,7 @@ def _tensorrt_version() -> str | None:
 
 
 def main() -> int:
-    found = check()
+    found = check(image="--image" in sys.argv[1:])
     for line in found.found:
         print(f"setup: found {line}")
     for line in found.warnings:

@@ -43,7 +43,8 @@ if [ -f /etc/nv_tegra_release ]; then
   jetson=1
   # The JetPack release, the Python, JetPack's torch, nvcc and TensorRT: what is wrong,
   # said before anything is installed (scripts/jetson_check.py).
-  "$python_bin" scripts/jetson_check.py || exit 1
+  # EDGE_IMAGE_BUILD=1: building a container image (docker/jetson/Dockerfile), no GPU visible.
+  "$python_bin" scripts/jetson_check.py ${EDGE_IMAGE_BUILD:+--image} || exit 1
 fi
 if [ ! -x .venv/bin/python ]; then
   if [ -n "$jetson" ]; then "$python_bin" -m venv --system-site-packages .venv; else "$python_bin" -m venv .venv; fi
@@ -81,6 +82,7 @@ if [ -z "$installed" ]; then
 fi
 # Where torch sees a GPU (a Jetson, a CUDA workstation), our CUDA INT4 kernel is built
 # now for it (edge/text/ops/cuda/cuda_int4.py; about 30 s, once), not at the daemon's first start.
+# (Building an image, no GPU is visible: the daemon's first start builds it instead.)
 if .venv/bin/python -c "import torch, sys; sys.exit(not torch.cuda.is_available())" >/dev/null 2>&1; then
   .venv/bin/python -m edge.text.ops.cuda.cuda_int4 >/dev/null ||
     echo "setup: the CUDA INT4 kernel did not build (no nvcc?); serving falls back to Triton or torch's kernel" >&2

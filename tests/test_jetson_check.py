@@ -35,7 +35,7 @@ def no_dpkg(package: str) -> str | None:
 def ready(root: Path, **probes: object) -> object:
     kwargs: dict[str, object] = {
         "python": (3, 10),
-        "torch_probe": lambda: ("2.5.0a0+872d972e41.nv24.08", True),
+        "torch_probe": lambda: ("2.5.0a0+872d972e41.nv24.08", True, True),
         "dpkg": no_dpkg,
         "which": lambda name: None,
         "tensorrt_probe": lambda: "10.3.0",
@@ -86,8 +86,13 @@ def test_each_wrong_piece_is_named_with_its_fix(tmp_path: Path) -> None:
     assert "Python 3.9 is not supported" in ready(root, python=(3, 9)).problems[0]  # type: ignore[attr-defined]
     missing = ready(root, torch_probe=lambda: None).problems[0]  # type: ignore[attr-defined]
     assert "PyTorch is not installed for Python 3.10" in missing and "JetPack 6.2" in missing
-    cpu = ready(root, torch_probe=lambda: ("2.13.0+cpu", False)).problems[0]  # type: ignore[attr-defined]
+    cpu = ready(root, torch_probe=lambda: ("2.13.0+cpu", False, False)).problems[0]  # type: ignore[attr-defined]
     assert "PyPI's CPU build" in cpu and "pip3 uninstall torch" in cpu
+    blind = ready(root, torch_probe=lambda: ("2.5.0", True, False)).problems[0]  # type: ignore[attr-defined]
+    assert "sees no GPU" in blind and "video group" in blind
+    # Building an image no GPU is visible: a CUDA build is enough, a CPU build is not.
+    assert ready(root, torch_probe=lambda: ("2.5.0", True, False), image=True).problems == []  # type: ignore[attr-defined]
+    assert ready(root, torch_probe=lambda: ("2.13.0+cpu", False, False), image=True).problems  # type: ignore[attr-defined]
     warned = ready(root, tensorrt_probe=lambda: "8.6.2").warnings  # type: ignore[attr-defined]
     assert any("nvcc not found" in w for w in warned) and any("TensorRT 8.6.2 is older than 10" in w for w in warned)
 
