@@ -297,6 +297,10 @@ class Daemon:
                     self.journal.compact()
                 except Exception:  # compaction is housekeeping; serving goes on
                     logger.exception("journal compaction failed")
+            try:
+                self.journal.record_count()
+            except Exception:  # an account of the journal, never a reason to stop serving
+                logger.exception("could not record the journal's count")
             stalls = [r for w in self.workers.values() if (r := w.stalled(now, self.profile.watchdog.stall_s))]
             if stalls != self._stalls:
                 if stalls:

@@ -10,12 +10,14 @@ import shutil
 import sqlite3
 import subprocess
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
@@ -230,6 +232,45 @@ def test_a_damaged_journal_is_set_aside_and_said_loudly(
     try:
         d.wait_ready()
         assert _status(d)[0] == 0  # a sound journal after a clean stop: nothing to say
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "deleted"])
+def test_a_lost_journal_is_reported_with_the_jobs_it_held(
+    tmp_path: Path, broker: Broker, requester: Requester, ocr_engine_dir: Path, damage: str
+) -> None:
+    """A journal that cannot say what it held any more (garbage, or gone) is reported with
+    the count a small record beside it kept: in the log, the status and the metrics."""
+    profile = _journal_profile(tmp_path, broker, f"jl{damage[0]}", ocr_engine_dir)
+    journal = tmp_path / "state" / "journal.sqlite3"
+    d = start_daemon(profile)
+    d.wait_ready()
+    topic = f"edge/jl{damage[0]}/jobs/ocr"
+    corrs = [requester.send(topic, {"id": f"q{i}", "image": {"path": LABEL}}) for i in range(40)]
+    requester.wait(corrs[0], 60)
+    d.stop()  # SIGTERM: the jobs still queued stay journalled for the next start
+    db = sqlite3.connect(str(journal))
+    held = int(db.execute("SELECT COUNT(*) FROM jobs WHERE state != 'answered'").fetchone()[0])
+    db.close()
+    assert held > 0, "every job finished before the stop: nothing to lose"
+    for extra in ("-wal", "-shm"):
+        Path(f"{journal}{extra}").unlink(missing_ok=True)
+    if damage == "garbage":
+        journal.write_bytes(os.urandom(8192))
+    else:
+        journal.unlink()
+    d = start_daemon(profile)
+    try:
+        d.wait_ready()
+        code, doc = _status(d)
+        assert code == 1 and doc["journal"]["lost"] == held, doc["journal"]
+        assert f"{held} unfinished job(s) in it are lost" in doc["journal"]["problem"]
+        assert doc["journal"]["problem"] in d.log.read_text()
+        port = yaml.safe_load(profile.read_text())["metrics"]["listen"].rsplit(":", 1)[1]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            metrics = resp.read().decode()
+        assert f"edge_journal_lost_jobs {float(held)}" in metrics
     finally:
         d.stop()
 
