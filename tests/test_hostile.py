@@ -153,6 +153,43 @@ def test_a_retained_job_is_refused_and_never_run(
         daemon.stop()
 
 
+def test_a_retained_job_is_refused_once_not_at_every_restart(
+    tmp_path: Path, broker: Broker, requester: Requester, ocr_engine_dir: Path
+) -> None:
+    # The broker hands a topic's retained message to every new subscription; the daemon
+    # subscribes again at every connect. Refused once, it must not be refused again (a
+    # new copy each time) at each restart that finds its session at the broker.
+    topic = "edge/rr/jobs/ocr"
+    body = json.dumps({"id": "kept-once", "image": {"path": LABEL}}).encode()
+    publish_raw(requester, topic, body, requester.reply_topic, retain=True)
+    profile = write_profile(tmp_path, broker.port, ocr_engine_dir, device_id="rr", models=OCR_ONLY)
+
+    def refusals() -> list[dict[str, Any]]:
+        docs = [json.loads(p) for t, p, _ in list(requester.raw) if t == requester.reply_topic]
+        return [d for d in docs if d.get("id") == "kept-once"]
+
+    try:
+        for start in range(3):
+            daemon = start_daemon(profile)
+            try:
+                daemon.wait_ready()
+                if start == 0:
+                    deadline = time.monotonic() + 30
+                    while not refusals():
+                        assert time.monotonic() < deadline, "the retained job got no answer"
+                        time.sleep(0.1)
+                # A job sent now is answered after anything the subscription brought.
+                ok = requester.request(topic, {"id": f"after-{start}", "image": {"path": LABEL}})
+                assert ok["status"] == "ok"
+                time.sleep(1.0)
+            finally:
+                daemon.stop()
+        (refusal,) = refusals()
+        assert refusal["status"] == "error" and refusal["error"]["field"] == "retain"
+    finally:
+        requester._client.publish(topic, b"", qos=1, retain=True).wait_for_publish(10)  # clear it
+
+
 def _journal_profile(tmp_path: Path, broker: Broker, device_id: str, engines: Path) -> Path:
     return write_profile(tmp_path, broker.port, engines, device_id=device_id, models=OCR_ONLY)
 
