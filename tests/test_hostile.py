@@ -9,6 +9,8 @@ import os
 import shutil
 import sqlite3
 import subprocess
+import sys
+import tempfile
 import time
 import urllib.request
 import uuid
@@ -21,7 +23,7 @@ import yaml
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from tests.conftest import LABELS, Broker, DaemonProc, Requester, start_daemon, write_profile
+from tests.conftest import LABELS, REPO, SAMPLES, Broker, DaemonProc, Requester, start_daemon, write_profile
 
 pytestmark = pytest.mark.integration
 
@@ -368,6 +370,49 @@ def test_a_task_whose_model_cannot_load_is_a_warning(
         assert any(r.startswith("inspect unavailable") for r in doc["check"]["reasons"])
     finally:
         d.stop()
+
+
+def test_an_unreadable_engine_directory_is_one_clear_reason(broker: Broker) -> None:
+    # Not a traceback's last line ("PermissionError: [Errno 13] ..."), and no build tried
+    # into a directory the box cannot read. Root reads everything: as root the daemon
+    # runs as nobody, in a directory of its own outside pytest's (which only root may enter).
+    base = Path(tempfile.mkdtemp(prefix="edge-unreadable-", dir="/tmp"))
+    base.chmod(0o755)
+    state, run, engines = base / "state", base / "run", base / "engines"
+    for directory in (state, run, engines):
+        directory.mkdir()
+    as_root = os.geteuid() == 0
+    engines.chmod(0o700 if as_root else 0o000)
+    if as_root:
+        for directory in (state, run):
+            os.chown(directory, 65534, 65534)
+    paths = {"state_dir": str(state), "runtime_dir": str(run), "engine_dir": str(engines), "media_dir": str(SAMPLES)}
+    # OCR serves (it only keeps its working-memory figure there), so the daemon starts.
+    models = {"ocr": {"threads": 1}, "inspect": {"build_size": "quick", "threads": 1}, "qa": {"enabled": False}}
+    profile = write_profile(base, broker.port, engines, device_id="ur", models=models, paths=paths)
+    profile.chmod(0o644)
+    log = profile.with_suffix(".log")
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if as_root else []
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [*as_nobody, sys.executable, "-m", "edge.cli", "serve", "--profile", str(profile)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    d = DaemonProc(profile, run / "status.sock", proc, log)
+    try:
+        d.wait_ready()
+        code, doc = _status(d)
+        why = doc["branches"]["vision"]["unavailable_tasks"]["inspect"]
+        assert why == f"the engine directory {engines} cannot be read (permission denied): check its permissions"
+        assert code == 1 and f"inspect unavailable on the vision branch: {why}" in doc["check"]["reasons"]
+        assert "building" not in log.read_text()
+    finally:
+        d.stop()
+        engines.chmod(0o700)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_a_damaged_build_is_never_built_over(tmp_path: Path, broker: Broker, engine_dir: Path) -> None:
