@@ -21,11 +21,21 @@ OCR_ONLY = {"ocr": {"threads": 1}, "inspect": {"enabled": False}, "qa": {"enable
 LABEL = f"labels/{LABELS[0]['name']}"
 JOBS = 300
 RESEND_AFTER_S = 15.0
-# Sent as cameras send, a steady stream rather than all at once: a burst published whole
-# is split by the broker at once, and the half a dead box was given must all be resent
-# whatever the requester does.
-RATE_PER_S = 5.0
-KILL_AFTER = 100  # jobs sent when the first box is killed
+# Sent as cameras send, a steady stream with a burst rather than all at once: a burst
+# published whole is split by the broker at once, and the half a dead box was given must
+# all be resent whatever the requester does.
+RATE_PER_S = 3.0
+KILL_AFTER = 100  # jobs sent before a burst, at whose end the first box is killed
+BURST = 10  # sent at once: the box to be killed certainly holds some of them
+
+
+def _kill_holding_jobs(box: DaemonProc) -> None:
+    """SIGKILL once the box has jobs journalled and unanswered, for good."""
+    deadline = time.monotonic() + 10
+    while json.loads(box.status().stdout)["journal"]["queued"] < 2:
+        assert time.monotonic() < deadline, "the box never held two jobs at once"
+        time.sleep(0.05)
+    box.stop(signal.SIGKILL)
 
 
 def _wait_online(client: JobClient, boxes: set[str], timeout: float = 10.0) -> None:
@@ -57,10 +67,11 @@ def test_a_box_killed_mid_burst_costs_resends_of_what_it_held_only(
             _wait_online(client, {"pa", "pb"})
             started = time.monotonic()
             for i in range(JOBS):
-                time.sleep(max(0.0, started + i / RATE_PER_S - time.monotonic()))
-                if i == KILL_AFTER:
-                    boxes["pa"].stop(signal.SIGKILL)
+                if i < KILL_AFTER or i >= KILL_AFTER + BURST:
+                    time.sleep(max(0.0, started + i / RATE_PER_S - time.monotonic()))
                 jobs.append(client.submit("ocr", {"id": f"p{i}", "image": {"path": LABEL}}))
+                if i == KILL_AFTER + BURST - 1:
+                    _kill_holding_jobs(boxes["pa"])
             results = [p.wait(300) for p in jobs]
             took = time.monotonic() - started
             time.sleep(2.0)  # and no second answer after
@@ -77,5 +88,6 @@ def test_a_box_killed_mid_burst_costs_resends_of_what_it_held_only(
     rescued = [p for p in jobs if p.sends > 1 and p.result["device"] == "pb"]
     assert rescued, "the killed box held no job: the test did not test a rescue"
     # ...and nothing else was sent twice: the live box's own queue was never resent.
+    assert all(p.result["device"] == "pb" for p in jobs if p.sends > 1)
     print(f"{JOBS} jobs in {took:.0f} s: {client.resends} resends, {len(rescued)} jobs rescued")
     assert client.resends <= JOBS // 10, (client.resends, len(rescued))
