@@ -140,6 +140,19 @@ def _serves(manifest: dict[str, Any], wanted: dict[str, Any]) -> bool:
     return any(all(s.get(key) == value for key, value in wanted.items()) for s in selectors(manifest))
 
 
+def check_readable(engine_dir: Path) -> None:
+    """EngineMissing, in one sentence, when the engine directory exists but cannot be
+    listed (its permissions, a broken mount): finding no engine there would otherwise
+    look like an empty directory and send the box building into it."""
+    try:
+        next(iter(engine_dir.iterdir()), None)
+    except FileNotFoundError:
+        return  # created when the first build writes into it
+    except OSError as err:
+        why = (err.strerror or str(err)).lower()
+        raise EngineMissing(f"the engine directory {engine_dir} cannot be read ({why}): check its permissions") from err
+
+
 def _subdirs(parent: Path) -> list[Path]:
     """The directories in `parent`, sorted, without scratch directories of builds in
     progress (dot names); none where `parent` cannot be listed."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from edge.artifacts import EngineMissing, damaged, find, open_engine
+from edge.artifacts import EngineMissing, check_readable, damaged, find, open_engine
 from edge.config.profile import Profile
 from edge.health.notify import Notifier
 
@@ -254,6 +254,7 @@ def locate(profile: Profile, task: str, builds: ChildBuilds | None) -> Path:
         return open_engine(named, KINDS[task]).path
     wanted = selector(task, profile)
     engine_dir = profile.paths.engine_dir
+    check_readable(engine_dir)
     found = find(engine_dir, **wanted)
     if found is None:
         broken = [p for p in damaged(engine_dir) if _could_serve(p, engine_dir, task)]

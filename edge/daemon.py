@@ -26,6 +26,7 @@ from edge.comms.mqtt import DaemonLink
 from edge.config.profile import Profile
 from edge.health.metrics import MetricsServer
 from edge.health.notify import Notifier, watchdog_interval_s
+from edge.health.reasons import describe_failure
 from edge.health.report import branches_section, memory_section, models_section
 from edge.health.status import STATUS_SCHEMA_VERSION, StatusServer
 from edge.intake import Intake
@@ -202,7 +203,7 @@ class Daemon:
                 tasks["ocr"] = ocr
             except Exception as err:  # one model failing must not take the others down
                 logger.exception("OCR unavailable")
-                self.task_errors["ocr"] = f"{type(err).__name__}: {err}"
+                self.task_errors["ocr"] = describe_failure(err)
         if models.inspect.enabled and not self._stop.is_set():
             try:
                 student = builds.locate(self.profile, "inspect", self.builds)
@@ -214,7 +215,7 @@ class Daemon:
                 return True
             except Exception as err:
                 logger.exception("inspection model unavailable")
-                self.task_errors["inspect"] = f"{type(err).__name__}: {err}"
+                self.task_errors["inspect"] = describe_failure(err)
         if tasks:
             queue = PriorityDeadlineQueue(self.profile.queue.max_size)
             self.queues["vision"] = queue
@@ -242,7 +243,7 @@ class Daemon:
             return True
         except Exception as err:
             logger.exception("text branch unavailable")
-            self.task_errors["qa"] = f"{type(err).__name__}: {err}"
+            self.task_errors["qa"] = describe_failure(err)
             return True
         engine = self.qa.engine
         wait_s = self.profile.queue.memory_wait_ms / 1000.0
@@ -297,6 +298,10 @@ class Daemon:
                     self.journal.compact()
                 except Exception:  # compaction is housekeeping; serving goes on
                     logger.exception("journal compaction failed")
+            try:
+                self.journal.record_count()
+            except Exception:  # an account of the journal, never a reason to stop serving
+                logger.exception("could not record the journal's count")
             stalls = [r for w in self.workers.values() if (r := w.stalled(now, self.profile.watchdog.stall_s))]
             if stalls != self._stalls:
                 if stalls:

@@ -47,6 +47,7 @@ class _Held:
     row: NewJob
     item: WorkItem
     queue: PriorityDeadlineQueue
+    notify: bool  # the requester asked to hear that it is journalled
 
 
 class Intake:
@@ -135,6 +136,8 @@ class Intake:
             logger.debug(
                 "queued job %s (%s, priority %s)", job.id, job.task, job.priority, extra=job_fields(job.id, job.task)
             )
+            if h.notify:
+                self._responder.accepted(reply, job.id, job.task)
         held.clear()
 
     def _reply_error(self, topic: str) -> JobError | None:
@@ -176,7 +179,7 @@ class Intake:
             return True
         if job_id is not None and any(h.row[0] == job_id for h in held):
             self._commit(held)  # the repeat is judged against the journalled first
-        if self._seen(job_id, known_task, msg.payload, reply, received):
+        if self._seen(job_id, known_task, msg, reply, received):
             return True
         try:
             job = parse_job(data, topic_task, self.limits)
@@ -193,7 +196,7 @@ class Intake:
             self._refuse(reply, job.id, job.task, unavailable, received)
             return True
         item = make_item(job, reply, received, self.profile.queue.default_deadline_ms)
-        return _Held((job.id, msg.topic, msg.payload, reply.topic, reply.correlation), item, queue)
+        return _Held((job.id, msg.topic, msg.payload, reply.topic, reply.correlation), item, queue, msg.notify_accepted)
 
     def _reply_for(self, msg: IncomingJob, fallback: Reply) -> Reply:
         if msg.response_topic is not None and self._reply_error(msg.response_topic) is None:
@@ -258,34 +261,45 @@ class Intake:
             raise JobError(ErrorCode.UNAVAILABLE, "the text branch is not served on this device", "ask")
         return queue
 
-    def _seen(self, job_id: str | None, task: str | None, payload: bytes, reply: Reply, received: float) -> bool:
+    def _seen(self, job_id: str | None, task: str | None, msg: IncomingJob, reply: Reply, received: float) -> bool:
         """Whether this id is already in the journal (within the dedup window). Then it
-        is not run again: a repeat of a finished job gets the stored result; a repeat of
-        one in progress gets its one result when done if it is a redelivery (same reply
-        and correlation), else a `duplicate` error saying so; an id reused for a different
-        request is refused, since answering it with another job's result would be wrong."""
+        is not run again: a repeat of a finished job gets the stored result, unless it is
+        the broker redelivering the very message (its DUP flag, same reply and
+        correlation), whose result went out already; a repeat of one in progress gets its
+        one result when done if it is a redelivery (same reply and correlation), else a
+        `duplicate` error saying so; an id reused for a different request is refused,
+        since answering it with another job's result would be wrong."""
         if job_id is None:
             return False
         entry = self._journal.lookup(job_id)
         if entry is None or entry.received < time.time() - self._journal.dedup_window_s:
             return False
         self.duplicates += 1
-        if entry.digest is not None and entry.digest != digest(payload):
+        same_reply = (entry.reply_topic, entry.correlation) == (reply.topic, reply.correlation)
+        if entry.digest is not None and entry.digest != digest(msg.payload):
             reused = JobError(
                 ErrorCode.INVALID_FIELD, "this id belongs to another job within the dedup window; use a new id", "id"
             )
             logger.warning("rejected job %s: %s", job_id, reused)
             self._reject(reply, job_id, task, reused, received)
+        elif entry.state != QUEUED and entry.result is not None and msg.redelivered and same_reply:
+            # Our PUBACK for it was lost (the connection dropped: a SIGSTOP past the
+            # keepalive, a network cut) and the job finished meanwhile. Its result was
+            # published to this reply already (or is replayed from the journal until the
+            # broker has it): a second copy would be a duplicate the requester never asked for.
+            logger.info("job %s redelivered by the broker after it was answered: not answered twice", job_id)
         elif entry.state != QUEUED and entry.result is not None:
             logger.info("job %s seen again within the dedup window: answering from the journal", job_id)
             self._responder.resend(reply, entry.result)
-        elif (entry.reply_topic, entry.correlation) != (reply.topic, reply.correlation):
+        elif not same_reply:
             pending = JobError(
                 ErrorCode.DUPLICATE, "this job is already in progress; its result goes to the first request's reply"
             )
             self._reject(reply, job_id, task, pending, received)
         else:
             logger.info("job %s delivered again while in progress: it is answered once, when done", job_id)
+            if msg.notify_accepted and task is not None:
+                self._responder.accepted(reply, job_id, task)  # a resend to the box that holds it
         return True
 
     def _cancel(self, request_id: str, target: str, reply: Reply, received: float, request_digest: str) -> None:

@@ -144,6 +144,13 @@ class Responder:
         else:
             self._link.publish(reply.topic, payload, reply.correlation)
 
+    def accepted(self, reply: Reply, job_id: str, task: str) -> None:
+        """Tell a requester that asked that the job is journalled here: this box answers
+        it, so a requester with a fleet need not send it to another box while this one is
+        online. Published only (a lost notice costs one resend, which is answered once)."""
+        doc = results.accepted_notice(job_id, task, self._device_id)
+        self._link.publish(reply.topic, results.encode(doc), reply.correlation)
+
     def resend(self, reply: Reply, payload: bytes) -> None:
         """A finished job's stored result, for a repeat of its id within the dedup window."""
         self._link.publish(reply.topic, payload, reply.correlation)

@@ -182,3 +182,50 @@ def test_a_full_journal_refuses_new_jobs_and_recovers(
     assert set(codes) == {"ok", "storage_full"} and codes["ok"] >= 2, codes
     assert after["status"] == "ok"
     assert not json.loads(recovered.stdout)["journal"]["full"]
+
+
+def test_jobs_sent_while_the_daemon_is_stopped_past_its_keepalive_are_answered_once(
+    tmp_path: Path, broker: Broker, ocr_engine_dir: Path
+) -> None:
+    # SIGSTOP past the keepalive: the broker gives up on the connection while the jobs
+    # it had already written to the socket wait there. Resumed, the daemon reads and
+    # journals them, but its PUBACKs go nowhere, so the broker delivers them again (DUP)
+    # on the new connection, often after the jobs have finished. Those copies must not
+    # be answered a second time.
+    ocr_only = {"ocr": {"threads": 1}, "inspect": {"enabled": False}, "qa": {"enabled": False}}
+    broker_cfg = {
+        "host": "127.0.0.1",
+        "port": broker.port,
+        "keepalive_s": 5,
+        "reconnect_min_s": 1,
+        "reconnect_max_s": 1,
+    }
+    profile = write_profile(tmp_path, broker.port, ocr_engine_dir, device_id="ss", models=ocr_only, broker=broker_cfg)
+    daemon = start_daemon(profile)
+    requester = Requester(broker.port)
+    label = "labels/label_00.png"
+    try:
+        daemon.wait_ready()
+        assert requester.request("edge/ss/jobs/ocr", {"id": "warm", "image": {"path": label}})["status"] == "ok"
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            corrs = {
+                f"s{i}": requester.send("edge/ss/jobs/ocr", {"id": f"s{i}", "image": {"path": label}})
+                for i in range(30)
+            }
+            time.sleep(12)  # past 1.5 keepalives: the broker has dropped the connection
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        _wait_all(requester, corrs, 120)
+        deadline = time.monotonic() + 60
+        while json.loads(daemon.status().stdout)["broker"]["connects"] < 2:
+            assert time.monotonic() < deadline, "the daemon never reconnected"
+            time.sleep(0.2)
+        time.sleep(5)  # the redeliveries arrive on the new connection; give them time to be (not) answered
+        twice = {jid: len(requester.answers(c)) for jid, c in corrs.items() if len(requester.answers(c)) != 1}
+        assert not twice, twice
+        assert all(json.loads(requester.answers(c)[0])["status"] == "ok" for c in corrs.values())
+        assert daemon.proc.poll() is None
+    finally:
+        requester.close()
+        daemon.stop()

@@ -9,17 +9,21 @@ import os
 import shutil
 import sqlite3
 import subprocess
+import sys
+import tempfile
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from tests.conftest import LABELS, Broker, DaemonProc, Requester, start_daemon, write_profile
+from tests.conftest import LABELS, REPO, SAMPLES, Broker, DaemonProc, Requester, start_daemon, write_profile
 
 pytestmark = pytest.mark.integration
 
@@ -151,6 +155,43 @@ def test_a_retained_job_is_refused_and_never_run(
         daemon.stop()
 
 
+def test_a_retained_job_is_refused_once_not_at_every_restart(
+    tmp_path: Path, broker: Broker, requester: Requester, ocr_engine_dir: Path
+) -> None:
+    # The broker hands a topic's retained message to every new subscription; the daemon
+    # subscribes again at every connect. Refused once, it must not be refused again (a
+    # new copy each time) at each restart that finds its session at the broker.
+    topic = "edge/rr/jobs/ocr"
+    body = json.dumps({"id": "kept-once", "image": {"path": LABEL}}).encode()
+    publish_raw(requester, topic, body, requester.reply_topic, retain=True)
+    profile = write_profile(tmp_path, broker.port, ocr_engine_dir, device_id="rr", models=OCR_ONLY)
+
+    def refusals() -> list[dict[str, Any]]:
+        docs = [json.loads(p) for t, p, _ in list(requester.raw) if t == requester.reply_topic]
+        return [d for d in docs if d.get("id") == "kept-once"]
+
+    try:
+        for start in range(3):
+            daemon = start_daemon(profile)
+            try:
+                daemon.wait_ready()
+                if start == 0:
+                    deadline = time.monotonic() + 30
+                    while not refusals():
+                        assert time.monotonic() < deadline, "the retained job got no answer"
+                        time.sleep(0.1)
+                # A job sent now is answered after anything the subscription brought.
+                ok = requester.request(topic, {"id": f"after-{start}", "image": {"path": LABEL}})
+                assert ok["status"] == "ok"
+                time.sleep(1.0)
+            finally:
+                daemon.stop()
+        (refusal,) = refusals()
+        assert refusal["status"] == "error" and refusal["error"]["field"] == "retain"
+    finally:
+        requester._client.publish(topic, b"", qos=1, retain=True).wait_for_publish(10)  # clear it
+
+
 def _journal_profile(tmp_path: Path, broker: Broker, device_id: str, engines: Path) -> Path:
     return write_profile(tmp_path, broker.port, engines, device_id=device_id, models=OCR_ONLY)
 
@@ -234,6 +275,45 @@ def test_a_damaged_journal_is_set_aside_and_said_loudly(
         d.stop()
 
 
+@pytest.mark.parametrize("damage", ["garbage", "deleted"])
+def test_a_lost_journal_is_reported_with_the_jobs_it_held(
+    tmp_path: Path, broker: Broker, requester: Requester, ocr_engine_dir: Path, damage: str
+) -> None:
+    """A journal that cannot say what it held any more (garbage, or gone) is reported with
+    the count a small record beside it kept: in the log, the status and the metrics."""
+    profile = _journal_profile(tmp_path, broker, f"jl{damage[0]}", ocr_engine_dir)
+    journal = tmp_path / "state" / "journal.sqlite3"
+    d = start_daemon(profile)
+    d.wait_ready()
+    topic = f"edge/jl{damage[0]}/jobs/ocr"
+    corrs = [requester.send(topic, {"id": f"q{i}", "image": {"path": LABEL}}) for i in range(40)]
+    requester.wait(corrs[0], 60)
+    d.stop()  # SIGTERM: the jobs still queued stay journalled for the next start
+    db = sqlite3.connect(str(journal))
+    held = int(db.execute("SELECT COUNT(*) FROM jobs WHERE state != 'answered'").fetchone()[0])
+    db.close()
+    assert held > 0, "every job finished before the stop: nothing to lose"
+    for extra in ("-wal", "-shm"):
+        Path(f"{journal}{extra}").unlink(missing_ok=True)
+    if damage == "garbage":
+        journal.write_bytes(os.urandom(8192))
+    else:
+        journal.unlink()
+    d = start_daemon(profile)
+    try:
+        d.wait_ready()
+        code, doc = _status(d)
+        assert code == 1 and doc["journal"]["lost"] == held, doc["journal"]
+        assert f"{held} unfinished job(s) in it are lost" in doc["journal"]["problem"]
+        assert doc["journal"]["problem"] in d.log.read_text()
+        port = yaml.safe_load(profile.read_text())["metrics"]["listen"].rsplit(":", 1)[1]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            metrics = resp.read().decode()
+        assert f"edge_journal_lost_jobs {float(held)}" in metrics
+    finally:
+        d.stop()
+
+
 def test_a_full_disk_at_start_refuses_jobs_until_space_returns(
     tmp_path: Path, broker: Broker, requester: Requester, ocr_engine_dir: Path
 ) -> None:
@@ -290,6 +370,49 @@ def test_a_task_whose_model_cannot_load_is_a_warning(
         assert any(r.startswith("inspect unavailable") for r in doc["check"]["reasons"])
     finally:
         d.stop()
+
+
+def test_an_unreadable_engine_directory_is_one_clear_reason(broker: Broker) -> None:
+    # Not a traceback's last line ("PermissionError: [Errno 13] ..."), and no build tried
+    # into a directory the box cannot read. Root reads everything: as root the daemon
+    # runs as nobody, in a directory of its own outside pytest's (which only root may enter).
+    base = Path(tempfile.mkdtemp(prefix="edge-unreadable-", dir="/tmp"))
+    base.chmod(0o755)
+    state, run, engines = base / "state", base / "run", base / "engines"
+    for directory in (state, run, engines):
+        directory.mkdir()
+    as_root = os.geteuid() == 0
+    engines.chmod(0o700 if as_root else 0o000)
+    if as_root:
+        for directory in (state, run):
+            os.chown(directory, 65534, 65534)
+    paths = {"state_dir": str(state), "runtime_dir": str(run), "engine_dir": str(engines), "media_dir": str(SAMPLES)}
+    # OCR serves (it only keeps its working-memory figure there), so the daemon starts.
+    models = {"ocr": {"threads": 1}, "inspect": {"build_size": "quick", "threads": 1}, "qa": {"enabled": False}}
+    profile = write_profile(base, broker.port, engines, device_id="ur", models=models, paths=paths)
+    profile.chmod(0o644)
+    log = profile.with_suffix(".log")
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if as_root else []
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [*as_nobody, sys.executable, "-m", "edge.cli", "serve", "--profile", str(profile)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    d = DaemonProc(profile, run / "status.sock", proc, log)
+    try:
+        d.wait_ready()
+        code, doc = _status(d)
+        why = doc["branches"]["vision"]["unavailable_tasks"]["inspect"]
+        assert why == f"the engine directory {engines} cannot be read (permission denied): check its permissions"
+        assert code == 1 and f"inspect unavailable on the vision branch: {why}" in doc["check"]["reasons"]
+        assert "building" not in log.read_text()
+    finally:
+        d.stop()
+        engines.chmod(0o700)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_a_damaged_build_is_never_built_over(tmp_path: Path, broker: Broker, engine_dir: Path) -> None:

@@ -17,7 +17,7 @@ from tests.conftest import REPO, DaemonProc, Requester
 DOC = REPO / "docs" / "protocol.md"
 SCHEMAS = REPO / "docs" / "schemas"
 LIMITS = JobLimits(max_payload_bytes=1 << 20, max_prompt_chars=8000, max_new_tokens_limit=512)
-_EXAMPLE = re.compile(r"<!-- example: (job|result|partial) ([\w-]+) -->\s*```json\n(.*?)```", re.S)
+_EXAMPLE = re.compile(r"<!-- example: (job|result|partial|notice) ([\w-]+) -->\s*```json\n(.*?)```", re.S)
 
 
 def examples() -> dict[tuple[str, str], Any]:

@@ -15,6 +15,15 @@ names the shared group), one after another; with none known, to the stream again
 Brokers that hand a dead member's jobs to the others (EMQX does, for shared
 subscriptions) need the resend only for jobs already running there.
 
+Resending only what a dead box held: in fleet mode each job asks its box for an
+`accepted` notice (user property notify=accepted), which the box sends once the job is in
+its journal. A job accepted by a box that is online is that box's to answer, however
+long its queue: it is not resent (a box working through a burst would otherwise get
+its whole queue again every resend period). A job no box has accepted, or one accepted
+by a box whose availability went offline, is resent once `resend_after_s` has passed.
+And while a box of the stream is offline, new jobs go straight to the online boxes in
+turn rather than to the stream, where Mosquitto would queue the dead box's share for it.
+
 `request()` is the one-shot form `edgectl submit` uses.
 """
 
@@ -33,6 +42,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
+from edge.comms.message import NOTIFY_ACCEPTED, NOTIFY_PROPERTY
 from edge.comms.mqtt import GROUP_PROPERTY, ONLINE, make_client
 from edge.config.profile import Profile
 
@@ -57,6 +67,7 @@ class Pending:
     sent_at: float = 0.0
     sends: int = 0
     copies: list[bytes] = field(default_factory=list)  # every answer that came, in order
+    accepted_by: str | None = None  # the box whose `accepted` notice came last
     answered: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -99,6 +110,7 @@ class JobClient:
         self._lock = threading.Lock()
         self._pending: dict[bytes, Pending] = {}
         self._online: list[str] = []  # boxes announcing themselves online, in order seen
+        self._offline: set[str] = set()  # boxes of our stream whose availability says offline
         self._next_box = 0
         self._ready = threading.Event()
         self._closed = threading.Event()
@@ -150,7 +162,10 @@ class JobClient:
         pending = Pending(str(job["id"]), task, json.dumps(job).encode(), uuid.uuid4().bytes, topic)
         with self._lock:
             self._pending[pending.correlation] = pending
-        self._send(pending, topic)
+            # A box of the stream is down: Mosquitto would queue its share of the stream
+            # for it, so the jobs go to the live boxes themselves until it is back.
+            direct = self._fleet and bool(self._offline) and bool(self._online)
+        self._send(pending, self._next_box_topic(task) if direct else topic)
         return pending
 
     @property
@@ -162,10 +177,18 @@ class JobClient:
         props = Properties(PacketTypes.PUBLISH)
         props.ResponseTopic = self.reply_topic
         props.CorrelationData = pending.correlation
+        if self._fleet:
+            props.UserProperty = (NOTIFY_PROPERTY, NOTIFY_ACCEPTED)
         with self._lock:
             pending.sends += 1
             pending.sent_at = time.monotonic()
         self._client.publish(topic, pending.payload, qos=1, properties=props)
+
+    def _next_box_topic(self, task: str) -> str:
+        """The job topic of the next online box of the stream, in turn; with the lock held."""
+        box = self._online[self._next_box % len(self._online)]
+        self._next_box += 1
+        return self._profile.topics.prefix + f"/{box}/jobs/{task}"
 
     def _resend_target(self, pending: Pending) -> str:
         if not self._fleet:
@@ -173,20 +196,24 @@ class JobClient:
         with self._lock:
             if not self._online:
                 return pending.topic
-            box = self._online[self._next_box % len(self._online)]
-            self._next_box += 1
-        return self._profile.topics.prefix + f"/{box}/jobs/{pending.task}"
+            return self._next_box_topic(pending.task)
+
+    def _due(self, pending: Pending, now: float) -> bool:
+        """Unanswered, sends left, quiet for the resend period, and no live box holds it;
+        with the lock held."""
+        assert self._resend_after_s is not None
+        if pending.answered.is_set() or pending.sends >= self._max_sends:
+            return False
+        if now - pending.sent_at < self._resend_after_s:
+            return False
+        return pending.accepted_by is None or pending.accepted_by not in self._online
 
     def _resend_loop(self) -> None:
         assert self._resend_after_s is not None
         while not self._closed.wait(_TICK_S):
             now = time.monotonic()
             with self._lock:
-                due = [
-                    p
-                    for p in self._pending.values()
-                    if not p.answered.is_set() and p.sends < self._max_sends and now - p.sent_at >= self._resend_after_s
-                ]
+                due = [p for p in self._pending.values() if self._due(p, now)]
             for pending in due:
                 topic = self._resend_target(pending)
                 self.resends += 1
@@ -219,10 +246,16 @@ class JobClient:
         got = getattr(msg.properties, "CorrelationData", None)
         if got is None:
             return
+        kind, device = _notice_kind(bytes(msg.payload))
         with self._lock:
             pending = self._pending.get(bytes(got))
             if pending is None:
                 return
+            if kind == "accepted":
+                pending.accepted_by = device
+                return
+            if kind == "partial":
+                return  # a streamed piece: the final result follows
             pending.copies.append(bytes(msg.payload))
         pending.answered.set()
 
@@ -235,11 +268,33 @@ class JobClient:
         box = levels[-2]
         props = getattr(msg.properties, "UserProperty", None) or []
         ours = (GROUP_PROPERTY, self._profile.topics.shared_group) in [tuple(p) for p in props]
+        online = bytes(msg.payload) == ONLINE
         with self._lock:
-            if bytes(msg.payload) == ONLINE and ours and box not in self._online:
+            if online and ours and box not in self._online:
                 self._online.append(box)
-            elif (bytes(msg.payload) != ONLINE or not ours) and box in self._online:
+            elif (not online or not ours) and box in self._online:
                 self._online.remove(box)
+            # Offline (a clean stop, or its will): its session may still take the stream's
+            # jobs. An empty retained notice (cleared by an operator) means it is gone.
+            if ours and bytes(msg.payload) and not online:
+                self._offline.add(box)
+            else:
+                self._offline.discard(box)
+
+
+def _notice_kind(payload: bytes) -> tuple[str | None, str | None]:
+    """The status and device of a reply, for the notices that are not an answer
+    (`accepted`, `partial`); (None, None) for anything else, a final result included."""
+    if b'"accepted"' not in payload and b'"partial"' not in payload:
+        return None, None  # most replies are final results: no need to parse them here
+    try:
+        doc = json.loads(payload)
+    except ValueError:
+        return None, None
+    if not isinstance(doc, dict) or doc.get("status") not in ("accepted", "partial"):
+        return None, None
+    device = doc.get("device")
+    return str(doc["status"]), device if isinstance(device, str) else None
 
 
 def request(

@@ -16,6 +16,15 @@ class IncomingJob:
     correlation: bytes | None
     retained: bool = False  # delivered as the topic's retained message (at subscribe)
     traceparent: str | None = None  # the requester's W3C trace context (an MQTT v5 user property)
+    # The requester asks to hear when the job is journalled (user property notify=accepted).
+    notify_accepted: bool = False
+    # The broker's DUP flag: this copy is a redelivery of one it sent us before.
+    redelivered: bool = False
+
+
+# MQTT v5 user property a requester sets on a job to get an `accepted` notice for it.
+NOTIFY_PROPERTY = "notify"
+NOTIFY_ACCEPTED = "accepted"
 
 
 # Returns whether the job is kept (acknowledge it to the broker) or left with the broker.

@@ -29,7 +29,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from edge.comms.identity import TAKEOVER_REASON, IdentityWatch
-from edge.comms.message import BatchIntakeCallback, DeliveredCallback, IncomingJob
+from edge.comms.message import NOTIFY_ACCEPTED, NOTIFY_PROPERTY, BatchIntakeCallback, DeliveredCallback, IncomingJob
 from edge.comms.pump import IntakePump
 from edge.config.profile import Profile
 
@@ -211,7 +211,10 @@ class DaemonLink:
             self._backed_off = False
         subs = [(self._profile.available_topic, SubscribeOptions(qos=1))]
         if self._accepting:
-            subs.append((self._profile.jobs_filter, SubscribeOptions(qos=1)))
+            # Retained messages only when the subscription is new: a retained job is refused
+            # once, not again at every reconnect and restart that finds the session there.
+            new_only = SubscribeOptions.RETAIN_SEND_IF_NEW_SUB
+            subs.append((self._profile.jobs_filter, SubscribeOptions(qos=1, retainHandling=new_only)))
             if self._profile.shared_jobs_filter:
                 subs.append((self._profile.shared_jobs_filter, SubscribeOptions(qos=1)))
         client.subscribe(subs)
@@ -291,5 +294,7 @@ class DaemonLink:
             correlation=bytes(correlation) if correlation is not None else None,
             retained=bool(msg.retain),
             traceparent=user.get("traceparent"),
+            notify_accepted=user.get(NOTIFY_PROPERTY) == NOTIFY_ACCEPTED,
+            redelivered=bool(msg.dup),
         )
         self._pump.put(job, msg.mid, msg.qos)

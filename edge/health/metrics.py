@@ -206,7 +206,13 @@ class SnapshotCollector(Collector):
         puback.add_metric([], journal.get("awaiting_puback", 0))
         full = _gauge("edge_journal_full", "1 while the journal (or its disk) is full.")
         full.add_metric([], 1.0 if journal.get("full") else 0.0)
-        yield from (dup, replayed, puback, full)
+        lost = _gauge(
+            "edge_journal_lost_jobs",
+            "Unfinished jobs held by a journal found damaged, emptied or deleted at this start "
+            "(0 also where no count was kept: edgectl status says which).",
+        )
+        lost.add_metric([], float(journal.get("lost") or 0))
+        yield from (dup, replayed, puback, full, lost)
 
     @staticmethod
     def _broker(broker: dict[str, Any]) -> Iterator[Metric]:

@@ -18,6 +18,7 @@ compacted away. The file is bounded (max_bytes): when it, or the disk, is full,
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import sqlite3
@@ -116,6 +117,12 @@ class Journal:
         self.dedup_window_s = dedup_window_s
         self._max_bytes = max_bytes
         self._marker = path.with_name(path.name + ".id")
+        # A second small record of how many unfinished jobs the journal holds, kept beside
+        # it (record_count): what a journal found damaged, emptied or deleted had in it
+        # when it can no longer say so itself.
+        self._tally = path.with_name(path.name + ".count")
+        self._tallied: int | None = None
+        self.lost_as_of: float | None = None  # when `lost` was counted, if from the record
         path.parent.mkdir(parents=True, exist_ok=True)
         # One connection shared by paho's thread, the workers and the supervisor; the
         # lock serialises them (SQLite would anyway, and a lock is cheaper than a retry).
@@ -190,6 +197,8 @@ class Journal:
         if reason is None:
             return
         lost = self._count_unfinished(self.path)
+        if lost is None:
+            lost, self.lost_as_of = self._last_count()
         stamp = time.strftime("%Y%m%dT%H%M%S")
         aside = self.path.with_name(f"{self.path.name}.bad-{stamp}")
         for suffix in ("", "-wal", "-shm"):
@@ -199,9 +208,55 @@ class Journal:
         self.set_aside, self.lost = aside, lost
         self.problem = (
             f"the job journal was unreadable ({reason}) and was set aside as {aside.name}; a new one was started; "
-            + (f"{lost} unfinished job(s) in it are lost" if lost is not None else "what it held is lost")
+            + self._lost_words()
         )
         logger.error("%s", self.problem)
+
+    def _lost_words(self) -> str:
+        if self.lost is None:
+            return "what it held is lost (no count of it was kept)"
+        if self.lost_as_of is None:
+            return f"{self.lost} unfinished job(s) in it are lost"
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.lost_as_of))
+        return f"{self.lost} unfinished job(s) in it are lost (its last count, at {when})"
+
+    def _last_count(self, ident: str | None = None) -> tuple[int | None, float | None]:
+        """The unfinished jobs the count record says the journal held, and when it
+        counted them; (None, None) without a record (or one of another journal than
+        `ident`, where that is known)."""
+        try:
+            doc = json.loads(self._tally.read_text(encoding="ascii"))
+            count, at, of = int(doc["unfinished"]), float(doc["at"]), doc.get("journal")
+        except FileNotFoundError:
+            return None, None
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            logger.warning("the journal's count record %s cannot be read: %s", self._tally, err)
+            return None, None
+        if ident is not None and of != ident:
+            return None, None
+        return count, at
+
+    def record_count(self) -> None:
+        """Write how many unfinished jobs the journal holds to the count record, when
+        that changed since the last write (called about once a second, and at a stop).
+        Not fsynced: it is an account of the journal, not the journal; a power cut can
+        leave it a second behind."""
+        with self._lock:
+            if self._db is None:
+                return
+            count = int(self._db.execute("SELECT COUNT(*) FROM jobs WHERE state != ?", (ANSWERED,)).fetchone()[0])
+            row = self._db.execute("SELECT value FROM meta WHERE key = 'id'").fetchone()
+        if count == self._tallied:
+            return
+        doc = {"journal": str(row[0]) if row else None, "unfinished": count, "at": time.time()}
+        tmp = self._tally.with_name(self._tally.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps(doc) + "\n", encoding="ascii")
+            os.replace(tmp, self._tally)
+        except OSError as err:  # a full disk: the journal itself says so elsewhere
+            logger.debug("could not write the journal's count record: %s", err)
+            return
+        self._tallied = count
 
     @staticmethod
     def _count_unfinished(path: Path) -> int | None:
@@ -228,15 +283,17 @@ class Journal:
             ident = uuid.uuid4().hex
             self._db.execute("INSERT INTO meta (key, value) VALUES ('id', ?)", (ident,))
             if expected is not None and self.problem is None:
+                self.lost, self.lost_as_of = self._last_count(expected)
                 self.problem = (
                     "the job journal went missing or was emptied since the last run (a new one was started): "
-                    "the jobs it held are lost"
+                    + self._lost_words()
                 )
                 logger.error("%s", self.problem)
         else:
             ident = str(row[0])
             if expected is not None and expected != ident and self.problem is None:
-                self.problem = "the job journal was replaced by another since the last run"
+                self.lost, self.lost_as_of = self._last_count(expected)
+                self.problem = "the job journal was replaced by another since the last run; " + self._lost_words()
                 logger.error("%s", self.problem)
         if expected != ident:
             tmp = self._marker.with_name(self._marker.name + ".tmp")
@@ -247,6 +304,10 @@ class Journal:
             os.replace(tmp, self._marker)
 
     def close(self) -> None:
+        try:
+            self.record_count()  # exact at a clean stop
+        except sqlite3.Error as err:
+            logger.warning("could not count the journal's unfinished jobs at close: %s", err)
         with self._lock:
             if self._db is not None:
                 self._db.close()

@@ -61,6 +61,12 @@ def encode(result: dict[str, Any]) -> bytes:
     return json.dumps(result, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
+def accepted_notice(job_id: str, task: str, device_id: str) -> dict[str, Any]:
+    """A box's word that it has journalled a job (sent to requesters that ask for it):
+    the job is this box's to answer from now on, across its restarts; its result follows."""
+    return {"v": RESULT_SCHEMA_VERSION, "id": job_id, "task": task, "device": device_id, "status": "accepted"}
+
+
 def partial_result(job_id: str, task: str, device_id: str, seq: int, delta: str) -> dict[str, Any]:
     """A streamed piece of a job's output; the job's final result still follows."""
     return {

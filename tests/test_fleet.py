@@ -1,0 +1,93 @@
+"""A fleet on one shared job stream, through real daemons and a real Mosquitto: a box
+that dies for good costs the requester resends of what it held, not of what the live
+boxes are working through."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from edge.comms.client import JobClient, Pending
+from edge.config.loader import load_profile
+from tests.conftest import LABELS, Broker, DaemonProc, start_daemon, write_profile
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+OCR_ONLY = {"ocr": {"threads": 1}, "inspect": {"enabled": False}, "qa": {"enabled": False}}
+LABEL = f"labels/{LABELS[0]['name']}"
+JOBS = 300
+RESEND_AFTER_S = 15.0
+# Sent as cameras send, a steady stream with a burst rather than all at once: a burst
+# published whole is split by the broker at once, and the half a dead box was given must
+# all be resent whatever the requester does.
+RATE_PER_S = 3.0
+KILL_AFTER = 100  # jobs sent before a burst, at whose end the first box is killed
+BURST = 10  # sent at once: the box to be killed certainly holds some of them
+
+
+def _kill_holding_jobs(box: DaemonProc) -> None:
+    """SIGKILL once the box has jobs journalled and unanswered, for good."""
+    deadline = time.monotonic() + 10
+    while json.loads(box.status().stdout)["journal"]["queued"] < 2:
+        assert time.monotonic() < deadline, "the box never held two jobs at once"
+        time.sleep(0.05)
+    box.stop(signal.SIGKILL)
+
+
+def _wait_online(client: JobClient, boxes: set[str], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while set(client.online_boxes) != boxes:
+        assert time.monotonic() < deadline, client.online_boxes
+        time.sleep(0.05)
+
+
+def test_a_box_killed_mid_burst_costs_resends_of_what_it_held_only(
+    tmp_path: Path, broker: Broker, ocr_engine_dir: Path
+) -> None:
+    boxes: dict[str, DaemonProc] = {}
+    for name in ("pa", "pb"):
+        directory = tmp_path / name
+        directory.mkdir()
+        profile = write_profile(
+            directory, broker.port, ocr_engine_dir, device_id=name, models=OCR_ONLY, topics={"shared_group": "plant"}
+        )
+        boxes[name] = start_daemon(profile)
+    jobs: list[Pending] = []
+    try:
+        for d in boxes.values():
+            d.wait_ready()
+        client = JobClient(
+            load_profile(boxes["pa"].profile), fleet=True, resend_after_s=RESEND_AFTER_S, max_sends=12
+        ).start()
+        try:
+            _wait_online(client, {"pa", "pb"})
+            started = time.monotonic()
+            for i in range(JOBS):
+                if i < KILL_AFTER or i >= KILL_AFTER + BURST:
+                    time.sleep(max(0.0, started + i / RATE_PER_S - time.monotonic()))
+                jobs.append(client.submit("ocr", {"id": f"p{i}", "image": {"path": LABEL}}))
+                if i == KILL_AFTER + BURST - 1:
+                    _kill_holding_jobs(boxes["pa"])
+            results = [p.wait(300) for p in jobs]
+            took = time.monotonic() - started
+            time.sleep(2.0)  # and no second answer after
+        finally:
+            client.close()
+    finally:
+        for d in boxes.values():
+            d.stop()
+    assert all(r["status"] == "ok" and r["output"]["text"] == "\n".join(LABELS[0]["lines"]) for r in results)
+    twice = {p.job_id: [json.loads(c)["device"] for c in p.copies] for p in jobs if len(p.copies) != 1}
+    assert not twice, twice
+    # The dead box held jobs (queued there, or queued for it at the broker) and the live
+    # box answered them after a resend...
+    rescued = [p for p in jobs if p.sends > 1 and p.result["device"] == "pb"]
+    assert rescued, "the killed box held no job: the test did not test a rescue"
+    # ...and nothing else was sent twice: the live box's own queue was never resent.
+    assert all(p.result["device"] == "pb" for p in jobs if p.sends > 1)
+    print(f"{JOBS} jobs in {took:.0f} s: {client.resends} resends, {len(rescued)} jobs rescued")
+    assert client.resends <= JOBS // 10, (client.resends, len(rescued))
