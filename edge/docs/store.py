@@ -30,6 +30,7 @@ the next change or removal.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import hashlib
@@ -102,15 +103,43 @@ def _remove(entry: Path) -> None:
             entry.unlink()
 
 
+# Per lock file, in this process: a reentrant lock (threads of one process, which one
+# flock cannot tell apart: flock belongs to the open file, and the process would block
+# itself opening it twice), how deep its holder is, and the flocked descriptor.
+_gates: dict[Path, threading.RLock] = {}
+_gates_lock = threading.Lock()
+_depth: collections.Counter[Path] = collections.Counter()
+_descriptors: dict[Path, int] = {}
+
+
+def _gate(path: Path) -> threading.RLock:
+    with _gates_lock:
+        return _gates.setdefault(path, threading.RLock())
+
+
+def _flock(path: Path, on_wait: Callable[[], None] | None) -> int:
+    """The lock file at `path`, open and exclusively flocked (waiting for another
+    process's change to end)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class DocStore:
     """The collections under `root` (paths.state_dir/docs)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        # The collections this process holds the change lock of, and how deep: a change
-        # that calls another (add, then commit) takes it once.
-        self._held: dict[str, tuple[int, int]] = {}
-        self._held_lock = threading.Lock()
 
     def _dir(self, name: str) -> Path:
         if not NAME.fullmatch(name):
@@ -122,38 +151,27 @@ class DocStore:
     @contextlib.contextmanager
     def changing(self, name: str, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
         """Hold collection `name`'s change lock: one change of it at a time, across
-        processes; a change that finds it taken waits (`on_wait` is told once)."""
-        self._dir(name)
-        with self._held_lock:
-            held = self._held.get(name)
-            if held is not None:
-                self._held[name] = (held[0], held[1] + 1)
-        if held is None:
-            locks = self.root / LOCKS
-            locks.mkdir(parents=True, exist_ok=True)
-            fd = os.open(locks / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    if on_wait is not None:
-                        on_wait()
-                    fcntl.flock(fd, fcntl.LOCK_EX)
-            except BaseException:
-                os.close(fd)
-                raise
-            with self._held_lock:
-                self._held[name] = (fd, 1)
+        processes and threads; a change that finds it taken waits (`on_wait` is told
+        once). A change inside another of the same thread (add, then commit) takes it once."""
+        path = (self._dir(name).parent / LOCKS / f"{name}.lock").absolute()
+        gate = _gate(path)
+        if not gate.acquire(blocking=False):
+            if on_wait is not None:
+                on_wait()
+                on_wait = None  # told once
+            gate.acquire()
         try:
-            yield
+            if _depth[path] == 0:
+                _descriptors[path] = _flock(path, on_wait)
+            _depth[path] += 1
+            try:
+                yield
+            finally:
+                _depth[path] -= 1
+                if _depth[path] == 0:
+                    os.close(_descriptors.pop(path))  # closing the descriptor releases the flock
         finally:
-            with self._held_lock:
-                fd, depth = self._held[name]
-                if depth > 1:
-                    self._held[name] = (fd, depth - 1)
-                else:
-                    del self._held[name]
-                    os.close(fd)  # closing the descriptor releases the lock
+            gate.release()
 
     def names(self) -> list[str]:
         """The collections that have a live version (not what a killed change or removal left)."""
