@@ -394,51 +394,82 @@ def _docs_encoder(profile: Profile) -> Any:
 
 
 def cmd_docs(args: argparse.Namespace) -> int:
+    """`edgectl docs`: whatever goes wrong is one line on stderr and status 1."""
     from edge.artifacts import EngineMissing
     from edge.backends import BackendUnavailable
     from edge.docs.extract import DocumentError
-    from edge.docs.ingest import Limits, add, remove_documents
-    from edge.docs.store import CollectionError, DocStore
+    from edge.docs.store import CollectionError
 
     profile = _load(args.profile)
-    store = DocStore(profile.paths.state_dir / "docs")
+    what = f"edgectl docs {args.docs_command}"
     try:
-        if args.docs_command == "add":
-            limits = Limits(max_file_bytes=args.max_file_mib << 20)
-            say = lambda line: print(line, flush=True)  # noqa: E731
-            add(store, args.collection, args.paths, _docs_encoder(profile), limits, progress=say)
-        elif args.docs_command == "remove":
-            if args.documents:
-                remove_documents(store, args.collection, args.documents, _docs_encoder(profile))
-                print(f"collection {args.collection}: removed {', '.join(args.documents)}")
-            else:
-                store.remove(args.collection)
-                print(f"collection {args.collection}: removed")
-        elif args.collection:
-            collection = store.load(args.collection)
-            rows = [
-                {"name": d.name, "chunks": d.chunks, "bytes": d.bytes, "sha256": d.sha256, "source": d.source}
-                for d in collection.documents
-            ]
-            if args.json:
-                print(json.dumps({"collection": args.collection, "version": collection.version, "documents": rows}))
-            else:
-                for row in rows:
-                    print(f"{row['name']:<40} {row['chunks']:>6} chunks {row['bytes']:>10} bytes  {row['source']}")
-        else:
-            summary = store.summary()
-            if args.json:
-                print(json.dumps({"collections": summary}))
-            else:
-                for row in summary:
-                    counts = f"{row['documents']:>6} documents {row['chunks']:>7} chunks"
-                    print(f"{row['name']:<24} {counts} ({row['version']})")
+        return _docs(args, profile)
     except (CollectionError, DocumentError, EngineMissing, BackendUnavailable) as err:
-        print(f"edgectl docs {args.docs_command}: {err}", file=sys.stderr)
-        return 1
+        print(f"{what}: {_one_line(str(err))}", file=sys.stderr)
     except subprocess.CalledProcessError as err:
-        print(f"edgectl docs {args.docs_command}: building the retrieval encoder failed ({err})", file=sys.stderr)
-        return 1
+        print(f"{what}: building the retrieval encoder failed ({err})", file=sys.stderr)
+    except OSError as err:  # the state directory unwritable or full, say
+        where = f" ({_one_line(str(err.filename))})" if err.filename else ""
+        print(f"{what}: {err.strerror or err}{where}", file=sys.stderr)
+    except Exception as err:
+        # Anything else is still said in one line, never a traceback (the log has it).
+        logger.debug("%s failed", what, exc_info=True)
+        print(f"{what}: failed: {type(err).__name__}: {_one_line(str(err))}", file=sys.stderr)
+    return 1
+
+
+def _one_line(text: str) -> str:
+    from edge.docs.names import printable
+
+    return printable(text)
+
+
+def _docs(args: argparse.Namespace, profile: Profile) -> int:
+    from edge.docs.ingest import Limits, add, remove_documents
+    from edge.docs.names import printable
+    from edge.docs.store import DocStore
+
+    store = DocStore(profile.paths.state_dir / "docs")
+    if args.docs_command == "add":
+        limits = Limits(max_file_bytes=args.max_file_mib << 20)
+        say = lambda line: print(line, flush=True)  # noqa: E731
+        add(store, args.collection, args.paths, _docs_encoder(profile), limits, progress=say)
+    elif args.docs_command == "remove":
+        if args.documents:
+            remove_documents(store, args.collection, args.documents, _docs_encoder(profile))
+            print(f"collection {args.collection}: removed {printable(', '.join(args.documents))}")
+        elif store.remove(args.collection):
+            print(f"collection {args.collection}: removed")
+        else:
+            print(f"collection {args.collection}: removed what an interrupted removal had left")
+    elif args.collection:
+        collection = store.load(args.collection)
+        rows: list[dict[str, Any]] = [
+            {"name": d.name, "chunks": d.chunks, "bytes": d.bytes, "sha256": d.sha256, "source": d.source}
+            for d in collection.documents
+        ]
+        if args.json:
+            print(json.dumps({"collection": args.collection, "version": collection.version, "documents": rows}))
+        else:
+            for row in rows:
+                # A name may hold a newline: shown escaped, one row a document.
+                name, source = printable(row["name"]), printable(row["source"])
+                print(f"{name:<40} {row['chunks']:>6} chunks {row['bytes']:>10} bytes  {source}")
+    else:
+        summary = store.summary()
+        if args.json:
+            print(json.dumps({"collections": summary}))
+        else:
+            for entry in summary:
+                if "error" in entry:
+                    print(f"{entry['name']:<24} unreadable: {printable(entry['error'])}")
+                    continue
+                counts = f"{entry['documents']:>6} documents {entry['chunks']:>7} chunks"
+                print(f"{entry['name']:<24} {counts} ({entry['version']})")
+        broken = [entry["name"] for entry in summary if "error" in entry]
+        if broken:
+            print(f"edgectl docs list: cannot read {', '.join(broken)}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -154,6 +155,11 @@ def test_chunks_have_stable_ids_exact_offsets_and_bounded_sizes() -> None:
     assert chunks[-1].title == "Other" and chunks[-1].offset == 0
 
 
+def is_version(name: str, number: int) -> bool:
+    """A version's name: its number, and the hash of its content."""
+    return re.fullmatch(rf"v{number:06d}-[0-9a-f]{{12}}", name) is not None
+
+
 def _index_of(store: DocStore, name: str) -> VectorIndex:
     collection = store.load(name)
     return VectorIndex.read(store.version_dir(name, collection.version))
@@ -167,7 +173,7 @@ def test_a_collection_changes_all_or_nothing(tmp_path: Path, embedder: Embedder)
     (folder / "a.md").write_text(LEAFLET_MD, encoding="utf-8")
     (folder / "b.html").write_text(LEAFLET_HTML, encoding="utf-8")
     (folder / "skipped.bin").write_bytes(b"\0")  # not a document type: not picked up from a folder
-    assert add(store, "clinic", [folder], encoder) == "v000001"
+    assert is_version(add(store, "clinic", [folder], encoder), 1)
     first = store.load("clinic")
     assert [d.name for d in first.documents] == ["a.md", "b.html"] and len(first.chunks) == 5
     # Every chunk embedded once, row i of the index being chunk i.
@@ -184,16 +190,16 @@ def test_a_collection_changes_all_or_nothing(tmp_path: Path, embedder: Embedder)
     # The same name again replaces that document.
     (tmp_path / "a.md").write_text("# Replaced\n\nOnly this now.", encoding="utf-8")
     encoder.texts.clear()
-    assert add(store, "clinic", [tmp_path / "a.md", tmp_path / "c.txt"], encoder) == "v000002"
+    assert is_version(add(store, "clinic", [tmp_path / "a.md", tmp_path / "c.txt"], encoder), 2)
     second = store.load("clinic")
     # Only the new chunks were embedded; the kept ones' vectors came from the old index.
     assert sorted(encoder.texts) == ["Replaced\nOnly this now.", "new text"]
     assert _index_of(store, "clinic").meta.count == len(second.chunks) == 5
     assert sorted(d.name for d in second.documents) == ["a.md", "b.html", "c.txt"]
     assert [c.text for c in second.chunks if c.document == "a.md"] == ["Only this now."]
-    assert sorted(p.name for p in (tmp_path / "docs" / "clinic").iterdir()) == ["CURRENT", "v000002"]
+    assert sorted(p.name for p in (tmp_path / "docs" / "clinic").iterdir()) == ["CURRENT", second.version]
     encoder.texts.clear()
-    assert remove_documents(store, "clinic", ["b.html"], encoder) == "v000003"
+    assert is_version(remove_documents(store, "clinic", ["b.html"], encoder), 3)
     third = store.load("clinic")
     assert {c.document for c in third.chunks} == {"a.md", "c.txt"} and encoder.texts == []
     np.testing.assert_allclose(
@@ -227,9 +233,10 @@ def test_edgectl_docs_commands(tmp_path: Path, embed_engine_dir: Path) -> None:
     assert "[2/2] b.pdf: 2 sections, 2 chunks" in added.stdout and "collection clinic: 2 documents" in added.stdout
     listed = json.loads(_edgectl("docs", "list", "--profile", str(profile), "--json").stdout)
     assert listed == {
-        "collections": [{"name": "clinic", "version": "v000001", "documents": 2, "chunks": 4, "bytes": listed[
-            "collections"][0]["bytes"]}]
+        "collections": [{"name": "clinic", "version": listed["collections"][0]["version"], "documents": 2,
+                         "chunks": 4, "bytes": listed["collections"][0]["bytes"]}]
     }  # fmt: skip
+    assert is_version(listed["collections"][0]["version"], 1)
     docs = json.loads(_edgectl("docs", "list", "--profile", str(profile), "--collection", "clinic", "--json").stdout)
     assert [d["name"] for d in docs["documents"]] == ["a.md", "b.pdf"]
     bad = _edgectl("docs", "add", "--profile", str(profile), "--collection", "clinic", str(tmp_path / "none.txt"))
@@ -273,13 +280,17 @@ def test_kill_9_mid_ingest_leaves_the_old_collection_or_the_new_one(
     whole = edgectl_add(batch("timed"))
     assert whole.wait(timeout=300) == 0
     took = time.monotonic() - t0  # start-up and all: the span the kills are spread over
-    rng = random.Random(5)
+    # Kills spread from early in the run to well past the first run's length (later runs
+    # take longer: the collection grows, and a busy machine slows them), in a shuffled
+    # order, so that both outcomes come up however loaded the machine is.
+    factors = [0.3, 0.45, 0.6, 0.75, 0.9, 1.05, 1.6, 3.0]
+    random.Random(5).shuffle(factors)
     outcomes = set()
-    for round_ in range(8):
+    for round_, factor in enumerate(factors):
         folder = batch(f"b{round_}")
         before = store.load("clinic")
         proc = edgectl_add(folder)
-        time.sleep(rng.uniform(0.3, 1.1) * took)
+        time.sleep(factor * took)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         after = store.load("clinic")
@@ -298,3 +309,233 @@ def test_kill_9_mid_ingest_leaves_the_old_collection_or_the_new_one(
     assert sorted(p.name for p in (tmp_path / "state" / "docs" / "clinic").iterdir())[0] == "CURRENT"
     assert len(list((tmp_path / "state" / "docs" / "clinic").iterdir())) == 2
     assert outcomes == {"old", "new"}
+
+
+def _pdf_of(objects: list[bytes]) -> bytes:
+    out = b"%PDF-1.4\n"
+    offsets = []
+    for i, body in enumerate(objects, 1):
+        offsets.append(len(out))
+        out += f"{i} 0 obj\n".encode() + body + b"\nendobj\n"
+    xref = len(out)
+    out += f"xref\n0 {len(objects) + 1}\n0000000000 65535 f \n".encode()
+    out += "".join(f"{o:010d} 00000 n \n" for o in offsets).encode()
+    out += f"trailer\n<< /Size {len(objects) + 1} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n".encode()
+    return out
+
+
+def hostile_pdfs(folder: Path) -> dict[str, Path]:
+    """PDFs a parser must refuse: a page stream whose /Length is the stream itself, and a
+    200 KB flate stream that inflates to 200 MB."""
+    import zlib
+
+    head = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R /Resources << /Font << /F1 << "
+        b"/Type /Font /Subtype /Type1 /BaseFont /Helvetica >> >> >> >>",
+    ]
+    bomb = zlib.compress(b"0" * (200 << 20), 9)
+    files = {
+        "self-length.pdf": _pdf_of(
+            [*head, b"<< /Length 4 0 R >>\nstream\nBT /F1 12 Tf 72 720 Td (x) Tj ET\nendstream"]
+        ),
+        "flate-bomb.pdf": _pdf_of(
+            [*head, f"<< /Length {len(bomb)} /Filter /FlateDecode >>\nstream\n".encode() + bomb + b"\nendstream"]
+        ),
+    }
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    return {name: folder / name for name in files}
+
+
+def _one_line_error(done: subprocess.CompletedProcess[str]) -> str:
+    """The one line a failed edgectl command says (and nothing like a traceback)."""
+    assert done.returncode == 1, (done.returncode, done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    return done.stderr.strip()
+
+
+def test_a_hostile_pdf_stops_docs_add_with_its_name_and_the_reason(
+    tmp_path: Path, embed_engine_dir: Path, embedder: Embedder
+) -> None:
+    """pypdf's own limits (a self-referring length, a flate bomb) fail in ways of their
+    own: `docs add` says which file and why in one line, and the collection stays."""
+    profile = write_profile(tmp_path, 1883, embed_engine_dir)
+    store = DocStore(tmp_path / "state" / "docs")
+    (tmp_path / "a.md").write_text(LEAFLET_MD, encoding="utf-8")
+    add(store, "clinic", [tmp_path / "a.md"], embedder)
+    before = store.load("clinic")
+    for name, path in hostile_pdfs(tmp_path).items():
+        done = _edgectl("docs", "add", "--profile", str(profile), "--collection", "clinic", str(path))
+        line = _one_line_error(done)
+        assert line.startswith(f"edgectl docs add: {path}: not a readable PDF: LimitReachedError"), (name, line)
+        assert store.load("clinic") == before
+        assert sorted(p.name for p in (tmp_path / "state" / "docs" / "clinic").iterdir()) == ["CURRENT", before.version]
+
+
+def test_a_full_disk_stops_docs_add_in_one_line_with_nothing_half_written(
+    tmp_path: Path, embed_engine_dir: Path, embedder: Embedder
+) -> None:
+    """The state directory on a 128 KiB filesystem: a change too big for it is one line
+    (the reason), the collection as it was, and nothing of the change left on disk."""
+    state = tmp_path / "state"
+    state.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(state)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small filesystem here: {mounted.stderr.decode().strip()}")
+    try:
+        profile = write_profile(tmp_path, 1883, embed_engine_dir)
+        store = DocStore(state / "docs")
+        (tmp_path / "small.md").write_text(LEAFLET_MD, encoding="utf-8")
+        add(store, "clinic", [tmp_path / "small.md"], embedder)
+        before = store.load("clinic")
+        # 60 chunks: ~65 KB of chunks and ~90 KB of vectors, more than the room left.
+        (tmp_path / "big.txt").write_text(
+            "\n\n".join(f"Paragraph {i}: the ward keeps its records for audit. " * 18 for i in range(60)),
+            encoding="utf-8",
+        )
+        done = _edgectl("docs", "add", "--profile", str(profile), "--collection", "clinic", str(tmp_path / "big.txt"))
+        line = _one_line_error(done)
+        assert line.startswith("edgectl docs add: ") and "No space left on device" in line, line
+        assert store.load("clinic") == before
+        assert sorted(p.name for p in (state / "docs" / "clinic").iterdir()) == ["CURRENT", before.version]
+        listed = _edgectl("docs", "list", "--profile", str(profile), "--json")
+        assert listed.returncode == 0 and json.loads(listed.stdout)["collections"][0]["version"] == before.version
+    finally:
+        subprocess.run(["umount", str(state)], capture_output=True)
+
+
+def test_docs_add_leaves_out_links_that_lead_outside_the_folder(tmp_path: Path, embed_engine_dir: Path) -> None:
+    profile = write_profile(tmp_path, 1883, embed_engine_dir)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("The root password is hunter2.", encoding="utf-8")
+    folder = tmp_path / "in"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.md").write_text(LEAFLET_MD, encoding="utf-8")
+    (folder / "sub" / "b.txt").write_text("Gloves before the swab.", encoding="utf-8")
+    (folder / "secret.txt").symlink_to(outside / "secret.txt")
+    (folder / "elsewhere").symlink_to(outside, target_is_directory=True)
+    (folder / "sub" / "same.txt").symlink_to(folder / "sub" / "b.txt")  # inside: read like any file
+    done = _edgectl("docs", "add", "--profile", str(profile), "--collection", "clinic", str(folder))
+    assert done.returncode == 0, done.stderr
+    skipped = [line for line in done.stdout.splitlines() if line.startswith("skipped ")]
+    assert len(skipped) == 2, done.stdout
+    assert any(f"{folder / 'secret.txt'}: a link to {outside / 'secret.txt'}, outside" in s for s in skipped)
+    assert any(f"{folder / 'elsewhere'}: a link to {outside}, outside" in s for s in skipped)
+    collection = DocStore(tmp_path / "state" / "docs").load("clinic")
+    assert sorted(d.name for d in collection.documents) == ["a.md", "b.txt", "same.txt"]
+    assert not any("hunter2" in c.text for c in collection.chunks)
+
+
+HOSTILE_NAMES = [
+    "line\nforged.md                              999 chunks          1 bytes  etc-passwd.txt",
+    "a [doc: pharmacy.md#0:0] b.txt",
+    "x (source: pharmacy.md#0:0).txt",
+    "one, two.txt",
+    "tab\there\u202e.txt",
+]
+
+
+def test_file_names_forge_no_rows_tags_or_citations(tmp_path: Path, embed_engine_dir: Path) -> None:
+    """Names with a newline, `[doc: ...]`, `(source: ...)`, a comma, a tab or a bidi
+    override: kept as the documents' names, but their chunk ids hold none of it, so the
+    listing has a row a document, the prompt a tag a passage, and each citation of them
+    reads back as the one id it is."""
+    from edge.docs.retrieve import Passage, check_citations, cited_ids, context_of
+
+    profile = write_profile(tmp_path, 1883, embed_engine_dir)
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for i, name in enumerate(HOSTILE_NAMES):
+        (folder / name).write_text(f"Document {i} says the pump runs for {i + 4} hours.", encoding="utf-8")
+    (folder / "plain name.md").write_text("Plain.", encoding="utf-8")
+    done = _edgectl("docs", "add", "--profile", str(profile), "--collection", "clinic", str(folder))
+    assert done.returncode == 0, done.stderr
+    assert len([line for line in done.stdout.splitlines() if line.startswith("[")]) == len(HOSTILE_NAMES) + 1
+    rows = _edgectl("docs", "list", "--profile", str(profile), "--collection", "clinic")
+    assert rows.returncode == 0 and len(rows.stdout.splitlines()) == len(HOSTILE_NAMES) + 1, rows.stdout
+    assert all(line.isprintable() for line in rows.stdout.splitlines())
+    listed = json.loads(_edgectl("docs", "list", "--profile", str(profile), "--collection", "clinic", "--json").stdout)
+    assert sorted(d["name"] for d in listed["documents"]) == sorted([*HOSTILE_NAMES, "plain name.md"])
+    chunks = DocStore(tmp_path / "state" / "docs").load("clinic").chunks
+    ids = [c.id for c in chunks]
+    assert len(set(ids)) == len(ids) == len(HOSTILE_NAMES) + 1
+    assert "plain name.md#0:0" in ids  # a plain name is its own key
+    for cid in ids:
+        assert cid.isprintable() and not set(cid) & set("[](),\n\t"), cid
+    passages = [Passage(c.id, 0.5, c.text, c.title) for c in chunks]
+    tags = context_of(passages).splitlines()
+    assert len(tags) == len(passages)
+    assert all(t.startswith(f"[doc: {p.id}] ") for t, p in zip(tags, passages, strict=True))
+    answer = " ".join(f"{p.text[:-1]} (source: {p.id})." for p in passages)
+    assert cited_ids(answer) == ids
+    assert cited_ids(f"Both run for hours (source: {ids[0]}, {ids[1]}).") == ids[:2]
+    assert all(c["retrieved"] and c["supported"] for c in check_citations(answer, passages))
+
+
+@pytest.mark.slow
+def test_concurrent_docs_add_of_one_collection_lose_nothing(tmp_path: Path, embed_engine_dir: Path) -> None:
+    """Four `edgectl docs add` of one collection at once, each its own documents: all
+    succeed, and the collection holds every document with a vector for each chunk."""
+    profile = write_profile(tmp_path, 1883, embed_engine_dir)
+    runs = []
+    command = [sys.executable, "-m", "edge.cli", "docs", "add", "--profile", str(profile), "--collection", "clinic"]
+    for i in range(4):
+        folder = tmp_path / f"batch{i}"
+        folder.mkdir()
+        for j in range(3):
+            (folder / f"b{i}-{j}.txt").write_text(f"Batch {i} protocol {j}: wash hands first.", encoding="utf-8")
+        runs.append(
+            subprocess.Popen(
+                [*command, str(folder)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    for run in runs:
+        _, err = run.communicate(timeout=300)
+        assert run.returncode == 0, err
+    store = DocStore(tmp_path / "state" / "docs")
+    collection = store.load("clinic")
+    assert sorted(d.name for d in collection.documents) == sorted(f"b{i}-{j}.txt" for i in range(4) for j in range(3))
+    assert _index_of(store, "clinic").meta.count == len(collection.chunks) == 12
+    assert sorted(p.name for p in (tmp_path / "state" / "docs" / "clinic").iterdir()) == ["CURRENT", collection.version]
+    assert is_version(collection.version, 4)
+
+
+def test_what_a_killed_removal_leaves_lists_and_is_cleaned_up(
+    tmp_path: Path, embed_engine_dir: Path, embedder: Embedder
+) -> None:
+    """`docs remove` renames a collection out of sight, then deletes it: killed between
+    the two (or midway through the delete), what it left is never listed, `docs remove`
+    finishes it, and the next change of the name starts clean. The states are made as
+    the kill leaves them: the old code's `.removed-<name>`, the new `.removed-<name>-<hex>`,
+    each partly deleted."""
+    profile = write_profile(tmp_path, 1883, embed_engine_dir)
+    root = tmp_path / "state" / "docs"
+    store = DocStore(root)
+    (tmp_path / "a.md").write_text(LEAFLET_MD, encoding="utf-8")
+    for name in ("clinic", "ward", "kept"):
+        add(store, name, [tmp_path / "a.md"], embedder)
+    clinic = root / "clinic"
+    version = store.current("clinic")
+    assert version is not None
+    (clinic / version / "index.faiss").unlink()  # the delete had begun
+    clinic.rename(root / ".removed-clinic")
+    ward = root / "ward"
+    ward.rename(root / ".removed-ward-0123456789ab")
+    listed = _edgectl("docs", "list", "--profile", str(profile), "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [c["name"] for c in json.loads(listed.stdout)["collections"]] == ["kept"]
+    assert _edgectl("docs", "list", "--profile", str(profile)).stdout.startswith("kept ")
+    gone = _edgectl("docs", "list", "--profile", str(profile), "--collection", "clinic")
+    assert "no collection named 'clinic'" in _one_line_error(gone)
+    finished = _edgectl("docs", "remove", "--profile", str(profile), "--collection", "clinic")
+    assert finished.returncode == 0, finished.stderr
+    assert "removed what an interrupted removal had left" in finished.stdout
+    assert not (root / ".removed-clinic").exists()
+    again = _edgectl("docs", "add", "--profile", str(profile), "--collection", "ward", str(tmp_path / "a.md"))
+    assert again.returncode == 0, again.stderr
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".locks")) == ["kept", "ward"]
+    nothing = _edgectl("docs", "remove", "--profile", str(profile), "--collection", "clinic")
+    assert "no collection named 'clinic'" in _one_line_error(nothing)

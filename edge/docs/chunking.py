@@ -3,7 +3,9 @@
 A section's text is cut at paragraph ends into chunks of at most `max_chars`; a paragraph
 longer than that is cut at sentence ends, and a sentence longer than that at spaces (or
 hard, for text with none). A chunk's id names its document, its section and where in the
-section's text it starts: `<document>#<section>:<offset>`, stable for the same text."""
+section's text it starts: `<document>#<section>:<offset>`, stable for the same text; the
+document by its key (edge/docs/names.py), which no file name can make into a forged tag
+or a split citation."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import re
 from dataclasses import dataclass
 
 from edge.docs.extract import Section
+from edge.docs.names import source_key
 
 MAX_CHARS = 1000
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
@@ -28,7 +31,7 @@ class Chunk:
 
 
 def chunk_id(document: str, section: int, offset: int) -> str:
-    return f"{document}#{section}:{offset}"
+    return f"{source_key(document)}#{section}:{offset}"
 
 
 def _pieces(text: str, start: int, end: int, max_chars: int) -> list[tuple[int, int]]:

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
 
+from edge.docs.names import printable
+
 logger = logging.getLogger(__name__)
 
 KINDS = {
@@ -25,7 +27,8 @@ HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 
 class DocumentError(ValueError):
     def __init__(self, path: Path, reason: str) -> None:
-        super().__init__(f"{path}: {reason}")
+        # One line whatever the name holds: it is shown as one.
+        super().__init__(printable(f"{path}: {reason}"))
         self.path = path
         self.reason = reason
 
@@ -148,7 +151,6 @@ def _pdf(path: Path, raw: bytes) -> list[Section]:
     import io
 
     from pypdf import PdfReader
-    from pypdf.errors import PdfReadError
 
     try:
         reader = PdfReader(io.BytesIO(raw))
@@ -157,5 +159,8 @@ def _pdf(path: Path, raw: bytes) -> list[Section]:
         return [Section(f"page {i + 1}", page.extract_text() or "") for i, page in enumerate(reader.pages)]
     except DocumentError:
         raise
-    except (PdfReadError, ValueError, KeyError, TypeError) as err:
-        raise DocumentError(path, f"not a readable PDF: {err}") from err
+    except Exception as err:
+        # A hostile file can make the parser fail in any way (pypdf's LimitReachedError for a
+        # stream whose length refers to itself or a flate bomb, a RecursionError, ...): each
+        # is this file's fault, said with its name.
+        raise DocumentError(path, f"not a readable PDF: {type(err).__name__}: {err}") from err

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from edge.docs import index
-from edge.docs.store import CollectionError, DocStore
+from edge.docs.store import Collection, CollectionError, DocStore
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,9 @@ class Retriever:
         index.set_threads(threads)
 
     def _collection(self, name: str) -> tuple[list[Any], index.VectorIndex]:
+        """The live version's chunks and index, kept by the version's name: a name holds
+        its content's hash (edge/docs/store.py), so a collection removed and added again
+        is never served from what was kept of the one before."""
         version = self.store.current(name)
         if version is None:
             raise CollectionError(f"no collection named {name!r}")
@@ -82,6 +85,18 @@ class Retriever:
             held = self._open.get(name)
             if held is not None and held[0] == version:
                 return held[1], held[2]
+        try:
+            collection, vectors = self._read(name)
+        except CollectionError:
+            if self.store.current(name) == version:
+                raise
+            # A change switched versions while this read the old one (and swept it away).
+            collection, vectors = self._read(name)
+        with self._lock:
+            self._open[name] = (collection.version, collection.chunks, vectors)
+        return collection.chunks, vectors
+
+    def _read(self, name: str) -> tuple[Collection, index.VectorIndex]:
         collection = self.store.load(name)
         try:
             vectors = index.VectorIndex.read(self.store.version_dir(name, collection.version))
@@ -94,9 +109,7 @@ class Retriever:
                 f"collection {name!r} was embedded with {vectors.meta.model}, not {self.encoder.model}; "
                 "add its documents again"
             )
-        with self._lock:
-            self._open[name] = (collection.version, collection.chunks, vectors)
-        return collection.chunks, vectors
+        return collection, vectors
 
     def search(self, name: str, question: str, top_k: int) -> tuple[list[Passage], dict[str, float]]:
         """The top_k passages of collection `name` for `question` (best first), and the
