@@ -51,9 +51,7 @@ class QATask:
         self.top_k = top_k
         # What each sequence's prompt holds of what it retrieved, and how many passages
         # did not fit: its result's passages, citation checks and passages_dropped.
-        self._retrieved: weakref.WeakKeyDictionary[Sequence, tuple[list[Passage], int]] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._retrieved: weakref.WeakKeyDictionary[Sequence, tuple[list[Passage], int]] = weakref.WeakKeyDictionary()
 
     def prepare(self, item: WorkItem) -> Sequence:
         job = item.job.request
