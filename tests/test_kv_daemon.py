@@ -106,7 +106,7 @@ def test_a_paused_jobs_damaged_offload_file_costs_a_prefill_not_the_job(
     topic = "edge/kd/jobs/qa"
     daemon = start_daemon(profile)
     try:
-        daemon.wait_ready()
+        daemon.wait_ready(timeout=300)
         alone = requester.request(topic, {"id": "alone", "question": COUNT, "max_new_tokens": 64}, timeout=120)
         assert alone["status"] == "ok", alone
         for how in ("deleted", "truncated", "nan"):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from edge.text.kv.kv_offload import KVOffload, SavedRow
+from edge.text.kv.kv_offload import KVOffload, OffloadWhere, SavedRow
 from edge.text.kv.kv_quant import FORMATS
 from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint
 from edge.text.ops.cpu import cpu_kv
@@ -322,7 +322,8 @@ def test_a_row_file_that_cannot_be_restored_is_let_go_and_prefilled_again(
     assert slot is not None and low.saved is not None and low.saved.written is not None
     batcher.kv.free(slot)
     low.saved.written.result()
-    assert low.saved.path is not None and offload.snapshot()["disk_bytes"] > 0
+    assert low.saved.path is not None and low.saved.stored_bytes > 0
+    assert offload.snapshot()["disk_bytes"] == low.saved.stored_bytes
     _damage(low.saved.path, how, low.saved.length)
     _admit(batcher, low)  # the row cannot be restored: prefilled again, nothing else lost
     _drain(batcher)
@@ -359,8 +360,9 @@ def test_host_copies_are_charged_to_the_memory_ledger(tmp_path: Path) -> None:
     cache = KVCache(config, 2, 32, torch.float32, torch.device("cpu"))
     row_bytes = 2 * 2 * 20 * 32 * 4
     ledger = MemoryLedger(budget_bytes=row_bytes + row_bytes // 2)
-    for where in ("memory", "disk"):
-        offload = KVOffload(where, torch.device("cpu"), tmp_path / where, max_memory_bytes=4 * row_bytes)  # type: ignore[arg-type]
+    wheres: tuple[OffloadWhere, ...] = ("memory", "disk")
+    for where in wheres:
+        offload = KVOffload(where, torch.device("cpu"), tmp_path / where, max_memory_bytes=4 * row_bytes)
         offload.reserve = lambda nbytes: ledger.reserve("kv-offload", "kv_offload", nbytes)
         offload.release_grant = ledger.release
         first = offload.save(cache, 0, 20, None)
