@@ -288,8 +288,6 @@ def test_a_restore_is_measured_again_when_the_figures_say_recompute() -> None:
 
 def _damage(path: Path, how: str, length: int) -> None:
     """What the outside battery did to a paused sequence's file (`length`: its tokens)."""
-    from edge.text.kv.kv_offload import read_row_file, write_row_file
-
     if how == "deleted":
         path.unlink()
     elif how == "truncated":
@@ -299,6 +297,8 @@ def _damage(path: Path, how: str, length: int) -> None:
         data[-100] ^= 0x10
         path.write_bytes(bytes(data))
     else:  # NaN in every float, in a file whose checksums are right for what it holds
+        from edge.text.kv.kv_offload import read_row_file, write_row_file
+
         parts = read_row_file(path, length)
         write_row_file(
             path, length, {k: t.fill_(float("nan")) if t.is_floating_point() else t for k, t in parts.items()}

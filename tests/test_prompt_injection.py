@@ -200,7 +200,6 @@ def test_a_planted_document_is_read_as_text_through_the_daemon(
     for result in results.values():
         assert result["status"] == "ok", result
         assert result["output"]["passages"][0]["id"] == "visiting.md#0:0"
-        assert result["output"]["passages_dropped"] == 0
     tok = _text_only(load_checkpoint(import_smollm2(engine_dir, progress=False)).tokenizer)
     store = DocStore(injection_daemon.profile.parent / "state" / "docs")
     planted, benign = (store.load(name).chunks[0].text for name in ("planted", "benign"))
@@ -209,6 +208,7 @@ def test_a_planted_document_is_read_as_text_through_the_daemon(
     as_text -= len(tok.encode(benign, add_special_tokens=False).ids)
     got = results["planted"]["output"]["prompt_tokens"] - results["benign"]["output"]["prompt_tokens"]
     assert got == as_text
+    assert all(result["output"]["passages_dropped"] == 0 for result in results.values())
     # A citation the planted text made up is never taken for a retrieved one.
     for citation in results["planted"]["output"]["citations"]:
         assert citation["retrieved"] == (citation["id"] == "visiting.md#0:0")
