@@ -255,6 +255,13 @@ class Daemon:
             model = qa_model_name(cfg)
             prefixes.reserve = lambda nbytes: self.ledger.reserve("prefix-cache", "qa", nbytes, model)
             prefixes.release = self.ledger.release
+        offload = engine.batcher.offload
+        if offload is not None and self.probe.scope != "device":
+            # Paused rows held in host memory are memory the budget covers (all of it on a
+            # CPU box, one pool on a Jetson); on a discrete GPU's budget they are not.
+            model = qa_model_name(cfg)
+            offload.reserve = lambda nbytes: self.ledger.reserve("kv-offload", "kv_offload", nbytes, model)
+            offload.release_grant = self.ledger.release
         queue = PriorityDeadlineQueue(self.profile.queue.max_size)
         self.queues["text"] = queue
         self.workers["text"] = TextWorker("text", queue, self.qa, engine.batcher, memory, self.pipeline.complete)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from edge.text.kv.kv_offload import KVOffload, SavedRow
+from edge.text.kv.kv_offload import KVOffload, OffloadWhere, SavedRow
 from edge.text.kv.kv_quant import FORMATS
 from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint
 from edge.text.ops.cpu import cpu_kv
@@ -284,3 +284,97 @@ def test_a_restore_is_measured_again_when_the_figures_say_recompute() -> None:
     again = offload.save(cache, 1, 20, None)
     assert again is not None and offload.choose(again) == "restore"
     assert offload.snapshot()["rechecked"] == 1 and offload.recheck.wait == every
+
+
+def _damage(path: Path, how: str, length: int) -> None:
+    """What the outside battery did to a paused sequence's file (`length`: its tokens)."""
+    if how == "deleted":
+        path.unlink()
+    elif how == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif how == "bit-flipped":
+        data = bytearray(path.read_bytes())
+        data[-100] ^= 0x10
+        path.write_bytes(bytes(data))
+    else:  # NaN in every float, in a file whose checksums are right for what it holds
+        from edge.text.kv.kv_offload import read_row_file, write_row_file
+
+        parts = read_row_file(path, length)
+        write_row_file(
+            path, length, {k: t.fill_(float("nan")) if t.is_floating_point() else t for k, t in parts.items()}
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["deleted", "truncated", "bit-flipped", "nan"])
+def test_a_row_file_that_cannot_be_restored_is_let_go_and_prefilled_again(
+    ckpt: TextCheckpoint, tmp_path: Path, how: str
+) -> None:
+    alone = _batcher(ckpt, "float16", 1).single(Sequence("low", _prompt(ckpt, QUESTIONS[0]), SamplingParams(40)))
+    batcher = _batcher(ckpt, "float16", 1)
+    offload = KVOffload("disk", batcher.device, tmp_path / "kv")
+    batcher.offload = offload
+    low = Sequence("low", _prompt(ckpt, QUESTIONS[0]), SamplingParams(max_new_tokens=40))
+    _admit(batcher, low)
+    for _ in range(10):
+        batcher.step()
+    slot = batcher.pause(low)
+    assert slot is not None and low.saved is not None and low.saved.written is not None
+    batcher.kv.free(slot)
+    low.saved.written.result()
+    assert low.saved.path is not None and low.saved.stored_bytes > 0
+    assert offload.snapshot()["disk_bytes"] == low.saved.stored_bytes
+    _damage(low.saved.path, how, low.saved.length)
+    _admit(batcher, low)  # the row cannot be restored: prefilled again, nothing else lost
+    _drain(batcher)
+    assert low.tokens == alone.tokens and low.finish == alone.finish
+    counts = offload.snapshot()
+    assert counts["restore_failed"] == 1 and counts["restored"] == 0
+    assert counts["disk_bytes"] == 0 and counts["memory_bytes"] == 0
+    assert not list((tmp_path / "kv").glob("*"))  # the bad file is gone, not kept for good
+    offload.close()
+
+
+@pytest.mark.slow
+def test_one_sequence_with_scores_gone_bad_fails_alone_and_the_batch_goes_on(ckpt: TextCheckpoint) -> None:
+    sampled = SamplingParams(max_new_tokens=20, temperature=0.8, seed=3)
+    alone = _batcher(ckpt, "float16", 2).single(Sequence("ok", _prompt(ckpt, QUESTIONS[1]), sampled))
+    batcher = _batcher(ckpt, "float16", 2)
+    bad = Sequence("bad", _prompt(ckpt, QUESTIONS[0]), SamplingParams(max_new_tokens=20, temperature=0.8, seed=5))
+    good = Sequence("ok", _prompt(ckpt, QUESTIONS[1]), sampled)
+    _admit(batcher, bad)
+    _admit(batcher, good)
+    assert bad.logits is not None
+    bad.logits = torch.full_like(bad.logits, float("nan"))  # as a poisoned row would leave them
+    _drain(batcher)
+    assert bad.finish == "error" and bad.error is not None and "not finite" in bad.error
+    assert good.tokens == alone.tokens and good.finish == alone.finish
+
+
+def test_host_copies_are_charged_to_the_memory_ledger(tmp_path: Path) -> None:
+    from edge.scheduler.ledger import MemoryLedger
+    from edge.text.architecture import LlamaConfig
+    from edge.text.kv.float_cache import KVCache
+
+    config = LlamaConfig(vocab_size=64, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    cache = KVCache(config, 2, 32, torch.float32, torch.device("cpu"))
+    row_bytes = 2 * 2 * 20 * 32 * 4
+    ledger = MemoryLedger(budget_bytes=row_bytes + row_bytes // 2)
+    wheres: tuple[OffloadWhere, ...] = ("memory", "disk")
+    for where in wheres:
+        offload = KVOffload(where, torch.device("cpu"), tmp_path / where, max_memory_bytes=4 * row_bytes)
+        offload.reserve = lambda nbytes: ledger.reserve("kv-offload", "kv_offload", nbytes)
+        offload.release_grant = ledger.release
+        first = offload.save(cache, 0, 20, None)
+        assert first is not None
+        if where == "memory":
+            assert ledger.snapshot()["jobs_by_class"] == {"kv_offload": row_bytes}
+            # A second row the ledger cannot hold is not offloaded (its sequence recomputes).
+            assert offload.save(cache, 1, 20, None) is None and offload.snapshot()["skipped"] == 1
+        else:
+            assert first.written is not None
+            first.written.result()  # on disk now: its host copy and its charge are gone
+            assert ledger.used_bytes() == 0 and first.path is not None
+        offload.release(first)
+        assert ledger.used_bytes() == 0 and offload.snapshot()["memory_bytes"] == 0
+        offload.close()

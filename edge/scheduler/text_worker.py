@@ -252,6 +252,13 @@ class TextWorker(Worker):
         run = self._running.pop(id(seq))
         self.batcher.kv.free(run.slot)
         seq.kv = None
+        if seq.error is not None:  # this sequence's state failed, in a batch that went on
+            logger.error(
+                "job %s failed: %s", run.item.job.id, seq.error, extra=job_fields(run.item.job.id, "qa", "internal")
+            )
+            failed = JobError(ErrorCode.INTERNAL, f"the answer's generation failed: {seq.error}")
+            self._deliver(run.item, Outcome(None, failed, run.started, time.monotonic()))
+            return
         try:
             output = self._output(seq)
             outcome = Outcome(output, None, run.started, time.monotonic())

@@ -14,14 +14,16 @@ from typing import Any
 import numpy as np
 
 from edge.config.text import QAModelConfig
-from edge.docs.retrieve import Passage, check_citations, context_of
+from edge.docs.retrieve import Passage, check_citations
 from edge.docs.store import DocStore
+from edge.logs import job_fields
 from edge.protocol.errors import ErrorCode, JobError
 from edge.protocol.jobs import QAJob
 from edge.responder import Responder
 from edge.scheduler.models import ModelManager
 from edge.scheduler.work import WorkItem
 from edge.tasks.base import Output
+from edge.tasks.passage_fit import context_with, fit_passages
 from edge.tasks.retrieval import Retrieval
 from edge.text.engine import TextEngine
 from edge.text.model.chat import ChatTemplateError
@@ -47,8 +49,9 @@ class QATask:
         self.retrieval = retrieval
         self.collection = collection  # the profile's default
         self.top_k = top_k
-        # What each sequence retrieved, for its result's passages and citation checks.
-        self._retrieved: weakref.WeakKeyDictionary[Sequence, list[Passage]] = weakref.WeakKeyDictionary()
+        # What each sequence's prompt holds of what it retrieved, and how many passages
+        # did not fit: its result's passages, citation checks and passages_dropped.
+        self._retrieved: weakref.WeakKeyDictionary[Sequence, tuple[list[Passage], int]] = weakref.WeakKeyDictionary()
 
     def prepare(self, item: WorkItem) -> Sequence:
         job = item.job.request
@@ -69,9 +72,10 @@ class QATask:
             self._retrieved[seq] = passages
         return seq
 
-    def _retrieve(self, job: QAJob, item: WorkItem) -> tuple[QAJob, list[Passage] | None]:
+    def _retrieve(self, job: QAJob, item: WorkItem) -> tuple[QAJob, tuple[list[Passage], int] | None]:
         """The job with the passages retrieved for it in its context (after any context
-        of its own), and those passages; the job as it is where it names no collection."""
+        of its own), as many as fit the context window, best first; those passages and
+        how many were dropped. The job as it is where it names no collection."""
         collection = job.collection or self.collection
         if collection is None:
             return job, None
@@ -79,13 +83,28 @@ class QATask:
             raise JobError(ErrorCode.UNAVAILABLE, "retrieval is not set up on this box", "collection")
         passages, stages = self.retrieval.search(collection, job.question, job.top_k or self.top_k)
         t0 = time.perf_counter()
-        parts = [job.context.strip()] if job.context and job.context.strip() else []
-        if passages:
-            parts.append(context_of(passages))
-        job = job.model_copy(update={"context": "\n".join(parts) or None})
+        cfg = self.engine.cfg
+        new_tokens = job.max_new_tokens or cfg.max_new_tokens
+        try:
+            kept = fit_passages(
+                self.engine.prompter, cfg.max_context_tokens, new_tokens, job.question, job.context, passages
+            )
+        except ChatTemplateError as err:
+            why = f"the model's chat template refused the question: {err}"
+            raise JobError(ErrorCode.INVALID_FIELD, why, "question") from err
+        if len(kept) < len(passages):
+            logger.info(
+                "job %s: %d of %d passages fit the %d-token context window",
+                job.id,
+                len(kept),
+                len(passages),
+                cfg.max_context_tokens,
+                extra=job_fields(job.id, "qa"),
+            )
+        job = job.model_copy(update={"context": context_with(job.context, kept)})
         stages["assemble"] = (time.perf_counter() - t0) * 1000.0
         item.stages.update(stages)
-        return job, passages
+        return job, (kept, len(passages) - len(kept))
 
     def kv_tokens(self, seq: Sequence) -> int:
         return self.engine.kv_tokens(seq)
@@ -96,8 +115,10 @@ class QATask:
             item.stages.update(stages(seq))
             item.latency.update(latency(seq, item.received_at))
         out = result_of(seq)
-        passages = self._retrieved.pop(seq, None)
-        if passages is not None:
+        retrieved = self._retrieved.pop(seq, None)
+        if retrieved is not None:
+            passages, dropped = retrieved
+            out["passages_dropped"] = dropped
             out["passages"] = [{"id": p.id, "score": round(p.score, 4), "title": p.title} for p in passages]
             out["citations"] = check_citations(seq.text, passages)
         return out

@@ -10,7 +10,17 @@ measured figures say restoring is the faster.
   is a memory copy. A file, when asked for, is written by a worker thread after that:
   lz4-coded where that pays (float KV barely compresses, about 1.0x; see
   bench/kv.py), raw otherwise.
-- restore: from memory while the copy is still held, else from the file.
+- restore: from memory while the copy is still held, else from the file. A file is
+  checked before anything of it is used: its header carries its own CRC-32 and each
+  part's length and CRC-32, the file must be exactly as long as they say, each part
+  decodes to its recorded shape, and every floating-point value (the float KV, a
+  quantized cache's scales and ring, the logits) must be finite. A row that cannot be
+  restored (its file missing, truncated, altered, or holding NaN or infinity) is let go,
+  its file removed and its bytes taken off the figures, and its sequence is prefilled
+  again: one bad file costs a prefill, never a job.
+- memory: rows held in host memory (all of them with "memory", each until it is written
+  with "disk") are charged to the daemon's memory ledger through `reserve` and `release`
+  where the budget covers host memory; a row the ledger refuses is not offloaded.
 - choose: restoring costs the row's bytes over the measured restore bandwidth;
   recomputing costs its tokens over the measured prefill rate. Until both have been
   measured once, it restores. Every prefill measures the prefill rate, but only a
@@ -32,10 +42,12 @@ import struct
 import threading
 import time
 import uuid
+import zlib
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -45,7 +57,8 @@ from edge.text.kv.recheck import Recheck
 logger = logging.getLogger(__name__)
 
 OffloadWhere = Literal["off", "memory", "disk"]
-MAGIC = b"EDGEKV1\n"
+MAGIC = b"EDGEKV2\n"  # 2: the header's CRC-32, each part's CRC-32, lengths checked
+PREFIX = struct.Struct("<II")  # the header's length and its CRC-32, after MAGIC
 MIN_RATIO = 1.05  # lz4 is kept only where it saves at least this much
 EMA = 0.3  # weight of the newest measurement in the running rates
 
@@ -136,6 +149,7 @@ class SavedRow:
     written: Future[None] | None = None
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
     buffer: torch.Tensor | None = None  # the pooled pinned buffer the tensors live in (CUDA)
+    grant: Any = None  # the ledger's reservation for its host copy, while held
 
 
 def _to_bytes(t: torch.Tensor) -> bytes:
@@ -149,6 +163,92 @@ def _from_bytes(raw: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torch
     carrier = torch.int16 if dtype == torch.bfloat16 else dtype
     array = np.frombuffer(raw, dtype=torch.empty(0, dtype=carrier).numpy().dtype).copy()
     return torch.from_numpy(array).view(dtype).reshape(shape)
+
+
+class RestoreFailed(Exception):
+    """An offloaded row could not be restored; its sequence is prefilled again."""
+
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8,
+          "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64}  # fmt: skip
+
+
+def write_row_file(path: Path, length: int, parts: dict[str, torch.Tensor]) -> list[str]:
+    """`parts` into the file at `path` (written beside it, then renamed into place):
+    MAGIC, the header's length and CRC-32, the header (JSON: the row's length, each
+    part's name, shape, dtype, codec, stored bytes and CRC-32), the parts. Returns the
+    codecs used."""
+    import lz4.frame
+
+    entries: list[dict[str, object]] = []
+    blobs = []
+    for name, t in parts.items():
+        raw = _to_bytes(t)
+        packed = lz4.frame.compress(raw)
+        codec = "lz4" if len(raw) >= MIN_RATIO * len(packed) else "none"
+        blob = packed if codec == "lz4" else raw
+        entries.append(
+            {
+                "name": name,
+                "shape": list(t.shape),
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "codec": codec,
+                "bytes": len(blob),
+                "crc32": zlib.crc32(blob),
+            }
+        )
+        blobs.append(blob)
+    meta = json.dumps({"length": length, "parts": entries}).encode()
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(MAGIC + PREFIX.pack(len(meta), zlib.crc32(meta)) + meta)
+        for blob in blobs:
+            f.write(blob)
+    tmp.rename(path)
+    return [str(e["codec"]) for e in entries]
+
+
+def read_row_file(path: Path, length: int) -> dict[str, torch.Tensor]:
+    """The parts of a row file, every check passed (RestoreFailed saying which did not):
+    the header and each part as their CRC-32s say, the file exactly as long as its
+    header says, the row's length as saved, every floating-point value finite."""
+    import lz4.frame
+
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise RestoreFailed(f"cannot read {path.name}: {err.strerror or err}") from err
+    start = len(MAGIC) + PREFIX.size
+    if len(data) < start or not data.startswith(MAGIC):
+        raise RestoreFailed(f"{path.name} is not an offloaded KV row (or is cut short)")
+    size, crc = PREFIX.unpack_from(data, len(MAGIC))
+    meta = data[start : start + size]
+    if len(meta) != size or zlib.crc32(meta) != crc:
+        raise RestoreFailed(f"{path.name}: its header does not match its checksum")
+    header = json.loads(meta)
+    entries = header["parts"]
+    expected = start + size + sum(int(e["bytes"]) for e in entries)
+    if len(data) != expected or header["length"] != length:
+        raise RestoreFailed(f"{path.name} is {len(data)} bytes, not the {expected} its header says (truncated?)")
+    parts: dict[str, torch.Tensor] = {}
+    at = start + size
+    for e in entries:
+        blob = data[at : at + int(e["bytes"])]
+        at += int(e["bytes"])
+        if zlib.crc32(blob) != e["crc32"]:
+            raise RestoreFailed(f"{path.name}: part {e['name']} does not match its checksum")
+        dtype = DTYPES.get(e["dtype"])
+        if dtype is None or e["codec"] not in ("lz4", "none"):
+            raise RestoreFailed(f"{path.name}: part {e['name']} has an unknown type or codec")
+        try:
+            raw = lz4.frame.decompress(blob) if e["codec"] == "lz4" else blob
+            tensor = _from_bytes(raw, tuple(e["shape"]), dtype)
+        except (RuntimeError, ValueError) as err:
+            raise RestoreFailed(f"{path.name}: part {e['name']} does not decode: {err}") from err
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise RestoreFailed(f"{path.name}: part {e['name']} holds NaN or infinite values")
+        parts[e["name"]] = tensor
+    return parts
 
 
 class KVOffload:
@@ -169,7 +269,11 @@ class KVOffload:
         self.disk_bytes = 0
         self.restore_bytes_per_s: float | None = None
         self.prefill_tokens_per_s: float | None = None
-        self.counts = {"saved": 0, "restored": 0, "recomputed": 0, "skipped": 0}
+        self.counts = {"saved": 0, "restored": 0, "recomputed": 0, "skipped": 0, "restore_failed": 0}
+        # The memory ledger's say over host copies (the daemon sets these where its budget
+        # covers host memory): a grant, or None when the ledger refuses the bytes.
+        self.reserve: Callable[[int], Any | None] = lambda nbytes: True
+        self.release_grant: Callable[[Any], None] = lambda grant: None
         self.recheck = Recheck()
         self._lock = threading.Lock()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-offload") if where == "disk" else None
@@ -203,16 +307,29 @@ class KVOffload:
             if saved.buffer is None and self.memory_bytes + saved.nbytes > self.max_memory_bytes:
                 self._skipped(saved.nbytes)
                 return None
+        # A pooled pinned buffer is held whole while the row is in it: that is what it costs.
+        charged = saved.buffer.numel() if saved.buffer is not None else saved.nbytes
+        saved.grant = self.reserve(charged)
+        with self._lock:
+            if saved.grant is None:
+                self._skipped(charged, "the memory ledger")
+                if saved.buffer is not None:
+                    self._let_go(saved, charged=False)
+                return None
             self.memory_bytes += saved.nbytes
             self.counts["saved"] += 1
         if self._writer is not None:
             saved.written = self._writer.submit(self._write, saved)
         return saved
 
-    def _skipped(self, nbytes: int) -> None:
+    def _skipped(self, nbytes: int, by: str = "") -> None:
         """Under the lock: a row not offloaded (its sequence will be prefilled again)."""
         self.counts["skipped"] += 1
-        logger.info("KV offload: %d bytes do not fit the %d allowed; recompute instead", nbytes, self.max_memory_bytes)
+        if by:
+            logger.info("KV offload: %s refused %d bytes; recompute instead", by, nbytes)
+        else:
+            limit = self.max_memory_bytes
+            logger.info("KV offload: %d bytes do not fit the %d allowed; recompute instead", nbytes, limit)
 
     def _save_cuda(self, cache: RowCache, row: int, length: int, logits: torch.Tensor | None) -> SavedRow | None:
         """The row into a pooled pinned buffer, copied on the side stream; None when the
@@ -238,11 +355,15 @@ class KVOffload:
         nbytes = sum(t.numel() * t.element_size() for t in host.values())
         return SavedRow(length, nbytes, host, host_logits, copied=copied, buffer=buf)
 
-    def _let_go(self, saved: SavedRow) -> None:
+    def _let_go(self, saved: SavedRow, charged: bool = True) -> None:
         """Under the lock: the row's host copy released (its pooled buffer back once the
-        copy into it is done)."""
+        copy into it is done), and its ledger grant."""
         saved.tensors = saved.logits = None
-        self.memory_bytes -= saved.nbytes
+        if charged:
+            self.memory_bytes -= saved.nbytes
+            if saved.grant is not None:
+                self.release_grant(saved.grant)
+            saved.grant = None
         if saved.buffer is not None and self.pinned is not None:
             if saved.copied is not None:
                 saved.copied.synchronize()
@@ -251,41 +372,15 @@ class KVOffload:
 
     def _write(self, saved: SavedRow) -> None:
         """On the writer thread: the row into a file, then its host copy let go."""
-        import lz4.frame
-
         assert self.directory is not None and saved.tensors is not None
         if saved.copied is not None:
             saved.copied.synchronize()
-        header: dict[str, object] = {"length": saved.length, "parts": []}
-        blobs = []
         parts = dict(saved.tensors)
         if saved.logits is not None:
             parts["__logits__"] = saved.logits
-        for name, t in parts.items():
-            raw = _to_bytes(t)
-            packed = lz4.frame.compress(raw)
-            codec = "lz4" if len(raw) >= MIN_RATIO * len(packed) else "none"
-            blob = packed if codec == "lz4" else raw
-            header["parts"].append(  # type: ignore[attr-defined]
-                {
-                    "name": name,
-                    "shape": list(t.shape),
-                    "dtype": str(t.dtype).removeprefix("torch."),
-                    "codec": codec,
-                    "bytes": len(blob),
-                }
-            )
-            blobs.append(blob)
         path = self.directory / f"{uuid.uuid4().hex}.kv"
-        meta = json.dumps(header).encode()
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(MAGIC + struct.pack("<I", len(meta)) + meta)
-            for blob in blobs:
-                f.write(blob)
-        tmp.rename(path)
+        codecs = write_row_file(path, saved.length, parts)
         stored = path.stat().st_size
-        codecs = {p["codec"] for p in header["parts"]}  # type: ignore[attr-defined]
         with self._lock:
             saved.path, saved.stored_bytes = path, stored
             saved.codec = "lz4" if "lz4" in codecs else "none"
@@ -307,14 +402,26 @@ class KVOffload:
 
     def restore(self, saved: SavedRow, cache: RowCache, row: int) -> torch.Tensor | None:
         """Put `saved` into row `row`; returns its logits on the device (None if it was
-        saved mid-prefill). The entry is released."""
+        saved mid-prefill). The entry is released. RestoreFailed (the entry released, its
+        file gone, the figures put right) when it cannot be: the caller prefills again."""
         t0 = time.perf_counter()
-        tensors, logits = self._read(saved)
-        with torch.inference_mode():
-            cache.load_row(row, saved.length, tensors)
-            out = logits.to(self.device, non_blocking=True) if logits is not None else None
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
+        try:
+            tensors, logits = self._read(saved)
+            with torch.inference_mode():
+                cache.load_row(row, saved.length, tensors)
+                out = logits.to(self.device, non_blocking=True) if logits is not None else None
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
+        except Exception as err:
+            # Whatever a row file can do to a restore is this sequence's alone: it is let
+            # go here and prefilled again by the caller.
+            with self._lock:
+                self.counts["restore_failed"] += 1
+            logger.warning("KV offload: a paused sequence's row cannot be restored (%s); prefilling it again", err)
+            self.release(saved)
+            if isinstance(err, RestoreFailed):
+                raise
+            raise RestoreFailed(f"{type(err).__name__}: {err}") from err
         seconds = time.perf_counter() - t0
         self._measured("restore_bytes_per_s", saved.nbytes / max(seconds, 1e-9))
         with self._lock:
@@ -329,22 +436,11 @@ class KVOffload:
             if saved.copied is not None:
                 saved.copied.synchronize()
             return tensors, logits
-        assert path is not None
-        import lz4.frame
-
-        data = path.read_bytes()
-        if not data.startswith(MAGIC):
-            raise RuntimeError(f"{path} is not an offloaded KV row")
-        (size,) = struct.unpack_from("<I", data, len(MAGIC))
-        at = len(MAGIC) + 4
-        header = json.loads(data[at : at + size])
-        at += size
-        parts: dict[str, torch.Tensor] = {}
-        for part in header["parts"]:
-            blob = data[at : at + part["bytes"]]
-            at += part["bytes"]
-            raw = lz4.frame.decompress(blob) if part["codec"] == "lz4" else blob
-            parts[part["name"]] = _from_bytes(raw, tuple(part["shape"]), getattr(torch, part["dtype"]))
+        if path is None:
+            raise RestoreFailed("the row was neither held nor written (its write failed)")
+        parts = read_row_file(path, saved.length)
+        if {name: (tuple(t.shape), t.dtype) for name, t in parts.items()} != saved.shapes:
+            raise RestoreFailed(f"{path.name} does not hold the row that was saved")
         logits = parts.pop("__logits__", None)
         return parts, logits
 
@@ -358,7 +454,7 @@ class KVOffload:
         if saved.written is not None:
             try:
                 saved.written.result()
-            except OSError:
+            except Exception:  # a failed write leaves the row in memory, or nowhere
                 logger.exception("KV offload: writing a row failed")
         with self._lock:
             if saved.tensors is not None:

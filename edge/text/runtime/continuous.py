@@ -44,7 +44,7 @@ from tokenizers import Tokenizer
 
 from edge.text.kv.float_cache import KVCache
 from edge.text.kv.kv_cache import KVCacheManager, KVSlot
-from edge.text.kv.kv_offload import KVOffload, SavedRow
+from edge.text.kv.kv_offload import KVOffload, RestoreFailed, SavedRow
 from edge.text.kv.kv_quant import KVFormat
 from edge.text.kv.prefix_cache import MIN_TOKENS as MIN_PREFIX
 from edge.text.kv.prefix_cache import PrefixCache
@@ -52,7 +52,7 @@ from edge.text.kv.quant_cache import QuantKVCache
 from edge.text.model.llama import LlamaModel
 from edge.text.runtime import fused_prefill, fused_step
 from edge.text.runtime.cuda_graphs import StepGraphs
-from edge.text.runtime.generate import SamplingParams, _find_stop, choose_rows, sample_rows, streamable_end
+from edge.text.runtime.generate import SamplingParams, _find_stop, choose_rows, streamable_end
 from edge.timing import events_ms
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,8 @@ class Sequence:
     text: str = ""
     decoded: int = 0  # tokens `text` was decoded from (it is decoded only when needed)
     emitted: int = 0
-    finish: str | None = None  # "eos" | "stop" | "length" once done
+    finish: str | None = None  # "eos" | "stop" | "length" once done; "error": see `error`
+    error: str | None = None  # why its generation failed (its scores stopped being finite)
     slot: int | None = None  # the cache row it decodes in, while running
     kv: KVSlot | None = None  # the KV manager's grant for that row, while running
     logits: torch.Tensor | None = None  # next-token logits, set by prefill and by steps
@@ -264,7 +265,11 @@ class ContinuousBatcher:
         if self.offload.choose(saved) == "recompute":
             self.offload.recomputed(saved)
             return False
-        seq.logits = self.offload.restore(saved, self.cache, seq.slot)
+        try:
+            seq.logits = self.offload.restore(saved, self.cache, seq.slot)
+        except RestoreFailed:  # its file gone or damaged (let go, logged): prefilled again
+            seq.logits = None
+            return False
         seq.prefilled = saved.length
         return True
 
@@ -390,15 +395,30 @@ class ContinuousBatcher:
         t0 = time.perf_counter()
         events = self._events()
         logits = torch.stack([s.logits for s in running if s.logits is not None])
+        # A row whose scores are not finite (NaN or infinity: a fault in that sequence's
+        # state) must not take the batch with it: its scores are read as zeros, so that
+        # drawing a token cannot fail, and its token comes back as -1, which ends it alone.
+        finite = torch.isfinite(logits).all(dim=-1)
+        logits = torch.where(finite.unsqueeze(-1), logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
         params, generators = [s.params for s in running], [s.generator for s in running]
         step_logits: torch.Tensor | None = None  # the step after these tokens, where already run
+        chosen = choose_rows(logits, params, generators)
+        reported = torch.where(finite, chosen, torch.full_like(chosen, -1))
         if self.graphs is not None:
-            step_logits, tokens = self._run_ahead(running, choose_rows(logits, params, generators))
+            step_logits, tokens = self._run_ahead(running, chosen, reported)
         else:
-            tokens = sample_rows(logits, params, generators)
+            tokens = reported.tolist()  # one transfer for the whole batch
         done: list[Sequence] = []
         for seq, token in zip(running, tokens, strict=True):
             slot = seq.slot
+            if token < 0:
+                seq.finish = "error"
+                seq.error = "its next-token scores were not finite (NaN or infinity)"
+                logger.error("a sequence's next-token scores were not finite; it alone is ended")
+                done.append(seq)
+                self.running.remove(seq)
+                seq.slot = None
+                continue
             if self._advance(seq, token):
                 done.append(seq)
                 self.running.remove(seq)
@@ -439,7 +459,9 @@ class ContinuousBatcher:
         events[0].record()
         return events
 
-    def _run_ahead(self, running: list[Sequence], chosen: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    def _run_ahead(
+        self, running: list[Sequence], chosen: torch.Tensor, reported: torch.Tensor
+    ) -> tuple[torch.Tensor, list[int]]:
         """On CUDA graphs: the next step, launched on the tokens chosen on the device
         before they come back, every running sequence assumed to go on (each at the
         position its new token takes); returns its logits and the tokens. The sequences
@@ -451,7 +473,7 @@ class ContinuousBatcher:
             assert seq.slot is not None
             sources[seq.slot], positions[seq.slot] = i, seq.length
         kv_len = max(s.length for s in running) + 1
-        return self.graphs.run_chosen(chosen, sources, positions, kv_len)
+        return self.graphs.run_chosen(chosen, sources, positions, kv_len, reported)
 
     def _decode(self, ids: list[int], positions: list[int], kv_len: int) -> torch.Tensor:
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device).view(-1, 1)

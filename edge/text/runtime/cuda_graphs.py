@@ -138,7 +138,12 @@ class StepGraphs:
         return captured
 
     def run_chosen(
-        self, chosen: torch.Tensor, sources: list[int], positions: list[int], kv_len: int
+        self,
+        chosen: torch.Tensor,
+        sources: list[int],
+        positions: list[int],
+        kv_len: int,
+        reported: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[int]]:
         """The step after tokens chosen on the device (`chosen` [m], not yet seen by the
         host): row i of the cache takes chosen[sources[i]] at positions[i] (sources[i] = m:
@@ -146,14 +151,15 @@ class StepGraphs:
         tokens come back while it runs, so the GPU does not wait on the host between
         steps; returns the step's logits [n, V] and the chosen tokens. The caller drops
         the step's logits for a sequence those tokens end (its row's KV past its end is
-        never read: the next prefill there overwrites it)."""
+        never read: the next prefill there overwrites it). `reported`: what comes back to
+        the host in place of `chosen` (the batcher marks a failed row there)."""
         m, n = int(chosen.shape[0]), len(sources)
         batch = next(b for b in self.batch_buckets if b >= n)
         bucket = next(k for k in self.kv_buckets if k >= kv_len)
         turn = self._turn
         self._turn ^= 1
         back, ready = self._back[turn], self._back_ready[turn]
-        back[:m].copy_(chosen, non_blocking=True)
+        back[:m].copy_(chosen if reported is None else reported, non_blocking=True)
         ready.record()
         host = self._host_np[turn]
         # A row not advanced (free, or a sequence mid-prefill) writes its dummy token's KV
