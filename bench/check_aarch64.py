@@ -1,27 +1,41 @@
-"""Retrieval on aarch64: `edgectl docs add` and the retriever (the encoder on onnxruntime,
-the tokenizer, the faiss index), run by an arm64 Python under qemu-user beside the same
-run by this machine's Python, and compared.
+"""On aarch64, emulated: retrieval (`edgectl docs add` and the retriever: the encoder on
+onnxruntime, the tokenizer, the faiss index) run by an arm64 Python under qemu-user beside
+the same run by this machine's Python, and compared; and the daemon's CPU path
+(`edgectl serve`) run by that arm64 Python, answering one `ocr`, one `inspect` and one
+`qa` job sent through a real Mosquitto (bench/aarch64_daemon.py).
 
-    python -m bench.check_aarch64 [--work /var/tmp/edge-aarch64]
+    python -m bench.check_aarch64 [--work /var/tmp/edge-aarch64] [--only retrieval|daemon]
 
 Needs, the first time, network and root on a Debian or Ubuntu host with
-`apt-get install qemu-user mmdebstrap`: it unpacks Debian 12 for arm64 (Python 3.11,
-glibc 2.36) into the work folder and installs there the project's pinned aarch64 wheels
-of the retrieval path (numpy, onnxruntime, tokenizers, faiss-cpu, pypdf, PyYAML,
-pydantic) as pip downloads them for that platform. Not torch: the retrieval path does
-not import it, and a Jetson takes NVIDIA's build of it.
+`apt-get install qemu-user mmdebstrap mosquitto`: it unpacks Debian 12 for arm64 (Python
+3.11, glibc 2.36, GCC 12 for the CPU INT4 kernel) into the work folder and installs there
+the project's pinned aarch64 wheels as pip downloads them for that platform: for
+retrieval, its path's (numpy, onnxruntime, tokenizers, faiss-cpu, pypdf, PyYAML,
+pydantic), without torch (the retrieval path does not import it, and a Jetson takes
+NVIDIA's build of it); for the daemon, a site of its own with every runtime pin, torch
+included, less systemd-python (no wheel) (about 5 GB: PyPI's aarch64 torch is the CUDA build, with CUDA's libraries).
 
-In each Python, from a fresh state directory: `edgectl docs add` of samples/leaflets
-into a collection (the encoder built once here: one ONNX file for any CPU), then this
-script's `probe` command: the collection's chunk ids, fixed texts' embeddings, the
-retriever's passages for fixed questions, and the HNSW index's recall@10 against the
-exact scan over seeded random unit vectors. Writes bench/results/aarch64.json and prints
-a table. Emulated: the times say nothing of a real arm64 CPU's speed.
+Retrieval, in each Python, from a fresh state directory: `edgectl docs add` of
+samples/leaflets into a collection (the encoder built once here: one ONNX file for any
+CPU), then this script's `probe` command: the collection's chunk ids, fixed texts'
+embeddings, the retriever's passages for fixed questions, and the HNSW index's recall@10
+against the exact scan over seeded random unit vectors.
+
+The daemon: the engines built here (files for any CPU), profiles/cpu-dev.yaml with its
+paths in the work folder, this machine's mosquitto as the broker, the jobs sent from this
+machine's Python; `scripts/jetson_check.py` run by the arm64 Python too (it must say the
+box is no Jetson).
+
+Writes bench/results/aarch64.json (a part run alone keeps the other's keys; the daemon's
+are `jobs` and `daemon`) and prints a table. Emulated: the times say nothing of a real
+arm64 CPU's speed.
 
 qemu-user shows a program the host's /proc/cpuinfo, which onnxruntime's CPU probe
 (cpuinfo) cannot parse as an arm64 one: it crashes on import. So the arm64 side runs in
 a mount namespace of its own (unshare, root) where /proc/cpuinfo is the one an arm64
-kernel writes for the AGX Orin's Cortex-A78AE cores.
+kernel writes for the AGX Orin's Cortex-A78AE cores; torch's newer cpuinfo also reads the
+cores' sysfs (MIDR, clusters, caches), given to it in the tree (qemu looks paths up
+there first).
 """
 
 from __future__ import annotations
@@ -43,7 +57,10 @@ from scripts.jetson_requirements import pins as pinned
 SUITE = "bookworm"  # Debian 12: Python 3.11, the project's lowest
 PYTHON = "python3.11"
 MIRROR = "http://deb.debian.org/debian"
-TREE_PACKAGES = ("python3.11", "libpython3.11-stdlib", "libstdc++6", "libgomp1", "ca-certificates")
+# gcc and libc6-dev: the CPU INT4 kernel (edge/text/ops/cpu/cpu_int4.c) is compiled at first use
+TREE_PACKAGES = (
+    "python3.11", "libpython3.11-stdlib", "libstdc++6", "libgomp1", "ca-certificates", "gcc", "libc6-dev",
+)  # fmt: skip
 PLATFORMS = ("manylinux2014_aarch64", "manylinux_2_17_aarch64", "manylinux_2_27_aarch64", "manylinux_2_28_aarch64")
 RETRIEVAL = ("numpy", "onnxruntime", "tokenizers", "faiss-cpu", "pypdf", "pyyaml", "pydantic")
 COLLECTION = "clinic"
@@ -79,7 +96,7 @@ def arm64_tree(work: Path) -> Path:
     """Debian for arm64 unpacked into work/tree (no package scripts run: qemu runs its
     Python with the tree as its root for libraries)."""
     tree = work / "tree"
-    if not (tree / "usr" / "bin" / PYTHON).exists():
+    if not all((tree / "usr" / "bin" / tool).exists() for tool in (PYTHON, "gcc")):
         for tool in ("mmdebstrap", "qemu-aarch64"):
             if shutil.which(tool) is None:
                 raise SystemExit(f"{tool} is missing: apt-get install qemu-user mmdebstrap")
@@ -232,27 +249,53 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True)
     parser.add_argument("--work", type=Path, default=Path("/var/tmp/edge-aarch64"), help="tree, wheels and runs")
     parser.add_argument("--out", type=Path, default=RESULTS / "aarch64.json")
+    parser.add_argument("--only", choices=("retrieval", "daemon"), help="run one part (default: both)")
     args = parser.parse_args()
     if args.command == "probe":
         probe(args.profile, args.out)
         return 0
-    from engines.retrieval.embed_build import build_embedder
-
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    tree, site = arm64_tree(work), arm64_site(work)
-    engine_dir = work / "engines"
-    build_embedder(engine_dir)  # here, once: the same ONNX file serves either CPU
+    tree = arm64_tree(work)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "OMP_"))}
-    print("x86_64: edgectl docs add, probe", flush=True)
-    native = _run_side("native", [sys.executable], env, work, engine_dir)
-    print(f"aarch64 (qemu-user, Debian {SUITE}): edgectl docs add, probe", flush=True)
-    arm_env = {**env, "PYTHONPATH": f"{site}:{REPO}", "QEMU_LD_PREFIX": str(tree)}
     cpuinfo = work / "cpuinfo"
     cpuinfo.write_text("\n".join(CPUINFO_CORE.format(i=i) for i in range(os.cpu_count() or 1)))
     in_namespace = ["unshare", "-m", "sh", "-c", 'mount --bind "$0" /proc/cpuinfo && exec "$@"', str(cpuinfo)]
     arm_python = [*in_namespace, "qemu-aarch64", str(tree / "usr" / "bin" / PYTHON)]
-    arm = _run_side("aarch64", arm_python, arm_env, work, engine_dir)
+    arm_env = {**env, "QEMU_LD_PREFIX": str(tree)}
+    # Each part replaces its own keys: the other part's stay as its last run wrote them.
+    result: dict[str, Any] = json.loads(args.out.read_text()) if args.out.exists() else {}
+    ok = True
+    if args.only in (None, "retrieval"):
+        retrieval, ok = run_retrieval(work, tree, arm_python, env, arm_env)
+        result.update(retrieval)
+    if args.only in (None, "daemon"):
+        from bench.aarch64_daemon import run_daemon
+
+        result.update(run_daemon(work, tree, arm_python, arm_env))
+        write_json(args.out, result)
+        for job in result["jobs"]:
+            print(f"aarch64 daemon: {job['task']}: {job['status']} in {job['elapsed_s']} s: {job.get('output')}")
+        print(f"qa kernel: {result['daemon']['qa_kernel']}; jetson_check: {result['daemon']['jetson_check']}")
+        ok = ok and all(job["status"] == "ok" for job in result["jobs"])
+    write_json(args.out, result)
+    print(f"written to {args.out.relative_to(REPO)}")
+    return 0 if ok else 1
+
+
+def run_retrieval(
+    work: Path, tree: Path, arm_python: list[str], env: dict[str, str], arm_env: dict[str, str]
+) -> tuple[dict[str, Any], bool]:
+    """The retrieval part: its result keys, and whether the two sides agree."""
+    from engines.retrieval.embed_build import build_embedder
+
+    site = arm64_site(work)
+    engine_dir = work / "engines"
+    build_embedder(engine_dir)  # here, once: the same ONNX file serves either CPU
+    print("x86_64: edgectl docs add, probe", flush=True)
+    native = _run_side("native", [sys.executable], env, work, engine_dir)
+    print(f"aarch64 (qemu-user, Debian {SUITE}): edgectl docs add, probe", flush=True)
+    arm = _run_side("aarch64", arm_python, {**arm_env, "PYTHONPATH": f"{site}:{REPO}"}, work, engine_dir)
     result = {
         "what": "edgectl docs add and retrieval by an arm64 Python under qemu-user against this machine's",
         "emulated": True,
@@ -266,7 +309,6 @@ def main() -> int:
         "docs_add_said_arm64": arm["docs_add_said"],
         "docs_add_s": {"host": native["docs_add_s"], "arm64_emulated": arm["docs_add_s"]},
     }
-    write_json(args.out, result)
     print(f"\n| | {result['host']['machine']} (here) | {result['arm64']['machine']} (emulated) |")
     print("|---|---|---|")
     for name in ("python", "libc"):
@@ -277,10 +319,10 @@ def main() -> int:
     print(
         f"\nchunk ids equal: {result['chunk_ids_equal']} ({result['chunks']} chunks); passages equal: "
         f"{result['passages_equal']}; embeddings within {result['embedding_max_diff']:.1e}, scores within "
-        f"{result['score_max_diff']:.1e}; written to {args.out.relative_to(REPO)}"
+        f"{result['score_max_diff']:.1e}"
     )
     ok = result["chunk_ids_equal"] and result["passages_equal"] and result["embedding_max_diff"] < 1e-4
-    return 0 if ok else 1
+    return result, bool(ok)
 
 
 if __name__ == "__main__":
