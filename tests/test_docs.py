@@ -290,9 +290,11 @@ def test_kill_9_mid_ingest_leaves_the_old_collection_or_the_new_one(
         folder = batch(f"b{round_}")
         before = store.load("clinic")
         proc = edgectl_add(folder)
-        time.sleep(factor * took)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        try:  # killed at that moment, unless it has finished by then
+            proc.wait(timeout=factor * took)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
         after = store.load("clinic")
         names = {d.name for d in after.documents}
         if after.version == before.version:
