@@ -19,11 +19,11 @@ import platform
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from bench.check_aarch64 import aarch64_site
 from bench.common import REPO, Broker, free_port
 from scripts.jetson_requirements import FROM_SOURCE, LEFT_OUT, name_of, pins
 
@@ -53,22 +53,12 @@ def runtime_pins() -> list[str]:
 
 def daemon_site(work: Path) -> Path:
     """The runtime's aarch64 wheels, with their dependencies, installed into work/site-daemon."""
-    site = work / "site-daemon"
-    stamp = site / ".pins"
-    wanted = "\n".join(runtime_pins())
-    if stamp.exists() and stamp.read_text() == wanted:
-        return site
-    shutil.rmtree(site, ignore_errors=True)
-    target = [arg for p in PLATFORMS for arg in ("--platform", p)]
-    target += ["--python-version", "3.11", "--implementation", "cp", "--only-binary=:all:"]
-    print("installing the runtime's aarch64 wheels (torch's CUDA libraries among them: about 5 GB)", flush=True)
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-warn-conflicts", "--target", str(site), *target,
-         *runtime_pins()],
-        check=True,
-    )  # fmt: skip
-    stamp.write_text(wanted)
-    return site
+    return aarch64_site(
+        work / "site-daemon",
+        runtime_pins(),
+        "the runtime's aarch64 wheels (torch's CUDA libraries among them: about 5 GB)",
+        PLATFORMS,
+    )
 
 
 def arm64_sysfs(tree: Path, cores: int) -> None:

@@ -110,23 +110,29 @@ def arm64_tree(work: Path) -> Path:
     return tree
 
 
-def arm64_site(work: Path) -> Path:
-    """The pinned aarch64 wheels, with their dependencies, installed into work/site."""
-    site = work / "site"
+def aarch64_site(site: Path, requirements: list[str], what: str, platforms: tuple[str, ...] = PLATFORMS) -> Path:
+    """`requirements`' aarch64 wheels for `platforms`, with their dependencies, installed
+    into `site` (once: a stamp of the requirements says what is there)."""
     stamp = site / ".pins"
-    wanted = "\n".join(pins())
+    wanted = "\n".join(requirements)
     if stamp.exists() and stamp.read_text() == wanted:
         return site
     shutil.rmtree(site, ignore_errors=True)
-    target = [arg for p in PLATFORMS for arg in ("--platform", p)]
+    target = [arg for p in platforms for arg in ("--platform", p)]
     target += ["--python-version", "3.11", "--implementation", "cp", "--only-binary=:all:"]
-    print("installing the retrieval path's aarch64 wheels:", ", ".join(pins()), flush=True)
+    print(f"installing {what}", flush=True)
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-warn-conflicts", "--target", str(site), *target, *pins()],
+        [sys.executable, "-m", "pip", "install", "-q", "--no-warn-conflicts", "--target", str(site), *target,
+         *requirements],
         check=True,
-    )
+    )  # fmt: skip
     stamp.write_text(wanted)
     return site
+
+
+def arm64_site(work: Path) -> Path:
+    """The retrieval path's pinned aarch64 wheels, installed into work/site."""
+    return aarch64_site(work / "site", pins(), "the retrieval path's aarch64 wheels: " + ", ".join(pins()))
 
 
 def probe(profile_path: Path, out: Path) -> None:
