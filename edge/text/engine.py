@@ -1,8 +1,8 @@
 """The text engine: the profile's qa section made into a served model.
 
-One way in: the daemon, `edgectl verify` and the benchmarks and evaluations moved onto it
-(tests/test_bench_engines.py lists those still building by hand) build their text model
-with `TextEngine.load(checkpoint, cfg)`, where `cfg` is a profile's `models.qa` section (a
+One way in: the daemon, `edgectl verify` and every benchmark and evaluation (through
+bench/text_engines.py; tests/test_bench_engines.py fails on one built another way) build
+their text model with `TextEngine.load(checkpoint, cfg)`, where `cfg` is a profile's `models.qa` section (a
 benchmark that measures a variant changes a field of it and says which). The engine knows
 no job: it turns questions into prompt tokens, sequences into tokens, and says what it
 resolved to (`config`), so every figure it measured names what it ran."""
