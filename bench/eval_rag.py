@@ -24,6 +24,7 @@ Writes bench/results/rag.json and prints a table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import tempfile
 import time
@@ -36,9 +37,10 @@ from bench.common import REPO, RESULTS, write_json
 from edge.docs import index
 from edge.docs.embed import Embedder, locate
 from edge.docs.ingest import add
-from edge.docs.retrieve import Passage, Retriever, check_citations, context_of
+from edge.docs.retrieve import Passage, Retriever, context_of
 from edge.docs.store import DocStore
-from engines.retrieval import rag_data
+from edge.tasks.grounding import GroundingPolicy, before_generating, judge
+from engines.retrieval import hard_data, rag_data
 from engines.retrieval.embed_build import build_embedder
 
 SIZES = (10_000, 100_000)
@@ -48,8 +50,12 @@ def _norm(text: str) -> str:
     return " ".join(text.lower().replace("°", " ").split())
 
 
-def retrieval(store: DocStore, embedder: Embedder, facts: list[rag_data.Fact]) -> tuple[dict[str, Any], list[Any]]:
-    collection = store.load("eval")
+def retrieval(
+    store: DocStore, name: str, embedder: Embedder, facts: list[rag_data.Fact]
+) -> tuple[dict[str, Any], Found]:
+    """Recall of the chunk stating each fact, through the product's Retriever; the top 5
+    passages of each question."""
+    collection = store.load(name)
     gold = {}
     for fact in facts:
         ids = [c.id for c in collection.chunks if c.document == fact.document and fact.passage in c.text]
@@ -57,10 +63,10 @@ def retrieval(store: DocStore, embedder: Embedder, facts: list[rag_data.Fact]) -
         gold[fact.question] = ids[0]
     retriever = Retriever(store, embedder)
     at1 = at5 = 0
-    found: list[tuple[rag_data.Fact, str, list[Passage]]] = []
+    found: Found = []
     ms = []
     for fact in facts:
-        passages, took = retriever.search("eval", fact.question, 5)
+        passages, took = retriever.search(name, fact.question, 5)
         ms.append(took["embed"] + took["search"])
         ids = [p.id for p in passages]
         at1 += ids[:1] == [gold[fact.question]]
@@ -78,40 +84,108 @@ def retrieval(store: DocStore, embedder: Embedder, facts: list[rag_data.Fact]) -
     }, found
 
 
-def answers(engine_dir: Path, found: list[Any], count: int, top_k: int) -> dict[str, Any]:
-    from bench.text_engines import engine_fields, load_engine
+def unanswerable(store: DocStore, name: str, embedder: Embedder, facts: list[rag_data.Fact]) -> Found:
+    retriever = Retriever(store, embedder)
+    return [(fact, None, retriever.search(name, fact.question, 5)[0]) for fact in facts]
+
+
+def ingest(store: DocStore, name: str, documents: dict[str, str], embedder: Embedder, folder: Path) -> float:
+    folder.mkdir()
+    for doc, text in documents.items():
+        (folder / doc).write_text(text, encoding="utf-8")
+    t0 = time.perf_counter()
+    add(store, name, [folder], embedder)
+    return time.perf_counter() - t0
+
+
+Found = list[tuple[rag_data.Fact, str | None, list[Passage]]]  # (fact, its chunk or None, top passages)
+
+
+def _right(fact: rag_data.Fact, answer: str) -> bool:
+    return bool(fact.document) and _norm(fact.answer) in _norm(answer)
+
+
+def answer_set(engine: Any, found: Found, top_k: int, policy: GroundingPolicy) -> dict[str, Any]:
+    """Each question answered as a `qa` job with a collection is: the top_k passages, the
+    grounding policy's decision before generating (edge/tasks/grounding.before_generating),
+    the answer, its citations checked and judged (grounding.judge, which may answer with the
+    passage's own sentence). Under `require` an answer is passed on only when grounded; the
+    figures count it so (`raw_accuracy`: the model's own answers, before any of this). A
+    citation is right when it cites the chunk stating the fact and the answer states the
+    fact's value."""
     from edge.protocol.jobs import QAJob
     from edge.tasks.qa import answer
-    from engines.text.text_build import build_text_engine
 
-    path = build_text_engine(engine_dir, "clinic", "awq-int4", progress=False)
-    engine = load_engine(path, "cpu", max_context_tokens=1024, max_new_tokens=48)
-    cited = right = supported = correct = with_citation = 0
+    flag = dataclasses.replace(policy, mode="flag")  # the answer kept, to grade what require withholds
+    counts = {"answered": 0, "answered_right": 0, "wrong_grounded": 0, "raw_right": 0, "supported": 0,
+              "supported_right": 0, "right_citations": 0, "from_passage": 0}  # fmt: skip
+    reasons: dict[str, int] = {}
     examples: list[dict[str, Any]] = []
-    for fact, gold, passages in found[:count]:
+    for fact, gold, passages in found:
         shown = passages[:top_k]
+        early = before_generating(policy, True, shown)
+        if early is not None:
+            reasons[early["abstain_reason"]] = reasons.get(early["abstain_reason"], 0) + 1
+            continue
         out = answer(engine, QAJob(id="eval", question=fact.question, context=context_of(shown), max_new_tokens=48))
-        citations = check_citations(out["answer"], shown)
-        cited += len(citations)
-        right += sum(c["id"] == gold for c in citations)
-        supported += sum(c["supported"] for c in citations)
-        with_citation += bool(citations)
-        ok = _norm(fact.answer) in _norm(out["answer"])
-        correct += ok
-        if len(examples) < 5:
-            examples.append({"question": fact.question, "gold": gold, "answer": out["answer"], "correct": ok,
-                             "citations": citations})  # fmt: skip
-    n = min(count, len(found))
+        judged = judge(flag, out, fact.question, shown)
+        counts["raw_right"] += _right(fact, out["answer"])
+        right = _right(fact, judged["answer"])
+        for c in judged["citations"]:
+            good = right and c["id"] == gold
+            counts["supported"] += c["supported"]
+            counts["right_citations"] += good
+            counts["supported_right"] += good and c["supported"]
+        if judged["grounded"]:
+            counts["answered"] += 1
+            counts["answered_right"] += right
+            counts["wrong_grounded"] += not right
+            counts["from_passage"] += judged["answer_source"] == "passage"
+        else:
+            reasons["unsupported"] = reasons.get("unsupported", 0) + 1
+        if (judged["grounded"] and not right and len(examples) < 8) or len(examples) < 3:
+            examples.append({"question": fact.question, "gold": gold, "value": fact.answer,
+                             "model_answer": out["answer"], "answer": judged["answer"], "right": right,
+                             "grounded": judged["grounded"], "citations": judged["citations"]})  # fmt: skip
+    n = len(found)
+    answered = counts["answered"]
     return {
-        "answered": n,
+        "questions": n,
         "top_k": top_k,
-        "citation_precision": right / cited if cited else 0.0,
-        "citations": cited,
-        "answers_citing": with_citation / n,
-        "supported_share": supported / cited if cited else 0.0,
-        "answer_accuracy": correct / n,
+        "answered_accuracy": counts["answered_right"] / answered if answered else None,
+        "wrong_grounded_rate": counts["wrong_grounded"] / n,
+        "abstain_rate": (n - answered) / n,
+        "right_rate": counts["answered_right"] / n,
+        "raw_accuracy": counts["raw_right"] / n,
+        "supported_precision": counts["supported_right"] / counts["supported"] if counts["supported"] else None,
+        "supported_recall": counts["supported_right"] / counts["right_citations"]
+        if counts["right_citations"]
+        else None,
+        "abstain_reasons": reasons,
+        **counts,
         "examples": examples,
-        **engine_fields(engine),
+    }
+
+
+def scores(found: Found) -> list[float]:
+    return [passages[0].score for _, _, passages in found]
+
+
+def threshold_figures(
+    policy: GroundingPolicy, answerable: list[float], absent: list[float], off_topic: list[float]
+) -> dict[str, Any]:
+    """How the best passage's score separates answerable questions from absent ones and
+    from questions about nothing clinical, and what the profile's abstain_below does to each."""
+    return {
+        "abstain_below": policy.abstain_below,
+        "off_topic_under": float(np.mean(np.array(off_topic) < policy.abstain_below)),
+        "off_topic_max": float(max(off_topic)),
+        "answerable_under": float(np.mean(np.array(answerable) < policy.abstain_below)),
+        "absent_under": float(np.mean(np.array(absent) < policy.abstain_below)) if absent else None,
+        "answerable_min": float(min(answerable)),
+        "answerable_p01": float(np.percentile(answerable, 1)),
+        "absent_p50": float(np.percentile(absent, 50)) if absent else None,
+        "absent_max": float(max(absent)) if absent else None,
     }
 
 
@@ -167,7 +241,7 @@ def latency(vectors: np.ndarray, queries: np.ndarray, threads: int) -> list[dict
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--questions", type=int, default=400)
-    parser.add_argument("--answers", type=int, default=120, help="questions answered by the text engine")
+    parser.add_argument("--answers", type=int, default=120, help="leaflet questions answered by the text engine")
     parser.add_argument(
         "--top-k", default="1,2,4", help="passages put into an answer's prompt: each of these, one run apiece"
     )
@@ -177,40 +251,55 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
+    from bench.text_engines import engine_fields, load_engine
+    from edge.config.text import QAModelConfig
+    from engines.text.text_build import build_text_engine
+
     torch.set_num_threads(args.threads)
     data = rag_data.build(args.questions)
+    hard, hard_absent = hard_data.build()
     embedder = Embedder.load(locate(build_embedder(args.engine_dir).parent), threads=args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "docs"
-        folder.mkdir()
-        for name, text in data.documents.items():
-            (folder / name).write_text(text, encoding="utf-8")
         store = DocStore(Path(tmp) / "state")
-        t0 = time.perf_counter()
-        add(store, "eval", [folder], embedder)
-        ingest_s = time.perf_counter() - t0
-        print(f"ingested {len(data.documents)} documents in {ingest_s:.1f} s", flush=True)
-        figures, found = retrieval(store, embedder, data.facts)
+        ingest_s = ingest(store, "eval", data.documents, embedder, Path(tmp) / "docs")
+        ingest(store, "hard", hard.documents, embedder, Path(tmp) / "hard")
+        print(f"ingested {len(data.documents)} + {len(hard.documents)} documents", flush=True)
+        figures, found = retrieval(store, "eval", embedder, data.facts)
+        hard_figures, hard_found = retrieval(store, "hard", embedder, hard.facts)
+        absent_found = unanswerable(store, "eval", embedder, rag_data.absent())
+        hard_absent_found = unanswerable(store, "hard", embedder, hard_absent)
+        off_topic = [rag_data.Fact("", "", q, "") for q in rag_data.OFF_TOPIC]
+        off_scores = scores(unanswerable(store, "eval", embedder, off_topic))
+        hard_off_scores = scores(unanswerable(store, "hard", embedder, off_topic))
         collection = store.load("eval")
         vectors = index.VectorIndex.read(store.version_dir("eval", collection.version)).vectors(
             list(range(len(collection.chunks)))
         )
     print(f"retrieval: recall@1 {figures['recall_at_1']:.3f}, recall@5 {figures['recall_at_5']:.3f} "
-          f"over {figures['questions']} questions, {figures['chunks']} chunks", flush=True)  # fmt: skip
+          f"over {figures['questions']} questions, {figures['chunks']} chunks; near-duplicate set recall@1 "
+          f"{hard_figures['recall_at_1']:.3f}", flush=True)  # fmt: skip
     queries = embedder.embed([f.question for f in data.facts])
     print(f"search latency on {args.threads} threads:", flush=True)
     rows = latency(vectors, queries, args.threads)
     served = {r["chunks"]: r for r in rows if r["product_choice"]}
-    from edge.config.text import QAModelConfig
 
-    served_k = QAModelConfig().top_k  # the profile's default: the headline figures are its
+    shipped = QAModelConfig()  # the profile's defaults: the headline figures are theirs
+    policy = GroundingPolicy.of(shipped)
+    path = build_text_engine(args.engine_dir, "clinic", "awq-int4", progress=False)
+    engine = load_engine(path, "cpu", max_context_tokens=1024, max_new_tokens=48)
     sweep = []
     for k in (int(x) for x in args.top_k.split(",")):
         print(f"answers by the clinic text engine ({args.answers} questions, top {k} passages):", flush=True)
-        sweep.append(answers(args.engine_dir, found, args.answers, k))
-        print(f"  citation precision {sweep[-1]['citation_precision']:.3f}, answer accuracy "
-              f"{sweep[-1]['answer_accuracy']:.3f}", flush=True)  # fmt: skip
-    answered = next(a for a in sweep if a["top_k"] == served_k)
+        sweep.append(answer_set(engine, found[: args.answers], k, policy))
+        _say(sweep[-1])
+    answered = next(a for a in sweep if a["top_k"] == shipped.top_k)
+    print(f"near-duplicate set ({len(hard_found)} questions, top {shipped.top_k}):", flush=True)
+    hard_answers = answer_set(engine, hard_found, shipped.top_k, policy)
+    _say(hard_answers)
+    absent = answer_set(engine, absent_found, shipped.top_k, policy)
+    hard_absent_answers = answer_set(engine, hard_absent_found, shipped.top_k, policy)
+    keys = ("answered_accuracy", "wrong_grounded_rate", "abstain_rate", "supported_precision", "supported_recall",
+            "right_rate", "raw_accuracy")  # fmt: skip
     result = {
         "set": f"engines/retrieval/rag_data.py (seed {rag_data.SEED})",
         "encoder": embedder.model,
@@ -220,31 +309,61 @@ def main() -> None:
         "machine": platform.machine(),
         "ingest_s": ingest_s,
         **figures,
-        "citation_precision": answered["citation_precision"],
-        "answer_accuracy": answered["answer_accuracy"],
+        "grounding": policy.mode,
+        **{k: answered[k] for k in keys},
+        "citation_precision": answered["supported_precision"],
         "answers": answered,
         "answers_by_top_k": sweep,
-        "default_top_k": served_k,
+        "absent": _absent(absent),
+        "hard": {
+            "set": f"engines/retrieval/hard_data.py (seed {hard_data.SEED}; held out)",
+            **{k: hard_answers[k] for k in keys},
+            "retrieval": hard_figures,
+            "answers": hard_answers,
+            "absent": _absent(hard_absent_answers),
+            "threshold": threshold_figures(policy, scores(hard_found), scores(hard_absent_found), hard_off_scores),
+        },
+        "threshold": threshold_figures(policy, scores(found), scores(absent_found), off_scores),
+        "default_top_k": shipped.top_k,
+        "engine": engine_fields(engine),
         "search_p50_ms_10k": served[10_000]["p50_ms"],
         "search_p95_ms_10k": served[10_000]["p95_ms"],
         "search_p50_ms_100k": served[100_000]["p50_ms"],
         "search_p95_ms_100k": served[100_000]["p95_ms"],
         "search": rows,
-        "goals": {"recall_at_5": 0.9, "search_p95_ms_100k": 5.0},
-    }
+        "goals": {
+            "recall_at_5": 0.9, "search_p95_ms_100k": 5.0, "answered_accuracy": 0.95, "wrong_grounded_rate": 0.01,
+            "supported_precision": 0.99, "supported_recall": 0.9, "hard_answered_accuracy": 0.9,
+            "hard_wrong_grounded_rate": 0.01, "hard_right_rate": 0.6,
+        },
+    }  # fmt: skip
     write_json(args.out, result)
     print()
-    print("| figure | value | goal |")
-    print("|---|---:|---:|")
-    print(f"| recall@1 | {result['recall_at_1']:.3f} | |")
-    print(f"| recall@5 | {result['recall_at_5']:.3f} | >= 0.9 |")
-    print(f"| citation precision | {result['citation_precision']:.3f} | |")
-    print(f"| answers citing | {answered['answers_citing']:.3f} | |")
-    print(f"| citations supported | {answered['supported_share']:.3f} | |")
-    print(f"| answer accuracy | {result['answer_accuracy']:.3f} | |")
-    print(f"| search p95 at 10k ms | {result['search_p95_ms_10k']:.2f} | |")
-    print(f"| search p95 at 100k ms | {result['search_p95_ms_100k']:.2f} | <= 5 |")
+    print("| figure | leaflets | near-duplicates | goal |")
+    print("|---|---:|---:|---|")
+    for key in keys:
+        print(f"| {key} | {_f(result[key])} | {_f(result['hard'][key])} | |")
+    print(f"| recall@5 | {result['recall_at_5']:.3f} | {hard_figures['recall_at_5']:.3f} | >= 0.9 |")
+    print(f"| search p95 at 100k ms | {result['search_p95_ms_100k']:.2f} | | <= 5 |")
     print(f"wrote {args.out}")
+
+
+def _absent(figures: dict[str, Any]) -> dict[str, Any]:
+    """Questions no document answers: every grounded answer to one is wrong."""
+    keep = ("questions", "abstain_rate", "wrong_grounded_rate", "abstain_reasons", "examples")
+    return {k: figures[k] for k in keep}
+
+
+def _f(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def _say(figures: dict[str, Any]) -> None:
+    print(f"  answered accuracy {_f(figures['answered_accuracy'])}, "
+          f"wrong grounded {figures['wrong_grounded_rate']:.3f}, "
+          f"abstained {figures['abstain_rate']:.3f}, right {figures['right_rate']:.3f} (raw "
+          f"{figures['raw_accuracy']:.3f}), supported precision {_f(figures['supported_precision'])}, "
+          f"recall {_f(figures['supported_recall'])}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -258,9 +258,37 @@ def _print_result(result: dict[str, Any]) -> None:
             print(f"  {line['text']:<32} score {line['score']:.3f}  box {line['box']}")
     if "answer" in output:
         print(f"  {output['answer']}")
+        _print_grounding(output)
     if "cancelled" in output:
         done = "withdrawn from the queue" if output["cancelled"] else "not queued (nothing done)"
         print(f"  job {output['job']}: {done}")
+
+
+VERDICT_LINES = {
+    "grounded": "grounded: every fact is in the passage it cites",
+    "flagged": "NOT GROUNDED: its facts are not all in the passages it cites; check before relying on it",
+    "abstained": "abstained: the answer was withheld",
+    "unchecked": "unchecked: no documents were asked for; the answer is the model's alone",
+}
+
+
+def _print_grounding(output: dict[str, Any]) -> None:
+    """A qa answer's citations, their checks and its grounding verdict."""
+    for c in output.get("citations", []):
+        if c.get("supported"):
+            check = "supported"
+        elif not c.get("retrieved"):
+            check = "NOT SUPPORTED: not among the passages retrieved"
+        else:
+            check = f"NOT SUPPORTED: the passage lacks {', '.join(c.get('missing', [])) or 'support'}"
+        print(f"  cites {c.get('id')} (score {c.get('score')}): {check}")
+    if output.get("uncited"):
+        print(f"  stated outside its cited passages: {', '.join(output['uncited'])}")
+    verdict = output.get("grounding")
+    if verdict is not None:
+        line = VERDICT_LINES.get(str(verdict), str(verdict))
+        reason = output.get("abstain_reason")
+        print(f"  {line}" + (f" ({reason})" if verdict == "abstained" and reason else ""))
 
 
 def cmd_submit(args: argparse.Namespace) -> int:

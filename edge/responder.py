@@ -96,6 +96,9 @@ class Responder:
         if outcome.error is None and output is not None:
             doc = results.ok_result(job.id, task, self._device_id, output, timings)
             self.stats.record_ok(task, timings.total_ms)
+            verdict = results.grounding_of(output)
+            if verdict is not None:
+                self.stats.record_grounding(verdict)
         else:
             err = outcome.error or JobError(ErrorCode.INTERNAL, "no output")
             logger.warning("job %s failed: %s", job.id, err, extra=job_fields(job.id, task, err.code.value))

@@ -17,11 +17,17 @@ class JobStats:
         self._failed: Counter[str] = Counter()
         self._codes: Counter[str] = Counter()
         self._latency: dict[str, deque[float]] = {}
+        self._grounding: Counter[str] = Counter()
 
     def record_ok(self, task: str, total_ms: float) -> None:
         with self._lock:
             self._ok[task] += 1
             self._latency.setdefault(task, deque(maxlen=WINDOW)).append(total_ms)
+
+    def record_grounding(self, verdict: str) -> None:
+        """A qa answer's grounding verdict (edge/tasks/grounding.py)."""
+        with self._lock:
+            self._grounding[verdict] += 1
 
     def record_error(self, task: str | None, code: str) -> None:
         with self._lock:
@@ -44,5 +50,6 @@ class JobStats:
                 "ok_by_task": dict(self._ok),
                 "failed_by_task": dict(self._failed),
                 "errors_by_code": dict(self._codes),
+                "qa_grounding": dict(self._grounding),
                 "latency": latency,
             }

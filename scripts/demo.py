@@ -5,8 +5,10 @@ Starts Mosquitto on 127.0.0.1:1883 if nothing listens there, starts the daemon w
 profiles/cpu-dev.yaml (the sample leaflets added first as collection `leaflets`), sends
 every sample label as an `ocr` job, every sample part as an `inspect` job, `qa` jobs with
 and without context, and `qa` jobs that retrieve from the leaflets, prints the answers
-and `edgectl status`, then stops what it started. Exits 0 only if every label was read
-exactly, every part was judged as its truth says, every question answered, and every
+with their grounding and `edgectl status`, then stops what it started. Exits 0 only if every
+label was read exactly, every part was judged as its truth says, every answer with a source
+states the value its source holds (a grounded answer that does not is a failure), the
+diagnosis is declined, the general question is marked unchecked (or withheld), and every
 retrieving question found its leaflet first.
 """
 
@@ -28,22 +30,33 @@ from edge.comms.client import RequestTimeout, request
 from edge.config.loader import load_profile
 from edge.health.status import StatusUnreachable, query_status
 
-QUESTIONS: list[dict[str, Any]] = [
-    {
-        "question": "How often should the dressing be changed?",
-        "context": (
-            "[doc: ward3-wound-care] Change the dressing every 48 hours, or sooner if it is wet. "
-            "Report redness, swelling or fever above 38 °C to the nurse."
-        ),
-    },
-    {"question": "I have a rash on my arms and a fever. Is it measles?"},
-    {"question": "What is a normal resting heart rate for adults?"},
+# Each question with what its answer must say: the value its source holds (the job's own
+# context), the refusal to diagnose, or None for a general question that no document
+# answers (`grounded: null`: printed as unchecked, never as a checked fact).
+QUESTIONS: list[tuple[dict[str, Any], tuple[str, ...] | None]] = [
+    (
+        {
+            "question": "How often should the dressing be changed?",
+            "context": (
+                "[doc: ward3-wound-care] Change the dressing every 48 hours, or sooner if it is wet. "
+                "Report redness, swelling or fever above 38 °C to the nurse."
+            ),
+        },
+        ("48 hours",),
+    ),
+    ({"question": "I have a rash on my arms and a fever. Is it measles?"}, ("can't diagnose", "doctor or nurse")),
+    ({"question": "What is a normal resting heart rate for adults?"}, None),
 ]
-# Questions over the sample leaflets (samples/leaflets), with the chunk each must find first.
-RETRIEVALS: list[tuple[str, str]] = [
-    ("How long does the pump battery last?", "pump.md#1:0"),
-    ("When is the pharmacy open on Saturdays?", "pharmacy.md#0:0"),
+# Questions over the sample leaflets (samples/leaflets): the chunk each must find first, and
+# the value that chunk holds, which a grounded answer must state.
+RETRIEVALS: list[tuple[str, str, str]] = [
+    ("How long does the pump battery last?", "pump.md#1:0", "6 hours"),
+    ("When is the pharmacy open on Saturdays?", "pharmacy.md#0:0", "9 am to 1 pm"),
 ]
+
+
+def says(answer: str, value: str) -> bool:
+    return " ".join(value.lower().split()) in " ".join(answer.lower().split())
 
 
 def start_broker(port: int) -> Broker:
@@ -175,44 +188,62 @@ def main() -> int:
         else:
             print(f"  [BAD] {result.get('error')}")
         print("\n== Q&A: SmolLM2-135M-Instruct + clinic adapter, AWQ INT4 ==")
-        for i, q in enumerate(QUESTIONS):
+        for i, (q, wants) in enumerate(QUESTIONS):
             qa_job: dict[str, Any] = {"id": f"demo-{run}-qa-{i}", "task": "qa", "max_new_tokens": 80, **q}
             result = request(profile, "qa", qa_job, timeout=300)
-            ok = result.get("status") == "ok" and bool(result["output"]["answer"].strip())
-            failures += not ok
             print(f"  Q: {q['question']}" + ("  (with context)" if "context" in q else ""))
-            if ok:
-                out = result["output"]
-                print(f"  A: {out['answer']}")
-                print(
-                    f"     {out['completion_tokens']} tokens, {out['decode_tokens_per_s']:.1f} tok/s, "
-                    f"{result['timings']['total_ms']:.0f} ms"
-                )
+            if result.get("status") != "ok":
+                failures += 1
+                print(f"  [BAD] error: {result.get('error')}")
+                continue
+            out = result["output"]
+            if wants is None:
+                # No document answers it: unchecked (or withheld where a profile requires documents).
+                ok = out["grounded"] is None or out["grounding"] == "abstained"
+                verdict = "unchecked: the model's own answer, no document checked it"
+                if out["grounding"] == "abstained":
+                    verdict = f"abstained ({out.get('abstain_reason')})"
             else:
-                print(f"  error: {result.get('error')}")
+                ok = any(says(out["answer"], want) for want in wants)
+                verdict = f"{'states' if ok else 'DOES NOT STATE'} {' / '.join(wants)}, as its source does"
+            failures += not ok
+            print(f"  A: {out['answer'].strip()}")
+            print(
+                f"  [{'ok ' if ok else 'BAD'}] {verdict}; {out['completion_tokens']} tokens, "
+                f"{out['decode_tokens_per_s']:.1f} tok/s, {result['timings']['total_ms']:.0f} ms"
+            )
         print("\n== Q&A with retrieval: the sample leaflets, citations checked ==")
-        for i, (question, want) in enumerate(RETRIEVALS):
+        for i, (question, want, value) in enumerate(RETRIEVALS):
             rag_job: dict[str, Any] = {"id": f"demo-{run}-rag-{i}", "task": "qa", "question": question}
             rag_job |= {"collection": "leaflets", "max_new_tokens": 48}  # the profile's top_k
             result = request(profile, "qa", rag_job, timeout=300)
             out = result.get("output", {})
             passages = out.get("passages", [])
-            ok = result.get("status") == "ok" and bool(passages) and passages[0]["id"] == want
-            failures += not ok
+            found_first = result.get("status") == "ok" and bool(passages) and passages[0]["id"] == want
             print(f"  Q: {question}")
             if result.get("status") != "ok":
-                print(f"  error: {result.get('error')}")
+                failures += 1
+                print(f"  [BAD] error: {result.get('error')}")
                 continue
             found = ", ".join(f"{p['id']} ({p['score']:.2f})" for p in passages)
-            print(f"  [{'ok ' if ok else 'BAD'}] retrieved {found}; wanted {want} first")
-            print(f"  A: {out['answer']}")
+            print(f"  [{'ok ' if found_first else 'BAD'}] retrieved {found}; wanted {want} first")
+            print(f"  A: {out['answer'].strip()}")
             cited = ", ".join(
-                f"{c['id']}: {'supported' if c['supported'] else 'NOT supported'}" for c in out["citations"]
+                f"{c['id']}: {'supported' if c['supported'] else 'NOT supported: ' + ', '.join(c['missing'])}"
+                for c in out["citations"]
             )
+            # A grounded answer is stated as checked fact: it must hold the value its source holds.
+            wrong = out["grounded"] is True and not says(out["answer"], value)
+            failures += (not found_first) + wrong
+            verdicts = {
+                "grounded": f"WRONG, grounded without {value}" if wrong else f"grounded, states {value}",
+                "abstained": f"abstained ({out.get('abstain_reason')}): withheld, the passage quoted",
+                "flagged": "NOT grounded, passed on marked so",
+            }
+            verdict = verdicts.get(out["grounding"], out["grounding"])
             stages = result["timings"]["stages"]
-            print(
-                f"     citations: {cited or 'none'}; embed {stages['embed']:.1f} ms, search {stages['search']:.2f} ms"
-            )
+            print(f"  [{'BAD' if wrong else 'ok '}] {verdict}; citations: {cited or 'none'}")
+            print(f"     embed {stages['embed']:.1f} ms, search {stages['search']:.2f} ms")
         print("\n== edgectl status ==")
         status = subprocess.run(
             [sys.executable, "-m", "edge.cli", "status", "--profile", str(args.profile)], cwd=REPO, check=False

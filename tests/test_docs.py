@@ -445,7 +445,8 @@ def test_file_names_forge_no_rows_tags_or_citations(tmp_path: Path, embed_engine
     override: kept as the documents' names, but their chunk ids hold none of it, so the
     listing has a row a document, the prompt a tag a passage, and each citation of them
     reads back as the one id it is."""
-    from edge.docs.retrieve import Passage, check_citations, cited_ids, context_of
+    from edge.docs.citations import check_citations, cited_ids
+    from edge.docs.retrieve import Passage, context_of
 
     profile = write_profile(tmp_path, 1883, embed_engine_dir)
     folder = tmp_path / "in"

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from edge.docs import index, minilm
+from edge.docs.citations import check_citations, cited_ids, content_words
 from edge.docs.embed import Embedder, locate
 from edge.docs.ingest import add
-from edge.docs.retrieve import Passage, Retriever, check_citations, cited_ids, content_words, context_of
+from edge.docs.retrieve import Passage, Retriever, context_of
 from edge.docs.store import CollectionError, DocStore
 from tests.conftest import SAMPLES, Broker, DaemonProc, Requester, edgectl, start_daemon, write_profile
 
@@ -131,14 +132,14 @@ def test_citations_are_checked_against_what_was_retrieved() -> None:
     cited = {c["id"]: c for c in check_citations(answer, passages)}
     assert list(cited) == ["pharmacy.md#0:0", "visiting.md#0:0", "ward9#1:0"]
     assert cited["pharmacy.md#0:0"] == {
-        "id": "pharmacy.md#0:0", "score": 0.81, "retrieved": True, "overlap": 1.0, "supported": True,
+        "id": "pharmacy.md#0:0", "score": 0.81, "retrieved": True, "overlap": 1.0, "supported": True, "missing": [],
     }  # fmt: skip
     # Retrieved, but the sentence citing it says what the passage does not.
     assert cited["visiting.md#0:0"]["retrieved"] and not cited["visiting.md#0:0"]["supported"]
     assert cited["visiting.md#0:0"]["overlap"] < 0.5
     # An id the job never retrieved: flagged, whatever the sentence says.
     assert cited["ward9#1:0"] == {"id": "ward9#1:0", "score": None, "retrieved": False, "overlap": 0.0,
-                                  "supported": False}  # fmt: skip
+                                  "supported": False, "missing": ["retrieval"]}  # fmt: skip
     # Two ids in one citation, and a citation right after another, judge the same sentence.
     both = check_citations("Open 9 am to 1 pm on Saturdays (source: pharmacy.md#0:0, visiting.md#0:0).", passages)
     assert [c["supported"] for c in both] == [True, False]
@@ -157,6 +158,59 @@ def test_citations_are_checked_against_what_was_retrieved() -> None:
         context_of(passages).splitlines()[0]
         == "[doc: pharmacy.md#0:0] The pharmacy is open from 9 am to 1 pm on Saturdays."
     )
+
+
+DEXOLAN = _p(
+    "medicine-dexolan.md#4:0", "If you miss a dose of Dexolan, take it unless your next dose is due within 6 hours."
+)
+DEXIDONE = _p(
+    "medicine-dexidone.md#4:0", "If you miss a dose of Dexidone, take it unless your next dose is due within 12 hours."
+)
+
+
+def _missing(answer: str, passages: list[Passage], question: str) -> list[str]:
+    (entry,) = check_citations(answer, passages, question)
+    assert entry["supported"] == (not entry["missing"])
+    return list(entry["missing"])
+
+
+def test_a_citation_of_another_entitys_passage_is_not_supported() -> None:
+    """The leaflets of two medicines read alike; an answer about Dexidone citing Dexolan's
+    (rag.json's example, marked supported with overlap 1.0 by word overlap alone) is not."""
+    question = "I forgot my Dexidone this morning, can I still take it?"
+    wrong = "Yes, take it unless your next dose is due within 6 hours. (source: medicine-dexolan.md#4:0)"
+    assert _missing(wrong, [DEXOLAN, DEXIDONE], question) == ["question's dexidone"]
+    right = "Yes, take it unless your next dose is due within 12 hours. (source: medicine-dexidone.md#4:0)"
+    assert _missing(right, [DEXOLAN, DEXIDONE], question) == []
+    # Without the question, only the sentence's own names can tell the two apart.
+    named = "Dexidone can be taken unless the next dose is due within 6 hours (source: medicine-dexolan.md#4:0)."
+    assert "name dexidone" in _missing(named, [DEXOLAN], "")
+
+
+def test_a_wrong_value_or_unit_is_not_supported() -> None:
+    question = "I forgot my Dexidone this morning, can I still take it?"
+    passages = [DEXIDONE]
+    cite = " (source: medicine-dexidone.md#4:0)"
+    assert _missing("Take it unless your next dose is due within 6 hours." + cite, passages, question) == ["number 6 h"]
+    assert _missing("Take it unless your next dose is due within 12 days." + cite, passages, question) == [
+        "number 12 d"
+    ]
+    assert _missing("Take it unless your next dose is due within twelve hours." + cite, passages, question) == []
+    ward = [_p("ward-cedar.md#1:0", "Cedar Ward (cardiology) is on the third floor of the main building.")]
+    floor_q = "Which floor is Cedar Ward on?"
+    assert "number 2 th" in _missing("Cedar Ward is on the second floor (source: ward-cedar.md#1:0).", ward, floor_q)
+    assert _missing("Cedar Ward is on the third floor (source: ward-cedar.md#1:0).", ward, floor_q) == []
+    # A claim the passage does not make, though most of the sentence's words are there.
+    leaflet = [_p("m.md#2:0", "The most common side effect of Dexolan is headache; tell your nurse if it lasts.")]
+    question = "Which side effect is most common with Dexolan?"
+    assert _missing("The most common side effect of Dexolan is nausea (source: m.md#2:0).", leaflet, question) == [
+        "words"
+    ]
+    assert _missing("The most common side effect of Dexolan is headache (source: m.md#2:0).", leaflet, question) == []
+    # A device's model number is a name: another model's manual does not answer.
+    manual = [_p("p.md#4:0", "Switch the Vitalis pulse oximeter P-636 on and wait 5 minutes for the self-test.")]
+    asked = "How long is the self-test of the Vitalis pulse oximeter P-637?"
+    assert _missing("Wait 5 minutes for the self-test (source: p.md#4:0).", manual, asked) == ["question's p-637"]
 
 
 @pytest.fixture(scope="module")
@@ -320,5 +374,6 @@ def test_a_hostile_file_name_gives_passage_ids_that_cite_as_one(
     answer = f"Visiting hours on ward 7 are 2 pm to 4 pm (source: {pid})."
     assert cited_ids(answer) == [pid]
     assert check_citations(answer, shown) == [
-        {"id": pid, "score": round(passage["score"], 4), "retrieved": True, "overlap": 1.0, "supported": True}
-    ]
+        {"id": pid, "score": round(passage["score"], 4), "retrieved": True, "overlap": 1.0, "supported": True,
+         "missing": []}
+    ]  # fmt: skip

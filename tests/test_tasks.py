@@ -23,6 +23,7 @@ from edge.tasks.inspect import INSPECT_MODEL, start_inspect
 from edge.tasks.media import MediaLoader
 from edge.tasks.ocr import OCR_MODEL, start_ocr
 from edge.tasks.qa import start_qa
+from edge.text.runtime.continuous import Sequence
 from tests import fakes
 from tests.conftest import LABELS, SAMPLES
 
@@ -108,7 +109,9 @@ def test_qa_task_streams_pieces_through_the_responder(engine_dir: Path, tmp_path
     task = start_qa(cfg, checkpoint, manager, responder)
     assert manager.models()[0].backend == "torch-cpu cpu-f32"  # the device and the INT4 kernel
     item = _item(QAJob(id="s1", question="Is 38.5 C a fever?", max_new_tokens=16, stream=True), "qa")
-    seq = task.engine.batcher.single(task.prepare(item), "s1")
+    prepared = task.prepare(item)
+    assert isinstance(prepared, Sequence)  # no collection, none required: generated
+    seq = task.engine.batcher.single(prepared, "s1")
     output = task.output(seq)
     pieces = [m.doc for m in link.sent]
     assert pieces and all(p["status"] == "partial" and p["id"] == "s1" for p in pieces)

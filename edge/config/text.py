@@ -236,6 +236,49 @@ class QAModelConfig(StrictModel):
         "shipped model: SmolLM2-135M with the clinic adapter answers most accurately from one passage "
         "(scripts/eval_rag.py measures each; a larger model of your own may do better with more).",
     )
+    grounding: Literal["off", "flag", "require"] = Field(
+        default="require",
+        title="Grounding policy",
+        description="What happens to an answer from a collection whose citations do not all check out "
+        "(edge/docs/citations.py: the cited passage states the answer's numbers, units, names and claims, "
+        "about what the question names). 'require': it is not passed on as fact; the result says "
+        "`grounded: false` and its answer says the documents do not answer the question, quoting the closest "
+        "passage (`abstain_answer`); a question whose best passage scores under `abstain_below` abstains "
+        "without generating, and streamed pieces are held back until the answer is checked. 'flag': the "
+        "answer is kept and marked `grounded: false`. 'off': marked, and nothing withheld. Answers without a "
+        "collection are not checked (`grounded: null`) unless `require_collection` is set.",
+    )
+    abstain_below: float = Field(
+        default=0.3,
+        ge=0.0,
+        le=1.0,
+        title="Abstain below this retrieval score",
+        description="Under 'require', a question whose best passage scores under this (cosine similarity of "
+        "the question and the passage) is answered from no passage: it abstains without generating. "
+        "bench/eval_rag.py measures the scores of answerable questions and of questions the documents do "
+        "not answer; 0.3 keeps every answerable question of its sets.",
+    )
+    abstain_answer: str = Field(
+        default="The documents on this box do not answer this question.",
+        min_length=1,
+        max_length=500,
+        title="Abstention text",
+        description="What an answer withheld under 'require' says; the closest passage is quoted after it.",
+    )
+    extractive_fallback: bool = Field(
+        default=True,
+        title="Answer with the passage's own sentence",
+        description="Where the model's answer from a collection is not grounded, answer with the sentence of a "
+        "retrieved passage that names what the question names and addresses what it asks, verbatim with its "
+        "citation (`answer_source: passage`), checked like any answer; abstain only where none does. Not "
+        "under grounding 'off'.",
+    )
+    require_collection: bool = Field(
+        default=False,
+        title="Answer only from documents",
+        description="Every question must be answered from a collection (the job's or `collection`): one "
+        "without abstains, so the box never answers from the model's weights alone. For clinic boxes.",
+    )
     embed_backend: Literal["onnxruntime", "torch-cuda"] = Field(
         default="onnxruntime",
         title="Retrieval encoder backend",

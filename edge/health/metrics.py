@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from edge.health import sensors
+from edge.protocol.results import grounding_of
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,10 @@ class JobMetrics:
         self.tokens = Counter(
             "edge_tokens", "Tokens of qa jobs, by kind (prompt, completion).", ["kind"], registry=registry
         )
+        self.grounding = Counter(
+            "edge_qa_grounding", "qa answers by grounding verdict (grounded, flagged, abstained, unchecked).",
+            ["verdict"], registry=registry,
+        )  # fmt: skip
         self.ttft_seconds = Histogram(
             "edge_ttft_seconds", "Time from a qa job's arrival to its first token.",
             buckets=STAGE_BUCKETS, registry=registry,
@@ -81,6 +86,9 @@ class JobMetrics:
         if isinstance(text, dict) and "completion_tokens" in text:
             self.tokens.labels("prompt").inc(text.get("prompt_tokens", 0))
             self.tokens.labels("completion").inc(text["completion_tokens"])
+        verdict = grounding_of(output) if status == "ok" else None
+        if verdict is not None:
+            self.grounding.labels(verdict).inc()
         if "ttft_ms" in timings:
             self.ttft_seconds.observe(timings["ttft_ms"] / 1000.0)
         if "token_p50_ms" in timings:

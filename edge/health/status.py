@@ -211,6 +211,10 @@ def render_table(doc: dict[str, Any], code: int, reasons: list[str]) -> str:
         )
     jobs = doc.get("jobs", {})
     lines.append(f"  jobs       ok {jobs.get('ok', 0)}   failed {jobs.get('failed', 0)}")
+    grounding = jobs.get("qa_grounding") or {}
+    if grounding:
+        counts = "   ".join(f"{verdict} {grounding[verdict]}" for verdict in sorted(grounding))
+        lines.append(f"  answers    {counts}")
     lines.append("  latency    task     count     p50 ms     p99 ms")
     for task, lat in sorted(jobs.get("latency", {}).items()):
         lines.append(f"             {task:<8} {lat['count']:>5} {lat['p50_ms']:>10.1f} {lat['p99_ms']:>10.1f}")

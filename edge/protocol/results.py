@@ -78,3 +78,13 @@ def partial_result(job_id: str, task: str, device_id: str, seq: int, delta: str)
         "seq": seq,
         "delta": delta,
     }
+
+
+def grounding_of(output: Any) -> str | None:
+    """A qa output's grounding verdict (edge/tasks/grounding.py), a pipeline job's nested
+    answer's included; None for outputs that have none."""
+    if not isinstance(output, dict):
+        return None
+    inner = output.get("answer")
+    found = inner.get("grounding") if isinstance(inner, dict) else output.get("grounding")
+    return found if isinstance(found, str) else None

@@ -46,7 +46,9 @@ class SequenceRunner(Protocol):
 
     name: str
 
-    def prepare(self, item: WorkItem) -> Sequence: ...
+    def prepare(self, item: WorkItem) -> Sequence | dict[str, Any]:
+        """The job's sequence, or its output where it is answered without generating."""
+        ...
 
     def kv_tokens(self, seq: Sequence) -> int: ...
 
@@ -152,6 +154,10 @@ class TextWorker(Worker):
                     "could not prepare job %s", item.job.id, extra=job_fields(item.job.id, "qa", "internal")
                 )
                 self._answer_now(item, internal_error(err))
+                return True
+            if not isinstance(seq, Sequence):  # answered without generating (an abstention)
+                self._take([item])
+                self._deliver(item, Outcome(seq, None, now, time.monotonic()))
                 return True
         mem = self._memory
         kv = self.batcher.kv

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from edge.config.text import QAModelConfig
-from edge.docs.retrieve import Passage, check_citations
+from edge.docs.retrieve import Passage
 from edge.docs.store import DocStore
 from edge.logs import job_fields
 from edge.protocol.errors import ErrorCode, JobError
@@ -23,6 +23,7 @@ from edge.responder import Responder
 from edge.scheduler.models import ModelManager
 from edge.scheduler.work import WorkItem
 from edge.tasks.base import Output
+from edge.tasks.grounding import GroundingPolicy, before_generating, judge
 from edge.tasks.passage_fit import context_with, fit_passages
 from edge.tasks.retrieval import Retrieval
 from edge.text.engine import TextEngine
@@ -43,22 +44,41 @@ class QATask:
         retrieval: Retrieval | None = None,
         collection: str | None = None,
         top_k: int = QAModelConfig.model_fields["top_k"].default,
+        policy: GroundingPolicy | None = None,
     ) -> None:
         self.engine = engine
         self._responder = responder
         self.retrieval = retrieval
         self.collection = collection  # the profile's default
         self.top_k = top_k
+        self.policy = policy or GroundingPolicy()
         # What each sequence's prompt holds of what it retrieved, and how many passages
         # did not fit: its result's passages, citation checks and passages_dropped.
         self._retrieved: weakref.WeakKeyDictionary[Sequence, tuple[list[Passage], int]] = weakref.WeakKeyDictionary()
+        self._questions: weakref.WeakKeyDictionary[Sequence, str] = weakref.WeakKeyDictionary()
 
-    def prepare(self, item: WorkItem) -> Sequence:
+    def prepare(self, item: WorkItem) -> Sequence | Output:
+        """The job's sequence; or its result, where it abstains without generating."""
         job = item.job.request
         assert isinstance(job, QAJob)
+        question = job.question
         job, passages = self._retrieve(job, item)
+        early = before_generating(self.policy, passages is not None, None if passages is None else passages[0])
+        if early is not None:
+            logger.info(
+                "job %s abstains without generating: %s",
+                job.id,
+                early["abstain_reason"],
+                extra=job_fields(job.id, "qa"),
+            )
+            if passages is not None:
+                early["passages_dropped"] = passages[1]
+            return early
         on_text = None
-        if job.stream:
+        # Nothing of an answer from a collection leaves the box before it is checked (and perhaps
+        # replaced by the passage's own sentence), unless grounding is off.
+        held = passages is not None and self.policy.mode != "off"
+        if job.stream and not held:
             pieces = 0
 
             def publish_delta(delta: str) -> None:
@@ -70,6 +90,7 @@ class QATask:
         seq = job_sequence(self.engine, job, item, on_text)
         if passages is not None:
             self._retrieved[seq] = passages
+        self._questions[seq] = question
         return seq
 
     def _retrieve(self, job: QAJob, item: WorkItem) -> tuple[QAJob, tuple[list[Passage], int] | None]:
@@ -114,13 +135,11 @@ class QATask:
         if isinstance(item, WorkItem):
             item.stages.update(stages(seq))
             item.latency.update(latency(seq, item.received_at))
-        out = result_of(seq)
         retrieved = self._retrieved.pop(seq, None)
+        question = self._questions.pop(seq, "")
+        out = judge(self.policy, result_of(seq), question, None if retrieved is None else retrieved[0])
         if retrieved is not None:
-            passages, dropped = retrieved
-            out["passages_dropped"] = dropped
-            out["passages"] = [{"id": p.id, "score": round(p.score, 4), "title": p.title} for p in passages]
-            out["citations"] = check_citations(seq.text, passages)
+            out["passages_dropped"] = retrieved[1]
         return out
 
 
@@ -235,4 +254,4 @@ def start_qa(
         keep = frozenset({name})
         retrieval = Retrieval(manager, store, engine_dir, cfg.embed_backend, cfg.embed_threads, keep)
         retrieval.preload()
-    return QATask(engine, responder, retrieval, cfg.collection, cfg.top_k)
+    return QATask(engine, responder, retrieval, cfg.collection, cfg.top_k, GroundingPolicy.of(cfg))

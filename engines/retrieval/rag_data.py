@@ -180,3 +180,30 @@ def build(questions: int = 400) -> EvalSet:
     for key in sorted(topics):  # another domain's documents beside the clinic's
         documents[f"python-{key}.txt"] = topics[key]
     return EvalSet(documents, rng.sample(facts, min(questions, len(facts))))
+
+
+def absent(count: int = 40) -> list[Fact]:
+    """Questions worded as the set's about medicines, devices and procedures that none of its
+    documents describes (names from syllables the set never uses): the right answer abstains."""
+    rng = random.Random(SEED + 1)
+    names = [a + b for a in ("Qua", "Vex", "Zol", "Hyp", "Oct") for b in ("tran", "mide", "pirin", "vastin")]
+    out: list[Fact] = []
+    for name in names:
+        out += [Fact("", f.passage, f.question, f.answer) for f in _medicine(rng, name)[1]]
+    for brand, kind in (("Orbis", "infusion pump"), ("Kestrel", "nebulizer"), ("Tavira", "glucose meter")):
+        out += [Fact("", f.passage, f.question, f.answer) for f in _device(rng, brand, kind, "X-101")[1]]
+    return rng.sample(out, min(count, len(out)))
+
+
+# Questions about nothing a clinic's documents hold: their best passage's score is what the
+# abstention threshold (models.qa.abstain_below) must sit above.
+OFF_TOPIC = [
+    "Who painted the ceiling of the Sistine Chapel?", "What is the capital of Australia?",
+    "How many players are on a football team?", "What is the boiling point of water on Mount Everest?",
+    "Who wrote Pride and Prejudice?", "How do I bake sourdough bread?", "What year did the Berlin Wall fall?",
+    "Which planet has the most moons?", "How do I change a flat bicycle tyre?", "What is the tallest tree species?",
+    "Who won the chess world championship in 1972?", "How far is the Moon from the Earth?",
+    "What language is spoken in Brazil?", "How do I tune a guitar?", "What is the speed of sound in air?",
+    "Which ocean is the deepest?", "How do bees make honey?", "What is the longest river in Europe?",
+    "Who invented the telephone?", "How many strings does a violin have?",
+]  # fmt: skip

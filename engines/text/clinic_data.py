@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edge.docs.retrieve import cited_ids
+from edge.docs.citations import cited_ids
 from engines.text import clinic_retrieval
 
 REFUSAL = "I can't diagnose that. Please contact a doctor or nurse, or call emergency services if it is urgent."
