@@ -9,8 +9,11 @@ Durability: the session is persistent (Clean Start false, a session expiry), so 
 broker keeps jobs for us while the daemon restarts, and jobs are acknowledged by hand:
 the PUBACK goes out only once the intake callback says the job is kept (journalled or
 answered). A job the intake does not take (while stopping) stays unacknowledged and
-the broker delivers it again in the next session. Results are QoS 1; the broker's
-PUBACK for each is reported to `on_delivered`, which marks the job answered.
+the broker delivers it again in the next session. The subscriptions stay in the session
+across a stop, except the shared stream's when another box is online on it
+(edge/comms/peers.py). Connected is not subscribed: `subscribed` turns true at the SUBACK.
+Results are QoS 1; the broker's PUBACK for each is reported to `on_delivered`, which marks
+the job answered.
 """
 
 from __future__ import annotations
