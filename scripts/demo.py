@@ -79,7 +79,7 @@ def wait_ready(daemon: subprocess.Popen[bytes], socket_path: Path, log: Path, ti
         try:
             doc = query_status(socket_path, timeout=1.0)
             state = f"{doc['state']}, broker {'connected' if doc['broker']['connected'] else 'connecting'}"
-            if doc["state"] == "ready" and doc["broker"]["connected"]:
+            if doc["state"] == "ready" and doc["broker"]["connected"] and doc["broker"].get("subscribed", True):
                 print(f"  daemon ready ({len(doc['models'])} models loaded)")
                 return
         except StatusUnreachable:

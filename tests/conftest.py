@@ -176,7 +176,9 @@ class DaemonProc:
             res = self.status()
             if res.returncode in (0, 1):
                 doc = json.loads(res.stdout)
-                if doc.get("state") == "ready" and doc["broker"]["connected"]:
+                # Subscribed, not only connected: a job published between the CONNACK and
+                # the SUBACK is not the daemon's (dropped, or the shared stream's other boxes').
+                if doc.get("state") == "ready" and doc["broker"]["connected"] and doc["broker"]["subscribed"]:
                     return doc  # type: ignore[no-any-return]
             time.sleep(0.2)
         raise TimeoutError(f"daemon not ready:\n{self.log.read_text()}")

@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -402,6 +403,173 @@ def test_shared_subscription_splits_jobs(tmp_path: Path, broker: Broker, engine_
         requester.close()
         for d in daemons:
             d.stop()
+
+
+OCR_ONLY = {"ocr": {"threads": 1}, "inspect": {"enabled": False}, "qa": {"enabled": False}}
+
+
+def _stream_box(directory: Path, port: int, engines: Path, name: str, group: str) -> Path:
+    directory.mkdir()
+    return write_profile(directory, port, engines, device_id=name, models=OCR_ONLY, topics={"shared_group": group})
+
+
+def test_a_box_stopped_cleanly_hands_its_turn_of_the_shared_stream_to_the_others(
+    tmp_path: Path, own_broker: Broker, ocr_engine_dir: Path
+) -> None:
+    """Mosquitto gives a member of a shared subscription that is away its turn of the
+    stream's jobs while its session lasts (a day by default). A box that stops cleanly
+    while another is online on the stream leaves it: every job sent meanwhile is answered
+    by the box still there."""
+    a, b = (start_daemon(_stream_box(tmp_path / n, own_broker.port, ocr_engine_dir, n, "hand")) for n in ("ha", "hb"))
+    requester = Requester(own_broker.port)
+    try:
+        for d in (a, b):
+            d.wait_ready()
+        deadline = time.monotonic() + 30
+        while json.loads(a.status().stdout)["broker"]["stream_peers"] != ["hb"]:
+            assert time.monotonic() < deadline, "the box never saw the other online on its stream"
+            time.sleep(0.2)
+        assert a.stop() == 0
+        assert "leaving shared job stream hand" in a.log.read_text()
+        corrs = [
+            requester.send("edge/jobs/ocr", {"id": f"h{i}", "image": {"path": "labels/label_01.png"}}) for i in range(8)
+        ]
+        deadline = time.monotonic() + 90
+        results = [requester.wait(c, max(0.1, deadline - time.monotonic())) for c in corrs]
+        assert all(r["status"] == "ok" and r["device"] == "hb" for r in results)
+    finally:
+        requester.close()
+        for d in (a, b):
+            d.stop()
+
+
+def test_a_lone_box_on_a_shared_stream_keeps_its_jobs_across_a_clean_restart(
+    tmp_path: Path, own_broker: Broker, ocr_engine_dir: Path
+) -> None:
+    """With no other box online on the stream a clean stop stays in it: the broker keeps
+    the jobs sent while the box is down in its session (leaving would have the broker
+    drop them for want of a subscriber), and the box answers them when it is back."""
+    profile = _stream_box(tmp_path / "solo", own_broker.port, ocr_engine_dir, "solo", "alone")
+    box = start_daemon(profile)
+    requester = Requester(own_broker.port)
+    try:
+        assert box.wait_ready()["broker"]["stream_peers"] == []
+        assert box.stop() == 0
+        assert "staying on shared job stream alone" in box.log.read_text()
+        corrs = [
+            requester.send("edge/jobs/ocr", {"id": f"l{i}", "image": {"path": "labels/label_02.png"}}) for i in range(3)
+        ]
+        box = start_daemon(profile)
+        box.wait_ready()
+        assert all(requester.wait(c, 60)["status"] == "ok" for c in corrs)
+    finally:
+        requester.close()
+        box.stop()
+
+
+class SubackGate:
+    """A TCP relay to a real broker that holds the broker's SUBACKs back until `release` is
+    set: the moment between a CONNACK and its SUBACK, which a loaded box stretches, made to
+    last. Everything else passes through unchanged and in order."""
+
+    def __init__(self, broker_port: int) -> None:
+        self.release = threading.Event()
+        self._broker_port = broker_port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._sockets: list[socket.socket] = [self._listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            upstream = socket.create_connection(("127.0.0.1", self._broker_port))
+            self._sockets += [client, upstream]
+            threading.Thread(target=self._copy, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._to_client, args=(upstream, client), daemon=True).start()
+
+    @staticmethod
+    def _copy(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            dst.close()
+
+    def _to_client(self, src: socket.socket, dst: socket.socket) -> None:
+        buf = b""
+        try:
+            while data := src.recv(65536):
+                buf += data
+                while (packet := _mqtt_packet(buf)) is not None:
+                    buf = buf[len(packet) :]
+                    if packet[0] >> 4 == 9:  # SUBACK
+                        self.release.wait()
+                    dst.sendall(packet)
+        except OSError:
+            pass
+        finally:
+            dst.close()
+
+    def close(self) -> None:
+        self.release.set()
+        for s in self._sockets:
+            s.close()
+
+
+def _mqtt_packet(buf: bytes) -> bytes | None:
+    """The first whole MQTT control packet in `buf` (fixed header, then the remaining
+    length as a variable byte integer), or None until it has all arrived."""
+    length, shift = 0, 0
+    for i in range(1, min(len(buf), 5)):
+        length |= (buf[i] & 0x7F) << shift
+        shift += 7
+        if not buf[i] & 0x80:
+            end = i + 1 + length
+            return buf[:end] if len(buf) >= end else None
+    return None
+
+
+def test_status_says_subscribed_only_once_the_broker_granted_the_job_subscriptions(
+    tmp_path: Path, own_broker: Broker, ocr_engine_dir: Path
+) -> None:
+    """Connected is not subscribed: with the broker's SUBACK held back, the daemon is ready
+    and connected, and status says not subscribed (WARNING) for as long as it is held;
+    once the SUBACK passes it says subscribed, and a job sent then is answered."""
+    gate = SubackGate(own_broker.port)
+    daemon = start_daemon(write_profile(tmp_path, gate.port, ocr_engine_dir, device_id="sg", models=OCR_ONLY))
+    requester = Requester(own_broker.port)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert time.monotonic() < deadline, daemon.log.read_text()
+            assert daemon.proc.poll() is None, daemon.log.read_text()
+            res = daemon.status()
+            doc = json.loads(res.stdout) if res.returncode in (0, 1) else {}
+            if doc.get("state") == "ready" and doc["broker"]["connected"]:
+                break
+            time.sleep(0.2)
+        time.sleep(1.0)  # and it stays so while the SUBACK is held
+        res = daemon.status()
+        doc = json.loads(res.stdout)
+        assert doc["broker"]["connected"] and doc["broker"]["subscribed"] is False
+        assert res.returncode == 1
+        assert "job subscriptions not granted by the broker" in doc["check"]["reasons"]
+        gate.release.set()
+        doc = daemon.wait_ready(30)
+        assert doc["broker"]["subscribed"] is True
+        assert daemon.status().returncode == 0
+        result = requester.request("edge/sg/jobs/ocr", {"id": "after-suback", "image": {"path": "labels/label_03.png"}})
+        assert result["status"] == "ok"
+    finally:
+        requester.close()
+        daemon.stop()
+        gate.close()
 
 
 def test_broker_restart_reconnects_and_status_warns(tmp_path: Path, own_broker: Broker, engine_dir: Path) -> None:

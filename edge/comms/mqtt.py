@@ -9,8 +9,11 @@ Durability: the session is persistent (Clean Start false, a session expiry), so 
 broker keeps jobs for us while the daemon restarts, and jobs are acknowledged by hand:
 the PUBACK goes out only once the intake callback says the job is kept (journalled or
 answered). A job the intake does not take (while stopping) stays unacknowledged and
-the broker delivers it again in the next session. Results are QoS 1; the broker's
-PUBACK for each is reported to `on_delivered`, which marks the job answered.
+the broker delivers it again in the next session. The subscriptions stay in the session
+across a stop, except the shared stream's when another box is online on it
+(edge/comms/peers.py). Connected is not subscribed: `subscribed` turns true at the SUBACK.
+Results are QoS 1; the broker's PUBACK for each is reported to `on_delivered`, which marks
+the job answered.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from edge.comms.identity import TAKEOVER_REASON, IdentityWatch
 from edge.comms.message import NOTIFY_ACCEPTED, NOTIFY_PROPERTY, BatchIntakeCallback, DeliveredCallback, IncomingJob
+from edge.comms.peers import StreamPeers
 from edge.comms.pump import IntakePump
 from edge.config.profile import Profile
 
@@ -40,6 +44,9 @@ ONLINE = b"online"
 OFFLINE = b"offline"
 INSTANCE_PROPERTY = "instance"  # user property on availability notices: which daemon sent it
 GROUP_PROPERTY = "group"  # and the shared job stream it takes from (topics.shared_group), if any
+# The subscription identifier of the other boxes' availability notices: Mosquitto delivers
+# our own notice once per matching subscription, and only the copy without it is ours to read.
+PEERS_SUBSCRIPTION = 1
 
 
 __all__ = ["DaemonLink", "IncomingJob", "make_client"]
@@ -92,6 +99,13 @@ class DaemonLink:
         self._client.on_disconnect = self._on_disconnect
         self._client.on_message = self._on_message
         self._client.on_publish = self._on_publish
+        self._client.on_subscribe = self._on_subscribe
+        group = profile.topics.shared_group
+        self.peers = (
+            StreamPeers(profile.topics.prefix, profile.device_id, (GROUP_PROPERTY, group), ONLINE)
+            if group is not None
+            else None
+        )
         self._lock = threading.Lock()
         # Results awaiting the broker's PUBACK: message id -> job id. A PUBACK can beat
         # publish() back to us (paho calls on_publish under its own lock, so ours cannot
@@ -101,6 +115,10 @@ class DaemonLink:
         self._awaiting: dict[int, str] = {}
         self._early: dict[int, float] = {}
         self._connected = False
+        # Connected is not yet subscribed: until the broker's SUBACK, a job published to our
+        # topics, or to the shared stream, is not ours (the stream's goes to the other members).
+        self._subscribed = False
+        self._subscribe_mid: int | None = None
         self._changed_at = time.time()
         self._accepting = True
         self.connects = 0
@@ -109,6 +127,12 @@ class DaemonLink:
     def connected(self) -> bool:
         with self._lock:
             return self._connected
+
+    @property
+    def subscribed(self) -> bool:
+        """The broker acknowledged this connection's job subscriptions at QoS 1."""
+        with self._lock:
+            return self._subscribed
 
     @property
     def changed_at(self) -> float:
@@ -129,8 +153,31 @@ class DaemonLink:
     def stop_intake(self) -> None:
         """Stop taking new jobs while results can still be published. The subscriptions
         stay in the session (unsubscribing would make the broker drop the jobs that
-        arrive while we restart); what arrives now is left unacknowledged for the next."""
+        arrive while we restart); what arrives now is left unacknowledged for the next.
+        The shared stream's is the exception when another box is online on it: we leave it,
+        or the broker would keep giving us our turn of its jobs while we are stopped."""
         self._accepting = False
+        self._leave_stream()
+
+    def _leave_stream(self) -> None:
+        shared = self._profile.shared_jobs_filter
+        if shared is None or self.peers is None or not self.connected:
+            return  # disconnected: the session keeps the subscription whatever we do
+        others = self.peers.online()
+        if not others:
+            logger.info(
+                "staying on shared job stream %s while stopped: no other box is online on it, so the broker "
+                "keeps its jobs for our return",
+                self._profile.topics.shared_group,
+            )
+            return
+        logger.info(
+            "leaving shared job stream %s while stopped: %s online on it take its jobs",
+            self._profile.topics.shared_group,
+            ", ".join(others),
+        )
+        # Sent before the offline notice that close() waits for: the broker has it by then.
+        self._client.unsubscribe(shared)
 
     @property
     def awaiting_puback(self) -> int:
@@ -202,6 +249,7 @@ class DaemonLink:
             return
         with self._lock:
             self._connected = True
+            self._subscribed = False
             self._changed_at = time.time()
         self.connects += 1
         logger.info("connected to broker (session present: %s)", flags.session_present)
@@ -217,8 +265,37 @@ class DaemonLink:
             subs.append((self._profile.jobs_filter, SubscribeOptions(qos=1, retainHandling=new_only)))
             if self._profile.shared_jobs_filter:
                 subs.append((self._profile.shared_jobs_filter, SubscribeOptions(qos=1)))
-        client.subscribe(subs)
+        # The SUBACK comes to this (network) thread after this callback returns: the mid is set in time.
+        _, mid = client.subscribe(subs)
+        with self._lock:
+            self._subscribe_mid = mid
+        # A broker without subscription identifiers (its CONNACK says so) would take one
+        # for a protocol error: there the peers stay unknown, and a clean stop keeps our turn.
+        ids = getattr(properties, "SubscriptionIdentifierAvailable", 1)
+        if self.peers is not None and self._accepting and ids:
+            props = Properties(PacketTypes.SUBSCRIBE)
+            props.SubscriptionIdentifier = PEERS_SUBSCRIPTION
+            client.subscribe(self.peers.topic_filter, options=SubscribeOptions(qos=1), properties=props)
         self._announce(ONLINE)
+
+    def _on_subscribe(
+        self,
+        client: mqtt.Client,
+        userdata: object,
+        mid: int,
+        reason_codes: list[ReasonCode],
+        properties: Properties | None,
+    ) -> None:
+        # Granted QoS 0 is a refusal too: such jobs would come without redelivery.
+        refused = [str(rc) for rc in reason_codes if rc.is_failure or rc.value != 1]
+        with self._lock:
+            if mid != self._subscribe_mid:
+                return  # the other boxes' notices: a refusal (an ACL) only leaves them unknown
+            self._subscribed = not refused
+        if refused:
+            logger.error("broker did not grant the job subscriptions at QoS 1: %s", ", ".join(refused))
+        else:
+            logger.info("subscribed to jobs")
 
     def _on_publish(
         self, client: mqtt.Client, userdata: object, mid: int, reason_code: ReasonCode, properties: Properties | None
@@ -247,6 +324,8 @@ class DaemonLink:
         with self._lock:
             was = self._connected
             self._connected = False
+            self._subscribed = False
+            self._subscribe_mid = None
             self._changed_at = time.time()
         if was:
             logger.warning("disconnected from broker: %s; reconnecting with backoff", reason_code)
@@ -276,6 +355,12 @@ class DaemonLink:
             self._taken_over()
 
     def _on_message(self, client: mqtt.Client, userdata: object, msg: mqtt.MQTTMessage) -> None:
+        if PEERS_SUBSCRIPTION in (getattr(msg.properties, "SubscriptionIdentifier", None) or []):
+            if self.peers is not None:
+                user = getattr(msg.properties, "UserProperty", None) or []
+                self.peers.notice(msg.topic, bytes(msg.payload), [(str(k), str(v)) for k, v in user])
+            client.ack(msg.mid, msg.qos)
+            return
         if msg.topic == self._profile.available_topic:
             try:
                 self._notice(msg)

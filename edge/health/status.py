@@ -40,6 +40,10 @@ def evaluate(doc: dict[str, Any]) -> tuple[int, list[str]]:
     if not doc.get("broker", {}).get("connected", False):
         reasons.append("broker disconnected")
         code = max(code, WARNING)
+    elif not doc["broker"].get("subscribed", True):
+        # Connected and deaf: the broker has not (yet) granted the job subscriptions.
+        reasons.append("job subscriptions not granted by the broker")
+        code = max(code, WARNING)
     duplicate = doc.get("broker", {}).get("duplicate")
     if duplicate:
         reasons.append(str(duplicate))
@@ -159,6 +163,12 @@ def render_table(doc: dict[str, Any], code: int, reasons: list[str]) -> str:
     lines.append(
         f"  broker     {broker.get('host')}:{broker.get('port')} "
         f"{'connected' if broker.get('connected') else 'DISCONNECTED'} (connects: {broker.get('connects', 0)})"
+        + ("" if broker.get("subscribed", True) or not broker.get("connected") else ", NOT SUBSCRIBED")
+        + (
+            f"   stream peers online: {', '.join(broker['stream_peers']) or 'none'}"
+            if broker.get("stream_peers") is not None
+            else ""
+        )
     )
     memory = doc.get("memory", {})
     used, budget = _fmt_bytes(memory.get("used_bytes")), _fmt_bytes(memory.get("budget_bytes"))
