@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from edge.docs import index, minilm
-from edge.docs.citations import check_citations, cited_ids, content_words
+from edge.docs.citations import check_citations, cited_ids, content_words, facts_of, uncited_facts
 from edge.docs.embed import Embedder, locate
 from edge.docs.ingest import add
 from edge.docs.retrieve import Passage, Retriever, context_of
 from edge.docs.store import CollectionError, DocStore
+from edge.tasks.grounding import extract
 from tests.conftest import SAMPLES, Broker, DaemonProc, Requester, edgectl, start_daemon, write_profile
 
 LEAFLETS = SAMPLES / "leaflets"  # four short clinic leaflets, Markdown
@@ -377,3 +378,49 @@ def test_a_hostile_file_name_gives_passage_ids_that_cite_as_one(
         {"id": pid, "score": round(passage["score"], 4), "retrieved": True, "overlap": 1.0, "supported": True,
          "missing": []}
     ]  # fmt: skip
+
+
+def test_what_the_check_refuses_a_wrong_answer_on() -> None:
+    """Wrong answers built from a passage's own words: the polarity turned, facts of two
+    sentences joined, a unit the passage gives another number, a code read as a number,
+    and a sentence citing nothing stated beside a supported one."""
+    leaflet = [
+        _p("d.md#0:0", "The dose of Dexolan for adults is 10 mg. For children it is 5 mg. Never take it with alcohol.")
+    ]
+    cite = " (source: d.md#0:0)"
+    assert _missing("Take Dexolan with alcohol." + cite, leaflet, "Can I take Dexolan with alcohol?")  # never
+    assert _missing("Never take Dexolan with alcohol." + cite, leaflet, "Can I take Dexolan with alcohol?") == []
+    children = "What is the dose of Dexolan for children?"
+    assert "apart" in _missing("The dose of Dexolan for children is 10 mg." + cite, leaflet, children)
+    assert _missing("For children the dose of Dexolan is 5 mg." + cite, leaflet, children) == []
+    pump = [_p("p.md#0:0", "Children over 12 use the pump every 8 hours, at most 50 a week.")]
+    assert "number 12 h" in _missing("Use the pump every 12 hours." + cite.replace("d.md", "p.md"), pump, "")
+    assert "number 50 mg" in _missing("Use at most 50 mg a week." + cite.replace("d.md", "p.md"), pump, "")
+    assert facts_of("Ward 3B visitors").numbers == frozenset() and "3b" in facts_of("Ward 3B visitors").names
+    assert facts_of("1,000 mg at -5 °C, 5mg").numbers == {("1000", "mg"), ("-5", "°c"), ("5", "mg")}
+    extra = check_citations("The dose of Dexolan for adults is 10 mg." + cite + " Double it if pain persists.", leaflet)
+    assert extra[0]["supported"]
+    assert uncited_facts(
+        "The dose of Dexolan for adults is 10 mg." + cite + " Double it if pain persists.", extra, leaflet
+    )
+
+
+def test_the_passage_sentence_answers_only_what_was_asked() -> None:
+    pump = [_p("pump.md#1:0", "The battery lasts 6 hours; plug the pump in when the battery icon flashes.")]
+    assert extract("How long does the pump battery last?", pump) == "The battery lasts 6 hours. (source: pump.md#1:0)"
+    ward = [_p("w.md#0:0", "Ward 3B visitors must wash their hands. Visiting hours on Ward 3B are 15:00 to 19:00.")]
+    assert (
+        extract("When can I visit Ward 3B?", ward) == "Visiting hours on Ward 3B are 15:00 to 19:00. (source: w.md#0:0)"
+    )
+    other = [_p("m.md#0:0", "Dexidone's dose is 10 mg. Dexolan is a prescription medicine.")]
+    assert extract("What is the dose of Dexolan?", other) is None  # the sentence must name what is asked about
+
+
+def test_a_hostile_answer_costs_the_check_no_time() -> None:
+    import time
+
+    passages = [_p("a.md#0:0", "text " * 2000)]
+    for answer in ("(source:" + " " * 20000, "(source:" + "\n" * 20000, "\n" * 100000 + "(source: a.md#0:0)"):
+        t0 = time.perf_counter()
+        check_citations(answer, passages, "How long?")
+        assert time.perf_counter() - t0 < 2.0

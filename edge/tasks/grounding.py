@@ -15,9 +15,9 @@ done about it:
 
 Where the model's answer is not grounded and `extractive_fallback` is on (the default; not
 under policy off), the answer becomes the sentence of a retrieved passage that answers the
-question, verbatim with its citation (`answer_source: "passage"`): the first passage, best
-first, that names everything the question names, and its first sentence that addresses the
-question (edge/docs/citations.addresses); checked like any answer. The shipped 135M model
+question, verbatim with its citation (`answer_source: "passage"`): of the passages'
+sentences that name everything the question names, the one sharing most words with what it
+asks (edge/docs/citations.asked_in); checked like any answer. The shipped 135M model
 often says "the documents given do not say" with the answer in front of it; the passage's
 own sentence is then right wherever retrieval is.
 """
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from edge.config.text import QAModelConfig
-from edge.docs.citations import SENTENCE_END, addresses, check_citations, facts_of, held_words, uncited_facts
+from edge.docs.citations import asked_in, check_citations, facts_of, held_words, sentences_of, uncited_facts
 from edge.docs.retrieve import Passage
 
 VERDICTS = ("grounded", "flagged", "abstained", "unchecked")
@@ -37,11 +37,13 @@ QUOTE_MAX = 400  # characters of the closest passage quoted in an abstention
 
 @dataclass(frozen=True)
 class GroundingPolicy:
-    mode: Literal["off", "flag", "require"] = "require"
-    abstain_below: float = 0.3
-    abstain_answer: str = "The documents on this box do not answer this question."
-    require_collection: bool = False
-    extractive_fallback: bool = True
+    """What models.qa says about grounding (edge/config/text.py holds the defaults)."""
+
+    mode: Literal["off", "flag", "require"]
+    abstain_below: float
+    abstain_answer: str
+    require_collection: bool
+    extractive_fallback: bool
 
     @classmethod
     def of(cls, cfg: QAModelConfig) -> GroundingPolicy:
@@ -75,7 +77,7 @@ def before_generating(
         reason = None
     elif not passages:
         reason = "no_passages"
-    elif passages[0].score < policy.abstain_below:
+    elif max(p.score for p in passages) < policy.abstain_below:
         reason = "low_score"
     else:
         reason = None
@@ -97,15 +99,18 @@ def before_generating(
 
 def extract(question: str, passages: list[Passage]) -> str | None:
     """The sentence of a retrieved passage that answers `question`, with its citation; None
-    where none does."""
+    where none does: of the sentences (not questions) that name everything the question
+    names, the one sharing most words with what it asks, best passage first among equals."""
     asked = facts_of(question).names
+    best: tuple[int, str] | None = None
     for p in passages:
-        if not asked <= held_words(f"{p.title}\n{p.text}"):
-            continue
-        for sentence in SENTENCE_END.split(p.text):
-            if sentence.strip() and addresses(question, sentence):
-                return f"{sentence.strip().rstrip('.')}. (source: {p.id})"
-    return None
+        for sentence in sentences_of(p.text):
+            if sentence.endswith("?") or not asked <= held_words(sentence):
+                continue
+            shared = asked_in(question, sentence)
+            if shared != 0 and (best is None or shared > best[0]):
+                best = (shared, f"{' '.join(sentence.split()).rstrip('.;')}. (source: {p.id})")
+    return None if best is None else best[1]
 
 
 def _checked(answer: str, question: str, passages: list[Passage]) -> tuple[list[dict[str, Any]], list[str], bool]:

@@ -4,6 +4,7 @@ streamed in pieces as it is generated."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import weakref
@@ -51,19 +52,25 @@ class QATask:
         self.retrieval = retrieval
         self.collection = collection  # the profile's default
         self.top_k = top_k
-        self.policy = policy or GroundingPolicy()
+        self.policy = policy or GroundingPolicy.of(QAModelConfig())
         # What each sequence's prompt holds of what it retrieved, and how many passages
         # did not fit: its result's passages, citation checks and passages_dropped.
         self._retrieved: weakref.WeakKeyDictionary[Sequence, tuple[list[Passage], int]] = weakref.WeakKeyDictionary()
         self._questions: weakref.WeakKeyDictionary[Sequence, str] = weakref.WeakKeyDictionary()
+        # Streamed jobs whose pieces wait for the checked answer, sent as one piece.
+        self._held: weakref.WeakSet[Sequence] = weakref.WeakSet()
 
     def prepare(self, item: WorkItem) -> Sequence | Output:
         """The job's sequence; or its result, where it abstains without generating."""
         job = item.job.request
         assert isinstance(job, QAJob)
         question = job.question
-        job, passages = self._retrieve(job, item)
-        early = before_generating(self.policy, passages is not None, None if passages is None else passages[0])
+        # A pipeline's question about the part it inspected is answered from the inspection
+        # (its context), not from the profile's collection, and is not held to one.
+        carried = item.carry is not None
+        policy = dataclasses.replace(self.policy, require_collection=False) if carried else self.policy
+        job, passages = self._retrieve(job, item, carried)
+        early = before_generating(policy, passages is not None, None if passages is None else passages[0])
         if early is not None:
             logger.info(
                 "job %s abstains without generating: %s",
@@ -73,6 +80,8 @@ class QATask:
             )
             if passages is not None:
                 early["passages_dropped"] = passages[1]
+            if job.stream:
+                self._responder.partial(item, 0, early["answer"])
             return early
         on_text = None
         # Nothing of an answer from a collection leaves the box before it is checked (and perhaps
@@ -88,16 +97,21 @@ class QATask:
 
             on_text = publish_delta
         seq = job_sequence(self.engine, job, item, on_text)
+        if job.stream and held:
+            self._held.add(seq)
         if passages is not None:
             self._retrieved[seq] = passages
         self._questions[seq] = question
         return seq
 
-    def _retrieve(self, job: QAJob, item: WorkItem) -> tuple[QAJob, tuple[list[Passage], int] | None]:
+    def _retrieve(
+        self, job: QAJob, item: WorkItem, carried: bool = False
+    ) -> tuple[QAJob, tuple[list[Passage], int] | None]:
         """The job with the passages retrieved for it in its context (after any context
         of its own), as many as fit the context window, best first; those passages and
-        how many were dropped. The job as it is where it names no collection."""
-        collection = job.collection or self.collection
+        how many were dropped. The job as it is where it names no collection (a pipeline's
+        stage takes no default)."""
+        collection = job.collection or (None if carried else self.collection)
         if collection is None:
             return job, None
         if self.retrieval is None:
@@ -138,6 +152,9 @@ class QATask:
         retrieved = self._retrieved.pop(seq, None)
         question = self._questions.pop(seq, "")
         out = judge(self.policy, result_of(seq), question, None if retrieved is None else retrieved[0])
+        if seq in self._held and isinstance(item, WorkItem):
+            self._held.discard(seq)
+            self._responder.partial(item, 0, out["answer"])  # the checked answer, as one piece
         if retrieved is not None:
             out["passages_dropped"] = retrieved[1]
         return out
