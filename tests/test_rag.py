@@ -385,7 +385,10 @@ def test_what_the_check_refuses_a_wrong_answer_on() -> None:
     sentences joined, a unit the passage gives another number, a code read as a number,
     and a sentence citing nothing stated beside a supported one."""
     leaflet = [
-        _p("d.md#0:0", "The dose of Dexolan for adults is 10 mg. For children it is 5 mg. Never take it with alcohol.")
+        _p(
+            "d.md#0:0",
+            "The dose of Dexolan for adults is 10 mg. For children the dose is 5 mg. Never take it with alcohol.",
+        )
     ]
     cite = " (source: d.md#0:0)"
     assert _missing("Take Dexolan with alcohol." + cite, leaflet, "Can I take Dexolan with alcohol?")  # never
