@@ -244,8 +244,9 @@ class QAModelConfig(StrictModel):
         "about what the question names). 'require': it is not passed on as fact; the result says "
         "`grounded: false` and its answer says the documents do not answer the question, quoting the closest "
         "passage (`abstain_answer`); a question whose best passage scores under `abstain_below` abstains "
-        "without generating, and streamed pieces are held back until the answer is checked. 'flag': the "
-        "answer is kept and marked `grounded: false`. 'off': marked, and nothing withheld. Answers without a "
+        "without generating. 'flag': the answer is passed on marked `grounded: false`. Under both, the "
+        "passage's own sentence may answer instead (`extractive_fallback`) and a streamed job's pieces wait "
+        "for the checked answer. 'off': marked, and nothing withheld or replaced. Answers without a "
         "collection are not checked (`grounded: null`) unless `require_collection` is set.",
     )
     abstain_below: float = Field(

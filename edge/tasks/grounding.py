@@ -104,7 +104,7 @@ def extract(question: str, passages: list[Passage]) -> str | None:
     asked = facts_of(question).names
     best: tuple[int, str] | None = None
     for p in passages:
-        for sentence in sentences_of(p.text):
+        for sentence in sentences_of(p.text, clauses=True):
             if sentence.endswith("?") or not asked <= held_words(sentence):
                 continue
             shared = asked_in(question, sentence)
