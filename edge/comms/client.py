@@ -24,6 +24,11 @@ by a box whose availability went offline, is resent once `resend_after_s` has pa
 And while a box of the stream is offline, new jobs go straight to the online boxes in
 turn rather than to the stream, where Mosquitto would queue the dead box's share for it.
 
+What a box holds when it dies is bounded too: in fleet mode `submit` waits while `window`
+jobs (16 by default) are unanswered, so a burst of jobs published at once is not split by
+the broker into two long queues, one of which dies with its box and must all be resent; the
+boxes' own queues stay about a window deep, which keeps them busy.
+
 `request()` is the one-shot form `edgectl submit` uses.
 """
 
@@ -49,6 +54,7 @@ from edge.config.profile import Profile
 logger = logging.getLogger(__name__)
 
 _TICK_S = 0.1
+FLEET_WINDOW = 16  # jobs unanswered at once in fleet mode, unless told otherwise
 
 
 class RequestTimeout(Exception):
@@ -83,7 +89,9 @@ class Pending:
 
 class JobClient:
     """Jobs to one device (`fleet=False`) or to the fleet's shared stream (`fleet=True`),
-    resent after `resend_after_s` (None: never) up to `max_sends` sends in all."""
+    resent after `resend_after_s` (None: never) up to `max_sends` sends in all. `window`:
+    the most jobs unanswered at once, `submit` waiting for room (0: no limit; None: FLEET_WINDOW
+    in fleet mode, no limit otherwise)."""
 
     def __init__(
         self,
@@ -92,11 +100,14 @@ class JobClient:
         resend_after_s: float | None = None,
         max_sends: int = 10,
         client_id: str | None = None,
+        window: int | None = None,
     ) -> None:
         if resend_after_s is not None and resend_after_s <= 0:
             raise ValueError("resend_after_s must be positive")
         if max_sends < 1:
             raise ValueError("max_sends must be at least 1")
+        if window is not None and window < 0:
+            raise ValueError("window must be 0 (no limit) or more")
         if fleet and profile.topics.shared_group is None:
             raise ValueError("fleet mode sends to a shared job stream: the profile needs topics.shared_group")
         self._profile = profile
@@ -107,7 +118,10 @@ class JobClient:
         # Outside every device's own topics (the daemon sends results nowhere in there but
         # its results topic), where docs/mosquitto-acl.example lets boxes write replies.
         self.reply_topic = f"replies/{self.client_id}"
+        self._window = (FLEET_WINDOW if fleet else 0) if window is None else window
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # notified as jobs are answered
+        self._unanswered = 0
         self._pending: dict[bytes, Pending] = {}
         self._online: list[str] = []  # boxes announcing themselves online, in order seen
         self._offline: set[str] = set()  # boxes of our stream whose availability says offline
@@ -141,6 +155,8 @@ class JobClient:
 
     def close(self) -> None:
         self._closed.set()
+        with self._room:
+            self._room.notify_all()
         self._client.disconnect()
         self._client.loop_stop()
 
@@ -153,19 +169,23 @@ class JobClient:
     # jobs -----------------------------------------------------------------------------
 
     def submit(self, task: str, job: dict[str, Any]) -> Pending:
-        """Send a job (its `id` is given one if it has none); the answer comes to the
-        returned Pending."""
+        """Send a job (its `id` is given one if it has none), once fewer than `window` are
+        unanswered; the answer comes to the returned Pending."""
         job = dict(job)
         job.setdefault("id", uuid.uuid4().hex)
         prefix = self._profile.topics.prefix
         topic = f"{prefix}/jobs/{task}" if self._fleet else self._profile.topic("jobs", task)
         pending = Pending(str(job["id"]), task, json.dumps(job).encode(), uuid.uuid4().bytes, topic)
-        with self._lock:
+        with self._room:
+            while self._window and self._unanswered >= self._window and not self._closed.is_set():
+                self._room.wait(_TICK_S)
+            self._unanswered += 1
             self._pending[pending.correlation] = pending
             # A box of the stream is down: Mosquitto would queue its share of the stream
             # for it, so the jobs go to the live boxes themselves until it is back.
             direct = self._fleet and bool(self._offline) and bool(self._online)
-        self._send(pending, self._next_box_topic(task) if direct else topic)
+            target = self._next_box_topic(task) if direct else topic
+        self._send(pending, target)
         return pending
 
     @property
@@ -257,6 +277,9 @@ class JobClient:
             if kind == "partial":
                 return  # a streamed piece: the final result follows
             pending.copies.append(bytes(msg.payload))
+            if len(pending.copies) == 1:
+                self._unanswered -= 1
+                self._room.notify()
         pending.answered.set()
 
     def _availability(self, msg: mqtt.MQTTMessage) -> None:
