@@ -427,3 +427,17 @@ def test_a_hostile_answer_costs_the_check_no_time() -> None:
         t0 = time.perf_counter()
         check_citations(answer, passages, "How long?")
         assert time.perf_counter() - t0 < 2.0
+
+
+def test_a_citation_of_a_lower_ranked_section_of_the_same_leaflet_is_not_supported() -> None:
+    """Given two sections of one leaflet, the model cites the dosage for a missed dose:
+    true of the leaflet, and not what was asked; retrieval ranked the other section higher."""
+    missed = Passage(
+        "m.md#4:0", 0.81, "If you miss a dose of Loravir, take it unless your next dose is due within 12 hours.", ""
+    )
+    dosage = Passage("m.md#1:0", 0.62, "The usual adult dose of Loravir is 250 mg, taken every morning.", "")
+    question = "I forgot my Loravir this morning, can I still take it?"
+    wrong = "The usual adult dose of Loravir is 250 mg, taken every morning. (source: m.md#1:0)"
+    assert "better passage" in _missing(wrong, [missed, dosage], question)
+    right = "Take it unless your next dose is due within 12 hours. (source: m.md#4:0)"
+    assert _missing(right, [missed, dosage], question) == []
