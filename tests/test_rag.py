@@ -272,7 +272,7 @@ def test_retrieval_settings_are_checked_in_the_profile() -> None:
     assert "models.qa.top_k" in refused(top_k=0)
     models = parse_profile({"device_id": "a", "models": {"qa": {"collection": "clinic"}}}).models
     qa = models.qa
-    assert (qa.collection, qa.top_k, qa.embed_backend) == ("clinic", 1, "onnxruntime")
+    assert (qa.collection, qa.top_k, qa.embed_backend) == ("clinic", 2, "onnxruntime")
     assert not models.uses_cuda()
     # The encoder on the GPU makes the daemon measure GPU memory, though the LLM runs on the CPU.
     on_gpu = parse_profile({"device_id": "a", "models": {"qa": {"embed_backend": "torch-cuda"}}}).models

@@ -228,13 +228,14 @@ class QAModelConfig(StrictModel):
         "`collection` retrieves from. None: such jobs retrieve nothing.",
     )
     top_k: int = Field(
-        default=1,
+        default=2,
         ge=1,
         le=16,
         title="Passages retrieved",
-        description="Passages a retrieving job puts into its prompt when it does not say (`top_k`). 1 for the "
-        "shipped model: SmolLM2-135M with the clinic adapter answers most accurately from one passage "
-        "(scripts/eval_rag.py measures each; a larger model of your own may do better with more).",
+        description="Passages a retrieving job puts into its prompt when it does not say (`top_k`). 2 for the "
+        "shipped model: with the citation check and the passage-sentence fallback, SmolLM2-135M with the "
+        "clinic adapter is right most often from two (bench/eval_rag.py measures each; rag.json "
+        "`answers_by_top_k`).",
     )
     grounding: Literal["off", "flag", "require"] = Field(
         default="require",

@@ -184,7 +184,7 @@ def _names(text: str) -> set[str]:
         if len(word) < 2 or low in UNITS or low in NUMBER_WORDS or low in ORDINALS:
             continue
         if CODE.match(word):
-            quantity = re.fullmatch(r"\d+(?:\.\d+)?([a-zμ°%]+)", low)
+            quantity = re.fullmatch(r"\d+(?:\.\d+)?([a-zμ°%]+)", word)  # lower case: "6h", "5mg"
             if quantity is None or quantity.group(1) not in UNITS:
                 out.add(low)
         elif word[0].isupper() and (word.isupper() or low not in OPENERS):
@@ -198,8 +198,9 @@ def facts_of(text: str) -> Facts:
     numbers: set[tuple[str, str]] = set()
     for match in QUANTITY.finditer(spelled):
         unit_word = (match.group(5) or "").lower().replace(" ", "")
-        if match.group(5) and not match.group(4) and unit_word not in UNITS:
-            continue  # letters right after the digits: a code ("Ward 3B"), no quantity
+        attached = bool(match.group(5)) and not match.group(4)
+        if attached and (unit_word not in UNITS or match.group(5).isupper()):
+            continue  # letters right after the digits: a code ("Ward 3B", "Ward 8C"), no quantity
         # A word the table does not know is kept as itself ("3 pumps"), a common word is no unit.
         unit = UNITS.get(unit_word, "" if unit_word in OPENERS or len(unit_word) < 2 else unit_word)
         sign = match.group(1) or ""

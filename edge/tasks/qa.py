@@ -70,6 +70,8 @@ class QATask:
         carried = item.carry is not None
         policy = dataclasses.replace(self.policy, require_collection=False) if carried else self.policy
         job, passages = self._retrieve(job, item, carried)
+        if passages is not None and not passages[0] and passages[1]:
+            job_sequence(self.engine, job, item)  # none fit: prompt_too_long where the question alone cannot
         early = before_generating(policy, passages is not None, None if passages is None else passages[0])
         if early is not None:
             logger.info(
