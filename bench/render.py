@@ -696,6 +696,9 @@ def rag(d: dict[str, Any]) -> str:
         row("abstained", "abstain_rate"),
         row("right answers (over all questions)", "right_rate", "", goal("right_rate", prefix="hard_")),
         row("the model's answers right, before the check", "raw_accuracy"),
+        f"| answers given as the passage's own sentence (`answer_source: passage`), over answered "
+        f"| {f(a['from_passage'] / a['answered'] if a['answered'] else None)} "
+        f"| {f(h['answers']['from_passage'] / h['answers']['answered'] if h['answers']['answered'] else None)} | |",
         row("supported precision (supported citations that are right)", "supported_precision",
             goal("supported_precision")),
         row("supported recall (right citations marked supported)", "supported_recall", goal("supported_recall")),
@@ -712,7 +715,9 @@ def rag(d: dict[str, Any]) -> str:
         f"The abstention threshold (`models.qa.abstain_below` {t['abstain_below']}) against the best passage's "
         f"score: answerable questions under it {f(t['answerable_under'])} (leaflets) and "
         f"{f(ht['answerable_under'])} (near-duplicates), lowest {t['answerable_min']:.3f} and "
-        f"{ht['answerable_min']:.3f}; questions no document answers under it {f(t['absent_under'])} and "
+        f"{ht['answerable_min']:.3f}; questions about nothing clinical under it {f(t['off_topic_under'])} and "
+        f"{f(ht['off_topic_under'])}, highest {t['off_topic_max']:.3f} and {ht['off_topic_max']:.3f}; questions "
+        f"no document answers under it {f(t['absent_under'])} and "
         f"{f(ht['absent_under'])} (their median best score {f(t['absent_p50'])} and {f(ht['absent_p50'])}: "
         "they are near a passage about a similar entity, and the citation check, not the score, catches them).",
     ]
