@@ -205,7 +205,8 @@ def main() -> int:
                     verdict = f"abstained ({out.get('abstain_reason')})"
             else:
                 ok = any(says(out["answer"], want) for want in wants)
-                verdict = f"{'states' if ok else 'DOES NOT STATE'} {' / '.join(wants)}, as its source does"
+                verdict = f"{'states' if ok else 'DOES NOT STATE'} {' / '.join(wants)}"
+                verdict += ", as its source does" if "context" in q else " (declines to diagnose)"
             failures += not ok
             print(f"  A: {out['answer'].strip()}")
             print(
