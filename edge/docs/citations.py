@@ -275,30 +275,43 @@ def _alike(a: str, b: str) -> bool:
     return a == b or (min(len(a), len(b)) >= PREFIX and a[:PREFIX] == b[:PREFIX])
 
 
-def _focus(question: str) -> set[str]:
-    asked = facts_of(question)
-    skip = asked.names | _entity_words(question, asked.names) | ASKING
-    return {w for w in asked.words if not w.isdigit()} - skip
+@dataclass(frozen=True)
+class Asked:
+    """What a question asks, read once for every sentence it is held against: its names,
+    the words of what it asks (beyond its names, the words naming its entity and the asking
+    words) and whether it asks for a number (when, how long...)."""
 
+    names: frozenset[str]
+    focus: frozenset[str]
+    wants_number: bool
 
-def asked_in(question: str, sentence: str) -> int:
-    """How many of the words of what `question` asks (beyond its names, the words naming
-    its entity and the asking words) `sentence` shares, a word's first five letters
-    counting as the word; -1 where the question has none such; 0 where the question asks
-    for a number (when, how long...) and the sentence states none."""
-    if ASKS_NUMBER.match(_normal(question)) and not facts_of(sentence).numbers:
-        return 0
-    focus = _focus(question)
-    if not focus:
-        return -1
-    said = content_words(_spelled(_normal(sentence)))
-    return sum(any(_alike(f, w) for w in said) for f in focus)
+    @classmethod
+    def of(cls, question: str) -> Asked:
+        facts = facts_of(question)
+        skip = facts.names | _entity_words(question, facts.names) | ASKING
+        focus = frozenset(w for w in facts.words if not w.isdigit()) - skip
+        return cls(facts.names, focus, bool(ASKS_NUMBER.match(_normal(question))))
+
+    def shared(self, sentence: str) -> int:
+        """How many words of what is asked `sentence` shares, a word's first five letters
+        counting as the word; -1 where the question has none such; 0 where it asks for a
+        number and the sentence states none."""
+        if self.wants_number and not facts_of(sentence).numbers:
+            return 0
+        if not self.focus:
+            return -1
+        said = content_words(_spelled(_normal(sentence)))
+        return sum(any(_alike(f, w) for w in said) for f in self.focus)
+
+    def answered_by(self, sentence: str) -> bool:
+        """Whether `sentence` answers what is asked: a question with no word of its own to
+        share is taken as answered."""
+        return self.shared(sentence) != 0
 
 
 def addresses(question: str, sentence: str) -> bool:
-    """Whether `sentence` answers what `question` asks (asked_in): a question with no word
-    of its own to share is taken as answered."""
-    return asked_in(question, sentence) != 0
+    """Whether `sentence` answers what `question` asks (Asked.answered_by)."""
+    return Asked.of(question).answered_by(sentence)
 
 
 def sentences_of(text: str, clauses: bool = False) -> list[str]:

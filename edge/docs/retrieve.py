@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from edge.docs import index
-from edge.docs.citations import addresses, facts_of, held_words
+from edge.docs.citations import Asked, held_words
 from edge.docs.store import Collection, CollectionError, DocStore
 
 logger = logging.getLogger(__name__)
@@ -113,11 +113,11 @@ class Retriever:
         hits = vectors.search(query, max(top_k, POOL))
         t2 = time.perf_counter()
         passages = [Passage(chunks[row].id, score, chunks[row].text, chunks[row].title) for row, score in hits]
-        asked = facts_of(question).names
+        asked = Asked.of(question)
 
         def rank(p: Passage) -> tuple[int, float]:
-            named = len(asked & held_words(f"{p.title}\n{p.text}"))
-            return -named, -(p.score + ASKS_BONUS * addresses(question, f"{p.title}. {p.text}"))
+            named = len(asked.names & held_words(f"{p.title}\n{p.text}"))
+            return -named, -(p.score + ASKS_BONUS * asked.answered_by(f"{p.title}. {p.text}"))
 
         passages.sort(key=rank)
         return passages[:top_k], {"embed": (t1 - t0) * 1000.0, "search": (t2 - t1) * 1000.0}

@@ -17,7 +17,7 @@ Where the model's answer is not grounded and `extractive_fallback` is on (the de
 under policy off), the answer becomes the sentence of a retrieved passage that answers the
 question, verbatim with its citation (`answer_source: "passage"`): of the passages'
 sentences that name everything the question names, the one sharing most words with what it
-asks (edge/docs/citations.asked_in); checked like any answer. The shipped 135M model
+asks (edge/docs/citations.Asked); checked like any answer. The shipped 135M model
 often says "the documents given do not say" with the answer in front of it; the passage's
 own sentence is then right wherever retrieval is.
 """
@@ -28,10 +28,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from edge.config.text import QAModelConfig
-from edge.docs.citations import asked_in, check_citations, facts_of, held_words, sentences_of, uncited_facts
+from edge.docs.citations import Asked, check_citations, held_words, sentences_of, uncited_facts
 from edge.docs.retrieve import Passage
 
-VERDICTS = ("grounded", "flagged", "abstained", "unchecked")
 QUOTE_MAX = 400  # characters of the closest passage quoted in an abstention
 
 
@@ -101,13 +100,13 @@ def extract(question: str, passages: list[Passage]) -> str | None:
     """The sentence of a retrieved passage that answers `question`, with its citation; None
     where none does: of the sentences (not questions) that name everything the question
     names, the one sharing most words with what it asks, best passage first among equals."""
-    asked = facts_of(question).names
+    asked = Asked.of(question)
     best: tuple[int, str] | None = None
     for p in passages:
         for sentence in sentences_of(p.text, clauses=True):
-            if sentence.endswith("?") or not asked <= held_words(sentence):
+            if sentence.endswith("?") or not asked.names <= held_words(sentence):
                 continue
-            shared = asked_in(question, sentence)
+            shared = asked.shared(sentence)
             if shared != 0 and (best is None or shared > best[0]):
                 best = (shared, f"{' '.join(sentence.split()).rstrip('.;')}. (source: {p.id})")
     return None if best is None else best[1]

@@ -35,6 +35,18 @@ from edge.text.runtime.generate import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """What output() needs of how a sequence was prepared: the question as asked, what its
+    prompt holds of what it retrieved and how many passages did not fit (its result's
+    passages, citation checks and passages_dropped), and whether it is a streamed job whose
+    pieces wait for the checked answer, sent as one piece."""
+
+    question: str
+    retrieved: tuple[list[Passage], int] | None = None
+    held_stream: bool = False
+
+
 class QATask:
     name = "qa"
 
@@ -53,12 +65,7 @@ class QATask:
         self.collection = collection  # the profile's default
         self.top_k = top_k
         self.policy = policy or GroundingPolicy.of(QAModelConfig())
-        # What each sequence's prompt holds of what it retrieved, and how many passages
-        # did not fit: its result's passages, citation checks and passages_dropped.
-        self._retrieved: weakref.WeakKeyDictionary[Sequence, tuple[list[Passage], int]] = weakref.WeakKeyDictionary()
-        self._questions: weakref.WeakKeyDictionary[Sequence, str] = weakref.WeakKeyDictionary()
-        # Streamed jobs whose pieces wait for the checked answer, sent as one piece.
-        self._held: weakref.WeakSet[Sequence] = weakref.WeakSet()
+        self._prepared: weakref.WeakKeyDictionary[Sequence, _Prepared] = weakref.WeakKeyDictionary()
 
     def prepare(self, item: WorkItem) -> Sequence | Output:
         """The job's sequence; or its result, where it abstains without generating."""
@@ -99,11 +106,7 @@ class QATask:
 
             on_text = publish_delta
         seq = job_sequence(self.engine, job, item, on_text)
-        if job.stream and held:
-            self._held.add(seq)
-        if passages is not None:
-            self._retrieved[seq] = passages
-        self._questions[seq] = question
+        self._prepared[seq] = _Prepared(question, passages, job.stream and held)
         return seq
 
     def _retrieve(
@@ -151,11 +154,10 @@ class QATask:
         if isinstance(item, WorkItem):
             item.stages.update(stages(seq))
             item.latency.update(latency(seq, item.received_at))
-        retrieved = self._retrieved.pop(seq, None)
-        question = self._questions.pop(seq, "")
-        out = judge(self.policy, result_of(seq), question, None if retrieved is None else retrieved[0])
-        if seq in self._held and isinstance(item, WorkItem):
-            self._held.discard(seq)
+        prepared = self._prepared.pop(seq, _Prepared(""))
+        retrieved = prepared.retrieved
+        out = judge(self.policy, result_of(seq), prepared.question, None if retrieved is None else retrieved[0])
+        if prepared.held_stream and isinstance(item, WorkItem):
             self._responder.partial(item, 0, out["answer"])  # the checked answer, as one piece
         if retrieved is not None:
             out["passages_dropped"] = retrieved[1]
