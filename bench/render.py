@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Write the README's benchmark tables from bench/results/*.json (never by hand).
+"""Write the documentation's benchmark tables from bench/results/*.json (never by hand).
 
-Each table sits between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` in README.md.
-`--check` exits 1 if the README differs from what the results say (the tests run it).
+Each table sits between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` on any page
+(README.md, docs/**/*.md: bench/pages.py); a name may be rendered on several pages.
+`--check` exits 1 if a page differs from what the results say (the tests run it).
 It also draws the plots under docs/plots (bench/plots.py), and `--check` fails
 where one was drawn from other results than today's.
 """
@@ -16,7 +17,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from bench import plots
+from bench import pages, plots
 from bench.common import REPO, RESULTS
 
 
@@ -812,20 +813,34 @@ def render(readme: str) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="fail if README.md is out of date")
+    parser.add_argument("--check", action="store_true", help="fail if a page is out of date")
     args = parser.parse_args()
-    path = REPO / "README.md"
-    current = path.read_text()
-    wanted = render(current)
+    unknown = [
+        f"{page.relative_to(REPO)}: {name}" for page in pages.pages() for name in pages.blocks(page.read_text())
+        if name not in TABLES
+    ]  # fmt: skip
+    if unknown:
+        print("rendered blocks no table writes:", ", ".join(unknown))
+        return 1
+    stale_pages = []
+    for page in pages.pages():
+        current = page.read_text()
+        wanted = render(current)
+        if wanted == current:
+            continue
+        stale_pages.append(str(page.relative_to(REPO)))
+        if not args.check:
+            page.write_text(wanted)
     if args.check:
         stale = plots.stale()
-        if wanted != current:
-            print("README.md benchmark tables differ from bench/results; run python -m bench.render")
+        if stale_pages:
+            print(
+                "benchmark tables differ from bench/results in", ", ".join(stale_pages), "; run python -m bench.render"
+            )
         if stale:
             print("plots drawn from other results:", ", ".join(stale), "; run python -m bench.render")
-        return 1 if wanted != current or stale else 0
-    path.write_text(wanted)
-    print("README.md tables written from bench/results")
+        return 1 if stale_pages or stale else 0
+    print("tables written from bench/results:", ", ".join(stale_pages) or "every page was up to date")
     for written in plots.write():
         print("drew", written)
     return 0

@@ -1,9 +1,7 @@
-"""The README's promises: its first two commands, and figures that come from results."""
+"""The README's promises: its first two commands, and plots drawn from the results."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,16 +22,7 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert "scripts/test.sh" in (REPO / ".ci" / "run").read_text()
 
 
-def test_benchmark_tables_match_the_results() -> None:
-    res = subprocess.run([sys.executable, "-m", "bench.render", "--check"], cwd=REPO, capture_output=True, text=True)
-    assert res.returncode == 0, res.stdout
-
-
-def test_the_readme_shows_every_plot_and_a_changed_result_makes_it_stale(tmp_path: Path) -> None:
-    readme = (REPO / "README.md").read_text()
-    for plot in bench_plots.PLOTS:
-        assert f"](docs/plots/{plot.name}.png)" in readme, plot.name
-        assert plot.path.exists(), plot.path
+def test_a_changed_result_makes_its_plot_stale() -> None:
     plot = next(p for p in bench_plots.PLOTS if p.name == "decode_cuda")
     results = bench_plots.load(plot)
     assert results is not None

@@ -110,12 +110,12 @@ class Profile(StrictModel):
     tracing: TracingConfig = Field(
         default_factory=TracingConfig,
         title="Tracing",
-        description="OpenTelemetry spans per job and stage (README, Tracing).",
+        description="OpenTelemetry spans per job and stage (docs/operations.md, Tracing).",
     )
     metrics: MetricsConfig = Field(
         default_factory=MetricsConfig,
         title="Metrics",
-        description="The Prometheus metrics endpoint (README, Metrics).",
+        description="The Prometheus metrics endpoint (docs/operations.md, Metrics).",
     )
 
     @field_validator("device_id")

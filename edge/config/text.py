@@ -151,7 +151,7 @@ class QAModelConfig(StrictModel):
         "type: float32 on the CPU), 'int8' (8-bit codes, key scales per channel per 64-token block, value "
         "scales per token: about half the bytes per token, quality measured unchanged) or 'int4' (4-bit "
         "codes, key scales and zero points per channel per 64-token block, one value scale per token and 64 "
-        "channels, the newest 32 tokens kept float: under a third of the bytes; README, KV cache, for the "
+        "channels, the newest 32 tokens kept float: under a third of the bytes; docs/design/kv-cache.md for the "
         "measured quality). The attention kernels read the codes (our C kernel on the CPU, Triton on CUDA). "
         "The cache is still max_sequences x max_context_tokens, in fewer bytes, and the ledger counts what "
         "it takes.",
