@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh --dev
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/mypy edge engines scripts bench tests
+.venv/bin/mypy edge engines scripts bench tests samples
 .venv/bin/lint-imports
 # Two test processes (EDGE_TEST_WORKERS; 0 runs in this one), each taking whole files, so
 # a module's daemon and fixtures stay in one process; files in the order tests/conftest.py

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,7 @@ import pytest
 
 from edge.protocol.errors import JobError
 from edge.protocol.jobs import JobLimits, parse_job
-from tests.conftest import REPO, DaemonProc, Requester
+from tests.conftest import LABELS, REPO, SAMPLES, Broker, DaemonProc, Requester
 
 DOC = REPO / "docs" / "protocol.md"
 SCHEMAS = REPO / "docs" / "schemas"
@@ -108,6 +110,42 @@ def test_examples_against_the_daemon(name: str, daemon: DaemonProc, requester: R
         assert result["output"]["text"] == expected["output"]["text"]
         assert result["output"]["lines"][0]["box"] == expected["output"]["lines"][0]["box"]
         assert result["output"]["image"] == expected["output"]["image"]
+
+
+def _sample_client(broker: Broker, *args: str) -> tuple[int, dict[str, Any]]:
+    res = subprocess.run(
+        [sys.executable, str(SAMPLES / "send_job.py"), "--port", str(broker.port), "--device", "t1", *args],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert res.stdout, res.stderr
+    return res.returncode, json.loads(res.stdout)
+
+
+@pytest.mark.integration
+def test_the_sample_client_sends_an_image_and_prints_its_result(daemon: DaemonProc, broker: Broker) -> None:
+    """samples/send_job.py, as a camera host would start from it: the image as base64, its
+    own response topic and correlation data; the result printed, exit status 0 on ok."""
+    label = LABELS[0]
+    code, result = _sample_client(broker, "--task", "ocr", "--image", str(SAMPLES / "labels" / label["name"]))
+    assert code == 0 and result["status"] == "ok", result
+    assert result["output"]["text"].split("\n") == label["lines"]
+    part = SAMPLES / "parts" / "part_01_scratch.png"
+    code, result = _sample_client(broker, "--image", str(part), "--read-labels", "--heatmap", "--id", "sample-1")
+    assert code == 0 and result["id"] == "sample-1" and result["task"] == "inspect", result
+    heatmap = result["output"]["heatmap"]
+    assert [len(row) for row in heatmap] == [14] * 14 and "ocr" in result["output"]
+    schema("result.schema.json").validate(result)
+
+
+@pytest.mark.integration
+def test_the_sample_client_prints_the_error_of_a_job_the_box_refuses(
+    daemon: DaemonProc, broker: Broker, tmp_path: Path
+) -> None:
+    not_an_image = tmp_path / "notes.png"
+    not_an_image.write_bytes(b"these are not pixels")
+    code, result = _sample_client(broker, "--image", str(not_an_image))
+    assert code == 1 and result["status"] == "error", result
+    assert result["error"]["field"].startswith("image"), result
 
 
 def test_doc_exists() -> None:
