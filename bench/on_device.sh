@@ -4,7 +4,8 @@
 #   bench/on_device.sh [tests|daemon|all]
 #   bench/on_device.sh text|kv|scheduler [its arguments]   (one measurement, its JSON under $OUT)
 # Carried beside the tree (ignored by git): .whl/ (the Python packages the machine lacks,
-# cp312 wheels: pydantic and its core, paho-mqtt, opentelemetry, lz4, zstandard, pypdf) and
+# cp312 wheels: pydantic and its core, paho-mqtt, opentelemetry, lz4, zstandard, pypdf, pyclipper;
+# gguf and tqdm for the llama.cpp peer's GGUF) and
 # .deb/ (Debian 12's mosquitto and the 13 libraries it needs, unpacked here, not installed).
 set -uo pipefail
 what="${1:-all}"
@@ -31,7 +32,9 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = daemon ] || [ "$what" = all ]; then
   python3 -m bench.daemon cuda --mosquitto-root "$root" --out "$out/daemon_cuda.json" 2>&1 | tail -40
-  cp /tmp/bench-daemon-*/daemon.log "$out/daemon_cuda.log" 2>/dev/null || true
+  # The newest run's log (a warm machine keeps the folders of earlier calls).
+  latest=$(ls -td /tmp/bench-daemon-*/ 2>/dev/null | head -1)
+  [ -n "$latest" ] && cp "$latest/daemon.log" "$out/daemon_cuda.log"
 fi
 case "$what" in
   text)
