@@ -275,20 +275,23 @@ def test_the_dashboards_gpu_panels_have_figures_on_a_discrete_gpu_and_on_a_jetso
     assert emc_names == {"edge_emc_frequency_hertz", "edge_emc_utilization_ratio"} and emc_names <= jetson
 
 
-def test_the_dashboard_and_the_readme_name_only_metrics_the_daemon_exports(tmp_path: Path) -> None:
-    """docs/grafana-dashboard.json's queries and the README's list: every edge_ name in
-    them is a sample a daemon exports (its results counted, a full snapshot, a box with
-    every sensor), and the README lists every one exported."""
+def test_the_dashboard_and_the_operations_page_name_only_metrics_the_daemon_exports(tmp_path: Path) -> None:
+    """docs/grafana-dashboard.json's queries and docs/operations.md's list: every edge_
+    name in them is a sample a daemon exports (its results counted, a full snapshot, a box
+    with every sensor), and docs/operations.md lists every one exported."""
     import json
     import re
 
     from tests.conftest import REPO
 
     orin_sysfs.build(tmp_path)  # thermal zones, INA3221 rails, the iGPU and the EMC
-    server = MetricsServer(lambda: SNAPSHOT, sensors_root=tmp_path)
+    journal = tmp_path / "journal.sqlite3"  # a journal on disk: its size is exported too
+    journal.write_bytes(b"\0" * 4096)
+    snapshot = {**SNAPSHOT, "journal": {**SNAPSHOT["journal"], "path": str(journal)}}
+    server = MetricsServer(lambda: snapshot, sensors_root=tmp_path)
     server.jobs.observe(
         results.ok_result(
-            "q", "qa", "t", {"answer": "a", "prompt_tokens": 3, "completion_tokens": 2},
+            "q", "qa", "t", {"answer": "a", "prompt_tokens": 3, "completion_tokens": 2, "grounding": "grounded"},
             results.Timings(1.0, 2.0, 3.0, {"prefill": 1.0}, {"ttft_ms": 2.0, "token_p50_ms": 1.0}),
         )
     )  # fmt: skip
@@ -299,9 +302,12 @@ def test_the_dashboard_and_the_readme_name_only_metrics_the_daemon_exports(tmp_p
     dashboard = json.loads((REPO / "docs" / "grafana-dashboard.json").read_text())
     queried = {name for panel in dashboard["panels"] for name in _queries(panel)}
     assert queried and queried <= exported, queried - exported
-    readme = (REPO / "README.md").read_text()
-    unlisted = sorted(name for name in families if not re.search(rf"`{name}\b", readme))
+    page = (REPO / "docs" / "operations.md").read_text()
+    unlisted = sorted(name for name in families if not re.search(rf"`{name}\b", page))
     assert not unlisted, unlisted
+    # And every name the page gives is one (`edge_memory_*` and the like name a family of them).
+    named = {n for n in re.findall(r"\bedge_[a-z0-9_]+", page) if not n.endswith("_")}
+    assert named and named <= families, sorted(named - families)
 
 
 def test_builds_say_what_runs_and_how_each_ended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

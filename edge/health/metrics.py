@@ -10,7 +10,7 @@ Two kinds of figure:
   them (NVML on a discrete GPU, a Jetson's iGPU and memory controller from sysfs, the
   kernel's thermal zones, a Jetson's power rails).
 
-Every name starts with `edge_`; the README's Metrics section lists them.
+Every name starts with `edge_`; docs/operations.md (Metrics) lists them, and a test holds it to that.
 """
 
 from __future__ import annotations
