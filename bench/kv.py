@@ -63,7 +63,7 @@ CHUNK = 64  # tokens per step of the chunked read
 SEED_CLAIM = {"codec": "LZ4 + delta coding", "ratio": 4.8}
 PROFILE = REPO / "profiles" / "jetson-orin.yaml"  # whose KV pool the capacity is counted in
 
-# The shipped formats first (the rows the README's goals are read from), then other int4
+# The shipped formats first (the rows the goals of docs/design/kv-cache.md are read from), then other int4
 # layouts measured beside them: what the shipped one was chosen against.
 VARIANTS: list[tuple[KVDtype, KVFormat]] = [
     ("float16", FORMATS["float16"]),
