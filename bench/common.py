@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from edge.text.model.llama import LlamaModel
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results"  # what the scripts write, and the README is rendered from
+RESULTS = REPO / "bench" / "results"  # what the scripts write, and the documentation is rendered from
 SHIPPED_BROKER_CONF = REPO / "docs" / "mosquitto-edge.conf"  # the broker settings we ship
 
 

@@ -1,4 +1,4 @@
-"""The README's plots, drawn from bench/results/*.json (bench/render.py writes them).
+"""The documentation's plots, drawn from bench/results/*.json (bench/render.py writes them).
 
 Each PNG carries a fingerprint of what it was drawn from (the results it reads and the
 source of the function that draws it) in a text chunk, so `python -m bench.render --check` can

@@ -184,11 +184,19 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _submit_profile(args: argparse.Namespace) -> Profile:
     if args.profile:
-        return _load(args.profile)
+        profile = _load(args.profile)
+        if args.device is None or args.device == profile.device_id:
+            return profile
+        # The profile gives the broker and its user; the job goes to the box named.
+        try:
+            return Profile.model_validate({**profile.model_dump(), "device_id": args.device})
+        except ValueError as err:
+            print(f"edgectl: bad --device: {err}", file=sys.stderr)
+            raise SystemExit(EXIT_USAGE) from err
     host, _, port = args.broker.partition(":")
     try:
         return Profile(
-            device_id=args.device,
+            device_id=args.device or "dev",
             broker=BrokerConfig(host=host or "127.0.0.1", port=int(port or 1883)),
             topics=TopicsConfig(prefix=args.prefix),
         )
@@ -353,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("task", choices=["ocr", "inspect", "qa", "cancel"])
     submit.add_argument("--profile", type=Path, help="take broker and device from a profile")
     submit.add_argument("--broker", default="127.0.0.1:1883", help="HOST:PORT")
-    submit.add_argument("--device", default="dev", help="device id")
+    submit.add_argument("--device", default=None, help="device id (default: the profile's, else dev)")
     submit.add_argument("--prefix", default="edge", help="topic prefix")
     submit.add_argument("--id", help="job id (random by default)")
     submit.add_argument(

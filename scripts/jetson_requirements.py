@@ -25,7 +25,7 @@ OUT = REPO / "requirements"
 # What a Jetson does not install from PyPI, and why.
 LEFT_OUT = {
     "torch": "JetPack's PyTorch wheel serves (PyPI's torch has no CUDA for Tegra)",
-    "triton": "JetPack's PyTorch comes without Triton (what needs it is off there: README, Jetson)",
+    "triton": "JetPack's PyTorch comes without Triton (what needs it is off there: docs/jetson.md)",
     "bitsandbytes": "no aarch64 wheel; only merging an adapter trained on a bitsandbytes base needs it",
     "tensorrt-rtx": "desktop GPUs only; a Jetson's TensorRT comes with JetPack",
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import threading
@@ -13,11 +14,12 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
-from tests.conftest import REPO, Broker
+from tests.conftest import LABELS, REPO, SAMPLES, Broker, edgectl, start_daemon, write_profile
 
 pytestmark = pytest.mark.integration
 
 USERS = {"press-1": "pw-1", "press-2": "pw-2", "line-3": "pw-3"}
+OCR_ONLY = {"ocr": {"threads": 1}, "inspect": {"enabled": False}, "qa": {"enabled": False}}
 
 
 @pytest.fixture
@@ -87,3 +89,30 @@ def test_boxes_and_requesters_are_confined(acl_broker: int) -> None:
     finally:
         for p in (press1, press2, line3):
             p.close()
+
+
+def test_a_box_and_edgectl_submit_work_under_the_acl(acl_broker: int, ocr_engine_dir: Path, tmp_path: Path) -> None:
+    """The daemon logged in as press-1 and `edgectl submit` as the requesting system
+    line-3, each with its own user: the job reaches the box, and its result comes back on a
+    reply topic under replies/line-3/, the only replies that user may read."""
+    box = write_profile(
+        tmp_path, acl_broker, ocr_engine_dir, device_id="press-1", models=OCR_ONLY,
+        broker={"username": "press-1", "password": USERS["press-1"]},
+    )  # fmt: skip
+    requester = write_profile(
+        tmp_path, acl_broker, ocr_engine_dir, device_id="line-3",
+        broker={"username": "line-3", "password": USERS["line-3"]},
+    )  # fmt: skip
+    daemon = start_daemon(box)
+    try:
+        daemon.wait_ready()
+        label = LABELS[0]
+        res = edgectl(
+            "submit", "ocr", "--profile", str(requester), "--device", "press-1", "--json",
+            "--image", str(SAMPLES / "labels" / label["name"]), "--timeout", "60",
+        )  # fmt: skip
+        assert res.returncode == 0, res.stdout + res.stderr
+        result = json.loads(res.stdout)
+        assert result["status"] == "ok" and result["output"]["text"].split("\n") == label["lines"]
+    finally:
+        daemon.stop()

@@ -49,6 +49,7 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from edge.comms.message import NOTIFY_ACCEPTED, NOTIFY_PROPERTY
 from edge.comms.mqtt import GROUP_PROPERTY, ONLINE, make_client
+from edge.config.base import TOPIC_SEGMENT
 from edge.config.profile import Profile
 
 logger = logging.getLogger(__name__)
@@ -116,8 +117,12 @@ class JobClient:
         self._max_sends = max_sends
         self.client_id = client_id or f"edgectl-{uuid.uuid4().hex[:12]}"
         # Outside every device's own topics (the daemon sends results nowhere in there but
-        # its results topic), where docs/mosquitto-acl.example lets boxes write replies.
-        self.reply_topic = f"replies/{self.client_id}"
+        # its results topic), where docs/mosquitto-acl.example lets boxes write replies; under
+        # the broker user's own level, which that file lets each requester read.
+        user = profile.broker.username
+        self.reply_topic = (
+            f"replies/{user}/{self.client_id}" if user and TOPIC_SEGMENT.match(user) else f"replies/{self.client_id}"
+        )
         self._window = (FLEET_WINDOW if fleet else 0) if window is None else window
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # notified as jobs are answered

@@ -1,4 +1,5 @@
-"""The inspection student: a ViT-Tiny-class transformer (patch 16, 224 px, ~5.6M parameters).
+"""The inspection student: a ViT-Tiny-class transformer (patch 16, 224 px; 5.53M
+parameters in the shipped student, engines/vision/students/distilled-stream/manifest.json).
 
 It reads one image and answers two things: the defect class of the part (a head on the
 CLS token) and, per 16x16 patch, how likely the patch shows a defect (a head on the
