@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bench import pages, plots
-from bench.common import REPO, RESULTS
+from bench.common import CUDA_TEXT_TARGETS, REPO, RESULTS
 
 
 def _load(name: str) -> dict[str, Any] | None:
@@ -145,6 +145,26 @@ def _cuda_rows(rows: list[dict[str, Any]], long: int, prompt: int) -> list[str]:
     return lines
 
 
+def _cuda_targets(d: dict[str, Any], vs: dict[str, Any]) -> str:
+    """The served row against CUDA_TEXT_TARGETS, each said met or not."""
+    t = CUDA_TEXT_TARGETS
+    served = next(r for r in d["rows"] if r.get("name") == vs["row"])
+
+    def said(ok: bool) -> str:
+        return "met" if ok else "**not met**"
+
+    return (
+        f"Targets for the served row: decode {t['decode_vs_llamacpp']:.2f}x llama.cpp's "
+        f"({said(vs['decode_512'] >= t['decode_vs_llamacpp'])}: {vs['decode_512']:.2f}x); "
+        f"{t['roofline_fraction']:.0%} of the roofline "
+        f"({said(served['roofline_fraction'] >= t['roofline_fraction'])}: {served['roofline_fraction']:.0%}); "
+        f"time to first token at most {t['ttft_ms']:.0f} ms "
+        f"({said(served['ttft_ms'] <= t['ttft_ms'])}: {served['ttft_ms']:.1f} ms); "
+        f"peak memory at most {t['peak_vs_llamacpp']:.2f}x llama.cpp's "
+        f"({said(vs['peak_memory'] <= t['peak_vs_llamacpp'])}: {vs['peak_memory']:.2f}x)."
+    )
+
+
 def text_cuda(d: dict[str, Any]) -> str:
     long = d.get("long_context_tokens", 4096)
     lines = [
@@ -169,6 +189,7 @@ def text_cuda(d: dict[str, Any]) -> str:
             f"**{vs['decode_512']:.2f}x** at the short context and **{vs['decode_4096']:.2f}x** at {long} tokens, "
             f"time to first token {vs['ttft_512']:.2f}x as fast, peak memory {vs['peak_memory']:.2f}x its own.",
         ]
+        lines += ["", _cuda_targets(d, vs)]
     for r in d["rows"]:
         batched = r.get("batched")
         if batched:

@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -737,6 +738,7 @@ def run_cuda(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "device": props.name,
         "torch": torch.__version__,
+        "command": "python -m bench.text " + " ".join(sys.argv[1:]),
         "llamacpp": peer,
         "kernel_checks": checks,
         "kernels": kernels,
