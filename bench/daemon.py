@@ -322,10 +322,39 @@ def run_load(client: Client, device: str, load: Load, with_qa: bool, vocab: int,
             "errors": errors,
             "per_s": len(sent) / elapsed,
         }
+        tasks[task].update(_where_time_went(ok, t0))
         if task == "inspect":
             sizes = [int(s.doc["output"]["batch_size"]) for s in ok if s.doc is not None]
             tasks[task]["mean_batch"] = statistics.mean(sizes) if sizes else 0.0
     return {"with_qa": with_qa, "seconds": elapsed, "tasks": tasks}
+
+
+def _where_time_went(ok: list[Sent], t0: float) -> dict[str, Any]:
+    """Where a task's latency went: in the daemon's queue, in its run (each stage), and
+    outside its clock (the broker both ways, the intake before the clock starts and the
+    responder after it stops); and when the slowest jobs were sent, so a stall shows as a
+    cluster in time rather than as one p99."""
+    docs = [(s, s.doc) for s in ok if s.doc is not None]
+    outside = [((s.got_at or s.at) - s.at) * 1000.0 - float(d["timings"]["total_ms"]) for s, d in docs]
+    stages: dict[str, list[float]] = {}
+    for _, d in docs:
+        for name, ms in d["timings"].get("stages", {}).items():
+            stages.setdefault(name, []).append(float(ms))
+    slowest = sorted(docs, key=lambda sd: (sd[0].got_at or sd[0].at) - sd[0].at, reverse=True)[:20]
+    return {
+        "outside_p50_ms": percentile(outside, 0.5),
+        "outside_p99_ms": percentile(outside, 0.99),
+        "stage_p99_ms": {name: percentile(values, 0.99) for name, values in stages.items()},
+        "slowest": [
+            {
+                "sent_at_s": round(s.at - t0, 3),
+                "e2e_ms": round(((s.got_at or s.at) - s.at) * 1000.0, 1),
+                "daemon_ms": float(d["timings"]["total_ms"]),
+                "queued_ms": float(d["timings"]["queued_ms"]),
+            }
+            for s, d in slowest
+        ],
+    }
 
 
 def status(socket_path: Path) -> dict[str, Any]:
@@ -424,7 +453,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         client = Client(port)
         solo = run_solo(client, device, load, vocab)
         alone = run_load(client, device, load, False, vocab, "alone")
-        mixed = run_load(client, device, load, True, vocab, "mixed")
+        # The mixed load several times: its camera p99 has varied from run to run, and one
+        # run would hide that. The figure is the median run's; every run is kept.
+        mixed_runs = [run_load(client, device, load, True, vocab, f"mixed{i}") for i in range(args.repeats)]
+        mixed = sorted(mixed_runs, key=lambda r: r["tasks"]["inspect"]["p99_ms"])[len(mixed_runs) // 2]
         final = status(sock)
         client.close()
         daemon.send_signal(signal.SIGTERM)
@@ -477,6 +509,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "kv": memory.get("kv"),
         "alone": alone,
         "with_qa": mixed,
+        "with_qa_runs": [r["tasks"]["inspect"]["p99_ms"] for r in mixed_runs],
+        "with_qa_all": mixed_runs,
         "branches": final["branches"],
     }
     result["served"] = is_served(result["engine_config"])
@@ -501,7 +535,12 @@ def print_result(r: dict[str, Any]) -> None:
         f"decode through the daemon {r['decode_tok_s_daemon']:.1f} tok/s, bare loop {r['decode_tok_s_kernel']:.1f} "
         f"tok/s: {r['decode_daemon_over_kernel']:.2f}x (target >= 0.95x)"
     )
-    print(f"camera p99 with Q&A / alone: {r['camera_p99_ratio']:.2f}x (target <= 2x)")
+    print(f"camera p99 with Q&A / alone: {r['camera_p99_ratio']:.2f}x (target <= 2x), the median of runs at "
+          + ", ".join(f"{ms:.0f}" for ms in r["with_qa_runs"]) + " ms")  # fmt: skip
+    for name in ("alone", "with_qa"):
+        cam = r[name]["tasks"]["inspect"]
+        print(f"  {name}: camera outside the daemon's clock p99 {cam['outside_p99_ms']:.0f} ms; stage p99s "
+              + ", ".join(f"{k} {v:.0f}" for k, v in cam["stage_p99_ms"].items()))  # fmt: skip
     print(
         f"process peak {r['process_peak_bytes'] / GIB:.2f} GiB, ledger peak {r['ledger_peak_bytes'] / GIB:.2f} GiB "
         f"({r['ledger_over_process_peak']:.2f} of the measured peak), budget {r['budget_bytes'] / GIB:.1f} GiB"
@@ -515,6 +554,7 @@ def main() -> None:
     parser.add_argument("--mosquitto-root", type=Path, default=None, help="where mosquitto's .debs were unpacked")
     parser.add_argument("--engine-dir", type=Path, default=REPO / ".edge" / "engines", help="cpu: built engines")
     parser.add_argument("--student-size", default="default", help="cpu: the student build to serve")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of the mixed load (the median is the figure)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     result = run(args)

@@ -408,6 +408,14 @@ def engine_summary(cfg: dict[str, Any]) -> str:
     return "; ".join(parts) + (f" ({where})" if where else "")
 
 
+def _mixed_runs(d: dict[str, Any]) -> str:
+    runs = d.get("with_qa_runs")
+    if not runs:
+        return ""
+    each = ", ".join(f"{ms:.0f}" for ms in runs)
+    return f"; the median of {len(runs)} runs of the mixed load, whose inspect p99s were {each} ms"
+
+
 def daemon(d: dict[str, Any], source: str) -> str:
     load = d["load"]
     gib = 2**30
@@ -439,7 +447,8 @@ def daemon(d: dict[str, Any], source: str) -> str:
         f"{solo['completion_tokens']:.0f} new tokens): {d['decode_tok_s_daemon']:.1f} tok/s; the bare decode loop "
         f"on the same checkpoint in the same run ({d['kernel_loop']}): {d['decode_tok_s_kernel']:.1f} tok/s: "
         f"**{d['decode_daemon_over_kernel']:.2f}x** (target: at least {0.95 if 'engine_config' in d else 0.9}x)",
-        f"- inspect p99 with the Q&A stream / alone: **{d['camera_p99_ratio']:.2f}x** (target: at most 2x)",
+        f"- inspect p99 with the Q&A stream / alone: **{d['camera_p99_ratio']:.2f}x** (target: at most 2x)"
+        + _mixed_runs(d),
         f"- memory ({d['memory_scope']}): process peak {d['process_peak_bytes'] / gib:.2f} GiB, ledger peak "
         f"{d['ledger_peak_bytes'] / gib:.2f} GiB (**{d['ledger_over_process_peak']:.2f}** of the measured peak), "
         f"budget {d['budget_bytes'] / gib:.0f} GiB; at ready: {models}; KV pool {d['kv']['capacity_tokens']} "
