@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on a GPU machine with no network (the H200 this project measures on): what the
+# One call on a GPU machine with no network (the H200 or H100 this project measures on): what the
 # text engine is checked and measured by there, its results under $OUT.
 #   bench/on_device.sh [tests|daemon|all]
 #   bench/on_device.sh text|kv|scheduler [its arguments]   (one measurement, its JSON under $OUT)

@@ -105,6 +105,15 @@ def text_cpu(d: dict[str, Any]) -> str:
         cfg = r.get("engine_config")
         engine = "-" if cfg is None else ("**served**: " if r.get("served") else "") + engine_summary(cfg)
         lines.append(f"| {r['name']} | {r['decode_tok_s']:.1f} | {vs} | {engine} |")
+    edge_rows = [r for r in d["rows"] if "error" not in r and not r["name"].startswith("llama.cpp")]
+    lines += _provenance(*edge_rows)
+    kernels = sorted({str(r["int4_kernel"]) for r in edge_rows if r.get("int4_kernel")})
+    if kernels and not any(r.get("served") for r in edge_rows):
+        lines += [
+            "",
+            f"*Its INT4 rows ran the `{', '.join(kernels)}` kernel, not the one the CPU profile serves (`cpu-f32`, "
+            "our float32 kernel): the served CPU engine is not in this table.*",
+        ]
     prof = d.get("awq_step_profile", {})
     if "step_ms" in prof:
         lines += [

@@ -9,7 +9,9 @@ What a requester must do (docs/protocol.md): publish the job at QoS 1 to
 `<prefix>/<device>/jobs/<task>` with a Response Topic of its own and Correlation Data
 unique per job, subscribe to that topic first, and match the result on the correlation
 (results are not ordered). If no answer comes in time, send the same job again with the
-same `id`: a box answers a job id once.
+same `id`: here the reply topic and the correlation follow from the id, so the resend is
+the same request, and a box answers it once (a finished job with its stored result, one
+still running when it is done).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def job(task: str, image: Path, job_id: str, heatmap: bool, read_labels: bool) -
 
 def send(args: argparse.Namespace) -> dict[str, Any]:
     job_id = args.id or f"{args.requester}-{uuid.uuid4().hex[:12]}"
-    correlation = uuid.uuid4().bytes
+    correlation = job_id.encode()  # the same for a resend of this id: the same request
     reply_topic = f"replies/{args.requester}/{job_id}"  # docs/mosquitto-acl.example's layout
     answers: queue.Queue[dict[str, Any]] = queue.Queue()
     subscribed: queue.Queue[bool] = queue.Queue()

@@ -135,6 +135,10 @@ def test_the_sample_client_sends_an_image_and_prints_its_result(daemon: DaemonPr
     heatmap = result["output"]["heatmap"]
     assert [len(row) for row in heatmap] == [14] * 14 and "ocr" in result["output"]
     schema("result.schema.json").validate(result)
+    # Sent again with its id: the same request (reply topic and correlation follow from the
+    # id), answered from the journal with the stored result.
+    code, again = _sample_client(broker, "--image", str(part), "--read-labels", "--heatmap", "--id", "sample-1")
+    assert code == 0 and again == result
 
 
 @pytest.mark.integration
