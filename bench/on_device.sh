@@ -32,7 +32,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   # The quantized cache's tests carry no gpu marker: they run on CUDA wherever it is (the
   # real Triton kernels here, Triton's interpreter in CI). Those on the real SmolLM2 need
   # its wheel, which this machine lacks.
-  python3 -m pytest -p no:cacheprovider -q --timeout 300 tests/test_quant_cache.py -k "not real_model" 2>&1 \
+  python3 -m pytest -p no:cacheprovider -q --timeout 300 tests/test_quant_cache.py tests/test_fused_quant_step.py \
+    -k "not real_model" 2>&1 \
     | tee "$out/quant_cache_tests.log" | tail -5
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
