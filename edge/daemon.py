@@ -309,6 +309,10 @@ class Daemon:
                 self.journal.record_count()
             except Exception:  # an account of the journal, never a reason to stop serving
                 logger.exception("could not record the journal's count")
+            try:
+                self.journal.checkpoint()  # the WAL folded in here, not inside a commit
+            except Exception:  # housekeeping; serving goes on
+                logger.exception("journal checkpoint failed")
             stalls = [r for w in self.workers.values() if (r := w.stalled(now, self.profile.watchdog.stall_s))]
             if stalls != self._stalls:
                 if stalls:

@@ -4,12 +4,13 @@ compaction and the size bound (a real SQLite file, filled for real)."""
 from __future__ import annotations
 
 import sqlite3
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from edge.journal.store import ANSWERED, QUEUED, SENT, Journal, JournalFull
+from edge.journal.store import ANSWERED, QUEUED, SENT, WAL_LIMIT_BYTES, Journal, JournalFull
 
 
 def test_a_job_goes_queued_sent_answered(tmp_path: Path) -> None:
@@ -49,6 +50,43 @@ def test_wal_mode_and_full_sync(tmp_path: Path) -> None:
     Journal(path, 2**20, 60.0).accept("a", "t", b"x", "r", None)
     db = sqlite3.connect(str(path))
     assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_commits_never_checkpoint_and_the_checkpoint_holds_no_one_up(tmp_path: Path) -> None:
+    """A commit never folds the WAL into the database (SQLite's automatic checkpoint would
+    run inside the intake's or the responder's commit); the supervisor's checkpoint does,
+    on its own connection, while another thread holds the journal's lock (a commit in
+    progress), and the WAL file is cut back to its limit when next reused."""
+    path = tmp_path / "j.sqlite3"
+    j = Journal(path, 64 * 2**20, 60.0)
+    assert j._db is not None and j._db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
+    payload = b"x" * 8192  # a camera frame's worth of base64, near enough
+    for batch in range(60):
+        j.accept_many([(f"job-{batch}-{i}", "edge/t1/jobs/inspect", payload, "r", None) for i in range(20)])
+    wal = path.with_name(path.name + "-wal")
+    assert wal.stat().st_size > 2 * WAL_LIMIT_BYTES  # nothing folded it in along the way
+    taken = threading.Event()
+    release = threading.Event()
+
+    def commit_in_progress() -> None:
+        with j._lock:
+            taken.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=commit_in_progress)
+    holder.start()
+    try:
+        assert taken.wait(5)
+        folded = j.checkpoint()
+        assert folded is not None and folded[0] > 0 and folded[1] == folded[0]  # every frame, lock or not
+    finally:
+        release.set()
+        holder.join()
+    j.accept("after", "edge/t1/jobs/inspect", payload, "r", None)  # the WAL is reused from its start
+    assert wal.stat().st_size <= WAL_LIMIT_BYTES
+    assert len(j.pending()) == 60 * 20 + 1
+    j.close()
+    assert len(Journal(path, 64 * 2**20, 60.0).pending()) == 60 * 20 + 1
 
 
 def test_compaction_forgets_only_answered_jobs_past_the_window(tmp_path: Path) -> None:

@@ -101,6 +101,13 @@ class JournalUnavailable(JournalFull):
 
 
 _META = "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
+# The WAL is folded back into the database by `checkpoint`, on the supervisor's own
+# connection, never by a commit: SQLite's automatic checkpoint runs inside whichever commit
+# passes its threshold (the intake's, the responder's) and, with synchronous=FULL, makes
+# that commit wait for the database file's fsync too; a checkpoint under the shared lock
+# held up every thread for as long as the WAL took to copy. After a checkpoint the WAL
+# file is cut back to this size when it is next reused.
+WAL_LIMIT_BYTES = 4 << 20
 
 
 class Journal:
@@ -128,6 +135,10 @@ class Journal:
         # lock serialises them (SQLite would anyway, and a lock is cheaper than a retry).
         self._lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
+        # The checkpointer's own connection and lock (`checkpoint`): it copies the WAL into
+        # the database while the others go on committing.
+        self._checkpoint_lock = threading.Lock()
+        self._checkpointer: sqlite3.Connection | None = None
         self.full_since: float | None = None  # set while new jobs find no room
         self.problem: str | None = None
         self.lost: int | None = None
@@ -170,6 +181,8 @@ class Journal:
         try:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=FULL")
+            db.execute("PRAGMA wal_autocheckpoint=0")  # checkpoint() does it, off the hot threads
+            db.execute(f"PRAGMA journal_size_limit={WAL_LIMIT_BYTES}")
             page = int(db.execute("PRAGMA page_size").fetchone()[0])
             db.execute(f"PRAGMA max_page_count={max(16, self._max_bytes // page)}")
             db.executescript(_SCHEMA + _META + ";")
@@ -308,10 +321,35 @@ class Journal:
             self.record_count()  # exact at a clean stop
         except sqlite3.Error as err:
             logger.warning("could not count the journal's unfinished jobs at close: %s", err)
+        with self._checkpoint_lock:
+            if self._checkpointer is not None:
+                self._checkpointer.close()
+                self._checkpointer = None
         with self._lock:
             if self._db is not None:
                 self._db.close()
                 self._db = None
+
+    def checkpoint(self) -> tuple[int, int] | None:
+        """Fold what the WAL holds into the database, on a connection of its own and
+        without the journal's lock: a PASSIVE checkpoint waits for no writer and holds
+        none up, so the intake and the responder commit meanwhile. The supervisor calls
+        it every second. Returns (frames in the WAL, frames folded), or None where the
+        journal is not open or the checkpoint could not run (a full disk: said, and
+        tried again at the next call)."""
+        if self._db is None:
+            return None
+        with self._checkpoint_lock:
+            try:
+                if self._checkpointer is None:
+                    db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)
+                    db.execute("PRAGMA synchronous=FULL")
+                    self._checkpointer = db
+                _, frames, folded = self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            except sqlite3.Error as err:
+                logger.warning("journal checkpoint did not run: %s", err)
+                return None
+        return int(frames), int(folded)
 
     def _write(self, sql: str, args: tuple[object, ...]) -> int:
         with self._lock:
@@ -465,10 +503,7 @@ class Journal:
         if self._db is None:
             return 0
         removed = self._write("DELETE FROM jobs WHERE state = ? AND received < ?", (ANSWERED, cutoff))
-        with self._lock:
-            # Fold the WAL back into the database so the file does not keep growing.
-            if self._db is not None:
-                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        self.checkpoint()  # the deletions folded in too, without holding anyone up
         if removed:
             logger.info("journal compacted: %d answered jobs past the dedup window", removed)
         return removed
