@@ -301,7 +301,8 @@ def test_the_dashboard_and_the_operations_page_name_only_metrics_the_daemon_expo
     server.jobs.observe(
         results.ok_result(
             "q", "qa", "t", {"answer": "a", "prompt_tokens": 3, "completion_tokens": 2, "grounding": "grounded"},
-            results.Timings(1.0, 2.0, 3.0, {"prefill": 1.0}, {"ttft_ms": 2.0, "token_p50_ms": 1.0}),
+            results.Timings(1.0, 2.0, 3.0, {"prefill": 1.0},
+                            {"ttft_ms": 2.0, "token_p50_ms": 1.0, "drafted_tokens": 4, "accepted_tokens": 2}),
         )
     )  # fmt: skip
     exported = {s.name for family in server.registry.collect() for s in family.samples}
