@@ -77,7 +77,13 @@ def test_results_are_counted_by_task_status_code_and_stage() -> None:
         "qa",
         "t",
         {"answer": "Yes.", "prompt_tokens": 30, "completion_tokens": 5},
-        results.Timings(2.0, 100.0, 102.0, {"tokenize": 1.0, "prefill": 40.0, "decode": 58.0}, {"ttft_ms": 43.0}),
+        results.Timings(
+            2.0,
+            100.0,
+            102.0,
+            {"tokenize": 1.0, "prefill": 40.0, "decode": 58.0},
+            {"ttft_ms": 43.0, "drafted_tokens": 12, "accepted_tokens": 7},
+        ),
     )
     err = results.error_result("q2", "qa", "t", JobError(ErrorCode.PROMPT_TOO_LONG, "long", "question"),
                                results.Timings(0.0, 0.0, 0.5))  # fmt: skip
@@ -91,6 +97,9 @@ def test_results_are_counted_by_task_status_code_and_stage() -> None:
     assert _value(registry, "edge_tokens_total", kind="completion") == 10
     assert _value(registry, "edge_tokens_total", kind="prompt") == 60
     assert _value(registry, "edge_ttft_seconds_sum") == pytest.approx(0.086)
+    # Speculative decoding's drafts, summed over the results that carry them (not the error's).
+    assert _value(registry, "edge_speculative_tokens_total", kind="drafted") == 24
+    assert _value(registry, "edge_speculative_tokens_total", kind="accepted") == 14
     assert _value(registry, "edge_job_seconds_count", task="qa") == 3
 
 
@@ -292,7 +301,8 @@ def test_the_dashboard_and_the_operations_page_name_only_metrics_the_daemon_expo
     server.jobs.observe(
         results.ok_result(
             "q", "qa", "t", {"answer": "a", "prompt_tokens": 3, "completion_tokens": 2, "grounding": "grounded"},
-            results.Timings(1.0, 2.0, 3.0, {"prefill": 1.0}, {"ttft_ms": 2.0, "token_p50_ms": 1.0}),
+            results.Timings(1.0, 2.0, 3.0, {"prefill": 1.0},
+                            {"ttft_ms": 2.0, "token_p50_ms": 1.0, "drafted_tokens": 4, "accepted_tokens": 2}),
         )
     )  # fmt: skip
     exported = {s.name for family in server.registry.collect() for s in family.samples}

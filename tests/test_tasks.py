@@ -127,6 +127,41 @@ def test_qa_task_streams_pieces_through_the_responder(engine_dir: Path, tmp_path
     assert item.latency["ttft_ms"] >= item.stages["prefill"]
     assert min(gaps) <= item.latency["token_p50_ms"] <= item.latency["token_p99_ms"] <= max(gaps)
     assert len(seq.token_times) == len(seq.tokens)
+    assert "drafted_tokens" not in item.latency  # speculation off (the default): no draft figures
+
+
+def test_qa_task_with_speculative_decoding_reports_its_drafts(engine_dir: Path, tmp_path: Path) -> None:
+    """models.qa.speculative reaches the batcher through the engine, and the job's
+    timings carry its drafts, in the result schema's shape."""
+    import json
+
+    import jsonschema
+
+    from edge.protocol import results
+    from engines.text.text_build import build_text_engine
+    from tests.conftest import REPO
+
+    checkpoint = build_text_engine(engine_dir, "clinic", "awq-int4", progress=False)
+    responder, _link, _journal = fakes.responder(tmp_path)
+    manager = ModelManager(MemoryLedger(8192 * MIB, 0), HostProbe())
+    cfg = QAModelConfig(max_context_tokens=512, max_sequences=1, speculative="prompt-lookup", speculative_tokens=3)
+    task = start_qa(cfg, checkpoint, manager, responder)
+    assert task.engine.batcher.speculative_tokens == 3
+    assert task.engine.config()["speculative"] == "prompt-lookup"
+    leaflet = (SAMPLES / "leaflets" / "pump.md").read_text()
+    job = QAJob(id="d1", question="How long does the pump battery last?", context=leaflet, max_new_tokens=32)
+    item = _item(job, "qa")
+    prepared = task.prepare(item)
+    assert isinstance(prepared, Sequence)
+    seq = task.engine.batcher.single(prepared, "d1")
+    output = task.output(seq)
+    assert item.latency["drafted_tokens"] == seq.drafted > 0
+    assert item.latency["accepted_tokens"] == seq.accepted
+    assert 0 <= seq.accepted <= seq.drafted
+    timings = results.Timings(0.0, 1.0, 1.0, item.stages, item.latency)
+    doc = results.ok_result("d1", "qa", "t", output, timings)
+    schema = json.loads((REPO / "docs" / "schemas" / "result.schema.json").read_text())
+    jsonschema.Draft202012Validator(schema).validate(doc)
 
 
 def test_a_job_that_cannot_fit_is_over_budget_with_figures(manager: ModelManager) -> None:

@@ -194,6 +194,23 @@ class QAModelConfig(StrictModel):
         "between tokens rather than the whole prompt's. 0: every prompt at once. A sequence alone is "
         "prefilled at once.",
     )
+    speculative: Literal["off", "prompt-lookup"] = Field(
+        default="off",
+        title="Speculative decoding",
+        description="'prompt-lookup': a greedy answer (temperature 0) proposes the tokens that followed the "
+        "latest earlier occurrence of its last few tokens in its prompt and answer, and the model checks "
+        "them all in one pass, taking those it would have chosen itself: the same answer, in fewer steps "
+        "where it quotes its context. Sampled answers decode as usual. Not with CUDA graphs yet (a CUDA "
+        "engine that captures them decodes as with 'off'); over an int8 or int4 KV cache, drafts stop "
+        "short of a key block's coding. 'off': one token per step.",
+    )
+    speculative_tokens: int = Field(
+        default=4,
+        ge=1,
+        le=8,
+        title="Draft tokens",
+        description="With speculative decoding, the most draft tokens checked per sequence per step.",
+    )
     max_new_tokens: int = Field(
         default=128,
         ge=1,

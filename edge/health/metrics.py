@@ -3,7 +3,7 @@
 Two kinds of figure:
 - what happens to jobs, counted as each result is sent (`JobMetrics.observe`, called by
   the responder): jobs by task, status and error code, latency by task and by stage,
-  tokens, time to the first token;
+  tokens, speculative decoding's draft tokens, time to the first token;
 - what the daemon holds now, read from the same snapshot `edgectl status` shows at each
   scrape (`SnapshotCollector`): queues, jobs in hand, batch sizes, the memory ledger,
   the KV cache, the journal, the broker link, and the box's own sensors where it has
@@ -57,6 +57,10 @@ class JobMetrics:
         self.tokens = Counter(
             "edge_tokens", "Tokens of qa jobs, by kind (prompt, completion).", ["kind"], registry=registry
         )
+        self.speculative = Counter(
+            "edge_speculative_tokens", "qa draft tokens of speculative decoding, by kind (drafted, accepted).",
+            ["kind"], registry=registry,
+        )  # fmt: skip
         self.grounding = Counter(
             "edge_qa_grounding", "qa answers by grounding verdict (grounded, flagged, abstained, unchecked).",
             ["verdict"], registry=registry,
@@ -89,6 +93,9 @@ class JobMetrics:
         verdict = grounding_of(output) if status == "ok" else None
         if verdict is not None:
             self.grounding.labels(verdict).inc()
+        if "drafted_tokens" in timings:
+            self.speculative.labels("drafted").inc(timings["drafted_tokens"])
+            self.speculative.labels("accepted").inc(timings.get("accepted_tokens", 0))
         if "ttft_ms" in timings:
             self.ttft_seconds.observe(timings["ttft_ms"] / 1000.0)
         if "token_p50_ms" in timings:

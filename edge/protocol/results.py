@@ -17,7 +17,8 @@ class Timings:
     run_ms: float
     total_ms: float
     # Milliseconds by stage, "queued" first (edge/timing.py), and the text branch's token
-    # latencies (ttft_ms, token_p50_ms, token_p99_ms) where the job decoded.
+    # latencies (ttft_ms, token_p50_ms, token_p99_ms) where the job decoded, and its
+    # speculative decoding's draft tokens (drafted_tokens, accepted_tokens) where that ran.
     stages: dict[str, float] = field(default_factory=dict)
     latency: dict[str, float] = field(default_factory=dict)
 

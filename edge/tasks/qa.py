@@ -219,7 +219,8 @@ def stages(seq: Sequence) -> dict[str, float]:
 
 def latency(seq: Sequence, received_at: float) -> dict[str, float]:
     """Time to the first token from the job's arrival, and the time between tokens (p50,
-    p99), on the host's clock as the tokens were taken."""
+    p99), on the host's clock as the tokens were taken; with speculative decoding, the
+    draft tokens checked and those taken."""
     times = seq.token_times
     if not times:
         return {}
@@ -228,6 +229,9 @@ def latency(seq: Sequence, received_at: float) -> dict[str, float]:
     if gaps.size:
         out["token_p50_ms"] = float(np.percentile(gaps, 50))
         out["token_p99_ms"] = float(np.percentile(gaps, 99))
+    if seq.drafted:  # speculative decoding ran (models.qa.speculative)
+        out["drafted_tokens"] = seq.drafted
+        out["accepted_tokens"] = seq.accepted
     return out
 
 

@@ -124,6 +124,8 @@ class TextEngine:
             kv_format=kv_format(cfg),
         )
         self.batcher.prefill_chunk = cfg.prefill_chunk
+        if cfg.speculative == "prompt-lookup":
+            self.batcher.speculative_tokens = cfg.speculative_tokens
         if cfg.kv_offload != "off":
             self.batcher.offload = KVOffload(cfg.kv_offload, self.batcher.device, offload_dir, cfg.kv_offload_mib << 20)
             self.batcher.kv.offload_snapshot = self.batcher.offload.snapshot
@@ -215,6 +217,9 @@ class TextEngine:
             "max_sequences": self.cfg.max_sequences,
             "max_context_tokens": self.cfg.max_context_tokens,
             "prefill_chunk": self.cfg.prefill_chunk,
+            # What runs: CUDA graphs leave speculation off (ContinuousBatcher._draft).
+            "speculative": self.cfg.speculative if self.graphs == 0 else "off",
+            "speculative_tokens": self.cfg.speculative_tokens,
             "kv_offload": self.cfg.kv_offload,
             "prefix_cache_mib": self.cfg.prefix_cache_mib,
             "checkpoint": self._ckpt.path.name,

@@ -15,6 +15,13 @@ a time: one chunk per step, each attending to the chunks before it in the cache,
 running sequences wait one chunk's time between tokens, not the whole prompt's. A
 sequence alone is prefilled whole (nobody waits on it).
 
+With `speculative_tokens` set (models.qa.speculative), a greedy sequence whose recent
+tokens occurred earlier in its prompt or answer drafts the tokens that followed them
+there (lookup.py), and its step runs its new token and the drafts as one chunk in its
+row: the drafts the model would have chosen itself are taken, each as a step would have
+taken it, so the answer is the one plain decoding gives, in fewer steps. The rest of the
+batch decodes as before in the same step.
+
 Every step's next tokens are chosen on the model's device for all sequences at once
 (greedy or sampled) and come back to the host in one transfer. On CUDA the decode step is
 captured as CUDA graphs at load, one per batch-size and KV-length bucket
@@ -50,7 +57,7 @@ from edge.text.kv.prefix_cache import MIN_TOKENS as MIN_PREFIX
 from edge.text.kv.prefix_cache import PrefixCache
 from edge.text.kv.quant_cache import QuantKVCache
 from edge.text.model.llama import LlamaModel
-from edge.text.runtime import fused_prefill, fused_step
+from edge.text.runtime import fused_prefill, fused_step, lookup
 from edge.text.runtime.cuda_graphs import StepGraphs
 from edge.text.runtime.generate import SamplingParams, _find_stop, choose_rows, streamable_end
 from edge.timing import events_ms
@@ -93,6 +100,10 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     prefill_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
     decode_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+    # Speculative decoding (prompt lookup): draft tokens verified, and those the model
+    # agreed with and that were taken.
+    drafted: int = 0
+    accepted: int = 0
 
     def __post_init__(self) -> None:
         self.seed = self.params.seed if self.params.seed is not None else time.time_ns() & 0x7FFFFFFF
@@ -147,6 +158,9 @@ class ContinuousBatcher:
         self.prefix_cache: PrefixCache | None = None
         self.running: list[Sequence] = []
         self.prefill_chunk = 0  # tokens per prefill chunk while others decode; 0: whole prompts
+        # Draft tokens a greedy sequence proposes by prompt lookup per step, verified in one
+        # pass of the model (0: no speculation). Not with CUDA graphs: see _draft.
+        self.speculative_tokens = 0
         # CUDA prefills whose time the offload and the prefix cache want, read from their
         # events once the GPU has passed them rather than waited for: (events, start, tokens).
         self._untimed: list[tuple[tuple[torch.cuda.Event, torch.cuda.Event], int, int]] = []
@@ -409,6 +423,7 @@ class ContinuousBatcher:
         else:
             tokens = reported.tolist()  # one transfer for the whole batch
         done: list[Sequence] = []
+        drafts: dict[Sequence, list[int]] = {}
         for seq, token in zip(running, tokens, strict=True):
             slot = seq.slot
             if token < 0:
@@ -425,7 +440,17 @@ class ContinuousBatcher:
                 seq.slot = None
             elif step_logits is not None:
                 seq.logits = step_logits[slot]
-        going = [s for s in self.running if s in running]  # not those mid-prefill
+            else:
+                draft = self._draft(seq)
+                if draft:
+                    drafts[seq] = draft
+        for seq, draft in drafts.items():
+            if self._verify(seq, draft):
+                done.append(seq)
+                self.running.remove(seq)
+                seq.slot = None
+        # Not those mid-prefill, nor those whose token went in with their drafts.
+        going = [s for s in self.running if s in running and s not in drafts]
         if going and step_logits is None:
             n = max(s.slot for s in going if s.slot is not None) + 1
             ids = [0] * n
@@ -438,8 +463,9 @@ class ContinuousBatcher:
             step_logits = self._decode(ids, positions, kv_len)
             for seq in going:
                 seq.logits = step_logits[seq.slot]
-        if going:
-            self.batch_sizes[len(going)] = self.batch_sizes.get(len(going), 0) + 1
+        advanced = len(going) + len(drafts)
+        if advanced:
+            self.batch_sizes[advanced] = self.batch_sizes.get(advanced, 0) + 1
             self.steps += 1
         elapsed = time.perf_counter() - t0
         if events is not None:
@@ -449,6 +475,61 @@ class ContinuousBatcher:
             if events is not None:
                 seq.decode_events.append(events)
         return done
+
+    def _draft(self, seq: Sequence) -> list[int]:
+        """Draft tokens to verify after the sequence's newest token (not yet in its row),
+        by prompt lookup; [] where it decodes as usual this step.
+
+        Only greedy sequences speculate: a sampled one would need its draws checked
+        against the drafts' probabilities (rejection sampling) to keep its distribution.
+        Not with CUDA graphs: the step run ahead on the device is one token per row.
+        At most as many drafts as the sequence may still take, and none at the row's last
+        position, which rows a step does not advance are written at."""
+        k = self.speculative_tokens
+        if k <= 0 or self.graphs is not None or seq.params.temperature > 0.0:
+            return []
+        start = seq.length - 1  # where the newest token goes
+        k = min(k, seq.params.max_new_tokens - len(seq.tokens), self.slot_len - 2 - start)
+        if isinstance(self.cache, QuantKVCache):
+            # A quantized row codes a key block from its float ring once the block leaves
+            # the window, and the positions a chunk codes never go into the ring. Drafts
+            # that made the chunk code a block could put rejected keys into codes (int8
+            # has no window), and the block would be coded again later from ring slots
+            # the chunk's rejected positions overwrote. A chunk that codes nothing keeps
+            # every write in the ring, on slots beyond the row's live ones (the window
+            # and a key block fit in the ring), which the tokens really taken there
+            # overwrite before attention reads them: so drafts stop short of the next
+            # block to be coded.
+            fmt = self.cache.fmt
+            while k > 0 and fmt.coded(start + k + 1) != fmt.coded(start):
+                k -= 1
+        if k <= 0:
+            return []
+        return lookup.propose(seq.prompt + seq.tokens, k)
+
+    def _verify(self, seq: Sequence, draft: list[int]) -> bool:
+        """Run the model once over the sequence's newest token and its drafts, as a chunk
+        in its row after its cached tokens, and take the drafts up to the first the model
+        would not have chosen greedily, each as a decode step would have taken it (EOS,
+        stop strings, max_new_tokens). Its next-token logits are the last taken
+        position's; the keys and values written for drafts not taken lie beyond its
+        length, overwritten before they are attended. True once it is finished."""
+        assert seq.slot is not None
+        start = seq.length - 1
+        chunk = torch.tensor([[seq.tokens[-1], *draft]], dtype=torch.long, device=self.device)
+        logits = self.model(chunk, self._row(seq.slot), start, last_only=False)[0]
+        best: list[int] = torch.argmax(logits, dim=-1).tolist()  # one transfer for the chunk
+        seq.drafted += len(draft)
+        taken = 0
+        for token, choice in zip(draft, best, strict=False):
+            if token != choice:
+                break
+            taken += 1
+            seq.accepted += 1
+            if self._advance(seq, token):
+                return True
+        seq.logits = logits[taken]
+        return False
 
     def _events(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
         """On CUDA, a (start, end) pair of timing events, the start recorded now on the

@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""Speculative decoding by prompt lookup on the CPU: the served engine (profiles/cpu-dev.yaml's
+qa section, the clinic build, models.qa.speculative 'prompt-lookup') answering the
+retrieval questions of the leaflets set (engines/retrieval/rag_data.py), each with its
+leaflet's passages as a `qa` job with a collection puts them into its prompt (the
+chunk stating the fact first, then the leaflet's others, up to the profile's top_k),
+greedy. Each question is answered with speculation off and on in turn, on the same
+engine, so both see the same machine state.
+
+Per method: acceptance_rate (draft tokens taken over those checked), tokens_per_step
+(answer tokens over the decode steps that made them), effective_tok_s (answer tokens
+over decode time), baseline_tok_s (speculation off), speedup, and identical_greedy (every
+answer token for token the same as with speculation off).
+
+Writes bench/results/speculative.json and prints a table.
+
+    python -m bench.speculative [--questions 36] [--threads 2] [--tokens 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import REPO, RESULTS, write_json
+from bench.text_engines import engine_fields, load_engine
+from edge.docs.chunking import chunk_sections
+from edge.docs.extract import extract
+from edge.docs.retrieve import Passage, context_of
+from edge.protocol.jobs import QAJob
+from edge.text.engine import TextEngine
+from edge.text.runtime.continuous import Sequence
+from engines.retrieval import rag_data
+
+NEW_TOKENS = 48  # as bench/eval_rag.py's answers
+
+
+def questions(count: int, top_k: int) -> list[tuple[str, str]]:
+    """(question, context) for the set's first `count` facts: the fact's chunk of its
+    leaflet first, then the leaflet's other chunks, `top_k` in all, tagged with their ids
+    as retrieval tags them (edge/docs/retrieve.py context_of)."""
+    data = rag_data.build(count)
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for fact in data.facts:
+            path = Path(tmp) / fact.document
+            path.write_text(data.documents[fact.document], encoding="utf-8")
+            chunks = chunk_sections(fact.document, extract(path, 1 << 20))
+            chunks.sort(key=lambda c: fact.passage not in c.text)  # the fact's own first
+            shown = [Passage(c.id, 1.0, c.text, c.title) for c in chunks[:top_k]]
+            out.append((fact.question, context_of(shown)))
+    return out
+
+
+def answer(engine: TextEngine, question: str, context: str, draft_tokens: int) -> tuple[Sequence, int]:
+    """One answer alone on the engine's batcher with `draft_tokens` drafts a step (0:
+    speculation off); the sequence and the decode steps it took."""
+    from edge.tasks.qa import job_sequence
+
+    engine.batcher.speculative_tokens = draft_tokens
+    job = QAJob(id="bench", question=question, context=context, max_new_tokens=NEW_TOKENS)
+    steps = engine.batcher.steps
+    seq = engine.batcher.single(job_sequence(engine, job), "bench")
+    return seq, engine.batcher.steps - steps
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from engines.text.text_build import build_text_engine
+
+    torch.set_num_threads(args.threads)
+    path = build_text_engine(args.engine_dir, "clinic", "awq-int4", progress=False)
+    engine = load_engine(path, "cpu", threads=args.threads, speculative="prompt-lookup", speculative_tokens=args.tokens)
+    asked = questions(args.questions, engine.cfg.top_k)
+    totals = {m: {"tokens": 0, "steps": 0, "decode_s": 0.0, "drafted": 0, "accepted": 0} for m in ("off", "on")}
+    identical = True
+    for i, (question, context) in enumerate(asked):
+        # Alternately first, so neither method always runs on a machine the other warmed.
+        order = ("off", "on") if i % 2 == 0 else ("on", "off")
+        got: dict[str, list[int]] = {}
+        for method in order:
+            seq, steps = answer(engine, question, context, args.tokens if method == "on" else 0)
+            got[method] = seq.tokens
+            t = totals[method]
+            t["tokens"] += len(seq.tokens)
+            t["steps"] += steps
+            t["decode_s"] += seq.decode_s
+            t["drafted"] += seq.drafted
+            t["accepted"] += seq.accepted
+        identical = identical and got["on"] == got["off"]
+        print(f"{i + 1}/{len(asked)}: {len(got['off'])} tokens, same {got['on'] == got['off']}", flush=True)
+    engine.batcher.speculative_tokens = args.tokens
+    baseline = totals["off"]["tokens"] / totals["off"]["decode_s"] if totals["off"]["decode_s"] else 0.0
+    rows = []
+    for method, name in (("off", "off"), ("on", f"prompt-lookup k={args.tokens}")):
+        t = totals[method]
+        rate = t["tokens"] / t["decode_s"] if t["decode_s"] else 0.0
+        rows.append(
+            {
+                "device": "cpu",
+                "method": name,
+                "acceptance_rate": t["accepted"] / t["drafted"] if t["drafted"] else None,
+                "tokens_per_step": t["tokens"] / t["steps"] if t["steps"] else None,
+                "effective_tok_s": rate,
+                "baseline_tok_s": baseline,
+                "speedup": rate / baseline if baseline else None,
+                "identical_greedy": identical,
+                **t,
+            }
+        )
+    return {
+        "machine": platform.machine(),
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "questions": len(asked),
+        "new_tokens": NEW_TOKENS,
+        "rows": rows,
+        **engine_fields(engine),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--questions", type=int, default=36)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=4, help="draft tokens a step (models.qa.speculative_tokens)")
+    parser.add_argument("--engine-dir", type=Path, default=REPO / ".edge" / "engines")
+    parser.add_argument("--out", type=Path, default=RESULTS / "speculative.json")
+    args = parser.parse_args()
+    result = run(args)
+    write_json(args.out, result)
+    print(f"{'method':<20} {'accept':>7} {'tok/step':>8} {'tok/s':>7} {'speedup':>7} same")
+    for r in result["rows"]:
+        accept = f"{r['acceptance_rate']:.2f}" if r["acceptance_rate"] is not None else "-"
+        print(
+            f"{r['method']:<20} {accept:>7} {r['tokens_per_step'] or 0:>8.2f} {r['effective_tok_s']:>7.1f} "
+            f"{r['speedup'] or 0:>7.2f} {r['identical_greedy']}"
+        )
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
