@@ -72,7 +72,6 @@ LOADS = {
     ),
 }  # fmt: skip
 
-CPU_TEXT_THREADS = 1  # two cores: one for each branch
 CPU_QUESTION = "What are the signs of dehydration in an elderly patient?"
 CPU_CONTEXT = (
     "Dehydration in older adults shows as dry mouth, little or dark urine, dizziness, confusion and "
@@ -104,9 +103,7 @@ def prepare_engines(device: str, workdir: Path, engine_dir: Path, student_size: 
     return text, student, f"SmolLM2-135M + clinic adapter, AWQ INT4 g32 (real weights); {student_size} student"
 
 
-def write_profile(
-    workdir: Path, device: str, port: int, text: Path, student: Path, shipped_threads: bool = False
-) -> tuple[Path, dict[str, Any]]:
+def write_profile(workdir: Path, device: str, port: int, text: Path, student: Path) -> tuple[Path, dict[str, Any]]:
     """The shipped profile for `device` (profiles/gpu-dev.yaml, profiles/cpu-dev.yaml),
     with only what a bench run must set: the broker's port, private paths, the engines it
     serves, OCR off (the camera load is inspection) and the camera branch's batch for
@@ -131,13 +128,7 @@ def write_profile(
         "models.inspect.engine": str(student),
         "models.inspect.max_batch": 32 if cuda else 8,
         "models.inspect.preferred_batch_sizes": [32] if cuda else [8],
-        "models.inspect.threads": 0 if cuda else 1,
         "models.qa.engine": str(text),
-        "models.qa.threads": 0 if cuda else CPU_TEXT_THREADS,
-    }
-    if shipped_threads:  # what the shipped profile says (each backend's own default)
-        del settings["models.inspect.threads"], settings["models.qa.threads"]
-    settings |= {
         "queue.max_size": 4096,
         "queue.memory_wait_ms": 50,
     }
@@ -450,7 +441,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         text, student, models = prepare_engines(device, workdir, args.engine_dir, args.student_size)
         vocab = int(json.loads((text / "config.json").read_text())["vocab_size"])
-        profile, profile_changes = write_profile(workdir, device, port, text, student, args.shipped_threads)
+        profile, profile_changes = write_profile(workdir, device, port, text, student)
         t0 = time.monotonic()
         daemon, sock = start_daemon(profile, workdir)
         start_s = time.monotonic() - t0
@@ -560,7 +551,6 @@ def main() -> None:
     parser.add_argument("--mosquitto-root", type=Path, default=None, help="where mosquitto's .debs were unpacked")
     parser.add_argument("--engine-dir", type=Path, default=REPO / ".edge" / "engines", help="cpu: built engines")
     parser.add_argument("--student-size", default="default", help="cpu: the student build to serve")
-    parser.add_argument("--shipped-threads", action="store_true", help="cpu: keep the shipped profile's threads")
     parser.add_argument("--repeats", type=int, default=3, help="runs of the mixed load (the median is the figure)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

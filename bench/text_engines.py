@@ -6,6 +6,7 @@ shipped profile serves)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +49,9 @@ def load_engine(checkpoint: Path, device: str, warm: bool = True, **changes: Any
 
 def profile_engine(profile: Path, origin: dict[str, Any]) -> TextEngine:
     """The engine a whole profile file's qa section builds, as `edgectl serve` with that
-    profile builds it; `origin` names the shipped profile and the fields it changed."""
-    cfg = load_profile(profile).models.qa
+    profile builds it (its thread counts this box's share, as the daemon makes them);
+    `origin` names the shipped profile and the fields it changed."""
+    cfg = load_profile(profile).models.with_cpu_threads(len(os.sched_getaffinity(0))).qa
     if cfg.engine is None:
         raise ValueError(f"{profile}: models.qa.engine is not set")
     return TextEngine.load(cfg.engine, cfg, origin=origin)

@@ -58,6 +58,9 @@ class Daemon:
         """`profile_path`: the file the profile came from, read again on SIGHUP."""
         self.profile = profile
         self.profile_path = profile_path
+        # The models as they start: a `threads: 0` of a model on the CPU made this box's
+        # share for its branch (ModelsConfig.with_cpu_threads), the cores this process may use.
+        self.models = profile.models.with_cpu_threads(len(os.sched_getaffinity(0)))
         self._reload = threading.Event()
         self.state = "starting"
         self.started_at = time.time()
@@ -193,7 +196,7 @@ class Daemon:
         return True
 
     def _start_vision(self) -> bool:
-        models = self.profile.models
+        models = self.models
         tasks: dict[str, BatchRunner] = {}
         ocr: OCRTask | None = None
         if models.ocr.enabled:
@@ -224,7 +227,7 @@ class Daemon:
         return True
 
     def _start_text(self) -> bool:
-        cfg = self.profile.models.qa
+        cfg = self.models.qa
         if not cfg.enabled or self._stop.is_set():
             return True
         try:

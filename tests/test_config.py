@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from edge.config.loader import ProfileError, load_profile, parse_profile
+from edge.config.profile import ModelsConfig
 from tests.conftest import REPO, edgectl
 
 
@@ -232,3 +233,32 @@ print("dimensions:", Embedder.load(locate(Path(sys.argv[1]))).embed(["Pump alarm
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert broken.returncode == 1 and "ModuleNotFoundError: import of edge.gpu_streams halted" in broken.stderr
+
+
+@pytest.mark.parametrize(
+    ("cpus", "text_device", "want"),
+    [
+        (2, "cpu", (1, 1, 1)),  # the trial box: a core a branch
+        (8, "cpu", (4, 4, 4)),
+        (1, "cpu", (1, 1, 1)),
+        (12, "cuda", (0, 12, 12)),  # the text model on the GPU: the vision branch takes the cores
+    ],
+)
+def test_threads_left_at_zero_become_each_branchs_share_of_the_cores(
+    cpus: int, text_device: str, want: tuple[int, int, int]
+) -> None:
+    """Every backend given every core spins at its barriers while the other branch's
+    threads hold them; the daemon splits the box's cores between the branches instead."""
+    models = ModelsConfig.model_validate({"qa": {"device": text_device}})
+    got = models.with_cpu_threads(cpus)
+    assert (got.qa.threads, got.ocr.threads, got.inspect.threads) == want
+
+
+def test_thread_counts_the_profile_names_are_kept_and_a_branch_alone_takes_every_core() -> None:
+    named = ModelsConfig.model_validate({"qa": {"threads": 3}, "inspect": {"threads": 2}})
+    got = named.with_cpu_threads(8)
+    assert (got.qa.threads, got.inspect.threads, got.ocr.threads) == (3, 2, 4)
+    text_alone = ModelsConfig.model_validate({"ocr": {"enabled": False}, "inspect": {"enabled": False}})
+    assert text_alone.with_cpu_threads(8).qa.threads == 8
+    vision_alone = ModelsConfig.model_validate({"qa": {"enabled": False}})
+    assert vision_alone.with_cpu_threads(8).inspect.threads == 8

@@ -46,6 +46,32 @@ class ModelsConfig(StrictModel):
         description="Text branch: the instruction-tuned LLM that answers questions.",
     )
 
+    def with_cpu_threads(self, cpus: int) -> ModelsConfig:
+        """The sections with every `threads: 0` of a model that runs on the CPU made a
+        share of the box's `cpus`: where the text branch and the vision branch (OCR, and
+        the student on the CPU) both run on the CPU, the text branch gets half the cores
+        and the vision branch the rest (its models run one job at a time, so each of them
+        may take the whole of that share); a branch alone on the CPU takes them all.
+        Given every core, each branch's thread pool spins at its barriers while the other
+        branch's threads hold the cores: on two cores the served text model decoded at
+        0.60x its own rate beside the camera load (`bench/daemon.py --shipped-threads`).
+        Counts the profile names are kept."""
+        cpus = max(1, cpus)
+        text = self.qa.enabled and self.qa.device == "cpu"
+        vision = (self.ocr.enabled and self.ocr.device == "cpu") or (
+            self.inspect.enabled and self.inspect.device == "cpu"
+        )
+        text_share = max(1, cpus // 2) if text and vision else cpus
+        vision_share = max(1, cpus - text_share) if text else cpus
+        updates: dict[str, StrictModel] = {}
+        if text and self.qa.threads == 0:
+            updates["qa"] = self.qa.model_copy(update={"threads": text_share})
+        if self.ocr.device == "cpu" and self.ocr.threads == 0:
+            updates["ocr"] = self.ocr.model_copy(update={"threads": vision_share})
+        if self.inspect.device == "cpu" and self.inspect.threads == 0:
+            updates["inspect"] = self.inspect.model_copy(update={"threads": vision_share})
+        return self.model_copy(update=updates)
+
     def uses_cuda(self) -> bool:
         """Whether an enabled model holds GPU memory: the ViT or the LLM on CUDA, or the
         retrieval encoder on torch-cuda (which it may be where the LLM runs on the CPU)."""

@@ -235,7 +235,8 @@ class QAModelConfig(StrictModel):
         ge=0,
         le=64,
         title="Threads",
-        description="torch intra-op threads for the text branch; 0 keeps torch's default.",
+        description="torch intra-op threads for the text branch on the CPU; 0: the daemon's share of this "
+        "box's cores (half of them where the vision branch runs on the CPU too, else all).",
     )
     collection: str | None = Field(
         default=None,

@@ -72,7 +72,8 @@ class OCRModelConfig(StrictModel):
         ge=0,
         le=64,
         title="Threads",
-        description="Intra-op threads per model; 0 lets the backend choose.",
+        description="Intra-op threads per model on the CPU; 0: the vision branch's share of this box's cores "
+        "(what the text branch on the CPU leaves).",
     )
 
     @model_validator(mode="before")
@@ -165,7 +166,8 @@ class InspectModelConfig(StrictModel):
         ge=0,
         le=64,
         title="Threads",
-        description="Intra-op threads for the student on onnxruntime; 0 lets the backend choose.",
+        description="Intra-op threads for the student on the CPU; 0: the vision branch's share of this box's "
+        "cores (what the text branch on the CPU leaves).",
     )
     decode_threads: int = Field(
         default=4,
