@@ -856,6 +856,27 @@ def headline(rag_result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def speculative(d: dict[str, Any]) -> str:
+    """Speculative decoding against plain decoding of the same engine, in the same run."""
+    lines = [
+        f"Speculative decoding, measured on the {d['machine']} CPU with {d['threads']} threads: the engine the shipped profile builds "
+        f"({engine_summary(d['engine_config'])}) answering {d['questions']} retrieval questions of the leaflet set, "
+        f"greedy, {d['new_tokens']} new tokens, with and without speculation in the same run "
+        "(`bench/results/speculative.json`).",
+        "",
+        "| device | method | drafts taken | tokens a step | tok/s | without | speedup | same answers |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in d["rows"]:
+        taken = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.0%}"
+        same = "yes" if r["identical_greedy"] else "**no**"
+        lines.append(
+            f"| {r['device']} | {r['method']} | {taken} | {r['tokens_per_step']:.2f} | {r['effective_tok_s']:.1f} "
+            f"| {r['baseline_tok_s']:.1f} | {r['speedup']:.2f}x | {same} |"
+        )
+    return "\n".join(lines)
+
+
 TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "headline": ("rag.json", headline),
     "first_start": ("first_start.json", first_start),
@@ -867,6 +888,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "text_cpu": ("text_cpu.json", text_cpu),
     "text_cuda": ("text_cuda.json", text_cuda),
     "kv": ("kv.json", kv),
+    "speculative": ("speculative.json", speculative),
     "rag": ("rag.json", rag),
     "aarch64": ("aarch64.json", aarch64),
     "gemv_sweep_cuda": ("gemv_sweep_cuda.json", gemv_sweep_cuda),
