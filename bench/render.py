@@ -859,7 +859,8 @@ def headline(rag_result: dict[str, Any]) -> str:
 def speculative(d: dict[str, Any]) -> str:
     """Speculative decoding against plain decoding of the same engine, in the same run."""
     lines = [
-        f"Speculative decoding, measured on the {d['machine']} CPU with {d['threads']} threads: the engine the shipped profile builds "
+        f"Speculative decoding, measured on the {d['machine']} CPU with {d['threads']} threads: "
+        "the engine the shipped profile builds "
         f"({engine_summary(d['engine_config'])}) answering {d['questions']} retrieval questions of the leaflet set, "
         f"greedy, {d['new_tokens']} new tokens, with and without speculation in the same run "
         "(`bench/results/speculative.json`).",
