@@ -860,7 +860,13 @@ def speculative(d: dict[str, Any]) -> str:
     """Speculative decoding against plain decoding of the same engine, in the same run."""
     lines = [
         f"Speculative decoding, measured on the {d['machine']} CPU with {d['threads']} threads: "
-        "the engine the shipped profile builds "
+        "the engine the shipped profile builds"
+        + (
+            ""
+            if d.get("served")
+            else " with speculation on (the shipped profile leaves it off: not the served configuration)"
+        )
+        + " "
         f"({engine_summary(d['engine_config'])}) answering {d['questions']} retrieval questions of the leaflet set, "
         f"greedy, {d['new_tokens']} new tokens, with and without speculation in the same run "
         "(`bench/results/speculative.json`).",

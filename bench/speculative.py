@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Speculative decoding by prompt lookup on the CPU: the served engine (profiles/cpu-dev.yaml's
-qa section, the clinic build, models.qa.speculative 'prompt-lookup') answering the
+"""Speculative decoding by prompt lookup on the CPU: the engine profiles/cpu-dev.yaml's qa
+section builds (the clinic build), with models.qa.speculative 'prompt-lookup', which the
+shipped profile leaves off (so the result's `served` is false), answering the
 retrieval questions of the leaflets set (engines/retrieval/rag_data.py), each with its
 leaflet's passages as a `qa` job with a collection puts them into its prompt (the
 chunk stating the fact first, then the leaflet's others, up to the profile's top_k),
