@@ -104,6 +104,12 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
+def _row(name: str, info: FieldInfo) -> str:
+    return (
+        f"| `{name}` | {_type(info.annotation)}{_bounds(info)} | {_default(info)} | {_cell(info.description or '')} |"
+    )
+
+
 def _section(path: str, model: type[BaseModel], out: list[str], level: int = 2) -> None:
     rows: list[str] = []
     nested: list[tuple[str, type[BaseModel], bool]] = []
@@ -120,9 +126,7 @@ def _section(path: str, model: type[BaseModel], out: list[str], level: int = 2) 
             continue
         if not info.description:
             raise ValueError(f"{path}.{name} has no description in the schema")
-        rows.append(
-            f"| `{name}` | {_type(info.annotation)}{_bounds(info)} | {_default(info)} | {_cell(info.description)} |"
-        )
+        rows.append(_row(name, info))
     if rows:
         title = f"`{path}`" if path else "Top level"
         doc = _cell((model.__doc__ or "").split("\n\n")[0]) if path and model.__doc__ else ""
@@ -136,10 +140,7 @@ def _section(path: str, model: type[BaseModel], out: list[str], level: int = 2) 
             out += ["", f"{'#' * (level + 1)} `{sub_path}` with `type: {kind}`", ""]
             out += ["| field | type | default | description |", "|---|---|---|---|"]
             for name, info in section.model_fields.items():
-                out.append(
-                    f"| `{name}` | {_type(info.annotation)}{_bounds(info)} | {_default(info)} "
-                    f"| {_cell(info.description or '')} |"
-                )
+                out.append(_row(name, info))
         else:
             _section(sub_path, section, out, level)
 
