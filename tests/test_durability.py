@@ -185,13 +185,22 @@ def test_a_full_journal_refuses_new_jobs_and_recovers(
 
 
 def test_jobs_sent_while_the_daemon_is_stopped_past_its_keepalive_are_answered_once(
-    tmp_path: Path, broker: Broker, ocr_engine_dir: Path
+    tmp_path: Path, ocr_engine_dir: Path
 ) -> None:
     # SIGSTOP past the keepalive: the broker gives up on the connection while the jobs
     # it had already written to the socket wait there. Resumed, the daemon reads and
     # journals them, but its PUBACKs go nowhere, so the broker delivers them again (DUP)
     # on the new connection, often after the jobs have finished. Those copies must not
-    # be answered a second time.
+    # be answered a second time. A broker of its own, whose log says when it gave up on
+    # the daemon: a fixed sleep past 1.5 keepalives was not always enough on a loaded
+    # machine, and a daemon the broker never dropped tests nothing here.
+    (tmp_path / "broker").mkdir()
+    broker_log = tmp_path / "broker.log"
+    with Broker(tmp_path / "broker", log=broker_log) as broker:
+        _stopped_past_the_keepalive(tmp_path, broker, broker_log, ocr_engine_dir)
+
+
+def _stopped_past_the_keepalive(tmp_path: Path, broker: Broker, broker_log: Path, ocr_engine_dir: Path) -> None:
     ocr_only = {"ocr": {"threads": 1}, "inspect": {"enabled": False}, "qa": {"enabled": False}}
     broker_cfg = {
         "host": "127.0.0.1",
@@ -213,7 +222,10 @@ def test_jobs_sent_while_the_daemon_is_stopped_past_its_keepalive_are_answered_o
                 f"s{i}": requester.send("edge/ss/jobs/ocr", {"id": f"s{i}", "image": {"path": label}})
                 for i in range(30)
             }
-            time.sleep(12)  # past 1.5 keepalives: the broker has dropped the connection
+            gave_up = time.monotonic() + 60
+            while "edge-ss has exceeded timeout" not in broker_log.read_text(errors="replace"):
+                assert time.monotonic() < gave_up, "the broker never dropped the stopped daemon"
+                time.sleep(0.2)
         finally:
             daemon.proc.send_signal(signal.SIGCONT)
         _wait_all(requester, corrs, 120)
