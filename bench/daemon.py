@@ -42,7 +42,7 @@ from typing import Any
 
 from bench.common import REPO, RESULTS, Broker, percentile, write_json
 from bench.text_engines import SHIPPED, is_served
-from engines.text.text_build import SERVING_GROUP
+from engines.text.text_build import serving_group
 
 GIB = 1 << 30
 
@@ -87,13 +87,14 @@ def prepare_engines(device: str, workdir: Path, engine_dir: Path, student_size: 
 
         t0 = time.perf_counter()
         # Quantized as `edgectl build` quantizes (its group size), so the row is the served one.
-        text = write_random_checkpoint(workdir / "llama3-8b-int4-random", LLAMA3_8B, device="cuda", group=SERVING_GROUP)
+        group = serving_group(LLAMA3_8B.parameter_count())
+        text = write_random_checkpoint(workdir / "llama3-8b-int4-random", LLAMA3_8B, device="cuda", group=group)
         student = write_random_student(workdir / "student-random")
         print(f"wrote the random 8B checkpoint and student in {time.perf_counter() - t0:.0f} s", flush=True)
         return (
             text,
             student,
-            f"Llama-3-8B shape, INT4 g{SERVING_GROUP}, random weights; ViT-Tiny student, random weights",
+            f"Llama-3-8B shape, INT4 g{group}, random weights; ViT-Tiny student, random weights",
         )
     from engines.text.text_build import build_text_engine
     from engines.vision.vision_build import build_student

@@ -552,7 +552,9 @@ def run_cuda(args: argparse.Namespace) -> None:
     import tempfile
 
     from engines.text.random_llama import LLAMA3_8B, write_random_checkpoint
-    from engines.text.text_build import SERVING_GROUP
+    from engines.text.text_build import serving_group
+
+    group = serving_group(LLAMA3_8B.parameter_count())  # as `edgectl build` quantizes it
 
     parts = CUDA_PARTS[args.only]
     result = json.loads(args.out.read_text()) if args.out.exists() else {"rows": []}
@@ -570,7 +572,7 @@ def run_cuda(args: argparse.Namespace) -> None:
     cuda = result.setdefault("cuda_decode", {})
     cuda.update(
         {
-            "model": f"Llama-3-8B shape, INT4 weights at group size {SERVING_GROUP} (random: speed only)",
+            "model": f"Llama-3-8B shape, INT4 weights at group size {group} (random: speed only)",
             "context": args.context,
             "new_tokens": args.new_tokens_cuda,
             "gpu": gpu,
@@ -582,7 +584,7 @@ def run_cuda(args: argparse.Namespace) -> None:
     questions = [torch.randint(0, LLAMA3_8B.vocab_size, (24,), generator=gen).tolist() for _ in range(4)]
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = write_random_checkpoint(
-            Path(tmp) / "llama3-8b-int4-random", LLAMA3_8B, device="cuda", group=SERVING_GROUP, seed=3
+            Path(tmp) / "llama3-8b-int4-random", LLAMA3_8B, device="cuda", group=group, seed=3
         )
         if "decode" in parts:
             print(f"decode at {args.context} tokens of context, 8B-shaped INT4 model, served engine, per KV format:")

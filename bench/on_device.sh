@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine with no network (the H200 or H100 this project measures on): what the
 # text engine is checked and measured by there, its results under $OUT.
-#   bench/on_device.sh [tests|daemon|all]
+#   bench/on_device.sh [tests|quant|daemon|all]   (quant: the quantized cache's tests only)
 #   bench/on_device.sh text|kv|scheduler [its arguments]   (one measurement, its JSON under $OUT)
 # Carried beside the tree (ignored by git): .whl/ (the Python packages the machine lacks,
 # cp312 wheels: pydantic and its core, paho-mqtt, opentelemetry, lz4, zstandard, pypdf, pyclipper;
@@ -29,6 +29,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   done
   python3 -m pytest -p no:cacheprovider -m gpu -q --timeout 300 "${files[@]}" 2>&1 | tee "$out/gpu_tests.log" | tail -25
   status=${PIPESTATUS[0]}
+fi
+if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = quant ]; then
   # The quantized cache's tests carry no gpu marker: they run on CUDA wherever it is (the
   # real Triton kernels here, Triton's interpreter in CI). Those on the real SmolLM2 need
   # its wheel, which this machine lacks.

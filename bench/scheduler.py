@@ -164,9 +164,11 @@ def build_text_cuda(
     sequences x 1,024 positions, the 4,096-token KV budget."""
     from bench.text_engines import load_engine
     from engines.text.random_llama import LLAMA3_8B, write_random_checkpoint
-    from engines.text.text_build import SERVING_GROUP
+    from engines.text.text_build import serving_group
 
-    path = write_random_checkpoint(workdir / "llama3-8b-int4-random", LLAMA3_8B, device="cuda", group=SERVING_GROUP)
+    group = serving_group(LLAMA3_8B.parameter_count())  # as `edgectl build` quantizes it
+
+    path = write_random_checkpoint(workdir / "llama3-8b-int4-random", LLAMA3_8B, device="cuda", group=group)
     changes: dict[str, Any] = {"max_context_tokens": 1024, "max_new_tokens": new_tokens, "max_sequences": 4}
     # Loaded and warmed up (GEMV tuned, kernels built, graphs captured) before the vision
     # thread uses the GPU, as the daemon's start steps do.

@@ -37,7 +37,7 @@ from edge.text.engine import TextEngine
 from edge.text.model.embedding import QuantizedEmbedding
 from edge.text.runtime.generate import SamplingParams
 from engines.text.random_llama import LLAMA3_8B, int4_weight_bytes
-from engines.text.text_build import SERVING_GROUP
+from engines.text.text_build import serving_group
 
 GIB = 1 << 30
 # llama-bench's second depth; ours decodes after a prompt of this many tokens too.
@@ -162,17 +162,19 @@ def _attempt(measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 # The CUDA rows: the engine the shipped GPU profile serves, then the same with one
 # profile field changed (what each default was chosen against), on a checkpoint
-# quantized at the group size `edgectl build` uses, and on one at group 128.
+# quantized at the group size `edgectl build` gives the 8B shape (text_build.serving_group),
+# and on one at group 32 (what small models are built at).
+SERVED_GROUP = serving_group(LLAMA3_8B.parameter_count())
 CUDA_VARIANTS: dict[str, tuple[int, dict[str, Any]]] = {
-    "served": (SERVING_GROUP, {}),
-    "bfloat16": (SERVING_GROUP, {"dtype": "bfloat16"}),
-    "triton": (SERVING_GROUP, {"cuda_kernel": "triton"}),
-    "torch-int4": (SERVING_GROUP, {"cuda_kernel": "torch"}),
-    "float-table": (SERVING_GROUP, {"embedding": "float"}),
-    "int4-table": (SERVING_GROUP, {"embedding": "int4"}),
-    "no-graphs": (SERVING_GROUP, {"cuda_graphs": False}),
-    "g128": (128, {}),
-    "g128-bfloat16": (128, {"dtype": "bfloat16"}),
+    "served": (SERVED_GROUP, {}),
+    "bfloat16": (SERVED_GROUP, {"dtype": "bfloat16"}),
+    "triton": (SERVED_GROUP, {"cuda_kernel": "triton"}),
+    "torch-int4": (SERVED_GROUP, {"cuda_kernel": "torch"}),
+    "float-table": (SERVED_GROUP, {"embedding": "float"}),
+    "int4-table": (SERVED_GROUP, {"embedding": "int4"}),
+    "no-graphs": (SERVED_GROUP, {"cuda_graphs": False}),
+    "g32": (32, {}),
+    "g32-bfloat16": (32, {"dtype": "bfloat16"}),
 }
 
 

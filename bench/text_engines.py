@@ -16,7 +16,7 @@ from edge.config.profile import Profile
 from edge.config.text import QAModelConfig
 from edge.text.engine import TextEngine, variant
 from edge.text.runtime.generate import SamplingParams
-from engines.text.text_build import SERVING_GROUP
+from engines.text.text_build import serving_group
 
 # The profile a device ships with: what `edgectl serve` runs there unless told otherwise.
 SHIPPED = {"cpu": "cpu-dev", "cuda": "gpu-dev"}
@@ -66,7 +66,7 @@ def is_served(config: dict[str, Any]) -> bool:
     return (
         origin.get("profile") == SHIPPED.get(config["device"])
         and changed <= NEUTRAL
-        and config.get("group_size") == SERVING_GROUP
+        and config.get("group_size") == serving_group(int(config.get("parameters") or 0))
     )
 
 

@@ -10,6 +10,7 @@ import ast
 
 from bench.common import REPO
 from bench.text_engines import is_served
+from engines.text.random_llama import LLAMA3_8B
 
 BUILDERS = frozenset(
     {"load_checkpoint", "ContinuousBatcher", "random_int4_llama", "LlamaModel", "GraphDecoder", "StepGraphs",
@@ -71,6 +72,10 @@ def test_a_row_is_served_only_from_the_shipped_profile_with_neutral_changes() ->
     assert not is_served({**served, "group_size": 128})
     assert not is_served({**served, "origin": {"profile": "cpu-dev", "changed": {}}})
     assert not is_served({"device": "cuda", "group_size": 32})
+    # An 8B model is built at group 128 (text_build.serving_group): its served row too.
+    large = {**served, "parameters": LLAMA3_8B.parameter_count()}
+    assert not is_served(large)
+    assert is_served({**large, "group_size": 128})
 
 
 def test_the_served_engine_records_its_profile() -> None:

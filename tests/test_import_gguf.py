@@ -22,6 +22,7 @@ import torch
 from edge.text.model.checkpoint import load_checkpoint
 from edge.text.runtime.generate import SamplingParams, generate
 from engines.text.import_gguf import SourceModelError, build_tokenizer_json, import_gguf
+from engines.text.random_llama import LLAMA3_8B
 from tests.test_import_hf import LLAMA_TEMPLATE, MESSAGES, QWEN_TEMPLATE, random_family_model
 
 SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|header|>", "<|eot|>"]
@@ -295,6 +296,31 @@ def test_the_text_pipeline_builds_a_gguf_source_with_a_peft_adapter(family: dict
     assert int4.int4_kernel is not None
     q = int4.model(ids, int4.model.new_cache(1, 64), 0, last_only=False)
     assert (q.argmax(-1) == expected.argmax(-1)).float().mean().item() >= 0.2  # chance: 1 in 420
+
+
+def test_a_build_quantizes_at_the_group_its_model_size_gets(
+    family: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small models are built at group 32, 7B-class ones at 128 (text_build.serving_group):
+    here the line between them is moved below this small model, which then gets 128."""
+    import json
+
+    from engines.text import text_build
+
+    def groups(built: Path) -> tuple[int, set[int]]:
+        """The recipe's group size, and the ones its layers got (the largest that divides
+        a width where the recipe's does not: 64 and 32 for this model's 64 and 96)."""
+        linears = json.loads((built / "quant.json").read_text())["linears"]
+        recipe = json.loads((built / "manifest.json").read_text())["recipe"]
+        return int(recipe["group_size"]), {int(info["group_size"]) for info in linears.values()}
+
+    source = str(family["gguf"])
+    small = text_build.build_text_engine(tmp_path / "engines", "none", "rtn-int4", progress=False, source=source)
+    assert groups(small) == (32, {32})
+    monkeypatch.setattr(text_build, "LARGE_MODEL_PARAMETERS", 1)
+    large = text_build.build_text_engine(tmp_path / "engines", "none", "rtn-int4", progress=False, source=source)
+    assert large != small and groups(large) == (128, {64, 32})
+    assert text_build.serving_group(LLAMA3_8B.parameter_count()) == 128
 
 
 # --- a SentencePiece vocabulary (tokenizer.ggml.model "llama") ---------------------

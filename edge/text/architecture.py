@@ -37,6 +37,14 @@ class LlamaConfig:
     def head_dim(self) -> int:
         return self.head_size or self.hidden_size // self.num_heads
 
+    def parameter_count(self) -> int:
+        """Weights of the architecture (norms aside): what a build's choices scale with."""
+        attention = 2 * self.hidden_size * self.num_heads * self.head_dim
+        attention += 2 * self.hidden_size * self.num_kv_heads * self.head_dim
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        tables = (1 if self.tie_embeddings else 2) * self.vocab_size * self.hidden_size
+        return self.num_layers * (attention + mlp) + tables
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem

@@ -207,6 +207,7 @@ class TextEngine:
             "dtype": DTYPE_NAMES[self.dtype],
             "kernel": self.int4_kernel or "float",
             "group_size": groups[0] if len(groups) == 1 else (groups or None),
+            "parameters": model.config.parameter_count(),
             "embedding": table.fmt if isinstance(table, QuantizedEmbedding) else "float",
             "kv_dtype": self.batcher.kv.dtype,
             "fused_step": fused,

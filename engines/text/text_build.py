@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from edge.text.architecture import LlamaConfig
 from edge.text.model.checkpoint import SIDE_FILES, load_checkpoint
 from engines.cache import build_cached, cache_key, read_manifest, stop_on_sigterm, tag_serves
 from engines.text.corpus import calibration_text, corpus_fingerprint
@@ -75,10 +76,22 @@ def quantize_checkpoint(src: Path, recipe: QuantRecipe, progress: bool = True) -
     return build_cached(out, inputs, lambda scratch: write_quantized(src, scratch, recipe, progress))
 
 
-# SmolLM2-135M's merged clinic adapter is a small change to small weights: at group 64
-# or 128 the rounding noise erases most of it, at 32 it survives (bench/
-# eval_text_quality.py measures this). Finer groups cost 3 bytes per 32 weights.
+# The build's group size, by the model's size (docs/models.md states the rule):
+# - small models get 32. SmolLM2-135M's merged clinic adapter is a small change to small
+#   weights: at group 64 or 128 the rounding noise erases most of it, at 32 it survives
+#   (bench/eval_text_quality.py measures this);
+# - 7B-class models and larger get 128, where the INT4 literature measures its cost
+#   (AWQ's and GPTQ's Llama results are at 128) and where decode is bound by streaming
+#   the weights: group 32 costs 3 bytes per 32 weights where 128 costs 3 per 128
+#   (bench/text.py's g32 row measures what that costs).
 SERVING_GROUP = 32
+LARGE_MODEL_GROUP = 128
+LARGE_MODEL_PARAMETERS = 6_000_000_000
+
+
+def serving_group(parameters: int) -> int:
+    """The group size `edgectl build` quantizes a model of this many weights at."""
+    return LARGE_MODEL_GROUP if parameters >= LARGE_MODEL_PARAMETERS else SERVING_GROUP
 
 
 def build_text_engine(
@@ -116,7 +129,9 @@ def build_text_engine(
         path = merge_checkpoint(path, Path(adapter))
     if quant in INT4_QUANTIZATIONS:
         method = quant.split("-")[0]
-        path = quantize_checkpoint(path, layer_recipe(method, layers or [], symmetric=quant.endswith("-sym")), progress)
+        group = serving_group(LlamaConfig.from_json(path / "config.json").parameter_count())
+        recipe = layer_recipe(method, layers or [], group_size=group, symmetric=quant.endswith("-sym"))
+        path = quantize_checkpoint(path, recipe, progress)
     elif quant != "float" or layers:
         raise ValueError(f"unknown quantization {quant!r}" if quant != "float" else "layers need INT4 quantization")
     # What serving looks the checkpoint up by (edge/artifacts.py): the profile's words.

@@ -199,6 +199,10 @@ if TRITON_SUPPORT:
         tl.store(w_ptr + rn[:, None] * K + g * G + rk[None, :], w.to(w_ptr.dtype.element_ty), mask=n_mask[:, None])
 
 
+def _pow2_at_least(n: int, cap: int) -> int:
+    return min(cap, 1 << max(0, n - 1).bit_length())
+
+
 def counter_size(rows: int, n: int) -> int:
     """Split-K tile counters a GEMV of up to `rows` rows and N outputs may use."""
     return rows * -(-n // MIN_BLOCK_N)
@@ -233,8 +237,8 @@ def int4_gemv(
     if config is None and not x.is_cuda:
         # CPU tensors only reach a Triton kernel in its interpreter, which cannot time
         # configurations: take a fixed one with few, wide programs (each one is a
-        # Python-level loop there).
-        config = {"BLOCK_N": 128, "BLOCK_W": 32, "SPLIT_K": 1}
+        # Python-level loop there): a row's whole output and K in one tile where they fit.
+        config = {"BLOCK_N": _pow2_at_least(n, 1024), "BLOCK_W": _pow2_at_least(k // 8, 128), "SPLIT_K": 1}
     # Room for the largest split this width may be tuned to, and a zeroed counter per
     # (row, tile) at the narrowest tile (the last program of a tile resets its own).
     splits = max_split(n) if config is None else config["SPLIT_K"]
