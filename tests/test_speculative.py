@@ -5,12 +5,17 @@ ends."""
 
 from __future__ import annotations
 
+import itertools
+import math
 from pathlib import Path
 
 import pytest
+import torch
 
+from edge.text.architecture import LlamaConfig
 from edge.text.kv.kv_quant import FORMATS
 from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint
+from edge.text.model.llama import LlamaModel
 from edge.text.prompt import chatml, user_message
 from edge.text.runtime.continuous import ContinuousBatcher, Sequence
 from edge.text.runtime.generate import SamplingParams
@@ -91,9 +96,10 @@ def test_greedy_answers_are_identical_alone_and_batched(ckpt: TextCheckpoint) ->
         assert spec.finish == plain.finish and spec.text == plain.text
         assert plain.drafted == plain.accepted == 0
         assert 0 <= spec.accepted <= spec.drafted
-    # Together, beside a sequence that samples (and so never speculates): the same tokens
-    # again, the sampled one's too (its draws are its own generator's, whatever the batch does).
-    sampled = SamplingParams(max_new_tokens=32, temperature=0.8, seed=7)
+    # Together, beside a sequence that samples with a nucleus cut (and so never
+    # speculates): the same tokens again, the sampled one's too (its draws are its own
+    # generator's, whatever the batch does).
+    sampled = SamplingParams(max_new_tokens=32, temperature=0.8, top_p=0.9, seed=7)
     params = [greedy] * len(prompts) + [sampled]
     mixed = [*prompts, _ids(ckpt, "Name three symptoms of dehydration.", None)]
     plain_all, _ = _decode(ckpt, mixed, params, 0)
@@ -130,3 +136,76 @@ def test_stop_strings_and_max_new_tokens_end_where_plain_decoding_does(ckpt: Tex
         if params.stop:
             assert spec.finish == "stop" and spec.accepted > 0
             assert len(spec.tokens) < len(full.tokens)
+
+
+SCORE_SCALE = 2.0
+
+
+def _chi2_limit(dof: int, z: float = 3.09) -> float:
+    """The chi-squared statistic a true hypothesis exceeds with probability 0.001 (z is
+    that tail's normal quantile), by the Wilson-Hilferty approximation."""
+    a = 2.0 / (9.0 * dof)
+    return dof * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def test_sampled_drafts_keep_the_sampling_distribution() -> None:
+    """Sampled sequences speculate too, their drafts taken by the rejection rule: the
+    continuations they draw have the distribution the model gives them. A model small
+    enough that the exact distribution of its three-token continuations is computed
+    whole; thousands of sequences drawn with speculation; a chi-squared test on every
+    token's distribution after the first (the ones drafts cover), and on the last
+    two's joint. Taking drafts as greedy decoding does, or drawing again from the whole
+    distribution after a draft is turned down, fails it."""
+    vocab, steps, n = 6, 3, 1536
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128
+    )
+    torch.manual_seed(0)
+    model = LlamaModel(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(SCORE_SCALE)  # scores spread enough that drafts are both taken and turned down
+    # A prompt whose every short tail occurred before: each step has a draft.
+    prompt = torch.randint(0, vocab, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+
+    @torch.no_grad()
+    def next_probs(prefixes: list[list[int]]) -> torch.Tensor:
+        ids = torch.tensor([prompt + p for p in prefixes])
+        logits = model(ids, model.new_cache(len(prefixes), 32), 0, last_only=False)[:, -1]
+        return torch.softmax(logits.float(), dim=-1)
+
+    # The exact joint distribution of (t1, t2, t3).
+    joint = next_probs([[]])[0]
+    for depth in range(1, steps):
+        prefixes = [list(t) for t in itertools.product(range(vocab), repeat=depth)]
+        joint = (joint.reshape(-1, 1) * next_probs(prefixes)).reshape(-1)
+    joint = joint.reshape((vocab,) * steps).double()
+
+    batcher = ContinuousBatcher(model, None, frozenset(), 64, 32)
+    batcher.speculative_tokens = 4
+    params = [SamplingParams(max_new_tokens=steps, temperature=1.0, seed=i) for i in range(n)]
+    seqs = batcher.run_all([Sequence(i, prompt, p) for i, p in enumerate(params)])
+    assert all(len(s.tokens) == steps for s in seqs)
+    drafted, accepted = sum(s.drafted for s in seqs), sum(s.accepted for s in seqs)
+    assert accepted > 0.05 * drafted and drafted - accepted > 0.05 * drafted, (accepted, drafted)  # both, often
+    counts = torch.zeros((vocab,) * steps, dtype=torch.float64)
+    for s in seqs:
+        counts[tuple(s.tokens)] += 1
+
+    def chi2(observed: torch.Tensor, expected_p: torch.Tensor) -> tuple[float, int]:
+        # Bins expected to hold fewer than 5 pooled into one.
+        expected = expected_p.reshape(-1) * n
+        observed = observed.reshape(-1)
+        small = expected < 5
+        e = torch.cat([expected[~small], expected[small].sum().reshape(1)])
+        o = torch.cat([observed[~small], observed[small].sum().reshape(1)])
+        keep = e > 0
+        return float(((o[keep] - e[keep]) ** 2 / e[keep]).sum()), int(keep.sum()) - 1
+
+    checks = {
+        "t2": (counts.sum(dim=(0, 2)), joint.sum(dim=(0, 2))),
+        "t3": (counts.sum(dim=(0, 1)), joint.sum(dim=(0, 1))),
+        "t2 t3": (counts.sum(dim=0), joint.sum(dim=0)),
+    }
+    for name, (observed, expected) in checks.items():
+        stat, dof = chi2(observed, expected)
+        assert stat < _chi2_limit(dof), f"{name}: chi-squared {stat:.1f} over {dof} degrees of freedom"

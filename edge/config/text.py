@@ -200,8 +200,10 @@ class QAModelConfig(StrictModel):
         description="'prompt-lookup': a greedy answer (temperature 0) proposes the tokens that followed the "
         "latest earlier occurrence of its last few tokens in its prompt and answer, and the model checks "
         "them all in one pass, taking those it would have chosen itself: the same answer, in fewer steps "
-        "where it quotes its context. Sampled answers decode as usual. Not with CUDA graphs yet (a CUDA "
-        "engine that captures them decodes as with 'off'); over an int8 or int4 KV cache, drafts stop "
+        "where it quotes its context. A sampled answer without a nucleus cut (top_p 1) takes drafts by the "
+        "rejection rule, which keeps its distribution; one with a cut decodes as usual. Not with CUDA "
+        "graphs yet (a CUDA engine that captures them decodes as with 'off'); over an int8 or int4 KV "
+        "cache, drafts stop "
         "short of a key block's coding. 'off': one token per step.",
     )
     speculative_tokens: int = Field(

@@ -158,7 +158,7 @@ class ContinuousBatcher:
         self.prefix_cache: PrefixCache | None = None
         self.running: list[Sequence] = []
         self.prefill_chunk = 0  # tokens per prefill chunk while others decode; 0: whole prompts
-        # Draft tokens a greedy sequence proposes by prompt lookup per step, verified in one
+        # Draft tokens a sequence proposes by prompt lookup per step, verified in one
         # pass of the model (0: no speculation). Not with CUDA graphs: see _draft.
         self.speculative_tokens = 0
         # CUDA prefills whose time the offload and the prefix cache want, read from their
@@ -480,13 +480,15 @@ class ContinuousBatcher:
         """Draft tokens to verify after the sequence's newest token (not yet in its row),
         by prompt lookup; [] where it decodes as usual this step.
 
-        Only greedy sequences speculate: a sampled one would need its draws checked
-        against the drafts' probabilities (rejection sampling) to keep its distribution.
-        Not with CUDA graphs: the step run ahead on the device is one token per row.
+        Greedy sequences speculate, and sampled ones without a nucleus cut (top_p 1):
+        their drafts are taken by the rejection rule (_accepted_draws), which keeps the
+        sampling distribution; with a cut, the residual a rejection leaves is not a
+        distribution the next draw can take as logits. Not with CUDA graphs: the step
+        run ahead on the device is one token per row.
         At most as many drafts as the sequence may still take, and none at the row's last
         position, which rows a step does not advance are written at."""
         k = self.speculative_tokens
-        if k <= 0 or self.graphs is not None or seq.params.temperature > 0.0:
+        if k <= 0 or self.graphs is not None or (seq.params.temperature > 0.0 and seq.params.top_p < 1.0):
             return []
         start = seq.length - 1  # where the newest token goes
         k = min(k, seq.params.max_new_tokens - len(seq.tokens), self.slot_len - 2 - start)
@@ -510,25 +512,34 @@ class ContinuousBatcher:
     def _verify(self, seq: Sequence, draft: list[int]) -> bool:
         """Run the model once over the sequence's newest token and its drafts, as a chunk
         in its row after its cached tokens, and take the drafts up to the first the model
-        would not have chosen greedily, each as a decode step would have taken it (EOS,
-        stop strings, max_new_tokens). Its next-token logits are the last taken
-        position's; the keys and values written for drafts not taken lie beyond its
-        length, overwritten before they are attended. True once it is finished."""
+        would not have chosen greedily (a sampled sequence: up to the first the rejection
+        rule turns down), each as a decode step would have taken it (EOS, stop strings,
+        max_new_tokens). Its next-token logits are the last taken position's; the keys
+        and values written for drafts not taken lie beyond its length, overwritten before
+        they are attended. True once it is finished."""
         assert seq.slot is not None
         start = seq.length - 1
         chunk = torch.tensor([[seq.tokens[-1], *draft]], dtype=torch.long, device=self.device)
         logits = self.model(chunk, self._row(seq.slot), start, last_only=False)[0]
-        best: list[int] = torch.argmax(logits, dim=-1).tolist()  # one transfer for the chunk
         seq.drafted += len(draft)
-        taken = 0
-        for token, choice in zip(draft, best, strict=False):
-            if token != choice:
-                break
-            taken += 1
+        sampled = seq.params.temperature > 0.0
+        if sampled:
+            taken = _accepted_draws(logits[: len(draft)], draft, seq.params.temperature, seq.generator)
+        else:
+            best: list[int] = torch.argmax(logits, dim=-1).tolist()  # one transfer for the chunk
+            taken = next((i for i, (t, c) in enumerate(zip(draft, best, strict=False)) if t != c), len(draft))
+        for token in draft[:taken]:
             seq.accepted += 1
             if self._advance(seq, token):
                 return True
         seq.logits = logits[taken]
+        if sampled and taken < len(draft):
+            # Turned down: the next token is drawn from what is left of the distribution
+            # once the draft's token is taken out (the rule's residual, the draft being
+            # certain of its token). The lowest finite score, not -inf, which the step
+            # reads as a fault in the row.
+            seq.logits = seq.logits.clone()
+            seq.logits[draft[taken]] = torch.finfo(seq.logits.dtype).min
         return False
 
     def _events(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
@@ -606,3 +617,19 @@ class ContinuousBatcher:
         if safe > seq.emitted:
             seq.on_text(seq.text[seq.emitted : safe])
             seq.emitted = safe
+
+
+def _accepted_draws(
+    logits: torch.Tensor, draft: list[int], temperature: float, generator: torch.Generator | None
+) -> int:
+    """How many of the drafts a sampled sequence takes, by the rejection rule of
+    speculative sampling (Leviathan et al., 2023; Chen et al., 2023): draft i, proposed
+    with certainty, is taken with the probability the model gives it after the ones
+    before, the first turned down ending the run. With the residual draw the batcher
+    makes after a turned-down draft, every token has the distribution plain sampling
+    gives it. logits [k, V]: the model's scores before each draft."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    chosen = probs[torch.arange(len(draft), device=probs.device), torch.tensor(draft, device=probs.device)]
+    draws = torch.rand(len(draft), generator=generator, device=probs.device)
+    turned_down: list[bool] = (draws >= chosen).tolist()  # one transfer for the chunk
+    return next((i for i, down in enumerate(turned_down) if down), len(draft))
