@@ -2,7 +2,7 @@
 # One call on a GPU machine with no network (the H200 or H100 this project measures on): what the
 # text engine is checked and measured by there, its results under $OUT.
 #   bench/on_device.sh [tests|quant|daemon|all]   (quant: the quantized cache's tests only)
-#   bench/on_device.sh text|kv|scheduler [its arguments]   (one measurement, its JSON under $OUT)
+#   bench/on_device.sh text|kv|scheduler|speculative [its arguments]   (one measurement, its JSON under $OUT)
 # Carried beside the tree (ignored by git): .whl/ (the Python packages the machine lacks,
 # cp312 wheels: pydantic and its core, paho-mqtt, opentelemetry, lz4, zstandard, pypdf, pyclipper;
 # gguf and tqdm for the llama.cpp peer's GGUF) and
@@ -55,6 +55,11 @@ case "$what" in
   kv)
     cp bench/results/kv.json "$out/kv.json"
     python3 -m bench.kv --only "${1:-cuda}" --out "$out/kv.json" 2>&1 | tail -40
+    status=${PIPESTATUS[0]} ;;
+  speculative)
+    # The 8B shape's verification cost, added to the CPU run's file (its acceptance projected).
+    cp bench/results/speculative.json "$out/speculative.json"
+    python3 -m bench.speculative --verify-cost --out "$out/speculative.json" 2>&1 | tail -20
     status=${PIPESTATUS[0]} ;;
   scheduler)
     python3 -m bench.scheduler cuda --out "$out/scheduler_cuda.json" "$@" 2>&1 | tail -40

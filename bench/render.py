@@ -881,6 +881,28 @@ def speculative(d: dict[str, Any]) -> str:
             f"| {r['device']} | {r['method']} | {taken} | {r['tokens_per_step']:.2f} | {r['effective_tok_s']:.1f} "
             f"| {r['baseline_tok_s']:.1f} | {r['speedup']:.2f}x | {same} |"
         )
+    cost = d.get("verify_cost")
+    if cost:
+        lines += [
+            "",
+            f"What verifying k drafts costs on the {cost['device']} ({cost['model']}; "
+            f"{engine_summary(cost['engine_config'])}; after a {cost['context']}-token prompt): the batcher's "
+            "verification call against one decode step as served. The last two columns are a **projection**, "
+            "not a measurement: the tokens a verification would yield if each draft were taken at the CPU "
+            "row's rate"
+            + (f" ({cost['acceptance_rate']:.0%})" if cost.get("acceptance_rate") is not None else "")
+            + ", and the decode speedup that would give there (`bench/results/speculative.json`, `verify_cost`).",
+            "",
+            "| k | verification ms | decode step ms | cost in steps | projected tokens | projected speedup |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in cost["rows"]:
+            projected = (
+                f"{r['projected_tokens_per_step']:.2f} | {r['projected_speedup']:.2f}x"
+                if "projected_speedup" in r
+                else "- | -"
+            )
+            lines.append(f"| {r['k']} | {r['verify_ms']:.2f} | {r['decode_ms']:.2f} | {r['ratio']:.2f} | {projected} |")
     return "\n".join(lines)
 
 

@@ -16,11 +16,18 @@ answer token for token the same as with speculation off).
 Writes bench/results/speculative.json and prints a table.
 
     python -m bench.speculative [--questions 36] [--threads 2] [--tokens 4]
+
+On a GPU, `--verify-cost` measures instead what verifying k drafts costs on the 8B shape
+(random INT4 weights at the group size a build gives it, the GPU profile's engine): the
+chunk of k + 1 tokens the batcher verifies in one call, against one decode step as served
+(CUDA graphs), for k = 1..8, into the same file's `verify_cost`; and what the acceptance
+measured on the CPU's real answers would make of it there, called a projection.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import tempfile
 from pathlib import Path
@@ -124,6 +131,69 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a verification yields when each of k drafts is taken with probability
+    `acceptance` given the ones before it: the drafts taken, and the model's own token
+    after them."""
+    return float(sum(acceptance**i for i in range(k + 1)))
+
+
+def verify_cost(args: argparse.Namespace, acceptance: float | None) -> dict[str, Any]:
+    """Per k: the verification call's time against one served decode step, on CUDA."""
+    import statistics
+
+    from edge.text.runtime.generate import SamplingParams
+    from engines.text.random_llama import LLAMA3_8B, write_random_checkpoint
+    from engines.text.text_build import serving_group
+
+    group = serving_group(LLAMA3_8B.parameter_count())
+    prompt = torch.randint(0, LLAMA3_8B.vocab_size, (512,), generator=torch.Generator().manual_seed(5)).tolist()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_random_checkpoint(Path(tmp) / "llama3-8b-int4-random", LLAMA3_8B, device="cuda", group=group)
+        engine = load_engine(path, "cuda", max_sequences=1, max_context_tokens=1024)
+        rates = [
+            engine.generate(prompt, SamplingParams(max_new_tokens=64, ignore_eos=True)).tokens_per_s for _ in range(4)
+        ]
+        decode_ms = 1000.0 / statistics.median(rates[1:])
+        batcher = engine.batcher
+        row = batcher.cache.rows(0, 1)
+        with torch.inference_mode():
+            batcher.model(torch.tensor([prompt], device="cuda"), row, 0)
+            rows = []
+            for k in range(1, 9):
+                chunk = torch.randint(0, LLAMA3_8B.vocab_size, (1, k + 1), device="cuda")
+                times = []
+                for _ in range(12):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                    start.record()
+                    batcher.model(chunk, row, len(prompt), last_only=False)
+                    end.record()
+                    end.synchronize()
+                    times.append(start.elapsed_time(end))
+                verify_ms = statistics.median(times[2:])
+                entry: dict[str, Any] = {
+                    "k": k,
+                    "verify_ms": verify_ms,
+                    "decode_ms": decode_ms,
+                    "ratio": verify_ms / decode_ms,
+                }
+                if acceptance is not None:
+                    tokens = expected_tokens(acceptance, k)
+                    entry |= {"projected_tokens_per_step": tokens, "projected_speedup": tokens * decode_ms / verify_ms}
+                rows.append(entry)
+                print(json.dumps(entry), flush=True)
+        return {
+            "device": torch.cuda.get_device_name(0),
+            "model": f"Llama-3-8B shape, INT4 g{group}, random weights: cost only",
+            "context": len(prompt),
+            "acceptance_rate": acceptance,
+            "projection": "projected_speedup = expected tokens per verification at the CPU row's acceptance "
+            "rate (each draft taken independently) x decode step time / verification time; not measured",
+            "rows": rows,
+            **engine_fields(engine),
+        }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--questions", type=int, default=36)
@@ -131,7 +201,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4, help="draft tokens a step (models.qa.speculative_tokens)")
     parser.add_argument("--engine-dir", type=Path, default=REPO / ".edge" / "engines")
     parser.add_argument("--out", type=Path, default=RESULTS / "speculative.json")
+    parser.add_argument("--verify-cost", action="store_true", help="on a GPU: the 8B shape's verification cost")
     args = parser.parse_args()
+    if args.verify_cost:
+        result = json.loads(args.out.read_text()) if args.out.exists() else {}
+        measured = [r for r in result.get("rows", []) if r.get("acceptance_rate") is not None]
+        result["verify_cost"] = verify_cost(args, measured[0]["acceptance_rate"] if measured else None)
+        write_json(args.out, result)
+        print(f"wrote {args.out}")
+        return
     result = run(args)
     write_json(args.out, result)
     print(f"{'method':<20} {'accept':>7} {'tok/step':>8} {'tok/s':>7} {'speedup':>7} same")
