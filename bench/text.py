@@ -803,6 +803,17 @@ def peer_row(
         "roofline_fraction": decode["0"] / (bandwidth / per_token),
         "roofline_fraction_4k": decode[str(LONG_CONTEXT)] / (bandwidth / per_token_4k),
         "command": peer["command"],
+        # What the peer ran, in the terms our rows' configurations use where they apply.
+        "engine_config": {
+            "engine": "llama.cpp",
+            "source": peer["source"],
+            "device": "cuda",
+            "weights": peer["format"],
+            "kv_dtype": "float16",
+            "flash_attention": True,
+            "gpu_layers": "all",
+        },
+        "served": False,
     }
 
 
