@@ -10,6 +10,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+import torch
 
 from edge.config.text import QAModelConfig
 from edge.protocol.errors import JobError
@@ -17,7 +18,8 @@ from edge.protocol.jobs import JobLimits, QAJob, ResponseFormat, parse_job
 from edge.tasks.qa import job_sequence, result_of
 from edge.text.engine import TextEngine
 from edge.text.runtime.continuous import Sequence
-from tests.conftest import DaemonProc, Requester
+from edge.text.runtime.grammar import apply_masks, unpack_on
+from tests.conftest import LABELS, DaemonProc, Requester
 
 LIMITS = JobLimits(max_payload_bytes=1 << 20, max_prompt_chars=8000, max_new_tokens_limit=512)
 
@@ -125,6 +127,24 @@ def test_a_bad_response_format_is_refused_at_intake_naming_the_field(
     assert err.value.field == f"ask.{field}"
 
 
+def test_masks_unpack_alike_on_the_host_and_on_the_device_path() -> None:
+    """apply_masks's CPU path (numpy) and the path a GPU takes (shifts on the device, run
+    here on the CPU) mask the same tokens, tokens past the bitmask's included."""
+    words = -(-100 // 32)
+    seeded = torch.Generator().manual_seed(3)
+    masks = torch.randint(-(2**31), 2**31 - 1, (2, words), dtype=torch.int32, generator=seeded)
+    logits = torch.randn(3, 130)
+    masked = logits.clone()
+    apply_masks(masked, [0, 2], masks)
+    allowed = unpack_on(masks, torch.device("cpu"), 130)
+    assert not allowed[:, words * 32 :].any()
+    for i, row in enumerate((0, 2)):
+        assert torch.equal(masked[row], logits[row].masked_fill(~allowed[i], float("-inf")))
+        word, bit = 1, 5  # token 37: bit 5 of word 1
+        assert bool(allowed[i, 32 * word + bit]) == bool((int(masks[i, word]) >> bit) & 1)
+    assert torch.equal(masked[1], logits[1])
+
+
 def test_openai_shape_and_json_object_are_accepted() -> None:
     openai = {"type": "json_schema", "json_schema": {"name": "part", "schema": PART, "strict": True}}
     for rf in (openai, {"type": "json_object"}, {"type": "text"}, {"type": "json_schema", "schema": PART}):
@@ -219,3 +239,16 @@ def test_structured_jobs_through_the_daemon(daemon: DaemonProc, requester: Reque
     assert result["status"] == "error" and result["error"]["field"] == "response_format.schema", result
     after = requester.request(jobs, {"id": "sj-after", "question": "Hello?", "max_new_tokens": 4}, timeout=120)
     assert after["status"] == "ok", after
+    # A pipeline job's text part with a schema: the inspection's verdict goes in as context.
+    rework = {
+        "type": "object",
+        "properties": {"defect": {"type": "boolean"}, "note": {"type": "string", "maxLength": 40}},
+        "required": ["defect", "note"],
+        "additionalProperties": False,
+    }
+    ask = {"question": "Write the rework note.", "max_new_tokens": 48, "response_format": fmt(rework)}
+    body = {"id": "sj-pipe", "image": {"path": f"labels/{LABELS[1]['name']}"}, "ask": ask}
+    result = requester.request("edge/t1/jobs/inspect", body, timeout=120)
+    assert result["status"] == "ok", result.get("error")
+    answer = result["output"]["answer"]
+    assert valid(answer["answer"], rework) and answer["json"] == json.loads(answer["answer"]), answer

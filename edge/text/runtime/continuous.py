@@ -178,6 +178,7 @@ class ContinuousBatcher:
         # The grammar engine bound to this model's tokenizer (structured output), built by
         # the first caller that asks for it (`grammars`); never for a model without one.
         self._grammars: Grammars | None = None
+        self.mask_s = 0.0  # host time spent computing and applying grammar masks (benchmarks read it)
 
     @property
     def grammars(self) -> Grammars:
@@ -510,10 +511,13 @@ class ContinuousBatcher:
         rows = [i for i, s in enumerate(running) if s.grammar is not None]
         if not rows:
             return {}
+        t0 = time.perf_counter()
         constraints = [c for c in (running[i].grammar for i in rows) if c is not None]
         masks = self.grammars.masks(constraints, pin=logits.device.type == "cuda")
         apply_masks(logits, rows, masks)
-        return {i: c.error for i, c, ok in zip(rows, constraints, allowed_any(masks), strict=True) if not ok}
+        blocked = {i: c.error for i, c, ok in zip(rows, constraints, allowed_any(masks), strict=True) if not ok}
+        self.mask_s += time.perf_counter() - t0
+        return blocked
 
     def _draft(self, seq: Sequence) -> list[int]:
         """Draft tokens to verify after the sequence's newest token (not yet in its row),

@@ -2,13 +2,13 @@
 next, as a bitmask over the vocabulary, applied to its row of the batch's logits before
 its token is chosen.
 
-The grammar engine is llguidance, chosen over xgrammar by measurement (bench/structured.py,
-docs/benchmarks.md): with SmolLM2's tokenizer on the CPU both compute a mask in far less
-than a decode step, but xgrammar took hundreds of milliseconds to compile a schema with
-bounds (an integer's minimum and maximum, a string's maxLength) where llguidance takes
-about one, and a compile runs on the text branch's thread between steps; llguidance's
-wheel is one abi3 file per platform (x86_64 and aarch64, any Python from 3.9) with no
-dependencies, where xgrammar's pulls in transformers and triton at run time.
+The grammar engine is llguidance, chosen over xgrammar by measurement (bench/structured.py's
+`engines`, rendered in docs/benchmarks.md): with SmolLM2's tokenizer on the CPU both compute
+a mask in a small fraction of a decode step, but xgrammar's compile of a schema with bounds
+(an integer's minimum and maximum, a string's maxLength) is far slower than llguidance's,
+and a compile runs on the text branch's thread between steps; llguidance's wheel is one
+abi3 file per platform (x86_64 and aarch64, any Python from 3.9) with no dependencies,
+where xgrammar's pulls in transformers and triton at run time.
 
 Its import is guarded: a box without it serves every other job, and a job that asks for
 structured output is told it is unavailable (`available`, `missing_reason`).
@@ -25,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 
@@ -166,20 +167,37 @@ _SHIFTS: dict[torch.device, torch.Tensor] = {}
 
 def apply_masks(logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> None:
     """Set to -inf, in place, every token of logits [n, V] row rows[i] that masks[i] (int32
-    bitmask words, on the host) does not allow. The unpacking runs on the logits' device:
-    only the bitmask (4 bytes per 32 tokens) crosses to it, not a [rows, V] tensor."""
+    bitmask words, on the host) does not allow. On a GPU the unpacking runs there: only
+    the bitmask (4 bytes per 32 tokens) crosses to it, not a [rows, V] tensor. On the CPU
+    numpy unpacks it in one pass (torch's shifts would be several passes over [rows, V],
+    split across the threads the decode step needs)."""
     device = logits.device
+    vocab = logits.shape[-1]
+    if device.type == "cpu":
+        # Little-endian words: bit i of word w is bit i % 8 of byte 4w + i // 8 (x86_64, aarch64).
+        unpacked = np.unpackbits(masks.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+        allowed = torch.from_numpy(unpacked.view(np.bool_))
+        if allowed.shape[1] < vocab:  # tokens past the tokenizer's (a padded embedding): never allowed
+            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+        for i, row in enumerate(rows):
+            logits[row].masked_fill_(~allowed[i], float("-inf"))
+        return
+    allowed = unpack_on(masks, device, vocab)
+    index = torch.tensor(rows, dtype=torch.long, device=device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
+def unpack_on(masks: torch.Tensor, device: torch.device, vocab: int) -> torch.Tensor:
+    """Bitmask words [n, words] (host) as allowed-token flags [n, vocab] on `device`, unpacked
+    there by shifts (the GPU path; on the CPU apply_masks unpacks with numpy instead)."""
     shifts = _SHIFTS.get(device)
     if shifts is None:
         shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
     words = masks.to(device, non_blocking=True)
-    bits = ((words.unsqueeze(-1) >> shifts) & 1).view(len(rows), -1)
-    vocab = logits.shape[-1]
+    bits = ((words.unsqueeze(-1) >> shifts) & 1).view(masks.shape[0], -1)
     if bits.shape[1] < vocab:  # tokens past the tokenizer's (a padded embedding): never allowed
         bits = torch.nn.functional.pad(bits, (0, vocab - bits.shape[1]))
-    allowed = bits[:, :vocab].bool()
-    index = torch.tensor(rows, dtype=torch.long, device=device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return bits[:, :vocab].bool()
 
 
 def allowed_any(masks: torch.Tensor) -> list[bool]:
