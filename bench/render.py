@@ -906,6 +906,52 @@ def speculative(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def structured(d: dict[str, Any]) -> str:
+    """Constrained decoding per device beside unconstrained decoding of the same prompts in
+    the same run, and the grammar engines compared on the model's tokenizer."""
+    loads = [
+        f"{r['device']}: the machine's load average was {r['load_average_1m']:.1f} on {r['cpus']} CPUs as the run ended"
+        for r in d["rows"]
+        if "load_average_1m" in r
+    ]
+    lines = [
+        "Structured output: answers constrained to JSON schemas, each prompt answered greedily with its schema "
+        "enforced and then unconstrained for as many tokens, on the same engine in the same run, "
+        + ", ".join(f"{r['device']} {r.get('repeats', 1)} times" for r in d["rows"])
+        + " in alternating order, the fastest of each counting; valid: answers that parse and validate against "
+        "their schema; masking: the host's time computing and applying the masks "
+        "(`bench/results/structured.json`)." + (" " + "; ".join(loads) + "." if loads else ""),
+        "",
+        "| device | engine | grammar engine | schemas / prompts | valid | ms a token | unconstrained | "
+        "of it masking | largest compile |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in d["rows"]:
+        served = "" if r.get("served") else " (not the served configuration)"
+        lines.append(
+            f"| {r['device']} | {engine_summary(r['engine_config'])}{served} | {r['grammar_engine']} "
+            f"| {r['schemas']} / {r['prompts']} | {r['valid_rate']:.0%} | {r['cost_per_token_ms']:.2f} ms "
+            f"| {r['unconstrained_cost_per_token_ms']:.2f} ms | {r['mask_ms_per_token']:.3f} ms "
+            f"| {r['compile_ms']:.1f} ms |"
+        )
+    if d.get("engines"):
+        lines += [
+            "",
+            f"The grammar engines on the same schemas, SmolLM2's tokenizer, one valid instance's tokens each, on the "
+            f"{d.get('engines_machine', '')} CPU: compile is one schema's first compile for the tokenizer, mask "
+            "one next-token mask; correct: every valid token allowed and taken, and nothing after the object closed.",
+            "",
+            "| grammar engine | compile, largest | compile, mean | mask, mean | mask, p99 | correct |",
+            "|---|---:|---:|---:|---:|---|",
+        ]
+        for e in d["engines"]:
+            lines.append(
+                f"| {e['engine']} {e['version']} | {e['compile_ms_max']:.1f} ms | {e['compile_ms_mean']:.1f} ms "
+                f"| {e['mask_ms_mean']:.3f} ms | {e['mask_ms_p99']:.3f} ms | {'yes' if e['correct'] else '**no**'} |"
+            )
+    return "\n".join(lines)
+
+
 TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "headline": ("rag.json", headline),
     "first_start": ("first_start.json", first_start),
@@ -918,6 +964,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "text_cuda": ("text_cuda.json", text_cuda),
     "kv": ("kv.json", kv),
     "speculative": ("speculative.json", speculative),
+    "structured": ("structured.json", structured),
     "rag": ("rag.json", rag),
     "aarch64": ("aarch64.json", aarch64),
     "gemv_sweep_cuda": ("gemv_sweep_cuda.json", gemv_sweep_cuda),

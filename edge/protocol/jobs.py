@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from edge.protocol.errors import ErrorCode, JobError
+from edge.protocol.response_format import grammar_of
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +57,41 @@ class OCRJob(JobBase):
     image: ImageRef = Field(description="The image to read.")
 
 
+class JsonSchemaSpec(_JobModel):
+    """OpenAI's shape of a schema: `{name, schema, strict}` (an OpenAI-compatible API passes it on)."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64)] | None = Field(
+        default=None, description="The schema's name (OpenAI's field; not used in decoding)."
+    )
+    description: str | None = Field(default=None, description="What the schema is for (not used in decoding).")
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema", description="The JSON schema.")
+    strict: bool | None = Field(
+        default=None, description="OpenAI's switch; here the schema is always enforced while decoding."
+    )
+
+
+class ResponseFormat(_JobModel):
+    type: Literal["json_schema", "json_object", "text"] = Field(
+        description="'json_schema': the answer is JSON valid against `schema`; 'json_object': any JSON object; "
+        "'text': unconstrained (as without the field)."
+    )
+    schema_: dict[str, Any] | None = Field(
+        default=None, alias="schema", description="The JSON schema (type 'json_schema')."
+    )
+    json_schema: JsonSchemaSpec | None = Field(
+        default=None, description="OpenAI's form of the same: `{name, schema, strict}` (type 'json_schema')."
+    )
+
+
 class AskSpec(_JobModel):
     question: Annotated[str, StringConstraints(min_length=1)] = Field(
         description="What the text branch is asked about the inspected part, e.g. 'Write the rework note.'"
     )
     max_new_tokens: int | None = Field(
         default=None, ge=1, description="Tokens to generate at most (device cap applies)."
+    )
+    response_format: ResponseFormat | None = Field(
+        default=None, description="Constrain the answer to JSON (as a qa job's `response_format`)."
     )
 
 
@@ -99,6 +129,12 @@ class QAJob(JobBase):
         "not given); they go into the prompt with their ids and the answer's citations are checked.",
     )
     top_k: int | None = Field(default=None, ge=1, le=16, description="Passages to retrieve (the profile's top_k).")
+    response_format: ResponseFormat | None = Field(
+        default=None,
+        description="Constrain the answer, while it is decoded, to JSON valid against a schema "
+        "(`{type: json_schema, schema}`) or to any JSON object (`{type: json_object}`); the result "
+        "carries the parsed object as `json`.",
+    )
 
 
 class CancelJob(JobBase):
@@ -214,12 +250,14 @@ def parse_job(data: Any, topic_task: str | None, limits: JobLimits) -> ParsedJob
         raise _validation_to_job_error(err) from err
     if isinstance(request, QAJob):
         _check_qa_limits(request, limits)
+        grammar_of(request.response_format)
     if isinstance(request, InspectJob) and request.ask is not None:
         _check_qa_limits(
             QAJob(id=request.id, question=request.ask.question, max_new_tokens=request.ask.max_new_tokens),
             limits,
             "ask.",
         )
+        grammar_of(request.ask.response_format, "ask.")
     return ParsedJob(
         id=request.id,
         task=_TASK_NAMES[task],

@@ -67,6 +67,7 @@ class Pipeline:
             question=job.ask.question,
             context=context_of(inspected, job.ocr),
             max_new_tokens=job.ask.max_new_tokens,
+            response_format=job.ask.response_format,
         )
         stage = WorkItem(
             job=ParsedJob(job.id, "qa", job.priority, None, question),

@@ -27,6 +27,7 @@ from edge.tasks.base import Output
 from edge.tasks.grounding import GroundingPolicy, before_generating, judge
 from edge.tasks.passage_fit import context_with, fit_passages
 from edge.tasks.retrieval import Retrieval
+from edge.tasks.structured import constrain, structured_result
 from edge.text.engine import TextEngine
 from edge.text.model.chat import ChatTemplateError
 from edge.text.runtime.continuous import Sequence
@@ -161,6 +162,9 @@ class QATask:
             self._responder.partial(item, 0, out["answer"])  # the checked answer, as one piece
         if retrieved is not None:
             out["passages_dropped"] = retrieved[1]
+        if seq.grammar is not None and out["answer"] != seq.text:
+            # Grounding replaced the generated JSON (a passage's sentence, an abstention).
+            out.update(json=None, json_error=f"the answer was replaced by grounding ({out.get('grounding')})")
         return out
 
 
@@ -196,6 +200,7 @@ def job_sequence(
     )
     seq = engine.sequence(ids, params, owner, prefix, on_text)
     seq.tokenize_ms = tokenize_ms
+    constrain(engine, seq, job.response_format)
     return seq
 
 
@@ -236,7 +241,7 @@ def latency(seq: Sequence, received_at: float) -> dict[str, float]:
 
 
 def result_of(seq: Sequence) -> dict[str, Any]:
-    return {
+    out = {
         # Not stripped: streamed deltas must concatenate to exactly this text.
         "answer": seq.text,
         "finish_reason": seq.finish,
@@ -245,6 +250,9 @@ def result_of(seq: Sequence) -> dict[str, Any]:
         "prefill_ms": round(seq.prefill_ms, 3),
         "decode_tokens_per_s": round(seq.tokens_per_s, 2),
     }
+    if seq.grammar is not None:
+        out.update(structured_result(seq))
+    return out
 
 
 def qa_model_name(cfg: QAModelConfig) -> str:

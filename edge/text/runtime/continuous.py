@@ -29,6 +29,11 @@ captured as CUDA graphs at load, one per batch-size and KV-length bucket
 chosen tokens before they reach the host, so the GPU never waits while the host reads
 them, checks EOS and stop strings and streams text. A sequence those tokens end has its
 row of that step discarded.
+A sequence with a grammar (structured output, grammar.py) has its row of the step's
+logits masked to the tokens its grammar allows before the batch's tokens are chosen:
+after the graph's replay, on a copy of the rows the batch samples from, so the graphs and
+every other row are untouched. It does not draft (its drafts would need its mask at each
+drafted position).
 A prompt of up to fused_prefill.GRAPH_BUCKETS[-1] tokens is prefilled by a graph
 captured at load too (fused_prefill.PrefillGraphs); a longer one op by op.
 
@@ -60,6 +65,7 @@ from edge.text.model.llama import LlamaModel
 from edge.text.runtime import fused_prefill, fused_step, lookup
 from edge.text.runtime.cuda_graphs import StepGraphs
 from edge.text.runtime.generate import SamplingParams, _find_stop, choose_rows, streamable_end
+from edge.text.runtime.grammar import Constraint, Grammars, allowed_any, apply_masks
 from edge.timing import events_ms
 
 logger = logging.getLogger(__name__)
@@ -104,6 +110,9 @@ class Sequence:
     # agreed with and that were taken.
     drafted: int = 0
     accepted: int = 0
+    # Structured output (grammar.py): the tokens it may take are masked to its grammar's
+    # before each of its tokens is chosen; None: unconstrained.
+    grammar: Constraint | None = None
 
     def __post_init__(self) -> None:
         self.seed = self.params.seed if self.params.seed is not None else time.time_ns() & 0x7FFFFFFF
@@ -166,6 +175,18 @@ class ContinuousBatcher:
         self._untimed: list[tuple[tuple[torch.cuda.Event, torch.cuda.Event], int, int]] = []
         self.steps = 0
         self.batch_sizes: dict[int, int] = {}  # sequences per decode step -> steps
+        # The grammar engine bound to this model's tokenizer (structured output), built by
+        # the first caller that asks for it (`grammars`); never for a model without one.
+        self._grammars: Grammars | None = None
+        self.mask_s = 0.0  # host time spent computing and applying grammar masks (benchmarks read it)
+
+    @property
+    def grammars(self) -> Grammars:
+        if self.tokenizer is None:
+            raise RuntimeError("structured output needs the model's tokenizer")
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.eos_ids, self.model.config.vocab_size)
+        return self._grammars
 
     @property
     def slots(self) -> int:
@@ -414,6 +435,9 @@ class ContinuousBatcher:
         # drawing a token cannot fail, and its token comes back as -1, which ends it alone.
         finite = torch.isfinite(logits).all(dim=-1)
         logits = torch.where(finite.unsqueeze(-1), logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
+        # After the finiteness check, which the -inf of a mask would fail; before choosing, so
+        # a sampled row draws only among its grammar's tokens.
+        blocked = self._mask(running, logits)
         params, generators = [s.params for s in running], [s.generator for s in running]
         step_logits: torch.Tensor | None = None  # the step after these tokens, where already run
         chosen = choose_rows(logits, params, generators)
@@ -424,12 +448,16 @@ class ContinuousBatcher:
             tokens = reported.tolist()  # one transfer for the whole batch
         done: list[Sequence] = []
         drafts: dict[Sequence, list[int]] = {}
-        for seq, token in zip(running, tokens, strict=True):
+        for i, (seq, token) in enumerate(zip(running, tokens, strict=True)):
             slot = seq.slot
-            if token < 0:
+            if token < 0 or i in blocked:
                 seq.finish = "error"
-                seq.error = "its next-token scores were not finite (NaN or infinity)"
-                logger.error("a sequence's next-token scores were not finite; it alone is ended")
+                if i in blocked:
+                    seq.error = "its grammar allows no next token: " + (blocked[i] or "a dead end")
+                    logger.error("a sequence's grammar allows no next token; it alone is ended: %s", blocked[i])
+                else:
+                    seq.error = "its next-token scores were not finite (NaN or infinity)"
+                    logger.error("a sequence's next-token scores were not finite; it alone is ended")
                 done.append(seq)
                 self.running.remove(seq)
                 seq.slot = None
@@ -476,6 +504,21 @@ class ContinuousBatcher:
                 seq.decode_events.append(events)
         return done
 
+    def _mask(self, running: list[Sequence], logits: torch.Tensor) -> dict[int, str | None]:
+        """Mask the rows of sequences with a grammar to the tokens it allows (in place);
+        returns the rows whose grammar allows none (its error, if it has one), which the
+        step ends instead of taking a token."""
+        rows = [i for i, s in enumerate(running) if s.grammar is not None]
+        if not rows:
+            return {}
+        t0 = time.perf_counter()
+        constraints = [c for c in (running[i].grammar for i in rows) if c is not None]
+        masks = self.grammars.masks(constraints, pin=logits.device.type == "cuda")
+        apply_masks(logits, rows, masks)
+        blocked = {i: c.error for i, c, ok in zip(rows, constraints, allowed_any(masks), strict=True) if not ok}
+        self.mask_s += time.perf_counter() - t0
+        return blocked
+
     def _draft(self, seq: Sequence) -> list[int]:
         """Draft tokens to verify after the sequence's newest token (not yet in its row),
         by prompt lookup; [] where it decodes as usual this step.
@@ -483,12 +526,14 @@ class ContinuousBatcher:
         Greedy sequences speculate, and sampled ones without a nucleus cut (top_p 1):
         their drafts are taken by the rejection rule (_accepted_draws), which keeps the
         sampling distribution; with a cut, the residual a rejection leaves is not a
-        distribution the next draw can take as logits. Not with CUDA graphs: the step
-        run ahead on the device is one token per row.
+        distribution the next draw can take as logits. Constrained ones do not: each
+        drafted position would need its own mask. Not with CUDA graphs: the step run
+        ahead on the device is one token per row.
         At most as many drafts as the sequence may still take, and none at the row's last
         position, which rows a step does not advance are written at."""
         k = self.speculative_tokens
-        if k <= 0 or self.graphs is not None or (seq.params.temperature > 0.0 and seq.params.top_p < 1.0):
+        sampled_with_cut = seq.params.temperature > 0.0 and seq.params.top_p < 1.0
+        if k <= 0 or self.graphs is not None or sampled_with_cut or seq.grammar is not None:
             return []
         start = seq.length - 1  # where the newest token goes
         k = min(k, seq.params.max_new_tokens - len(seq.tokens), self.slot_len - 2 - start)
@@ -581,9 +626,13 @@ class ContinuousBatcher:
         else:
             seq.tokens.append(token)
             seq.token_times.append(time.perf_counter())
+            if seq.grammar is not None and not seq.grammar.accept(token):
+                # The mask allowed only tokens the grammar admits: this is a fault, and the
+                # text so far is not to be passed off as a sentence of it.
+                seq.finish, seq.error = "error", f"the grammar refused a token: {seq.grammar.error}"
             # The text is decoded every token only when something reads it as it grows
             # (stop strings, streaming); otherwise once, at the end.
-            if self.tokenizer is not None and (seq.params.stop or seq.on_text is not None):
+            if seq.finish is None and self.tokenizer is not None and (seq.params.stop or seq.on_text is not None):
                 self._decode_text(seq)
                 cut = _find_stop(seq.text, seq.params.stop)
                 if cut >= 0:
