@@ -392,8 +392,9 @@ class LlamaModel(nn.Module):
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         x: torch.Tensor = self.embed_tokens(ids)
         if self.config.embedding_scale:
-            # Scaled in the table's type, as Gemma's scaled embedding does.
-            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
+            # By the scale rounded to the table's type, as Gemma's scaled embedding does; a
+            # plain number, so a captured CUDA graph holds no host tensor.
+            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype).item()
         return x
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
