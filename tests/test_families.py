@@ -112,6 +112,26 @@ def test_greedy_tokens_equal_transformers(family: dict[str, Any]) -> None:
     assert got.token_ids == theirs and len(set(theirs)) > 3
 
 
+def test_the_served_engine_answers_as_transformers_past_the_window(family: dict[str, Any]) -> None:
+    # The CPU profile's engine: its continuous batcher prefills and then decodes every
+    # sequence through the batched step, whose masks are the decode step's.
+    from bench.text_engines import load_engine
+
+    engine = load_engine(family["ckpt"], "cpu")
+    assert not engine.config()["fused_step"]
+    tokenizer = family["tokenizer"]
+    prompt = tokenizer(engine.prompter.text("Is 38.5 a fever?", None), add_special_tokens=False)["input_ids"]
+    assert engine.prompter.ids("Is 38.5 a fever?", None) == prompt
+    new = 2 * WINDOW
+    got = list(engine.generate(prompt, SamplingParams(max_new_tokens=new, ignore_eos=True)).tokens)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = family["hf"].generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, eos_token_id=None
+        )
+    assert got == out[0, len(prompt) :].tolist()
+
+
 def test_awq_quantizes_the_linears_and_keeps_the_norms_float(family: dict[str, Any]) -> None:
     from safetensors import safe_open
 
