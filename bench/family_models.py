@@ -42,6 +42,13 @@ GEMMA3_TEMPLATE = (
     "{{ message['content'] | trim }}{{ '<end_of_turn>\\n' }}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{'<start_of_turn>model\\n'}}{%- endif -%}"
 )
+# Mistral's [INST] turns, the system prompt before the first user message.
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{% set ns.system = message['content'] + '\\n\\n' %}"
+    "{% elif message['role'] == 'user' %}{{ '[INST] ' + ns.system + message['content'] + ' [/INST]' }}"
+    "{% set ns.system = '' %}{% else %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}"
+)
 MESSAGES = [
     {"role": "system", "content": "Answer briefly. Température: 38,5 °C."},
     {"role": "user", "content": "  Is 38.5 a fever?  "},
@@ -83,8 +90,16 @@ def random_family_model(family: str, tokenizer: Any) -> Any:
     """A small random transformers model: Qwen3 (q/k norms, a head width other than
     hidden / heads, tied embeddings), or Gemma 3 text with every option it has set to a
     value that shows when it is ignored (a sliding window shorter than the text, a local
-    RoPE base, a query_pre_attn_scalar other than the head width, soft-capped logits)."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3Config, Qwen3ForCausalLM
+    RoPE base, a query_pre_attn_scalar other than the head width, soft-capped logits), or
+    Mistral with a sliding window on every layer."""
+    from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     shape: dict[str, Any] = {
         "vocab_size": len(tokenizer),
@@ -101,6 +116,10 @@ def random_family_model(family: str, tokenizer: Any) -> Any:
             **shape, num_hidden_layers=2, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True
         )
         model: Any = Qwen3ForCausalLM(config)
+    elif family == "mistral":  # every layer slides
+        mistral: Any = MistralConfig
+        config = mistral(**shape, num_hidden_layers=2, num_key_value_heads=2, sliding_window=WINDOW)
+        model = MistralForCausalLM(config)
     else:
         gemma: Any = Gemma3TextConfig  # its typed signature does not list every field
         config = gemma(
@@ -127,7 +146,11 @@ def random_family_model(family: str, tokenizer: Any) -> Any:
 def make_model(directory: Path, family: str) -> tuple[Any, Any]:
     """A small random model of `family` saved as a Hugging Face directory."""
     directory.mkdir(parents=True)
-    template, eos = (QWEN3_TEMPLATE, "<|im_end|>") if family == "qwen3" else (GEMMA3_TEMPLATE, "<end_of_turn>")
+    template, eos = {
+        "qwen3": (QWEN3_TEMPLATE, "<|im_end|>"),
+        "gemma3": (GEMMA3_TEMPLATE, "<end_of_turn>"),
+        "mistral": (MISTRAL_TEMPLATE, "<eos>"),
+    }[family]
     tokenizer = _tokenizer(directory, template, eos)
     model = random_family_model(family, tokenizer)
     model.save_pretrained(directory)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The model families against transformers: one row per family and source.
 
-Random-weight Qwen3 and Gemma 3 models built with transformers (bench/family_models.py)
+Random-weight Qwen3, Gemma 3 and Mistral (sliding window) models built with transformers (bench/family_models.py)
 are imported from a Hugging Face directory (and Qwen3 from a GGUF written as llama.cpp
 writes one) and compared with transformers in float: the largest logit difference over
 200 positions as a share of transformers' largest logit, prefilled in chunks and decoded
@@ -16,6 +16,7 @@ engine the CPU profile builds (bench/text_engines.py). Writes bench/results/mode
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import tempfile
 import time
@@ -85,7 +86,7 @@ def random_row(family: str, source: str, hf: Any, tokenizer: Any, checkpoint: Pa
 
 def random_rows(work: Path) -> list[dict[str, Any]]:
     rows = []
-    for family in ("qwen3", "gemma3"):
+    for family in ("qwen3", "gemma3", "mistral"):
         hf, tokenizer = make_model(work / family, family)
         rows.append(random_row(family, "hf", hf, tokenizer, import_hf(work / family, work / "engines", progress=False)))
         if family == "qwen3":
@@ -152,12 +153,18 @@ def main() -> None:
     parser.add_argument("--engine-dir", type=Path, default=REPO / ".edge" / "engines")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=RESULTS / "models.json")
+    parser.add_argument(
+        "--random-only", action="store_true", help="only the random-weight rows, the real ones kept from --out"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         rows = random_rows(Path(tmp))
-    rows.append(gemma3_row(args.engine_dir, args.max_tokens, args.prompts))
-    print(rows[-1])
+    if args.random_only:
+        rows += [r for r in json.loads(args.out.read_text())["rows"] if r["weights"] != "random"]
+    else:
+        rows.append(gemma3_row(args.engine_dir, args.max_tokens, args.prompts))
+        print(rows[-1])
     write_json(
         args.out,
         {

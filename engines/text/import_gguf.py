@@ -190,6 +190,8 @@ def read_config(reader: Any) -> LlamaConfig:
         raise SourceModelError(f"partial rotary embeddings ({rope_dims} of {head_dim} dimensions) are not supported")
     window = _optional(reader, f"{arch}.attention.sliding_window")
     if window is not None and arch != "gemma3":
+        # A Mistral file is written as `llama` and its window with it: served from its
+        # Hugging Face directory instead.
         raise SourceModelError(f"sliding-window attention ({arch}.attention.sliding_window) is not supported")
     if _optional(reader, f"{arch}.attn_logit_softcapping") is not None:
         raise SourceModelError(f"attention logit soft-capping ({arch}.attn_logit_softcapping) is not supported")

@@ -4,7 +4,7 @@ project's own text checkpoint.
 A source directory holds `config.json`, the weights as `*.safetensors` (one file or
 shards), `tokenizer.json`, and `tokenizer_config.json` with the chat template and the
 special tokens. Supported: the Llama family (Llama 2/3.x with its RoPE scaling, SmolLM,
-TinyLlama, Mistral-style models without a sliding window), the Qwen2 family (q/k/v
+TinyLlama, Mistral with its sliding window), the Qwen2 family (q/k/v
 biases, tied embeddings), Qwen3 (q/k norms) and Gemma 3 text models (sliding-window and
 global layers, q/k norms, GeGLU, the scaled embedding, output norms). Anything else is
 refused with an error naming what is not supported. The output is the layout `edge.text.model.checkpoint` loads: float32
@@ -68,7 +68,7 @@ def read_hf_config(directory: Path) -> LlamaConfig:
         archs = ", ".join(hf.get("architectures") or []) or "none given"
         raise SourceModelError(
             f"model_type {kind!r} (architectures: {archs}) is not supported; supported: "
-            "llama, mistral (without a sliding window), qwen2, qwen3, gemma3_text"
+            "llama, mistral, qwen2, qwen3, gemma3_text"
         )
     problems: list[str] = []
     expected_act = "gelu_pytorch_tanh" if kind == GEMMA else "silu"
@@ -77,8 +77,6 @@ def read_hf_config(directory: Path) -> LlamaConfig:
         problems.append(f"hidden_act {act!r} (only {expected_act})")
     if hf.get("mlp_bias"):
         problems.append("mlp_bias")
-    if kind == "mistral" and hf.get("sliding_window") is not None:
-        problems.append(f"sliding_window {hf['sliding_window']}")
     if kind in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
         problems.append("use_sliding_window")
     if kind != "qwen2" and hf.get("attention_bias"):
@@ -88,10 +86,14 @@ def read_hf_config(directory: Path) -> LlamaConfig:
         problems.append("sliding-window layers")
     if any(t not in ("full_attention", "sliding_attention") for t in layer_types):
         problems.append(f"layer_types {sorted(set(layer_types))}")
-    gemma: dict[str, Any] = {}
+    options: dict[str, Any] = {}
     rope_parameters = hf.get("rope_parameters") or {}
     if kind == GEMMA:
-        gemma, rope_parameters = _gemma_options(hf, problems)
+        options, rope_parameters = _gemma_options(hf, problems)
+    elif kind == "mistral" and hf.get("sliding_window") is not None:
+        # Mistral 7B v0.1's window: every layer slides (transformers' Mistral masks so).
+        window = int(hf["sliding_window"])
+        options = {"sliding_window": window, "layer_types": ("sliding",) * int(hf["num_hidden_layers"])}
     # transformers 5 writes RoPE as rope_parameters (theta included); older configs as
     # rope_theta and rope_scaling.
     rope = dict(rope_parameters or hf.get("rope_scaling") or {})
@@ -124,7 +126,7 @@ def read_hf_config(directory: Path) -> LlamaConfig:
         head_size=head_dim if head_dim != hidden // heads else 0,
         rope_scaling=scaling,
         qk_norm=kind in ("qwen3", GEMMA),
-        **gemma,
+        **options,
     )
 
 
