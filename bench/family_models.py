@@ -13,7 +13,20 @@ from typing import Any
 import numpy as np
 import torch
 
-SPECIALS = ["<bos>", "<eos>", "<|im_start|>", "<|im_end|>", "<start_of_turn>", "<end_of_turn>", "<think>", "</think>"]
+SPECIALS = [
+    "<bos>",
+    "<eos>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<think>",
+    "</think>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|end|>",
+]
 CORPUS = [
     "The patient reports a mild fever and a cough since Monday.",
     "Measure the resting heart rate before and after the walk.",
@@ -48,6 +61,11 @@ MISTRAL_TEMPLATE = (
     "{% if message['role'] == 'system' %}{% set ns.system = message['content'] + '\\n\\n' %}"
     "{% elif message['role'] == 'user' %}{{ '[INST] ' + ns.system + message['content'] + ' [/INST]' }}"
     "{% set ns.system = '' %}{% else %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}"
+)
+# Phi-3's turns.
+PHI3_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}"
 )
 MESSAGES = [
     {"role": "system", "content": "Answer briefly. Température: 38,5 °C."},
@@ -91,12 +109,15 @@ def random_family_model(family: str, tokenizer: Any) -> Any:
     hidden / heads, tied embeddings), or Gemma 3 text with every option it has set to a
     value that shows when it is ignored (a sliding window shorter than the text, a local
     RoPE base, a query_pre_attn_scalar other than the head width, soft-capped logits), or
-    Mistral with a sliding window on every layer."""
+    Mistral or Phi-3 (fused q/k/v and gate/up weights) with a sliding window on every
+    layer."""
     from transformers import (
         Gemma3ForCausalLM,
         Gemma3TextConfig,
         MistralConfig,
         MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
     )
@@ -120,6 +141,10 @@ def random_family_model(family: str, tokenizer: Any) -> Any:
         mistral: Any = MistralConfig
         config = mistral(**shape, num_hidden_layers=2, num_key_value_heads=2, sliding_window=WINDOW)
         model = MistralForCausalLM(config)
+    elif family == "phi3":  # fused q/k/v and gate/up weights, every layer slides
+        phi3: Any = Phi3Config
+        config = phi3(**shape, num_hidden_layers=2, num_key_value_heads=2, sliding_window=WINDOW)
+        model = Phi3ForCausalLM(config)
     else:
         gemma: Any = Gemma3TextConfig  # its typed signature does not list every field
         config = gemma(
@@ -150,6 +175,7 @@ def make_model(directory: Path, family: str) -> tuple[Any, Any]:
         "qwen3": (QWEN3_TEMPLATE, "<|im_end|>"),
         "gemma3": (GEMMA3_TEMPLATE, "<end_of_turn>"),
         "mistral": (MISTRAL_TEMPLATE, "<eos>"),
+        "phi3": (PHI3_TEMPLATE, "<|end|>"),
     }[family]
     tokenizer = _tokenizer(directory, template, eos)
     model = random_family_model(family, tokenizer)

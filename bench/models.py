@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The model families against transformers: one row per family and source.
 
-Random-weight Qwen3, Gemma 3 and Mistral (sliding window) models built with transformers (bench/family_models.py)
-are imported from a Hugging Face directory (and Qwen3 from a GGUF written as llama.cpp
+Random-weight Qwen3, Gemma 3, Mistral and Phi-3 models (the last two with sliding
+windows) built with transformers (bench/family_models.py) are imported from a Hugging
+Face directory (and Qwen3 from a GGUF written as llama.cpp
 writes one) and compared with transformers in float: the largest logit difference over
 200 positions as a share of transformers' largest logit, prefilled in chunks and decoded
 token by token as serving does, and the greedy tokens. The real Gemma 3 270M GGUF (from
@@ -86,7 +87,7 @@ def random_row(family: str, source: str, hf: Any, tokenizer: Any, checkpoint: Pa
 
 def random_rows(work: Path) -> list[dict[str, Any]]:
     rows = []
-    for family in ("qwen3", "gemma3", "mistral"):
+    for family in ("qwen3", "gemma3", "mistral", "phi3"):
         hf, tokenizer = make_model(work / family, family)
         rows.append(random_row(family, "hf", hf, tokenizer, import_hf(work / family, work / "engines", progress=False)))
         if family == "qwen3":

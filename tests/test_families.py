@@ -37,7 +37,7 @@ from tests.conftest import Broker, Requester, edgectl, start_daemon, write_profi
 POSITIONS = 200
 
 
-@pytest.fixture(scope="module", params=["qwen3", "gemma3", "mistral"])
+@pytest.fixture(scope="module", params=["qwen3", "gemma3", "mistral", "phi3"])
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp(str(request.param))
     model, tokenizer = make_model(root / "source", str(request.param))
@@ -54,7 +54,7 @@ def assert_close(got: torch.Tensor, theirs: torch.Tensor) -> None:
 def test_the_import_keeps_the_familys_options(family: dict[str, Any]) -> None:
     config = read_hf_config(family["source"])
     assert not config.attention_bias
-    if family["name"] == "mistral":
+    if family["name"] in ("mistral", "phi3"):
         assert config.family_options() == [f"sliding_window {WINDOW}"] and not config.tie_embeddings
         assert config.layer_types == ("sliding", "sliding") and config.layer_window(1) == WINDOW
     elif family["name"] == "qwen3":
@@ -156,7 +156,8 @@ def test_awq_quantizes_the_linears_and_keeps_the_norms_float(family: dict[str, A
     assert len(quant) == layers * 7 + 1  # every projection of every layer, and the head (tied: a copy)
     with safe_open(str(int4 / "model.safetensors"), framework="pt") as fh:
         norms = [k for k in fh.keys() if "norm" in k]
-    per_layer = {"mistral": 2, "qwen3": 4, "gemma3": 6}[family["name"]]  # with q/k norms; and Gemma's output norms
+    # Two per layer, with the q/k norms four, with Gemma's output norms six.
+    per_layer = {"mistral": 2, "phi3": 2, "qwen3": 4, "gemma3": 6}[family["name"]]
     assert len(norms) == layers * per_layer + 1
     # Random Gaussian weights have none of the outlier channels AWQ exists for: it must do
     # no worse than rounding, and the top token stays far from chance (1 in 360). Gemma's
@@ -237,6 +238,11 @@ def _write_config(directory: Path, **fields: Any) -> Path:
         ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ({"model_type": "qwen3", "attention_bias": True}, "attention_bias on a Qwen3 model"),
         ({"model_type": "qwen3", "use_sliding_window": True}, "use_sliding_window"),
+        ({"model_type": "phi3", "partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75"),  # Phi-4-mini
+        (
+            {"model_type": "phi3", "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0]}},
+            "rope_scaling 'longrope'",
+        ),
     ],
 )
 def test_what_a_family_needs_that_we_do_not_do_is_refused_by_name(

@@ -6,7 +6,8 @@ shards), `tokenizer.json`, and `tokenizer_config.json` with the chat template an
 special tokens. Supported: the Llama family (Llama 2/3.x with its RoPE scaling, SmolLM,
 TinyLlama, Mistral with its sliding window), the Qwen2 family (q/k/v
 biases, tied embeddings), Qwen3 (q/k norms) and Gemma 3 text models (sliding-window and
-global layers, q/k norms, GeGLU, the scaled embedding, output norms). Anything else is
+global layers, q/k norms, GeGLU, the scaled embedding, output norms) and Phi-3 (its
+fused q/k/v and gate/up weights split, its sliding window). Anything else is
 refused with an error naming what is not supported. The output is the layout `edge.text.model.checkpoint` loads: float32
 weights under our module names, our config, the tokenizer, and generation.json with the
 chat template, the special tokens and the end-of-turn ids.
@@ -31,7 +32,14 @@ from engines.text.import_gguf import MAX_POSITIONS, SourceModelError, expected_t
 logger = logging.getLogger(__name__)
 
 IMPORTER_VERSION = 2  # 2: Qwen3 and Gemma 3 text
-FAMILIES = {"llama": "Llama", "mistral": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma3_text": "Gemma 3"}
+FAMILIES = {
+    "llama": "Llama",
+    "mistral": "Llama",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "gemma3_text": "Gemma 3",
+    "phi3": "Phi-3",
+}
 GEMMA = "gemma3_text"
 # Gemma's names for its norms where ours differ: its pre-feedforward norm is the norm
 # before the MLP (Llama's post_attention_layernorm), and its post-attention and
@@ -68,7 +76,7 @@ def read_hf_config(directory: Path) -> LlamaConfig:
         archs = ", ".join(hf.get("architectures") or []) or "none given"
         raise SourceModelError(
             f"model_type {kind!r} (architectures: {archs}) is not supported; supported: "
-            "llama, mistral, qwen2, qwen3, gemma3_text"
+            "llama, mistral, qwen2, qwen3, gemma3_text, phi3"
         )
     problems: list[str] = []
     expected_act = "gelu_pytorch_tanh" if kind == GEMMA else "silu"
@@ -90,8 +98,14 @@ def read_hf_config(directory: Path) -> LlamaConfig:
     rope_parameters = hf.get("rope_parameters") or {}
     if kind == GEMMA:
         options, rope_parameters = _gemma_options(hf, problems)
-    elif kind == "mistral" and hf.get("sliding_window") is not None:
-        # Mistral 7B v0.1's window: every layer slides (transformers' Mistral masks so).
+    elif kind == "phi3":
+        # Phi-4-mini rotates three quarters of each head: not a rotation we implement.
+        partial = float(rope_parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+        if partial != 1.0:
+            problems.append(f"partial_rotary_factor {partial}")
+        rope_parameters = {k: v for k, v in rope_parameters.items() if k != "partial_rotary_factor"}
+    if kind in ("mistral", "phi3") and hf.get("sliding_window") is not None:
+        # Mistral 7B v0.1's and Phi-3's window: every layer slides (as transformers masks them).
         window = int(hf["sliding_window"])
         options = {"sliding_window": window, "layer_types": ("sliding",) * int(hf["num_hidden_layers"])}
     # transformers 5 writes RoPE as rope_parameters (theta included); older configs as
@@ -181,6 +195,21 @@ def _our_name(name: str, gemma: bool) -> str:
     return name
 
 
+def _split_fused(name: str, tensor: torch.Tensor, config: LlamaConfig) -> list[tuple[str, torch.Tensor]]:
+    """Phi-3's fused q/k/v and gate/up weights as our separate linears (the loader fuses
+    them again for serving, in its own order)."""
+    hd = config.head_dim
+    if name.endswith("self_attn.qkv_proj.weight"):
+        parts = torch.split(tensor, [config.num_heads * hd, config.num_kv_heads * hd, config.num_kv_heads * hd])
+        base = name.removesuffix("qkv_proj.weight")
+        return [(f"{base}{p}_proj.weight", t.contiguous()) for p, t in zip("qkv", parts, strict=True)]
+    if name.endswith("mlp.gate_up_proj.weight"):
+        gate, up = tensor.chunk(2, dim=0)  # gate first: transformers' Phi3MLP chunks so
+        base = name.removesuffix("gate_up_proj.weight")
+        return [(f"{base}gate_proj.weight", gate.contiguous()), (f"{base}up_proj.weight", up.contiguous())]
+    return [(name, tensor)]
+
+
 def generation_settings(directory: Path) -> dict[str, Any]:
     """The chat template, special tokens and end-of-turn ids, from the tokenizer's
     config and the generation config where there is one."""
@@ -242,15 +271,17 @@ def convert(directory: Path, out_dir: Path, progress: bool = True) -> dict[str, 
                 ours = _our_name(name, gemma)
                 if ours == "lm_head.weight" and config.tie_embeddings:
                     continue  # tied: the embedding is the head
-                if ours not in expected:
-                    raise SourceModelError(f"{directory.name}: unexpected tensor {name} for a {config_kind(config)}")
                 tensor = fh.get_tensor(name).to(torch.float32)
                 if gemma and ours.endswith("norm.weight"):
                     # Gemma's RMSNorm multiplies by (1 + weight): stored as that sum, as
                     # llama.cpp's converter stores it, so one RMSNorm (and AWQ's folding
                     # of scales into it) serves every family.
                     tensor = tensor + 1.0
-                tensors[ours] = tensor.contiguous()
+                for part, value in _split_fused(ours, tensor, config):
+                    if part not in expected:
+                        kind = config_kind(config)
+                        raise SourceModelError(f"{directory.name}: unexpected tensor {name} for a {kind}")
+                    tensors[part] = value.contiguous()
     missing = sorted(expected - set(tensors))
     if missing:
         raise SourceModelError(f"{directory.name}: missing tensors {', '.join(missing[:5])}")
