@@ -905,7 +905,8 @@ def models(d: dict[str, Any]) -> str:
     for r in real:
         lines += [
             "",
-            f"{r['weights']}: {r['int4']} (as `edgectl build` quantizes) against its float import, on "
+            f"{r['weights'].removeprefix('real: ')}: its {r['int4']} build (as `edgectl build` quantizes) against "
+            "its float import, on "
             f"{r['eval_tokens']} held-out tokens ({r['eval_text']}), windows of {r['window']}, through the engine "
             f"the CPU profile builds ({engine_summary(r['engine_config'])}; `bench/results/models.json`).",
             "",
