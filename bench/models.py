@@ -30,8 +30,7 @@ from bench.common import REPO, RESULTS, agreement, perplexity, write_json
 from bench.family_models import MESSAGES, make_model, served_logits, write_qwen3_gguf
 from bench.text_engines import engine_fields, load_engine
 from edge.text.engine import kv_format
-from edge.text.model.checkpoint import load_checkpoint
-from edge.text.runtime.generate import SamplingParams, generate
+from edge.text.runtime.generate import SamplingParams
 from engines.text.corpus import corpus_fingerprint, evaluation_text
 from engines.text.gemma3_270m import NAME, gemma3_270m_gguf
 from engines.text.import_gguf import import_gguf
@@ -49,39 +48,37 @@ def logit_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return float((ours - theirs).abs().max() / theirs.abs().max())
 
 
-def hf_greedy(hf: Any, prompt: list[int], new: int) -> list[int]:
+def hf_greedy(hf: Any, prompt: list[int], new: int, stop: bool = True) -> list[int]:
+    """transformers' greedy tokens; `stop` False: exactly `new` of them."""
     ids = torch.tensor([prompt])
+    ends = {} if stop else {"eos_token_id": None}
     with torch.no_grad():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False)
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, **ends)
     tokens: list[int] = out[0, len(prompt) :].tolist()
     return tokens
 
 
-def our_greedy(checkpoint: Path, prompt: list[int], new: int) -> list[int]:
-    ours = load_checkpoint(checkpoint, dtype=torch.float32)
-    cache = ours.model.new_cache(1, len(prompt) + new)
-    params = SamplingParams(max_new_tokens=new)
-    return generate(ours.model, ours.tokenizer, prompt, params, frozenset(), cache).token_ids
-
-
-def random_row(family: str, source: str, hf: Any, tokenizer: Any, checkpoint: Path) -> dict[str, Any]:
-    ours = load_checkpoint(checkpoint, dtype=torch.float32)
-    ids = torch.randint(0, ours.model.config.vocab_size, (1, POSITIONS), generator=torch.Generator().manual_seed(1))
+def random_row(family: str, source: str, hf: Any, checkpoint: Path) -> dict[str, Any]:
+    """Through the engine the CPU profile builds (a float checkpoint: float32 throughout)."""
+    engine = load_engine(checkpoint, "cpu")
+    model = engine.model
+    ids = torch.randint(0, model.config.vocab_size, (1, POSITIONS), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         theirs = hf(ids).logits[0]
-    error = logit_error(served_logits(ours.model, ids), theirs)
-    assert ours.chat is not None
-    prompt = tokenizer(ours.chat.render(MESSAGES), add_special_tokens=False)["input_ids"]
-    same = agreement([hf_greedy(hf, prompt, GREEDY)], [our_greedy(checkpoint, prompt, GREEDY)])
+    error = logit_error(served_logits(model, ids), theirs)
+    prompt = engine.prompter.ids(MESSAGES[1]["content"], None)
+    ours = list(engine.generate(prompt, SamplingParams(max_new_tokens=GREEDY, ignore_eos=True)).tokens)
+    same = agreement([hf_greedy(hf, prompt, GREEDY, stop=False)], [ours])
     return {
         "family": family,
         "source": source,
         "weights": "random",
-        "options": ours.model.config.family_options(),
+        "options": model.config.family_options(),
         "positions": POSITIONS,
         "float_logit_error": error,
         "greedy_tokens": GREEDY,
         "greedy_agreement": same["token_agreement"],
+        **engine_fields(engine),
     }
 
 
@@ -89,11 +86,11 @@ def random_rows(work: Path) -> list[dict[str, Any]]:
     rows = []
     for family in ("qwen3", "gemma3", "mistral", "phi3"):
         hf, tokenizer = make_model(work / family, family)
-        rows.append(random_row(family, "hf", hf, tokenizer, import_hf(work / family, work / "engines", progress=False)))
+        rows.append(random_row(family, "hf", hf, import_hf(work / family, work / "engines", progress=False)))
         if family == "qwen3":
             gguf = write_qwen3_gguf(hf, tokenizer, work / "qwen3.gguf")
             checkpoint = import_gguf(gguf, work / "engines", "qwen3-small", progress=False)
-            rows.append(random_row(family, "gguf", hf, tokenizer, checkpoint))
+            rows.append(random_row(family, "gguf", hf, checkpoint))
         print(rows[-1])
     return rows
 
