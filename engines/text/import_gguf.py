@@ -44,9 +44,9 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 # transformers' defaults for a config without them are the same.
 GEMMA3_PATTERN = 6
 GEMMA3_LOCAL_THETA = 10_000.0
-# Gemma 3's chat template as Google's tokenizer_config.json carries it: for a Gemma 3 file
-# that holds none (the base models' files), so its prompts use the turn tokens its
-# vocabulary has rather than ChatML's, which it has not.
+# Gemma 3's chat template, after the one Google's instruction-tuned Gemma 3 models carry in
+# tokenizer_config.json: for a Gemma 3 file that holds none (the base models' files), so
+# its prompts use the turn tokens its vocabulary has rather than ChatML's, which it has not.
 GEMMA3_TEMPLATE = (
     "{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\n"
     "    {%- if messages[0]['content'] is string -%}\n"
