@@ -34,9 +34,11 @@ from engines.cache import build_cached, cache_key, file_sha256
 
 logger = logging.getLogger(__name__)
 
-# 2: Qwen2 files, the families' pre-tokenizers, SentencePiece vocabularies, end-of-turn ids;
-# 3: Qwen3 and Gemma 3 files.
-IMPORTER_VERSION = 3
+# 2: Qwen2 files, the families' pre-tokenizers, SentencePiece vocabularies, end-of-turn ids.
+# Qwen3 and Gemma 3 files did not bump it: what an earlier version imported is imported the
+# same (its config.json lacks the new options, which default to off), so a box's cached
+# builds stay valid.
+IMPORTER_VERSION = 2
 TOKEN_TYPE_NORMAL, TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER, TOKEN_TYPE_BYTE = 1, 2, 3, 4, 6
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 # Gemma 3's layer pattern and its sliding layers' RoPE base are not in its GGUF metadata:

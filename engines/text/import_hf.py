@@ -31,7 +31,9 @@ from engines.text.import_gguf import MAX_POSITIONS, SourceModelError, expected_t
 
 logger = logging.getLogger(__name__)
 
-IMPORTER_VERSION = 2  # 2: Qwen3 and Gemma 3 text
+# Not bumped for Qwen3, Gemma 3, Phi-3 or Mistral's window: a model an earlier version
+# imported is imported the same (the new options default to off), so cached builds stay valid.
+IMPORTER_VERSION = 1
 FAMILIES = {
     "llama": "Llama",
     "mistral": "Llama",
