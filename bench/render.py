@@ -952,6 +952,40 @@ def structured(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def models(d: dict[str, Any]) -> str:
+    """The families against transformers in float, and the real model's INT4 against float."""
+    real = [r for r in d["rows"] if r["weights"] != "random"]
+    lines = [
+        f"Our float import against transformers with the same weights, on the {d['machine']} CPU: the largest "
+        "logit difference as a share of transformers' largest logit, over the first positions of a text prefilled in "
+        "two chunks and decoded a token at a time as serving does, and the share of greedy tokens that are the same "
+        "(`bench/results/models.json`).",
+        "",
+        "| family | source | weights | float logit error | positions | greedy tokens the same |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for r in d["rows"]:
+        weights = "random" if r["weights"] == "random" else "Gemma 3 270M (real)"
+        same = f"{r['greedy_agreement']:.3f} of {r['greedy_tokens'] * r.get('greedy_prompts', 1)}"
+        lines.append(
+            f"| {r['family']} | {r['source']} | {weights} | {r['float_logit_error']:.1e} | {r['positions']} | {same} |"
+        )
+    for r in real:
+        lines += [
+            "",
+            f"{r['weights'].removeprefix('real: ')}: its {r['int4']} build (as `edgectl build` quantizes) against "
+            "its float import, on "
+            f"{r['eval_tokens']} held-out tokens ({r['eval_text']}), windows of {r['window']}, through the engine "
+            f"the CPU profile builds ({engine_summary(r['engine_config'])}; `bench/results/models.json`).",
+            "",
+            "| build | perplexity | greedy tokens the same as float |",
+            "|---|---:|---:|",
+            f"| float (dequantized Q4_K_M) | {r['float_perplexity']:.3f} | 1.000 |",
+            f"| {r['int4']} | {r['int4_perplexity']:.3f} | {r['int4_greedy_agreement']:.3f} |",
+        ]
+    return "\n".join(lines)
+
+
 TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "headline": ("rag.json", headline),
     "first_start": ("first_start.json", first_start),
@@ -965,6 +999,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "kv": ("kv.json", kv),
     "speculative": ("speculative.json", speculative),
     "structured": ("structured.json", structured),
+    "models": ("models.json", models),
     "rag": ("rag.json", rag),
     "aarch64": ("aarch64.json", aarch64),
     "gemv_sweep_cuda": ("gemv_sweep_cuda.json", gemv_sweep_cuda),

@@ -406,7 +406,7 @@ def _metadata_only(path: Path, arch: str, **fields: Any) -> Any:
 @pytest.mark.parametrize(
     ("arch", "fields", "named"),
     [
-        ("gemma2", {}, "architecture 'gemma2' is not supported; supported: llama, qwen2"),
+        ("gemma2", {}, "architecture 'gemma2' is not supported; supported: llama, qwen2, qwen3, gemma3"),
         ("llama", {"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a"]}, "tokenizer model 't5'"),
         (
             "llama",

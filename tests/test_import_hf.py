@@ -232,8 +232,8 @@ def _write_config(directory: Path, **fields: Any) -> Path:
     ("fields", "named"),
     [
         ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}, "model_type 'gemma2'"),
-        ({"model_type": "qwen3"}, "model_type 'qwen3'"),
-        ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window 4096"),
+        ({"model_type": "phi3"}, "model_type 'phi3'"),
+        ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling 'yarn'"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
         ({"mlp_bias": True}, "mlp_bias"),

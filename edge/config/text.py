@@ -58,7 +58,8 @@ class QAModelConfig(StrictModel):
         description="The base model, imported into the engine directory on first use: the built-in "
         f"'{BUILTIN_TEXT_SOURCE}', or a path to a Hugging Face model directory (config.json, *.safetensors, "
         "tokenizer.json, tokenizer_config.json with its chat template) of the Llama family (Llama 2/3.x, "
-        "SmolLM, TinyLlama, Mistral without a sliding window) or the Qwen2 family.",
+        "SmolLM, TinyLlama, Mistral with its sliding window), the Qwen2 family, Qwen3, Phi-3 or Gemma 3 text "
+        "(gemma3_text), or a path to a GGUF file of those architectures.",
     )
     adapter: str = Field(
         default="clinic",

@@ -1,5 +1,11 @@
-"""A Llama-family model's architecture: its sizes, rotary settings and options, as a
-checkpoint's config.json holds them. The one thing every wing of edge/text reads."""
+"""A decoder's architecture: its sizes, rotary settings and options, as a checkpoint's
+config.json holds them. The one thing every wing of edge/text reads.
+
+One config and one decoder serve every family: Llama is the config with every option at
+its default, and a family is the options it sets (Qwen2: attention biases; Qwen3: q/k
+norms; Gemma 3: sliding-window layers, q/k norms, GeGLU, a scaled embedding, output
+norms, its own attention scale and soft-capped logits). A fast path that does not
+implement an option reads `family_options()` and refuses the model naming it."""
 
 from __future__ import annotations
 
@@ -9,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("full", "sliding")
 
 
 @dataclass(frozen=True)
@@ -32,6 +41,26 @@ class LlamaConfig:
     # "original_max_position_embeddings"}, or {"rope_type": "freq_factors", "factors": [...]}:
     # one divisor per frequency, which is how llama.cpp stores Llama 3's scaling.
     rope_scaling: dict[str, Any] | None = None
+    # RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3).
+    qk_norm: bool = False
+    # Keys a sliding layer's query sees: itself and the window - 1 before it (0: no window).
+    sliding_window: int = 0
+    # Each layer's attention, "full" or "sliding" (empty: every layer full).
+    layer_types: tuple[str, ...] = ()
+    # RoPE base of the sliding layers, which take no RoPE scaling (0: rope_theta, scaled).
+    rope_local_theta: float = 0.0
+    # The MLP gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma).
+    mlp_activation: str = "silu"
+    # The token embedding is multiplied by this before the first layer (0: not; Gemma:
+    # sqrt(hidden_size)). Not folded into the table, which a tied head also reads.
+    embedding_scale: float = 0.0
+    # An RMSNorm on the attention's and on the MLP's output before each residual add
+    # (Gemma 3's post-attention and post-feedforward norms).
+    output_norms: bool = False
+    # Attention scores are multiplied by this (0: head_dim ** -0.5).
+    attention_scale: float = 0.0
+    # Final logits squashed into (-cap, cap) as cap * tanh(logits / cap) (0: not).
+    final_logit_softcap: float = 0.0
 
     @property
     def head_dim(self) -> int:
@@ -45,6 +74,36 @@ class LlamaConfig:
         tables = (1 if self.tie_embeddings else 2) * self.vocab_size * self.hidden_size
         return self.num_layers * (attention + mlp) + tables
 
+    def layer_window(self, layer: int) -> int:
+        """The attention window of layer `layer` (0: it sees every earlier position)."""
+        if self.sliding_window and self.layer_types and self.layer_types[layer] == "sliding":
+            return self.sliding_window
+        return 0
+
+    def family_options(self) -> list[str]:
+        """The options this model sets beyond a Llama's, by name: what a fast path that
+        implements only Llama's graph (and Qwen2's biases, which it checks itself) must
+        refuse."""
+        named = {
+            "qk_norm": self.qk_norm,
+            f"sliding_window {self.sliding_window}": any(self.layer_window(i) for i in range(self.num_layers)),
+            f"rope_local_theta {self.rope_local_theta:g}": bool(self.rope_local_theta),
+            f"mlp_activation {self.mlp_activation}": self.mlp_activation != "silu",
+            f"embedding_scale {self.embedding_scale:g}": bool(self.embedding_scale),
+            "output_norms": self.output_norms,
+            f"attention_scale {self.attention_scale:g}": bool(self.attention_scale),
+            f"final_logit_softcap {self.final_logit_softcap:g}": bool(self.final_logit_softcap),
+        }
+        return [name for name, on in named.items() if on]
+
+    def __post_init__(self) -> None:
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"mlp_activation {self.mlp_activation!r}: expected one of {', '.join(MLP_ACTIVATIONS)}")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types names {len(self.layer_types)} layers of {self.num_layers}")
+        if any(kind not in LAYER_TYPES for kind in self.layer_types):
+            raise ValueError(f"layer_types {self.layer_types}: each one of {', '.join(LAYER_TYPES)}")
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
@@ -54,4 +113,6 @@ class LlamaConfig:
 
     @classmethod
     def from_json(cls, path: Path) -> LlamaConfig:
-        return cls(**json.loads(path.read_text(encoding="utf-8")))
+        fields = json.loads(path.read_text(encoding="utf-8"))
+        fields["layer_types"] = tuple(fields.get("layer_types") or ())  # a list in JSON
+        return cls(**fields)

@@ -1,4 +1,5 @@
-"""Import a GGUF file of the Llama or Qwen2 family as the project's own text checkpoint.
+"""Import a GGUF file of the Llama, Qwen2, Qwen3 or Gemma 3 family as the project's own
+text checkpoint.
 
 Output directory: `config.json` (LlamaConfig), `model.safetensors` (float32 weights in
 the Hugging Face layout), `tokenizer.json` (built from the GGUF vocabulary), and the
@@ -6,7 +7,7 @@ chat template. Quantized GGUF tensors are dequantized here once; the runtime nev
 the gguf package or transformers.
 
 What llama.cpp's converter changed is undone here: a Llama file's q/k rows are
-interleaved for its rotary layout (a Qwen2 file's are not), Llama 3.1's RoPE scaling is
+interleaved for its rotary layout (Qwen2, Qwen3 and Gemma 3 files' are not), Llama 3.1's RoPE scaling is
 a `rope_freqs` tensor of per-frequency divisors, and the tokenizer's pre-tokenizer is
 only named (`tokenizer.ggml.pre`), so the named one is rebuilt. A vocabulary is either
 byte-level BPE (`gpt2`: Llama 3, Qwen2, SmolLM) or SentencePiece BPE (`llama`: Llama 2,
@@ -33,9 +34,65 @@ from engines.cache import build_cached, cache_key, file_sha256
 
 logger = logging.getLogger(__name__)
 
-IMPORTER_VERSION = 2  # 2: Qwen2 files, the families' pre-tokenizers, SentencePiece vocabularies, end-of-turn ids
+# 2: Qwen2 files, the families' pre-tokenizers, SentencePiece vocabularies, end-of-turn ids.
+# Qwen3 and Gemma 3 files did not bump it: what an earlier version imported is imported the
+# same (its config.json lacks the new options, which default to off), so a box's cached
+# builds stay valid.
+IMPORTER_VERSION = 2
 TOKEN_TYPE_NORMAL, TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER, TOKEN_TYPE_BYTE = 1, 2, 3, 4, 6
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+# Gemma 3's layer pattern and its sliding layers' RoPE base are not in its GGUF metadata:
+# llama.cpp fixes them for the architecture (every sixth layer global, base 10000), and
+# transformers' defaults for a config without them are the same.
+GEMMA3_PATTERN = 6
+GEMMA3_LOCAL_THETA = 10_000.0
+# Gemma 3's chat template, after the one Google's instruction-tuned Gemma 3 models carry in
+# tokenizer_config.json: for a Gemma 3 file that holds none (the base models' files), so
+# its prompts use the turn tokens its vocabulary has rather than ChatML's, which it has not.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}\n{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}\n"
+    "    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    '    {%- set first_user_prefix = "" -%}\n'
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    '        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}\n'
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    '        {%- set role = "model" -%}\n'
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n"
+    "        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n"
+    "        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n"
+    "                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n"
+    "                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- else -%}\n"
+    '        {{ raise_exception("Invalid content type") }}\n'
+    "    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\n'}}\n"
+    "{%- endif -%}\n"
+)
+# A turn's end where the file names no end-of-turn id: the token llama.cpp also takes as
+# one by its text (llama-vocab.cpp).
+GEMMA3_END_OF_TURN = "<end_of_turn>"
 
 # Pre-tokenizer splits of the byte-level families, by the name llama.cpp's converter
 # gives them (tokenizer.ggml.pre); the patterns are those models' own tokenizer.json.
@@ -65,7 +122,13 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3, Gemma 3
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "attn_output_norm",  # Gemma 3 (its ffn_norm is the pre-MLP norm)
+    "post_ffw_norm": "mlp_output_norm",
 }
+_QK_NORMS = ("attn_q_norm", "attn_k_norm")
+_OUTPUT_NORMS = ("post_attention_norm", "post_ffw_norm")
 _TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _BIASED = ("attn_q", "attn_k", "attn_v")  # Qwen2
@@ -127,17 +190,38 @@ def read_config(reader: Any) -> LlamaConfig:
     rope_dims = int(_optional(reader, f"{arch}.rope.dimension_count", head_dim))
     if rope_dims != head_dim:
         raise SourceModelError(f"partial rotary embeddings ({rope_dims} of {head_dim} dimensions) are not supported")
-    if _optional(reader, f"{arch}.attention.sliding_window") is not None:
-        raise SourceModelError("sliding-window attention is not supported")
+    window = _optional(reader, f"{arch}.attention.sliding_window")
+    if window is not None and arch != "gemma3":
+        # A Mistral file is written as `llama` and its window with it: served from its
+        # Hugging Face directory instead.
+        raise SourceModelError(f"sliding-window attention ({arch}.attention.sliding_window) is not supported")
+    if _optional(reader, f"{arch}.attn_logit_softcapping") is not None:
+        raise SourceModelError(f"attention logit soft-capping ({arch}.attn_logit_softcapping) is not supported")
     if f"{arch}.expert_count" in reader.fields and int(_field(reader, f"{arch}.expert_count")) > 0:
         raise SourceModelError("mixture-of-experts models are not supported")
     positions = int(_field(reader, f"{arch}.context_length"))
     if positions > MAX_POSITIONS:
         logger.info("positions capped at %d of the model's %d", MAX_POSITIONS, positions)
+    layers = int(_field(reader, f"{arch}.block_count"))
+    gemma: dict[str, Any] = {}
+    if arch == "gemma3":
+        softcap = _optional(reader, f"{arch}.final_logit_softcapping")
+        gemma = {
+            "sliding_window": int(window or 0),
+            "layer_types": tuple("sliding" if (i + 1) % GEMMA3_PATTERN else "full" for i in range(layers)),
+            "rope_local_theta": GEMMA3_LOCAL_THETA,
+            "mlp_activation": "gelu_tanh",
+            "embedding_scale": hidden**0.5,
+            "output_norms": True,
+            # query_pre_attn_scalar is the head width for every size but 27B (llama.cpp's
+            # rule; transformers' default of 256 is the same for 270M to 12B).
+            "attention_scale": head_dim**-0.5,
+            "final_logit_softcap": float(softcap) if softcap else 0.0,
+        }
     return LlamaConfig(
         vocab_size=int(embd.shape[1]),
         hidden_size=hidden,
-        num_layers=int(_field(reader, f"{arch}.block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(_optional(reader, f"{arch}.attention.head_count_kv", heads)),
         intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
@@ -148,6 +232,8 @@ def read_config(reader: Any) -> LlamaConfig:
         attention_bias=arch == "qwen2",
         head_size=head_dim if head_dim != hidden // heads else 0,
         rope_scaling=_rope_scaling(reader, arch),
+        qk_norm=arch in ("qwen3", "gemma3"),
+        **gemma,
     )
 
 
@@ -327,6 +413,12 @@ def convert(gguf_path: Path, out_dir: Path, progress: bool = True) -> dict[str, 
             layer, part, kind = int(match.group(1)), match.group(2), match.group(3)
             if part not in _LAYER_NAMES or (kind == "bias" and not (config.attention_bias and part in _BIASED)):
                 raise SourceModelError(f"unexpected tensor {t.name}")
+            if (part in _QK_NORMS and not config.qk_norm) or (part in _OUTPUT_NORMS and not config.output_norms):
+                raise SourceModelError(
+                    f"unexpected tensor {t.name} for a {_field(reader, 'general.architecture')} file"
+                )
+            # Gemma's norms are (1 + weight): llama.cpp's converter stored the sum, which
+            # is how our checkpoint keeps them too (engines/text/import_hf.py).
             if permuted and part == "attn_q":
                 weight = _unpermute_qk(weight, config.num_heads)
             elif permuted and part == "attn_k":
@@ -368,11 +460,19 @@ def generation_specials(reader: Any) -> dict[str, Any]:
     if eos is None and not ends:
         raise SourceModelError("GGUF metadata names no end-of-sequence token")
     bos = _optional(reader, "tokenizer.ggml.bos_token_id")
+    template = _optional(reader, "tokenizer.chat_template")
+    if _field(reader, "general.architecture") == "gemma3":
+        tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
+        if GEMMA3_END_OF_TURN in tokens:
+            ends.add(tokens.index(GEMMA3_END_OF_TURN))
+        if template is None:
+            logger.info("the Gemma 3 file holds no chat template: Gemma 3's own is used")
+            template = GEMMA3_TEMPLATE
     return {
         "bos_token_id": int(bos) if bos is not None else None,
         "eos_token_id": int(eos) if eos is not None else min(ends),
         "eos_token_ids": sorted(ends),
-        "chat_template": _optional(reader, "tokenizer.chat_template"),
+        "chat_template": template,
     }
 
 
@@ -382,7 +482,12 @@ def expected_tensors(config: LlamaConfig) -> set[str]:
     if not config.tie_embeddings:
         names.add("lm_head.weight")
     for i in range(config.num_layers):
-        names.update(f"layers.{i}.{part}.weight" for part in _LAYER_NAMES.values())
+        parts = [
+            ours
+            for theirs, ours in _LAYER_NAMES.items()
+            if (theirs not in _QK_NORMS or config.qk_norm) and (theirs not in _OUTPUT_NORMS or config.output_norms)
+        ]
+        names.update(f"layers.{i}.{part}.weight" for part in parts)
         if config.attention_bias:
             names.update(f"layers.{i}.{_LAYER_NAMES[part]}.bias" for part in _BIASED)
     return names

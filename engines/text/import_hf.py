@@ -1,14 +1,16 @@
-"""Import a Hugging Face model directory (Llama or Qwen2 family) as the project's own
-text checkpoint.
+"""Import a Hugging Face model directory (Llama, Qwen2, Qwen3 or Gemma 3 text) as the
+project's own text checkpoint.
 
 A source directory holds `config.json`, the weights as `*.safetensors` (one file or
 shards), `tokenizer.json`, and `tokenizer_config.json` with the chat template and the
 special tokens. Supported: the Llama family (Llama 2/3.x with its RoPE scaling, SmolLM,
-TinyLlama, Mistral-style models without a sliding window) and the Qwen2 family (q/k/v
-biases, tied embeddings). Anything else is refused with an error naming what is not
-supported. The output is the layout `edge.text.model.checkpoint` loads: float32 weights under
-our module names, our config, the tokenizer, and generation.json with the chat template,
-the special tokens and the end-of-turn ids.
+TinyLlama, Mistral with its sliding window), the Qwen2 family (q/k/v
+biases, tied embeddings), Qwen3 (q/k norms) and Gemma 3 text models (sliding-window and
+global layers, q/k norms, GeGLU, the scaled embedding, output norms) and Phi-3 (its
+fused q/k/v and gate/up weights split, its sliding window). Anything else is
+refused with an error naming what is not supported. The output is the layout `edge.text.model.checkpoint` loads: float32
+weights under our module names, our config, the tokenizer, and generation.json with the
+chat template, the special tokens and the end-of-turn ids.
 """
 
 from __future__ import annotations
@@ -29,8 +31,26 @@ from engines.text.import_gguf import MAX_POSITIONS, SourceModelError, expected_t
 
 logger = logging.getLogger(__name__)
 
+# Not bumped for Qwen3, Gemma 3, Phi-3 or Mistral's window: a model an earlier version
+# imported is imported the same (the new options default to off), so cached builds stay valid.
 IMPORTER_VERSION = 1
-FAMILIES = {"llama": "Llama", "mistral": "Llama", "qwen2": "Qwen2"}
+FAMILIES = {
+    "llama": "Llama",
+    "mistral": "Llama",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "gemma3_text": "Gemma 3",
+    "phi3": "Phi-3",
+}
+GEMMA = "gemma3_text"
+# Gemma's names for its norms where ours differ: its pre-feedforward norm is the norm
+# before the MLP (Llama's post_attention_layernorm), and its post-attention and
+# post-feedforward norms are our output norms.
+GEMMA_NAMES = {
+    "post_attention_layernorm": "attn_output_norm",
+    "pre_feedforward_layernorm": "post_attention_layernorm",
+    "post_feedforward_layernorm": "mlp_output_norm",
+}
 REQUIRED = ("config.json", "tokenizer.json", "tokenizer_config.json")
 HF_ROPE_TYPES = ("linear", "llama3")  # what a Hugging Face config.json may name that we serve
 
@@ -58,24 +78,41 @@ def read_hf_config(directory: Path) -> LlamaConfig:
         archs = ", ".join(hf.get("architectures") or []) or "none given"
         raise SourceModelError(
             f"model_type {kind!r} (architectures: {archs}) is not supported; supported: "
-            "llama, mistral (without a sliding window), qwen2"
+            "llama, mistral, qwen2, qwen3, gemma3_text, phi3"
         )
     problems: list[str] = []
-    if hf.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act {hf['hidden_act']!r} (only silu)")
+    expected_act = "gelu_pytorch_tanh" if kind == GEMMA else "silu"
+    act = hf.get("hidden_activation" if kind == GEMMA else "hidden_act") or expected_act
+    if act != expected_act:
+        problems.append(f"hidden_act {act!r} (only {expected_act})")
     if hf.get("mlp_bias"):
         problems.append("mlp_bias")
-    if kind == "mistral" and hf.get("sliding_window") is not None:
-        problems.append(f"sliding_window {hf['sliding_window']}")
-    if kind == "qwen2" and hf.get("use_sliding_window"):
+    if kind in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
         problems.append("use_sliding_window")
-    if kind == "llama" and hf.get("attention_bias"):
-        problems.append("attention_bias on a Llama model")
-    if any(kind != "full_attention" for kind in hf.get("layer_types") or []):
+    if kind != "qwen2" and hf.get("attention_bias"):
+        problems.append(f"attention_bias on a {FAMILIES[kind]} model")
+    layer_types = tuple(hf.get("layer_types") or ())
+    if kind != GEMMA and any(t != "full_attention" for t in layer_types):
         problems.append("sliding-window layers")
+    if any(t not in ("full_attention", "sliding_attention") for t in layer_types):
+        problems.append(f"layer_types {sorted(set(layer_types))}")
+    options: dict[str, Any] = {}
+    rope_parameters = hf.get("rope_parameters") or {}
+    if kind == GEMMA:
+        options, rope_parameters = _gemma_options(hf, problems)
+    elif kind == "phi3":
+        # Phi-4-mini rotates three quarters of each head: not a rotation we implement.
+        partial = float(rope_parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+        if partial != 1.0:
+            problems.append(f"partial_rotary_factor {partial}")
+        rope_parameters = {k: v for k, v in rope_parameters.items() if k != "partial_rotary_factor"}
+    if kind in ("mistral", "phi3") and hf.get("sliding_window") is not None:
+        # Mistral 7B v0.1's and Phi-3's window: every layer slides (as transformers masks them).
+        window = int(hf["sliding_window"])
+        options = {"sliding_window": window, "layer_types": ("sliding",) * int(hf["num_hidden_layers"])}
     # transformers 5 writes RoPE as rope_parameters (theta included); older configs as
     # rope_theta and rope_scaling.
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope = dict(rope_parameters or hf.get("rope_scaling") or {})
     theta = float(hf.get("rope_theta") or rope.pop("rope_theta", 10000.0))
     rope.pop("rope_theta", None)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -104,15 +141,75 @@ def read_hf_config(directory: Path) -> LlamaConfig:
         attention_bias=kind == "qwen2",
         head_size=head_dim if head_dim != hidden // heads else 0,
         rope_scaling=scaling,
+        qk_norm=kind in ("qwen3", GEMMA),
+        **options,
     )
+
+
+def _gemma_options(hf: dict[str, Any], problems: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Gemma 3 text config's options as ours, and the global layers' RoPE parameters;
+    what we do not serve goes into `problems`."""
+    hidden = int(hf["hidden_size"])
+    layers = int(hf["num_hidden_layers"])
+    types = hf.get("layer_types")
+    if not types:  # older configs: every sliding_window_pattern-th layer global
+        pattern = int(hf.get("sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if hf.get("attn_logit_softcapping") is not None:
+        problems.append(f"attn_logit_softcapping {hf['attn_logit_softcapping']}")
+    if hf.get("use_bidirectional_attention"):
+        problems.append("use_bidirectional_attention")
+    params = hf.get("rope_parameters") or {}
+    global_rope = dict(params.get("full_attention") or {})
+    local_rope = dict(params.get("sliding_attention") or {})
+    if "rope_theta" not in global_rope:
+        global_rope["rope_theta"] = float(hf.get("rope_theta", 1_000_000.0))
+    if hf.get("rope_scaling") and not params:
+        global_rope.update(hf["rope_scaling"])
+    local_type = local_rope.get("rope_type", "default")
+    if local_type != "default":
+        problems.append(f"rope_scaling {local_type!r} on the sliding layers")
+    local_theta = float(local_rope.get("rope_theta") or hf.get("rope_local_base_freq", 10_000.0))
+    softcap = hf.get("final_logit_softcapping")
+    options = {
+        "sliding_window": int(hf.get("sliding_window") or 0),
+        "layer_types": tuple("sliding" if t == "sliding_attention" else "full" for t in types),
+        "rope_local_theta": local_theta,
+        "mlp_activation": "gelu_tanh",
+        "embedding_scale": hidden**0.5,
+        "output_norms": True,
+        "attention_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+        "final_logit_softcap": float(softcap) if softcap else 0.0,
+    }
+    return options, global_rope
 
 
 def weight_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.safetensors"))
 
 
-def _our_name(name: str) -> str:
-    return name.removeprefix("model.")
+def _our_name(name: str, gemma: bool) -> str:
+    name = name.removeprefix("model.")
+    if gemma:
+        head, _, tail = name.rpartition(".weight")[0].rpartition(".")
+        if tail in GEMMA_NAMES:
+            return f"{head}.{GEMMA_NAMES[tail]}.weight"
+    return name
+
+
+def _split_fused(name: str, tensor: torch.Tensor, config: LlamaConfig) -> list[tuple[str, torch.Tensor]]:
+    """Phi-3's fused q/k/v and gate/up weights as our separate linears (the loader fuses
+    them again for serving, in its own order)."""
+    hd = config.head_dim
+    if name.endswith("self_attn.qkv_proj.weight"):
+        parts = torch.split(tensor, [config.num_heads * hd, config.num_kv_heads * hd, config.num_kv_heads * hd])
+        base = name.removesuffix("qkv_proj.weight")
+        return [(f"{base}{p}_proj.weight", t.contiguous()) for p, t in zip("qkv", parts, strict=True)]
+    if name.endswith("mlp.gate_up_proj.weight"):
+        gate, up = tensor.chunk(2, dim=0)  # gate first: transformers' Phi3MLP chunks so
+        base = name.removesuffix("gate_up_proj.weight")
+        return [(f"{base}gate_proj.weight", gate.contiguous()), (f"{base}up_proj.weight", up.contiguous())]
+    return [(name, tensor)]
 
 
 def generation_settings(directory: Path) -> dict[str, Any]:
@@ -166,18 +263,27 @@ def generation_settings(directory: Path) -> dict[str, Any]:
 
 def convert(directory: Path, out_dir: Path, progress: bool = True) -> dict[str, Any]:
     config = read_hf_config(directory)
+    gemma = _load_json(directory / "config.json").get("model_type") == GEMMA
     expected = expected_tensors(config)
     tensors: dict[str, torch.Tensor] = {}
     files = weight_files(directory)
     for path in tqdm(files, desc=f"import {directory.name}", unit="file", disable=not progress):
         with safe_open(str(path), framework="pt") as fh:
             for name in fh.keys():
-                ours = _our_name(name)
+                ours = _our_name(name, gemma)
                 if ours == "lm_head.weight" and config.tie_embeddings:
                     continue  # tied: the embedding is the head
-                if ours not in expected:
-                    raise SourceModelError(f"{directory.name}: unexpected tensor {name} for a {config_kind(config)}")
-                tensors[ours] = fh.get_tensor(name).to(torch.float32).contiguous()
+                tensor = fh.get_tensor(name).to(torch.float32)
+                if gemma and ours.endswith("norm.weight"):
+                    # Gemma's RMSNorm multiplies by (1 + weight): stored as that sum, as
+                    # llama.cpp's converter stores it, so one RMSNorm (and AWQ's folding
+                    # of scales into it) serves every family.
+                    tensor = tensor + 1.0
+                for part, value in _split_fused(ours, tensor, config):
+                    if part not in expected:
+                        kind = config_kind(config)
+                        raise SourceModelError(f"{directory.name}: unexpected tensor {name} for a {kind}")
+                    tensors[part] = value.contiguous()
     missing = sorted(expected - set(tensors))
     if missing:
         raise SourceModelError(f"{directory.name}: missing tensors {', '.join(missing[:5])}")
@@ -197,6 +303,10 @@ def convert(directory: Path, out_dir: Path, progress: bool = True) -> dict[str, 
 
 
 def config_kind(config: LlamaConfig) -> str:
+    if config.output_norms:
+        return "Gemma 3 model"
+    if config.qk_norm:
+        return "Qwen3 model"
     return "Qwen2 model" if config.attention_bias else "Llama model"
 
 

@@ -100,8 +100,7 @@ def random_int4_llama(
     else:
         head = _random_matrix(config.vocab_size, h, dtype, device, gen)
         model.lm_head.weight = nn.Parameter(head, requires_grad=False)
-    model.rope_cos = model.rope_cos.to(device)
-    model.rope_sin = model.rope_sin.to(device)
+    model.move_rope(device)
     return model.eval()
 
 

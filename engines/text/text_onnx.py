@@ -128,6 +128,11 @@ class LinearReport:
 class _Exporter:
     def __init__(self, ckpt_dir: Path, dtype: str) -> None:
         self.config = LlamaConfig.from_json(ckpt_dir / "config.json")
+        options = self.config.family_options()
+        if options:
+            # The graph written here is Llama's (Qwen2's biases included); a family's
+            # options would otherwise be dropped silently.
+            raise ExportError(f"the ONNX export does not implement {', '.join(options)}")
         quant_path = ckpt_dir / "quant.json"
         self.quant: dict[str, Any] = (
             json.loads(quant_path.read_text(encoding="utf-8"))["linears"] if quant_path.exists() else {}

@@ -1,7 +1,9 @@
 """A model's own chat template (Jinja), rendered the way Hugging Face transformers renders
 it: a sandboxed environment with trim_blocks and lstrip_blocks, loop controls, a `tojson`
 filter that keeps non-ASCII text, `raise_exception` and `strftime_now`, and the special
-tokens as variables beside `messages` and `add_generation_prompt`.
+tokens as variables beside `messages` and `add_generation_prompt`, and `enable_thinking`
+(Qwen3's switch: its template writes an empty reasoning block when it is false, and the
+model answers at once; templates without the switch ignore it).
 
 A template is compiled once per checkpoint; rendering a prompt is a plain call.
 """
@@ -49,11 +51,14 @@ class ChatTemplate:
             raise ChatTemplateError(f"the chat template does not compile: {err}") from err
         self._specials = {k: v for k, v in special_tokens.items() if v is not None}
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True, thinking: bool = False) -> str:
+        """The prompt text. `thinking` is off by default: a Q&A job wants the answer, not
+        a reasoning trace of hundreds of tokens before it."""
         try:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                enable_thinking=thinking,
                 tools=None,
                 documents=None,
                 **self._specials,

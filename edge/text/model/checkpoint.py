@@ -162,8 +162,7 @@ def load_checkpoint(
         table.weight = nn.Parameter(table.weight.detach().to(device), requires_grad=table.weight.requires_grad)
         if config.tie_embeddings and isinstance(model.lm_head, nn.Linear):
             model.lm_head.weight = table.weight
-    model.rope_cos = model.rope_cos.to(device)
-    model.rope_sin = model.rope_sin.to(device)
+    model.move_rope(device)
     model.eval()
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     gen = json.loads((path / "generation.json").read_text(encoding="utf-8"))

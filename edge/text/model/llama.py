@@ -38,6 +38,8 @@ class DecodeAt:
     pos: torch.Tensor  # [B] long
     kv_len: int
     bias: torch.Tensor  # [B, 1, 1, kv_len] float32
+    # The sliding layers' mask: -inf also at and before each position - window.
+    window_bias: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -57,13 +59,18 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
 
 
-def rope_tables(config: LlamaConfig, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    config: LlamaConfig, max_len: int, device: torch.device, local: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin per position; `local`: the sliding layers' (rope_local_theta, unscaled)."""
     d = config.head_dim
     # Built on the CPU explicitly, so a model constructed on the meta device still
     # gets real tables (they are derived, not loaded from the checkpoint).
     cpu = torch.device("cpu")
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=cpu) / d))
-    inv_freq = scaled_frequencies(inv_freq, config.rope_scaling)
+    theta = config.rope_local_theta if local else config.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=cpu) / d))
+    if not local:
+        inv_freq = scaled_frequencies(inv_freq, config.rope_scaling)
     t = torch.arange(max_len, dtype=torch.float64, device=cpu)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
@@ -117,13 +124,42 @@ def chunk_mask(seq: int, end: int, device: torch.device) -> torch.Tensor | Causa
     return torch.ones(seq, end, dtype=torch.bool, device=device).tril(diagonal=end - seq)
 
 
+def window_mask(seq: int, end: int, window: int, device: torch.device) -> torch.Tensor:
+    """A sliding layer's mask for `seq` queries ending at position `end`: each sees
+    itself and the window - 1 positions before it (transformers' sliding_window_overlay
+    on top of the causal mask)."""
+    query = torch.arange(end - seq, end, device=device).view(-1, 1)
+    key = torch.arange(end, device=device).view(1, -1)
+    return (key <= query) & (key > query - window)
+
+
+def decode_biases(config: LlamaConfig, pos: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A decode step's additive masks [B, 1, 1, kv_len]: 0 up to each position and -inf
+    beyond; and, for a model with sliding layers, theirs (-inf also at and before the
+    position - window)."""
+    keys = torch.arange(kv_len, device=pos.device)
+    visible = keys <= pos.view(-1, 1)
+    bias = torch.zeros(visible.shape, device=pos.device).masked_fill_(~visible, float("-inf"))
+    window = next((w for i in range(config.num_layers) if (w := config.layer_window(i))), 0)
+    if not window:
+        return bias.view(-1, 1, 1, kv_len), None
+    seen = visible & (keys > pos.view(-1, 1) - window)
+    local = torch.zeros(seen.shape, device=pos.device).masked_fill_(~seen, float("-inf"))
+    return bias.view(-1, 1, 1, kv_len), local.view(-1, 1, 1, kv_len)
+
+
 class Attention(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         hd = config.head_dim
         self.n_heads = config.num_heads
         self.n_kv = config.num_kv_heads
         self.head_dim = hd
+        self.window = config.layer_window(layer)
+        self.scale = config.attention_scale or hd**-0.5
+        # Qwen3 and Gemma 3 normalise each q and k head before RoPE.
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps) if config.qk_norm else None
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, config.num_heads * hd, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * hd, bias=bias)
@@ -143,7 +179,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         bsz, seq, _ = x.shape
         hd = self.head_dim
-        if self.qkv_proj is not None:
+        if self.q_norm is not None and self.k_norm is not None:
+            if self.qkv_proj is not None:
+                q_, k_, v_ = torch.split(self.qkv_proj(x), [self.n_heads * hd, self.n_kv * hd, self.n_kv * hd], dim=-1)
+            else:
+                q_, k_, v_ = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q = apply_rope(self.q_norm(q_.view(bsz, seq, self.n_heads, hd)).transpose(1, 2), cos, sin)
+            k = apply_rope(self.k_norm(k_.view(bsz, seq, self.n_kv, hd)).transpose(1, 2), cos, sin)
+        elif self.qkv_proj is not None:
             # Rotate q and k together: one set of elementwise kernels instead of two.
             qkv: torch.Tensor = self.qkv_proj(x)
             qk_, v_ = torch.split(qkv, [(self.n_heads + self.n_kv) * hd, self.n_kv * hd], dim=-1)
@@ -156,9 +199,14 @@ class Attention(nn.Module):
         v = v_.view(bsz, seq, self.n_kv, hd).transpose(1, 2)
         if isinstance(k_cache, QuantLayer):
             return self._quantized(q, k, v, k_cache, start)
+        gqa = self.n_kv != self.n_heads
         if k_cache is None or v_cache is None:
             # Training: the whole sequence at once, nothing cached, gradients flow.
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+            if self.window and seq > self.window:
+                mask = window_mask(seq, seq, self.window, x.device)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
             trained: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
             return trained
         if isinstance(start, DecodeAt):
@@ -168,16 +216,22 @@ class Attention(nn.Module):
         v_cache[:bsz, :, start:end] = v
         keys = k_cache[:bsz, :, :end]
         values = v_cache[:bsz, :, :end]
-        if seq == 1 or start == 0:
+        if self.window and end > self.window:
+            # A sliding layer past its window: a token alone reads the window's keys only,
+            # a chunk masks each query's own window.
+            if seq == 1:
+                keys, values = keys[:, :, end - self.window :], values[:, :, end - self.window :]
+                out = F.scaled_dot_product_attention(q, keys, values, scale=self.scale, enable_gqa=gqa)
+            else:
+                mask = window_mask(seq, end, self.window, x.device)
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+        elif seq == 1 or start == 0:
             # Decode sees every cached position; a fresh prefill is plainly causal.
-            out = F.scaled_dot_product_attention(
-                q, keys, values, is_causal=seq > 1, enable_gqa=self.n_kv != self.n_heads
-            )
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=seq > 1, scale=self.scale, enable_gqa=gqa)
         else:
             # Chunked prefill after earlier tokens: causal within the chunk, full before it.
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=chunk_mask(seq, end, x.device), enable_gqa=self.n_kv != self.n_heads
-            )
+            mask = chunk_mask(seq, end, x.device)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
         projected: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
         return projected
 
@@ -188,6 +242,10 @@ class Attention(nn.Module):
         a chunk after cached tokens read the codes in the kernel; a fresh prompt attends
         to itself in float, as with a float cache, and is coded as it is stored."""
         bsz, _, seq, hd = q.shape
+        if self.window or self.scale != hd**-0.5:
+            # The quantized attention kernels take neither (LlamaModel.new_cache refuses
+            # such a model a quantized cache); never attend wrongly if one got here.
+            raise RuntimeError("a quantized KV cache does not implement sliding_window or attention_scale")
         if isinstance(start, DecodeAt):
             out = kv_attention.decode(layer, q[:, :, 0], k[:, :, 0], v[:, :, 0], start.pos, start.kv_len)
             out = out.unsqueeze(2)
@@ -222,8 +280,9 @@ class Attention(nn.Module):
         keys = k_cache[:bsz, :, : at.kv_len]
         values = v_cache[:bsz, :, : at.kv_len]
         group = self.n_heads // self.n_kv
-        qg = q.reshape(bsz, self.n_kv, group, self.head_dim) * (self.head_dim**-0.5)
-        scores = (qg @ keys.transpose(-1, -2)).float() + at.bias
+        qg = q.reshape(bsz, self.n_kv, group, self.head_dim) * self.scale
+        bias = at.window_bias if self.window and at.window_bias is not None else at.bias
+        scores = (qg @ keys.transpose(-1, -2)).float() + bias
         out = torch.softmax(scores, dim=-1).to(values.dtype) @ values  # [B, n_kv, group, hd]
         projected: torch.Tensor = self.o_proj(out.reshape(bsz, 1, self.n_heads * self.head_dim))
         return projected
@@ -236,9 +295,13 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.gate_up_proj: nn.Module | None = None  # set by fuse_projections()
+        self.gelu = config.mlp_activation == "gelu_tanh"
+
+    def act(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None and x.is_cuda and decode_ops.TRITON_SUPPORT:
+        if self.gate_up_proj is not None and x.is_cuda and decode_ops.TRITON_SUPPORT and not self.gelu:
             # One kernel reads the [gate; up] product (in the INT4 kernel's paired order
             # where it has one): no reordering copy and no separate SiLU and product
             # tensors, which were a 512-token chunk's largest transients on an 8B model.
@@ -250,17 +313,25 @@ class MLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        out: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        out: torch.Tensor = self.down_proj(self.act(gate) * up)
         return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    """Norm, attention, residual add; norm, MLP, residual add. `post_attention_layernorm`
+    is the norm before the MLP, as Llama names it (Gemma's pre_feedforward_layernorm);
+    with `output_norms`, `attn_output_norm` and `mlp_output_norm` normalise each branch's
+    output before its add (Gemma's post_attention_layernorm and post_feedforward_layernorm)."""
+
+    def __init__(self, config: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        self.attn_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.output_norms else None
+        self.mlp_output_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if config.output_norms else None
+        self.local_rope = config.layer_window(layer) > 0 and config.rope_local_theta > 0
 
     def forward(
         self,
@@ -271,8 +342,13 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor | None,
         start: int | DecodeAt,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, start)
+        attn_out: torch.Tensor = self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, start)
+        if self.attn_output_norm is not None:
+            attn_out = self.attn_output_norm(attn_out)
+        x = x + attn_out
         mlp_out: torch.Tensor = self.mlp(self.post_attention_layernorm(x))
+        if self.mlp_output_norm is not None:
+            mlp_out = self.mlp_output_norm(mlp_out)
         return x + mlp_out
 
 
@@ -285,7 +361,7 @@ class LlamaModel(nn.Module):
         self.config = config
         # Serving may swap in a compact table (edge/text/model/embedding.py).
         self.embed_tokens: nn.Embedding | QuantizedEmbedding = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -293,6 +369,10 @@ class LlamaModel(nn.Module):
         cos, sin = rope_tables(config, config.max_position, torch.device("cpu"))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # The sliding layers' own tables, where their RoPE base differs (Gemma 3).
+        self.rope_local: tuple[torch.Tensor, torch.Tensor] | None = None
+        if any(layer.local_rope for layer in self.layers if isinstance(layer, DecoderLayer)):
+            self.rope_local = rope_tables(config, config.max_position, torch.device("cpu"), local=True)
         # Whether the runtime's decode step is the fused one (runtime/fused_step.py):
         # decided there on first use (the projections are swapped for INT4 ones after
         # construction); set False to force this model's per-op decode_step.
@@ -300,6 +380,46 @@ class LlamaModel(nn.Module):
         # Whether the fused step folds the RMSNorms into the CUDA GEMVs around them
         # (fused_step.folds_norm, where the layers allow it); False keeps the norm kernels.
         self.fold_norms = True
+
+    def move_rope(self, device: torch.device) -> None:
+        """The derived RoPE tables to `device` (a model built on the meta device has them
+        on the CPU)."""
+        self.rope_cos = self.rope_cos.to(device)
+        self.rope_sin = self.rope_sin.to(device)
+        if self.rope_local is not None:
+            self.rope_local = (self.rope_local[0].to(device), self.rope_local[1].to(device))
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x: torch.Tensor = self.embed_tokens(ids)
+        if self.config.embedding_scale:
+            # By the scale rounded to the table's type, as Gemma's scaled embedding does; a
+            # plain number, so a captured CUDA graph holds no host tensor.
+            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype).item()
+        return x
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.lm_head(self.norm(x))
+        cap = self.config.final_logit_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _tables(
+        self, cos: torch.Tensor, sin: torch.Tensor, rows: slice | torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (cos, sin): the global tables' `rows`, or the sliding layers' own."""
+        local = None
+        if self.rope_local is not None:
+            lc, ls = self.rope_local
+            if isinstance(rows, slice):
+                lc, ls = lc[rows], ls[rows]
+            else:
+                lc, ls = lc.index_select(0, rows), ls.index_select(0, rows)
+            local = (lc.to(cos.dtype).view(cos.shape), ls.to(sin.dtype).view(sin.shape))
+        return [
+            local if local is not None and isinstance(layer, DecoderLayer) and layer.local_rope else (cos, sin)
+            for layer in self.layers
+        ]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -323,6 +443,14 @@ class LlamaModel(nn.Module):
         (edge/text/kv/quant_cache.py) for a quantized format."""
         length = min(max_len, self.config.max_position)
         if kv_format is not None and kv_format.dtype != "float16":
+            unsupported = [
+                o for o in self.config.family_options() if o.startswith(("sliding_window", "attention_scale"))
+            ]
+            if unsupported:
+                raise ValueError(
+                    f"kv_dtype {kv_format.dtype}: the quantized KV attention kernels do not implement "
+                    f"{', '.join(unsupported)}; serve this model with kv_dtype float16"
+                )
             return QuantKVCache(self.config, batch, length, kv_format, self.dtype, self.device)
         return KVCache(self.config, batch, length, self.dtype, self.device)
 
@@ -339,13 +467,13 @@ class LlamaModel(nn.Module):
         # The residual stream stays in float32 between layers, as in the fused decode
         # step: added to in half precision it loses the small updates of late layers,
         # and a prompt's cached keys and values would not be those its decode expects.
-        x = self.embed_tokens(ids).float()
+        x = self._embed(ids).float()
+        tables = self._tables(cos, sin, slice(start, start + seq))
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, *_layer_kv(cache, i), start)
+            x = layer(x, *tables[i], *_layer_kv(cache, i), start)
         if last_only:
             x = x[:, -1:, :]
-        logits: torch.Tensor = self.lm_head(self.norm(x))
-        return logits.float()
+        return self._head(x).float()
 
     def forward_train(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] for whole sequences, with autograd and no KV cache."""
@@ -353,11 +481,11 @@ class LlamaModel(nn.Module):
         dtype = self.dtype
         cos = self.rope_cos[:seq].to(dtype)
         sin = self.rope_sin[:seq].to(dtype)
-        x = self.embed_tokens(ids)
-        for layer in self.layers:
-            x = layer(x, cos, sin, None, None, 0)
-        logits: torch.Tensor = self.lm_head(self.norm(x))
-        return logits
+        x = self._embed(ids)
+        tables = self._tables(cos, sin, slice(0, seq))
+        for i, layer in enumerate(self.layers):
+            x = layer(x, *tables[i], None, None, 0)
+        return self._head(x)
 
     @torch.inference_mode()
     def decode_step(
@@ -372,14 +500,13 @@ class LlamaModel(nn.Module):
         dtype = self.dtype
         cos = self.rope_cos.index_select(0, pos).to(dtype).unsqueeze(1).unsqueeze(1)
         sin = self.rope_sin.index_select(0, pos).to(dtype).unsqueeze(1).unsqueeze(1)
-        visible = torch.arange(kv_len, device=pos.device) <= pos.view(-1, 1)
-        bias = torch.zeros(visible.shape, device=pos.device).masked_fill_(~visible, float("-inf"))
-        at = DecodeAt(pos, kv_len, bias.view(-1, 1, 1, kv_len))
-        x = self.embed_tokens(ids).float()  # the residual stream, as in forward()
+        bias, window_bias = decode_biases(self.config, pos, kv_len)
+        at = DecodeAt(pos, kv_len, bias, window_bias)
+        x = self._embed(ids).float()  # the residual stream, as in forward()
+        tables = self._tables(cos, sin, pos)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, *_layer_kv(cache, i), at)
-        logits: torch.Tensor = self.lm_head(self.norm(x))
-        return logits[:, -1].float()
+            x = layer(x, *tables[i], *_layer_kv(cache, i), at)
+        return self._head(x)[:, -1].float()
 
 
 def _layer_kv(cache: KVCache | QuantKVCache, i: int) -> tuple[torch.Tensor | QuantLayer, torch.Tensor | None]:

@@ -23,6 +23,8 @@ KV-length bucket like the torch path does.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from edge.text.kv.float_cache import KVCache
@@ -39,6 +41,8 @@ from edge.text.ops.triton.decode_ops import (
     rope_kv_write,
     silu_mul,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def decode_step(
@@ -63,9 +67,22 @@ def _gemv(linear: torch.nn.Module, x: torch.Tensor, norm: cuda_int4.NormInput | 
     return (x.to(weight.dtype) @ weight.T).float()
 
 
+def refusal(model: LlamaModel) -> str | None:
+    """Why the fused kernels cannot serve this model's graph, naming the options they do
+    not implement (they are Llama's graph: SiLU, one RoPE table, no q/k norms, no window,
+    no output norms); None where they can."""
+    options = model.config.family_options()
+    return f"they do not implement {', '.join(options)}" if options else None
+
+
 def can_fuse(model: LlamaModel) -> bool:
     """True when every projection is a fused Triton INT4 linear on a CUDA device."""
     if not TRITON_SUPPORT or model.device.type != "cuda":
+        return False
+    refused = refusal(model)
+    if refused:
+        # The per-op step (captured in CUDA graphs too) serves the model instead.
+        logger.info("fused decode step and prefill refused: %s", refused)
         return False
     if model.config.num_heads // model.config.num_kv_heads > ATTN_GROUP_ROWS:
         return False

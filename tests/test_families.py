@@ -1,0 +1,352 @@
+"""Qwen3 and Gemma 3 text models against transformers itself: random-weight models of
+both families are built here with transformers, saved as Hugging Face directories (and a
+Qwen3 one written as llama.cpp's converter writes a GGUF), imported and served by our
+decoder. Float logits over 200 positions (prefilled in chunks and decoded token by token,
+so every mask a served model uses is compared, a sliding window's included), greedy
+tokens and the rendered prompt must equal transformers'; AWQ must quantize the new
+linears and keep the norms float; what a fast path does not implement is refused by
+name; and the real Gemma 3 270M GGUF answers token for token as transformers does."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from bench.family_models import (
+    CORPUS,
+    MESSAGES,
+    WINDOW,
+    make_model,
+    served_logits,
+    write_qwen3_gguf,
+)
+from edge.text.architecture import LlamaConfig
+from edge.text.kv.kv_quant import FORMATS
+from edge.text.model.checkpoint import load_checkpoint
+from edge.text.runtime import fused_step
+from edge.text.runtime.generate import SamplingParams, generate
+from engines.text.import_gguf import SourceModelError, import_gguf
+from engines.text.import_hf import import_hf, read_hf_config
+from tests.conftest import Broker, Requester, edgectl, start_daemon, write_profile
+
+POSITIONS = 200
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gemma3", "mistral", "phi3"])
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp(str(request.param))
+    model, tokenizer = make_model(root / "source", str(request.param))
+    checkpoint = import_hf(root / "source", root / "engines", progress=False)
+    return {"name": request.param, "hf": model, "tokenizer": tokenizer, "source": root / "source", "ckpt": checkpoint}
+
+
+def assert_close(got: torch.Tensor, theirs: torch.Tensor) -> None:
+    scale = theirs.abs().max().item()
+    assert scale > 1.0  # the weights are wide enough for the comparison to mean something
+    assert (got - theirs).abs().max().item() <= 1e-4 * scale
+
+
+def test_the_import_keeps_the_familys_options(family: dict[str, Any]) -> None:
+    config = read_hf_config(family["source"])
+    assert not config.attention_bias
+    if family["name"] in ("mistral", "phi3"):
+        assert config.family_options() == [f"sliding_window {WINDOW}"] and not config.tie_embeddings
+        assert config.layer_types == ("sliding", "sliding") and config.layer_window(1) == WINDOW
+    elif family["name"] == "qwen3":
+        assert config.head_dim == 24 and config.family_options() == ["qk_norm"] and config.tie_embeddings
+    else:
+        assert config.qk_norm and config.tie_embeddings
+        assert config.layer_types == ("sliding", "sliding", "full", "sliding") and config.sliding_window == WINDOW
+        assert (config.rope_theta, config.rope_local_theta) == (1_000_000.0, 10_000.0)
+        assert config.mlp_activation == "gelu_tanh" and config.output_norms
+        assert config.embedding_scale == pytest.approx(8.0) and config.attention_scale == pytest.approx(20**-0.5)
+        assert config.final_logit_softcap == 30.0
+
+
+def test_float_logits_equal_transformers_over_200_positions(family: dict[str, Any]) -> None:
+    ours = load_checkpoint(family["ckpt"], dtype=torch.float32)
+    ids = torch.randint(0, ours.model.config.vocab_size, (1, POSITIONS), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = family["hf"](ids).logits[0]
+    whole = ours.model(ids, ours.model.new_cache(1, 256), 0, last_only=False)[0]
+    assert_close(whole, theirs)
+    assert_close(served_logits(ours.model, ids), theirs)
+
+
+def test_the_prompt_is_the_models_own_template_with_thinking_off(family: dict[str, Any]) -> None:
+    ours = load_checkpoint(family["ckpt"], dtype=torch.float32)
+    assert ours.chat is not None
+    tokenizer = family["tokenizer"]
+    for thinking in (False, True):
+        expected = tokenizer.apply_chat_template(
+            MESSAGES, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
+        )
+        assert ours.chat.render(MESSAGES, thinking=thinking) == expected
+    if family["name"] == "qwen3":  # off unless asked: the answer, not a reasoning trace
+        assert ours.chat.render(MESSAGES).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def test_greedy_tokens_equal_transformers(family: dict[str, Any]) -> None:
+    ours = load_checkpoint(family["ckpt"], dtype=torch.float32)
+    tokenizer = family["tokenizer"]
+    assert ours.chat is not None
+    text = ours.chat.render(MESSAGES)
+    prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert list(ours.tokenizer.encode(text, add_special_tokens=False).ids) == prompt
+    new = 48  # past the Gemma model's window
+    got = generate(
+        ours.model,
+        ours.tokenizer,
+        prompt,
+        SamplingParams(max_new_tokens=new),
+        frozenset(),
+        ours.model.new_cache(1, 128),
+    )
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = family["hf"].generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, eos_token_id=None
+        )
+    theirs = out[0, len(prompt) :].tolist()
+    assert got.token_ids == theirs and len(set(theirs)) > 3
+
+
+def test_the_served_engine_answers_as_transformers_past_the_window(family: dict[str, Any]) -> None:
+    # The CPU profile's engine: its continuous batcher prefills and then decodes every
+    # sequence through the batched step, whose masks are the decode step's.
+    from bench.text_engines import load_engine
+
+    engine = load_engine(family["ckpt"], "cpu")
+    assert not engine.config()["fused_step"]
+    tokenizer = family["tokenizer"]
+    prompt = tokenizer(engine.prompter.text("Is 38.5 a fever?", None), add_special_tokens=False)["input_ids"]
+    assert engine.prompter.ids("Is 38.5 a fever?", None) == prompt
+    new = 2 * WINDOW
+    got = list(engine.generate(prompt, SamplingParams(max_new_tokens=new, ignore_eos=True)).tokens)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = family["hf"].generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, eos_token_id=None
+        )
+    assert got == out[0, len(prompt) :].tolist()
+
+
+def test_awq_quantizes_the_linears_and_keeps_the_norms_float(family: dict[str, Any]) -> None:
+    from safetensors import safe_open
+
+    from engines.text.quantize import QuantRecipe
+    from engines.text.text_build import quantize_checkpoint
+
+    flt = load_checkpoint(family["ckpt"], dtype=torch.float32)
+    ids = torch.tensor([flt.tokenizer.encode(" ".join(CORPUS[:4]), add_special_tokens=False).ids[:60]])
+    a = flt.model(ids, flt.model.new_cache(1, 64), 0, last_only=False)
+    figures = {}
+    for method in ("rtn", "awq"):
+        int4 = quantize_checkpoint(family["ckpt"], QuantRecipe(method=method, group_size=32), progress=False)
+        q = load_checkpoint(int4, dtype=torch.float32)
+        b = q.model(ids, q.model.new_cache(1, 64), 0, last_only=False)
+        figures[method] = (((a - b).norm() / a.norm()).item(), (a.argmax(-1) == b.argmax(-1)).float().mean().item())
+    quant = json.loads((int4 / "quant.json").read_text())["linears"]
+    layers = flt.model.config.num_layers
+    assert len(quant) == layers * 7 + 1  # every projection of every layer, and the head (tied: a copy)
+    with safe_open(str(int4 / "model.safetensors"), framework="pt") as fh:
+        norms = [k for k in fh.keys() if "norm" in k]
+    # Two per layer, with the q/k norms four, with Gemma's output norms six.
+    per_layer = {"mistral": 2, "phi3": 2, "qwen3": 4, "gemma3": 6}[family["name"]]
+    assert len(norms) == layers * per_layer + 1
+    # Random Gaussian weights have none of the outlier channels AWQ exists for: it must do
+    # no worse than rounding, and the top token stays far from chance (1 in 360). Gemma's
+    # output norms lift every branch to the residual's scale, rounding error with it.
+    rel, top1 = figures["awq"]
+    assert rel <= figures["rtn"][0] * 1.05 and top1 >= 0.2, figures
+
+
+def test_what_the_fast_paths_do_not_implement_is_refused_by_name(family: dict[str, Any]) -> None:
+    ours = load_checkpoint(family["ckpt"], dtype=torch.float32)
+    refused = fused_step.refusal(ours.model)
+    first = ours.model.config.family_options()[0]
+    assert refused is not None and first in refused
+    if family["name"] == "gemma3":
+        assert f"sliding_window {WINDOW}" in refused and "mlp_activation gelu_tanh" in refused
+    from engines.text.text_onnx import ExportError, export_text_onnx
+
+    with pytest.raises(ExportError, match=first):
+        export_text_onnx(family["ckpt"], family["ckpt"])
+    if family["name"] != "qwen3":
+        with pytest.raises(ValueError, match=f"sliding_window {WINDOW}"):
+            ours.model.new_cache(1, 64, FORMATS["int8"])
+
+
+def test_family_options_name_each_option() -> None:
+    base: dict[str, Any] = dict(vocab_size=8, hidden_size=8, num_layers=2, num_heads=2)
+    base.update(num_kv_heads=1, intermediate_size=8)
+    assert LlamaConfig(**base).family_options() == []
+    gemma = LlamaConfig(
+        **base,
+        qk_norm=True,
+        sliding_window=4,
+        layer_types=("sliding", "full"),
+        rope_local_theta=10_000.0,
+        mlp_activation="gelu_tanh",
+        embedding_scale=2.0,
+        output_norms=True,
+        attention_scale=0.25,
+        final_logit_softcap=30.0,
+    )
+    assert gemma.family_options() == [
+        "qk_norm",
+        "sliding_window 4",
+        "rope_local_theta 10000",
+        "mlp_activation gelu_tanh",
+        "embedding_scale 2",
+        "output_norms",
+        "attention_scale 0.25",
+        "final_logit_softcap 30",
+    ]
+    assert [gemma.layer_window(i) for i in range(2)] == [4, 0]
+    with pytest.raises(ValueError, match="mlp_activation 'relu'"):
+        LlamaConfig(**base, mlp_activation="relu")
+
+
+def _write_config(directory: Path, **fields: Any) -> Path:
+    directory.mkdir(parents=True)
+    base = {
+        "model_type": "gemma3_text",
+        "vocab_size": 32,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+    }
+    (directory / "config.json").write_text(json.dumps({**base, **fields}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (directory / name).write_text("{}")
+    (directory / "model.safetensors").write_bytes(b"")
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0"),
+        ({"hidden_activation": "gelu"}, "hidden_act 'gelu'"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"model_type": "qwen3", "attention_bias": True}, "attention_bias on a Qwen3 model"),
+        ({"model_type": "qwen3", "use_sliding_window": True}, "use_sliding_window"),
+        ({"model_type": "phi3", "partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75"),  # Phi-4-mini
+        (
+            {"model_type": "phi3", "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0]}},
+            "rope_scaling 'longrope'",
+        ),
+    ],
+)
+def test_what_a_family_needs_that_we_do_not_do_is_refused_by_name(
+    tmp_path: Path, fields: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(SourceModelError, match=re.escape(named)):
+        read_hf_config(_write_config(tmp_path / "m", **fields))
+
+
+# -- Qwen3 from GGUF -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["qwen3"], indirect=True)
+def test_a_qwen3_gguf_imports_to_transformers_logits(family: dict[str, Any], tmp_path: Path) -> None:
+    path = write_qwen3_gguf(family["hf"], family["tokenizer"], tmp_path / "qwen3.gguf")
+    ours = load_checkpoint(import_gguf(path, tmp_path / "engines", "qwen3-small", progress=False), dtype=torch.float32)
+    assert ours.model.config.qk_norm and ours.model.config.head_dim == 24
+    ids = torch.randint(0, ours.model.config.vocab_size, (1, POSITIONS), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        theirs = family["hf"](ids).logits[0]
+    assert_close(served_logits(ours.model, ids), theirs)
+    assert ours.chat is not None
+    text = ours.chat.render(MESSAGES)
+    assert text == family["tokenizer"].apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    assert (
+        ours.tokenizer.encode(text, add_special_tokens=False).ids
+        == family["tokenizer"](text, add_special_tokens=False)["input_ids"]
+    )
+
+
+# -- the real Gemma 3 270M ----------------------------------------------------------------
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Insulin lowers blood glucose because"]
+
+
+@pytest.mark.slow
+def test_the_real_gemma3_270m_gguf_answers_as_transformers_does(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engines.text.gemma3_270m import NAME, gemma3_270m_gguf
+    from engines.text.import_gguf import GEMMA3_TEMPLATE
+    from tests.conftest import _shared_engines
+
+    engines = _shared_engines(tmp_path_factory)
+    path = gemma3_270m_gguf(engines / "sources")
+    ours = load_checkpoint(import_gguf(path, engines, NAME, progress=False), dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    assert ours.model.config.layer_types == tuple(t.split("_")[0] for t in hf.config.layer_types)
+    for text in PROMPTS:
+        ids = tokenizer(text)["input_ids"]  # the BOS first, as the model was trained
+        assert [ours.tokenizer.token_to_id("<bos>"), *ours.tokenizer.encode(text, add_special_tokens=False).ids] == ids
+        new = 24
+        cache = ours.model.new_cache(1, 64)
+        got = generate(ours.model, ours.tokenizer, ids, SamplingParams(max_new_tokens=new), frozenset(), cache)
+        prompt = torch.tensor([ids])
+        with torch.no_grad():
+            out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False)
+        assert got.token_ids == out[0, len(ids) :].tolist()
+    # The file holds no template: Gemma 3's is served, rendered as transformers renders it.
+    assert ours.chat is not None and ours.model.config.vocab_size == len(tokenizer)
+    tokenizer.chat_template = GEMMA3_TEMPLATE
+    rendered = ours.chat.render(MESSAGES)
+    assert rendered == tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert rendered.startswith("<bos><start_of_turn>user\n") and rendered.endswith("<start_of_turn>model\n")
+    end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    assert end_of_turn in ours.eos_ids
+
+
+# -- INT4 through the daemon ---------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_a_qwen3_directory_built_by_edgectl_answers_a_qa_job_in_int4(
+    tmp_path: Path, broker: Broker, requester: Requester
+) -> None:
+    from edge.builds import locate
+    from edge.config.loader import load_profile
+    from edge.config.text import DEFAULT_SYSTEM_PROMPT
+    from edge.text.prompt import Prompter
+
+    make_model(tmp_path / "qwen3-small", "qwen3")
+    qa = {"source": str(tmp_path / "qwen3-small"), "adapter": "none", "max_new_tokens": 12}
+    models = {"ocr": {"enabled": False}, "inspect": {"enabled": False}, "qa": qa}
+    profile = write_profile(tmp_path, broker.port, tmp_path / "engines", device_id="q3", models=models)
+    built = edgectl("build", "--profile", str(profile), timeout=600)
+    assert built.returncode == 0, built.stderr[-2000:]
+    engine = locate(load_profile(profile), "qa", None)
+    assert json.loads((engine / "manifest.json").read_text())["recipe"]["method"] == "awq"
+    d = start_daemon(profile)
+    try:
+        d.wait_ready(timeout=120)  # built already: the daemon finds it
+        doc = requester.request("edge/q3/jobs/qa", {"id": "q1", "question": "Is 38.5 a fever?"}, 120)
+    finally:
+        d.stop()
+    assert doc["status"] == "ok", doc
+    # The same INT4 checkpoint in this process, greedy: the daemon served it as built.
+    ours = load_checkpoint(engine, dtype=torch.float32)
+    prompt = Prompter(ours.tokenizer, ours.chat, DEFAULT_SYSTEM_PROMPT).ids("Is 38.5 a fever?", None)
+    cache = ours.model.new_cache(1, len(prompt) + 12)
+    got = generate(ours.model, ours.tokenizer, prompt, SamplingParams(max_new_tokens=12), ours.eos_ids, cache)
+    output = doc["output"]
+    assert output["prompt_tokens"] == len(prompt)
+    assert output["completion_tokens"] == len(got.token_ids) >= 3
+    assert output["answer"].strip() == got.text.strip() != ""
