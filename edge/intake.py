@@ -1,5 +1,8 @@
 """From an MQTT message to a queued job, or to an error result naming the field.
 
+A request to the HTTP API comes in here too, as an `IncomingJob` marked local (its reply
+topic is in-process): the same checks, journal, queue and answers as a broker message.
+
 Each accepted job is written to the journal before it is queued, and the intake only
 returns True (acknowledge to the broker) once the job is kept or answered. A job id
 already in the journal within the dedup window is not run again: a finished one is
@@ -103,7 +106,7 @@ class Intake:
     def _internal(self, msg: IncomingJob, received: float) -> None:
         reply = Reply(self.profile.results_topic, msg.correlation, valid_traceparent(msg.traceparent))
         why = JobError(ErrorCode.INTERNAL, "the daemon could not take this message; its log has the details")
-        if msg.response_topic is not None and self._reply_error(msg.response_topic) is None:
+        if msg.response_topic is not None and self._reply_error(msg.response_topic, msg.local) is None:
             reply = Reply(msg.response_topic, msg.correlation, valid_traceparent(msg.traceparent))
         self._refuse(reply, None, None, why, received)
 
@@ -140,7 +143,10 @@ class Intake:
                 self._responder.accepted(reply, job.id, job.task)
         held.clear()
 
-    def _reply_error(self, topic: str) -> JobError | None:
+    def _reply_error(self, topic: str, local: bool = False) -> JobError | None:
+        if local:
+            # An in-process requester's `$local/` topic: no broker ever sees it.
+            return None
         return reply_topic_error(topic, self.profile.topic(), self.profile.results_topic)
 
     def _refuse(self, reply: Reply, job_id: str | None, task: str | None, err: JobError, received: float) -> None:
@@ -162,7 +168,7 @@ class Intake:
             return True
         job_id = recover_id(data)
         if msg.response_topic is not None:
-            bad_topic = self._reply_error(msg.response_topic)
+            bad_topic = self._reply_error(msg.response_topic, msg.local)
             if bad_topic is not None:
                 # Answered where the requester can still see it: the device's results topic.
                 self._refuse(reply, job_id, known_task, bad_topic, received)
@@ -199,7 +205,7 @@ class Intake:
         return _Held((job.id, msg.topic, msg.payload, reply.topic, reply.correlation), item, queue, msg.notify_accepted)
 
     def _reply_for(self, msg: IncomingJob, fallback: Reply) -> Reply:
-        if msg.response_topic is not None and self._reply_error(msg.response_topic) is None:
+        if msg.response_topic is not None and self._reply_error(msg.response_topic, msg.local) is None:
             return Reply(msg.response_topic, msg.correlation, valid_traceparent(msg.traceparent))
         return fallback
 
