@@ -21,14 +21,17 @@ from typing import Any
 
 from edge import __version__, builds
 from edge.builds import BuildStopped, ChildBuilds
+from edge.comms.local import LocalDeliveries
 from edge.comms.message import IncomingJob
 from edge.comms.mqtt import DaemonLink
 from edge.config.profile import Profile
+from edge.docs.embed import MODEL as EMBED_MODEL
 from edge.health.metrics import MetricsServer
 from edge.health.notify import Notifier, watchdog_interval_s
 from edge.health.reasons import describe_failure
 from edge.health.report import branches_section, memory_section, models_section
 from edge.health.status import STATUS_SCHEMA_VERSION, StatusServer
+from edge.http.server import HTTPServer, Served
 from edge.intake import Intake
 from edge.journal.store import Journal
 from edge.memory import HostProbe, bound_heap, open_cuda
@@ -84,8 +87,10 @@ class Daemon:
         self.link = DaemonLink(profile, self._on_messages, on_delivered=self.journal.mark_answered)
         self.metrics = MetricsServer(self.snapshot)
         self.tracer = JobTracer.from_profile(profile.device_id, profile.tracing.otlp_endpoint)
+        # Results of jobs that came in over HTTP: handed to their waiting requests.
+        self.local = LocalDeliveries(on_delivered=self.journal.mark_answered)
         self.responder = Responder(
-            self.link, self.journal, self.stats, profile.device_id, self.metrics.jobs.observe, self.tracer
+            self.link, self.journal, self.stats, profile.device_id, self.metrics.jobs.observe, self.tracer, self.local
         )
         self.intake = Intake(profile, self.queues, self.responder, self.journal)
         self.pipeline = Pipeline(self.responder, self.queues)
@@ -93,6 +98,8 @@ class Daemon:
         self.reloader = Reloader(profile_path, lambda: self.profile, self._adopt, self.queues, self.workers,
                                  self.manager, self.metrics)  # fmt: skip
         self.status_server: StatusServer | None = None
+        self.http: HTTPServer | None = None
+        self.http_error: str | None = None
         self.inspect: InspectTask | None = None
         self.qa: QATask | None = None
 
@@ -128,6 +135,7 @@ class Daemon:
             ("journal replay", self._start_replay),
             ("workers", self._start_workers),
             ("broker", self._start_broker),
+            ("http api", self._start_http),
         ]
         try:
             for name, step in steps:
@@ -287,6 +295,30 @@ class Daemon:
         self.link.start()
         return True
 
+    def _start_http(self) -> bool:
+        # Never a reason not to start (MQTT is the primary path): a listener that cannot
+        # start is logged and shown in the status, as the metrics port is.
+        cfg = self.profile.http
+        if cfg.address is None:
+            return True
+        retrieval = self.qa.retrieval if self.qa is not None else None
+        served = Served(
+            device_id=self.profile.device_id,
+            jobs_prefix=self.profile.topic("jobs"),
+            text_model=qa_model_name(self.models.qa) if self.qa is not None else None,
+            embed_model=EMBED_MODEL if retrieval is not None else None,
+            embed=retrieval.embed if retrieval is not None else None,
+            max_prompt_chars=self.profile.limits.max_prompt_chars,
+            ready=lambda: self.state == "ready",
+        )
+        try:
+            self.http = HTTPServer(cfg, served, self.link.submit, self.local)
+            self.http.start()
+        except (OSError, ValueError) as err:
+            logger.error("HTTP API not started: %s", err)
+            self.http, self.http_error = None, str(err)
+        return True
+
     def _supervise(self) -> None:
         # WATCHDOG=1 comes from this loop on purpose: if the loop hangs, systemd sees it.
         # It also vouches for the workers: while one is stalled (a job past the stall
@@ -333,6 +365,8 @@ class Daemon:
         self.notifier.stopping("stopping: finishing jobs in hand")
         self.intake.accepting = False
         self.link.stop_intake()
+        if self.http is not None:
+            self.http.close()  # requests still waiting: their jobs stay journalled
         drain = self.profile.queue.drain_timeout_s
         for worker in self.workers.values():
             if not worker.stop(drain):
@@ -403,5 +437,10 @@ class Daemon:
             "jobs": self.stats.snapshot(),
             "builds": self.builds.snapshot(),
             "metrics": self.metrics.snapshot(),
+            "http": {
+                "listen": self.profile.http.listen,
+                "port": self.http.port if self.http is not None else None,
+                "error": self.http_error,
+            },
             "reload": self.reloader.last,
         }
