@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge import __version__, builds
 from edge.builds import BuildStopped, ChildBuilds
@@ -31,7 +31,6 @@ from edge.health.notify import Notifier, watchdog_interval_s
 from edge.health.reasons import describe_failure
 from edge.health.report import branches_section, memory_section, models_section
 from edge.health.status import STATUS_SCHEMA_VERSION, StatusServer
-from edge.http.server import HTTPServer, Served
 from edge.intake import Intake
 from edge.journal.store import Journal
 from edge.memory import HostProbe, bound_heap, open_cuda
@@ -50,6 +49,9 @@ from edge.tasks.ocr import OCRTask, start_ocr
 from edge.tasks.pipeline import Pipeline
 from edge.tasks.qa import QATask, qa_model_name, start_qa
 from edge.tracing import JobTracer
+
+if TYPE_CHECKING:
+    from edge.http.server import HTTPServer
 
 logger = logging.getLogger(__name__)
 
@@ -301,6 +303,9 @@ class Daemon:
         cfg = self.profile.http
         if cfg.address is None:
             return True
+        # Imported only when a listener is configured: a box without one holds no web stack.
+        from edge.http.server import HTTPServer, Served
+
         retrieval = self.qa.retrieval if self.qa is not None else None
         served = Served(
             device_id=self.profile.device_id,

@@ -1,10 +1,13 @@
 """The HTTP listener: OpenAI's endpoints on aiohttp, in a thread with its own event loop.
 
-Why aiohttp: one maintained package that is both server and client, with no separate
-ASGI server to start; streaming responses and disconnect cancellation built in; manylinux
-aarch64 wheels for CPython 3.10 and 3.12; and on our measurement (bench/http_stack.py,
-bench/results/http_stack.json) it imports faster and holds less memory than starlette
-with uvicorn, which matters on a box whose memory is a budget.
+Why aiohttp rather than starlette with uvicorn (the two measured, bench/http_stack.py;
+figures in bench/results/http_stack.json and docs/http.md): the memory a minimal server
+holds is about the same, and starlette+uvicorn imports somewhat faster, which is small
+beside loading the models. What decides it: aiohttp is one maintained package with its
+own server (no ASGI server and no SSE add-on to keep in step), it cancels a handler
+whose client disconnected (how a request withdraws its job), and it runs on an event
+loop of its own in a thread without taking over the process's signals, which are the
+daemon's; manylinux aarch64 wheels exist for CPython 3.10 and 3.12.
 
 A request becomes a job exactly as a broker message does: an `IncomingJob` (marked local,
 its reply topic `$local/<job id>`) handed to the intake's thread, which checks, journals
