@@ -5,6 +5,7 @@ same intake, queue and journal as MQTT ones."""
 from __future__ import annotations
 
 import json
+import ssl
 import threading
 import time
 import urllib.error
@@ -17,8 +18,13 @@ from typing import Any
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
+from pydantic import ValidationError
 
-from edge.http.keys import add_key
+from edge.comms.local import LocalDeliveries
+from edge.comms.message import IncomingJob
+from edge.config.http import HTTPConfig
+from edge.http.keys import KeyFile, add_key
+from edge.http.server import HTTPServer, Served
 from tests.conftest import (
     LABELS,
     SAMPLES,
@@ -352,3 +358,74 @@ def test_a_camera_job_at_priority_0_overtakes_a_queued_http_chat(box: Box, broke
         http_thread.join(120)
         blocker.join(120)
         requester.close()
+
+
+def test_a_traceparent_header_continues_the_trace(box: Box) -> None:
+    trace = uuid.uuid4().hex
+    resp = box.client().chat.completions.create(
+        model=box.model, messages=HELLO, max_tokens=4, extra_headers={"traceparent": f"00-{trace}-{'1' * 16}-01"}
+    )
+    # The job's span is a child in the caller's trace: same trace id, a span id of its own.
+    _, trace_id, span_id, _ = _edge(resp)["traceparent"].split("-")
+    assert trace_id == trace and span_id != "1" * 16
+
+
+# The pieces on their own, without a daemon ------------------------------------------------
+
+
+def test_the_keys_file_holds_hashes_and_matches_only_its_keys(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    first, second = add_key(keys, "frigate"), add_key(keys, "webui")
+    text = keys.read_text()
+    assert first not in text and second not in text  # hashes only
+    assert keys.stat().st_mode & 0o777 == 0o600
+    loaded = KeyFile.load(keys)
+    assert loaded.match(first) == "frigate" and loaded.match(second) == "webui"
+    assert loaded.match(first + "x") is None and loaded.match("") is None
+    with pytest.raises(ValueError, match="already has"):
+        add_key(keys, "frigate")
+    keys.write_text(text + "broken-line\n")
+    with pytest.raises(ValueError, match=":3:"):
+        KeyFile.load(keys)
+
+
+def test_the_listener_is_loopback_unless_the_profile_allows_more() -> None:
+    assert HTTPConfig().address is None  # off by default
+    assert HTTPConfig(listen="127.0.0.1:8080").address == ("127.0.0.1", 8080)
+    assert HTTPConfig(listen="[::1]:8080").address == ("::1", 8080)
+    for remote in ("0.0.0.0:8080", "192.168.1.5:8080", "box.local:8080"):
+        with pytest.raises(ValidationError, match="allow_remote"):
+            HTTPConfig(listen=remote)
+        assert HTTPConfig(listen=remote, allow_remote=True).address is not None
+    with pytest.raises(ValidationError, match="together"):
+        HTTPConfig(listen="127.0.0.1:8443", cert_file=Path("a.crt"))
+
+
+def test_tls_serves_https_with_the_profiles_certificate(tmp_path: Path) -> None:
+    from tests.test_tls import make_pki
+
+    make_pki(tmp_path)
+    deliveries = LocalDeliveries()
+
+    def answer(job: IncomingJob) -> None:  # stands in for intake, queue and responder
+        doc = json.loads(job.payload)
+        result = {"id": doc["id"], "status": "ok", "device": "t", "output": {"answer": "hi", "finish_reason": "eos"}}
+        assert job.local and job.response_topic is not None
+        deliveries.publish(job.response_topic, json.dumps(result).encode(), None, doc["id"])
+
+    port = free_port()
+    cfg = HTTPConfig(listen=f"127.0.0.1:{port}", cert_file=tmp_path / "server.crt", key_file=tmp_path / "server.key")
+    served = Served("t", "edge/t/jobs", "m", None, None, 1000, lambda: True)
+    server = HTTPServer(cfg, served, answer, deliveries)
+    server.start()
+    try:
+        ctx = ssl.create_default_context(cafile=str(tmp_path / "ca.crt"))
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        req = urllib.request.Request(f"https://127.0.0.1:{port}/v1/chat/completions", data=body, method="POST")
+        with urllib.request.urlopen(req, timeout=10, context=ctx) as resp:
+            doc = json.loads(resp.read())
+        assert doc["choices"][0]["message"]["content"] == "hi" and doc["choices"][0]["finish_reason"] == "stop"
+        with pytest.raises((urllib.error.URLError, ConnectionError)):  # plain HTTP is not served beside it
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+    finally:
+        server.close()

@@ -103,9 +103,9 @@ class HTTPServer:
         if address is None:
             return
         loop = asyncio.new_event_loop()
-        runner = web.AppRunner(self._app(), handler_cancellation=True, access_log=None)
+        runner = web.AppRunner(self._app(), handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
         loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, address[0], address[1], ssl_context=self._tls(), shutdown_timeout=2.0)
+        site = web.TCPSite(runner, address[0], address[1], ssl_context=self._tls())
         try:
             loop.run_until_complete(site.start())
         except BaseException:

@@ -17,9 +17,16 @@ from edge.protocol.jobs import QAJob
 
 # Accepted and ignored: they change nothing a box like this one does (and OpenAI clients
 # send several of them by default).
-IGNORED = frozenset({"user", "stream_options", "logprobs", "store", "metadata", "parallel_tool_calls", "service_tier"})
+IGNORED = frozenset({"user", "stream_options", "store", "metadata", "parallel_tool_calls", "service_tier"})
 # Accepted at their neutral value only.
-NEUTRAL: dict[str, Any] = {"n": 1, "frequency_penalty": 0, "presence_penalty": 0, "best_of": 1, "echo": False}
+NEUTRAL: dict[str, Any] = {
+    "n": 1,
+    "frequency_penalty": 0,
+    "presence_penalty": 0,
+    "best_of": 1,
+    "echo": False,
+    "logprobs": False,
+}
 # Passed to the job under the same name: the sampling settings and this API's extensions.
 PASSED = ("temperature", "top_p", "seed", "priority", "deadline_ms", "collection", "top_k")
 COMMON = frozenset({"model", "stream", "max_tokens", "stop", "response_format", *PASSED})
@@ -125,12 +132,16 @@ def _usage(output: dict[str, Any]) -> dict[str, int]:
 
 
 def extension(result: dict[str, Any]) -> dict[str, Any]:
-    """What this box adds to an answer (citations, grounding, passages, timings), under
-    the response's `edge` key: OpenAI clients ignore it, ours read it."""
+    """What this box adds to an answer (citations, grounding, passages, timings, the job
+    span's traceparent), under the response's `edge` key: OpenAI clients ignore it, ours
+    read it."""
     output = dict(result.get("output") or {})
     for key in ("answer", "finish_reason", "prompt_tokens", "completion_tokens"):
         output.pop(key, None)
-    return {**output, "device": result.get("device"), "timings": result.get("timings")}
+    extra = {"device": result.get("device"), "timings": result.get("timings")}
+    if result.get("traceparent") is not None:
+        extra["traceparent"] = result["traceparent"]
+    return {**output, **extra}
 
 
 def chat_response(result: dict[str, Any], model: str) -> dict[str, Any]:
