@@ -11,15 +11,18 @@ from typing import Any
 
 import pytest
 
+from edge.comms.local import LocalDeliveries
 from edge.comms.message import IncomingJob
 from edge.config.profile import Profile
 from edge.config.service import PathsConfig
 from edge.intake import Intake
-from edge.journal.store import ANSWERED, QUEUED, SENT
+from edge.journal.store import ANSWERED, QUEUED, SENT, Journal
 from edge.protocol.errors import ErrorCode, JobError
+from edge.responder import Responder
 from edge.scheduler.branch import BranchWorker, Outcome
 from edge.scheduler.queue import BatchPolicy, PriorityDeadlineQueue
 from edge.scheduler.work import WorkItem
+from edge.stats import JobStats
 from edge.tasks.pipeline import Pipeline, context_of
 from tests import fakes
 
@@ -242,3 +245,42 @@ def test_every_job_of_a_batch_the_journal_cannot_keep_is_answered_storage_full(t
         (f"f{i}", "storage_full") for i in range(3)
     ]
     assert len(queues["vision"]) == 0
+
+
+def test_a_local_job_is_journalled_and_answered_in_process_never_through_the_broker(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "journal.sqlite3", 64 * 2**20, 3600.0)
+    link = fakes.FakeLink(journal)
+    local = LocalDeliveries(on_delivered=journal.mark_answered)
+    responder = Responder(link, journal, JobStats(), "u1", local=local)
+    queues = {"text": PriorityDeadlineQueue(8)}
+    intake = Intake(_profile(tmp_path), queues, responder, journal)
+    got: list[dict[str, Any]] = []
+    local.open("$local/h1", lambda payload: got.append(json.loads(payload)))
+    body = json.dumps({"id": "h1", "task": "qa", "question": "Hi?"}).encode()
+    assert intake(IncomingJob("edge/u1/jobs/qa", body, "$local/h1", None, local=True))
+    entry = journal.lookup("h1")
+    assert entry is not None and entry.state == QUEUED and entry.reply_topic == "$local/h1"
+    item = queues["text"].get(timeout=1)
+    assert item is not None
+    responder.finish(item, Outcome({"answer": "Hello."}, None, time.monotonic(), time.monotonic()))
+    assert [d["status"] for d in got] == ["ok"] and got[0]["output"] == {"answer": "Hello."}
+    assert link.sent == []  # nothing went to the broker
+    entry = journal.lookup("h1")
+    assert entry is not None and entry.state == ANSWERED  # handed over: the local PUBACK
+    # A refusal takes the same way back.
+    local.open("$local/h2", lambda payload: got.append(json.loads(payload)))
+    bad = json.dumps({"id": "h2", "task": "qa", "question": "Hi?", "temperature": "hot"}).encode()
+    assert intake(IncomingJob("edge/u1/jobs/qa", bad, "$local/h2", None, local=True))
+    assert got[-1]["status"] == "error" and got[-1]["error"]["field"] == "temperature"
+    assert link.sent == []
+
+
+def test_a_broker_message_cannot_name_a_local_reply_topic(tmp_path: Path) -> None:
+    responder, link, journal = fakes.responder(tmp_path, "u1")
+    intake = Intake(_profile(tmp_path), {"text": PriorityDeadlineQueue(8)}, responder, journal)
+    body = json.dumps({"id": "m1", "task": "qa", "question": "Hi?"}).encode()
+    # Not marked local: the $ topic is the broker's, refused as any other would be.
+    assert intake(IncomingJob("edge/u1/jobs/qa", body, "$local/h1", b"c"))
+    (sent,) = link.sent
+    assert sent.topic == "edge/u1/results" and sent.doc["error"]["field"] == "response_topic"
+    assert journal.lookup("m1") is None
