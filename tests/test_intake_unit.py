@@ -284,3 +284,24 @@ def test_a_broker_message_cannot_name_a_local_reply_topic(tmp_path: Path) -> Non
     (sent,) = link.sent
     assert sent.topic == "edge/u1/results" and sent.doc["error"]["field"] == "response_topic"
     assert journal.lookup("m1") is None
+
+
+def test_local_jobs_left_in_the_journal_are_taken_up_at_start_and_their_results_handed_over(tmp_path: Path) -> None:
+    """After a restart nobody waits on a `$local/` topic: a stored result is handed over
+    (marked answered, kept for an Idempotency-Key retry) and an unfinished job runs again."""
+    journal = Journal(tmp_path / "journal.sqlite3", 64 * 2**20, 3600.0)
+    body = json.dumps({"id": "h1", "task": "qa", "question": "Hi?"}).encode()
+    journal.accept_many([("h1", "edge/u1/jobs/qa", body, "$local/h1", None)])
+    journal.accept_many([("h2", "edge/u1/jobs/qa", body.replace(b"h1", b"h2"), "$local/h2", None)])
+    journal.store_result("h2", "$local/h2", None, b'{"id": "h2", "status": "ok"}')
+    link = fakes.FakeLink(journal)
+    local = LocalDeliveries(on_delivered=journal.mark_answered)
+    responder = Responder(link, journal, JobStats(), "u1", local=local)
+    queues = {"text": PriorityDeadlineQueue(8)}
+    intake = Intake(_profile(tmp_path), queues, responder, journal)
+    assert intake.replay() == {"jobs": 1, "results": 1, "given_up": 0, "refused": 0}
+    item = queues["text"].get(timeout=1)
+    assert item is not None and item.job.id == "h1" and item.reply.topic == "$local/h1"
+    done = journal.lookup("h2")
+    assert done is not None and done.state == ANSWERED and done.result is not None
+    assert link.sent == []
