@@ -102,18 +102,21 @@ class HTTPServer:
         address = self._cfg.address
         if address is None:
             return
+        tls = self._tls()  # a missing or bad certificate fails here, before anything is opened
         loop = asyncio.new_event_loop()
+        # handler_cancellation: a client that disconnects cancels its handler, which
+        # withdraws its job (aiohttp leaves it off by default).
         runner = web.AppRunner(self._app(), handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
         loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, address[0], address[1], ssl_context=self._tls())
+        site = web.TCPSite(runner, address[0], address[1], ssl_context=tls)
         try:
             loop.run_until_complete(site.start())
         except BaseException:
             loop.run_until_complete(runner.cleanup())
             loop.close()
             raise
-        sockets = [s for s in runner.addresses]
-        self.port = int(sockets[0][1]) if sockets else address[1]
+        bound = runner.addresses
+        self.port = int(bound[0][1]) if bound else address[1]
         self._loop, self._runner = loop, runner
         self._thread = threading.Thread(target=loop.run_forever, name="http", daemon=True)
         self._thread.start()
@@ -130,6 +133,8 @@ class HTTPServer:
         loop.call_soon_threadsafe(loop.stop)
         if self._thread is not None:
             self._thread.join(5)
+            if not self._thread.is_alive():
+                loop.close()
         self._loop = self._runner = None
 
     def _tls(self) -> ssl.SSLContext | None:
