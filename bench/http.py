@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import signal
@@ -109,6 +110,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # Warm both paths (first-request costs: connections, caches) before measuring.
         http_burst(base, model, 2, args.timeout)
         mqtt_burst(client, 2, args.timeout)
+        load_before = os.getloadavg()[0]
         walls: dict[str, list[float]] = {"http": [], "mqtt": []}
         lat: dict[str, list[float]] = {"http": [], "mqtt": []}
         for i in range(args.rounds):
@@ -121,6 +123,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 walls[path].append(wall)
                 lat[path].extend(got)
                 print(f"round {i} {path}: {args.burst / wall:.2f} req/s", flush=True)
+        load_after = os.getloadavg()[0]
         final = status(sock)
         client.close()
         daemon.send_signal(signal.SIGTERM)
@@ -137,6 +140,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "new_tokens": NEW_TOKENS,
         "burst": args.burst,
         "rounds": args.rounds,
+        # The machine's 1-minute load average around the measured rounds, and its cores:
+        # the two paths share whatever else ran, so their ratio holds better than either figure.
+        "load_average": [round(load_before, 2), round(load_after, 2)],
+        "cpus": os.cpu_count(),
         "http": _row(walls["http"], lat["http"], args.burst),
         "mqtt": _row(walls["mqtt"], lat["mqtt"], args.burst),
         "engine_config": {**loaded["text_engine"], "origin": profile_origin(changes, "cpu")},

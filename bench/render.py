@@ -890,7 +890,14 @@ def http(d: dict[str, Any]) -> str:
         f"Short chats on the {d['device']} CPU, the shipped CPU profile's engine "
         f"({engine_summary(d['engine_config'])}): "
         f"bursts of {d['burst']} requests ({d['question']!r}, greedy, {d['new_tokens']} new tokens) through each "
-        f"path, {d['rounds']} rounds alternating, one daemon and broker (`bench/results/http.json`).",
+        f"path, {d['rounds']} rounds alternating, one daemon and broker"
+        + (
+            f"; the machine's load average {d['load_average'][0]:.1f} then {d['load_average'][1]:.1f} on "
+            f"{d['cpus']} cores"
+            if "load_average" in d
+            else ""
+        )
+        + " (`bench/results/http.json`).",
         "",
         "| path | requests | requests/s | p50 ms | p99 ms |",
         "|---|---:|---:|---:|---:|",
