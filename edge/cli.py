@@ -427,7 +427,7 @@ def cmd_http_key(args: argparse.Namespace) -> int:
         return 2
     # The key on stdout alone, for scripts; what to do with it on stderr.
     print(secret)
-    print(f"added {args.name!r} to {args.file}; the daemon reads the file at start", file=sys.stderr)
+    print(f"added {args.name!r} to {args.file}; the daemon reads it at start and on SIGHUP", file=sys.stderr)
     return 0
 
 

@@ -337,6 +337,8 @@ class Daemon:
             if self._reload.is_set():
                 self._reload.clear()
                 self.reloader()
+                if self.http is not None:
+                    self.http.reload_keys()
             if not self.journal.available and self.journal.retry_open():
                 self.replayed = self.intake.replay()  # what the journal held, now it can be read
             if now - last_compact >= self.profile.journal.compact_interval_s:

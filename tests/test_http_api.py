@@ -5,6 +5,7 @@ same intake, queue and journal as MQTT ones."""
 from __future__ import annotations
 
 import json
+import signal
 import ssl
 import threading
 import time
@@ -47,8 +48,9 @@ def _edge(resp: Any) -> dict[str, Any]:
 
 
 class Box:
-    def __init__(self, daemon: DaemonProc, base_url: str, key: str, model: str, embed_model: str) -> None:
+    def __init__(self, daemon: DaemonProc, base_url: str, key: str, model: str, embed_model: str, keys: Path) -> None:
         self.daemon = daemon
+        self.keys = keys
         self.base_url = base_url
         self.key = key
         self.model = model
@@ -117,7 +119,7 @@ def box(broker: Broker, engine_dir: Path, tmp_path_factory: pytest.TempPathFacto
     try:
         status = daemon.wait_ready()
         assert status["http"]["port"] == port, status["http"]
-        b = Box(daemon, f"http://127.0.0.1:{port}/v1", key, "", info.model)
+        b = Box(daemon, f"http://127.0.0.1:{port}/v1", key, "", info.model, keys)
         b.model = next(m.id for m in b.client().models.list().data if m.id != info.model)
         yield b
     finally:
@@ -368,6 +370,24 @@ def test_a_traceparent_header_continues_the_trace(box: Box) -> None:
     # The job's span is a child in the caller's trace: same trace id, a span id of its own.
     _, trace_id, span_id, _ = _edge(resp)["traceparent"].split("-")
     assert trace_id == trace and span_id != "1" * 16
+
+
+def test_a_key_added_counts_after_sighup_and_the_old_ones_still_do(box: Box) -> None:
+    new = add_key(box.keys, f"late-{uuid.uuid4().hex[:8]}")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=box.base_url, api_key=new, max_retries=0).models.list()
+    box.daemon.proc.send_signal(signal.SIGHUP)
+    late = openai.OpenAI(base_url=box.base_url, api_key=new, max_retries=0)
+    deadline = time.monotonic() + 30
+    while True:  # the supervising loop reads the file again within a second or so
+        try:
+            assert late.models.list().data
+            break
+        except openai.AuthenticationError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    assert box.client().models.list().data
 
 
 # The pieces on their own, without a daemon ------------------------------------------------

@@ -95,6 +95,21 @@ class HTTPServer:
         self._thread: threading.Thread | None = None
         self.port: int | None = None
 
+    def reload_keys(self) -> bool:
+        """Read the keys file again (SIGHUP): keys added or removed count from now. A file
+        that cannot be read or parsed keeps the keys in use; False then."""
+        path = self._cfg.api_keys_file
+        if path is None:
+            return True
+        try:
+            keys = KeyFile.load(path)
+        except (OSError, ValueError) as err:
+            logger.error("API keys not reloaded, the ones in use stay: %s", err)
+            return False
+        self._keys = keys  # one reference swapped: a request sees the old set or the new
+        logger.info("API keys reloaded from %s: %d key(s)", path, len(keys.hashes))
+        return True
+
     # lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -183,9 +198,10 @@ class HTTPServer:
             return _json(500, errors.body(500, message, ErrorCode.INTERNAL.value))
 
     def _authorize(self, request: web.Request) -> None:
-        assert self._keys is not None
+        keys = self._keys
+        assert keys is not None
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not key.strip() or self._keys.match(key.strip()) is None:
+        if scheme.lower() != "bearer" or not key.strip() or keys.match(key.strip()) is None:
             raise _Refused(
                 401, errors.body(401, "a valid API key is needed (Authorization: Bearer KEY)", "invalid_api_key")
             )
