@@ -213,6 +213,9 @@ def test_errors_name_the_field_in_openais_error_object(box: Box) -> None:
     with pytest.raises(openai.BadRequestError) as many:
         client.chat.completions.create(model=box.model, messages=HELLO, max_tokens=TOKEN_CAP + 1)
     assert _error(many)["param"] == "max_tokens" and str(TOKEN_CAP) in _error(many)["message"]
+    with pytest.raises(openai.BadRequestError) as many_streamed:  # refused before any event: a plain error
+        client.chat.completions.create(model=box.model, messages=HELLO, max_tokens=TOKEN_CAP + 1, stream=True)
+    assert _error(many_streamed)["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError) as fmt:
         client.chat.completions.create(model=box.model, messages=HELLO, response_format={"type": "json_object"})
     assert _error(fmt)["param"] == "response_format"
