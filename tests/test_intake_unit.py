@@ -305,3 +305,59 @@ def test_local_jobs_left_in_the_journal_are_taken_up_at_start_and_their_results_
     done = journal.lookup("h2")
     assert done is not None and done.state == ANSWERED and done.result is not None
     assert link.sent == []
+
+
+def _local_intake(tmp_path: Path, size: int = 8) -> tuple[Intake, PriorityDeadlineQueue, list[dict[str, Any]], Any]:
+    """An intake with a text queue and an in-process delivery target; what the `$local/`
+    topics get is collected, and the link (what the broker would have got) returned."""
+    journal = Journal(tmp_path / "journal.sqlite3", 64 * 2**20, 3600.0)
+    link = fakes.FakeLink(journal)
+    local = LocalDeliveries(on_delivered=journal.mark_answered)
+    queue = PriorityDeadlineQueue(size)
+    intake = Intake(
+        _profile(tmp_path), {"text": queue}, Responder(link, journal, JobStats(), "u1", local=local), journal
+    )
+    got: list[dict[str, Any]] = []
+    local.open("$local/h1", lambda payload: got.append(json.loads(payload)))
+    return intake, queue, got, link
+
+
+def _local(job_id: str, payload: dict[str, Any]) -> IncomingJob:
+    task = str(payload.get("task", "qa"))
+    return IncomingJob(f"edge/u1/jobs/{task}", json.dumps(payload).encode(), f"$local/{job_id}", None, local=True)
+
+
+def test_a_local_job_refused_busy_or_cancelled_runs_again_when_sent_again(tmp_path: Path) -> None:
+    intake, queue, got, _ = _local_intake(tmp_path, size=1)
+    ask = {"id": "h1", "task": "qa", "question": "Hi?"}
+    assert intake(_msg("qa", {"id": "m1", "question": "Hi?"}))  # fills the queue
+    assert intake(_local("h1", ask))
+    assert got[-1]["error"]["code"] == "busy"
+    assert queue.get(timeout=1) is not None  # room again
+    assert intake(_local("h1", ask))  # the same key again: run, not the stored 429
+    assert len(queue) == 1 and len(got) == 1
+    assert intake(_local("c1", {"id": "c1", "task": "cancel", "job": "h1"}))
+    assert got[-1]["error"]["code"] == "cancelled" and len(queue) == 0
+    assert intake(_local("h1", ask))  # and after a withdrawal
+    assert len(queue) == 1 and got[-1]["error"]["code"] == "cancelled"
+    # A result that is the request's answer still answers a repeat from the journal.
+    item = queue.get(timeout=1)
+    assert item is not None
+    intake._responder.finish(item, Outcome({"answer": "Hello."}, None, time.monotonic(), time.monotonic()))
+    assert intake(_local("h1", ask))
+    assert got[-1]["status"] == got[-2]["status"] == "ok" and len(queue) == 0
+
+
+def test_a_cancel_withdraws_only_a_job_of_its_own_path(tmp_path: Path) -> None:
+    intake, queue, got, link = _local_intake(tmp_path)
+    assert intake(_msg("qa", {"id": "same", "question": "Hi?"}))  # a camera's MQTT job
+    assert intake(_local("c1", {"id": "c1", "task": "cancel", "job": "same"}))
+    assert len(queue) == 1 and [m.doc["status"] for m in link.sent] == []  # the MQTT job still queued
+    # Nor can an HTTP job with that id answer it: it is told the id is in progress elsewhere.
+    assert intake(_local("same", {"id": "same", "task": "qa", "question": "Hi?"}))
+    assert len(queue) == 1 and link.sent == []
+    # The other way round: a broker's cancel does not withdraw an HTTP job.
+    assert intake(_local("h1", {"id": "h1", "task": "qa", "question": "Hi?"}))
+    assert intake(_msg("cancel", {"id": "c2", "job": "h1"}))
+    assert len(queue) == 2 and link.sent[-1].doc["output"] == {"job": "h1", "cancelled": False}
+    assert got == []

@@ -28,6 +28,12 @@ def is_local(topic: str) -> bool:
     return topic.startswith(LOCAL_PREFIX)
 
 
+def reply_topic(job_id: str) -> str:
+    """The `$local/` topic an in-process job is answered on: one per job id, so the
+    intake can tell whose job it is (only this topic's requester may withdraw it)."""
+    return LOCAL_PREFIX + job_id
+
+
 class LocalDeliveries:
     """A Publisher for `$local/` topics: each payload goes to every inbox open on its
     topic (a retry waiting beside the first request gets the one result too)."""
@@ -41,13 +47,16 @@ class LocalDeliveries:
         with self._lock:
             self._inboxes.setdefault(topic, []).append(inbox)
 
-    def close(self, topic: str, inbox: Inbox) -> None:
+    def close(self, topic: str, inbox: Inbox) -> int:
+        """Stop handing results to `inbox`; returns how many still wait on the topic
+        (requests sharing one job: it is theirs until the last of them leaves)."""
         with self._lock:
             boxes = self._inboxes.get(topic, [])
             if inbox in boxes:
                 boxes.remove(inbox)
             if not boxes:
                 self._inboxes.pop(topic, None)
+            return len(boxes)
 
     def waiting(self) -> int:
         with self._lock:
