@@ -419,9 +419,15 @@ def test_the_listener_is_loopback_unless_the_profile_allows_more() -> None:
     for remote in ("0.0.0.0:8080", "192.168.1.5:8080", "box.local:8080"):
         with pytest.raises(ValidationError, match="allow_remote"):
             HTTPConfig(listen=remote)
-        assert HTTPConfig(listen=remote, allow_remote=True).address is not None
+        assert HTTPConfig(listen=remote, allow_remote=True, api_keys_file=Path("keys")).address is not None
     with pytest.raises(ValidationError, match="together"):
         HTTPConfig(listen="127.0.0.1:8443", cert_file=Path("a.crt"))
+
+
+def test_allow_remote_needs_a_keys_file(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match="allow_remote needs api_keys_file"):
+        HTTPConfig(listen="0.0.0.0:8080", allow_remote=True)
+    assert HTTPConfig(listen="0.0.0.0:8080", allow_remote=True, api_keys_file=tmp_path / "keys").address
 
 
 def test_tls_serves_https_with_the_profiles_certificate(tmp_path: Path) -> None:

@@ -4,12 +4,15 @@ loopback unless the profile says otherwise, keys and TLS from files."""
 from __future__ import annotations
 
 import ipaddress
+import logging
 from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
 from edge.config.base import StrictModel
-from edge.config.service import _listen_host
+from edge.config.service import listen_host
+
+logger = logging.getLogger(__name__)
 
 
 class HTTPConfig(StrictModel):
@@ -22,8 +25,9 @@ class HTTPConfig(StrictModel):
     allow_remote: bool = Field(
         default=False,
         title="Allow remote clients",
-        description="Let listen name an address beyond loopback (0.0.0.0, a LAN address). Set api_keys_file "
-        "and TLS too when you do.",
+        description="Let listen name an address beyond loopback (0.0.0.0, a LAN address). Needs "
+        "api_keys_file (refused without it); without cert_file and key_file the keys and prompts cross the "
+        "network in clear, which is logged as a warning.",
     )
     api_keys_file: Path | None = Field(
         default=None,
@@ -59,7 +63,7 @@ class HTTPConfig(StrictModel):
         host, sep, port = value.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError("must be host:port, e.g. 127.0.0.1:8080")
-        if not _listen_host(host):
+        if not listen_host(host):
             raise ValueError(f"{host!r} is neither an IP address nor a host name")
         return value
 
@@ -70,6 +74,14 @@ class HTTPConfig(StrictModel):
             raise ValueError(f"listen {self.listen!r} is not loopback: set allow_remote to serve beyond this box")
         if (self.cert_file is None) != (self.key_file is None):
             raise ValueError("cert_file and key_file must be given together")
+        if self.allow_remote and self.api_keys_file is None:
+            # Beyond loopback anyone on the network could run jobs: keys are not optional there.
+            raise ValueError("allow_remote needs api_keys_file (make one with `edgectl http-key add`)")
+        if self.allow_remote and address is not None and self.cert_file is None:
+            logger.warning(
+                "http.allow_remote without http.cert_file and http.key_file: API keys and prompts cross "
+                "the network in clear"
+            )
         return self
 
     @property
