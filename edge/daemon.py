@@ -370,10 +370,13 @@ class Daemon:
     def _shutdown(self) -> None:
         self.state = "stopping"
         self.notifier.stopping("stopping: finishing jobs in hand")
+        if self.http is not None:
+            # First, while the intake still takes jobs: a request arriving later would
+            # find no intake to answer it and hang. A request cut off here withdraws its
+            # job if still queued, as any client that goes away does; its retry runs it.
+            self.http.close()
         self.intake.accepting = False
         self.link.stop_intake()
-        if self.http is not None:
-            self.http.close()  # requests still waiting: their jobs stay journalled
         drain = self.profile.queue.drain_timeout_s
         for worker in self.workers.values():
             if not worker.stop(drain):
