@@ -12,14 +12,18 @@ daemon's; manylinux aarch64 wheels exist for CPython 3.10 and 3.12.
 A request becomes a job exactly as a broker message does: an `IncomingJob` (marked local,
 its reply topic `$local/<job id>`) handed to the intake's thread, which checks, journals
 and queues it; its result comes back through the responder to the inbox opened here.
-The job id is the request's `Idempotency-Key` where one is given, so a retry is answered
-from the journal instead of running again.
+The job id is made from the request's `Idempotency-Key` where one is given (with the API
+key's name, under an `http-` prefix, so two key holders never share a job and an MQTT
+requester's own ids are not touched): a retry is then answered from the journal instead
+of running again, unless what is stored is a refusal that said to retry (busy, cancelled,
+expired, over budget, unavailable), which runs it again (edge/intake.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import logging
 import ssl
@@ -33,7 +37,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from edge.comms.local import LOCAL_PREFIX, LocalDeliveries
+from edge.comms.local import LocalDeliveries, reply_topic
 from edge.comms.message import IncomingJob
 from edge.config.http import HTTPConfig
 from edge.http import errors, translate
@@ -45,6 +49,7 @@ logger = logging.getLogger(__name__)
 
 MAX_EMBED_INPUTS = 256
 RETRY_AFTER_S = 1  # a full queue drains in a job's time; the client's backoff grows from there
+KEY_NAME = "edge.api_key_name"  # the request's API key's name, once authorized
 
 
 @dataclass(frozen=True)
@@ -201,10 +206,12 @@ class HTTPServer:
         keys = self._keys
         assert keys is not None
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not key.strip() or keys.match(key.strip()) is None:
+        name = keys.match(key.strip()) if scheme.lower() == "bearer" and key.strip() else None
+        if name is None:
             raise _Refused(
                 401, errors.body(401, "a valid API key is needed (Authorization: Bearer KEY)", "invalid_api_key")
             )
+        request[KEY_NAME] = name
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
         raw = await request.read()
@@ -291,13 +298,18 @@ class HTTPServer:
     # generation: a qa job ------------------------------------------------------------------
 
     def _job_id(self, request: web.Request, chat: bool) -> str:
+        """`http-` and the endpoint's prefix, then a random part, or with an
+        Idempotency-Key a digest of the API key's name and the Idempotency-Key: a retry
+        finds its job, another key holder's same Idempotency-Key does not."""
+        kind = f"http-{'chatcmpl' if chat else 'cmpl'}"
         key = request.headers.get("Idempotency-Key")
         if key is None:
-            return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            return f"{kind}-{uuid.uuid4().hex}"
         if not key or len(key) > MAX_ID_CHARS or not key.isprintable():
             message = f"Idempotency-Key must be 1 to {MAX_ID_CHARS} printable characters"
             raise _refused(JobError(ErrorCode.INVALID_FIELD, message, "Idempotency-Key"))
-        return key
+        scope = f"{request.get(KEY_NAME, '')}\n{key}".encode()
+        return f"{kind}-{hashlib.sha256(scope).hexdigest()[:32]}"
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await self._body(request)
@@ -308,7 +320,7 @@ class HTTPServer:
         except JobError as err:
             raise _refused(err) from err
         payload = json.dumps(job, sort_keys=True, separators=(",", ":")).encode("utf-8")
-        topic = LOCAL_PREFIX + job_id
+        topic = reply_topic(job_id)
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue[bytes] = asyncio.Queue()
 
@@ -328,8 +340,10 @@ class HTTPServer:
                 return await self._stream(request, inbox, deadline, job_id, model, chat, answered)
             return self._answer(await self._next(inbox, deadline, True, answered), model, chat)
         finally:
-            self._deliveries.close(topic, deliver)
-            if not answered:  # the client went away, or waited too long: withdraw it if still queued
+            remaining = self._deliveries.close(topic, deliver)
+            if not answered and remaining == 0:
+                # The client went away, or waited too long, and no retry with its key waits
+                # on the same job: withdraw it if still queued.
                 self._cancel(job_id)
 
     async def _next(
@@ -411,10 +425,10 @@ class HTTPServer:
 
     def _cancel(self, job_id: str) -> None:
         """Withdraw the job if it is still queued: a cancel job through the same intake."""
-        cancel_id = f"cancel-{uuid.uuid4().hex}"
+        cancel_id = f"http-cancel-{uuid.uuid4().hex}"
         payload = json.dumps({"id": cancel_id, "task": "cancel", "job": job_id}).encode("utf-8")
         topic = f"{self._served.jobs_prefix}/cancel"
         try:
-            self._submit(IncomingJob(topic, payload, LOCAL_PREFIX + cancel_id, None, local=True))
+            self._submit(IncomingJob(topic, payload, reply_topic(cancel_id), None, local=True))
         except Exception:  # the job then runs to its end: never a reason to fail the handler
             logger.exception("could not withdraw job %s", job_id)
