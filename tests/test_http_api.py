@@ -521,3 +521,18 @@ def test_requests_sharing_a_key_share_its_job_until_the_last_leaves() -> None:
         fake.post("/v1/chat/completions", CHAT, {"Idempotency-Key": "k2"}).close()
         fake.wait(lambda: fake.jobs[-1]["task"] == "cancel")
         assert fake.jobs[-1]["job"] == fake.jobs[-2]["id"]
+
+
+def test_health_nesting_and_the_completion_fields_name() -> None:
+    with _Fake(ready=False) as fake:
+        conn = http.client.HTTPConnection("127.0.0.1", fake.port, timeout=10)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 503
+        resp = fake.post("/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000).getresponse()
+        assert resp.status == 400 and json.loads(resp.read())["error"]["code"] == "bad_json"
+        conn = fake.post("/v1/completions", {"model": "m", "prompt": "hi"})
+        fake.wait(lambda: fake.jobs)
+        error = {"code": "prompt_too_long", "message": "too long", "field": "question"}
+        fake.answer(fake.jobs[0]["id"], {"status": "error", "error": error})
+        resp = conn.getresponse()
+        assert resp.status == 400 and json.loads(resp.read())["error"]["param"] == "prompt"

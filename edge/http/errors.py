@@ -27,8 +27,10 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.INTERNAL: 500,
 }
 
-# The job's field names where the API calls them otherwise.
+# The job's field names where the API calls them otherwise: a chat's question and context
+# come from its messages, a completion's question from its prompt.
 PARAM: dict[str, str] = {"max_new_tokens": "max_tokens", "question": "messages", "context": "messages", "id": "id"}
+COMPLETION_PARAM: dict[str, str] = {**PARAM, "question": "prompt", "context": "prompt"}
 
 
 def error_type(status: int) -> str:
@@ -47,8 +49,9 @@ def body(status: int, message: str, code: str, param: str | None = None) -> dict
     return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
 
 
-def from_job_error(err: JobError | dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    """The status and body for a job error (or a result's `error` object)."""
+def from_job_error(err: JobError | dict[str, Any], chat: bool = True) -> tuple[int, dict[str, Any]]:
+    """The status and body for a job error (or a result's `error` object), its field
+    named as the chat (`chat`) or the completion endpoint calls it."""
     if isinstance(err, JobError):
         code, message, field = err.code, err.message, err.field
     else:
@@ -58,5 +61,6 @@ def from_job_error(err: JobError | dict[str, Any]) -> tuple[int, dict[str, Any]]
             code = ErrorCode.INTERNAL
         message, field = str(err.get("message", "")), err.get("field")
     status = STATUS.get(code, 500)
-    param = PARAM.get(field, field) if isinstance(field, str) else None
+    names = PARAM if chat else COMPLETION_PARAM
+    param = names.get(field, field) if isinstance(field, str) else None
     return status, body(status, message, code.value, param)

@@ -73,8 +73,8 @@ class _Refused(Exception):
         self.headers = headers or {}
 
 
-def _refused(err: JobError | dict[str, Any]) -> _Refused:
-    status, doc = errors.from_job_error(err)
+def _refused(err: JobError | dict[str, Any], chat: bool = True) -> _Refused:
+    status, doc = errors.from_job_error(err, chat)
     return _Refused(status, doc, {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None)
 
 
@@ -219,6 +219,8 @@ class HTTPServer:
             body = json.loads(raw)
         except (UnicodeDecodeError, ValueError) as err:
             raise _refused(JobError(ErrorCode.BAD_JSON, f"the body is not JSON: {err}")) from err
+        except RecursionError as err:  # the parser's own limit, not a fault of the daemon
+            raise _refused(JobError(ErrorCode.BAD_JSON, "the body is JSON nested too deeply")) from err
         if not isinstance(body, dict):
             raise _refused(JobError(ErrorCode.INVALID_FIELD, "the body must be a JSON object", "<root>"))
         return body
@@ -318,7 +320,7 @@ class HTTPServer:
         try:
             job = translate.chat_job(body, job_id) if chat else translate.completion_job(body, job_id)
         except JobError as err:
-            raise _refused(err) from err
+            raise _refused(err, chat) from err
         payload = json.dumps(job, sort_keys=True, separators=(",", ":")).encode("utf-8")
         topic = reply_topic(job_id)
         loop = asyncio.get_running_loop()
@@ -368,7 +370,7 @@ class HTTPServer:
 
     def _answer(self, result: dict[str, Any], model: str, chat: bool) -> web.Response:
         if result.get("status") != "ok":
-            raise _refused(result.get("error") or {})
+            raise _refused(result.get("error") or {}, chat)
         doc = translate.chat_response(result, model) if chat else translate.completion_response(result, model)
         return _json(200, doc, {"X-Request-Id": str(result["id"])})
 
@@ -386,7 +388,7 @@ class HTTPServer:
         then [DONE]. A refusal before the first piece is an ordinary error response."""
         first = await self._next(inbox, deadline, False, answered)
         if first.get("status") == "error":
-            raise _refused(first.get("error") or {})
+            raise _refused(first.get("error") or {}, chat)
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": job_id}
         )
@@ -416,7 +418,7 @@ class HTTPServer:
                 await event(last)
                 break
             else:
-                await event(errors.from_job_error(doc.get("error") or {})[1])
+                await event(errors.from_job_error(doc.get("error") or {}, chat)[1])
                 break
             doc = await self._next(inbox, deadline, False, answered)
         await response.write(b"data: [DONE]\n\n")
