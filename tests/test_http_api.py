@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from edge.comms.local import LocalDeliveries
 from edge.comms.message import IncomingJob
 from edge.config.http import HTTPConfig
+from edge.http import server
 from edge.http.keys import KeyFile, add_key
 from edge.http.server import HTTPServer, Served
 from tests.conftest import (
@@ -499,6 +500,29 @@ class _Fake:
 
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_a_stream_that_times_out_midway_ends_with_an_error_event_and_done() -> None:
+    with _Fake(timeout_s=1.0) as fake:
+        conn = fake.post("/v1/chat/completions", {**CHAT, "stream": True})
+        fake.wait(lambda: fake.jobs)
+        fake.answer(fake.jobs[0]["id"], {"status": "partial", "seq": 0, "delta": "Hel"})
+        resp = conn.getresponse()
+        events = [e.removeprefix("data: ") for e in resp.read().decode().split("\n\n") if e]
+    assert resp.status == 200 and events[-1] == "[DONE]"
+    first, piece, error = (json.loads(e) for e in events[:-1])
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}  # OpenAI's first chunk
+    assert piece["choices"][0]["delta"] == {"content": "Hel"}
+    assert error["error"]["code"] == "timeout"
+
+
+def test_a_queued_stream_gets_heartbeats(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server, "HEARTBEAT_S", 0.1)
+    with _Fake(timeout_s=0.5) as fake:
+        resp = fake.post("/v1/chat/completions", {**CHAT, "stream": True}).getresponse()
+        events = [e for e in resp.read().decode().split("\n\n") if e]
+    assert resp.status == 200 and events[0] == ": waiting" and events[-1] == "data: [DONE]"
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "timeout"
 
 
 def test_requests_sharing_a_key_share_its_job_until_the_last_leaves() -> None:

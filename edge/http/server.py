@@ -49,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 MAX_EMBED_INPUTS = 256
 RETRY_AFTER_S = 1  # a full queue drains in a job's time; the client's backoff grows from there
+# A streamed request waiting this long with nothing to send gets an SSE comment, so
+# proxies and clients that drop an idle connection keep it.
+HEARTBEAT_S = 15.0
 KEY_NAME = "edge.api_key_name"  # the request's API key's name, once authorized
 
 
@@ -349,17 +352,26 @@ class HTTPServer:
                 self._cancel(job_id)
 
     async def _next(
-        self, inbox: asyncio.Queue[bytes], deadline: float, final: bool, answered: list[bool]
+        self,
+        inbox: asyncio.Queue[bytes],
+        deadline: float,
+        final: bool,
+        answered: list[bool],
+        idle: Callable[[], Awaitable[None]] | None = None,
     ) -> dict[str, Any]:
         """The next result document (the final one if `final`); accepted notices
-        skipped. `answered` gets an entry when it is the final one."""
+        skipped. `answered` gets an entry when it is the final one. `idle` is called
+        after each HEARTBEAT_S without a document."""
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise _Refused(504, errors.body(504, "no result within the request timeout", "timeout"))
+            wait = left if idle is None else min(left, HEARTBEAT_S)
             try:
-                doc: dict[str, Any] = json.loads(await asyncio.wait_for(inbox.get(), left))
+                doc: dict[str, Any] = json.loads(await asyncio.wait_for(inbox.get(), wait))
             except asyncio.TimeoutError:
+                if idle is not None and deadline - time.monotonic() > 0:
+                    await idle()
                 continue
             status = doc.get("status")
             if status == "accepted" or (final and status == "partial"):
@@ -385,45 +397,47 @@ class HTTPServer:
         answered: list[bool],
     ) -> web.StreamResponse:
         """Server-sent events: a chunk per partial result, the last with finish_reason,
-        then [DONE]. A refusal before the first piece is an ordinary error response."""
-        first = await self._next(inbox, deadline, False, answered)
-        if first.get("status") == "error":
-            raise _refused(first.get("error") or {}, chat)
-        response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": job_id}
-        )
-        await response.prepare(request)
+        then [DONE]. A refusal before anything was sent is an ordinary error response;
+        once the stream has started (a first piece, or a heartbeat comment while the job
+        waits in the queue) a refusal, a timeout included, is an error event, then [DONE]."""
+        events = _Events(request, job_id)
 
-        async def event(doc: dict[str, Any]) -> None:
-            await response.write(b"data: " + json.dumps(doc).encode("utf-8") + b"\n\n")
+        async def idle() -> None:
+            await events.comment("waiting")
 
-        if chat:
-            await event(translate.chunk(job_id, model, chat, ""))  # the role's chunk, as OpenAI sends
-        doc, sent = first, ""
-        while True:
-            status = doc.get("status")
-            if status == "partial":
-                delta = str(doc.get("delta", ""))
-                sent += delta
-                await event(translate.chunk(job_id, model, chat, delta))
-            elif status == "ok":
-                output = doc.get("output") or {}
-                answer = str(output.get("answer", ""))
-                if answer.startswith(sent) and len(answer) > len(sent):
-                    # What the pieces did not carry (all of it for a result from the journal).
-                    await event(translate.chunk(job_id, model, chat, answer[len(sent) :]))
-                finish = translate.FINISH.get(str(output.get("finish_reason")), "stop")
-                last = translate.chunk(job_id, model, chat, None, finish)
-                last["edge"] = translate.extension(doc)
-                await event(last)
-                break
-            else:
-                await event(errors.from_job_error(doc.get("error") or {}, chat)[1])
-                break
-            doc = await self._next(inbox, deadline, False, answered)
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+        try:
+            doc = await self._next(inbox, deadline, False, answered, idle)
+            if doc.get("status") == "error" and not events.started:
+                raise _refused(doc.get("error") or {}, chat)
+            if chat and doc.get("status") != "error":  # OpenAI's first chunk: the role, no content yet
+                await events.send(translate.chunk(job_id, model, chat, "", role="assistant"))
+            sent = ""
+            while True:
+                status = doc.get("status")
+                if status == "partial":
+                    delta = str(doc.get("delta", ""))
+                    sent += delta
+                    await events.send(translate.chunk(job_id, model, chat, delta))
+                elif status == "ok":
+                    output = doc.get("output") or {}
+                    answer = str(output.get("answer", ""))
+                    if answer.startswith(sent) and len(answer) > len(sent):
+                        # What the pieces did not carry (all of it for a result from the journal).
+                        await events.send(translate.chunk(job_id, model, chat, answer[len(sent) :]))
+                    finish = translate.FINISH.get(str(output.get("finish_reason")), "stop")
+                    last = translate.chunk(job_id, model, chat, None, finish)
+                    last["edge"] = translate.extension(doc)
+                    await events.send(last)
+                    break
+                else:
+                    await events.send(errors.from_job_error(doc.get("error") or {}, chat)[1])
+                    break
+                doc = await self._next(inbox, deadline, False, answered, idle)
+        except _Refused as refused:
+            if not events.started:
+                raise
+            await events.send(refused.doc)
+        return await events.done()
 
     def _cancel(self, job_id: str) -> None:
         """Withdraw the job if it is still queued: a cancel job through the same intake."""
@@ -434,3 +448,31 @@ class HTTPServer:
             self._submit(IncomingJob(topic, payload, reply_topic(cancel_id), None, local=True))
         except Exception:  # the job then runs to its end: never a reason to fail the handler
             logger.exception("could not withdraw job %s", job_id)
+
+
+class _Events:
+    """A server-sent event stream whose headers go out with its first write."""
+
+    def __init__(self, request: web.Request, job_id: str) -> None:
+        self._request = request
+        self._response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": job_id}
+        )
+        self.started = False
+
+    async def _write(self, data: bytes) -> None:
+        if not self.started:
+            await self._response.prepare(self._request)
+            self.started = True
+        await self._response.write(data)
+
+    async def send(self, doc: dict[str, Any]) -> None:
+        await self._write(b"data: " + json.dumps(doc).encode("utf-8") + b"\n\n")
+
+    async def comment(self, text: str) -> None:
+        await self._write(b": " + text.encode("utf-8") + b"\n\n")
+
+    async def done(self) -> web.StreamResponse:
+        await self._write(b"data: [DONE]\n\n")
+        await self._response.write_eof()
+        return self._response

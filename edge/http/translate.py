@@ -183,10 +183,15 @@ def completion_response(result: dict[str, Any], model: str) -> dict[str, Any]:
     }
 
 
-def chunk(job_id: str, model: str, chat: bool, delta: str | None, finish: str | None = None) -> dict[str, Any]:
-    """One server-sent event's document: a piece of text, or (delta None) the last one."""
+def chunk(
+    job_id: str, model: str, chat: bool, delta: str | None, finish: str | None = None, role: str | None = None
+) -> dict[str, Any]:
+    """One server-sent event's document: a piece of text, or (delta None) the last one;
+    `role` (a chat's first chunk) goes in the delta beside the text."""
     if chat:
         piece: dict[str, Any] = {"index": 0, "delta": {} if delta is None else {"content": delta}}
+        if role is not None:
+            piece["delta"] = {"role": role, **piece["delta"]}
     else:
         piece = {"index": 0, "text": delta or "", "logprobs": None}
     piece["finish_reason"] = finish
