@@ -48,7 +48,9 @@ from edge.protocol.jobs import MAX_ID_CHARS
 logger = logging.getLogger(__name__)
 
 MAX_EMBED_INPUTS = 256
-RETRY_AFTER_S = 1  # a full queue drains in a job's time; the client's backoff grows from there
+# Retry-After on a 429: a fixed hint, not a measure of the queue; a client's own backoff
+# decides how long it really waits.
+RETRY_AFTER_S = 1
 # A streamed request waiting this long with nothing to send gets an SSE comment, so
 # proxies and clients that drop an idle connection keep it.
 HEARTBEAT_S = 15.0
