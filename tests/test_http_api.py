@@ -533,7 +533,7 @@ def test_requests_sharing_a_key_share_its_job_until_the_last_leaves() -> None:
         staying = fake.post("/v1/chat/completions", CHAT, key)
         fake.wait(lambda: fake.deliveries.waiting() == 2)
         job_id = fake.jobs[0]["id"]
-        assert job_id.startswith("http-chatcmpl-") and job_id != "k1"  # never an MQTT requester's id
+        assert job_id.startswith("http-chatcmpl-") and job_id != "k1"  # the key is never the id itself
         leaving.close()
         fake.wait(lambda: fake.deliveries.waiting() == 1)
         time.sleep(0.2)
