@@ -986,7 +986,53 @@ def models(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def http(d: dict[str, Any]) -> str:
+    """Short chats through the HTTP API beside the same jobs through MQTT, one daemon, one run."""
+    lines = [
+        f"Short chats on the {d['device']} CPU, the shipped CPU profile's engine "
+        f"({engine_summary(d['engine_config'])}): "
+        f"bursts of {d['burst']} requests ({d['question']!r}, greedy, {d['new_tokens']} new tokens) through each "
+        f"path, {d['rounds']} rounds alternating, one daemon and broker"
+        + (
+            f"; the machine's load average {d['load_average'][0]:.1f} then {d['load_average'][1]:.1f} on "
+            f"{d['cpus']} cores"
+            if "load_average" in d
+            else ""
+        )
+        + " (`bench/results/http.json`).",
+        "",
+        "| path | requests | requests/s | p50 ms | p99 ms |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for path, name in (("http", "HTTP (OpenAI API)"), ("mqtt", "MQTT v5")):
+        r = d[path]
+        lines.append(
+            f"| {name} | {r['requests']} | {r['requests_per_s']:.2f} | {r['p50_ms']:.0f} | {r['p99_ms']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def http_stack(d: dict[str, Any]) -> str:
+    """The server libraries measured for the HTTP API."""
+    lines = [
+        f"A minimal server in each library answering JSON and an event stream, Python {d['python']} on "
+        f"{d['machine']} (`bench/results/http_stack.json`).",
+        "",
+        "| library | versions | import ms | start to listening ms | RSS serving MiB |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for name, r in d["stacks"].items():
+        versions = ", ".join(f"{k} {v}" for k, v in r["versions"].items())
+        lines.append(
+            f"| {name} | {versions} | {r['import_ms']:.0f} | {r['start_to_listening_ms']:.0f} "
+            f"| {r['serving_rss_mib']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
+    "http": ("http.json", http),
+    "http_stack": ("http_stack.json", http_stack),
     "headline": ("rag.json", headline),
     "first_start": ("first_start.json", first_start),
     "daemon_cpu": ("daemon_cpu.json", lambda d: daemon(d, "bench/results/daemon_cpu.json")),

@@ -407,7 +407,28 @@ def build_parser() -> argparse.ArgumentParser:
     docs_rm.add_argument("--collection", required=True)
     docs_rm.add_argument("documents", nargs="*", help="these documents only (by file name)")
     docs.set_defaults(func=cmd_docs)
+
+    key = sub.add_parser("http-key", help="make an API key for the HTTP API (docs/http.md)")
+    key_sub = key.add_subparsers(dest="key_command", required=True)
+    key_add = key_sub.add_parser("add", help="append a new key's hash to a keys file; the key is printed once")
+    key_add.add_argument("name", help="who the key is for (one word), e.g. frigate")
+    key_add.add_argument("--file", type=Path, required=True, help="the keys file (http.api_keys_file)")
+    key.set_defaults(func=cmd_http_key)
     return parser
+
+
+def cmd_http_key(args: argparse.Namespace) -> int:
+    from edge.http.keys import add_key
+
+    try:
+        secret = add_key(args.file, args.name)
+    except (OSError, ValueError) as err:
+        print(f"edgectl http-key: {err}", file=sys.stderr)
+        return 2
+    # The key on stdout alone, for scripts; what to do with it on stderr.
+    print(secret)
+    print(f"added {args.name!r} to {args.file}; the daemon reads it at start and on SIGHUP", file=sys.stderr)
+    return 0
 
 
 def _docs_encoder(profile: Profile) -> Any:

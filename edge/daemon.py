@@ -17,13 +17,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge import __version__, builds
 from edge.builds import BuildStopped, ChildBuilds
+from edge.comms.local import LocalDeliveries
 from edge.comms.message import IncomingJob
 from edge.comms.mqtt import DaemonLink
 from edge.config.profile import Profile
+from edge.docs.embed import MODEL as EMBED_MODEL
 from edge.health.metrics import MetricsServer
 from edge.health.notify import Notifier, watchdog_interval_s
 from edge.health.reasons import describe_failure
@@ -47,6 +49,9 @@ from edge.tasks.ocr import OCRTask, start_ocr
 from edge.tasks.pipeline import Pipeline
 from edge.tasks.qa import QATask, qa_model_name, start_qa
 from edge.tracing import JobTracer
+
+if TYPE_CHECKING:
+    from edge.http.server import HTTPServer
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +89,10 @@ class Daemon:
         self.link = DaemonLink(profile, self._on_messages, on_delivered=self.journal.mark_answered)
         self.metrics = MetricsServer(self.snapshot)
         self.tracer = JobTracer.from_profile(profile.device_id, profile.tracing.otlp_endpoint)
+        # Results of jobs that came in over HTTP: handed to their waiting requests.
+        self.local = LocalDeliveries(on_delivered=self.journal.mark_answered)
         self.responder = Responder(
-            self.link, self.journal, self.stats, profile.device_id, self.metrics.jobs.observe, self.tracer
+            self.link, self.journal, self.stats, profile.device_id, self.metrics.jobs.observe, self.tracer, self.local
         )
         self.intake = Intake(profile, self.queues, self.responder, self.journal)
         self.pipeline = Pipeline(self.responder, self.queues)
@@ -93,6 +100,8 @@ class Daemon:
         self.reloader = Reloader(profile_path, lambda: self.profile, self._adopt, self.queues, self.workers,
                                  self.manager, self.metrics)  # fmt: skip
         self.status_server: StatusServer | None = None
+        self.http: HTTPServer | None = None
+        self.http_error: str | None = None
         self.inspect: InspectTask | None = None
         self.qa: QATask | None = None
 
@@ -128,6 +137,7 @@ class Daemon:
             ("journal replay", self._start_replay),
             ("workers", self._start_workers),
             ("broker", self._start_broker),
+            ("http api", self._start_http),
         ]
         try:
             for name, step in steps:
@@ -287,6 +297,33 @@ class Daemon:
         self.link.start()
         return True
 
+    def _start_http(self) -> bool:
+        # Never a reason not to start (MQTT is the primary path): a listener that cannot
+        # start is logged and shown in the status, as the metrics port is.
+        cfg = self.profile.http
+        if cfg.address is None:
+            return True
+        # Imported only when a listener is configured: a box without one holds no web stack.
+        from edge.http.server import HTTPServer, Served
+
+        retrieval = self.qa.retrieval if self.qa is not None else None
+        served = Served(
+            device_id=self.profile.device_id,
+            jobs_prefix=self.profile.topic("jobs"),
+            text_model=qa_model_name(self.models.qa) if self.qa is not None else None,
+            embed_model=EMBED_MODEL if retrieval is not None else None,
+            embed=retrieval.embed if retrieval is not None else None,
+            max_prompt_chars=self.profile.limits.max_prompt_chars,
+            ready=lambda: self.state == "ready",
+        )
+        try:
+            self.http = HTTPServer(cfg, served, self.link.submit, self.local)
+            self.http.start()
+        except (OSError, ValueError) as err:
+            logger.error("HTTP API not started: %s", err)
+            self.http, self.http_error = None, str(err)
+        return True
+
     def _supervise(self) -> None:
         # WATCHDOG=1 comes from this loop on purpose: if the loop hangs, systemd sees it.
         # It also vouches for the workers: while one is stalled (a job past the stall
@@ -300,6 +337,8 @@ class Daemon:
             if self._reload.is_set():
                 self._reload.clear()
                 self.reloader()
+                if self.http is not None:
+                    self.http.reload_keys()
             if not self.journal.available and self.journal.retry_open():
                 self.replayed = self.intake.replay()  # what the journal held, now it can be read
             if now - last_compact >= self.profile.journal.compact_interval_s:
@@ -331,6 +370,11 @@ class Daemon:
     def _shutdown(self) -> None:
         self.state = "stopping"
         self.notifier.stopping("stopping: finishing jobs in hand")
+        if self.http is not None:
+            # First, while the intake still takes jobs: a request arriving later would
+            # find no intake to answer it and hang. A request cut off here withdraws its
+            # job if still queued, as any client that goes away does; its retry runs it.
+            self.http.close()
         self.intake.accepting = False
         self.link.stop_intake()
         drain = self.profile.queue.drain_timeout_s
@@ -403,5 +447,10 @@ class Daemon:
             "jobs": self.stats.snapshot(),
             "builds": self.builds.snapshot(),
             "metrics": self.metrics.snapshot(),
+            "http": {
+                "listen": self.profile.http.listen,
+                "port": self.http.port if self.http is not None else None,
+                "error": self.http_error,
+            },
             "reload": self.reloader.last,
         }

@@ -1,9 +1,16 @@
 """From an MQTT message to a queued job, or to an error result naming the field.
 
+A request to the HTTP API comes in here too, as an `IncomingJob` marked local (its reply
+topic is in-process): the same checks, journal, queue and answers as a broker message.
+
 Each accepted job is written to the journal before it is queued, and the intake only
 returns True (acknowledge to the broker) once the job is kept or answered. A job id
 already in the journal within the dedup window is not run again: a finished one is
-answered with the stored result, one still in progress is left to finish.
+answered with the stored result, one still in progress is left to finish. One exception:
+an HTTP job (`$local/` reply) refused for a passing reason (busy, cancelled, expired,
+over budget, unavailable) runs again when its Idempotency-Key is sent again, since that
+refusal says to retry: the key keeps a job's result, not a refusal of a job that never
+ran (Stripe's API keeps no result for those either).
 
 Messages that arrive together are taken together (`take_many`): the jobs among them are
 journalled in one commit, so a burst of camera frames waits for one fsync, not one each.
@@ -11,11 +18,14 @@ journalled in one commit, so a burst of camera frames waits for one fsync, not o
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from edge.comms.local import is_local
+from edge.comms.local import reply_topic as local_reply_topic
 from edge.comms.message import IncomingJob
 from edge.config.profile import Profile
 from edge.journal.store import QUEUED, SENT, Entry, Journal, JournalFull, NewJob, digest
@@ -38,6 +48,11 @@ from edge.scheduler.work import TASK_BRANCH, Reply, WorkItem
 from edge.tracing import valid_traceparent
 
 logger = logging.getLogger(__name__)
+
+# Refusals that say "try again": for an HTTP job they are not the key's answer (`_seen`).
+RETRYABLE = frozenset(
+    {ErrorCode.BUSY, ErrorCode.CANCELLED, ErrorCode.EXPIRED, ErrorCode.OVER_BUDGET, ErrorCode.UNAVAILABLE}
+)
 
 
 @dataclass(frozen=True)
@@ -103,7 +118,7 @@ class Intake:
     def _internal(self, msg: IncomingJob, received: float) -> None:
         reply = Reply(self.profile.results_topic, msg.correlation, valid_traceparent(msg.traceparent))
         why = JobError(ErrorCode.INTERNAL, "the daemon could not take this message; its log has the details")
-        if msg.response_topic is not None and self._reply_error(msg.response_topic) is None:
+        if msg.response_topic is not None and self._reply_error(msg.response_topic, msg.local) is None:
             reply = Reply(msg.response_topic, msg.correlation, valid_traceparent(msg.traceparent))
         self._refuse(reply, None, None, why, received)
 
@@ -140,7 +155,10 @@ class Intake:
                 self._responder.accepted(reply, job.id, job.task)
         held.clear()
 
-    def _reply_error(self, topic: str) -> JobError | None:
+    def _reply_error(self, topic: str, local: bool = False) -> JobError | None:
+        if local:
+            # An in-process requester's `$local/` topic: no broker ever sees it.
+            return None
         return reply_topic_error(topic, self.profile.topic(), self.profile.results_topic)
 
     def _refuse(self, reply: Reply, job_id: str | None, task: str | None, err: JobError, received: float) -> None:
@@ -162,7 +180,7 @@ class Intake:
             return True
         job_id = recover_id(data)
         if msg.response_topic is not None:
-            bad_topic = self._reply_error(msg.response_topic)
+            bad_topic = self._reply_error(msg.response_topic, msg.local)
             if bad_topic is not None:
                 # Answered where the requester can still see it: the device's results topic.
                 self._refuse(reply, job_id, known_task, bad_topic, received)
@@ -188,7 +206,7 @@ class Intake:
             return True
         if isinstance(job.request, CancelJob):
             self._commit(held)  # its target may be among them
-            self._cancel(job.id, job.request.job, reply, received, digest(msg.payload))
+            self._cancel(job.id, job.request.job, reply, received, digest(msg.payload), msg.local)
             return True
         try:
             queue = self.route(job)
@@ -199,7 +217,7 @@ class Intake:
         return _Held((job.id, msg.topic, msg.payload, reply.topic, reply.correlation), item, queue, msg.notify_accepted)
 
     def _reply_for(self, msg: IncomingJob, fallback: Reply) -> Reply:
-        if msg.response_topic is not None and self._reply_error(msg.response_topic) is None:
+        if msg.response_topic is not None and self._reply_error(msg.response_topic, msg.local) is None:
             return Reply(msg.response_topic, msg.correlation, valid_traceparent(msg.traceparent))
         return fallback
 
@@ -274,8 +292,13 @@ class Intake:
         entry = self._journal.lookup(job_id)
         if entry is None or entry.received < time.time() - self._journal.dedup_window_s:
             return False
-        self.duplicates += 1
         same_reply = (entry.reply_topic, entry.correlation) == (reply.topic, reply.correlation)
+        if msg.local and same_reply and entry.digest == digest(msg.payload) and _retryable(entry):
+            # The client was told to come back (429, 503, 504) or went away (cancelled):
+            # its retry runs the job afresh; the journal row is replaced on accept.
+            logger.info("job %s sent again after a refusal that said to retry: it runs again", job_id)
+            return False
+        self.duplicates += 1
         if entry.digest is not None and entry.digest != digest(msg.payload):
             reused = JobError(
                 ErrorCode.INVALID_FIELD, "this id belongs to another job within the dedup window; use a new id", "id"
@@ -302,11 +325,21 @@ class Intake:
                 self._responder.accepted(reply, job_id, task)  # a resend to the box that holds it
         return True
 
-    def _cancel(self, request_id: str, target: str, reply: Reply, received: float, request_digest: str) -> None:
+    def _cancel(
+        self, request_id: str, target: str, reply: Reply, received: float, request_digest: str, local: bool
+    ) -> None:
         """Withdraw a queued job: it is answered `cancelled` on its own reply topic, and
-        the cancel request says whether it found it. A job already running finishes."""
+        the cancel request says whether it found it. A job already running finishes.
+        Each side withdraws only its own: an in-process (HTTP) cancel only the job whose
+        reply is that id's `$local/` topic, a broker's cancel never an HTTP job, so an
+        id that happens to be the same on the two paths cannot withdraw the other's job."""
+        owner = local_reply_topic(target)
+
+        def allowed(item: WorkItem) -> bool:
+            return item.reply.topic == owner if local else not is_local(item.reply.topic)
+
         for queue in self._queues.values():
-            item = queue.cancel(target)
+            item = queue.cancel(target, allowed)
             if item is not None:
                 why = JobError(ErrorCode.CANCELLED, f"withdrawn while queued by cancel request {request_id!r}")
                 self._reject(item.reply, item.job.id, item.job.task, why, item.received_at, journalled=True)
@@ -315,6 +348,17 @@ class Intake:
                 self._answer(reply, request_id, "cancel", output, received, request_digest)
                 return
         self._answer(reply, request_id, "cancel", {"job": target, "cancelled": False}, received, request_digest)
+
+
+def _retryable(entry: Entry) -> bool:
+    """Whether an HTTP job's stored result is a refusal that told its client to retry."""
+    if entry.state == QUEUED or entry.result is None or not is_local(entry.reply_topic):
+        return False
+    try:
+        doc = json.loads(entry.result)
+        return doc.get("status") == "error" and ErrorCode(doc["error"]["code"]) in RETRYABLE
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return False
 
 
 def make_item(job: ParsedJob, reply: Reply, received: float, default_deadline_ms: int | None) -> WorkItem:

@@ -8,7 +8,9 @@ need (a redelivery of it is simply refused again, the same way), nor claim its i
 the dedup window. Partial results (streamed pieces) are published only: the final result
 that follows is the one that counts. A result whose topic cannot be published to at all
 (only an old journal can hold one: intake refuses such topics) is marked answered and
-logged, so it never blocks anything. Every final result is counted in the job
+logged, so it never blocks anything. Results for `$local/` reply topics (jobs that came
+in over HTTP) go to the in-process delivery target instead of the broker, after the
+same journalling, counting and tracing. Every final result is counted in the job
 statistics, by task and error code.
 """
 
@@ -19,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from edge.comms.local import is_local
 from edge.comms.message import Publisher
 from edge.journal.store import Journal
 from edge.logs import job_fields
@@ -41,16 +44,21 @@ class Responder:
         device_id: str,
         observe: Callable[[dict[str, Any]], None] | None = None,
         tracer: JobTracer | None = None,
+        local: Publisher | None = None,
     ) -> None:
         """`observe`: given every final result document (the metrics count it);
         `tracer`: makes each job's spans, and the result carries the job span's
-        traceparent."""
-        self._link = link
+        traceparent; `local`: where results for `$local/` topics go (edge/comms/local.py)."""
+        self._mqtt = link
+        self._local = local
         self._journal = journal
         self.stats = stats
         self._device_id = device_id
         self._observe = observe
         self._tracer = tracer
+
+    def _via(self, topic: str) -> Publisher:
+        return self._local if self._local is not None and is_local(topic) else self._mqtt
 
     def _counted(self, doc: dict[str, Any], reply: Reply, received: float) -> bytes:
         if self._tracer is not None:
@@ -109,7 +117,7 @@ class Responder:
     def partial(self, item: WorkItem, seq: int, delta: str) -> None:
         """A streamed piece of a job's output; its final result still follows."""
         doc = results.partial_result(item.job.id, item.job.task, self._device_id, seq, delta)
-        self._link.publish(item.reply.topic, results.encode(doc), item.reply.correlation)
+        self._via(item.reply.topic).publish(item.reply.topic, results.encode(doc), item.reply.correlation)
 
     # jobs answered without running ----------------------------------------------------
 
@@ -145,18 +153,18 @@ class Responder:
         if journalled and job_id is not None:
             self._send(reply, job_id, payload)
         else:
-            self._link.publish(reply.topic, payload, reply.correlation)
+            self._via(reply.topic).publish(reply.topic, payload, reply.correlation)
 
     def accepted(self, reply: Reply, job_id: str, task: str) -> None:
         """Tell a requester that asked that the job is journalled here: this box answers
         it, so a requester with a fleet need not send it to another box while this one is
         online. Published only (a lost notice costs one resend, which is answered once)."""
         doc = results.accepted_notice(job_id, task, self._device_id)
-        self._link.publish(reply.topic, results.encode(doc), reply.correlation)
+        self._via(reply.topic).publish(reply.topic, results.encode(doc), reply.correlation)
 
     def resend(self, reply: Reply, payload: bytes) -> None:
         """A finished job's stored result, for a repeat of its id within the dedup window."""
-        self._link.publish(reply.topic, payload, reply.correlation)
+        self._via(reply.topic).publish(reply.topic, payload, reply.correlation)
 
     def replay(self, reply: Reply, job_id: str, payload: bytes) -> None:
         """A result stored but not confirmed by the broker before the last stop: sent
@@ -168,7 +176,7 @@ class Responder:
         self._publish_kept(reply, job_id, payload)
 
     def _publish_kept(self, reply: Reply, job_id: str, payload: bytes) -> None:
-        if not self._link.publish(reply.topic, payload, reply.correlation, job_id):
+        if not self._via(reply.topic).publish(reply.topic, payload, reply.correlation, job_id):
             logger.error(
                 "the result of %s can never be delivered (topic refused); marking it answered",
                 job_id,

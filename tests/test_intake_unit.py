@@ -11,15 +11,18 @@ from typing import Any
 
 import pytest
 
+from edge.comms.local import LocalDeliveries
 from edge.comms.message import IncomingJob
 from edge.config.profile import Profile
 from edge.config.service import PathsConfig
 from edge.intake import Intake
-from edge.journal.store import ANSWERED, QUEUED, SENT
+from edge.journal.store import ANSWERED, QUEUED, SENT, Journal
 from edge.protocol.errors import ErrorCode, JobError
+from edge.responder import Responder
 from edge.scheduler.branch import BranchWorker, Outcome
 from edge.scheduler.queue import BatchPolicy, PriorityDeadlineQueue
 from edge.scheduler.work import WorkItem
+from edge.stats import JobStats
 from edge.tasks.pipeline import Pipeline, context_of
 from tests import fakes
 
@@ -242,3 +245,119 @@ def test_every_job_of_a_batch_the_journal_cannot_keep_is_answered_storage_full(t
         (f"f{i}", "storage_full") for i in range(3)
     ]
     assert len(queues["vision"]) == 0
+
+
+def test_a_local_job_is_journalled_and_answered_in_process_never_through_the_broker(tmp_path: Path) -> None:
+    journal = Journal(tmp_path / "journal.sqlite3", 64 * 2**20, 3600.0)
+    link = fakes.FakeLink(journal)
+    local = LocalDeliveries(on_delivered=journal.mark_answered)
+    responder = Responder(link, journal, JobStats(), "u1", local=local)
+    queues = {"text": PriorityDeadlineQueue(8)}
+    intake = Intake(_profile(tmp_path), queues, responder, journal)
+    got: list[dict[str, Any]] = []
+    local.open("$local/h1", lambda payload: got.append(json.loads(payload)))
+    body = json.dumps({"id": "h1", "task": "qa", "question": "Hi?"}).encode()
+    assert intake(IncomingJob("edge/u1/jobs/qa", body, "$local/h1", None, local=True))
+    entry = journal.lookup("h1")
+    assert entry is not None and entry.state == QUEUED and entry.reply_topic == "$local/h1"
+    item = queues["text"].get(timeout=1)
+    assert item is not None
+    responder.finish(item, Outcome({"answer": "Hello."}, None, time.monotonic(), time.monotonic()))
+    assert [d["status"] for d in got] == ["ok"] and got[0]["output"] == {"answer": "Hello."}
+    assert link.sent == []  # nothing went to the broker
+    entry = journal.lookup("h1")
+    assert entry is not None and entry.state == ANSWERED  # handed over: the local PUBACK
+    # A refusal takes the same way back.
+    local.open("$local/h2", lambda payload: got.append(json.loads(payload)))
+    bad = json.dumps({"id": "h2", "task": "qa", "question": "Hi?", "temperature": "hot"}).encode()
+    assert intake(IncomingJob("edge/u1/jobs/qa", bad, "$local/h2", None, local=True))
+    assert got[-1]["status"] == "error" and got[-1]["error"]["field"] == "temperature"
+    assert link.sent == []
+
+
+def test_a_broker_message_cannot_name_a_local_reply_topic(tmp_path: Path) -> None:
+    responder, link, journal = fakes.responder(tmp_path, "u1")
+    intake = Intake(_profile(tmp_path), {"text": PriorityDeadlineQueue(8)}, responder, journal)
+    body = json.dumps({"id": "m1", "task": "qa", "question": "Hi?"}).encode()
+    # Not marked local: the $ topic is the broker's, refused as any other would be.
+    assert intake(IncomingJob("edge/u1/jobs/qa", body, "$local/h1", b"c"))
+    (sent,) = link.sent
+    assert sent.topic == "edge/u1/results" and sent.doc["error"]["field"] == "response_topic"
+    assert journal.lookup("m1") is None
+
+
+def test_local_jobs_left_in_the_journal_are_taken_up_at_start_and_their_results_handed_over(tmp_path: Path) -> None:
+    """After a restart nobody waits on a `$local/` topic: a stored result is handed over
+    (marked answered, kept for an Idempotency-Key retry) and an unfinished job runs again."""
+    journal = Journal(tmp_path / "journal.sqlite3", 64 * 2**20, 3600.0)
+    body = json.dumps({"id": "h1", "task": "qa", "question": "Hi?"}).encode()
+    journal.accept_many([("h1", "edge/u1/jobs/qa", body, "$local/h1", None)])
+    journal.accept_many([("h2", "edge/u1/jobs/qa", body.replace(b"h1", b"h2"), "$local/h2", None)])
+    journal.store_result("h2", "$local/h2", None, b'{"id": "h2", "status": "ok"}')
+    link = fakes.FakeLink(journal)
+    local = LocalDeliveries(on_delivered=journal.mark_answered)
+    responder = Responder(link, journal, JobStats(), "u1", local=local)
+    queues = {"text": PriorityDeadlineQueue(8)}
+    intake = Intake(_profile(tmp_path), queues, responder, journal)
+    assert intake.replay() == {"jobs": 1, "results": 1, "given_up": 0, "refused": 0}
+    item = queues["text"].get(timeout=1)
+    assert item is not None and item.job.id == "h1" and item.reply.topic == "$local/h1"
+    done = journal.lookup("h2")
+    assert done is not None and done.state == ANSWERED and done.result is not None
+    assert link.sent == []
+
+
+def _local_intake(tmp_path: Path, size: int = 8) -> tuple[Intake, PriorityDeadlineQueue, list[dict[str, Any]], Any]:
+    """An intake with a text queue and an in-process delivery target; what the `$local/`
+    topics get is collected, and the link (what the broker would have got) returned."""
+    journal = Journal(tmp_path / "journal.sqlite3", 64 * 2**20, 3600.0)
+    link = fakes.FakeLink(journal)
+    local = LocalDeliveries(on_delivered=journal.mark_answered)
+    queue = PriorityDeadlineQueue(size)
+    intake = Intake(
+        _profile(tmp_path), {"text": queue}, Responder(link, journal, JobStats(), "u1", local=local), journal
+    )
+    got: list[dict[str, Any]] = []
+    local.open("$local/h1", lambda payload: got.append(json.loads(payload)))
+    return intake, queue, got, link
+
+
+def _local(job_id: str, payload: dict[str, Any]) -> IncomingJob:
+    task = str(payload.get("task", "qa"))
+    return IncomingJob(f"edge/u1/jobs/{task}", json.dumps(payload).encode(), f"$local/{job_id}", None, local=True)
+
+
+def test_a_local_job_refused_busy_or_cancelled_runs_again_when_sent_again(tmp_path: Path) -> None:
+    intake, queue, got, _ = _local_intake(tmp_path, size=1)
+    ask = {"id": "h1", "task": "qa", "question": "Hi?"}
+    assert intake(_msg("qa", {"id": "m1", "question": "Hi?"}))  # fills the queue
+    assert intake(_local("h1", ask))
+    assert got[-1]["error"]["code"] == "busy"
+    assert queue.get(timeout=1) is not None  # room again
+    assert intake(_local("h1", ask))  # the same key again: run, not the stored 429
+    assert len(queue) == 1 and len(got) == 1
+    assert intake(_local("c1", {"id": "c1", "task": "cancel", "job": "h1"}))
+    assert got[-1]["error"]["code"] == "cancelled" and len(queue) == 0
+    assert intake(_local("h1", ask))  # and after a withdrawal
+    assert len(queue) == 1 and got[-1]["error"]["code"] == "cancelled"
+    # A result that is the request's answer still answers a repeat from the journal.
+    item = queue.get(timeout=1)
+    assert item is not None
+    intake._responder.finish(item, Outcome({"answer": "Hello."}, None, time.monotonic(), time.monotonic()))
+    assert intake(_local("h1", ask))
+    assert got[-1]["status"] == got[-2]["status"] == "ok" and len(queue) == 0
+
+
+def test_a_cancel_withdraws_only_a_job_of_its_own_path(tmp_path: Path) -> None:
+    intake, queue, got, link = _local_intake(tmp_path)
+    assert intake(_msg("qa", {"id": "same", "question": "Hi?"}))  # a camera's MQTT job
+    assert intake(_local("c1", {"id": "c1", "task": "cancel", "job": "same"}))
+    assert len(queue) == 1 and [m.doc["status"] for m in link.sent] == []  # the MQTT job still queued
+    # Nor can an HTTP job with that id answer it: it is told the id is in progress elsewhere.
+    assert intake(_local("same", {"id": "same", "task": "qa", "question": "Hi?"}))
+    assert len(queue) == 1 and link.sent == []
+    # The other way round: a broker's cancel does not withdraw an HTTP job.
+    assert intake(_local("h1", {"id": "h1", "task": "qa", "question": "Hi?"}))
+    assert intake(_msg("cancel", {"id": "c2", "job": "h1"}))
+    assert len(queue) == 2 and link.sent[-1].doc["output"] == {"job": "h1", "cancelled": False}
+    assert got == []

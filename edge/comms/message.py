@@ -20,6 +20,9 @@ class IncomingJob:
     notify_accepted: bool = False
     # The broker's DUP flag: this copy is a redelivery of one it sent us before.
     redelivered: bool = False
+    # Submitted inside this process (the HTTP API): response_topic is a `$local/` topic
+    # (edge/comms/local.py), not an MQTT one, and nothing is acknowledged to a broker.
+    local: bool = False
 
 
 # MQTT v5 user property a requester sets on a job to get an `accepted` notice for it.

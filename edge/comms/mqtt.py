@@ -150,6 +150,11 @@ class DaemonLink:
         )
         self._client.loop_start()
 
+    def submit(self, job: IncomingJob) -> None:
+        """A job from inside this process (the HTTP API), taken by the same intake thread
+        as the broker's messages, in the same batches."""
+        self._pump.put(job, None, 0)
+
     def stop_intake(self) -> None:
         """Stop taking new jobs while results can still be published. The subscriptions
         stay in the session (unsubscribing would make the broker drop the jobs that

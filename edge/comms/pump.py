@@ -27,7 +27,7 @@ MAX_BATCH = 256
 @dataclass(frozen=True)
 class _Delivery:
     job: IncomingJob
-    mid: int
+    mid: int | None  # None: submitted in-process, nothing to acknowledge
     qos: int
 
 
@@ -46,7 +46,7 @@ class IntakePump:
             self._thread = threading.Thread(target=self._run, name="intake", daemon=True)
             self._thread.start()
 
-    def put(self, job: IncomingJob, mid: int, qos: int) -> None:
+    def put(self, job: IncomingJob, mid: int | None, qos: int) -> None:
         self._queue.put(_Delivery(job, mid, qos))
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -83,7 +83,7 @@ class IntakePump:
             logger.exception("intake failed for %d message(s)", len(batch))
             keep = [True] * len(batch)
         for delivery, kept in zip(batch, keep, strict=True):
-            if kept:
+            if kept and delivery.mid is not None:
                 try:
                     self._ack(delivery.mid, delivery.qos)
                 except Exception:  # the session is gone: the broker delivers it again

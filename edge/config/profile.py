@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 
 from edge.config.base import TOPIC_SEGMENT, StrictModel
 from edge.config.broker import BrokerConfig, TopicsConfig
+from edge.config.http import HTTPConfig
 from edge.config.service import (
     JournalConfig,
     LimitsConfig,
@@ -142,6 +143,12 @@ class Profile(StrictModel):
         default_factory=MetricsConfig,
         title="Metrics",
         description="The Prometheus metrics endpoint (docs/operations.md, Metrics).",
+    )
+
+    http: HTTPConfig = Field(
+        default_factory=HTTPConfig,
+        title="HTTP API",
+        description="The OpenAI-compatible HTTP API beside MQTT, on the same queue and journal (docs/http.md).",
     )
 
     @field_validator("device_id")

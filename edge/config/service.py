@@ -142,7 +142,7 @@ class StatusConfig(StrictModel):
 _LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 
 
-def _listen_host(host: str) -> bool:
+def listen_host(host: str) -> bool:
     """An IP address (IPv6 in brackets) or a host name: what the listener can bind, checked
     when the profile is read rather than when the listener starts."""
     if host.startswith("[") and host.endswith("]"):
@@ -174,7 +174,7 @@ class MetricsConfig(StrictModel):
         host, sep, port = value.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError("must be host:port, e.g. 127.0.0.1:9464")
-        if not _listen_host(host):
+        if not listen_host(host):
             raise ValueError(f"{host!r} is neither an IP address nor a host name")
         return value
 

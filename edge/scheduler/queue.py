@@ -107,11 +107,12 @@ class PriorityDeadlineQueue:
             self._heap = [e for e in ordered if id(e) not in keep]  # sorted: still a heap
         return [e.item for e in taken]
 
-    def cancel(self, job_id: str) -> WorkItem | None:
-        """Take a queued job out by id (None if it is not queued here)."""
+    def cancel(self, job_id: str, allowed: Callable[[WorkItem], bool] | None = None) -> WorkItem | None:
+        """Take a queued job out by id (None if it is not queued here, or `allowed`
+        says no to it: the requester may withdraw only its own)."""
         with self._cond:
             for i, entry in enumerate(self._heap):
-                if entry.item.job.id == job_id:
+                if entry.item.job.id == job_id and (allowed is None or allowed(entry.item)):
                     self._heap.pop(i)
                     heapq.heapify(self._heap)
                     return entry.item

@@ -85,6 +85,15 @@ class Retrieval:
         except EngineMissing as err:
             logger.warning("collections exist but no retrieval encoder is built: %s", err)
 
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """The encoder's vectors for `texts` (the HTTP API's embeddings), the encoder
+        loaded through the ledger as for a search; JobError `unavailable` if none is built."""
+        try:
+            self._ready()
+            return ManagedEncoder(self._manager, self._keep).embed(texts)
+        except (EngineMissing, BackendUnavailable) as err:
+            raise JobError(ErrorCode.UNAVAILABLE, str(err), "model") from err
+
     def search(self, collection: str, question: str, top_k: int) -> tuple[list[Passage], dict[str, float]]:
         try:
             return self._ready().search(collection, question, top_k)
