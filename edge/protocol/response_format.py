@@ -51,8 +51,7 @@ def grammar_of(fmt: ResponseFormat | None, prefix: str = "") -> str | None:
     if found is None:
         return None
     schema, field = found
-    # Imported here: the rest of the protocol never needs the text branch's modules.
-    from edge.text.runtime import grammar
+    from edge import json_grammar as grammar  # here: only a job with a schema needs the engine
 
     if not grammar.available():
         raise JobError(ErrorCode.UNAVAILABLE, grammar.missing_reason(), f"{prefix}response_format")

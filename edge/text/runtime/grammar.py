@@ -10,8 +10,9 @@ and a compile runs on the text branch's thread between steps; llguidance's wheel
 abi3 file per platform (x86_64 and aarch64, any Python from 3.9) with no dependencies,
 where xgrammar's pulls in transformers and triton at run time.
 
-Its import is guarded: a box without it serves every other job, and a job that asks for
-structured output is told it is unavailable (`available`, `missing_reason`).
+Its import is guarded (edge/json_grammar.py, where schemas become grammars): a box without
+it serves every other job, and a job that asks for structured output is told it is
+unavailable.
 
 A compiled grammar is cached by its text's hash (bounded, least recently used first out):
 each sequence gets a copy of the cached matcher, which shares its compiled lexer.
@@ -29,63 +30,33 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from edge.json_grammar import (  # the schema side, re-exported: the batcher's callers reach it here
+    ENGINE,
+    GrammarError,
+    available,
+    engine_version,
+    json_schema_grammar,
+    missing_reason,
+    require,
+)
+
 logger = logging.getLogger(__name__)
 
-_llg: Any
-_import_error: str | None = None
-try:  # guarded: see the module's docstring
-    import llguidance as _llg
-except ImportError as _err:  # a box without the wheel serves every job but structured ones
-    _llg = None
-    _import_error = str(_err)
+__all__ = [
+    "ENGINE",
+    "Constraint",
+    "GrammarError",
+    "Grammars",
+    "allowed_any",
+    "apply_masks",
+    "available",
+    "engine_version",
+    "json_schema_grammar",
+    "missing_reason",
+    "unpack_on",
+]
 
-ENGINE = "llguidance"
 CACHE_ENTRIES = 64  # compiled grammars kept (a few kinds of job per box; each is small)
-
-# How a JSON schema becomes a grammar: compact-but-readable separators and no free
-# whitespace, so the model cannot spend its token budget on spaces and newlines.
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-class GrammarError(ValueError):
-    """A grammar (or the schema it came from) that cannot be enforced; the message says why."""
-
-
-def available() -> bool:
-    return _llg is not None
-
-
-def missing_reason() -> str:
-    return f"structured output needs the {ENGINE} package, which is not installed on this box ({_import_error})"
-
-
-def engine_version() -> str:
-    """The grammar engine's name and version, for the records benchmarks write."""
-    if _llg is None:
-        return f"{ENGINE} (not installed)"
-    from importlib.metadata import version
-
-    return f"{ENGINE} {version(ENGINE)}"
-
-
-def _require() -> Any:
-    if _llg is None:
-        raise GrammarError(missing_reason())
-    return _llg
-
-
-def json_schema_grammar(schema: dict[str, Any]) -> str:
-    """The grammar that admits exactly the JSON texts the schema validates (as the engine
-    reads the schema), checked without a tokenizer; GrammarError naming what is wrong."""
-    llg = _require()
-    try:
-        grammar: str = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
-    except (ValueError, TypeError) as err:
-        raise GrammarError(str(err)) from err
-    problem: str = llg.LLMatcher.validate_grammar(grammar)
-    if problem:
-        raise GrammarError(problem.strip().splitlines()[0][:300])
-    return grammar
 
 
 class Constraint:
@@ -130,14 +101,14 @@ class Grammars:
 
     def _lltokenizer(self) -> Any:
         if self._ll is None:
-            llg = _require()
+            llg = require()
             self._ll = llg.LLTokenizer(self._tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=self._eos)
         return self._ll
 
     def constraint(self, grammar: str) -> Constraint:
         """A fresh Constraint at the start of the grammar; GrammarError if the engine cannot
         build it for this tokenizer."""
-        llg = _require()
+        llg = require()
         key = hashlib.sha256(grammar.encode("utf-8")).hexdigest()
         proto = self._cache.get(key)
         if proto is None:
