@@ -52,6 +52,10 @@ CASES: list[tuple[dict[str, Any], str]] = [
     (TRIAGE, "A child has a temperature of 39.2 and a rash. How severe is it, and what is the fever?"),
 ]
 NEW_TOKENS = 40
+HUGE = {"enum": [f"value {i:05d}" for i in range(9000)]}  # over json_grammar.MAX_SCHEMA_BYTES
+NESTED: dict[str, Any] = {"type": "object"}
+for _ in range(40):
+    NESTED = {"type": "object", "properties": {"a": NESTED}}
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +115,13 @@ def valid(text: str, schema: dict[str, Any]) -> bool:
         ({"type": "json_schema", "schema": PART, "json_schema": {"schema": PART}}, "response_format.json_schema", ""),
         ({"type": "json_object", "schema": PART}, "response_format.schema", "json_object"),
         ({"type": "json_schema", "schema": PART, "strict": True}, "response_format.strict", "unknown"),
+        # Hostile schemas are refused before the engine compiles anything.
+        ({"type": "json_schema", "schema": NESTED}, "response_format.schema", "nests"),
+        (
+            {"type": "json_schema", "schema": {"enum": [f"v{i:05d}" for i in range(9000)]}},
+            "response_format.schema",
+            "bytes",
+        ),
     ],
 )
 def test_a_bad_response_format_is_refused_at_intake_naming_the_field(
@@ -252,3 +263,27 @@ def test_structured_jobs_through_the_daemon(daemon: DaemonProc, requester: Reque
     assert result["status"] == "ok", result.get("error")
     answer = result["output"]["answer"]
     assert valid(answer["answer"], rework) and answer["json"] == json.loads(answer["answer"]), answer
+
+
+def test_a_schema_cannot_loosen_how_its_json_is_written() -> None:
+    """The schema's own x-guidance options are overridden by ours: no free whitespace and
+    never lenient (keywords the engine does not enforce refused, not ignored)."""
+    from edge.json_grammar import json_schema_grammar
+
+    loose = {**PART, "x-guidance": {"whitespace_flexible": True, "lenient": True}}
+    options = json.loads(json_schema_grammar(loose))["grammars"][0]["json_schema"]["x-guidance"]
+    assert options["whitespace_flexible"] is False and options["lenient"] is False
+
+
+def test_a_row_whose_grammar_fails_ends_alone_and_the_batch_goes_on(engine: TextEngine) -> None:
+    """A constrained sampled row whose matcher has failed (a token it refused was forced on
+    it) is ended with the grammar's error; the sampled row beside it finishes as usual
+    (drawing from a row of -inf scores would have failed the whole batch's step)."""
+    bad = job_sequence(engine, job(CASES[0][1], PART, temperature=0.8, seed=1), "bad")
+    good = job_sequence(engine, job(CASES[0][1], None, temperature=0.8, seed=2), "good")
+    assert bad.grammar is not None
+    refused = next(t for t in range(engine.model.config.vocab_size) if not bad.grammar.accept(t))
+    assert bad.grammar.error is not None, refused
+    done = engine.batcher.run_all([bad, good])
+    assert done[0].finish == "error" and "grammar" in (done[0].error or "")
+    assert done[1].finish in ("eos", "length") and done[1].tokens

@@ -1,8 +1,9 @@
 """A qa job's `response_format`, checked at intake: the shape (ours, `{type, schema}`, or
 OpenAI's, `{type, json_schema: {name, schema, strict}}`) and the schema itself, compiled
 by the grammar engine without a tokenizer, so a schema the engine cannot enforce is
-refused naming the field and the reason before the job is queued, never while the text
-branch decodes others."""
+refused naming the field and the reason before the job is queued. (The grammar's
+compile for the model's tokenizer comes later, on the text branch, once per distinct
+schema: edge/tasks/structured.py; a failure there is the same structured error.)"""
 
 from __future__ import annotations
 

@@ -515,7 +515,15 @@ class ContinuousBatcher:
         constraints = [c for c in (running[i].grammar for i in rows) if c is not None]
         masks = self.grammars.masks(constraints, pin=logits.device.type == "cuda")
         apply_masks(logits, rows, masks)
-        blocked = {i: c.error for i, c, ok in zip(rows, constraints, allowed_any(masks), strict=True) if not ok}
+        # A row its grammar leaves no token, or whose matcher failed (a mask it fills then
+        # may allow only the end of text), is ended rather than drawn from; its scores are
+        # read as zeros, so that choosing the batch's tokens cannot fail on a row of -inf.
+        allowed = allowed_any(masks)
+        blocked = {
+            i: c.error for i, c, ok in zip(rows, constraints, allowed, strict=True) if not ok or c.error is not None
+        }
+        if blocked:
+            logits[torch.tensor(list(blocked), dtype=torch.long, device=logits.device)] = 0.0
         self.mask_s += time.perf_counter() - t0
         return blocked
 

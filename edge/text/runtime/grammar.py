@@ -7,7 +7,7 @@ The grammar engine is llguidance, chosen over xgrammar by measurement (bench/str
 a mask in a small fraction of a decode step, but xgrammar's compile of a schema with bounds
 (an integer's minimum and maximum, a string's maxLength) is far slower than llguidance's,
 and a compile runs on the text branch's thread between steps; llguidance's wheel is one
-abi3 file per platform (x86_64 and aarch64, any Python from 3.9) with no dependencies,
+abi3 file per platform (x86_64 and aarch64, any Python from 3.10) with no dependencies,
 where xgrammar's pulls in transformers and triton at run time.
 
 Its import is guarded (edge/json_grammar.py, where schemas become grammars): a box without
@@ -36,6 +36,7 @@ from edge.json_grammar import (  # the schema side, re-exported: the batcher's c
     available,
     engine_version,
     json_schema_grammar,
+    limits,
     missing_reason,
     require,
 )
@@ -102,7 +103,12 @@ class Grammars:
     def _lltokenizer(self) -> Any:
         if self._ll is None:
             llg = require()
-            self._ll = llg.LLTokenizer(self._tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=self._eos)
+            try:
+                self._ll = llg.LLTokenizer(self._tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=self._eos)
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as err:  # the engine's Rust panics are BaseExceptions
+                raise GrammarError(f"the grammar engine cannot read this model's tokenizer: {err}"[:300]) from err
         return self._ll
 
     def constraint(self, grammar: str) -> Constraint:
@@ -112,7 +118,14 @@ class Grammars:
         key = hashlib.sha256(grammar.encode("utf-8")).hexdigest()
         proto = self._cache.get(key)
         if proto is None:
-            proto = llg.LLMatcher(self._lltokenizer(), grammar, log_level=0)
+            try:
+                proto = llg.LLMatcher(self._lltokenizer(), grammar, log_level=0, limits=limits())
+            except GrammarError:
+                raise
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as err:  # the engine's Rust panics are BaseExceptions
+                raise GrammarError(f"{type(err).__name__}: {err}"[:300]) from err
             if proto.is_error():
                 raise GrammarError(str(proto.get_error()).strip().splitlines()[0][:300])
             self.compiled += 1
