@@ -278,10 +278,11 @@ def compare_engines(engine: TextEngine) -> list[dict[str, Any]]:
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer)  # type: ignore[no-untyped-call]
     info = xgrammar.TokenizerInfo.from_huggingface(wrapped, vocab_size=vocab, stop_token_ids=eos)
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-    bitmask = xgrammar.allocate_token_bitmask(1, vocab)
+    # Typed here: where xgrammar is not installed, mypy sees its module as Any.
+    bitmask: torch.Tensor = xgrammar.allocate_token_bitmask(1, vocab)
 
     def xg_compile(schema: dict[str, Any]) -> Any:
-        # The same JSON layout as llguidance's (grammar.JSON_OPTIONS): ", " and ": ", no free whitespace.
+        # The same JSON layout as llguidance's (json_grammar.JSON_OPTIONS): ", " and ": ", no free whitespace.
         return xgrammar.GrammarMatcher(compiler.compile_json_schema(json.dumps(schema), any_whitespace=False))
 
     def xg_mask(m: Any) -> torch.Tensor:
