@@ -204,6 +204,27 @@ def _error(exc: pytest.ExceptionInfo[openai.APIStatusError]) -> dict[str, Any]:
     return body["error"]  # type: ignore[no-any-return]
 
 
+def test_structured_output_through_the_api(box: Box) -> None:
+    """OpenAI's response_format (json_schema) becomes the qa job's: the answer is JSON the
+    schema validates, and the box's extension carries it parsed."""
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"serial": {"type": "string", "maxLength": 24}, "defect": {"type": "boolean"}},
+        "required": ["serial", "defect"],
+        "additionalProperties": False,
+    }
+    question = "Part SN-4471 has a crack along its edge. Give its serial and whether it is defective."
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "part", "schema": schema, "strict": True}}
+    reply = box.client().chat.completions.create(
+        model=box.model, messages=[{"role": "user", "content": question}], max_tokens=40, response_format=fmt
+    )
+    parsed = json.loads(reply.choices[0].message.content or "")
+    jsonschema.validate(parsed, schema)
+    assert (reply.model_extra or {})["edge"]["json"] == parsed
+
+
 def test_errors_name_the_field_in_openais_error_object(box: Box) -> None:
     client = box.client()
     with pytest.raises(openai.BadRequestError) as bad:
@@ -219,8 +240,9 @@ def test_errors_name_the_field_in_openais_error_object(box: Box) -> None:
         client.chat.completions.create(model=box.model, messages=HELLO, max_tokens=TOKEN_CAP + 1, stream=True)
     assert _error(many_streamed)["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError) as fmt:
-        client.chat.completions.create(model=box.model, messages=HELLO, response_format={"type": "json_object"})
-    assert _error(fmt)["param"] == "response_format"
+        bad_schema: Any = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "colour"}}}
+        client.chat.completions.create(model=box.model, messages=HELLO, response_format=bad_schema)
+    assert _error(fmt)["param"] == "response_format.json_schema.schema"
     with pytest.raises(openai.BadRequestError) as unknown_field:
         client.chat.completions.create(model=box.model, messages=HELLO, extra_body={"temprature": 0.5})
     assert _error(unknown_field)["param"] == "temprature"
