@@ -10,7 +10,7 @@ from pathlib import Path
 from pydantic import Field, field_validator, model_validator
 
 from edge.config.base import StrictModel
-from edge.config.service import listen_host
+from edge.config.service import checked_listen, listen_address
 
 logger = logging.getLogger(__name__)
 
@@ -58,14 +58,7 @@ class HTTPConfig(StrictModel):
     @field_validator("listen")
     @classmethod
     def _host_port(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        host, sep, port = value.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError("must be host:port, e.g. 127.0.0.1:8080")
-        if not listen_host(host):
-            raise ValueError(f"{host!r} is neither an IP address nor a host name")
-        return value
+        return checked_listen(value, "127.0.0.1:8080")
 
     @model_validator(mode="after")
     def _loopback_unless_allowed(self) -> HTTPConfig:
@@ -86,10 +79,7 @@ class HTTPConfig(StrictModel):
 
     @property
     def address(self) -> tuple[str, int] | None:
-        if self.listen is None:
-            return None
-        host, _, port = self.listen.rpartition(":")
-        return host.strip("[]"), int(port)
+        return listen_address(self.listen)
 
 
 def _loopback(host: str) -> bool:

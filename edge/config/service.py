@@ -158,6 +158,27 @@ def listen_host(host: str) -> bool:
     return named and len(host) <= 253 and all(_LABEL.match(label) for label in labels)
 
 
+def checked_listen(value: str | None, example: str) -> str | None:
+    """A listener's host:port as a profile gives it (None: no listener); ValueError saying
+    what is wrong, with `example` of the right form."""
+    if value is None:
+        return None
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"must be host:port, e.g. {example}")
+    if not listen_host(host):
+        raise ValueError(f"{host!r} is neither an IP address nor a host name")
+    return value
+
+
+def listen_address(listen: str | None) -> tuple[str, int] | None:
+    """(host, port) of a checked host:port, an IPv6 host without its brackets."""
+    if listen is None:
+        return None
+    host, _, port = listen.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
 class MetricsConfig(StrictModel):
     listen: str | None = Field(
         default="127.0.0.1:9464",
@@ -169,21 +190,11 @@ class MetricsConfig(StrictModel):
     @field_validator("listen")
     @classmethod
     def _host_port(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        host, sep, port = value.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError("must be host:port, e.g. 127.0.0.1:9464")
-        if not listen_host(host):
-            raise ValueError(f"{host!r} is neither an IP address nor a host name")
-        return value
+        return checked_listen(value, "127.0.0.1:9464")
 
     @property
     def address(self) -> tuple[str, int] | None:
-        if self.listen is None:
-            return None
-        host, _, port = self.listen.rpartition(":")
-        return host.strip("[]"), int(port)
+        return listen_address(self.listen)
 
 
 class TracingConfig(StrictModel):
