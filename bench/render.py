@@ -94,17 +94,20 @@ def text_cpu(d: dict[str, Any]) -> str:
         f"{d['model']}, {d['threads']} threads, {d['prompt_tokens']}-token prompt, {d['new_tokens']} new tokens, "
         f"one run (`bench/results/text_cpu.json`).",
         "",
-        "| decoder | tok/s | vs llama.cpp | engine |",
-        "|---|---:|---:|---|",
+        "| decoder | tok/s | vs llama.cpp | exact agreement | engine |",
+        "|---|---:|---:|---:|---|",
     ]
     for r in d["rows"]:
         if "error" in r:
-            lines.append(f"| {r['name']} | error: {r['error']} | | |")
+            lines.append(f"| {r['name']} | error: {r['error']} | | | |")
             continue
         vs = f"{r['vs_llamacpp']:.2f}x" if "vs_llamacpp" in r else "-"
+        exact = f"{r['exact_agreement']:.2f}" if "exact_agreement" in r else "-"
         cfg = r.get("engine_config")
         engine = "-" if cfg is None else ("**served**: " if r.get("served") else "") + engine_summary(cfg)
-        lines.append(f"| {r['name']} | {r['decode_tok_s']:.1f} | {vs} | {engine} |")
+        lines.append(f"| {r['name']} | {r['decode_tok_s']:.1f} | {vs} | {exact} | {engine} |")
+    if "agreement" in d:
+        lines += ["", f"Exact agreement: {d['agreement']} (`bench/results/text_cpu.json`)."]
     edge_rows = [r for r in d["rows"] if "error" not in r and not r["name"].startswith("llama.cpp")]
     lines += _provenance(*edge_rows)
     kernels = sorted({str(r["int4_kernel"]) for r in edge_rows if r.get("int4_kernel")})

@@ -30,12 +30,13 @@ from typing import Any
 
 import torch
 
-from bench.common import REPO, RESULTS, write_json
+from bench.common import REPO, RESULTS, agreement, write_json
 from bench.text_engines import engine_fields, fixed, load_engine
 from edge.text.architecture import LlamaConfig
 from edge.text.engine import TextEngine
 from edge.text.model.embedding import QuantizedEmbedding
 from edge.text.runtime.generate import SamplingParams
+from engines.text.corpus import evaluation_text
 from engines.text.random_llama import LLAMA3_8B, int4_weight_bytes
 from engines.text.text_build import serving_group
 
@@ -937,6 +938,14 @@ def _llamacpp_cpu(gguf: Path, prompt: str, new_tokens: int, threads: int) -> dic
     return {"decode_tok_s": statistics.median(rates[1:])}
 
 
+AGREEMENT_PROMPTS = 24
+AGREEMENT_TOKENS = 16
+
+
+def _greedy(engine: TextEngine, prompts: list[list[int]]) -> list[list[int]]:
+    return [list(engine.generate(p, SamplingParams(max_new_tokens=AGREEMENT_TOKENS)).tokens) for p in prompts]
+
+
 def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
     from tokenizers import Tokenizer
 
@@ -973,6 +982,24 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
             rows.append({"name": name, **fn()})
         except Exception as err:
             rows.append({"name": name, "error": f"{type(err).__name__}: {err}"})
+    # Greedy agreement with the exact quantized model over held-out prompts, first 16
+    # tokens: the reference is our float32 kernel on the served build (every weight exact
+    # in float32), each row on that build against it.
+    try:
+        exact_rows: dict[str, dict[str, Any]] = {
+            "edge AWQ INT4 g32 + clinic adapter (served)": {},
+            "edge AWQ INT4 g32 + clinic adapter, torch's bfloat16 kernel": {"cpu_kernel": "bf16"},
+        }
+        held = tokenizer.encode(evaluation_text(), add_special_tokens=False).ids
+        stride = len(held) // AGREEMENT_PROMPTS
+        prompts = [held[i * stride : i * stride + 48] for i in range(AGREEMENT_PROMPTS)]
+        reference = _greedy(load_engine(served, "cpu", threads=t), prompts)
+        for r in rows:
+            if r["name"] in exact_rows and "error" not in r:
+                got = _greedy(load_engine(served, "cpu", threads=t, **exact_rows[r["name"]]), prompts)
+                r["exact_agreement"] = agreement(reference, got)["token_agreement"]
+    except Exception as err:
+        rows.append({"name": "exact agreement", "error": f"{type(err).__name__}: {err}"})
     overhead: dict[str, Any]
     try:
         overhead = dict(_python_share(served, prompt_ids, args.threads))
@@ -989,6 +1016,8 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
         "model": "SmolLM2-135M-Instruct (real weights)",
         "prompt_tokens": len(prompt_ids),
         "new_tokens": args.new_tokens,
+        "agreement": f"exact_agreement: greedy tokens equal to the exact quantized model's (our float32 kernel on "
+        f"the served build), first {AGREEMENT_TOKENS} of {AGREEMENT_PROMPTS} held-out prompts",
         "rows": rows,
         "awq_step_profile": overhead,
     }
