@@ -133,6 +133,6 @@ def test_a_paused_jobs_damaged_offload_file_costs_a_prefill_not_the_job(
     finally:
         daemon.stop()
     offload = status["memory"]["kv"]["offload"]
-    assert offload["saved"] == 3 and offload["restore_failed"] == 3 and offload["restored"] == 0
+    assert offload["saved"] == 3 and offload["restore_failed"] == 3 and offload["restored"] == 0, offload
     assert offload["disk_bytes"] == 0 and offload["memory_bytes"] == 0
     assert not list(offload_dir.glob("*"))  # nothing kept for good
