@@ -90,9 +90,10 @@ def text_quality(d: dict[str, Any]) -> str:
 
 
 def text_cpu(d: dict[str, Any]) -> str:
+    how = f"one run, the median of {d['repeats']} measurements of each row" if "repeats" in d else "one run"
     lines = [
         f"{d['model']}, {d['threads']} threads, {d['prompt_tokens']}-token prompt, {d['new_tokens']} new tokens, "
-        f"one run (`bench/results/text_cpu.json`).",
+        f"{how} (`bench/results/text_cpu.json`).",
         "",
         "| decoder | tok/s | vs llama.cpp | exact agreement | engine |",
         "|---|---:|---:|---:|---|",
@@ -107,7 +108,10 @@ def text_cpu(d: dict[str, Any]) -> str:
         engine = "-" if cfg is None else ("**served**: " if r.get("served") else "") + engine_summary(cfg)
         lines.append(f"| {r['name']} | {r['decode_tok_s']:.1f} | {vs} | {exact} | {engine} |")
     if "agreement" in d:
-        lines += ["", f"Exact agreement: {d['agreement']} (`bench/results/text_cpu.json`)."]
+        agreement = d["agreement"].removeprefix("exact_agreement: ")
+        lines += ["", f"Exact agreement: {agreement} (`bench/results/text_cpu.json`)."]
+    if d.get("served_over_fastest") is not None:
+        lines += ["", f"The served row decodes at {d['served_over_fastest']:.2f}x the fastest edge row."]
     edge_rows = [r for r in d["rows"] if "error" not in r and not r["name"].startswith("llama.cpp")]
     lines += _provenance(*edge_rows)
     kernels = sorted({str(r["int4_kernel"]) for r in edge_rows if r.get("int4_kernel")})
@@ -118,7 +122,16 @@ def text_cpu(d: dict[str, Any]) -> str:
             "our float32 kernel): the served CPU engine is not in this table.*",
         ]
     prof = d.get("awq_step_profile", {})
-    if "step_ms" in prof:
+    if "in_c_step_ms" in prof:
+        lines += [
+            "",
+            f"Where the served decode step's {prof['step_ms']:.1f} ms go (torch profiler): "
+            f"{prof['in_c_step_ms']:.1f} ms in the C step (every layer in one call), "
+            f"{prof['in_torch_ops_ms']:.1f} ms inside {prof['ops_per_step']:.0f} torch operator calls (embedding, "
+            f"final norm, head), {prof['python_share'] * 100:.0f}% in the Python around them; the same model's "
+            f"step op by op: {prof['per_op_step_ms']:.1f} ms.",
+        ]
+    elif "step_ms" in prof:
         lines += [
             "",
             f"Where an AWQ INT4 decode step's {prof['step_ms']:.1f} ms go (torch profiler): "
@@ -404,7 +417,10 @@ def scheduler(d: dict[str, Any], source: str) -> str:
 
 
 def engine_summary(cfg: dict[str, Any]) -> str:
-    """A text engine's resolved configuration in a line (TextEngine.config)."""
+    """A text engine's resolved configuration in a line (TextEngine.config), or a peer's
+    (its `engine` named: llama.cpp, transformers)."""
+    if "engine" in cfg:
+        return f"{cfg['engine']}: " + ", ".join(f"{k} {v}" for k, v in cfg.items() if k != "engine")
     parts = [
         f"{cfg['device']}, {cfg['dtype']}, {cfg['kernel']} INT4 kernel, group {cfg['group_size']}",
         f"{cfg['embedding']} token table, {cfg['kv_dtype']} KV",
@@ -823,8 +839,8 @@ def aarch64(d: dict[str, Any]) -> str:
 
 
 def headline(rag_result: dict[str, Any]) -> str:
-    """The README's three figures: GPU decode beside llama.cpp, the daemon's memory within
-    its budget, grounded answers. Each says where it was measured and, where its engine
+    """The README's figures: GPU and CPU decode beside llama.cpp, the daemon's memory
+    within its budget, grounded answers. Each says where it was measured and, where its engine
     was assembled by hand, that it is to be measured again."""
     lines: list[str] = []
     cuda = _load("text_cuda.json")
@@ -841,6 +857,17 @@ def headline(rag_result: dict[str, Any]) -> str:
                 f"{ours['decode_tok_s'] / peer['decode_tok_s']:.2f}x llama.cpp Q4_0 in the same run, with "
                 f"{ours['peak_gib']:.2f} GiB against its {peer['peak_gib']:.2f} GiB "
                 f"(an 8B-shape INT4 model, random weights; `bench/results/text_cuda.json`).{stale}"
+            )
+    text_cpu = _load("text_cpu.json")
+    if text_cpu:
+        served = next((r for r in text_cpu["rows"] if r.get("served") and "decode_tok_s" in r), None)
+        if served and "vs_llamacpp" in served:
+            lines.append(
+                f"- **Decode on a CPU**: {served['decode_tok_s']:.0f} tok/s on {text_cpu['threads']} "
+                f"{text_cpu['machine']} threads, {served['vs_llamacpp']:.2f}x llama.cpp on the model's own GGUF "
+                f"in the same run, greedy tokens {served.get('exact_agreement', float('nan')):.0%} those of the "
+                f"exact quantized model "
+                f"(SmolLM2-135M with the clinic adapter, AWQ INT4, as served; `bench/results/text_cpu.json`)."
             )
     cpu = _load("daemon_cpu.json")
     if cpu:

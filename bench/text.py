@@ -17,6 +17,7 @@ Writes bench/results/text_<device>.json and prints a table.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -852,73 +853,109 @@ def print_cuda(result: dict[str, Any]) -> None:
 CPU_PROMPT = "Explain in a few sentences why hand hygiene matters in a hospital ward."
 
 
-def _ours_cpu(
-    path: Path, prompt_ids: list[int], new_tokens: int, repeat: int, threads: int, **changes: Any
-) -> dict[str, Any]:
+# A CPU row: one decode-rate measurement a call, and what the row records beside it.
+Measure = tuple[Callable[[], float], dict[str, Any]]
+
+
+def _ours_cpu(path: Path, prompt_ids: list[int], new_tokens: int, threads: int, **changes: Any) -> Measure:
     """The CPU engine the daemon builds from the shipped cpu-dev profile with `changes`,
     serving `path`: one sequence through its batcher, the decode rate as the daemon
     reports it."""
     engine = load_engine(path, "cpu", threads=threads, max_context_tokens=len(prompt_ids) + new_tokens + 1, **changes)
-    rates, made = [], []
-    for _ in range(repeat + 1):
+    info: dict[str, Any] = {"int4_kernel": engine.int4_kernel, **engine_fields(engine)}
+    made: list[int] = []
+
+    def once() -> float:
         seq = engine.generate(prompt_ids, SamplingParams(max_new_tokens=new_tokens))
-        rates.append(seq.tokens_per_s)
         made.append(len(seq.tokens))
-    return {
-        "decode_tok_s": statistics.median(rates[1:]),
-        "generated_tokens": statistics.median(made[1:]),
-        "int4_kernel": engine.int4_kernel,
-        **engine_fields(engine),
-    }
+        info["generated_tokens"] = statistics.median(made)
+        return seq.tokens_per_s
+
+    return once, info
 
 
 def _python_share(path: Path, prompt_ids: list[int], threads: int, steps: int = 32) -> dict[str, float]:
-    """Where a CPU decode step's time goes: inside torch operators (kernels and their
-    dispatch) versus the Python around them, measured with torch's profiler on the
-    served engine's model."""
+    """Where the served CPU decode step's time goes: inside our C kernel (every layer in
+    one call, where it serves), inside torch operators (the embedding, the final norm and
+    the head), and the Python around them, measured with torch's profiler on the served
+    engine's model; beside it, the same model's step op by op."""
     from torch.profiler import ProfilerActivity, profile
 
     from bench.text_engines import load_engine
+    from edge.text.ops.cpu import cpu_step
+    from edge.text.runtime import fused_step
 
     model = load_engine(path, "cpu", warm=False, threads=threads).model
-    cache = model.new_cache(1, len(prompt_ids) + steps + 1)
+    n = len(prompt_ids)
     ids = torch.tensor([prompt_ids])
-    model(ids, cache, 0)
     token = torch.tensor([[prompt_ids[-1]]])
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        for i in range(steps):
-            model(token, cache, len(prompt_ids) + i)
-        wall = time.perf_counter() - t0
+
+    def run(fused: bool | None) -> tuple[float, Any, float]:
+        model.fused_decode = fused
+        cache = model.new_cache(1, n + steps + 1)
+        model(ids, cache, 0)
+        in_c = [0.0]
+        inner = cpu_step.decode_layers
+
+        def timed(*args: Any) -> torch.Tensor:
+            t0 = time.perf_counter()
+            out = inner(*args)
+            in_c[0] += time.perf_counter() - t0
+            return out
+
+        cpu_step.decode_layers = timed  # type: ignore[assignment]
+        try:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                t0 = time.perf_counter()
+                for i in range(steps):
+                    fused_step.decode_step(model, token, cache, torch.tensor([n + i]), n + i + 1)
+                wall = time.perf_counter() - t0
+        finally:
+            cpu_step.decode_layers = inner
+        return wall, prof, in_c[0]
+
+    per_op, _, _ = run(False)
+    wall, prof, in_c = run(None)
     # Top-level operator calls: self times of every aten op, summed, is time spent in torch.
     in_ops = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith("aten::")) / 1e6
     return {
         "step_ms": wall / steps * 1000,
+        "c_step": bool(model.fused_decode),
+        "in_c_step_ms": in_c / steps * 1000,
         "in_torch_ops_ms": in_ops / steps * 1000,
-        "python_share": max(0.0, 1 - in_ops / wall),
+        "python_share": max(0.0, 1 - (in_ops + in_c) / wall),
         "ops_per_step": sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")) / steps,
+        "per_op_step_ms": per_op / steps * 1000,
     }
 
 
-def _hf_cpu(gguf: Path, prompt_ids: list[int], new_tokens: int, repeat: int) -> dict[str, Any]:
+def _hf_cpu(gguf: Path, prompt_ids: list[int], new_tokens: int) -> Measure:
+    import transformers
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     ids = torch.tensor([prompt_ids])
     kwargs = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None}
-    rates = []
-    with torch.inference_mode():
-        for _ in range(repeat + 1):
+
+    def once() -> float:
+        with torch.inference_mode():
             t0 = time.perf_counter()
             model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
             t1 = time.perf_counter()
             model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
             t2 = time.perf_counter()
-            rates.append((new_tokens - 1) / ((t2 - t1) - (t1 - t0)))
-    return {"decode_tok_s": statistics.median(rates[1:])}
+        return (new_tokens - 1) / ((t2 - t1) - (t1 - t0))
+
+    config: dict[str, Any] = {
+        "engine": "transformers",
+        "source": f"transformers {transformers.__version__}",
+        "device": "cpu",
+    }
+    config |= {"dtype": "float32", "weights": f"{gguf.name}, dequantized", "threads": torch.get_num_threads()}
+    return once, {"engine_config": config, "served": False}
 
 
-def _llamacpp_cpu(gguf: Path, prompt: str, new_tokens: int, threads: int) -> dict[str, Any]:
+def _llamacpp_cpu(gguf: Path, prompt: str, new_tokens: int, threads: int) -> Measure:
     import xllamacpp as xlc
 
     params = xlc.CommonParams()
@@ -931,11 +968,22 @@ def _llamacpp_cpu(gguf: Path, prompt: str, new_tokens: int, threads: int) -> dic
     params.sampling.temp = 0.0
     server = xlc.Server(params)
     body = {"prompt": prompt, "n_predict": new_tokens, "temperature": 0.0, "ignore_eos": True}
-    rates = []
-    for _ in range(4):
-        res = server.handle_completions(body)
-        rates.append(float(res["timings"]["predicted_per_second"]))
-    return {"decode_tok_s": statistics.median(rates[1:])}
+
+    def once() -> float:
+        return float(server.handle_completions(body)["timings"]["predicted_per_second"])
+
+    return once, {
+        # What the peer ran, in the terms our rows' configurations use where they apply.
+        "engine_config": {
+            "engine": "llama.cpp",
+            "source": f"xllamacpp {xlc.__version__}" if hasattr(xlc, "__version__") else "xllamacpp",
+            "device": "cpu",
+            "weights": gguf.name,
+            "threads": threads,
+            "n_ctx": params.n_ctx,
+        },
+        "served": False,
+    }
 
 
 AGREEMENT_PROMPTS = 24
@@ -966,20 +1014,27 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
     gguf = smollm2_gguf_path()
     rows: list[dict[str, Any]] = []
     t = args.threads
-    variants: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+    variants: list[tuple[str, Callable[[], Measure]]] = [
         ("llama.cpp (xllamacpp, same GGUF)", lambda: _llamacpp_cpu(gguf, prompt, args.new_tokens, args.threads)),
-        ("transformers FP32 generate", lambda: _hf_cpu(gguf, prompt_ids, args.new_tokens, 2)),
-        ("edge AWQ INT4 g32 + clinic adapter (served)", lambda: _ours_cpu(served, prompt_ids, args.new_tokens, 3, t)),
+        ("transformers FP32 generate", lambda: _hf_cpu(gguf, prompt_ids, args.new_tokens)),
+        ("edge AWQ INT4 g32 + clinic adapter (served)", lambda: _ours_cpu(served, prompt_ids, args.new_tokens, t)),
         (
             "edge AWQ INT4 g32 + clinic adapter, torch's bfloat16 kernel",
-            lambda: _ours_cpu(served, prompt_ids, args.new_tokens, 3, t, cpu_kernel="bf16"),
+            lambda: _ours_cpu(served, prompt_ids, args.new_tokens, t, cpu_kernel="bf16"),
         ),
-        ("edge AWQ INT4 g128", lambda: _ours_cpu(awq128, prompt_ids, args.new_tokens, 3, t)),
-        ("edge float32", lambda: _ours_cpu(base, prompt_ids, args.new_tokens, 3, t)),
+        ("edge AWQ INT4 g128", lambda: _ours_cpu(awq128, prompt_ids, args.new_tokens, t)),
+        ("edge float32", lambda: _ours_cpu(base, prompt_ids, args.new_tokens, t)),
     ]
-    for name, fn in variants:
+    # One row at a time, each gone before the next loads: with every row's engine and
+    # llama.cpp's server alive in the process at once, every row ran at about half its
+    # speed (their idle threads compete). The first measurement of a row warms it up.
+    for name, prepare in variants:
         try:
-            rows.append({"name": name, **fn()})
+            once, info = prepare()
+            rates = [once() for _ in range(args.rounds + 1)][1:]
+            rows.append({"name": name, "decode_tok_s": statistics.median(rates), **info})
+            del once, info
+            gc.collect()
         except Exception as err:
             rows.append({"name": name, "error": f"{type(err).__name__}: {err}"})
     # Greedy agreement with the exact quantized model over held-out prompts, first 16
@@ -993,7 +1048,9 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
         held = tokenizer.encode(evaluation_text(), add_special_tokens=False).ids
         stride = len(held) // AGREEMENT_PROMPTS
         prompts = [held[i * stride : i * stride + 48] for i in range(AGREEMENT_PROMPTS)]
-        reference = _greedy(load_engine(served, "cpu", threads=t), prompts)
+        exact = load_engine(served, "cpu", threads=t)
+        exact.batcher.model.fused_decode = False  # op by op: not the C step the served row runs
+        reference = _greedy(exact, prompts)
         for r in rows:
             if r["name"] in exact_rows and "error" not in r:
                 got = _greedy(load_engine(served, "cpu", threads=t, **exact_rows[r["name"]]), prompts)
@@ -1009,6 +1066,8 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
     for r in rows:
         if ref and "decode_tok_s" in r:
             r["vs_llamacpp"] = r["decode_tok_s"] / ref
+    ours = [r for r in rows if "engine" not in r.get("engine_config", {"engine": None}) and "decode_tok_s" in r]
+    served_rows = [r for r in ours if r.get("served")]
     return {
         "machine": platform.machine(),
         "threads": args.threads,
@@ -1016,10 +1075,16 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
         "model": "SmolLM2-135M-Instruct (real weights)",
         "prompt_tokens": len(prompt_ids),
         "new_tokens": args.new_tokens,
+        "repeats": args.rounds,
         "agreement": f"exact_agreement: greedy tokens equal to the exact quantized model's (our float32 kernel on "
-        f"the served build), first {AGREEMENT_TOKENS} of {AGREEMENT_PROMPTS} held-out prompts",
+        f"the served build, its step op by op), first {AGREEMENT_TOKENS} of {AGREEMENT_PROMPTS} held-out prompts",
         "rows": rows,
         "awq_step_profile": overhead,
+        # The served row's decode over the fastest edge row's: whether the shipped
+        # default is the fast one.
+        "served_over_fastest": (
+            served_rows[0]["decode_tok_s"] / max(r["decode_tok_s"] for r in ours) if served_rows else None
+        ),
     }
 
 
@@ -1035,8 +1100,9 @@ def print_cpu(result: dict[str, Any]) -> None:
     prof = result.get("awq_step_profile", {})
     if "step_ms" in prof:
         print(
-            f"AWQ INT4 decode step: {prof['step_ms']:.1f} ms, {prof['in_torch_ops_ms']:.1f} ms inside "
-            f"{prof['ops_per_step']:.0f} torch operators, {prof['python_share'] * 100:.0f}% in Python around them"
+            f"served decode step: {prof['step_ms']:.1f} ms, {prof.get('in_c_step_ms', 0.0):.1f} ms in the C step, "
+            f"{prof['in_torch_ops_ms']:.1f} ms inside {prof['ops_per_step']:.0f} torch operators, "
+            f"{prof['python_share'] * 100:.0f}% in Python around them; op by op {prof.get('per_op_step_ms', 0):.1f} ms"
         )
 
 
@@ -1070,6 +1136,7 @@ def main() -> None:
         "--batch", nargs="*", type=int, default=[1, 2, 4, 8], help="cuda: sequences decoded together by the batcher"
     )
     parser.add_argument("--threads", type=int, default=2, help="cpu: threads for every variant")
+    parser.add_argument("--rounds", type=int, default=3, help="cpu: measurements of each row (the median)")
     parser.add_argument("--engine-dir", type=Path, default=REPO / ".edge" / "engines")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

@@ -18,7 +18,6 @@ from edge.text.model.checkpoint import load_checkpoint
 from edge.text.model.embedding import GROUPS, LEVELS, QuantizedEmbedding, compact_embedding
 from edge.text.model.llama import LlamaModel
 from edge.text.runtime.generate import SamplingParams, generate
-from engines.text.import_gguf import import_smollm2
 
 
 def _table(vocab: int = 300, hidden: int = 128, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -103,12 +102,11 @@ def test_the_config_names_the_field_of_a_bad_table_format() -> None:
 
 @pytest.fixture(scope="module")
 def served(engine_dir: Path) -> Path:
-    """The served INT4 checkpoint (AWQ g32) the daemon builds."""
-    from engines.text.quantize import QuantRecipe
-    from engines.text.text_build import SERVING_GROUP, quantize_checkpoint
+    """The served INT4 checkpoint the daemon builds for the CPU profile (the clinic adapter
+    merged, AWQ INT4 at the model's group size): the session's build, made once."""
+    from engines.text.text_build import build_text_engine
 
-    base = import_smollm2(engine_dir, progress=False)
-    return quantize_checkpoint(base, QuantRecipe(method="awq", group_size=SERVING_GROUP), progress=False)
+    return build_text_engine(engine_dir, "clinic", "awq-int4", progress=False)
 
 
 @pytest.mark.slow

@@ -208,11 +208,12 @@ class QAModelConfig(StrictModel):
         "short of a key block's coding. 'off': one token per step.",
     )
     speculative_tokens: int = Field(
-        default=4,
+        default=3,
         ge=1,
         le=8,
         title="Draft tokens",
-        description="With speculative decoding, the most draft tokens checked per sequence per step.",
+        description="With speculative decoding, the most draft tokens checked per sequence per step. 2 and 3 "
+        "measured fastest on the CPU, more drafts slower (bench/results/speculative.json).",
     )
     max_new_tokens: int = Field(
         default=128,

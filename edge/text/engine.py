@@ -201,6 +201,8 @@ class TextEngine:
         table = model.embed_tokens
         groups = self._groups
         fused = bool(model.fused_decode) if model.fused_decode is not None else fused_step.can_fuse(model)
+        # The CPU's step reads a float cache; a quantized one is read op by op.
+        fused = fused and (self.device.type != "cpu" or self.batcher.kv.dtype == "float16")
         folds = fused and fused_step.folds_norm(model, 1)[0]
         return {
             "device": self.device.type,

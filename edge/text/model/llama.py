@@ -10,12 +10,11 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from edge.text.architecture import LlamaConfig
 from edge.text.kv import kv_attention
@@ -25,6 +24,9 @@ from edge.text.kv.quant_cache import QuantKVCache, QuantLayer
 from edge.text.model.embedding import QuantizedEmbedding
 from edge.text.ops.int4 import silu_gate_up
 from edge.text.ops.triton import decode_ops
+
+if TYPE_CHECKING:
+    from torch.nn.attention.bias import CausalBias
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +122,10 @@ def chunk_mask(seq: int, end: int, device: torch.device) -> torch.Tensor | Causa
     last 512-token chunk of a 4K prompt: 0.3 GB in bfloat16) and the key and value
     heads repeated per query head."""
     if device.type == "cuda":
+        # Imported here: torch.nn.attention.bias imports torch._dynamo (about 4 s of a
+        # CPU box's start, for a mask only CUDA prefill uses).
+        from torch.nn.attention.bias import causal_lower_right
+
         return causal_lower_right(seq, end)
     return torch.ones(seq, end, dtype=torch.bool, device=device).tril(diagonal=end - seq)
 
@@ -360,7 +366,15 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         # Serving may swap in a compact table (edge/text/model/embedding.py).
-        self.embed_tokens: nn.Embedding | QuantizedEmbedding = nn.Embedding(config.vocab_size, config.hidden_size)
+        # On the meta device (a checkpoint's load) the table is given, not drawn: a random
+        # init there goes through torch's reference ops, which import torch._dynamo
+        # (seconds of a CPU box's start).
+        table = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens: nn.Embedding | QuantizedEmbedding = (
+            nn.Embedding(config.vocab_size, config.hidden_size, _weight=table)
+            if table.is_meta
+            else nn.Embedding(config.vocab_size, config.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

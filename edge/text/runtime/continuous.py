@@ -62,7 +62,7 @@ from edge.text.kv.prefix_cache import MIN_TOKENS as MIN_PREFIX
 from edge.text.kv.prefix_cache import PrefixCache
 from edge.text.kv.quant_cache import QuantKVCache
 from edge.text.model.llama import LlamaModel
-from edge.text.runtime import fused_prefill, fused_step, lookup
+from edge.text.runtime import cpu_step, fused_prefill, fused_step, lookup
 from edge.text.runtime.cuda_graphs import StepGraphs
 from edge.text.runtime.generate import SamplingParams, _find_stop, choose_rows, streamable_end
 from edge.text.runtime.grammar import Constraint, Grammars, allowed_any, apply_masks
@@ -572,8 +572,13 @@ class ContinuousBatcher:
         they are attended. True once it is finished."""
         assert seq.slot is not None
         start = seq.length - 1
-        chunk = torch.tensor([[seq.tokens[-1], *draft]], dtype=torch.long, device=self.device)
-        logits = self.model(chunk, self._row(seq.slot), start, last_only=False)[0]
+        if isinstance(self.cache, KVCache) and fused_step.steps_on_cpu(self.model):
+            # The CPU's step takes the token and its drafts as rows of one step: the
+            # weights read once, each position's logits those of decoding it alone.
+            logits = cpu_step.verify(self.model, [seq.tokens[-1], *draft], self.cache, seq.slot, start)
+        else:
+            chunk = torch.tensor([[seq.tokens[-1], *draft]], dtype=torch.long, device=self.device)
+            logits = self.model(chunk, self._row(seq.slot), start, last_only=False)[0]
         seq.drafted += len(draft)
         sampled = seq.params.temperature > 0.0
         if sampled:

@@ -76,7 +76,7 @@ if decode_ops.TRITON_SUPPORT:
 def supported(model: LlamaModel) -> bool:
     """The fused prefill takes what the fused decode step takes (Int4Linear projections
     without bias, on CUDA, with Triton)."""
-    return fused_step.can_fuse(model)
+    return model.device.type == "cuda" and fused_step.can_fuse(model)
 
 
 def rope_write(

@@ -41,6 +41,7 @@ from edge.text.ops.triton.decode_ops import (
     rope_kv_write,
     silu_mul,
 )
+from edge.text.runtime import cpu_step
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +54,19 @@ def decode_step(
     model.fused_decode), else the model's own step, op by op."""
     if model.fused_decode is None:
         model.fused_decode = can_fuse(model)
-    if model.fused_decode:
+    if model.fused_decode and model.device.type == "cpu":
+        if isinstance(cache, KVCache):  # a quantized cache is read by the per-op step's kernel
+            return cpu_step.decode_step(model, ids, cache, pos, kv_len)
+    elif model.fused_decode:
         return fused_decode_step(model, ids, cache, pos, kv_len)
     return model.decode_step(ids, cache, pos, kv_len)
+
+
+def steps_on_cpu(model: LlamaModel) -> bool:
+    """Whether this model's decode steps run in the CPU's C step (over a float cache)."""
+    if model.fused_decode is None:
+        model.fused_decode = can_fuse(model)
+    return bool(model.fused_decode) and model.device.type == "cpu"
 
 
 def _gemv(linear: torch.nn.Module, x: torch.Tensor, norm: cuda_int4.NormInput | None = None) -> torch.Tensor:
@@ -76,7 +87,10 @@ def refusal(model: LlamaModel) -> str | None:
 
 
 def can_fuse(model: LlamaModel) -> bool:
-    """True when every projection is a fused Triton INT4 linear on a CUDA device."""
+    """True when every projection is a fused Triton INT4 linear on a CUDA device, or on
+    the CPU where our C step takes the model (runtime/cpu_step.py)."""
+    if model.device.type == "cpu":
+        return cpu_step.can_run(model)
     if not TRITON_SUPPORT or model.device.type != "cuda":
         return False
     refused = refusal(model)

@@ -36,13 +36,13 @@ static inline vfloat load_floats(const float *p) {
  * weight row j. Low and high nibbles sum apart: two chains of adds that overlap, not one,
  * in every tile alike (a different order for some tiles would make a row's result depend
  * on its batch), so tiles of any shape give the same sums. A 2 x 4 tile (prefill) holds
- * 16 sums, 4 weights and 8 inputs, a 4 x 1 tile (decode) 8 sums: within AVX-512's 32
- * registers. */
+ * 16 sums, 4 weights and 8 inputs, a 4 x 1 tile (decode) 8 sums, a 1 x 8 tile (a token
+ * and its drafts) 16 sums: within AVX-512's 32 registers. */
 static inline __attribute__((always_inline)) void tile(const int nb, const int r, const float *xe, const float *xo,
                                                        int64_t k2, int64_t groups, int64_t half_group,
                                                        const uint8_t *q, const float *scales, const uint8_t *zeros,
                                                        float *y, int64_t ldy) {
-    vfloat acc_lo[4][4], acc_hi[4][4];
+    vfloat acc_lo[4][8], acc_hi[4][8];
     for (int j = 0; j < nb; j++)
         for (int i = 0; i < r; i++) acc_lo[j][i] = acc_hi[j][i] = (vfloat){0};
     for (int64_t g = 0; g < groups; g++) {
@@ -92,9 +92,23 @@ static inline __attribute__((always_inline)) void tile(const int nb, const int r
         tile(NB, R, xe, xo, k2, groups, half_group, q, scales, zeros, y, ldy);                             \
     }
 TILE_FN(2, 4)
+TILE_FN(2, 3)
+TILE_FN(2, 2)
 TILE_FN(4, 1)
-TILE_FN(1, 4)
 TILE_FN(1, 1)
+TILE_FN(1, 2)
+TILE_FN(1, 3)
+TILE_FN(1, 4)
+TILE_FN(1, 5)
+TILE_FN(1, 6)
+TILE_FN(1, 7)
+TILE_FN(1, 8)
+
+typedef void (*tile_fn)(const float *, const float *, int64_t, int64_t, int64_t, const uint8_t *, const float *,
+                        const uint8_t *, float *, int64_t);
+/* One weight row against r activation rows, r = 1..8: up to 8 (a decode step's batch,
+ * a token and its drafts being verified) in one pass over the row's codes. */
+static const tile_fn ONE_ROW[9] = {0, tile_1_1, tile_1_2, tile_1_3, tile_1_4, tile_1_5, tile_1_6, tile_1_7, tile_1_8};
 
 /* Returns 0, -1 when K or G does not fit the kernel's tiling, -2 when out of memory. */
 int edge_int4_linear(const float *x, int64_t m, int64_t k, const uint8_t *q, const float *scales,
@@ -114,9 +128,11 @@ int edge_int4_linear(const float *x, int64_t m, int64_t k, const uint8_t *q, con
             xe[i * k2 + j] = x[i * k + 2 * j];
             xo[i * k2 + j] = x[i * k + 2 * j + 1];
         }
-    /* Four weight rows at a time: two 2 x 4 tiles per 4 activation rows, a 4 x 1 tile per
-     * remaining row; weight rows beyond a multiple of 4 one at a time. Whatever
-     * the tile, each output's sum runs in the same order. */
+    /* Four weight rows at a time. Up to 4 activation rows, or more than 8: two 2 x 4
+     * tiles per 4 activation rows, then the rest (a 4 x 1 tile for one, two 2 x r tiles
+     * for two or three). 5 to 8 rows: each weight row once against all of them. Weight
+     * rows beyond a multiple of 4 one at a time, against up to 8 activation rows at once.
+     * Whatever the tile, each output's sum runs in the same order. */
     const int64_t n4 = n / 4;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < n4 + n % 4; t++) {
@@ -125,16 +141,28 @@ int edge_int4_linear(const float *x, int64_t m, int64_t k, const uint8_t *q, con
         const float *sr = scales + row * groups;
         const uint8_t *zr = zeros + row * groups;
         int64_t i = 0;
-        if (t < n4) {
-            for (; i + 4 <= m; i += 4) {
-                tile_2_4(xe + i * k2, xo + i * k2, k2, groups, half_group, qr, sr, zr, y + i * n + row, n);
-                tile_2_4(xe + i * k2, xo + i * k2, k2, groups, half_group, qr + 2 * k2, sr + 2 * groups,
-                         zr + 2 * groups, y + i * n + row + 2, n);
-            }
-            for (; i < m; i++) tile_4_1(xe + i * k2, xo + i * k2, k2, groups, half_group, qr, sr, zr, y + i * n + row, n);
-        } else {
-            for (; i + 4 <= m; i += 4) tile_1_4(xe + i * k2, xo + i * k2, k2, groups, half_group, qr, sr, zr, y + i * n + row, n);
-            for (; i < m; i++) tile_1_1(xe + i * k2, xo + i * k2, k2, groups, half_group, qr, sr, zr, y + i * n + row, n);
+        if (t >= n4 || (m > 4 && m <= 8)) {
+            const int64_t weight_rows = t < n4 ? 4 : 1;
+            for (int64_t w = 0; w < weight_rows; w++)
+                for (i = 0; i < m; i += 8) {
+                    const int64_t r = m - i < 8 ? m - i : 8;
+                    ONE_ROW[r](xe + i * k2, xo + i * k2, k2, groups, half_group, qr + w * k2, sr + w * groups,
+                               zr + w * groups, y + i * n + row + w, n);
+                }
+            continue;
+        }
+        for (; i + 4 <= m; i += 4) {
+            tile_2_4(xe + i * k2, xo + i * k2, k2, groups, half_group, qr, sr, zr, y + i * n + row, n);
+            tile_2_4(xe + i * k2, xo + i * k2, k2, groups, half_group, qr + 2 * k2, sr + 2 * groups,
+                     zr + 2 * groups, y + i * n + row + 2, n);
+        }
+        const tile_fn pair = m - i == 3 ? tile_2_3 : tile_2_2;
+        if (m - i == 1) {
+            tile_4_1(xe + i * k2, xo + i * k2, k2, groups, half_group, qr, sr, zr, y + i * n + row, n);
+        } else if (m - i > 1) {
+            pair(xe + i * k2, xo + i * k2, k2, groups, half_group, qr, sr, zr, y + i * n + row, n);
+            pair(xe + i * k2, xo + i * k2, k2, groups, half_group, qr + 2 * k2, sr + 2 * groups, zr + 2 * groups,
+                 y + i * n + row + 2, n);
         }
     }
     free(xe);

@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -69,12 +70,20 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(keep)))
 
 
+def _included(source: Path) -> list[Path]:
+    """The files of ours a source includes (`#include "name"`, beside it), so that a change
+    to one builds its includers again."""
+    names = re.findall(r'^#include "([^"]+)"', source.read_text(), flags=re.MULTILINE)
+    return [source.with_name(name) for name in names]
+
+
 def library_path(cc: str, source: Path | None = None) -> Path:
     """The built library's path: one per source, compiler, flags and CPU."""
     source = source if source is not None else SOURCE
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256()
-    for part in (source.read_bytes(), version.encode(), " ".join(_flags()).encode(), _cpu_identity().encode()):
+    sources = [source.read_bytes(), *(f.read_bytes() for f in _included(source))]
+    for part in (*sources, version.encode(), " ".join(_flags()).encode(), _cpu_identity().encode()):
         key.update(part)
         key.update(b"\0")
     return cache_dir() / f"{source.stem}-{platform.machine()}-{key.hexdigest()[:16]}.so"

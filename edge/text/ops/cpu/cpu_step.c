@@ -1,0 +1,194 @@
+/* One decode step of an INT4 Llama on the CPU, every layer in one call.
+ *
+ * Op by op in torch a CPU decode step is about 180 operators per layer, each a Python
+ * call, a dispatch and a small allocation: on SmolLM2-135M at two threads that overhead
+ * was a third of the step. Here each layer is, in float32 throughout:
+ *
+ *    RMSNorm -> qkv product -> rotary + KV-cache write -> attention over the row's
+ *    positions -> o product + residual -> RMSNorm -> gate/up product -> SiLU * up ->
+ *    down product + residual
+ *
+ * and the caller does the embedding before and the final norm and head after (one
+ * operator each). The INT4 products are cpu_int4.c's, included here, so the weights
+ * are the quantized model's own to the last bit and each output is summed in the same
+ * order whatever the batch. Attention sums each (row, head) in a fixed order too: a
+ * sequence's logits do not depend on the sequences decoded beside it.
+ *
+ * Llama's graph only (SiLU, one RoPE table, no biases, no q/k norms, no window): the
+ * runtime (edge/text/runtime/cpu_step.py) refuses anything else by name and runs the
+ * step op by op instead. Built on the box like cpu_int4.c and called through ctypes.
+ */
+#include <math.h>
+
+#include "cpu_int4.c"
+
+typedef struct {
+    const uint8_t *q;      /* [n, k / 2] two codes a byte, even k in the low nibble */
+    const float *scales;   /* [n, k / group] */
+    const uint8_t *zeros;  /* [n, k / group] */
+    int64_t n, k, group;
+} int4_matrix;
+
+typedef struct {
+    const float *input_norm, *post_norm; /* [hidden] */
+    int4_matrix qkv, o, gate_up, down;   /* gate_up: the gate's rows, then the up's */
+} step_layer;
+
+typedef struct {
+    int64_t layers, hidden, heads, kv_heads, head_dim, intermediate;
+    float eps, scale;        /* RMSNorm epsilon; attention's scale on the scores */
+    const float *cos, *sin;  /* [positions, head_dim] */
+    int64_t positions;
+} step_model;
+
+typedef struct {
+    float *k, *v;                              /* [layers, rows, kv_heads, slots, head_dim] */
+    int64_t layer_stride, row_stride, slots;   /* in floats; slots per row */
+    int64_t rows;
+} step_cache;
+
+/* out = x / rms(x) * w: the mean of squares in a fixed pairwise order. */
+static void rmsnorm(const float *x, const float *w, int64_t n, float eps, float *out) {
+    vfloat acc = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        const vfloat v = load_floats(x + i);
+        acc += v * v;
+    }
+    float lane[LANES];
+    memcpy(lane, &acc, sizeof lane);
+    for (int s = LANES / 2; s > 0; s /= 2)
+        for (int l = 0; l < s; l++) lane[l] += lane[l + s];
+    float sum = lane[0];
+    for (; i < n; i++) sum += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    for (int64_t j = 0; j < n; j++) out[j] = x[j] * inv * w[j];
+}
+
+/* Rotary in place on one head: x * cos + rotate_half(x) * sin, as apply_rope. */
+static void rope(float *x, const float *cos, const float *sin, int64_t d) {
+    const int64_t half = d / 2;
+    float tmp[512];
+    for (int64_t j = 0; j < half; j++) {
+        tmp[j] = x[j] * cos[j] - x[j + half] * sin[j];
+        tmp[j + half] = x[j + half] * cos[j + half] + x[j] * sin[j + half];
+    }
+    memcpy(x, tmp, sizeof(float) * (size_t)d);
+}
+
+static inline float dot(const float *a, const float *b, int64_t d) {
+    vfloat acc = {0};
+    for (int64_t i = 0; i < d; i += LANES) acc += load_floats(a + i) * load_floats(b + i);
+    float lane[LANES];
+    memcpy(lane, &acc, sizeof lane);
+    for (int s = LANES / 2; s > 0; s /= 2)
+        for (int l = 0; l < s; l++) lane[l] += lane[l + s];
+    return lane[0];
+}
+
+/* The `group` query heads of KV head h of batch row b against positions 0..pos:
+ * out [group, d]. scores holds pos + 1 floats. */
+static void attend(const step_model *M, const float *q, const float *keys, const float *values, int64_t pos,
+                   int group, float *out, float *scores) {
+    const int64_t d = M->head_dim;
+    for (int g = 0; g < group; g++) {
+        const float *qg = q + g * d;
+        float top = -INFINITY;
+        for (int64_t t = 0; t <= pos; t++) {
+            scores[t] = dot(qg, keys + t * d, d) * M->scale;
+            if (scores[t] > top) top = scores[t];
+        }
+        float total = 0.0f;
+        for (int64_t t = 0; t <= pos; t++) {
+            scores[t] = expf(scores[t] - top);
+            total += scores[t];
+        }
+        float *o = out + g * d;
+        for (int64_t c = 0; c < d; c++) o[c] = 0.0f;
+        for (int64_t t = 0; t <= pos; t++) {
+            const float p = scores[t] / total;
+            const float *v = values + t * d;
+            for (int64_t c = 0; c < d; c++) o[c] += p * v[c];
+        }
+    }
+}
+
+static int product(const int4_matrix *W, const float *x, int64_t m, float *y, int threads) {
+    return edge_int4_linear(x, m, W->k, W->q, W->scales, W->zeros, W->n, W->group, y, threads);
+}
+
+/* x [B, hidden]: the residual stream in (the tokens' embeddings), the last layer's out.
+ * Row b of the batch is a token at position pos[b] of cache row rows[b], attending to
+ * positions 0..min(pos[b], kv_len - 1) as the per-op step does (a row the batch does not
+ * advance sits at the cache's last slot: its answer is not read, and it costs no more
+ * than a real row's). Several batch rows may share a cache row at consecutive
+ * positions (a sequence's token and its drafts, verified at once): each layer writes
+ * every row's keys and values before any attends, so each attends causally. Returns 0;
+ * -1 for a shape the kernel does not take, -2 out of memory, -3 a position past the
+ * cache or the rotary table, or a cache row past the cache. */
+int edge_cpu_decode_layers(const step_model *M, const step_layer *layers, const step_cache *C, float *x, int64_t B,
+                           const int64_t *rows, const int64_t *pos, int64_t kv_len, int threads) {
+    const int64_t H = M->hidden, d = M->head_dim, nh = M->heads, nkv = M->kv_heads;
+    const int group = (int)(nh / nkv);
+    if (d % LANES != 0 || d > 512 || nh % nkv != 0) return -1;
+    if (kv_len < 1 || kv_len > C->slots) return -3;
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; b++) {
+        if (pos[b] < 0 || pos[b] >= C->slots || pos[b] >= M->positions) return -3;
+        if (rows[b] < 0 || rows[b] >= C->rows) return -3;
+        if (pos[b] > longest) longest = pos[b];
+    }
+    if (longest >= kv_len) longest = kv_len - 1;
+    const int64_t qkv_n = (nh + 2 * nkv) * d, wide = 2 * M->intermediate;
+    const int64_t widest = qkv_n > wide ? qkv_n : wide;
+    float *h = malloc(sizeof(float) * (size_t)(B * H));
+    float *big = malloc(sizeof(float) * (size_t)(B * widest));
+    float *attn = malloc(sizeof(float) * (size_t)(B * nh * d));
+    float *act = malloc(sizeof(float) * (size_t)(B * M->intermediate));
+    float *proj = malloc(sizeof(float) * (size_t)(B * H));
+    float *scores = malloc(sizeof(float) * (size_t)(B * nkv * (longest + 1)));
+    int rc = (h && big && attn && act && proj && scores) ? 0 : -2;
+    for (int64_t i = 0; i < M->layers && rc == 0; i++) {
+        const step_layer *L = layers + i;
+        for (int64_t b = 0; b < B; b++) rmsnorm(x + b * H, L->input_norm, H, M->eps, h + b * H);
+        if ((rc = product(&L->qkv, h, B, big, threads)) != 0) break;
+        float *kl = C->k + i * C->layer_stride, *vl = C->v + i * C->layer_stride;
+        for (int64_t b = 0; b < B; b++) {
+            float *row = big + b * qkv_n;
+            const float *cs = M->cos + pos[b] * d, *sn = M->sin + pos[b] * d;
+            for (int64_t j = 0; j < nh + nkv; j++) rope(row + j * d, cs, sn, d);
+            for (int64_t j = 0; j < nkv; j++) {
+                const int64_t at = rows[b] * C->row_stride + (j * C->slots + pos[b]) * d;
+                memcpy(kl + at, row + (nh + j) * d, sizeof(float) * (size_t)d);
+                memcpy(vl + at, row + (nh + nkv + j) * d, sizeof(float) * (size_t)d);
+            }
+        }
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t w = 0; w < B * nkv; w++) {
+            const int64_t b = w / nkv, j = w % nkv;
+            const int64_t head = rows[b] * C->row_stride + j * C->slots * d;
+            const int64_t last = pos[b] < kv_len ? pos[b] : kv_len - 1;
+            attend(M, big + b * qkv_n + j * group * d, kl + head, vl + head, last, group,
+                   attn + (b * nh + j * group) * d, scores + w * (longest + 1));
+        }
+        if ((rc = product(&L->o, attn, B, proj, threads)) != 0) break;
+        for (int64_t j = 0; j < B * H; j++) x[j] += proj[j];
+        for (int64_t b = 0; b < B; b++) rmsnorm(x + b * H, L->post_norm, H, M->eps, h + b * H);
+        if ((rc = product(&L->gate_up, h, B, big, threads)) != 0) break;
+        const int64_t I = M->intermediate;
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t j = 0; j < I; j++) {
+                const float g = big[b * wide + j], u = big[b * wide + I + j];
+                act[b * I + j] = g / (1.0f + expf(-g)) * u;
+            }
+        if ((rc = product(&L->down, act, B, proj, threads)) != 0) break;
+        for (int64_t j = 0; j < B * H; j++) x[j] += proj[j];
+    }
+    free(h);
+    free(big);
+    free(attn);
+    free(act);
+    free(proj);
+    free(scores);
+    return rc;
+}

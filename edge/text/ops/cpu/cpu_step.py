@@ -1,0 +1,128 @@
+"""The whole-layer CPU decode step (cpu_step.c): its ctypes structures and entry point.
+Built on the box like the CPU INT4 kernel (cpu_int4.build, the same kernel cache); the
+runtime (edge/text/runtime/cpu_step.py) decides where it serves and lays a model out in
+these structures once."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from edge.text.ops.cpu import cpu_int4
+
+SOURCE = Path(__file__).with_name("cpu_step.c")
+LANES = cpu_int4.LANES  # a head's size must be a multiple of this
+MAX_HEAD_DIM = 512  # cpu_step.c rotates a head in a buffer of this many floats
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class Int4Matrix(ctypes.Structure):
+    _fields_ = [("q", _P), ("scales", _P), ("zeros", _P), ("n", _I), ("k", _I), ("group", _I)]
+
+
+class StepLayer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _P),
+        ("post_norm", _P),
+        ("qkv", Int4Matrix),
+        ("o", Int4Matrix),
+        ("gate_up", Int4Matrix),
+        ("down", Int4Matrix),
+    ]
+
+
+class StepModel(ctypes.Structure):
+    _fields_ = [
+        ("layers", _I),
+        ("hidden", _I),
+        ("heads", _I),
+        ("kv_heads", _I),
+        ("head_dim", _I),
+        ("intermediate", _I),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("cos", _P),
+        ("sin", _P),
+        ("positions", _I),
+    ]
+
+
+class StepCache(ctypes.Structure):
+    _fields_ = [("k", _P), ("v", _P), ("layer_stride", _I), ("row_stride", _I), ("slots", _I), ("rows", _I)]
+
+
+_KERNEL = cpu_int4.CKernel(
+    SOURCE,
+    "edge_cpu_decode_layers",
+    [_P, _P, _P, _P, _I, _P, _P, _I, ctypes.c_int],  # model, layers, cache, x [B, H], B, rows, pos, kv_len, threads
+    "the CPU decode step",
+)
+
+ERRORS = {
+    -1: "a head size it does not take",
+    -2: "out of memory",
+    -3: "a position or row past the cache, or a position past the RoPE table",
+}
+
+
+def available() -> bool:
+    try:
+        _KERNEL.function()
+    except RuntimeError:
+        return False
+    return True
+
+
+def matrix(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> Int4Matrix:
+    """An INT4 weight in the checkpoint's layout (scales float32), as the kernel reads it."""
+    n, k2 = qweight.shape
+    for t in (qweight, scales, zeros):
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("the CPU decode step reads contiguous CPU tensors")
+    if scales.dtype != torch.float32 or qweight.dtype != torch.uint8 or zeros.dtype != torch.uint8:
+        raise ValueError("the CPU decode step reads uint8 codes and zero points, float32 scales")
+    if not cpu_int4.supports(2 * k2, group):
+        raise ValueError(f"the CPU INT4 kernel takes groups of a multiple of {2 * cpu_int4.LANES} ({group})")
+    return Int4Matrix(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, 2 * k2, group)
+
+
+@dataclass
+class Plan:
+    """A model laid out for the kernel. `keep` holds every tensor the pointers name."""
+
+    model: StepModel
+    layers: ctypes.Array[StepLayer]
+    keep: list[torch.Tensor]
+
+
+def decode_layers(
+    plan: Plan, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, kv_len: int
+) -> torch.Tensor:
+    """Every layer for one token per sequence: x [B, H] float32 (the embeddings) is
+    replaced by the last layer's residual stream and returned. k, v: the float32 cache
+    [layers, rows, KV heads, slots, head dim] (rows may be a view of a larger cache's
+    first rows); batch row b is a token at position pos[b] of cache row rows[b],
+    attending to its positions below kv_len (a row the batch does not advance may sit
+    past it). Batch rows may share a cache row at consecutive positions: a sequence's
+    token and its drafts, each attending causally."""
+    fn = _KERNEL.function()
+    if x.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32:
+        raise ValueError("the CPU decode step runs float32 activations over a float32 cache")
+    if k.stride() != v.stride() or k.stride()[2:] != (k.shape[3] * k.shape[4], k.shape[4], 1):
+        raise ValueError("the CPU decode step reads a cache of whole contiguous heads")
+    x = x.contiguous()
+    bsz = x.shape[0]
+    positions, cache_rows = pos.to(torch.int64).contiguous(), rows.to(torch.int64).contiguous()
+    if positions.shape != (bsz,) or cache_rows.shape != (bsz,):
+        raise ValueError(f"{bsz} tokens need {bsz} positions and cache rows")
+    cache = StepCache(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.shape[3], k.shape[1])
+    rc = fn(
+        ctypes.byref(plan.model), plan.layers, ctypes.byref(cache), x.data_ptr(), bsz,
+        cache_rows.data_ptr(), positions.data_ptr(), kv_len, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"the CPU decode step failed: {ERRORS.get(rc, f'code {rc}')}")
+    return x

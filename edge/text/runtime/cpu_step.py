@@ -1,0 +1,142 @@
+"""The CPU's decode step: every layer in one call of our C kernel (ops/cpu/cpu_step.c)
+where the model is Llama's graph over INT4 products of our float32 kernel, else the
+model's own step, op by op.
+
+Op by op, a step of SmolLM2-135M is about 5,500 torch operators; their dispatch, not
+their arithmetic, was a third of the step at two threads. The kernel runs the same
+arithmetic (the same INT4 products, float32 throughout) in one call; the embedding
+before it and the final norm and head after it stay torch's (one operator each, the head
+being most of a step's bytes)."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+
+from edge.text.kv.float_cache import KVCache
+from edge.text.model.llama import DecoderLayer, LlamaModel
+from edge.text.ops.cpu import cpu_step
+from edge.text.ops.int4 import Int4Linear
+
+logger = logging.getLogger(__name__)
+
+# Each model's layout for the kernel, made on its first step; or why it cannot serve it.
+_plans: weakref.WeakKeyDictionary[LlamaModel, cpu_step.Plan | str] = weakref.WeakKeyDictionary()
+
+
+def refusal(model: LlamaModel) -> str | None:
+    """Why the kernel cannot run this model's step, by name; None where it can."""
+    config = model.config
+    options = config.family_options()
+    if options:
+        return f"it does not implement {', '.join(options)}"
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return f"it runs float32 on the CPU, not {model.dtype} on {model.device.type}"
+    if config.head_dim % cpu_step.LANES or config.head_dim > cpu_step.MAX_HEAD_DIM:
+        return f"head size {config.head_dim}: it takes multiples of {cpu_step.LANES} up to {cpu_step.MAX_HEAD_DIM}"
+    for i, layer in enumerate(model.layers):
+        if not isinstance(layer, DecoderLayer):
+            return f"layer {i} is not a decoder layer"
+        attn, mlp = layer.self_attn, layer.mlp
+        for name, part in (
+            ("qkv", attn.qkv_proj),
+            ("o", attn.o_proj),
+            ("gate/up", mlp.gate_up_proj),
+            ("down", mlp.down_proj),
+        ):
+            if not isinstance(part, Int4Linear) or part.kernel != "cpu-f32":
+                return f"layer {i}'s {name} product is not on our float32 INT4 kernel"
+            if part.bias is not None:
+                return f"layer {i}'s {name} product has a bias"
+    if not cpu_step.available():
+        return "it did not build (see the log)"
+    return None
+
+
+def can_run(model: LlamaModel) -> bool:
+    """Whether the kernel serves this model's decode steps (decided once per model)."""
+    plan = _plans.get(model)
+    if plan is None:
+        refused = refusal(model)
+        if refused:
+            logger.info("CPU decode step refused, the model's steps run op by op: %s", refused)
+            plan = refused
+        else:
+            plan = _layout(model)
+        _plans[model] = plan
+    return isinstance(plan, cpu_step.Plan)
+
+
+def _matrix(part: torch.nn.Module, keep: list[torch.Tensor]) -> cpu_step.Int4Matrix:
+    assert isinstance(part, Int4Linear)
+    tensors = (part.qweight, part.scales, part.zeros)
+    keep.extend(tensors)
+    return cpu_step.matrix(*tensors, part.group_size)
+
+
+def _layout(model: LlamaModel) -> cpu_step.Plan:
+    config = model.config
+    keep: list[torch.Tensor] = []
+    layers = (cpu_step.StepLayer * config.num_layers)()
+    for i, layer in enumerate(model.layers):
+        assert isinstance(layer, DecoderLayer)
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = [
+            n.weight.detach().float().contiguous() for n in (layer.input_layernorm, layer.post_attention_layernorm)
+        ]
+        keep.extend(norms)
+        layers[i] = cpu_step.StepLayer(
+            norms[0].data_ptr(),
+            norms[1].data_ptr(),
+            _matrix(attn.qkv_proj, keep),  # type: ignore[arg-type]
+            _matrix(attn.o_proj, keep),
+            _matrix(mlp.gate_up_proj, keep),  # type: ignore[arg-type]
+            _matrix(mlp.down_proj, keep),
+        )
+    cos, sin = model.rope_cos.float().contiguous(), model.rope_sin.float().contiguous()
+    keep.extend((cos, sin))
+    first = model.layers[0]
+    assert isinstance(first, DecoderLayer)
+    described = cpu_step.StepModel(
+        config.num_layers,
+        config.hidden_size,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        config.intermediate_size,
+        config.rms_norm_eps,
+        first.self_attn.scale,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cos.shape[0],
+    )
+    return cpu_step.Plan(described, layers, keep)
+
+
+def decode_step(model: LlamaModel, ids: torch.Tensor, cache: KVCache, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """Logits [B, V] float32 for one token per sequence (ids [B, 1]) at positions pos [B],
+    batch row b on cache row b attending below kv_len. The caller has checked can_run(model)."""
+    plan = _plans[model]
+    assert isinstance(plan, cpu_step.Plan)
+    x = model._embed(ids.view(-1)).float()
+    rows = torch.arange(ids.shape[0])
+    x = cpu_step.decode_layers(plan, x, cache.k, cache.v, rows, pos, kv_len)
+    return model._head(x.unsqueeze(1))[:, -1].float()
+
+
+def verify(model: LlamaModel, ids: list[int], cache: KVCache, row: int, start: int) -> torch.Tensor:
+    """Logits [T, V] float32 of a sequence's tokens `ids` at positions start.. of cache
+    row `row` (its newest token and its drafts), in one call: each token a batch row of
+    the step, attending causally. The products read each weight once for all of them,
+    and every row's sums run in the order a decode step's do, so each position's logits
+    are those decoding it alone would give, bit for bit. The caller has checked
+    can_run(model)."""
+    plan = _plans[model]
+    assert isinstance(plan, cpu_step.Plan)
+    count = len(ids)
+    x = model._embed(torch.tensor(ids)).float()
+    pos = torch.arange(start, start + count)
+    x = cpu_step.decode_layers(plan, x, cache.k, cache.v, torch.full((count,), row), pos, start + count)
+    return model._head(x.unsqueeze(1))[:, -1].float()

@@ -1,0 +1,166 @@
+"""The CPU decode step in one C call (edge/text/ops/cpu/cpu_step.c): on the served build it
+answers as the model's own step op by op, a sequence's logits do not depend on the
+sequences beside it, and what it does not implement is refused by name and served op by
+op."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from edge.config.text import QAModelConfig
+from edge.text.architecture import LlamaConfig
+from edge.text.engine import TextEngine
+from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint
+from edge.text.model.llama import LlamaModel
+from edge.text.ops.cpu import cpu_int4, cpu_step
+from edge.text.runtime import cpu_step as runtime_step
+from edge.text.runtime import fused_step
+from edge.text.runtime.generate import SamplingParams
+
+pytestmark = pytest.mark.skipif(not cpu_int4.available(), reason="no C compiler for the CPU kernels")
+
+
+@pytest.fixture(scope="module")
+def served(engine_dir: Path) -> TextCheckpoint:
+    from engines.text.text_build import build_text_engine
+
+    return load_checkpoint(build_text_engine(engine_dir, "clinic", "awq-int4", progress=False))
+
+
+def _prefilled(model: LlamaModel, prompts: torch.Tensor, slots: int = 128):  # type: ignore[no-untyped-def]
+    cache = model.new_cache(prompts.shape[0], slots)
+    with torch.no_grad():
+        model(prompts, cache, 0)
+    return cache
+
+
+def test_the_served_build_decodes_in_the_c_step_as_op_by_op(served: TextCheckpoint) -> None:
+    model = served.model
+    assert runtime_step.refusal(model) is None
+    torch.manual_seed(0)
+    prompts = torch.randint(0, model.config.vocab_size, (2, 24))
+    per_op, fused = _prefilled(model, prompts), _prefilled(model, prompts)
+    ids = prompts[:, -1:]
+    try:
+        for step in range(12):
+            pos = torch.full((2,), 24 + step)
+            model.fused_decode = False
+            ref = fused_step.decode_step(model, ids, per_op, pos, 25 + step)
+            model.fused_decode = None
+            got = fused_step.decode_step(model, ids, fused, pos, 25 + step)
+            assert model.fused_decode is True
+            # The same products, float32 throughout: only the order of some sums differs.
+            assert float((got - ref).abs().max() / ref.abs().max()) < 2e-5, step
+            assert torch.equal(got.argmax(-1), ref.argmax(-1)), step
+            ids = ref.argmax(-1, keepdim=True)
+        # It wrote the same keys and values into the cache.
+        torch.testing.assert_close(fused.k, per_op.k, rtol=0, atol=1e-4)
+        torch.testing.assert_close(fused.v, per_op.v, rtol=0, atol=1e-4)
+    finally:
+        model.fused_decode = None
+
+
+def test_a_sequence_answers_the_same_alone_and_beside_others(served: TextCheckpoint) -> None:
+    """Three sequences at different positions in one step, against each alone in row 0:
+    bit for bit. A fourth row the batch does not advance (parked at the cache's last slot,
+    as the batcher parks it) changes nothing."""
+    model = served.model
+    torch.manual_seed(1)
+    lengths = [9, 30, 17]
+    prompts = [torch.randint(0, model.config.vocab_size, (1, n)) for n in lengths]
+    slots = 64
+    batch = model.new_cache(4, slots)
+    alone = []
+    with torch.no_grad():
+        for row, prompt in enumerate(prompts):
+            model(prompt, batch.rows(row, 1), 0)
+            single = _prefilled(model, prompt, slots)
+            alone.append(single)
+        tokens = torch.tensor([[5], [6], [7], [0]])
+        pos = torch.tensor([*lengths, slots - 1])
+        together = fused_step.decode_step(model, tokens, batch, pos, max(lengths) + 1)
+        for row, n in enumerate(lengths):
+            own = fused_step.decode_step(model, tokens[row : row + 1], alone[row], torch.tensor([n]), n + 1)
+            assert torch.equal(together[row], own[0]), row
+
+
+def test_what_it_does_not_implement_is_refused_by_name_and_served_op_by_op(served: TextCheckpoint) -> None:
+    tiny = LlamaConfig(vocab_size=64, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=128)
+    float_model = LlamaModel(tiny).eval()
+    assert "not on our float32 INT4 kernel" in (runtime_step.refusal(float_model) or "")
+    qwen3 = LlamaModel(dataclasses.replace(tiny, qk_norm=True)).eval()
+    assert runtime_step.refusal(qwen3) == "it does not implement qk_norm"
+    assert not fused_step.can_fuse(qwen3)
+    # The op-by-op step still serves such a model.
+    cache = qwen3.new_cache(1, 16)
+    with torch.no_grad():
+        qwen3(torch.tensor([[1, 2, 3]]), cache, 0)
+        logits = fused_step.decode_step(qwen3, torch.tensor([[4]]), cache, torch.tensor([3]), 4)
+    assert logits.shape == (1, 64) and bool(torch.isfinite(logits).all())
+    # A quantized KV cache is read by the per-op step's kernel: the engine says so.
+    cfg = QAModelConfig(max_context_tokens=128, max_sequences=1, kv_dtype="int8")
+    engine = TextEngine(served, cfg)
+    assert engine.config()["fused_step"] is False
+    answer = engine.generate(served.tokenizer.encode("Fever?").ids, SamplingParams(max_new_tokens=4))
+    assert len(answer.tokens) > 0
+
+
+def test_the_engine_records_the_c_step_and_rejects_a_bad_position(served: TextCheckpoint) -> None:
+    engine = TextEngine(served, QAModelConfig(max_context_tokens=128, max_sequences=2))
+    assert engine.config()["fused_step"] is True and engine.config()["device"] == "cpu"
+    model = served.model
+    cache = model.new_cache(1, 16)
+    plan = runtime_step._plans[model]
+    assert isinstance(plan, cpu_step.Plan)
+    x = torch.zeros(1, model.config.hidden_size)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        cpu_step.decode_layers(plan, x, cache.k, cache.v, torch.tensor([0]), torch.tensor([16]), 16)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_step.decode_layers(plan, x.half(), cache.k, cache.v, torch.tensor([0]), torch.tensor([0]), 1)
+
+
+def test_a_token_and_its_drafts_verified_at_once_answer_as_decoded_one_by_one(served: TextCheckpoint) -> None:
+    """Speculative verification on the CPU: the token and four drafts as five rows of one
+    step on the same cache row, each attending causally: each position's logits are
+    those of decoding it alone, bit for bit, so greedy speculation is lossless."""
+    model = served.model
+    torch.manual_seed(2)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 21))
+    chain = [11, 220, 35, 987, 4]
+    one, at_once = model.new_cache(2, 64), model.new_cache(2, 64)
+    with torch.no_grad():
+        model(prompt, one.rows(1, 1), 0)
+        model(prompt, at_once.rows(1, 1), 0)
+        stepped = []
+        for i, token in enumerate(chain):
+            # Decoded in row 1 beside an idle row 0 parked at the cache's end.
+            pos = torch.tensor([63, 21 + i])
+            stepped.append(fused_step.decode_step(model, torch.tensor([[0], [token]]), one, pos, 22 + i)[1])
+        verified = runtime_step.verify(model, chain, at_once, 1, 21)
+    assert verified.shape == (5, model.config.vocab_size)
+    for i, logits in enumerate(stepped):
+        assert torch.equal(verified[i], logits), i
+    torch.testing.assert_close(at_once.k[:, 1, :, :26], one.k[:, 1, :, :26], rtol=0, atol=0)
+
+
+def test_a_daemon_and_a_checkpoint_load_import_no_compiler_stack(engine_dir: Path) -> None:
+    """The daemon's imports and a text checkpoint's load leave torch._dynamo (and sympy
+    under it) unimported: they cost a CPU box about 4 s at every start."""
+    import subprocess
+    import sys
+
+    from engines.text.text_build import build_text_engine
+
+    path = build_text_engine(engine_dir, "clinic", "awq-int4", progress=False)
+    code = (
+        "import sys; from pathlib import Path; import edge.daemon; "
+        "from edge.text.model.checkpoint import load_checkpoint; "
+        f"load_checkpoint(Path({str(path)!r})); "
+        "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]", done.stdout
