@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -27,13 +28,25 @@ RESEND_AFTER_S = 15.0
 KILL_AFTER = 100  # jobs submitted before the first box is killed (once it holds some)
 
 
-def _kill_holding_jobs(box: DaemonProc) -> None:
-    """SIGKILL once the box has jobs journalled and unanswered, for good."""
-    deadline = time.monotonic() + 10
-    while json.loads(box.status().stdout)["journal"]["queued"] < 2:
-        assert time.monotonic() < deadline, "the box never held two jobs at once"
-        time.sleep(0.05)
-    box.stop(signal.SIGKILL)
+class _Killer(threading.Thread):
+    """Once armed, SIGKILLs the box, for good, the first time it holds two jobs journalled
+    and unanswered: watched beside the submissions, which go on meanwhile (a box that
+    answers as fast as jobs come never holds two once they stop)."""
+
+    def __init__(self, box: DaemonProc) -> None:
+        super().__init__(daemon=True)
+        self.box = box
+        self.armed = threading.Event()
+        self.killed = threading.Event()
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            if self.armed.is_set() and json.loads(self.box.status().stdout)["journal"]["queued"] >= 2:
+                self.box.stop(signal.SIGKILL)
+                self.killed.set()
+                return
+            time.sleep(0.05)
 
 
 def _wait_online(client: JobClient, boxes: set[str], timeout: float = 10.0) -> None:
@@ -67,17 +80,21 @@ def test_a_box_killed_mid_burst_costs_resends_of_what_it_held_only(
         client = JobClient(
             load_profile(boxes["pa"].profile), fleet=True, resend_after_s=RESEND_AFTER_S, max_sends=12
         ).start()
+        killer = _Killer(boxes["pa"])
         try:
             _wait_online(client, {"pa", "pb"})
+            killer.start()
             started = time.monotonic()
             for i in range(JOBS):  # submit waits only while a window of jobs is unanswered
                 jobs.append(client.submit("ocr", {"id": f"p{i}", "image": {"path": LABEL}}))
                 if i == KILL_AFTER - 1:
-                    _kill_holding_jobs(boxes["pa"])
+                    killer.armed.set()
+            assert killer.killed.wait(10), "the box never held two jobs at once"
             results = [p.wait(300) for p in jobs]
             took = time.monotonic() - started
             time.sleep(2.0)  # and no second answer after
         finally:
+            killer.done.set()
             client.close()
     finally:
         for d in boxes.values():

@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 import torch
 
+from bench.structured import SCHEMAS
 from edge.config.text import QAModelConfig
 from edge.protocol.errors import JobError
 from edge.protocol.jobs import JobLimits, QAJob, ResponseFormat, parse_job
@@ -23,22 +24,9 @@ from tests.conftest import LABELS, DaemonProc, Requester
 
 LIMITS = JobLimits(max_payload_bytes=1 << 20, max_prompt_chars=8000, max_new_tokens_limit=512)
 
-PART = {
-    "type": "object",
-    "properties": {"serial": {"type": "string", "maxLength": 24}, "defect": {"type": "boolean"}},
-    "required": ["serial", "defect"],
-    "additionalProperties": False,
-}
-PATIENT = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 32},
-        "age": {"type": "integer", "minimum": 0, "maximum": 130},
-        "allergies": {"type": "array", "items": {"type": "string", "maxLength": 24}, "maxItems": 3},
-    },
-    "required": ["name", "age", "allergies"],
-    "additionalProperties": False,
-}
+# The benchmark's sample schemas (bench/structured.py), and one of the tests' own.
+PART = SCHEMAS["part"]
+PATIENT = SCHEMAS["patient"]
 TRIAGE = {
     "type": "object",
     "properties": {"severity": {"enum": ["low", "medium", "high"]}, "fever": {"type": "number"}},

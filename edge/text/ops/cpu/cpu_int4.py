@@ -152,6 +152,14 @@ class CKernel:
             self._fn = fn
             return fn
 
+    def available(self) -> bool:
+        """Whether the kernel builds (building it now if needed) and loads here."""
+        try:
+            self.function()
+        except RuntimeError:
+            return False
+        return True
+
 
 _KERNEL = CKernel(
     SOURCE,

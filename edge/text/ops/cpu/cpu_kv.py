@@ -28,11 +28,7 @@ _KERNEL = cpu_int4.CKernel(SOURCE, "edge_kv_attention", _ARGTYPES, "the CPU quan
 
 
 def available() -> bool:
-    try:
-        _KERNEL.function()
-    except RuntimeError:
-        return False
-    return True
+    return _KERNEL.available()
 
 
 def attention(

@@ -69,11 +69,7 @@ ERRORS = {
 
 
 def available() -> bool:
-    try:
-        _KERNEL.function()
-    except RuntimeError:
-        return False
-    return True
+    return _KERNEL.available()
 
 
 def matrix(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> Int4Matrix:
