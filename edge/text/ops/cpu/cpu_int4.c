@@ -30,6 +30,15 @@ static inline vfloat load_floats(const float *p) {
     return v;
 }
 
+/* A vector's lanes summed in a fixed pairwise order (cpu_step.c sums with it too). */
+static inline float sum_lanes(vfloat v) {
+    float lane[LANES];
+    memcpy(lane, &v, sizeof lane);
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) lane[l] += lane[l + w];
+    return lane[0];
+}
+
 /* `nb` weight rows times `r` activation rows, both constants where this is inlined, so
  * the nb * r * 2 sums stay in registers: each unpacked piece of weight meets r inputs and
  * each loaded input meets nb weight rows. Writes y[i * ldy + j] for activation row i and
@@ -74,15 +83,7 @@ static inline __attribute__((always_inline)) void tile(const int nb, const int r
         }
     }
     for (int j = 0; j < nb; j++)
-        for (int i = 0; i < r; i++) {
-            /* A fixed pairwise order over the lanes. */
-            float lane[LANES];
-            const vfloat sum = acc_lo[j][i] + acc_hi[j][i];
-            memcpy(lane, &sum, sizeof lane);
-            for (int w = LANES / 2; w > 0; w /= 2)
-                for (int l = 0; l < w; l++) lane[l] += lane[l + w];
-            y[i * ldy + j] = lane[0];
-        }
+        for (int i = 0; i < r; i++) y[i * ldy + j] = sum_lanes(acc_lo[j][i] + acc_hi[j][i]);
 }
 
 #define TILE_FN(NB, R)                                                                                      \

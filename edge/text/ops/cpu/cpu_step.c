@@ -55,11 +55,7 @@ static void rmsnorm(const float *x, const float *w, int64_t n, float eps, float 
         const vfloat v = load_floats(x + i);
         acc += v * v;
     }
-    float lane[LANES];
-    memcpy(lane, &acc, sizeof lane);
-    for (int s = LANES / 2; s > 0; s /= 2)
-        for (int l = 0; l < s; l++) lane[l] += lane[l + s];
-    float sum = lane[0];
+    float sum = sum_lanes(acc);
     for (; i < n; i++) sum += x[i] * x[i];
     const float inv = 1.0f / sqrtf(sum / (float)n + eps);
     for (int64_t j = 0; j < n; j++) out[j] = x[j] * inv * w[j];
@@ -79,11 +75,7 @@ static void rope(float *x, const float *cos, const float *sin, int64_t d) {
 static inline float dot(const float *a, const float *b, int64_t d) {
     vfloat acc = {0};
     for (int64_t i = 0; i < d; i += LANES) acc += load_floats(a + i) * load_floats(b + i);
-    float lane[LANES];
-    memcpy(lane, &acc, sizeof lane);
-    for (int s = LANES / 2; s > 0; s /= 2)
-        for (int l = 0; l < s; l++) lane[l] += lane[l + s];
-    return lane[0];
+    return sum_lanes(acc);
 }
 
 /* The `group` query heads of KV head h of batch row b against positions 0..pos:
