@@ -16,6 +16,7 @@ import argparse
 import json
 import platform
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +45,10 @@ def engine_perplexity(engine: TextEngine, ids: list[int]) -> float:
     return perplexity(engine.model, ids, WINDOW, kv_format=kv_format(engine.cfg))
 
 
-def adapter_behaviour(engine_dir: Path) -> list[dict[str, Any]]:
+def adapter_behaviour(engine_dir: Path, only: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Held-out clinic prompts: how often each build cites its document / declines to
-    diagnose / answers untagged context without a made-up citation."""
+    diagnose / answers untagged context without a made-up citation. `only`: just these
+    variants (all when empty)."""
     from edge.protocol.jobs import QAJob
     from edge.tasks.qa import answer
     from engines.text.clinic_data import examples, follows
@@ -55,19 +57,25 @@ def adapter_behaviour(engine_dir: Path) -> list[dict[str, Any]]:
 
     base = import_smollm2(engine_dir)
     merged = merge_checkpoint(base, CLINIC_ADAPTER)  # the shipped adapter, as served
-    variants = {
-        "base, float": base,
-        "clinic merged, float": merged,
-        "clinic merged, AWQ INT4 g128": quantize_checkpoint(merged, QuantRecipe(method="awq", group_size=128)),
-        "clinic merged, AWQ INT4 g32 (served)": quantize_checkpoint(merged, QuantRecipe(method="awq", group_size=32)),
+    variants: dict[str, Callable[[], Path]] = {
+        "base, float": lambda: base,
+        "clinic merged, float": lambda: merged,
+        "clinic merged, AWQ INT4 g128": lambda: quantize_checkpoint(merged, QuantRecipe(method="awq", group_size=128)),
+        "clinic merged, AWQ INT4 g64": lambda: quantize_checkpoint(merged, QuantRecipe(method="awq", group_size=64)),
+        "clinic merged, AWQ INT4 g32 (served)": lambda: quantize_checkpoint(
+            merged, QuantRecipe(method="awq", group_size=32)
+        ),
         # What a TensorRT plan serves (models.qa.quantization: awq-int4-sym).
-        "clinic merged, AWQ INT4 g32 symmetric": quantize_checkpoint(
+        "clinic merged, AWQ INT4 g32 symmetric": lambda: quantize_checkpoint(
             merged, QuantRecipe(method="awq", group_size=32, symmetric=True)
         ),
     }
     held = examples("heldout")
     rows = []
-    for name, path in variants.items():
+    for name, build in variants.items():
+        if only and name not in only:
+            continue
+        path = build()
         # The served CPU engine with this build in it; each answer alone, greedy.
         engine = load_engine(path, "cpu", max_context_tokens=512, max_new_tokens=40)
         hits: dict[str, list[bool]] = {}
@@ -144,13 +152,22 @@ def main() -> None:
         action="store_true",
         help="only the clinic adapter's behaviour rows, merged into the existing results",
     )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=[],
+        metavar="VARIANT",
+        help="measure only these variants (perplexity rows and adapter rows, by name) and merge them "
+        "into the existing results, keeping the other rows",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    only = args.only
 
     base = import_smollm2(args.engine_dir)
     if args.adapter_only:
         result = json.loads(args.out.read_text())
-        result["adapter"] = adapter_behaviour(args.engine_dir)
+        result["adapter"] = merged_rows(result["adapter"], adapter_behaviour(args.engine_dir, only), only)
         write_json(args.out, result)
         for row in result["adapter"]:
             print(row)
@@ -166,23 +183,23 @@ def main() -> None:
         print_tables(result["token_tables"])
         print(f"wrote {args.out.relative_to(REPO)}")
         return
-    variants = {
-        "fp32 reference": base,
-        "RTN INT4 g128": quantize_checkpoint(base, QuantRecipe(method="rtn")),
-        "AWQ INT4 g128": quantize_checkpoint(base, QuantRecipe(method="awq")),
-        "RTN INT4 g32": quantize_checkpoint(base, QuantRecipe(method="rtn", group_size=32)),
-        "AWQ INT4 g32": quantize_checkpoint(base, QuantRecipe(method="awq", group_size=32)),
+    recipes = {
+        "RTN INT4 g128": QuantRecipe(method="rtn"),
+        "AWQ INT4 g128": QuantRecipe(method="awq"),
+        "AWQ INT4 g64": QuantRecipe(method="awq", group_size=64),
+        "RTN INT4 g32": QuantRecipe(method="rtn", group_size=32),
+        "AWQ INT4 g32": QuantRecipe(method="awq", group_size=32),
         # Zero points fixed at 8: the only INT4 form TensorRT takes (awq-int4-sym).
-        "RTN INT4 g32 symmetric": quantize_checkpoint(base, QuantRecipe(method="rtn", group_size=32, symmetric=True)),
-        "AWQ INT4 g32 symmetric": quantize_checkpoint(base, QuantRecipe(method="awq", group_size=32, symmetric=True)),
+        "RTN INT4 g32 symmetric": QuantRecipe(method="rtn", group_size=32, symmetric=True),
+        "AWQ INT4 g32 symmetric": QuantRecipe(method="awq", group_size=32, symmetric=True),
         # Mixed precision (models.qa.layers): the FFN at g128, attention kept float or at g32.
-        "AWQ g128 FFN, attention float": quantize_checkpoint(
-            base, QuantRecipe(method="awq", groups=(("*.self_attn.*", 0),))
-        ),
-        "AWQ g128 FFN, attention g32": quantize_checkpoint(
-            base, QuantRecipe(method="awq", groups=(("*.self_attn.*", 32),))
-        ),
+        "AWQ g128 FFN, attention float": QuantRecipe(method="awq", groups=(("*.self_attn.*", 0),)),
+        "AWQ g128 FFN, attention g32": QuantRecipe(method="awq", groups=(("*.self_attn.*", 32),)),
     }
+    variants = {"fp32 reference": base}
+    variants.update(
+        {name: quantize_checkpoint(base, recipe) for name, recipe in recipes.items() if not only or name in only}
+    )
     reference = load_engine(base, "cpu")
     ids = reference.tokenizer.encode(evaluation_text(), add_special_tokens=False).ids[: args.max_tokens]
     stride = len(ids) // args.prompts
@@ -191,6 +208,8 @@ def main() -> None:
 
     rows: list[dict[str, Any]] = []
     for name, path in variants.items():
+        if only and name not in only:
+            continue
         engine = reference if path == base else load_engine(path, "cpu")
         t0 = time.perf_counter()
         ppl = engine_perplexity(engine, ids)
@@ -208,7 +227,15 @@ def main() -> None:
                 **engine_fields(engine),
             }
         )
-    adapter_rows = adapter_behaviour(args.engine_dir)
+    adapter_rows = adapter_behaviour(args.engine_dir, only)
+    if only:  # the other rows, tables and settings stay as they were measured
+        result = json.loads(args.out.read_text())
+        result["rows"] = rows = merged_rows(result["rows"], rows, only)
+        result["adapter"] = adapter_rows = merged_rows(result["adapter"], adapter_rows, only)
+        write_json(args.out, result)
+        print_rows(rows, adapter_rows)
+        print(f"wrote {args.out.relative_to(REPO)}")
+        return
     tables = token_tables(variants["AWQ INT4 g32"], ids, args)
     result = {
         "what": "SmolLM2-135M-Instruct (real weights): INT4 quality vs float reference",
@@ -224,6 +251,20 @@ def main() -> None:
         "token_tables": tables,
     }
     write_json(args.out, result)
+    print_rows(rows, adapter_rows)
+    print_tables(tables)
+    print(f"wrote {args.out.relative_to(REPO)}")
+
+
+def merged_rows(old: list[dict[str, Any]], new: list[dict[str, Any]], only: Sequence[str]) -> list[dict[str, Any]]:
+    """`old` with the variants in `only` replaced by (or, when absent, followed by) their
+    rows in `new`, in `new`'s order among themselves."""
+    fresh = {r["variant"]: r for r in new}
+    kept = [fresh.pop(r["variant"], r) for r in old if r["variant"] not in only or r["variant"] in fresh]
+    return kept + list(fresh.values())
+
+
+def print_rows(rows: list[dict[str, Any]], adapter_rows: list[dict[str, Any]]) -> None:
     print(f"{'variant':<30} {'weights MiB':>11} {'perplexity':>10} {'tok agree':>9} {'exact':>6} {'prefix':>7}")
     for r in rows:
         print(
@@ -234,8 +275,6 @@ def main() -> None:
     print(f"{'adapter behaviour on held-out prompts':<40} {'cites':>6} {'plain':>6} {'declines':>8} {'all':>6}")
     for r in adapter_rows:
         print(f"{r['variant']:<40} {r['cite']:>6.2f} {r['plain']:>6.2f} {r['refuse']:>8.2f} {r['all']:>6.2f}")
-    print_tables(tables)
-    print(f"wrote {args.out.relative_to(REPO)}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 # One call on a GPU machine with no network (the H200 or H100 this project measures on): what the
 # text engine is checked and measured by there, its results under $OUT.
 #   bench/on_device.sh [tests|quant|daemon|all]   (quant: the quantized cache's tests only)
-#   bench/on_device.sh text|kv|scheduler|speculative [its arguments]   (one measurement, its JSON under $OUT)
+#   bench/on_device.sh text|kv|scheduler|speculative|jetson [its arguments]   (one measurement, its JSON under $OUT)
 # Carried beside the tree (ignored by git): .whl/ (the Python packages the machine lacks,
 # cp312 wheels: pydantic and its core, paho-mqtt, opentelemetry, lz4, zstandard, pypdf, pyclipper;
 # gguf and tqdm for the llama.cpp peer's GGUF) and
@@ -18,12 +18,12 @@ root=/tmp/mosquitto-root
 mkdir -p "$root"
 for f in .deb/*.deb; do dpkg -x "$f" "$root"; done
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
-# Our CUDA INT4 kernel, built for this GPU now rather than inside the first load.
-python3 -m edge.text.ops.cuda.cuda_int4 || echo "the CUDA kernel did not build"
+# Our CUDA kernels, built for this GPU now rather than inside the first load.
+python3 -m edge.text.ops.cuda.cuda_build || echo "our CUDA kernels did not build"
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   files=()
-  for f in tests/test_load_budget.py tests/test_cuda_int4.py tests/test_cuda_batcher.py tests/test_quant_cache.py \
+  for f in tests/test_load_budget.py tests/test_cuda_int4.py tests/test_cuda_decode_ops.py tests/test_cuda_batcher.py tests/test_quant_cache.py \
     tests/test_fused_prefill.py tests/test_triton_kernels.py tests/test_kv_offload.py; do
     [ -f "$f" ] && files+=("$f")
   done
@@ -52,6 +52,15 @@ case "$what" in
     python3 -m bench.text cuda --skip-baseline --llamacpp-src .carry/llamacpp-src.tar.gz \
       --llamacpp-jobs "$(nproc)" --out "$out/text_cuda.json" "$@" 2>&1 | tail -60
     status=${PIPESTATUS[0]} ;;
+  jetson)
+    # The Jetson path (no Triton, our CUDA kernels as Ampere PTX) beside the Triton path:
+    # its kernels' tests, then its row of text_cuda.json.
+    EDGE_CUDA_ARCH=compute_80 python3 -m pytest -p no:cacheprovider -m gpu -q --timeout 300 \
+      tests/test_cuda_decode_ops.py 2>&1 | tee "$out/jetson_tests.log" | tail -15
+    status=${PIPESTATUS[0]}
+    cp bench/results/text_cuda.json "$out/text_cuda.json"
+    python3 -m bench.jetson_proxy --out "$out/text_cuda.json" "$@" 2>&1 | tail -30
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
   kv)
     cp bench/results/kv.json "$out/kv.json"
     python3 -m bench.kv --only "${1:-cuda}" --out "$out/kv.json" 2>&1 | tail -40

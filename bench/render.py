@@ -27,15 +27,18 @@ def _load(name: str) -> dict[str, Any] | None:
 
 
 def _provenance(*records: dict[str, Any]) -> list[str]:
-    """A line under a table none of whose records says what engine it ran: measured
-    before the benchmarks built their text engines from the profile."""
-    if any("engine_config" in r for r in records):
+    """A line under a table whose records (some or all) do not say what engine they ran:
+    measured before the benchmarks built their text engines from the profile."""
+    missing = [r for r in records if "engine_config" not in r]
+    if not missing:
         return []
-    return [
-        "",
-        "*Measured before the benchmarks built their text engines from the profile (no engine configuration "
-        "recorded): an engine assembled by hand, to be measured again.*",
-    ]
+    what = "no engine configuration recorded"
+    if len(missing) < len(records):
+        names = "; ".join(str(r.get("variant") or r.get("name")) for r in missing)
+        return ["", f"*Rows measured before the benchmarks built their text engines from the profile ({what}), "
+                f"to be measured again: {names}.*"]  # fmt: skip
+    return ["", f"*Measured before the benchmarks built their text engines from the profile ({what}): an engine "
+            "assembled by hand, to be measured again.*"]  # fmt: skip
 
 
 def _maybe(value: float | None, fmt: str) -> str:
@@ -388,7 +391,9 @@ def scheduler(d: dict[str, Any], source: str) -> str:
     lines = [
         f"{d['device']}, torch {d['torch']}; {load['cameras']} cameras, bursts of {load['burst']} inspect jobs "
         f"every ~{load['period_s']:g} s each, deadline {load['deadline_ms']} ms; Q&A stream: one question every "
-        f"{load['qa_every_s']:g} s, {load['qa_new_tokens']} new tokens; {load['seconds']:g} s per run (`{source}`).",
+        f"{load['qa_every_s']:g} s, {load['qa_new_tokens']} new tokens; {load['seconds']:g} s per run"
+        + (f"; vision: {d['student']}" if "student" in d else "")
+        + f" (`{source}`).",
         "",
         "| run | task | jobs | p50 ms | p99 ms | deadline misses | jobs/s |",
         "|---|---|---:|---:|---:|---:|---:|",

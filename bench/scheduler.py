@@ -139,12 +139,14 @@ def vision_throughput(pipeline: InspectPipeline, images: list[np.ndarray], batch
     return out
 
 
-def build_text_cpu(ledger: MemoryLedger, probe: Probe) -> tuple[ContinuousBatcher, Callable[[WorkItem], Sequence], Any]:
+def build_text_cpu(
+    ledger: MemoryLedger, probe: Probe, engine_dir: Path
+) -> tuple[ContinuousBatcher, Callable[[WorkItem], Sequence], Any]:
     from bench.text_engines import load_engine
     from edge.tasks.qa import job_sequence
     from engines.text.text_build import build_text_engine
 
-    path = build_text_engine(REPO / ".edge" / "engines", "clinic", "awq-int4", progress=False)
+    path = build_text_engine(engine_dir, "clinic", "awq-int4", progress=False)
     changes: dict[str, Any] = {"max_context_tokens": 1024, "max_new_tokens": 32, "max_sequences": 4}
     engine, used = measure(probe, lambda: load_engine(path, "cpu", **changes))
     assert ledger.add_model("text", "text", used), "text model over budget"
@@ -303,7 +305,7 @@ def run_load(
     }
 
 
-def run(device: str, seconds: float | None) -> dict[str, Any]:
+def run(device: str, seconds: float | None, engine_dir: Path, student_size: str) -> dict[str, Any]:
     load = LOADS[device]
     if seconds:
         load = Load(**{**load.__dict__, "seconds": seconds})
@@ -318,15 +320,22 @@ def run(device: str, seconds: float | None) -> dict[str, Any]:
     images = part_images()
     workdir = Path(tempfile.mkdtemp(prefix="edge-bench-scheduler-"))
     try:
-        return _run_loaded(device, load, probe, ledger, images, workdir)
+        return _run_loaded(device, load, probe, ledger, images, workdir, engine_dir, student_size)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _run_loaded(
-    device: str, load: Load, probe: Probe, ledger: MemoryLedger, images: list[np.ndarray], workdir: Path
+    device: str,
+    load: Load,
+    probe: Probe,
+    ledger: MemoryLedger,
+    images: list[np.ndarray],
+    workdir: Path,
+    engine_dir: Path,
+    student_size: str,
 ) -> dict[str, Any]:
-    student = student_dir(device, workdir)
+    student = student_dir(device, workdir, engine_dir, student_size)
     backend = "torch-cuda" if device == "cuda" else "onnxruntime"
     pipeline, used = measure(
         probe, lambda: InspectPipeline.load(student, backend, BackendOptions(threads=1, max_batch=load.max_batch))
@@ -337,7 +346,7 @@ def _run_loaded(
     text = (
         build_text_cuda(ledger, probe, load.qa_new_tokens, workdir)
         if device == "cuda"
-        else build_text_cpu(ledger, probe)
+        else build_text_cpu(ledger, probe, engine_dir)
     )
     resident = ledger.snapshot()
     share_interpreter_between_branches()  # as the daemon does before its workers start
@@ -348,6 +357,7 @@ def _run_loaded(
     return {
         "device": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or platform.machine(),
         "torch": torch.__version__,
+        "student": "ViT-Tiny, random weights" if device == "cuda" else f"{student_size} student build",
         "load": load.__dict__,
         "budget_bytes": BUDGET,
         "resident_models": {k: v["bytes"] for k, v in resident["models"].items()},
@@ -366,9 +376,9 @@ def _run_loaded(
     }
 
 
-def student_dir(device: str, workdir: Path) -> Path:
+def student_dir(device: str, workdir: Path, engine_dir: Path, size: str) -> Path:
     """On CUDA a ViT-Tiny student with random weights (speed only, as bench.daemon's), or
-    the one carried under .edge/exp/student; on the CPU the default build."""
+    the one carried under .edge/exp/student; on the CPU the build of that size."""
     if device == "cuda":
         carried = REPO / ".edge" / "exp" / "student"
         if carried.is_dir():
@@ -378,7 +388,7 @@ def student_dir(device: str, workdir: Path) -> Path:
         return write_random_student(workdir / "student-random")
     from engines.vision.vision_build import build_student
 
-    return build_student(REPO / ".edge" / "engines", "default", progress=False)
+    return build_student(engine_dir, size, progress=False)
 
 
 def print_result(r: dict[str, Any]) -> None:
@@ -405,8 +415,10 @@ def main() -> None:
     parser.add_argument("device", choices=["cpu", "cuda"])
     parser.add_argument("--seconds", type=float, default=None, help="length of each load run")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--engine-dir", type=Path, default=REPO / ".edge" / "engines", help="cpu: built engines")
+    parser.add_argument("--student-size", default="default", help="cpu: the student build to serve")
     args = parser.parse_args()
-    result = run(args.device, args.seconds)
+    result = run(args.device, args.seconds, args.engine_dir, args.student_size)
     out = args.out or RESULTS / f"scheduler_{args.device}.json"
     write_json(out, result)
     print_result(result)

@@ -80,11 +80,12 @@ if [ -z "$installed" ]; then
   rm -f .venv/.installed-*
   touch "${done_stamps[0]}"
 fi
-# Where torch sees a GPU (a Jetson, a CUDA workstation), our CUDA INT4 kernel is built
-# now for it (edge/text/ops/cuda/cuda_int4.py; about 30 s, once), not at the daemon's first start.
+# Where torch sees a GPU (a Jetson, a CUDA workstation), our CUDA kernels (the INT4 GEMV and
+# the decode step's) are built now for it (edge/text/ops/cuda/cuda_build.py; about a minute,
+# once), not at the daemon's first start.
 # (Building an image, no GPU is visible: the daemon's first start builds it instead.)
 if .venv/bin/python -c "import torch, sys; sys.exit(not torch.cuda.is_available())" >/dev/null 2>&1; then
-  .venv/bin/python -m edge.text.ops.cuda.cuda_int4 >/dev/null ||
-    echo "setup: the CUDA INT4 kernel did not build (no nvcc?); serving falls back to Triton or torch's kernel" >&2
+  .venv/bin/python -m edge.text.ops.cuda.cuda_build >/dev/null ||
+    echo "setup: our CUDA kernels did not build (no nvcc?); serving falls back to Triton or torch's kernels" >&2
 fi
 echo "setup: ready (.venv)"

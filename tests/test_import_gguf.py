@@ -110,8 +110,12 @@ def _llama3_rope_factors(config: Any) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def write_gguf(model: Any, tokenizer: Any, path: Path, family: str) -> Path:
-    """The model as llama.cpp's convert_hf_to_gguf.py writes one (float32 tensors)."""
+def write_gguf(
+    model: Any, tokenizer: Any, path: Path, family: str, q4_0: bool = False, keep_float: tuple[str, ...] = ()
+) -> Path:
+    """The model as llama.cpp's convert_hf_to_gguf.py writes one (float32 tensors), or with
+    `q4_0` its block linears quantized to Q4_0 as llama-quantize does, but those named in
+    `keep_float`."""
     import json
 
     import gguf
@@ -174,7 +178,12 @@ def write_gguf(model: Any, tokenizer: Any, path: Path, family: str) -> Path:
             data = _llama_cpp_permute(data, cfg.num_attention_heads)
         elif family == "llama" and part == "self_attn.k_proj":
             data = _llama_cpp_permute(data, cfg.num_key_value_heads)
-        writer.add_tensor(f"blk.{layer}.{parts[part]}.{kind}", data)
+        tensor_name = f"blk.{layer}.{parts[part]}.{kind}"
+        if q4_0 and kind == "weight" and data.ndim == 2 and tensor_name not in keep_float:
+            q = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q4_0)
+            writer.add_tensor(tensor_name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+            continue
+        writer.add_tensor(tensor_name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -321,6 +330,62 @@ def test_a_build_quantizes_at_the_group_its_model_size_gets(
     large = text_build.build_text_engine(tmp_path / "engines", "none", "rtn-int4", progress=False, source=source)
     assert large != small and groups(large) == (128, {64, 32})
     assert text_build.serving_group(LLAMA3_8B.parameter_count()) == 128
+
+
+def test_a_q4_0_file_is_served_as_stored(
+    family: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A GGUF whose block linears are all Q4_0, built with no adapter at the default INT4
+    quantization, serves the file's weights bit for bit: each linear of the build equals
+    gguf's own dequantization of its tensor (q and k in rotate-half order), with no AWQ;
+    and it answers as the float import of the same file does with the same output
+    projection. With one linear left in float the file is rounded again by AWQ, and the
+    build says why."""
+    import json
+    import logging
+
+    from safetensors.torch import load_file
+
+    from edge.text.ops.int4 import QuantizedWeight, dequantize
+    from engines.text.text_build import build_text_engine
+
+    name, hf, tokenizer = family["name"], family["hf"], family["tokenizer"]
+    source = write_gguf(hf, tokenizer, tmp_path / f"tiny-{name}-q4_0.gguf", name, q4_0=True)
+    with caplog.at_level(logging.INFO, logger="engines.text.gguf_int4"):
+        built = build_text_engine(tmp_path / "engines", "none", "awq-int4", progress=False, source=str(source))
+    assert "served as stored" in caplog.text
+    manifest = json.loads((built / "manifest.json").read_text())
+    assert manifest["recipe"]["method"] == "gguf-q4_0"
+    float_dir = import_gguf(source, tmp_path / "engines", source.stem, progress=False)  # the build's own import
+    floats = load_file(str(float_dir / "model.safetensors"))
+    packed = load_file(str(built / "model.safetensors"))
+    linears = json.loads((built / "quant.json").read_text())["linears"]
+    blocks = [n for n in linears if n.startswith("layers.")]
+    assert len(blocks) == 7 * hf.config.num_hidden_layers
+    for layer in blocks:
+        weight = QuantizedWeight(packed[f"{layer}.qweight"], packed[f"{layer}.scales"], packed[f"{layer}.zeros"], 32)
+        assert torch.equal(dequantize(weight), floats[f"{layer}.weight"]), layer
+    ids = torch.tensor([tokenizer.encode(" ".join(CORPUS[:3]))[:40]])
+    int4 = load_checkpoint(built, dtype=torch.float32)
+    exact = load_checkpoint(float_dir, dtype=torch.float32)
+    # The output projection is rounded to INT4 by every build (the file's is float here):
+    # the reference takes the same rounded weights, untied from its token table.
+    head = QuantizedWeight(packed["lm_head.qweight"], packed["lm_head.scales"], packed["lm_head.zeros"], 32)
+    exact.model.lm_head.weight = torch.nn.Parameter(dequantize(head))
+    got = int4.model(ids, int4.model.new_cache(1, 64), 0, last_only=False)
+    want = exact.model(ids, exact.model.new_cache(1, 64), 0, last_only=False)
+    # The linears' weights exact in float32 (cpu-f32); the norms and the token table are
+    # stored in float16 by every INT4 build, the only other difference.
+    assert int4.int4_kernel == "cpu-f32"
+    assert (got - want).abs().max().item() <= 3e-3 * want.abs().max().item()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.95
+
+    caplog.clear()
+    mixed = write_gguf(hf, tokenizer, tmp_path / "mixed.gguf", name, q4_0=True, keep_float=("blk.1.attn_v.weight",))
+    with caplog.at_level(logging.INFO, logger="engines.text.gguf_int4"):
+        rounded = build_text_engine(tmp_path / "engines", "none", "awq-int4", progress=False, source=str(mixed))
+    assert "blk.1.attn_v.weight is F32, not Q4_0" in caplog.text
+    assert json.loads((rounded / "manifest.json").read_text())["recipe"]["method"] == "awq"
 
 
 # --- a SentencePiece vocabulary (tokenizer.ggml.model "llama") ---------------------

@@ -25,10 +25,11 @@ from edge.text.kv.kv_quant import FORMATS, KVFormat
 from edge.text.kv.prefix_cache import PrefixCache
 from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint
 from edge.text.model.embedding import EmbeddingFormat, QuantizedEmbedding
+from edge.text.ops import step_ops
 from edge.text.ops.cpu import cpu_kv
-from edge.text.ops.cuda import cuda_int4
+from edge.text.ops.cuda import cuda_build, cuda_int4
 from edge.text.ops.int4 import share_dequant_buffer, tune_gemv
-from edge.text.ops.triton import decode_ops, triton_int4
+from edge.text.ops.triton import triton_int4
 from edge.text.prompt import Prompter
 from edge.text.runtime import fused_step
 from edge.text.runtime.continuous import ContinuousBatcher, Sequence
@@ -78,7 +79,7 @@ def kv_format(cfg: QAModelConfig) -> KVFormat:
     fmt = FORMATS[cfg.kv_dtype]
     if fmt.dtype == "float16":
         return fmt
-    if cfg.device == "cuda" and not decode_ops.TRITON_SUPPORT:
+    if cfg.device == "cuda" and not step_ops.quantized_kv(cfg.device):
         raise RuntimeError(f"models.qa.kv_dtype {fmt.dtype} on CUDA needs Triton, which is not installed here")
     if cfg.device == "cpu" and not cpu_kv.available():
         raise RuntimeError(f"models.qa.kv_dtype {fmt.dtype} on the CPU needs a C compiler (install gcc, or set CC)")
@@ -215,7 +216,9 @@ class TextEngine:
             "fused_step": fused,
             "fold_norms": bool(folds),
             "cuda_graphs": self.graphs > 0,
-            "triton": bool(decode_ops.TRITON_SUPPORT),
+            "triton": step_ops.triton_present(),
+            "step_kernels": step_ops.backend(self.device) if fused and self.device.type == "cuda" else None,
+            "cuda_arch": cuda_build.target(cuda_build.device_arch(self.device)) if self.device.type == "cuda" else None,
             "threads": torch.get_num_threads() if self.device.type == "cpu" else None,
             "max_sequences": self.cfg.max_sequences,
             "max_context_tokens": self.cfg.max_context_tokens,

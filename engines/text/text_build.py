@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from edge.text.architecture import LlamaConfig
-from edge.text.model.checkpoint import SIDE_FILES, load_checkpoint
+from edge.text.model.checkpoint import load_checkpoint
 from engines.cache import build_cached, cache_key, read_manifest, stop_on_sigterm, tag_serves
 from engines.text.corpus import calibration_text, corpus_fingerprint
+from engines.text.gguf_int4 import keep_q4_0
 from engines.text.import_gguf import SourceModelError
+from engines.text.int4_checkpoint import save_int4
 from engines.text.peft_adapter import AdapterError
 from engines.text.quantize import QuantRecipe, quantize_model
 
@@ -32,33 +32,7 @@ def write_quantized(src: Path, out: Path, recipe: QuantRecipe, progress: bool) -
         calib_ids = ckpt.tokenizer.encode(calibration_text(), add_special_tokens=False).ids
     with torch.inference_mode():
         packed, report = quantize_model(ckpt.model, recipe, calib_ids, progress)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in ckpt.model.state_dict().items():
-        module, _, kind = name.rpartition(".")
-        if (module in packed and kind == "weight") or (name == "lm_head.weight" and ckpt.model.config.tie_embeddings):
-            continue  # a packed layer's bias (Qwen2's q/k/v) stays float beside its codes
-        if name.startswith("rope_"):
-            continue
-        # Norms and embeddings stay float; fp16 halves their bytes at no cost in accuracy.
-        tensors[name] = tensor.detach().to(torch.float16).contiguous()
-    for name, q in packed.items():
-        tensors[f"{name}.qweight"] = q.qweight.contiguous()
-        tensors[f"{name}.scales"] = q.scales.contiguous()
-        tensors[f"{name}.zeros"] = q.zeros.contiguous()
-    save_file(tensors, str(out / "model.safetensors"))
-    quant = {"linears": {name: {"group_size": q.group_size, "bits": 4} for name, q in packed.items()}}
-    (out / "quant.json").write_text(json.dumps(quant, indent=1) + "\n", encoding="utf-8")
-    for name in SIDE_FILES:
-        shutil.copy2(src / name, out / name)
-    config = ckpt.model.config
-    weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    return {
-        "kind": "llama-int4",
-        "recipe": recipe.to_dict(),
-        "layers": report.layers,
-        "weight_bytes": weight_bytes,
-        "kv_bytes_per_token_fp16": config.kv_bytes_per_token(torch.float16),
-    }
+    return save_int4(ckpt.model, packed, src, out, recipe.to_dict(), report.layers)
 
 
 def quantize_checkpoint(src: Path, recipe: QuantRecipe, progress: bool = True) -> Path:
@@ -104,7 +78,8 @@ def build_text_engine(
 ) -> Path:
     """The whole text pipeline: import (the built-in SmolLM2, a Hugging Face model
     directory or a GGUF file), the adapter merged in (the shipped clinic adapter or a
-    PEFT directory), AWQ INT4.
+    PEFT directory), AWQ INT4 (or, for a GGUF file whose block linears are all Q4_0 and
+    no adapter, the file's own INT4 weights: engines/text/gguf_int4.py).
 
     Every step is cached by its inputs, so a second call returns at once.
     """
@@ -127,7 +102,14 @@ def build_text_engine(
         path = merge_checkpoint(path, CLINIC_ADAPTER)
     elif adapter != "none":
         path = merge_checkpoint(path, Path(adapter))
-    if quant in INT4_QUANTIZATIONS:
+    kept = None
+    if source.endswith(".gguf") and adapter == "none" and quant in INT4_QUANTIZATIONS and not layers:
+        # A file whose block linears are all Q4_0 is served as stored: already INT4 at
+        # group 32 with zero points 8, both our layout and a symmetric one.
+        kept = keep_q4_0(Path(source), path)
+    if kept is not None:
+        path = kept
+    elif quant in INT4_QUANTIZATIONS:
         method = quant.split("-")[0]
         group = serving_group(LlamaConfig.from_json(path / "config.json").parameter_count())
         recipe = layer_recipe(method, layers or [], group_size=group, symmetric=quant.endswith("-sym"))

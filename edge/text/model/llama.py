@@ -22,8 +22,8 @@ from edge.text.kv.float_cache import KVCache
 from edge.text.kv.kv_quant import KVFormat
 from edge.text.kv.quant_cache import QuantKVCache, QuantLayer
 from edge.text.model.embedding import QuantizedEmbedding
+from edge.text.ops import step_ops
 from edge.text.ops.int4 import silu_gate_up
-from edge.text.ops.triton import decode_ops
 
 if TYPE_CHECKING:
     from torch.nn.attention.bias import CausalBias
@@ -307,7 +307,7 @@ class MLP(nn.Module):
         return F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None and x.is_cuda and decode_ops.TRITON_SUPPORT and not self.gelu:
+        if self.gate_up_proj is not None and x.is_cuda and step_ops.backend(x.device) and not self.gelu:
             # One kernel reads the [gate; up] product (in the INT4 kernel's paired order
             # where it has one): no reordering copy and no separate SiLU and product
             # tensors, which were a 512-token chunk's largest transients on an 8B model.

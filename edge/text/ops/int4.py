@@ -21,11 +21,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from edge.text.ops import step_ops
+
 # Import-safe without triton (it sets TRITON_SUPPORT = False) and without nvcc (the CUDA
 # kernel is then unavailable); either kernel is then refused or replaced.
 from edge.text.ops.cpu import cpu_int4
 from edge.text.ops.cuda import cuda_int4
-from edge.text.ops.triton import decode_ops, triton_int4
+from edge.text.ops.triton import triton_int4
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ PREFILL_SLAB_ROWS = 8192
 # the 8B model's gate/up slab of 8192 x 4096, and its down projection (4096 x 14336) in
 # two slabs of 2048 rows instead of one of 117 MB.
 PREFILL_SLAB_VALUES = 8192 * 4096
-# Kernels whose GEMV the fused decode step (decode_ops.py) calls: float32 sums out.
+# Kernels whose GEMV the fused decode step (runtime/fused_step.py) calls: float32 sums out.
 GEMV_KERNELS = ("triton", "cuda-mma")
 # Logits recomputed exactly per position on the CPU kernel (see Int4Linear.exact_top).
 EXACT_TOP = 16
@@ -464,4 +466,4 @@ def silu_gate_up(linear: torch.nn.Module, h: torch.Tensor, dtype: torch.dtype) -
         out, paired = linear.forward_paired(h)
     else:
         out, paired = linear(h), False
-    return decode_ops.silu_mul(out, dtype, paired)
+    return step_ops.silu_mul(out, dtype, paired)

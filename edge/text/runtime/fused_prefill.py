@@ -7,7 +7,8 @@ them. Here each layer is:
     residual add + RMSNorm -> qkv product -> rotary + KV-cache write -> attention ->
     o product -> residual add + RMSNorm -> gate/up product -> SiLU * up -> down product
 
-with the rotary, the cache write and the SiLU each one Triton kernel on contiguous rows,
+with the rotary, the cache write and the SiLU each one kernel on contiguous rows (Triton's,
+or ours in CUDA C where Triton is absent: ops/step_ops.py),
 and the gate/up product kept in the CUDA kernel's paired row order (no reordering copy).
 
 A fresh prompt starts at position 0, so attention reads the keys and values this
@@ -29,8 +30,8 @@ import torch.nn.functional as F
 
 from edge.text.kv.float_cache import KVCache
 from edge.text.model.llama import DecoderLayer, LlamaModel
+from edge.text.ops import step_ops
 from edge.text.ops.int4 import silu_gate_up
-from edge.text.ops.triton import decode_ops
 from edge.text.runtime import fused_step
 from edge.text.runtime.cuda_graphs import capture
 
@@ -41,41 +42,10 @@ logger = logging.getLogger(__name__)
 # bucket's activations stay in the graphs' pool for the life of the model.
 GRAPH_BUCKETS = (16, 32, 64, 128, 256, 512)
 
-if decode_ops.TRITON_SUPPORT:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _rope_prefill_kernel(
-        qkv_ptr, cos_ptr, sin_ptr, row_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
-        T, NH, NKV, max_len, q_scale, HD: tl.constexpr,
-    ):  # fmt: skip
-        """Token t, one head: q rotated and pre-scaled into q [T, NH, HD]; k rotated and v
-        copied into k/v [NKV, T, HD] (what attention reads) and into the cache's row."""
-        t = tl.program_id(0)
-        head = tl.program_id(1)
-        row = tl.load(row_ptr)
-        src = qkv_ptr + t * (NH + 2 * NKV) * HD + head * HD
-        if head < NH + NKV:
-            o1, o2 = decode_ops.rotate(src, cos_ptr, sin_ptr, t, HD)
-            if head < NH:
-                decode_ops.store_halves(q_ptr + (t * NH + head) * HD, o1 * q_scale, o2 * q_scale, HD)
-            else:
-                kv = head - NH
-                decode_ops.store_halves(k_ptr + (kv * T + t) * HD, o1, o2, HD)
-                decode_ops.store_halves(k_cache_ptr + ((row * NKV + kv) * max_len + t) * HD, o1, o2, HD)
-        else:
-            kv = head - NH - NKV
-            rd = tl.arange(0, HD)
-            val = tl.load(src + rd)
-            tl.store(v_ptr + (kv * T + t) * HD + rd, val.to(v_ptr.dtype.element_ty))
-            cached = v_cache_ptr + ((row * NKV + kv) * max_len + t) * HD
-            tl.store(cached + rd, val.to(v_cache_ptr.dtype.element_ty))
-
 
 def supported(model: LlamaModel) -> bool:
     """The fused prefill takes what the fused decode step takes (Int4Linear projections
-    without bias, on CUDA, with Triton)."""
+    without bias, on CUDA, with Triton's step kernels or ours)."""
     return model.device.type == "cuda" and fused_step.can_fuse(model)
 
 
@@ -85,16 +55,8 @@ def rope_write(
     """qkv [T, (NH + 2 NKV) HD] of positions 0..T-1 -> q [1, NH, T, HD] (pre-scaled),
     k and v [1, NKV, T, HD]; k and v also written into cache row `row` [1]."""
     tokens = qkv.shape[0]
-    _, n_kv, max_len, hd = k_cache.shape
-    n_heads = model.config.num_heads
-    dtype = k_cache.dtype
-    q = torch.empty(tokens, n_heads, hd, device=qkv.device, dtype=dtype)
-    k = torch.empty(n_kv, tokens, hd, device=qkv.device, dtype=dtype)
-    v = torch.empty(n_kv, tokens, hd, device=qkv.device, dtype=dtype)
-    _rope_prefill_kernel[(tokens, n_heads + 2 * n_kv)](
-        qkv, model.rope_cos, model.rope_sin, row, q, k, v, k_cache, v_cache,
-        tokens, n_heads, n_kv, max_len, hd**-0.5, hd, num_warps=1,
-    )  # fmt: skip
+    n_heads, hd = model.config.num_heads, k_cache.shape[3]
+    q, k, v = step_ops.rope_prefill(qkv, model.rope_cos, model.rope_sin, row, k_cache, v_cache, n_heads)
     return q.view(1, tokens, n_heads, hd).transpose(1, 2), k.unsqueeze(0), v.unsqueeze(0)
 
 
@@ -113,16 +75,16 @@ def fused_prefill(
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
         assert attn.qkv_proj is not None and mlp.gate_up_proj is not None
-        h = decode_ops.add_rmsnorm(x, delta, layer.input_layernorm.weight, eps)
+        h = step_ops.add_rmsnorm(x, delta, layer.input_layernorm.weight, eps)
         qkv = attn.qkv_proj(h)
         q, k, v = rope_write(qkv, model, row, cache.k[i], cache.v[i])
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0, enable_gqa=k.shape[1] != q.shape[1])
         o = attn.o_proj(out.transpose(1, 2).reshape(tokens, -1))
-        h = decode_ops.add_rmsnorm(x, o, layer.post_attention_layernorm.weight, eps)
+        h = step_ops.add_rmsnorm(x, o, layer.post_attention_layernorm.weight, eps)
         delta = mlp.down_proj(silu_gate_up(mlp.gate_up_proj, h, dtype))
     assert delta is not None
     x.add_(delta)
-    h = decode_ops.add_rmsnorm(x.index_select(0, last), None, model.norm.weight, eps)
+    h = step_ops.add_rmsnorm(x.index_select(0, last), None, model.norm.weight, eps)
     logits: torch.Tensor = model.lm_head(h)
     return logits.float()
 

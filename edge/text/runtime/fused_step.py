@@ -30,17 +30,11 @@ import torch
 from edge.text.kv.float_cache import KVCache
 from edge.text.kv.quant_cache import QuantKVCache
 from edge.text.model.llama import DecoderLayer, LlamaModel
+from edge.text.ops import step_ops
 from edge.text.ops.cuda import cuda_int4
 from edge.text.ops.int4 import GEMV_KERNELS, Int4Linear
+from edge.text.ops.step_ops import add_rmsnorm, decode_attention, rope_kv_write, silu_mul
 from edge.text.ops.triton import triton_kv
-from edge.text.ops.triton.decode_ops import (
-    ATTN_GROUP_ROWS,
-    TRITON_SUPPORT,
-    add_rmsnorm,
-    decode_attention,
-    rope_kv_write,
-    silu_mul,
-)
 from edge.text.runtime import cpu_step
 
 logger = logging.getLogger(__name__)
@@ -57,7 +51,7 @@ def decode_step(
     if model.fused_decode and model.device.type == "cpu":
         if isinstance(cache, KVCache):  # a quantized cache is read by the per-op step's kernel
             return cpu_step.decode_step(model, ids, cache, pos, kv_len)
-    elif model.fused_decode:
+    elif model.fused_decode and (isinstance(cache, KVCache) or step_ops.quantized_kv(model.device)):
         return fused_decode_step(model, ids, cache, pos, kv_len)
     return model.decode_step(ids, cache, pos, kv_len)
 
@@ -87,18 +81,20 @@ def refusal(model: LlamaModel) -> str | None:
 
 
 def can_fuse(model: LlamaModel) -> bool:
-    """True when every projection is a fused Triton INT4 linear on a CUDA device, or on
-    the CPU where our C step takes the model (runtime/cpu_step.py)."""
+    """True when every projection is a fused INT4 linear on a CUDA device whose step
+    kernels (Triton's or our CUDA ones, ops/step_ops.py) take the model, or on the CPU
+    where our C step takes it (runtime/cpu_step.py)."""
     if model.device.type == "cpu":
         return cpu_step.can_run(model)
-    if not TRITON_SUPPORT or model.device.type != "cuda":
+    if model.device.type != "cuda":
         return False
-    refused = refusal(model)
+    config = model.config
+    refused = refusal(model) or step_ops.attention_refusal(
+        model.device, config.head_dim, config.num_heads // config.num_kv_heads, model.dtype
+    )
     if refused:
         # The per-op step (captured in CUDA graphs too) serves the model instead.
         logger.info("fused decode step and prefill refused: %s", refused)
-        return False
-    if model.config.num_heads // model.config.num_kv_heads > ATTN_GROUP_ROWS:
         return False
     for layer in model.layers:
         if not isinstance(layer, DecoderLayer):

@@ -11,20 +11,14 @@ benchmarked models have); other layers keep the Triton kernel.
 
 The source is compiled once per machine, nvcc version, source version and GPU
 architecture (sm_80 and later: the Orin's sm_87, Hopper's sm_90) into the kernel cache
-that the CPU kernel uses (cpu_int4.cache_dir). nvcc is looked for in $CUDA_HOME/bin, on
-PATH and in /usr/local/cuda/bin (where JetPack puts it). Without it the kernel is
-unavailable, and CUDA serving falls back to the Triton kernel and says so.
+(cuda_build.py). Without nvcc the kernel is unavailable, and CUDA serving falls back to
+the Triton kernel and says so.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -32,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from edge.text.ops.cpu import cpu_int4
+from edge.text.ops.cuda import cuda_build
 
 logger = logging.getLogger(__name__)
 
@@ -44,16 +38,12 @@ MAX_ROWS = 8  # activation rows per pass: the tensor-core product's 8 columns
 MAX_PARTS_BYTES = 32 * 1024  # a folded norm's partial sums, in shared memory (cuda_int4.cu)
 WARP_CHOICES = (1, 2, 4, 8, 16)  # warps per tile, splitting K
 UNROLL_CHOICES = (2, 4, 8)  # chunks a warp has in flight
-MIN_ARCH = (8, 0)  # mma.sync with bfloat16 operands
 # Codes repacked at once (16 Mi: an 8B model's 128256-row output layer in 32 slabs): a
 # slab's working copies on the device are under 3 bytes a code, 48 MiB.
 REPACK_SLAB_VALUES = 1 << 24
 DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 DEQUANT_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
-_lock = threading.Lock()
-_libs: dict[str, ctypes.CDLL] = {}
-_errors: dict[str, str] = {}
 _tuned: dict[tuple[int, int, int, torch.dtype], tuple[int, int]] = {}
 
 
@@ -62,67 +52,32 @@ def supports(in_features: int, group_size: int) -> bool:
 
 
 def nvcc() -> str | None:
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    for candidate in (f"{home}/bin/nvcc" if home else None, shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    return None
-
-
-def _flags(arch: str) -> list[str]:
-    return ["-O3", "-shared", "-Xcompiler", "-fPIC", f"-arch=sm_{arch}"]
+    return cuda_build.nvcc()
 
 
 def library_path(compiler: str, arch: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), " ".join(_flags(arch)).encode()):
-        key.update(part)
-        key.update(b"\0")
-    return cpu_int4.cache_dir() / f"cuda_int4-sm{arch}-{key.hexdigest()[:16]}.so"
+    return cuda_build.library_path(compiler, SOURCE, arch)
 
 
 def build(arch: str) -> Path:
-    """Compile for sm_`arch` into the cache unless it is there; returns the library path.
-    Concurrent builders each write a temporary file and rename it into place."""
-    compiler = nvcc()
-    if compiler is None:
-        raise RuntimeError("no nvcc (install the CUDA toolkit, or set CUDA_HOME)")
-    path = library_path(compiler, arch)
-    if path.exists():
-        return path
-    logger.info("building the CUDA INT4 kernel for sm_%s (about a minute, once per machine)", arch)
-    cpu_int4.compile_into(path, [compiler, *_flags(arch)], SOURCE, timeout=600)
-    logger.info("built the CUDA INT4 kernel: %s", path)
-    return path
+    """Compile for compute capability `arch` into the cache unless it is there; returns
+    the library path (cuda_build.build)."""
+    return cuda_build.build(SOURCE, arch)
 
 
-def _arch(device: torch.device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"{major}{minor}"
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i = ctypes.c_void_p, ctypes.c_int
+    lib.edge_int4_gemv.restype = i
+    lib.edge_int4_gemv.argtypes = [p, p, p, p, p, p, p, ctypes.c_float, p, p, p, p, i, i, i, i, i, i, i, p]
+    lib.edge_int4_dequant.restype = i
+    lib.edge_int4_dequant.argtypes = [p, p, p, p, i, i, i, i, i, i, p]
+
+
+_LIBRARY = cuda_build.CudaLibrary(SOURCE, "the CUDA INT4 kernel", _declare)
 
 
 def _load(device: torch.device) -> ctypes.CDLL:
-    arch = _arch(device)
-    with _lock:
-        if arch in _libs:
-            return _libs[arch]
-        if arch in _errors:
-            raise RuntimeError(_errors[arch])
-        try:
-            if (int(arch[:-1]), int(arch[-1])) < MIN_ARCH:
-                raise RuntimeError(f"sm_{arch} has no bfloat16 tensor-core products (sm_80 or later)")
-            lib = ctypes.CDLL(str(build(arch)))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            _errors[arch] = f"the CUDA INT4 kernel is unavailable: {exc}"
-            raise RuntimeError(_errors[arch]) from exc
-        p, i = ctypes.c_void_p, ctypes.c_int
-        lib.edge_int4_gemv.restype = i
-        lib.edge_int4_gemv.argtypes = [p, p, p, p, p, p, p, ctypes.c_float, p, p, p, p, i, i, i, i, i, i, i, p]
-        lib.edge_int4_dequant.restype = i
-        lib.edge_int4_dequant.argtypes = [p, p, p, p, i, i, i, i, i, i, p]
-        _libs[arch] = lib
-        return lib
+    return _LIBRARY.load(device)
 
 
 def available(device: torch.device | str = "cuda") -> bool:
@@ -300,7 +255,7 @@ def reference_weight(tiled: TiledInt4) -> torch.Tensor:
 
 
 def _stream() -> int:
-    return int(torch.cuda.current_stream().cuda_stream)
+    return cuda_build.stream()
 
 
 def _check(rc: int, what: str) -> None:
@@ -515,17 +470,3 @@ def _graph_time(fns: list[Callable[[], object]], launches: int = 24, replays: in
         best = min(best, start.elapsed_time(end) / 1000 / launches)
     del graph
     return best
-
-
-def main() -> None:
-    """Build the kernel for this machine's GPU now (scripts/setup.sh calls this where
-    torch sees a CUDA device) rather than at the daemon's first start."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: nothing to build")
-    arch = _arch(torch.device("cuda"))
-    print(build(arch))
-
-
-if __name__ == "__main__":
-    main()

@@ -13,14 +13,16 @@ import logging
 
 import torch
 
+# Re-exported: the quantized cache's kernels (triton_kv.py) split the cache by the same rule.
+from edge.text.ops.attention_splits import ATTN_BLOCK_T as ATTN_BLOCK_T
+from edge.text.ops.attention_splits import ATTN_GROUP_ROWS as ATTN_GROUP_ROWS
+from edge.text.ops.attention_splits import MAX_ATTN_SPLITS as MAX_ATTN_SPLITS
+from edge.text.ops.attention_splits import attn_splits as attn_splits
 from edge.text.ops.triton import triton_int4
 
 logger = logging.getLogger(__name__)
 
 TRITON_SUPPORT = triton_int4.TRITON_SUPPORT
-ATTN_BLOCK_T = 32  # cache positions per attention tile
-ATTN_GROUP_ROWS = 16  # query rows per KV head, padded up to the smallest tensor-core tile
-MAX_ATTN_SPLITS = 64
 
 if TRITON_SUPPORT:
     import triton
@@ -210,6 +212,33 @@ if TRITON_SUPPORT:
         out = gate / (1.0 + tl.exp(-gate)) * up
         tl.store(out_ptr + t * F + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _rope_prefill_kernel(
+        qkv_ptr, cos_ptr, sin_ptr, row_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
+        T, NH, NKV, max_len, q_scale, HD: tl.constexpr,
+    ):  # fmt: skip
+        """Token t, one head: q rotated and pre-scaled into q [T, NH, HD]; k rotated and v
+        copied into k/v [NKV, T, HD] (what attention reads) and into the cache's row."""
+        t = tl.program_id(0)
+        head = tl.program_id(1)
+        row = tl.load(row_ptr)
+        src = qkv_ptr + t * (NH + 2 * NKV) * HD + head * HD
+        if head < NH + NKV:
+            o1, o2 = rotate(src, cos_ptr, sin_ptr, t, HD)
+            if head < NH:
+                store_halves(q_ptr + (t * NH + head) * HD, o1 * q_scale, o2 * q_scale, HD)
+            else:
+                kv = head - NH
+                store_halves(k_ptr + (kv * T + t) * HD, o1, o2, HD)
+                store_halves(k_cache_ptr + ((row * NKV + kv) * max_len + t) * HD, o1, o2, HD)
+        else:
+            kv = head - NH - NKV
+            rd = tl.arange(0, HD)
+            val = tl.load(src + rd)
+            tl.store(v_ptr + (kv * T + t) * HD + rd, val.to(v_ptr.dtype.element_ty))
+            cached = v_cache_ptr + ((row * NKV + kv) * max_len + t) * HD
+            tl.store(cached + rd, val.to(v_cache_ptr.dtype.element_ty))
+
 
 def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [B, H] float32 (updated in place to x + delta); returns RMSNorm(x) in weight's dtype."""
@@ -240,19 +269,6 @@ def rope_kv_write(
         qkv, cos, sin, pos, q, k_cache, v_cache, n_heads, n_kv, max_len, hd**-0.5, hd, num_warps=1
     )
     return q
-
-
-def attn_splits(kv_len: int, n_kv: int, sms: int, max_splits: int = MAX_ATTN_SPLITS) -> tuple[int, int]:
-    """(splits, chunk): enough chunks of the cache to give every SM work, each at least
-    one tile long; a power of two so the merge kernel can reduce over them. Chosen as
-    for one sequence whatever the batch, so that a sequence's attention is summed in the
-    same order alone or batched (batch invariance)."""
-    want = max(1, (2 * sms) // max(1, n_kv))
-    splits = 1
-    while splits < min(want, max_splits) and kv_len // (splits * 2) >= ATTN_BLOCK_T:
-        splits *= 2
-    chunk = triton.cdiv(triton.cdiv(kv_len, splits), ATTN_BLOCK_T) * ATTN_BLOCK_T
-    return splits, chunk
 
 
 def decode_attention(
@@ -288,3 +304,27 @@ def silu_mul(gate_up: torch.Tensor, dtype: torch.dtype, paired: bool = False) ->
     kernel = _silu_mul_paired_kernel if paired else _silu_mul_kernel
     kernel[(bsz, triton.cdiv(f, block))](gate_up, out, f, block)
     return out
+
+
+def rope_prefill(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    row: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    n_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [T, (NH + 2 NKV) HD] of positions 0..T-1 -> q [T, NH, HD] (pre-scaled), k and
+    v [NKV, T, HD]; k and v also written into cache row `row` [1] of the layer's cache
+    [rows, NKV, L, HD]."""
+    tokens = qkv.shape[0]
+    _, n_kv, max_len, hd = k_cache.shape
+    dtype = k_cache.dtype
+    q = torch.empty(tokens, n_heads, hd, device=qkv.device, dtype=dtype)
+    k = torch.empty(n_kv, tokens, hd, device=qkv.device, dtype=dtype)
+    v = torch.empty(n_kv, tokens, hd, device=qkv.device, dtype=dtype)
+    _rope_prefill_kernel[(tokens, n_heads + 2 * n_kv)](
+        qkv, cos, sin, row, q, k, v, k_cache, v_cache, tokens, n_heads, n_kv, max_len, hd**-0.5, hd, num_warps=1,
+    )  # fmt: skip
+    return q, k, v

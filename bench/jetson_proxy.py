@@ -1,0 +1,124 @@
+"""The Jetson's text path measured on a bigger GPU, beside the Triton path in the same run.
+
+A Jetson has nvcc and no Triton. Here the served 8B-shape engine (bench/text.py's
+`served` variant, the shipped GPU profile) is measured twice on one checkpoint: in this
+process (Triton present), then in a child process where `import triton` fails and our
+CUDA kernels are built as compute_80 PTX alone (EDGE_CUDA_ARCH), so the GPU runs
+Ampere's instructions, those an Orin's sm_87 has. The child's engine is the Jetson
+profile's (jetson-orin: the same qa section but for how many sequences and tokens it
+serves, fields a measurement sets anyway). Its row, `jetson-proxy`, goes into
+text_cuda.json (replacing an earlier one, keeping the other rows) with its ratios to the
+Triton path of the same run.
+
+    python -m bench.jetson_proxy [--out bench/results/text_cuda.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench import text
+from bench.common import RESULTS, write_json
+
+VARIANT = "jetson-proxy"
+PROXY_ARCH = "compute_80"
+
+
+def measure(checkpoint: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The served variant's row (bench.text.ours_cuda) on `checkpoint`, capped as the
+    daemon is."""
+    props = torch.cuda.get_device_properties(0)
+    bandwidth = text.copy_bandwidth()
+    changes = text.CUDA_VARIANTS["served"][1]
+    torch.cuda.set_per_process_memory_fraction(args.cap_gib * text.GIB / props.total_memory)
+    text.spin_up(1.0)
+    row = text.ours_cuda(checkpoint, changes, args.prompt, args.new_tokens, text.LONG_CONTEXT, bandwidth)
+    row["copy_bandwidth_gb_s"] = bandwidth / 1e9
+    return row
+
+
+def child(checkpoint: str, out: str, prompt: int, new_tokens: int, cap_gib: float) -> None:
+    """The proxy's measurement: run as `python -c` after `sys.modules["triton"] = None`."""
+    from bench import text_engines
+
+    text_engines.SHIPPED["cuda"] = "jetson-orin"
+    args = argparse.Namespace(prompt=prompt, new_tokens=new_tokens, cap_gib=cap_gib)
+    write_json(Path(out), measure(Path(checkpoint), args))
+
+
+def run_child(checkpoint: Path, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    out = workdir / "proxy.json"
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "from bench.jetson_proxy import child\n"
+        f"child({str(checkpoint)!r}, {str(out)!r}, {args.prompt}, {args.new_tokens}, {args.cap_gib})\n"
+    )
+    env = {**os.environ, "EDGE_CUDA_ARCH": PROXY_ARCH}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    row: dict[str, Any] = json.loads(out.read_text())
+    return row
+
+
+def merged(path: Path, row: dict[str, Any]) -> dict[str, Any]:
+    """text_cuda.json with `row` in place of an earlier jetson-proxy row."""
+    doc: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {"rows": []}
+    doc["rows"] = [r for r in doc.get("rows", []) if r.get("variant") != VARIANT] + [row]
+    return doc
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--cap-gib", type=float, default=8.0, help="per-process memory cap (the shipped budget)")
+    parser.add_argument("--workdir", type=Path, default=None, help="where the random checkpoint is written")
+    parser.add_argument("--out", type=Path, default=RESULTS / "text_cuda.json")
+    args = parser.parse_args()
+    from engines.text.random_llama import LLAMA3_8B, write_random_checkpoint
+
+    group = text.CUDA_VARIANTS["served"][0]
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        checkpoint = write_random_checkpoint(
+            Path(tmp) / f"llama3-8b-int4-g{group}", LLAMA3_8B, device="cuda", group=group, seed=3
+        )
+        text._release()
+        triton_row = measure(checkpoint, args)
+        print("triton path:", json.dumps({k: v for k, v in triton_row.items() if not isinstance(v, dict | list)}))
+        text._release()
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        proxy = run_child(checkpoint, args, Path(tmp))
+    config = proxy["engine_config"]
+    row = {
+        "variant": VARIANT,
+        **proxy,
+        "name": f"jetson-proxy: {proxy['name']}, Triton hidden, CUDA kernels as {PROXY_ARCH} PTX",
+        # What the Jetson profile serves, run on this GPU as a proxy: not the GPU profile's row.
+        "served": False,
+        "proxy_for": config.get("origin", {}).get("profile"),
+        "cuda_arch": PROXY_ARCH,
+        "device": torch.cuda.get_device_name(0),
+        "triton_same_run": {k: triton_row[k] for k in ("decode_tok_s", "decode_tok_s_4k", "ttft_ms", "peak_gib")},
+        "triton_engine_config": triton_row["engine_config"],
+        "vs_triton": {
+            "decode_512": proxy["decode_tok_s"] / triton_row["decode_tok_s"],
+            "decode_4096": proxy["decode_tok_s_4k"] / triton_row["decode_tok_s_4k"],
+            "ttft": proxy["ttft_ms"] / triton_row["ttft_ms"],
+        },
+    }
+    print("jetson proxy:", json.dumps({k: v for k, v in row.items() if not isinstance(v, dict | list)}))
+    print("vs triton:", json.dumps(row["vs_triton"]))
+    write_json(args.out, merged(args.out, row))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

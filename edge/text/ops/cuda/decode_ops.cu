@@ -1,0 +1,500 @@
+// The decode step's kernels between the INT4 products, in CUDA C: residual add + RMSNorm,
+// rotary + KV-cache write (decode and prefill), attention split over the cache and
+// merged, SiLU * up. The same work as the Triton kernels (edge/text/ops/triton/
+// decode_ops.py), for boxes without Triton (a Jetson): built on the box by nvcc and
+// called through ctypes on torch's current stream, so CUDA graphs capture them.
+//
+// Every kernel reads the cache only up to each sequence's position, and positions are
+// read on the device, so a step captures into one graph per KV-length bucket.
+//
+// Attention sums in float32 from the cache's float16 or bfloat16 values (no tensor
+// cores: a decode step has at most 16 query rows per KV head, and the cache read is
+// what costs). Splits and the chunk a split covers are the caller's (the same rule as
+// the Triton kernels', chosen as for one sequence whatever the batch): a sequence's
+// attention is summed in the same order alone or batched.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+namespace {
+
+// dtype codes shared with decode_ops.py: 0 bfloat16, 1 float16, 2 float32.
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_f(float v);
+template <>
+__device__ __forceinline__ float from_f<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __half from_f<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// ---- residual add + RMSNorm --------------------------------------------------------
+// x [B, H] float32 += delta (in place, where given); h = x * rsqrt(mean(x^2) + eps) * w.
+// One block of 256 threads per row; the sum of squares in a fixed order.
+template <typename D, typename T>
+__global__ void __launch_bounds__(256)
+    add_rmsnorm_kernel(float* __restrict__ x, const D* __restrict__ delta, const T* __restrict__ w,
+                       T* __restrict__ h, int H, float eps) {
+  __shared__ float sums[8];
+  const int row = blockIdx.x;
+  float* xr = x + (size_t)row * H;
+  float ss = 0.0f;
+  for (int i = threadIdx.x; i < H; i += blockDim.x) {
+    float v = xr[i];
+    if (delta != nullptr) {
+      v += to_f(delta[(size_t)row * H + i]);
+      xr[i] = v;
+    }
+    ss += v * v;
+  }
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) sums[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  float total = 0.0f;
+  for (int i = 0; i < (int)(blockDim.x >> 5); i++) total += sums[i];
+  const float inv = rsqrtf(total / (float)H + eps);
+  for (int i = threadIdx.x; i < H; i += blockDim.x) h[(size_t)row * H + i] = from_f<T>(xr[i] * inv * to_f(w[i]));
+}
+
+// ---- rotary + cache write ------------------------------------------------------------
+// The tables hold [freqs, freqs]: the first half of a row serves both halves.
+template <typename Q>
+__device__ __forceinline__ void rotate(const Q* src, const float* cos, const float* sin, long long pos, int HD,
+                                       int r, float* o1, float* o2) {
+  const int half = HD / 2;
+  const float x1 = to_f(src[r]), x2 = to_f(src[r + half]);
+  const float c = cos[pos * HD + r], s = sin[pos * HD + r];
+  *o1 = x1 * c - x2 * s;
+  *o2 = x2 * c + x1 * s;
+}
+
+// Decode: block (b, head), HD/2 threads. q rotated and pre-scaled into q [B, NH, HD]; k
+// rotated into the cache [B, NKV, L, HD] at pos[b]; v copied there.
+template <typename Q, typename C>
+__global__ void rope_kv_kernel(const Q* __restrict__ qkv, const float* __restrict__ cos, const float* __restrict__ sin,
+                               const long long* __restrict__ pos_ptr, C* __restrict__ q, C* __restrict__ kc,
+                               C* __restrict__ vc, int NH, int NKV, int max_len, float q_scale, int HD) {
+  const int b = blockIdx.x, head = blockIdx.y, r = threadIdx.x, half = HD / 2;
+  const long long pos = pos_ptr[b];
+  const Q* row = qkv + ((size_t)b * (NH + 2 * NKV) + head) * HD;
+  if (head < NH + NKV) {
+    float o1, o2;
+    rotate(row, cos, sin, pos, HD, r, &o1, &o2);
+    C* dst;
+    if (head < NH) {
+      dst = q + ((size_t)b * NH + head) * HD;
+      o1 *= q_scale;
+      o2 *= q_scale;
+    } else {
+      dst = kc + (((size_t)b * NKV + head - NH) * max_len + pos) * HD;
+    }
+    dst[r] = from_f<C>(o1);
+    dst[r + half] = from_f<C>(o2);
+  } else {
+    C* dst = vc + (((size_t)b * NKV + head - NH - NKV) * max_len + pos) * HD;
+    dst[r] = from_f<C>(to_f(row[r]));
+    dst[r + half] = from_f<C>(to_f(row[r + half]));
+  }
+}
+
+// Prefill of a fresh prompt (positions 0..T-1): block (t, head). q into q [T, NH, HD]
+// (pre-scaled); k rotated and v copied into k/v [NKV, T, HD] (what attention reads) and
+// into the cache's row *row_ptr [rows, NKV, L, HD].
+template <typename Q, typename C>
+__global__ void rope_prefill_kernel(const Q* __restrict__ qkv, const float* __restrict__ cos,
+                                    const float* __restrict__ sin, const long long* __restrict__ row_ptr,
+                                    C* __restrict__ q, C* __restrict__ k, C* __restrict__ v, C* __restrict__ kc,
+                                    C* __restrict__ vc, int T, int NH, int NKV, int max_len, float q_scale, int HD) {
+  const int t = blockIdx.x, head = blockIdx.y, r = threadIdx.x, half = HD / 2;
+  const long long crow = row_ptr[0];
+  const Q* src = qkv + ((size_t)t * (NH + 2 * NKV) + head) * HD;
+  float o1, o2;
+  if (head < NH + NKV) {
+    rotate(src, cos, sin, t, HD, r, &o1, &o2);
+    if (head < NH) {
+      C* dst = q + ((size_t)t * NH + head) * HD;
+      dst[r] = from_f<C>(o1 * q_scale);
+      dst[r + half] = from_f<C>(o2 * q_scale);
+      return;
+    }
+  } else {
+    o1 = to_f(src[r]);
+    o2 = to_f(src[r + half]);
+  }
+  const bool is_k = head < NH + NKV;
+  const int kv = is_k ? head - NH : head - NH - NKV;
+  C* flat = (is_k ? k : v) + ((size_t)kv * T + t) * HD;
+  C* cached = (is_k ? kc : vc) + (((size_t)crow * NKV + kv) * max_len + t) * HD;
+  flat[r] = cached[r] = from_f<C>(o1);
+  flat[r + half] = cached[r + half] = from_f<C>(o2);
+}
+
+// ---- attention -----------------------------------------------------------------------
+// Two neighbouring channels of a cache row, read in one 4-byte load.
+template <typename C>
+struct __align__(2 * sizeof(C)) Pair {
+  C x, y;
+};
+
+constexpr int ATTN_THREADS = 128;
+constexpr int ATTN_TILE = 64;      // cache positions per pass of a block
+constexpr int LANES_PER_TOKEN = 8;  // lanes that share one key's dot products
+
+// The GROUP query heads of KV head kh of sequence b against one chunk of the cache, by
+// tiles of 64 positions with an online softmax. Scores: 8 lanes per key, each with
+// HD/8 of its channels (16-byte loads), reduced by shuffles. Values: each thread owns
+// two channels for every query row, over every (256/HD)-th position of the tile. The
+// partial sums go to acc [(bh * splits + sp) * GP + g, HD] and (m, l) to ml; a chunk past
+// the position reads nothing and leaves m = -inf, l = 0.
+template <typename C, int HD, int GP>
+__global__ void __launch_bounds__(ATTN_THREADS)
+    attn_split_kernel(const C* __restrict__ q, const C* __restrict__ kc, const C* __restrict__ vc,
+                      const long long* __restrict__ pos_ptr, float* __restrict__ acc, float* __restrict__ ml, int NH,
+                      int NKV, int max_len, int chunk, int splits, int group) {
+  constexpr int EPL = HD / LANES_PER_TOKEN;   // channels per lane in the scores
+  constexpr int PAIRS = HD / 2;               // value channel pairs
+  constexpr int TP = ATTN_THREADS / PAIRS;    // positions of a tile taken at once (values)
+  constexpr int WARPS = ATTN_THREADS / 32;
+  constexpr int KEYS_PER_PASS = 32 / LANES_PER_TOKEN;
+  static_assert(EPL % 8 == 0 && TP >= 1, "head_dim 64, 128 or 256");
+  // A key's 8 lanes read its channels 16 bytes each, side by side: in pass u lane li
+  // takes channels (u * 8 + li) * 8 .. +7, so each load instruction of the 8 lanes is 128
+  // contiguous bytes. Queries swizzled to match: channel d sits at
+  // ((d / 64) * 8 + d % 8) * 8 + (d / 8) % 8, so the 8 lanes read 8 consecutive words.
+  __shared__ float qs[GP][HD];
+  __shared__ float ps[GP][ATTN_TILE];
+  __shared__ float m_s[GP], l_s[GP], alpha_s[GP];
+  __shared__ float red[TP > 1 ? TP - 1 : 1][GP][HD];
+
+  const int bh = blockIdx.x, sp = blockIdx.y;
+  const int b = bh / NKV, kh = bh % NKV;
+  const long long pos = pos_ptr[b];
+  const long long start = (long long)sp * chunk;
+  const long long end = min(start + chunk, pos + 1);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int li = lane % LANES_PER_TOKEN, lg = lane / LANES_PER_TOKEN;
+
+  for (int i = tid; i < GP * HD; i += ATTN_THREADS) {
+    const int g = i / HD, d = i % HD;
+    const float v = g < group ? to_f(q[((size_t)b * NH + kh * group + g) * HD + d]) : 0.0f;
+    qs[g][((d / 64) * 8 + d % 8) * LANES_PER_TOKEN + (d / 8) % 8] = v;
+  }
+  if (tid < GP) {
+    m_s[tid] = -INFINITY;
+    l_s[tid] = 0.0f;
+  }
+  const int dp = tid % PAIRS, tp = tid / PAIRS;
+  float a0[GP], a1[GP];
+#pragma unroll
+  for (int g = 0; g < GP; g++) a0[g] = a1[g] = 0.0f;
+  const size_t base = (size_t)bh * max_len * HD;
+  __syncthreads();
+
+  for (long long t0 = start; t0 < end; t0 += ATTN_TILE) {
+    const int n = (int)min((long long)ATTN_TILE, end - t0);
+    // Scores: warp w takes positions w*16 .. w*16+15, four at a time.
+#pragma unroll
+    for (int j = 0; j < ATTN_TILE / (WARPS * KEYS_PER_PASS); j++) {
+      const int tt = warp * (ATTN_TILE / WARPS) + j * KEYS_PER_PASS + lg;
+      float kf[EPL];
+      if (tt < n) {
+        const uint4* src = reinterpret_cast<const uint4*>(kc + base + (size_t)(t0 + tt) * HD) + li;
+#pragma unroll
+        for (int u = 0; u < EPL / 8; u++) {
+          const uint4 word = src[u * LANES_PER_TOKEN];
+          const C* vals = reinterpret_cast<const C*>(&word);
+#pragma unroll
+          for (int e = 0; e < 8; e++) kf[u * 8 + e] = to_f(vals[e]);
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < EPL; e++) kf[e] = 0.0f;
+      }
+#pragma unroll
+      for (int g = 0; g < GP; g++) {
+        if (g >= group) break;
+        float s = 0.0f;
+#pragma unroll
+        for (int e = 0; e < EPL; e++) s += kf[e] * qs[g][e * LANES_PER_TOKEN + li];
+        for (int o = LANES_PER_TOKEN / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (li == 0) ps[g][tt] = tt < n ? s : -INFINITY;
+      }
+    }
+    __syncthreads();
+    // Online softmax: warp w updates query rows w, w + 4, ...
+    for (int g = warp; g < group; g += WARPS) {
+      const float s0 = ps[g][lane], s1 = ps[g][lane + 32];
+      const float m_old = m_s[g];
+      const float m_new = fmaxf(m_old, warp_max(fmaxf(s0, s1)));
+      const float p0 = __expf(s0 - m_new), p1 = __expf(s1 - m_new);
+      ps[g][lane] = p0;
+      ps[g][lane + 32] = p1;
+      const float total = warp_sum(p0 + p1);
+      if (lane == 0) {
+        const float alpha = __expf(m_old - m_new);
+        alpha_s[g] = alpha;
+        l_s[g] = l_s[g] * alpha + total;
+        m_s[g] = m_new;
+      }
+    }
+    __syncthreads();
+    // Values.
+#pragma unroll
+    for (int g = 0; g < GP; g++) {
+      if (g >= group) break;
+      a0[g] *= alpha_s[g];
+      a1[g] *= alpha_s[g];
+    }
+    // Four positions' values loaded before any is used: four loads in flight, not one.
+    for (int t4 = tp; t4 < n; t4 += 4 * TP) {
+      float v0[4], v1[4];
+#pragma unroll
+      for (int u = 0; u < 4; u++) {
+        const int tt = t4 + u * TP;
+        v0[u] = v1[u] = 0.0f;
+        if (tt < n) {
+          const Pair<C> pair = *reinterpret_cast<const Pair<C>*>(vc + base + (size_t)(t0 + tt) * HD + 2 * dp);
+          v0[u] = to_f(pair.x);
+          v1[u] = to_f(pair.y);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 4; u++) {
+        const int tt = t4 + u * TP;
+        if (tt >= n) break;
+#pragma unroll
+        for (int g = 0; g < GP; g++) {
+          if (g >= group) break;
+          const float p = ps[g][tt];
+          a0[g] += p * v0[u];
+          a1[g] += p * v1[u];
+        }
+      }
+    }
+    __syncthreads();
+  }
+  // The TP position subsets' sums, added in a fixed order.
+  if (TP > 1 && tp > 0) {
+#pragma unroll
+    for (int g = 0; g < GP; g++) {
+      if (g >= group) break;
+      red[tp - 1][g][2 * dp] = a0[g];
+      red[tp - 1][g][2 * dp + 1] = a1[g];
+    }
+  }
+  __syncthreads();
+  if (tp == 0) {
+#pragma unroll
+    for (int g = 0; g < GP; g++) {
+      if (g >= group) break;
+      float s0 = a0[g], s1 = a1[g];
+      for (int u = 0; u < TP - 1; u++) {
+        s0 += red[u][g][2 * dp];
+        s1 += red[u][g][2 * dp + 1];
+      }
+      const size_t slot = ((size_t)bh * splits + sp) * GP + g;
+      acc[slot * HD + 2 * dp] = s0;
+      acc[slot * HD + 2 * dp + 1] = s1;
+      if (dp == 0) {
+        ml[slot * 2] = m_s[g];
+        ml[slot * 2 + 1] = l_s[g];
+      }
+    }
+  }
+}
+
+// One query head: the chunks weighted by exp(m_s - max m), over the weighted sum of their
+// softmax denominators. Chunk 0 always holds position 0: the max is finite.
+template <typename C>
+__global__ void attn_merge_kernel(const float* __restrict__ acc, const float* __restrict__ ml, C* __restrict__ out,
+                                  int NH, int NKV, int splits, int group, int GP, int HD) {
+  const int bh = blockIdx.x, g = blockIdx.y;
+  const int b = bh / NKV, kh = bh % NKV;
+  float top = -INFINITY;
+  for (int s = 0; s < splits; s++) top = fmaxf(top, ml[(((size_t)bh * splits + s) * GP + g) * 2]);
+  float denom = 0.0f;
+  for (int s = 0; s < splits; s++) {
+    const size_t slot = ((size_t)bh * splits + s) * GP + g;
+    denom += ml[slot * 2 + 1] * __expf(ml[slot * 2] - top);
+  }
+  for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+    float sum = 0.0f;
+    for (int s = 0; s < splits; s++) {
+      const size_t slot = ((size_t)bh * splits + s) * GP + g;
+      sum += acc[slot * HD + d] * __expf(ml[slot * 2] - top);
+    }
+    out[((size_t)b * NH + kh * group + g) * HD + d] = from_f<C>(sum / denom);
+  }
+}
+
+// ---- SiLU * up -----------------------------------------------------------------------
+// gate/up [B, 2F] -> silu(gate) * up [B, F]; `paired`: the INT4 kernel's paired column
+// order (each 16 columns are 8 gate then the same 8 up).
+template <typename G, typename O>
+__global__ void silu_mul_kernel(const G* __restrict__ gu, O* __restrict__ out, int F, int paired) {
+  const int row = blockIdx.y;
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= F) return;
+  const size_t gate_at = paired ? (size_t)(i / 8) * 16 + i % 8 : (size_t)i;
+  const size_t up_at = paired ? gate_at + 8 : (size_t)F + i;
+  const float gate = to_f(gu[(size_t)row * 2 * F + gate_at]);
+  const float up = to_f(gu[(size_t)row * 2 * F + up_at]);
+  out[(size_t)row * F + i] = from_f<O>(gate / (1.0f + __expf(-gate)) * up);
+}
+
+// Calls f with a null pointer of the type a dtype code names.
+template <typename F>
+cudaError_t with_type(int dtype, F f) {
+  switch (dtype) {
+    case 0:
+      return f(static_cast<__nv_bfloat16*>(nullptr));
+    case 1:
+      return f(static_cast<__half*>(nullptr));
+    case 2:
+      return f(static_cast<float*>(nullptr));
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+template <typename C, int HD, int GP>
+cudaError_t launch_split(const void* q, const void* kc, const void* vc, const long long* pos, float* acc, float* ml,
+                         int B, int NH, int NKV, int max_len, int chunk, int splits, cudaStream_t s) {
+  const dim3 grid(B * NKV, splits);
+  attn_split_kernel<C, HD, GP><<<grid, ATTN_THREADS, 0, s>>>(static_cast<const C*>(q), static_cast<const C*>(kc),
+                                                              static_cast<const C*>(vc), pos, acc, ml, NH, NKV,
+                                                              max_len, chunk, splits, NH / NKV);
+  return cudaGetLastError();
+}
+
+template <typename C, int HD>
+cudaError_t split_for_group(int gp, const void* q, const void* kc, const void* vc, const long long* pos, float* acc,
+                            float* ml, int B, int NH, int NKV, int max_len, int chunk, int splits, cudaStream_t s) {
+  if (gp == 4) return launch_split<C, HD, 4>(q, kc, vc, pos, acc, ml, B, NH, NKV, max_len, chunk, splits, s);
+  if (gp == 8) return launch_split<C, HD, 8>(q, kc, vc, pos, acc, ml, B, NH, NKV, max_len, chunk, splits, s);
+  if (gp == 16) return launch_split<C, HD, 16>(q, kc, vc, pos, acc, ml, B, NH, NKV, max_len, chunk, splits, s);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Every entry returns a cudaError_t (0: launched). dtype codes: 0 bfloat16, 1 float16,
+// 2 float32. Tensors are contiguous; positions and rows are int64 on the device.
+
+int edge_add_rmsnorm(float* x, const void* delta, int delta_dtype, const void* w, void* h, int dtype, int B, int H,
+                     float eps, void* stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return int(with_type(dtype, [&](auto* t) {
+    using T = std::remove_pointer_t<decltype(t)>;
+    return with_type(delta_dtype, [&](auto* dd) {
+      using D = std::remove_pointer_t<decltype(dd)>;
+      add_rmsnorm_kernel<D, T><<<B, 256, 0, s>>>(x, static_cast<const D*>(delta), static_cast<const T*>(w),
+                                                 static_cast<T*>(h), H, eps);
+      return cudaGetLastError();
+    });
+  }));
+}
+
+int edge_rope_kv_write(const void* qkv, int qkv_dtype, const float* cos, const float* sin, const long long* pos,
+                       void* q, void* kc, void* vc, int cache_dtype, int B, int NH, int NKV, int max_len,
+                       float q_scale, int HD, void* stream) {
+  if (HD % 2 != 0 || HD > 2048) return int(cudaErrorInvalidValue);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return int(with_type(qkv_dtype, [&](auto* qt) {
+    using Q = std::remove_pointer_t<decltype(qt)>;
+    return with_type(cache_dtype, [&](auto* ct) {
+      using C = std::remove_pointer_t<decltype(ct)>;
+      rope_kv_kernel<Q, C><<<dim3(B, NH + 2 * NKV), HD / 2, 0, s>>>(
+          static_cast<const Q*>(qkv), cos, sin, pos, static_cast<C*>(q), static_cast<C*>(kc), static_cast<C*>(vc),
+          NH, NKV, max_len, q_scale, HD);
+      return cudaGetLastError();
+    });
+  }));
+}
+
+int edge_rope_prefill(const void* qkv, int qkv_dtype, const float* cos, const float* sin, const long long* row,
+                      void* q, void* k, void* v, void* kc, void* vc, int cache_dtype, int T, int NH, int NKV,
+                      int max_len, float q_scale, int HD, void* stream) {
+  if (HD % 2 != 0 || HD > 2048) return int(cudaErrorInvalidValue);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return int(with_type(qkv_dtype, [&](auto* qt) {
+    using Q = std::remove_pointer_t<decltype(qt)>;
+    return with_type(cache_dtype, [&](auto* ct) {
+      using C = std::remove_pointer_t<decltype(ct)>;
+      rope_prefill_kernel<Q, C><<<dim3(T, NH + 2 * NKV), HD / 2, 0, s>>>(
+          static_cast<const Q*>(qkv), cos, sin, row, static_cast<C*>(q), static_cast<C*>(k), static_cast<C*>(v),
+          static_cast<C*>(kc), static_cast<C*>(vc), T, NH, NKV, max_len, q_scale, HD);
+      return cudaGetLastError();
+    });
+  }));
+}
+
+// q [B, NH, HD] (pre-scaled) against cache positions 0..pos[b] -> out [B, NH, HD] in the
+// cache's type. acc [B * NKV * splits * gp, HD] and ml [..., 2] float32 scratch; gp (4, 8
+// or 16) at least NH / NKV; head_dim 64, 128 or 256; splits and chunk as the caller's rule.
+int edge_decode_attention(const void* q, const void* kc, const void* vc, const long long* pos, float* acc, float* ml,
+                          void* out, int dtype, int B, int NH, int NKV, int max_len, int HD, int gp, int chunk,
+                          int splits, void* stream) {
+  if (NH % NKV != 0 || NH / NKV > gp || dtype == 2 || chunk < 1 || splits < 1) return int(cudaErrorInvalidValue);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  cudaError_t rc = with_type(dtype, [&](auto* ct) {
+    using C = std::remove_pointer_t<decltype(ct)>;
+    if constexpr (std::is_same_v<C, float>) {
+      return cudaErrorInvalidValue;
+    } else {
+      if (HD == 64) return split_for_group<C, 64>(gp, q, kc, vc, pos, acc, ml, B, NH, NKV, max_len, chunk, splits, s);
+      if (HD == 128)
+        return split_for_group<C, 128>(gp, q, kc, vc, pos, acc, ml, B, NH, NKV, max_len, chunk, splits, s);
+      if (HD == 256)
+        return split_for_group<C, 256>(gp, q, kc, vc, pos, acc, ml, B, NH, NKV, max_len, chunk, splits, s);
+      return cudaErrorInvalidValue;
+    }
+  });
+  if (rc != cudaSuccess) return int(rc);
+  return int(with_type(dtype, [&](auto* ct) {
+    using C = std::remove_pointer_t<decltype(ct)>;
+    attn_merge_kernel<C><<<dim3(B * NKV, NH / NKV), 128, 0, s>>>(acc, ml, static_cast<C*>(out), NH, NKV, splits,
+                                                                  NH / NKV, gp, HD);
+    return cudaGetLastError();
+  }));
+}
+
+int edge_silu_mul(const void* gate_up, int in_dtype, void* out, int out_dtype, int B, int F, int paired,
+                  void* stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return int(with_type(in_dtype, [&](auto* it) {
+    using G = std::remove_pointer_t<decltype(it)>;
+    return with_type(out_dtype, [&](auto* ot) {
+      using O = std::remove_pointer_t<decltype(ot)>;
+      silu_mul_kernel<G, O><<<dim3((F + 255) / 256, B), 256, 0, s>>>(static_cast<const G*>(gate_up),
+                                                                     static_cast<O*>(out), F, paired);
+      return cudaGetLastError();
+    });
+  }));
+}
+
+}  // extern "C"

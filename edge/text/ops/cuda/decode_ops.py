@@ -1,0 +1,201 @@
+"""Our CUDA C kernels of a decode layer (decode_ops.cu): residual add + RMSNorm, rotary +
+KV-cache write (decode and prefill), attention split over the cache and merged, SiLU *
+up. The same functions as the Triton ones (edge/text/ops/triton/decode_ops.py), for
+boxes without Triton; edge/text/ops/step_ops.py chooses between them.
+
+Built on the box by nvcc like the INT4 GEMV (cuda_build.py) and launched through ctypes
+on torch's current stream, so the fused step and prefill capture them in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from edge.text.ops.attention_splits import ATTN_GROUP_ROWS, attn_splits
+from edge.text.ops.cuda import cuda_build
+
+SOURCE = Path(__file__).with_name("decode_ops.cu")
+DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+ATTN_DTYPES = (torch.bfloat16, torch.float16)  # the attention's 16-byte key loads
+HEAD_DIMS = (64, 128, 256)
+GROUP_PADS = (4, 8, 16)  # query rows per KV head the attention is built for
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    signatures = {
+        "edge_add_rmsnorm": [p, p, i, p, p, i, i, i, f, p],
+        "edge_rope_kv_write": [p, i, p, p, p, p, p, p, i, i, i, i, i, f, i, p],
+        "edge_rope_prefill": [p, i, p, p, p, p, p, p, p, p, i, i, i, i, i, f, i, p],
+        "edge_decode_attention": [p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, p],
+        "edge_silu_mul": [p, i, p, i, i, i, i, p],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype = i
+        fn.argtypes = argtypes
+
+
+_LIBRARY = cuda_build.CudaLibrary(SOURCE, "the CUDA decode kernels", _declare)
+
+
+def available(device: torch.device | str = "cuda") -> bool:
+    """Whether the kernels build (building them now if needed) and load for `device`."""
+    return _LIBRARY.available(device)
+
+
+def refusal(head_dim: int, group: int, dtype: torch.dtype) -> str | None:
+    """Why the attention kernel cannot take a model of this shape and type (None: it can)."""
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} (the CUDA attention takes {HEAD_DIMS})"
+    if group > GROUP_PADS[-1]:
+        return f"{group} query heads per KV head (the CUDA attention takes at most {GROUP_PADS[-1]})"
+    if dtype not in ATTN_DTYPES:
+        return f"a {dtype} cache (the CUDA attention reads float16 or bfloat16)"
+    return None
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"the CUDA {what} kernel failed to launch (CUDA error {rc})")
+
+
+def _dtype(t: torch.Tensor) -> int:
+    if t.dtype not in DTYPES:
+        raise ValueError(f"the CUDA decode kernels take bfloat16, float16 or float32, got {t.dtype}")
+    return DTYPES[t.dtype]
+
+
+def _contiguous(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if not t.is_contiguous():
+            raise ValueError("the CUDA decode kernels take contiguous tensors")
+
+
+def _tables(cos: torch.Tensor, sin: torch.Tensor) -> None:
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError("the rotary tables are float32")
+
+
+def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [B, H] float32 (updated in place to x + delta); returns RMSNorm(x) in weight's dtype."""
+    if x.dtype != torch.float32:
+        raise ValueError("the residual stream is float32")
+    bsz, hidden = x.shape
+    h = torch.empty(bsz, hidden, device=x.device, dtype=weight.dtype)
+    _contiguous(x, weight, *(() if delta is None else (delta,)))
+    lib = _LIBRARY.load(x.device)
+    rc = lib.edge_add_rmsnorm(
+        x.data_ptr(), None if delta is None else delta.data_ptr(), DTYPES[torch.float32] if delta is None
+        else _dtype(delta), weight.data_ptr(), h.data_ptr(), _dtype(h), bsz, hidden, eps, cuda_build.stream(),
+    )  # fmt: skip
+    _check(rc, "RMSNorm")
+    return h
+
+
+def rope_kv_write(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    n_heads: int,
+) -> torch.Tensor:
+    """qkv [B, (NH + 2 NKV) * HD] -> rotated, pre-scaled queries [B, NH, HD]; k and v of
+    each sequence written into the layer's cache [B', NKV, L, HD] at pos[b] (int64)."""
+    bsz = qkv.shape[0]
+    _, n_kv, max_len, hd = k_cache.shape
+    q = torch.empty(bsz, n_heads, hd, device=qkv.device, dtype=k_cache.dtype)
+    _contiguous(qkv, cos, sin, pos, k_cache, v_cache)
+    _tables(cos, sin)
+    lib = _LIBRARY.load(qkv.device)
+    rc = lib.edge_rope_kv_write(
+        qkv.data_ptr(), _dtype(qkv), cos.data_ptr(), sin.data_ptr(), pos.to(torch.int64).data_ptr(), q.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), _dtype(k_cache), bsz, n_heads, n_kv, max_len, hd**-0.5, hd,
+        cuda_build.stream(),
+    )  # fmt: skip
+    _check(rc, "rotary")
+    return q
+
+
+def rope_prefill(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    row: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    n_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [T, (NH + 2 NKV) HD] of positions 0..T-1 -> q [T, NH, HD] (pre-scaled), k and
+    v [NKV, T, HD]; k and v also written into cache row `row` [1] (int64) of the layer's
+    cache [rows, NKV, L, HD]."""
+    tokens = qkv.shape[0]
+    _, n_kv, max_len, hd = k_cache.shape
+    dtype = k_cache.dtype
+    q = torch.empty(tokens, n_heads, hd, device=qkv.device, dtype=dtype)
+    k = torch.empty(n_kv, tokens, hd, device=qkv.device, dtype=dtype)
+    v = torch.empty(n_kv, tokens, hd, device=qkv.device, dtype=dtype)
+    _contiguous(qkv, cos, sin, row, k_cache, v_cache)
+    _tables(cos, sin)
+    lib = _LIBRARY.load(qkv.device)
+    rc = lib.edge_rope_prefill(
+        qkv.data_ptr(), _dtype(qkv), cos.data_ptr(), sin.data_ptr(), row.to(torch.int64).data_ptr(), q.data_ptr(),
+        k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _dtype(k_cache), tokens, n_heads, n_kv,
+        max_len, hd**-0.5, hd, cuda_build.stream(),
+    )  # fmt: skip
+    _check(rc, "prefill rotary")
+    return q, k, v
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, kv_len: int, sms: int
+) -> torch.Tensor:
+    """q [B, NH, HD] (pre-scaled) against cache positions 0..pos[b] -> [B, NH * HD]."""
+    bsz, n_heads, hd = q.shape
+    n_kv, max_len = k_cache.shape[1], k_cache.shape[2]
+    group = n_heads // n_kv
+    refused = refusal(hd, group, k_cache.dtype)
+    if refused:
+        raise ValueError(f"the CUDA attention does not take {refused}")
+    if not q.dtype == k_cache.dtype == v_cache.dtype or k_cache.shape[3] != hd or v_cache.shape != k_cache.shape:
+        raise ValueError(f"queries {q.dtype} [.., {hd}] against a {k_cache.dtype} cache {list(k_cache.shape)}")
+    if k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16 or pos.numel() < bsz:
+        raise ValueError("the cache must be 16-byte aligned and hold a position for every row")
+    _contiguous(q, k_cache, v_cache, pos)
+    pad = next(p for p in GROUP_PADS if p >= group)
+    splits, chunk = attn_splits(kv_len, n_kv, sms)
+    rows = bsz * n_kv * splits * pad
+    acc = torch.empty(rows, hd, device=q.device, dtype=torch.float32)
+    ml = torch.empty(rows, 2, device=q.device, dtype=torch.float32)
+    out = torch.empty(bsz, n_heads * hd, device=q.device, dtype=q.dtype)
+    lib = _LIBRARY.load(q.device)
+    rc = lib.edge_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), pos.to(torch.int64).data_ptr(), acc.data_ptr(),
+        ml.data_ptr(), out.data_ptr(), _dtype(q), bsz, n_heads, n_kv, max_len, hd, pad, chunk, splits,
+        cuda_build.stream(),
+    )  # fmt: skip
+    _check(rc, "attention")
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor, dtype: torch.dtype, paired: bool = False) -> torch.Tensor:
+    """silu(gate) * up [B, F] of a [gate; up] product [B, 2F], in the INT4 kernel's
+    paired column order where `paired`."""
+    bsz, width = gate_up.shape
+    f = width // 2
+    out = torch.empty(bsz, f, device=gate_up.device, dtype=dtype)
+    _contiguous(gate_up)
+    lib = _LIBRARY.load(gate_up.device)
+    rc = lib.edge_silu_mul(
+        gate_up.data_ptr(), _dtype(gate_up), out.data_ptr(), _dtype(out), bsz, f, int(paired), cuda_build.stream()
+    )
+    _check(rc, "SiLU")
+    return out
+
+
+__all__ = ["ATTN_GROUP_ROWS", "add_rmsnorm", "decode_attention", "rope_kv_write", "rope_prefill", "silu_mul"]

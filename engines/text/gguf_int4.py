@@ -1,0 +1,146 @@
+"""A GGUF file's Q4_0 weights served as they are, with no second rounding.
+
+Q4_0 is llama.cpp's block of 32 weights: one float16 scale d and 32 four-bit codes q,
+each weight (q - 8) * d. That is our INT4 layout at group 32 with every zero point 8
+(edge/text/ops/int4.py: (code - zero) * scale, float16 scales), so a Q4_0 linear is
+repacked code for code: the served weights are the file's, bit for bit, the ones
+llama.cpp serves from it. Only the order differs: a block keeps weights 0..15 in the
+low nibbles of its 16 bytes and 16..31 in the high ones, where ours pairs neighbours
+(even k low, odd k high); and a Llama file's q and k rows are in llama.cpp's rotary
+order, undone here by the row permutation the float import applies.
+
+A file is kept only when every linear of its blocks is Q4_0 and no adapter is merged
+(merging changes the weights, which must then be rounded again). The output projection
+and other tensors are what the float import makes of them; a kept build rounds the
+output projection to INT4 as every build does, unless the file's own is Q4_0 (kept too).
+Q4_1 (a float minimum per block) and Q8_0 have no layout of ours yet: such files are
+dequantized and quantized again by the build's recipe, and the build says why.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from edge.text.model.checkpoint import load_checkpoint
+from edge.text.ops.int4 import QuantizedWeight
+from engines.cache import build_cached, cache_key, read_manifest
+from engines.text.import_gguf import _BLOCK, _LAYER_NAMES, SourceModelError, _field, _unpermute_qk
+from engines.text.int4_checkpoint import save_int4
+from engines.text.quantize import QuantRecipe, linear_names, quantize_model
+
+logger = logging.getLogger(__name__)
+
+GROUP = 32  # weights per Q4_0 block
+BLOCK_BYTES = 18  # a float16 scale, then 16 bytes of codes
+ZERO = 8
+LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+KEPT_VERSION = 1
+
+
+def q4_0_weight(raw: np.ndarray, rows: int, columns: int) -> QuantizedWeight:
+    """A Q4_0 tensor's bytes ([rows, columns / 32 * 18]) in our INT4 layout at group 32."""
+    if columns % GROUP:
+        raise SourceModelError(f"a Q4_0 row of {columns} weights is not whole blocks of {GROUP}")
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, columns // GROUP, BLOCK_BYTES)
+    scales = blocks[..., :2].copy().view(np.float16)[..., 0]  # [rows, blocks], little-endian as x86 and arm64
+    packed = blocks[..., 2:]
+    codes = np.concatenate([packed & 15, packed >> 4], axis=-1).reshape(rows, columns)  # block order
+    ours = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    return QuantizedWeight(
+        qweight=torch.from_numpy(ours),
+        scales=torch.from_numpy(np.ascontiguousarray(scales)),
+        zeros=torch.full((rows, columns // GROUP), ZERO, dtype=torch.uint8),
+        group_size=GROUP,
+    )
+
+
+def _rows(weight: QuantizedWeight, order: np.ndarray) -> QuantizedWeight:
+    index = torch.from_numpy(order)
+    return QuantizedWeight(
+        weight.qweight[index].contiguous(), weight.scales[index].contiguous(), weight.zeros[index].contiguous(), GROUP
+    )
+
+
+def kept_linears(gguf_path: Path) -> tuple[dict[str, QuantizedWeight], str | None]:
+    """Every block linear of the file as it is stored, in our layout and module names,
+    when all of them are Q4_0 (and the output projection, when it is); else ({}, why not)."""
+    import gguf  # build-time only dependency
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    permuted = _field(reader, "general.architecture") == "llama"
+    heads = {"attn_q": int(_field(reader, f"{_field(reader, 'general.architecture')}.attention.head_count"))}
+    arch = _field(reader, "general.architecture")
+    kv_field = reader.fields.get(f"{arch}.attention.head_count_kv")
+    heads["attn_k"] = int(kv_field.contents()) if kv_field is not None else heads["attn_q"]
+    kept: dict[str, QuantizedWeight] = {}
+    q4_0 = gguf.GGMLQuantizationType.Q4_0
+    for t in reader.tensors:
+        match = _BLOCK.match(t.name)
+        is_output = t.name == "output.weight"
+        if not (is_output or (match and match.group(2) in LINEAR_PARTS and match.group(3) == "weight")):
+            continue
+        if t.tensor_type != q4_0:
+            if is_output:
+                continue  # rounded to INT4 by the build like any output projection
+            return {}, f"{t.name} is {t.tensor_type.name}, not Q4_0"
+        columns, rows = (int(n) for n in t.shape[:2])  # GGUF lists the row length first
+        weight = q4_0_weight(np.asarray(t.data), rows, columns)
+        if is_output:
+            kept["lm_head"] = weight
+            continue
+        assert match is not None
+        part = match.group(2)
+        if permuted and part in heads:
+            weight = _rows(weight, _unpermute_qk(np.arange(rows)[:, None], heads[part])[:, 0])
+        kept[f"layers.{int(match.group(1))}.{_LAYER_NAMES[part]}"] = weight
+    if not kept:
+        return {}, "the file has no Q4_0 linears"
+    return kept, None
+
+
+def write_kept(gguf_path: Path, imported: Path, out: Path, kept: dict[str, QuantizedWeight]) -> dict[str, Any]:
+    """An INT4 checkpoint (as engines/text/text_build.write_quantized writes one) whose
+    block linears are the file's Q4_0 weights; norms and the token table from the float
+    import, the output projection the file's where it is Q4_0, else rounded to INT4."""
+    ckpt = load_checkpoint(imported, dtype=torch.float32, fuse=False)
+    names = set(linear_names(ckpt.model))
+    missing = sorted(names - set(kept))
+    if missing:
+        raise SourceModelError(f"{gguf_path.name}: no Q4_0 weight for {', '.join(missing[:5])}")
+    # Every block linear stays out of the recipe (kept); only the output projection, when
+    # the file's is not Q4_0, is rounded (to the nearest, at group 32, as a build does).
+    recipe = QuantRecipe(method="rtn", group_size=GROUP, keep=tuple(sorted(names)), lm_head="lm_head" not in kept)
+    with torch.inference_mode():
+        packed, report = quantize_model(ckpt.model, recipe, None, progress=False)
+    for name, weight in kept.items():
+        float_weight = ckpt.model.get_submodule(name).weight
+        assert isinstance(float_weight, torch.Tensor)
+        shape = tuple(float_weight.shape)
+        if weight.shape != shape:
+            raise SourceModelError(f"{gguf_path.name}: {name} is {list(weight.shape)} in Q4_0, {list(shape)} in float")
+        packed[name] = weight
+        report.layers[name] = {"bits": 4, "group_size": GROUP, "clipped": False, "from": "gguf Q4_0, as stored"}
+    recorded = {"method": "gguf-q4_0", "group_size": GROUP, "kept_version": KEPT_VERSION}
+    return save_int4(ckpt.model, packed, imported, out, recorded, report.layers)
+
+
+def keep_q4_0(gguf_path: Path, imported: Path) -> Path | None:
+    """The INT4 build of `imported` (the float import of `gguf_path`) that keeps the
+    file's Q4_0 weights, cached by the import's inputs; None, saying why, where the file
+    is not wholly Q4_0 in its block linears."""
+    kept, why = kept_linears(gguf_path)
+    if why is not None:
+        logger.info("%s: %s; its weights are dequantized and quantized again", gguf_path.name, why)
+        return None
+    source = read_manifest(imported)
+    if source is None:
+        raise FileNotFoundError(f"{imported} is not a built checkpoint (no manifest)")
+    inputs = {"source": source["inputs"], "kept": "gguf-q4_0", "version": KEPT_VERSION}
+    out = imported.parent / f"{imported.name}-q4_0-{cache_key(inputs)}"
+    logger.info("%s: every block linear is Q4_0, served as stored (no second rounding)", gguf_path.name)
+    return build_cached(out, inputs, lambda scratch: write_kept(gguf_path, imported, scratch, kept))
