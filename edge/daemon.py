@@ -42,6 +42,7 @@ from edge.scheduler.ledger import MemoryLedger
 from edge.scheduler.models import ModelManager
 from edge.scheduler.queue import PriorityDeadlineQueue
 from edge.scheduler.text_worker import TextMemory, TextWorker
+from edge.scheduler.work import WorkItem
 from edge.stats import JobStats
 from edge.tasks.inspect import InspectTask, start_inspect
 from edge.tasks.media import MediaLoader
@@ -95,6 +96,7 @@ class Daemon:
             self.link, self.journal, self.stats, profile.device_id, self.metrics.jobs.observe, self.tracer, self.local
         )
         self.intake = Intake(profile, self.queues, self.responder, self.journal)
+        self.intake.stop_running = self._stop_running
         self.pipeline = Pipeline(self.responder, self.queues)
         self.builds = ChildBuilds(profile.paths.engine_dir, self.notifier, self._stop)
         self.reloader = Reloader(profile_path, lambda: self.profile, self._adopt, self.queues, self.workers,
@@ -107,6 +109,9 @@ class Daemon:
 
     def _on_messages(self, msgs: list[IncomingJob]) -> list[bool]:
         return self.intake.take_many(msgs)
+
+    def _stop_running(self, job_id: str, allowed: Callable[[WorkItem], bool], why: str) -> bool:
+        return any(worker.stop_running(job_id, allowed, why) for worker in list(self.workers.values()))
 
     # lifecycle ---------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +85,8 @@ class Intake:
         self._journal = journal
         self.accepting = True
         self.duplicates = 0
+        # Asks the workers to end a running job (the daemon sets it once they exist).
+        self.stop_running: Callable[[str, Callable[[WorkItem], bool], str], bool] | None = None
         self.limits = JobLimits(
             max_payload_bytes=profile.limits.max_payload_bytes,
             max_prompt_chars=profile.limits.max_prompt_chars,
@@ -329,7 +332,8 @@ class Intake:
         self, request_id: str, target: str, reply: Reply, received: float, request_digest: str, local: bool
     ) -> None:
         """Withdraw a queued job: it is answered `cancelled` on its own reply topic, and
-        the cancel request says whether it found it. A job already running finishes.
+        the cancel request says whether it found it. A job already running finishes, but
+        for an in-process (HTTP) cancel, whose client has gone: that one is stopped.
         Each side withdraws only its own: an in-process (HTTP) cancel only the job whose
         reply is that id's `$local/` topic, a broker's cancel never an HTTP job, so an
         id that happens to be the same on the two paths cannot withdraw the other's job."""
@@ -347,7 +351,13 @@ class Intake:
                 output = {"job": target, "cancelled": True}
                 self._answer(reply, request_id, "cancel", output, received, request_digest)
                 return
-        self._answer(reply, request_id, "cancel", {"job": target, "cancelled": False}, received, request_digest)
+        found: dict[str, Any] = {"job": target, "cancelled": False}
+        if local and self.stop_running is not None:
+            # An HTTP client gone away: its job, if running, stops at its next step (answered
+            # `cancelled`); a broker's cancel leaves a running job to finish, as the protocol says.
+            reason = f"stopped while running by cancel request {request_id!r}: the HTTP client went away"
+            found["stopping"] = self.stop_running(target, allowed, reason)
+        self._answer(reply, request_id, "cancel", found, received, request_digest)
 
 
 def _retryable(entry: Entry) -> bool:

@@ -352,6 +352,30 @@ def test_a_client_that_goes_away_withdraws_its_queued_job(box: Box) -> None:
     assert not isinstance(held[0], Exception), held
 
 
+def test_a_client_that_goes_away_mid_answer_stops_its_running_job(box: Box) -> None:
+    """A streamed chat whose client closes the connection after its first pieces: the
+    job is stopped before its next decode step (counted in status), not run to its token
+    cap, and the branch is free for the next request at once."""
+    box.wait_idle()
+    before = box.text_branch()["stopped"]
+    stream = box.client(timeout=120).chat.completions.create(
+        model=box.model, messages=HELLO, max_tokens=TOKEN_CAP, temperature=5.0, seed=11, stream=True
+    )
+    pieces = 0
+    for chunk in stream:
+        pieces += bool(chunk.choices and chunk.choices[0].delta.content)
+        if pieces >= 2:
+            break
+    stream.close()  # the client goes away mid-answer
+    deadline = time.monotonic() + 30
+    while box.text_branch()["stopped"] != before + 1:
+        assert time.monotonic() < deadline, box.text_branch()
+        time.sleep(0.02)
+    box.wait_idle(timeout=10)
+    after = box.client(timeout=120).chat.completions.create(model=box.model, messages=HELLO, max_tokens=4)
+    assert after.choices[0].message.content
+
+
 def test_a_camera_job_at_priority_0_overtakes_a_queued_http_chat(box: Box, broker: Broker) -> None:
     box.wait_idle()
     held: list[Any] = []

@@ -253,6 +253,24 @@ def test_structured_jobs_through_the_daemon(daemon: DaemonProc, requester: Reque
     assert valid(answer["answer"], rework) and answer["json"] == json.loads(answer["answer"]), answer
 
 
+def test_a_pipeline_questions_compile_error_names_its_field_under_ask(
+    engine: TextEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A schema intake accepted that the grammar engine then cannot compile for this
+    model's tokenizer is an error naming `response_format`, or `ask.response_format` for
+    a pipeline's question."""
+    from edge.text.runtime.grammar import GrammarError
+
+    def refuse(grammar: str) -> None:
+        raise GrammarError("the tokenizer has no token for a required byte")
+
+    monkeypatch.setattr(engine.batcher.grammars, "constraint", refuse)
+    for fields in ("", "ask."):
+        with pytest.raises(JobError) as err:
+            job_sequence(engine, job(CASES[0][1], PART), "owner", fields=fields)
+        assert err.value.field == f"{fields}response_format" and "cannot be enforced" in err.value.message
+
+
 def test_a_schema_cannot_loosen_how_its_json_is_written() -> None:
     """The schema's own x-guidance options are overridden by ours: no free whitespace and
     never lenient (keywords the engine does not enforce refused, not ignored)."""

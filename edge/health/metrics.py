@@ -144,6 +144,7 @@ class SnapshotCollector(Collector):
                                       labels=["branch", "size"])  # fmt: skip
         paused = CounterMetricFamily("edge_text_pauses", "Text sequences paused for more urgent jobs.")
         over = CounterMetricFamily("edge_text_over_budget", "Text jobs answered over_budget after waiting.")
+        stopped = CounterMetricFamily("edge_text_stopped", "Running text jobs stopped: their HTTP client went away.")
         for name, b in branches.items():
             depth.add_metric([name], b.get("depth", 0))
             limit.add_metric([name], b.get("max", 0))
@@ -153,7 +154,8 @@ class SnapshotCollector(Collector):
             if "paused" in b:
                 paused.add_metric([], b["paused"])
                 over.add_metric([], b["over_budget"])
-        yield from (depth, limit, running, batches, paused, over)
+                stopped.add_metric([], b.get("stopped", 0))
+        yield from (depth, limit, running, batches, paused, over, stopped)
 
     @staticmethod
     def _memory(mem: dict[str, Any], models: list[dict[str, Any]]) -> Iterator[Metric]:

@@ -87,6 +87,7 @@ def branches_section(
             if isinstance(worker, TextWorker):
                 branches[name]["paused"] = worker.paused
                 branches[name]["over_budget"] = worker.over_budget
+                branches[name]["stopped"] = worker.stopped
         elif errors:
             reason = "; ".join(f"{t}: {why}" for t, why in errors.items())
             branches[name] = {"available": False, "reason": reason, "depth": 0, "max": 0}

@@ -78,6 +78,12 @@ class Worker:
     def start(self) -> None:
         self._thread.start()
 
+    def stop_running(self, job_id: str, allowed: Callable[[WorkItem], bool], why: str) -> bool:
+        """Ask that job `job_id`, if it is running here and `allowed`, be ended with a
+        `cancelled` error (`why`) as soon as it can; True if this worker takes such
+        requests. A vision batch is short and runs to its end: False."""
+        return False
+
     @property
     def running(self) -> int:
         with self._hand_lock:

@@ -25,7 +25,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -93,12 +95,46 @@ class TextWorker(Worker):
         self._running: dict[int, _Running] = {}  # id(sequence) ->
         self.paused = 0
         self.over_budget = 0
+        self.stopped = 0
+        # Stop requests from other threads (stop_running), taken before each decode step.
+        self._stop_lock = threading.Lock()
+        self._stops: dict[str, tuple[Callable[[WorkItem], bool], str]] = {}
+
+    def stop_running(self, job_id: str, allowed: Callable[[WorkItem], bool], why: str) -> bool:
+        """Job `job_id`, if it is decoding here and `allowed`, is ended before the next
+        decode step and answered `cancelled` (`why`): its row given back, its tokens
+        dropped. A request for a job not running then is dropped (a queued job is
+        withdrawn from the queue instead, by the intake)."""
+        with self._stop_lock:
+            self._stops[job_id] = (allowed, why)
+        return True
+
+    def _apply_stops(self) -> None:
+        with self._stop_lock:
+            stops, self._stops = self._stops, {}
+        if not stops:
+            return
+        for run in list(self._running.values()):
+            stop = stops.get(run.item.job.id)
+            if stop is None or not stop[0](run.item) or run.seq not in self.batcher.running:
+                continue
+            del self._running[id(run.seq)]
+            self.batcher.pause(run.seq, keep=False)
+            self.batcher.kv.free(run.slot)
+            self.stopped += 1
+            logger.info(
+                "stopped job %s after %d tokens: %s", run.item.job.id, len(run.seq.tokens), stop[1],
+                extra=job_fields(run.item.job.id, "qa"),
+            )  # fmt: skip
+            error = JobError(ErrorCode.CANCELLED, stop[1])
+            self._deliver(run.item, Outcome(None, error, run.started, time.monotonic()))
 
     def _run(self) -> None:
         while not self._stop.is_set() or self.batcher.running:
             self.last_progress = time.monotonic()
             if not self._stop.is_set():
                 self._admit()
+            self._apply_stops()
             if not self.batcher.running:
                 if self._stop.is_set():
                     break

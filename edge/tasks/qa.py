@@ -78,8 +78,10 @@ class QATask:
         carried = item.carry is not None
         policy = dataclasses.replace(self.policy, require_collection=False) if carried else self.policy
         job, passages = self._retrieve(job, item, carried)
+        fields = "ask." if carried else ""  # a pipeline's question: its fields are under ask
         if passages is not None and not passages[0] and passages[1]:
-            job_sequence(self.engine, job, item)  # none fit: prompt_too_long where the question alone cannot
+            # None fit: prompt_too_long where the question alone cannot.
+            job_sequence(self.engine, job, item, fields=fields)
         early = before_generating(policy, passages is not None, None if passages is None else passages[0])
         if early is not None:
             logger.info(
@@ -106,7 +108,7 @@ class QATask:
                 pieces += 1
 
             on_text = publish_delta
-        seq = job_sequence(self.engine, job, item, on_text)
+        seq = job_sequence(self.engine, job, item, on_text, fields)
         self._prepared[seq] = _Prepared(question, passages, job.stream and held)
         return seq
 
@@ -169,16 +171,21 @@ class QATask:
 
 
 def job_sequence(
-    engine: TextEngine, job: QAJob, owner: Any = None, on_text: Callable[[str], None] | None = None
+    engine: TextEngine,
+    job: QAJob,
+    owner: Any = None,
+    on_text: Callable[[str], None] | None = None,
+    fields: str = "",
 ) -> Sequence:
     """The job as a sequence for the engine's batcher, every check done: the prompt in
-    the model's template, within the context window, its sampling parameters."""
+    the model's template, within the context window, its sampling parameters. `fields`
+    prefixes the fields an error names (`ask.` for a pipeline's question)."""
     t0 = time.perf_counter()
     try:
         ids, prefix = engine.prompter.parts(job.question, job.context)
     except ChatTemplateError as err:
         why = f"the model's chat template refused the question: {err}"
-        raise JobError(ErrorCode.INVALID_FIELD, why, "question") from err
+        raise JobError(ErrorCode.INVALID_FIELD, why, f"{fields}question") from err
     tokenize_ms = (time.perf_counter() - t0) * 1000.0
     new_tokens = job.max_new_tokens or engine.cfg.max_new_tokens
     window = engine.cfg.max_context_tokens
@@ -186,7 +193,8 @@ def job_sequence(
         raise JobError(
             ErrorCode.PROMPT_TOO_LONG,
             f"prompt is {len(ids)} tokens; this device's context window is {window}",
-            "context" if job.context else "question",
+            # A pipeline's context is the inspection's, not a field of the job.
+            f"{fields}question" if fields or not job.context else "context",
         )
     # Never refuse a job for wanting more tokens than fit: generate what fits and report
     # finish_reason "length", which is what the caller can act on.
@@ -200,7 +208,7 @@ def job_sequence(
     )
     seq = engine.sequence(ids, params, owner, prefix, on_text)
     seq.tokenize_ms = tokenize_ms
-    constrain(engine, seq, job.response_format)
+    constrain(engine, seq, job.response_format, fields)
     return seq
 
 
