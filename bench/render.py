@@ -130,8 +130,15 @@ def text_cpu(d: dict[str, Any]) -> str:
             "",
             f"Where the served decode step's {prof['step_ms']:.1f} ms go (torch profiler): "
             f"{prof['in_c_step_ms']:.1f} ms in the C step (every layer in one call), "
-            f"{prof['in_torch_ops_ms']:.1f} ms inside {prof['ops_per_step']:.0f} torch operator calls (embedding, "
-            f"final norm, head), {prof['python_share'] * 100:.0f}% in the Python around them; the same model's "
+            + (
+                f"{prof['in_c_products_ms']:.1f} ms in the head's INT4 product (our C kernel), "
+                f"{prof['in_torch_ops_ms']:.1f} ms inside {prof['ops_per_step']:.0f} torch operator calls "
+                "(embedding, final norm), "
+                if "in_c_products_ms" in prof
+                else f"{prof['in_torch_ops_ms']:.1f} ms inside {prof['ops_per_step']:.0f} torch operator calls "
+                "(embedding, final norm, head), "
+            )
+            + f"{prof['python_share'] * 100:.0f}% in the Python around them; the same model's "
             f"step op by op: {prof['per_op_step_ms']:.1f} ms.",
         ]
     elif "step_ms" in prof:

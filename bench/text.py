@@ -866,7 +866,9 @@ def _ours_cpu(path: Path, prompt_ids: list[int], new_tokens: int, threads: int, 
     made: list[int] = []
 
     def once() -> float:
-        seq = engine.generate(prompt_ids, SamplingParams(max_new_tokens=new_tokens))
+        # Exactly new_tokens, as llama.cpp's row is run (ignore_eos): rates over the same
+        # lengths, whichever row's answer would end first.
+        seq = engine.generate(prompt_ids, fixed(new_tokens))
         made.append(len(seq.tokens))
         info["generated_tokens"] = statistics.median(made)
         return seq.tokens_per_s
@@ -882,7 +884,7 @@ def _python_share(path: Path, prompt_ids: list[int], threads: int, steps: int = 
     from torch.profiler import ProfilerActivity, profile
 
     from bench.text_engines import load_engine
-    from edge.text.ops.cpu import cpu_step
+    from edge.text.ops.cpu import cpu_int4, cpu_step
     from edge.text.runtime import fused_step
 
     model = load_engine(path, "cpu", warm=False, threads=threads).model
@@ -890,20 +892,24 @@ def _python_share(path: Path, prompt_ids: list[int], threads: int, steps: int = 
     ids = torch.tensor([prompt_ids])
     token = torch.tensor([[prompt_ids[-1]]])
 
-    def run(fused: bool | None) -> tuple[float, Any, float]:
+    def run(fused: bool | None) -> tuple[float, Any, float, float]:
         model.fused_decode = fused
         cache = model.new_cache(1, n + steps + 1)
         model(ids, cache, 0)
-        in_c = [0.0]
-        inner = cpu_step.decode_layers
+        spent = {"step": 0.0, "linear": 0.0}
+        step, linear = cpu_step.decode_layers, cpu_int4.linear
 
-        def timed(*args: Any) -> torch.Tensor:
-            t0 = time.perf_counter()
-            out = inner(*args)
-            in_c[0] += time.perf_counter() - t0
-            return out
+        def timed(name: str, inner: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+            def call(*args: Any) -> torch.Tensor:
+                t0 = time.perf_counter()
+                out = inner(*args)
+                spent[name] += time.perf_counter() - t0
+                return out
 
-        cpu_step.decode_layers = timed  # type: ignore[assignment]
+            return call
+
+        cpu_step.decode_layers = timed("step", step)
+        cpu_int4.linear = timed("linear", linear)
         try:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 t0 = time.perf_counter()
@@ -911,19 +917,21 @@ def _python_share(path: Path, prompt_ids: list[int], threads: int, steps: int = 
                     fused_step.decode_step(model, token, cache, torch.tensor([n + i]), n + i + 1)
                 wall = time.perf_counter() - t0
         finally:
-            cpu_step.decode_layers = inner
-        return wall, prof, in_c[0]
+            cpu_step.decode_layers, cpu_int4.linear = step, linear
+        return wall, prof, spent["step"], spent["linear"]
 
-    per_op, _, _ = run(False)
-    wall, prof, in_c = run(None)
+    per_op, _, _, _ = run(False)
+    wall, prof, in_c, in_linear = run(None)
     # Top-level operator calls: self times of every aten op, summed, is time spent in torch.
     in_ops = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith("aten::")) / 1e6
     return {
         "step_ms": wall / steps * 1000,
         "c_step": bool(model.fused_decode),
         "in_c_step_ms": in_c / steps * 1000,
+        # The head (and any product outside the C step): our INT4 kernel, called through ctypes.
+        "in_c_products_ms": in_linear / steps * 1000,
         "in_torch_ops_ms": in_ops / steps * 1000,
-        "python_share": max(0.0, 1 - (in_ops + in_c) / wall),
+        "python_share": max(0.0, 1 - (in_ops + in_c + in_linear) / wall),
         "ops_per_step": sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")) / steps,
         "per_op_step_ms": per_op / steps * 1000,
     }
