@@ -41,17 +41,21 @@ def measure(checkpoint: Path, args: argparse.Namespace) -> dict[str, Any]:
     changes = text.CUDA_VARIANTS["served"][1]
     torch.cuda.set_per_process_memory_fraction(args.cap_gib * text.GIB / props.total_memory)
     text.spin_up(1.0)
-    row = text.ours_cuda(checkpoint, changes, args.prompt, args.new_tokens, text.LONG_CONTEXT, bandwidth)
+    # With --profile, the in-graph profile too: each kernel's time inside the captured
+    # step, so the two paths' rows say where their difference lies.
+    row = text.ours_cuda(
+        checkpoint, changes, args.prompt, args.new_tokens, text.LONG_CONTEXT, bandwidth, profile=args.profile
+    )
     row["copy_bandwidth_gb_s"] = bandwidth / 1e9
     return row
 
 
-def child(checkpoint: str, out: str, prompt: int, new_tokens: int, cap_gib: float) -> None:
+def child(checkpoint: str, out: str, prompt: int, new_tokens: int, cap_gib: float, profile: bool) -> None:
     """The proxy's measurement: run as `python -c` after `sys.modules["triton"] = None`."""
     from bench import text_engines
 
     text_engines.SHIPPED["cuda"] = "jetson-orin"
-    args = argparse.Namespace(prompt=prompt, new_tokens=new_tokens, cap_gib=cap_gib)
+    args = argparse.Namespace(prompt=prompt, new_tokens=new_tokens, cap_gib=cap_gib, profile=profile)
     write_json(Path(out), measure(Path(checkpoint), args))
 
 
@@ -60,18 +64,18 @@ def run_child(checkpoint: Path, args: argparse.Namespace, workdir: Path) -> dict
     code = (
         "import sys; sys.modules['triton'] = None\n"
         "from bench.jetson_proxy import child\n"
-        f"child({str(checkpoint)!r}, {str(out)!r}, {args.prompt}, {args.new_tokens}, {args.cap_gib})\n"
+        f"child({str(checkpoint)!r}, {str(out)!r}, {args.prompt}, {args.new_tokens}, {args.cap_gib}, {args.profile})\n"
     )
-    env = {**os.environ, "EDGE_CUDA_ARCH": PROXY_ARCH}
+    env = {**os.environ, "EDGE_CUDA_ARCH": args.arch} if args.arch else dict(os.environ)
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
     row: dict[str, Any] = json.loads(out.read_text())
     return row
 
 
 def merged(path: Path, row: dict[str, Any]) -> dict[str, Any]:
-    """text_cuda.json with `row` in place of an earlier jetson-proxy row."""
+    """text_cuda.json with `row` in place of an earlier row of its variant."""
     doc: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {"rows": []}
-    doc["rows"] = [r for r in doc.get("rows", []) if r.get("variant") != VARIANT] + [row]
+    doc["rows"] = [r for r in doc.get("rows", []) if r.get("variant") != row["variant"]] + [row]
     return doc
 
 
@@ -82,6 +86,13 @@ def main() -> None:
     parser.add_argument("--cap-gib", type=float, default=8.0, help="per-process memory cap (the shipped budget)")
     parser.add_argument("--workdir", type=Path, default=None, help="where the random checkpoint is written")
     parser.add_argument("--out", type=Path, default=RESULTS / "text_cuda.json")
+    parser.add_argument("--profile", action="store_true", help="each row's in-graph kernel profile too")
+    parser.add_argument(
+        "--arch",
+        default=PROXY_ARCH,
+        help="what the child's CUDA kernels are built as (EDGE_CUDA_ARCH); empty: for the GPU itself (a diagnosis "
+        "of what the PTX costs, not the proxy)",
+    )
     args = parser.parse_args()
     from engines.text.random_llama import LLAMA3_8B, write_random_checkpoint
 
@@ -98,13 +109,14 @@ def main() -> None:
         proxy = run_child(checkpoint, args, Path(tmp))
     config = proxy["engine_config"]
     row = {
-        "variant": VARIANT,
+        # Only the proxy's own build is the jetson-proxy row; another is a diagnosis beside it.
+        "variant": VARIANT if args.arch == PROXY_ARCH else f"{VARIANT} ({args.arch or 'native'})",
         **proxy,
-        "name": f"jetson-proxy: {proxy['name']}, Triton hidden, CUDA kernels as {PROXY_ARCH} PTX",
+        "name": f"jetson-proxy: {proxy['name']}, Triton hidden, CUDA kernels as {args.arch or 'the GPU'}",
         # What the Jetson profile serves, run on this GPU as a proxy: not the GPU profile's row.
         "served": False,
         "proxy_for": config.get("origin", {}).get("profile"),
-        "cuda_arch": PROXY_ARCH,
+        "cuda_arch": proxy["engine_config"].get("cuda_arch"),
         "device": torch.cuda.get_device_name(0),
         "triton_same_run": {k: triton_row[k] for k in ("decode_tok_s", "decode_tok_s_4k", "ttft_ms", "peak_gib")},
         "triton_engine_config": triton_row["engine_config"],

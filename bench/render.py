@@ -226,6 +226,18 @@ def text_cuda(d: dict[str, Any]) -> str:
         ]
         lines += ["", _cuda_targets(d, vs)]
     for r in d["rows"]:
+        vs_triton = r.get("vs_triton")
+        if vs_triton:
+            lines += [
+                "",
+                f"The `{r['variant']}` row is a Jetson's text path on this GPU (`bench/jetson_proxy.py`): Triton "
+                f"hidden from the process, our CUDA kernels built as {r.get('cuda_arch')} (the Jetson profile's "
+                f"engine otherwise), against the Triton path on the same checkpoint in the same run: decode "
+                f"**{vs_triton['decode_512']:.2f}x** at the short context and **{vs_triton['decode_4096']:.2f}x** at "
+                f"{long} tokens, time to first token {vs_triton['ttft']:.2f}x as long (targets: at least 0.95x, at "
+                "most 1.1x).",
+            ]
+    for r in d["rows"]:
         batched = r.get("batched")
         if batched:
             lines += [
