@@ -353,9 +353,10 @@ class Intake:
                 return
         found: dict[str, Any] = {"job": target, "cancelled": False}
         if local and self.stop_running is not None:
-            # An HTTP client gone away: its job, if running, stops at its next step (answered
-            # `cancelled`); a broker's cancel leaves a running job to finish, as the protocol says.
-            reason = f"stopped while running by cancel request {request_id!r}: the HTTP client went away"
+            # An HTTP request ended (its client gone, or timed out): its job, if running, stops at
+            # its next step (answered `cancelled`); a broker's cancel leaves a running job to
+            # finish, as the protocol says.
+            reason = f"stopped while running by cancel request {request_id!r}: its HTTP request ended"
             found["stopping"] = self.stop_running(target, allowed, reason)
         self._answer(reply, request_id, "cancel", found, received, request_digest)
 

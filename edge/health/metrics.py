@@ -144,7 +144,7 @@ class SnapshotCollector(Collector):
                                       labels=["branch", "size"])  # fmt: skip
         paused = CounterMetricFamily("edge_text_pauses", "Text sequences paused for more urgent jobs.")
         over = CounterMetricFamily("edge_text_over_budget", "Text jobs answered over_budget after waiting.")
-        stopped = CounterMetricFamily("edge_text_stopped", "Running text jobs stopped: their HTTP client went away.")
+        stopped = CounterMetricFamily("edge_text_stopped", "Running text jobs stopped: their HTTP request ended.")
         for name, b in branches.items():
             depth.add_metric([name], b.get("depth", 0))
             limit.add_metric([name], b.get("max", 0))

@@ -55,11 +55,14 @@ def backend(device: torch.device | str) -> str | None:
     device = torch.device(device)
     key = str(device)
     if key not in _chosen:
-        refused = refusals(device)
-        choice = next((b for b in BACKENDS if b not in refused), None)
-        if choice != "triton" and device.type == "cuda":
-            reasons = "; ".join(f"{b}: {why}" for b, why in refused.items())
-            logger.info("decode step kernels on %s: %s (%s)", key, choice or "none, op by op", reasons)
+        if triton_present():
+            choice: str | None = "triton"  # nothing else probed: no nvcc build where Triton serves
+        else:
+            refused = refusals(device)
+            choice = next((b for b in BACKENDS if b not in refused), None)
+            if device.type == "cuda":
+                reasons = "; ".join(f"{b}: {why}" for b, why in refused.items())
+                logger.info("decode step kernels on %s: %s (%s)", key, choice or "none, op by op", reasons)
         _chosen[key] = choice
     return _chosen[key]
 
