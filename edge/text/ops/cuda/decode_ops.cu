@@ -379,6 +379,12 @@ cudaError_t with_type(int dtype, F f) {
   }
 }
 
+// Calls f with null pointers of the types two dtype codes name (an input's and an output's).
+template <typename F>
+cudaError_t with_types(int a, int b, F f) {
+  return with_type(a, [&](auto* x) { return with_type(b, [&](auto* y) { return f(x, y); }); });
+}
+
 template <typename C, int HD, int GP>
 cudaError_t launch_split(const void* q, const void* kc, const void* vc, const long long* pos, float* acc, float* ml,
                          int B, int NH, int NKV, int max_len, int chunk, int splits, cudaStream_t s) {
@@ -408,14 +414,12 @@ extern "C" {
 int edge_add_rmsnorm(float* x, const void* delta, int delta_dtype, const void* w, void* h, int dtype, int B, int H,
                      float eps, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return int(with_type(dtype, [&](auto* t) {
+  return int(with_types(delta_dtype, dtype, [&](auto* dd, auto* t) {
+    using D = std::remove_pointer_t<decltype(dd)>;
     using T = std::remove_pointer_t<decltype(t)>;
-    return with_type(delta_dtype, [&](auto* dd) {
-      using D = std::remove_pointer_t<decltype(dd)>;
-      add_rmsnorm_kernel<D, T><<<B, 256, 0, s>>>(x, static_cast<const D*>(delta), static_cast<const T*>(w),
-                                                 static_cast<T*>(h), H, eps);
-      return cudaGetLastError();
-    });
+    add_rmsnorm_kernel<D, T><<<B, 256, 0, s>>>(x, static_cast<const D*>(delta), static_cast<const T*>(w),
+                                               static_cast<T*>(h), H, eps);
+    return cudaGetLastError();
   }));
 }
 
@@ -424,15 +428,13 @@ int edge_rope_kv_write(const void* qkv, int qkv_dtype, const float* cos, const f
                        float q_scale, int HD, void* stream) {
   if (HD % 2 != 0 || HD > 2048) return int(cudaErrorInvalidValue);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return int(with_type(qkv_dtype, [&](auto* qt) {
+  return int(with_types(qkv_dtype, cache_dtype, [&](auto* qt, auto* ct) {
     using Q = std::remove_pointer_t<decltype(qt)>;
-    return with_type(cache_dtype, [&](auto* ct) {
-      using C = std::remove_pointer_t<decltype(ct)>;
-      rope_kv_kernel<Q, C><<<dim3(B, NH + 2 * NKV), HD / 2, 0, s>>>(
-          static_cast<const Q*>(qkv), cos, sin, pos, static_cast<C*>(q), static_cast<C*>(kc), static_cast<C*>(vc),
-          NH, NKV, max_len, q_scale, HD);
-      return cudaGetLastError();
-    });
+    using C = std::remove_pointer_t<decltype(ct)>;
+    rope_kv_kernel<Q, C><<<dim3(B, NH + 2 * NKV), HD / 2, 0, s>>>(
+        static_cast<const Q*>(qkv), cos, sin, pos, static_cast<C*>(q), static_cast<C*>(kc), static_cast<C*>(vc), NH,
+        NKV, max_len, q_scale, HD);
+    return cudaGetLastError();
   }));
 }
 
@@ -441,15 +443,13 @@ int edge_rope_prefill(const void* qkv, int qkv_dtype, const float* cos, const fl
                       int max_len, float q_scale, int HD, void* stream) {
   if (HD % 2 != 0 || HD > 2048) return int(cudaErrorInvalidValue);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return int(with_type(qkv_dtype, [&](auto* qt) {
+  return int(with_types(qkv_dtype, cache_dtype, [&](auto* qt, auto* ct) {
     using Q = std::remove_pointer_t<decltype(qt)>;
-    return with_type(cache_dtype, [&](auto* ct) {
-      using C = std::remove_pointer_t<decltype(ct)>;
-      rope_prefill_kernel<Q, C><<<dim3(T, NH + 2 * NKV), HD / 2, 0, s>>>(
-          static_cast<const Q*>(qkv), cos, sin, row, static_cast<C*>(q), static_cast<C*>(k), static_cast<C*>(v),
-          static_cast<C*>(kc), static_cast<C*>(vc), T, NH, NKV, max_len, q_scale, HD);
-      return cudaGetLastError();
-    });
+    using C = std::remove_pointer_t<decltype(ct)>;
+    rope_prefill_kernel<Q, C><<<dim3(T, NH + 2 * NKV), HD / 2, 0, s>>>(
+        static_cast<const Q*>(qkv), cos, sin, row, static_cast<C*>(q), static_cast<C*>(k), static_cast<C*>(v),
+        static_cast<C*>(kc), static_cast<C*>(vc), T, NH, NKV, max_len, q_scale, HD);
+    return cudaGetLastError();
   }));
 }
 
@@ -461,39 +461,32 @@ int edge_decode_attention(const void* q, const void* kc, const void* vc, const l
                           int splits, void* stream) {
   if (NH % NKV != 0 || NH / NKV > gp || dtype == 2 || chunk < 1 || splits < 1) return int(cudaErrorInvalidValue);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  cudaError_t rc = with_type(dtype, [&](auto* ct) {
+  return int(with_type(dtype, [&](auto* ct) {
     using C = std::remove_pointer_t<decltype(ct)>;
     if constexpr (std::is_same_v<C, float>) {
       return cudaErrorInvalidValue;
     } else {
-      if (HD == 64) return split_for_group<C, 64>(gp, q, kc, vc, pos, acc, ml, B, NH, NKV, max_len, chunk, splits, s);
-      if (HD == 128)
-        return split_for_group<C, 128>(gp, q, kc, vc, pos, acc, ml, B, NH, NKV, max_len, chunk, splits, s);
-      if (HD == 256)
-        return split_for_group<C, 256>(gp, q, kc, vc, pos, acc, ml, B, NH, NKV, max_len, chunk, splits, s);
-      return cudaErrorInvalidValue;
+      cudaError_t rc = cudaErrorInvalidValue;
+      if (HD == 64) rc = split_for_group<C, 64>(gp, q, kc, vc, pos, acc, ml, B, NH, NKV, max_len, chunk, splits, s);
+      if (HD == 128) rc = split_for_group<C, 128>(gp, q, kc, vc, pos, acc, ml, B, NH, NKV, max_len, chunk, splits, s);
+      if (HD == 256) rc = split_for_group<C, 256>(gp, q, kc, vc, pos, acc, ml, B, NH, NKV, max_len, chunk, splits, s);
+      if (rc != cudaSuccess) return rc;
+      attn_merge_kernel<C><<<dim3(B * NKV, NH / NKV), 128, 0, s>>>(acc, ml, static_cast<C*>(out), NH, NKV, splits,
+                                                                    NH / NKV, gp, HD);
+      return cudaGetLastError();
     }
-  });
-  if (rc != cudaSuccess) return int(rc);
-  return int(with_type(dtype, [&](auto* ct) {
-    using C = std::remove_pointer_t<decltype(ct)>;
-    attn_merge_kernel<C><<<dim3(B * NKV, NH / NKV), 128, 0, s>>>(acc, ml, static_cast<C*>(out), NH, NKV, splits,
-                                                                  NH / NKV, gp, HD);
-    return cudaGetLastError();
   }));
 }
 
 int edge_silu_mul(const void* gate_up, int in_dtype, void* out, int out_dtype, int B, int F, int paired,
                   void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return int(with_type(in_dtype, [&](auto* it) {
+  return int(with_types(in_dtype, out_dtype, [&](auto* it, auto* ot) {
     using G = std::remove_pointer_t<decltype(it)>;
-    return with_type(out_dtype, [&](auto* ot) {
-      using O = std::remove_pointer_t<decltype(ot)>;
-      silu_mul_kernel<G, O><<<dim3((F + 255) / 256, B), 256, 0, s>>>(static_cast<const G*>(gate_up),
-                                                                     static_cast<O*>(out), F, paired);
-      return cudaGetLastError();
-    });
+    using O = std::remove_pointer_t<decltype(ot)>;
+    silu_mul_kernel<G, O><<<dim3((F + 255) / 256, B), 256, 0, s>>>(static_cast<const G*>(gate_up),
+                                                                   static_cast<O*>(out), F, paired);
+    return cudaGetLastError();
   }));
 }
 
