@@ -193,6 +193,34 @@ def test_files_are_coded_where_it_pays_and_cleared_and_memory_is_bounded(tmp_pat
     assert held.snapshot()["memory_bytes"] == 0 and held.save(cache, 1, 20, None) is not None
 
 
+def test_a_row_file_has_its_name_only_once_its_entry_points_at_it(tmp_path: Path) -> None:
+    """Whoever sees a row's file under its name (an operator, a damaged disk, a test) sees
+    an entry that reads that file: the rename and the entry's update happen together
+    under the offload's lock. Renamed before the entry said so, the file could be deleted
+    in between: the writer failed, and the copy still in memory was restored as if the
+    file had been read."""
+    import threading
+
+    from edge.text.kv.kv_offload import write_row_file
+
+    lock = threading.Lock()
+    placed: list[tuple[int, list[str]]] = []
+    path = tmp_path / "row.kv"
+    parts = {"k": torch.randn(2, 20, 32), "__logits__": torch.zeros(64)}
+    lock.acquire()
+    writer = threading.Thread(target=write_row_file, args=(path, 20, parts, lambda *a: placed.append(a), lock))
+    writer.start()
+    try:
+        writer.join(timeout=0.5)  # it writes the file beside, then waits for the lock to name it
+        assert writer.is_alive() and path.with_suffix(".tmp").exists()
+        assert not path.exists() and not placed
+    finally:
+        lock.release()
+    writer.join(timeout=10)
+    assert path.exists() and not path.with_suffix(".tmp").exists()
+    assert placed == [(path.stat().st_size, ["none", "lz4"])]  # random keys kept raw, zero logits packed
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(("dtype", "where"), [("float16", "memory"), ("int4", "disk")])

@@ -35,6 +35,7 @@ replayed, and it is prefilled again).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -173,11 +174,19 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
           "uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64}  # fmt: skip
 
 
-def write_row_file(path: Path, length: int, parts: dict[str, torch.Tensor]) -> list[str]:
+def write_row_file(
+    path: Path,
+    length: int,
+    parts: dict[str, torch.Tensor],
+    placed: Callable[[int, list[str]], None] | None = None,
+    lock: threading.Lock | None = None,
+) -> list[str]:
     """`parts` into the file at `path` (written beside it, then renamed into place):
     MAGIC, the header's length and CRC-32, the header (JSON: the row's length, each
     part's name, shape, dtype, codec, stored bytes and CRC-32), the parts. Returns the
-    codecs used."""
+    codecs used. `placed(stored_bytes, codecs)`, where given, runs right after the rename,
+    both under `lock`: whoever takes that lock never sees the file under its name
+    without its entry saying where it is."""
     import lz4.frame
 
     entries: list[dict[str, object]] = []
@@ -199,13 +208,18 @@ def write_row_file(path: Path, length: int, parts: dict[str, torch.Tensor]) -> l
         )
         blobs.append(blob)
     meta = json.dumps({"length": length, "parts": entries}).encode()
+    codecs = [str(e["codec"]) for e in entries]
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as f:
         f.write(MAGIC + PREFIX.pack(len(meta), zlib.crc32(meta)) + meta)
         for blob in blobs:
             f.write(blob)
-    tmp.rename(path)
-    return [str(e["codec"]) for e in entries]
+        stored = f.tell()
+    with lock if lock is not None else contextlib.nullcontext():
+        tmp.rename(path)
+        if placed is not None:
+            placed(stored, codecs)
+    return codecs
 
 
 def read_row_file(path: Path, length: int) -> dict[str, torch.Tensor]:
@@ -379,14 +393,17 @@ class KVOffload:
         if saved.logits is not None:
             parts["__logits__"] = saved.logits
         path = self.directory / f"{uuid.uuid4().hex}.kv"
-        codecs = write_row_file(path, saved.length, parts)
-        stored = path.stat().st_size
-        with self._lock:
+
+        def placed(stored: int, codecs: list[str]) -> None:
+            # With the rename, under the lock: once the file has its name, the entry
+            # points at it and its host copy is gone, so a restore reads the file.
             saved.path, saved.stored_bytes = path, stored
             saved.codec = "lz4" if "lz4" in codecs else "none"
             saved.shapes = {name: (tuple(t.shape), t.dtype) for name, t in parts.items()}
             self._let_go(saved)  # on disk now: its host memory goes back
             self.disk_bytes += stored
+
+        write_row_file(path, saved.length, parts, placed, self._lock)
 
     # -- restoring ------------------------------------------------------------------
     def choose(self, saved: SavedRow) -> Literal["restore", "recompute"]:
