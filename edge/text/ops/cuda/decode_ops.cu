@@ -52,30 +52,53 @@ __device__ __forceinline__ float warp_max(float v) {
 
 // ---- residual add + RMSNorm --------------------------------------------------------
 // x [B, H] float32 += delta (in place, where given); h = x * rsqrt(mean(x^2) + eps) * w.
-// One block of 256 threads per row; the sum of squares in a fixed order.
+// One block per row, each thread up to NORM_PER of the row's values, all loaded before
+// any is used (one memory round trip, not one per value: a step runs this twice a
+// layer at batch 1, where its latency is the whole cost); the sum of squares in a
+// fixed order.
+constexpr int NORM_PER = 16;
+
 template <typename D, typename T>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(1024)
     add_rmsnorm_kernel(float* __restrict__ x, const D* __restrict__ delta, const T* __restrict__ w,
                        T* __restrict__ h, int H, float eps) {
-  __shared__ float sums[8];
-  const int row = blockIdx.x;
+  __shared__ float sums[32];
+  const int row = blockIdx.x, n = blockDim.x;
   float* xr = x + (size_t)row * H;
-  float ss = 0.0f;
-  for (int i = threadIdx.x; i < H; i += blockDim.x) {
-    float v = xr[i];
-    if (delta != nullptr) {
-      v += to_f(delta[(size_t)row * H + i]);
-      xr[i] = v;
-    }
-    ss += v * v;
+  float v[NORM_PER];
+#pragma unroll
+  for (int k = 0; k < NORM_PER; k++) {
+    const int i = threadIdx.x + k * n;
+    v[k] = i < H ? xr[i] : 0.0f;
   }
+  if (delta != nullptr) {
+    float d[NORM_PER];
+#pragma unroll
+    for (int k = 0; k < NORM_PER; k++) {
+      const int i = threadIdx.x + k * n;
+      d[k] = i < H ? to_f(delta[(size_t)row * H + i]) : 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < NORM_PER; k++) {
+      const int i = threadIdx.x + k * n;
+      v[k] += d[k];
+      if (i < H) xr[i] = v[k];
+    }
+  }
+  float ss = 0.0f;
+#pragma unroll
+  for (int k = 0; k < NORM_PER; k++) ss += v[k] * v[k];
   ss = warp_sum(ss);
   if ((threadIdx.x & 31) == 0) sums[threadIdx.x >> 5] = ss;
   __syncthreads();
   float total = 0.0f;
-  for (int i = 0; i < (int)(blockDim.x >> 5); i++) total += sums[i];
+  for (int i = 0; i < (n >> 5); i++) total += sums[i];
   const float inv = rsqrtf(total / (float)H + eps);
-  for (int i = threadIdx.x; i < H; i += blockDim.x) h[(size_t)row * H + i] = from_f<T>(xr[i] * inv * to_f(w[i]));
+#pragma unroll
+  for (int k = 0; k < NORM_PER; k++) {
+    const int i = threadIdx.x + k * n;
+    if (i < H) h[(size_t)row * H + i] = from_f<T>(v[k] * inv * to_f(w[i]));
+  }
 }
 
 // ---- rotary + cache write ------------------------------------------------------------
@@ -214,8 +237,9 @@ __global__ void __launch_bounds__(ATTN_THREADS)
 
   for (long long t0 = start; t0 < end; t0 += ATTN_TILE) {
     const int n = (int)min((long long)ATTN_TILE, end - t0);
-    // Scores: warp w takes positions w*16 .. w*16+15, four at a time.
-#pragma unroll
+    // Scores: warp w takes positions w*16 .. w*16+15, four at a time (the four passes'
+    // loads in flight together, but for head_dim 256, whose keys would not fit the registers).
+#pragma unroll(HD <= 128 ? 4 : 1)
     for (int j = 0; j < ATTN_TILE / (WARPS * KEYS_PER_PASS); j++) {
       const int tt = warp * (ATTN_TILE / WARPS) + j * KEYS_PER_PASS + lg;
       float kf[EPL];
@@ -326,26 +350,40 @@ __global__ void __launch_bounds__(ATTN_THREADS)
 }
 
 // One query head: the chunks weighted by exp(m_s - max m), over the weighted sum of their
-// softmax denominators. Chunk 0 always holds position 0: the max is finite.
+// softmax denominators. Chunk 0 always holds position 0: the max is finite. Each chunk's
+// (m, l) read once into shared memory, its weight computed once; each channel's sum then
+// reads the chunks' partial sums with several loads in flight.
+constexpr int MAX_SPLITS = 128;
+
 template <typename C>
 __global__ void attn_merge_kernel(const float* __restrict__ acc, const float* __restrict__ ml, C* __restrict__ out,
                                   int NH, int NKV, int splits, int group, int GP, int HD) {
+  __shared__ float weight[MAX_SPLITS];
+  __shared__ float inv_denom;
   const int bh = blockIdx.x, g = blockIdx.y;
   const int b = bh / NKV, kh = bh % NKV;
-  float top = -INFINITY;
-  for (int s = 0; s < splits; s++) top = fmaxf(top, ml[(((size_t)bh * splits + s) * GP + g) * 2]);
-  float denom = 0.0f;
-  for (int s = 0; s < splits; s++) {
-    const size_t slot = ((size_t)bh * splits + s) * GP + g;
-    denom += ml[slot * 2 + 1] * __expf(ml[slot * 2] - top);
+  const size_t first = (size_t)bh * splits * GP + g;  // chunk s's slot: first + s * GP
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    float top = -INFINITY;
+    for (int s = lane; s < splits; s += 32) top = fmaxf(top, ml[(first + (size_t)s * GP) * 2]);
+    top = warp_max(top);
+    float denom = 0.0f;
+    for (int s = lane; s < splits; s += 32) {
+      const size_t slot = first + (size_t)s * GP;
+      const float w = __expf(ml[slot * 2] - top);
+      weight[s] = w;
+      denom += ml[slot * 2 + 1] * w;
+    }
+    denom = warp_sum(denom);
+    if (lane == 0) inv_denom = 1.0f / denom;
   }
+  __syncthreads();
   for (int d = threadIdx.x; d < HD; d += blockDim.x) {
     float sum = 0.0f;
-    for (int s = 0; s < splits; s++) {
-      const size_t slot = ((size_t)bh * splits + s) * GP + g;
-      sum += acc[slot * HD + d] * __expf(ml[slot * 2] - top);
-    }
-    out[((size_t)b * NH + kh * group + g) * HD + d] = from_f<C>(sum / denom);
+#pragma unroll 8
+    for (int s = 0; s < splits; s++) sum += acc[(first + (size_t)s * GP) * HD + d] * weight[s];
+    out[((size_t)b * NH + kh * group + g) * HD + d] = from_f<C>(sum * inv_denom);
   }
 }
 
@@ -413,12 +451,15 @@ extern "C" {
 
 int edge_add_rmsnorm(float* x, const void* delta, int delta_dtype, const void* w, void* h, int dtype, int B, int H,
                      float eps, void* stream) {
+  // Threads for a row: a warp at least, 1024 at most, each taking up to NORM_PER values.
+  const int threads = max(32, min(1024, (((H + NORM_PER - 1) / NORM_PER + 31) / 32) * 32));
+  if (H < 1 || H > 1024 * NORM_PER) return int(cudaErrorInvalidValue);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return int(with_types(delta_dtype, dtype, [&](auto* dd, auto* t) {
     using D = std::remove_pointer_t<decltype(dd)>;
     using T = std::remove_pointer_t<decltype(t)>;
-    add_rmsnorm_kernel<D, T><<<B, 256, 0, s>>>(x, static_cast<const D*>(delta), static_cast<const T*>(w),
-                                               static_cast<T*>(h), H, eps);
+    add_rmsnorm_kernel<D, T><<<B, threads, 0, s>>>(x, static_cast<const D*>(delta), static_cast<const T*>(w),
+                                                   static_cast<T*>(h), H, eps);
     return cudaGetLastError();
   }));
 }
@@ -459,7 +500,8 @@ int edge_rope_prefill(const void* qkv, int qkv_dtype, const float* cos, const fl
 int edge_decode_attention(const void* q, const void* kc, const void* vc, const long long* pos, float* acc, float* ml,
                           void* out, int dtype, int B, int NH, int NKV, int max_len, int HD, int gp, int chunk,
                           int splits, void* stream) {
-  if (NH % NKV != 0 || NH / NKV > gp || dtype == 2 || chunk < 1 || splits < 1) return int(cudaErrorInvalidValue);
+  if (NH % NKV != 0 || NH / NKV > gp || dtype == 2 || chunk < 1 || splits < 1 || splits > MAX_SPLITS)
+    return int(cudaErrorInvalidValue);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return int(with_type(dtype, [&](auto* ct) {
     using C = std::remove_pointer_t<decltype(ct)>;

@@ -22,6 +22,11 @@ DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 ATTN_DTYPES = (torch.bfloat16, torch.float16)  # the attention's 16-byte key loads
 HEAD_DIMS = (64, 128, 256)
 GROUP_PADS = (4, 8, 16)  # query rows per KV head the attention is built for
+# Splits of the cache: four times the Triton kernel's rule gives (up to 128, decode_ops.cu's
+# MAX_SPLITS). Its blocks keep few loads in flight each (no tensor cores, no pipelined
+# tiles), so more of them are needed to keep the memory busy at long context.
+ATTN_SPREAD = 4
+MAX_SPLITS = 128
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -168,7 +173,7 @@ def decode_attention(
         raise ValueError("the cache must be 16-byte aligned and hold a position for every row")
     _contiguous(q, k_cache, v_cache, pos)
     pad = next(p for p in GROUP_PADS if p >= group)
-    splits, chunk = attn_splits(kv_len, n_kv, sms)
+    splits, chunk = attn_splits(kv_len, n_kv, sms * ATTN_SPREAD, MAX_SPLITS)
     rows = bsz * n_kv * splits * pad
     acc = torch.empty(rows, hd, device=q.device, dtype=torch.float32)
     ml = torch.empty(rows, 2, device=q.device, dtype=torch.float32)
