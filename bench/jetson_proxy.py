@@ -10,7 +10,11 @@ serves, fields a measurement sets anyway). Its row, `jetson-proxy`, goes into
 text_cuda.json (replacing an earlier one, keeping the other rows) with its ratios to the
 Triton path of the same run.
 
-    python -m bench.jetson_proxy [--out bench/results/text_cuda.json]
+With --kv-out, the child process also decodes at 4K context with float16, int8 and int4
+KV (bench.kv.decode_4k, the Jetson profile's engine), into kv.json's `jetson_proxy`
+section with each format's ratio to float16 KV.
+
+    python -m bench.jetson_proxy [--out bench/results/text_cuda.json] [--kv-out bench/results/kv.json]
 """
 
 from __future__ import annotations
@@ -59,17 +63,49 @@ def child(checkpoint: str, out: str, prompt: int, new_tokens: int, cap_gib: floa
     write_json(Path(out), measure(Path(checkpoint), args))
 
 
-def run_child(checkpoint: Path, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    out = workdir / "proxy.json"
-    code = (
-        "import sys; sys.modules['triton'] = None\n"
-        "from bench.jetson_proxy import child\n"
-        f"child({str(checkpoint)!r}, {str(out)!r}, {args.prompt}, {args.new_tokens}, {args.cap_gib}, {args.profile})\n"
-    )
+def kv_child(checkpoint: str, out: str, context: int, new_tokens: int) -> None:
+    """The proxy's KV measurement (bench.kv.decode_4k: float16, int8 and int4 KV in turns,
+    the served engine of the Jetson profile), run as `child` is."""
+    from bench import kv, text_engines
+
+    text_engines.SHIPPED["cuda"] = "jetson-orin"
+    write_json(Path(out), {"rows": kv.decode_4k(Path(checkpoint), context, new_tokens)})
+
+
+def _in_child(call: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """`call` (a function of this module, its arguments written out) in a process where
+    `import triton` fails, with our CUDA kernels built as args.arch; its JSON."""
+    code = f"import sys; sys.modules['triton'] = None\nfrom bench import jetson_proxy\njetson_proxy.{call}\n"
     env = {**os.environ, "EDGE_CUDA_ARCH": args.arch} if args.arch else dict(os.environ)
     subprocess.run([sys.executable, "-c", code], env=env, check=True)
-    row: dict[str, Any] = json.loads(out.read_text())
-    return row
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def run_child(checkpoint: Path, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    out = workdir / "proxy.json"
+    call = f"child({str(checkpoint)!r}, {str(out)!r}, {args.prompt}, {args.new_tokens}, {args.cap_gib}, {args.profile})"
+    return _in_child(call, args, out)
+
+
+def kv_rows(checkpoint: Path, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """kv.json's `jetson_proxy` section: decode at 4K context with each KV format through
+    our CUDA kernels (Triton hidden), and int8's and int4's ratios to float16's."""
+    out = workdir / "proxy_kv.json"
+    rows = _in_child(f"kv_child({str(checkpoint)!r}, {str(out)!r}, {text.LONG_CONTEXT}, {args.new_tokens})", args, out)
+    by_dtype = {r["kv_dtype"]: r for r in rows["rows"]}
+    base = by_dtype["float16"]["decode_tok_s_4k"]
+    for row in rows["rows"]:
+        row["variant"] = VARIANT
+        row["vs_float16_kv"] = row["decode_tok_s_4k"] / base
+    return {
+        "device": torch.cuda.get_device_name(0),
+        "cuda_arch": args.arch or "native",
+        "context": text.LONG_CONTEXT,
+        "rows": rows["rows"],
+        "int8_over_float16": by_dtype["int8"]["vs_float16_kv"],
+        "int4_over_float16": by_dtype["int4"]["vs_float16_kv"],
+    }
 
 
 def merged(path: Path, row: dict[str, Any]) -> dict[str, Any]:
@@ -87,6 +123,9 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None, help="where the random checkpoint is written")
     parser.add_argument("--out", type=Path, default=RESULTS / "text_cuda.json")
     parser.add_argument("--profile", action="store_true", help="each row's in-graph kernel profile too")
+    parser.add_argument(
+        "--kv-out", type=Path, default=None, help="also measure the KV formats' decode, into this kv.json"
+    )
     parser.add_argument(
         "--arch",
         default=PROXY_ARCH,
@@ -107,6 +146,7 @@ def main() -> None:
         text._release()
         torch.cuda.set_per_process_memory_fraction(1.0)
         proxy = run_child(checkpoint, args, Path(tmp))
+        kv_section = kv_rows(checkpoint, args, Path(tmp)) if args.kv_out else None
     config = proxy["engine_config"]
     row = {
         # Only the proxy's own build is the jetson-proxy row; another is a diagnosis beside it.
@@ -130,6 +170,12 @@ def main() -> None:
     print("vs triton:", json.dumps(row["vs_triton"]))
     write_json(args.out, merged(args.out, row))
     print(f"wrote {args.out}")
+    if args.kv_out and kv_section is not None:
+        doc = json.loads(args.kv_out.read_text()) if args.kv_out.exists() else {"rows": []}
+        doc["jetson_proxy"] = kv_section
+        write_json(args.kv_out, doc)
+        print("KV formats, jetson proxy:", json.dumps({r["kv_dtype"]: r["vs_float16_kv"] for r in kv_section["rows"]}))
+        print(f"wrote {args.kv_out}")
 
 
 if __name__ == "__main__":

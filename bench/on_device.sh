@@ -23,7 +23,7 @@ python3 -m edge.text.ops.cuda.cuda_build || echo "our CUDA kernels did not build
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   files=()
-  for f in tests/test_load_budget.py tests/test_cuda_int4.py tests/test_cuda_decode_ops.py tests/test_cuda_batcher.py tests/test_quant_cache.py \
+  for f in tests/test_load_budget.py tests/test_cuda_int4.py tests/test_cuda_decode_ops.py tests/test_cuda_kv_ops.py tests/test_cuda_batcher.py tests/test_quant_cache.py \
     tests/test_fused_prefill.py tests/test_triton_kernels.py tests/test_kv_offload.py; do
     [ -f "$f" ] && files+=("$f")
   done
@@ -56,10 +56,11 @@ case "$what" in
     # The Jetson path (no Triton, our CUDA kernels as Ampere PTX) beside the Triton path:
     # its kernels' tests, then its row of text_cuda.json.
     EDGE_CUDA_ARCH=compute_80 python3 -m pytest -p no:cacheprovider -m gpu -q --timeout 300 \
-      tests/test_cuda_decode_ops.py 2>&1 | tee "$out/jetson_tests.log" | tail -15
+      tests/test_cuda_decode_ops.py tests/test_cuda_kv_ops.py 2>&1 | tee "$out/jetson_tests.log" | tail -15
     status=${PIPESTATUS[0]}
     cp bench/results/text_cuda.json "$out/text_cuda.json"
-    python3 -m bench.jetson_proxy --out "$out/text_cuda.json" "$@" 2>&1 | tail -30
+    cp bench/results/kv.json "$out/kv.json"
+    python3 -m bench.jetson_proxy --out "$out/text_cuda.json" --kv-out "$out/kv.json" "$@" 2>&1 | tail -30
     [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
   kv)
     cp bench/results/kv.json "$out/kv.json"

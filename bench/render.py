@@ -609,6 +609,21 @@ def kv(d: dict[str, Any]) -> str:
             f"tokens, {cuda['new_tokens']} tokens a run, the median of five timed rounds, the formats taking "
             f"turns, each KV format in the same run on {cuda['gpu']} (torch {cuda['torch']}).",
         ]
+    proxy = d.get("jetson_proxy")
+    if proxy:
+        by_dtype = {r["kv_dtype"]: r for r in proxy["rows"]}
+        lines += [
+            "",
+            f"A Jetson's KV formats on {proxy['device']} (`bench/jetson_proxy.py --kv-out`): Triton hidden from the "
+            f"process, our CUDA kernels built as {proxy['cuda_arch']} (edge/text/ops/cuda/kv_ops.cu for int8 and "
+            f"int4), the Jetson profile's engine, the same 8B shape, at {proxy['context']} tokens of context: "
+            + ", ".join(
+                f"{dtype} {by_dtype[dtype]['decode_tok_s_4k']:.0f} tok/s ({by_dtype[dtype]['vs_float16_kv']:.2f}x)"
+                for dtype in ("float16", "int8", "int4")
+                if dtype in by_dtype
+            )
+            + f" (target: int8 at least 0.98x float16 KV: {_met(proxy['int8_over_float16'] >= 0.98)}).",
+        ]
     attention = d.get("cuda_attention")
     if attention:
         rope = attention["rope_write_us"]

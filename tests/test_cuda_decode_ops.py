@@ -47,7 +47,6 @@ def test_triton_is_chosen_where_present_and_our_cuda_kernels_where_not(
     monkeypatch.setattr(step_ops, "triton_present", lambda: False)
     assert step_ops.backend("cuda:0") == "cuda"
     assert step_ops.refusals("cuda:0") == {"triton": "Triton is not installed"}
-    assert not step_ops.quantized_kv("cuda:0")  # triton_kv's kernels are Triton's
     # The CUDA attention's own limits, named.
     assert step_ops.attention_refusal("cuda:0", 128, 4, torch.float16) is None
     assert "head_dim 96" in str(step_ops.attention_refusal("cuda:0", 96, 4, torch.float16))
@@ -59,21 +58,6 @@ def test_triton_is_chosen_where_present_and_our_cuda_kernels_where_not(
     assert step_ops.backend("cuda:0") is None
     assert step_ops.attention_refusal("cuda:0", 64, 4, torch.float16) == "no decode step kernels here"
     assert "did not build" in step_ops.refusals("cuda:0")["cuda"]
-
-
-def test_kv_quantized_formats_on_cuda_need_the_triton_kernels(
-    monkeypatch: pytest.MonkeyPatch, fresh_choice: None
-) -> None:
-    """Without Triton, an int8 KV cache on CUDA is refused at load in words (the CUDA
-    kernels read a float cache only, for now); float16 KV loads."""
-    from edge.config.text import QAModelConfig
-    from edge.text.engine import kv_format
-
-    monkeypatch.setattr(step_ops, "triton_present", lambda: False)
-    monkeypatch.setattr(step_ops, "cuda_present", lambda device: True)
-    assert kv_format(QAModelConfig(device="cuda", kv_dtype="float16")).dtype == "float16"
-    with pytest.raises(RuntimeError, match="kv_dtype int8 on CUDA needs Triton"):
-        kv_format(QAModelConfig(device="cuda", kv_dtype="int8"))
 
 
 @pytest.mark.slow

@@ -75,12 +75,16 @@ def resolve_dtype(cfg: QAModelConfig) -> torch.dtype:
 
 def kv_format(cfg: QAModelConfig) -> KVFormat:
     """The KV cache's format, checked against what this box can run: the quantized
-    formats need their attention kernels (Triton on CUDA, a C compiler on the CPU)."""
+    formats need their attention kernels (on CUDA Triton's, or ours built by nvcc; a C
+    compiler on the CPU)."""
     fmt = FORMATS[cfg.kv_dtype]
     if fmt.dtype == "float16":
         return fmt
     if cfg.device == "cuda" and not step_ops.quantized_kv(cfg.device):
-        raise RuntimeError(f"models.qa.kv_dtype {fmt.dtype} on CUDA needs Triton, which is not installed here")
+        raise RuntimeError(
+            f"models.qa.kv_dtype {fmt.dtype} on CUDA needs Triton or our CUDA kernels, and neither is here "
+            "(Triton is not installed; nvcc is missing or the build failed: see the log)"
+        )
     if cfg.device == "cpu" and not cpu_kv.available():
         raise RuntimeError(f"models.qa.kv_dtype {fmt.dtype} on the CPU needs a C compiler (install gcc, or set CC)")
     return fmt

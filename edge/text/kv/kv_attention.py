@@ -1,6 +1,7 @@
 """Attention over a quantized KV cache (edge/text/kv/quant_cache.py), on the device the cache
-is on: our C kernel on the CPU (cpu_kv.c), Triton kernels on CUDA (triton_kv.py). Both
-read the codes where they are stored; neither dequantizes into a buffer.
+is on: our C kernel on the CPU (cpu_kv.c), on CUDA Triton's (triton_kv.py) or, where
+Triton is absent, ours (ops/cuda/kv_ops.cu), as ops/step_ops.py chooses. All read the
+codes where they are stored; none dequantizes into a buffer.
 
 - decode: one token per row at each row's own position: written (and a key block coded
   when one leaves the window), then attended to with everything before it;
@@ -14,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from edge.text.kv.quant_cache import QuantLayer
+from edge.text.ops import step_ops
 from edge.text.ops.cpu import cpu_kv
-from edge.text.ops.triton import triton_kv
 
 
 def _codes(layer: QuantLayer) -> tuple[torch.Tensor, ...]:
@@ -38,8 +39,9 @@ def decode(
     -> [B, NH, D] in q's type. A row's attention reaches no further than kv_len (rows a
     step does not advance sit at the last position; their output is not read)."""
     if q.is_cuda:
-        triton_kv.write_tokens(layer, k, v, pos)
-        out = triton_kv.attention(layer, q.contiguous(), pos, kv_len, q_scale=q.shape[-1] ** -0.5)
+        kernels = step_ops.kv_kernels(q.device)
+        kernels.write_tokens(layer, k, v, pos)
+        out = kernels.attention(layer, q.contiguous(), pos, kv_len, q_scale=q.shape[-1] ** -0.5)
         return out.view(q.shape).to(q.dtype)
     positions = [int(p) for p in pos.tolist()]
     layer.write_tokens(k.unsqueeze(2), v.unsqueeze(2), positions)
@@ -73,7 +75,8 @@ def chunk(layer: QuantLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     float_v = torch.cat([ring_v, v.to(ring_v.dtype)], dim=2)
     queries = q[0].transpose(0, 1)  # [T, NH, D]
     if q.is_cuda:
-        out = triton_kv.chunk_attention(layer, queries, float_k, float_v, start, coded, q_scale=q.shape[-1] ** -0.5)
+        kernels = step_ops.kv_kernels(q.device)
+        out = kernels.chunk_attention(layer, queries, float_k, float_v, start, coded, q_scale=q.shape[-1] ** -0.5)
     else:
         out = cpu_kv.attention(
             queries,

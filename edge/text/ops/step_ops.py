@@ -1,10 +1,10 @@
 """The kernels between the INT4 products in the fused decode step and prefill (residual
 add + RMSNorm, rotary + cache write, attention, SiLU * up), from one of two backends:
 
-- `triton` (edge/text/ops/triton/decode_ops.py) where Triton is installed: the
-  default, and the only one for the quantized KV caches (triton_kv.py) for now;
-- `cuda` (edge/text/ops/cuda/decode_ops.cu, built by nvcc on the box) where it is not:
-  a Jetson, whose JetPack has nvcc and no Triton.
+- `triton` (edge/text/ops/triton/decode_ops.py, and triton_kv.py for the quantized KV
+  caches) where Triton is installed: the default;
+- `cuda` (edge/text/ops/cuda/decode_ops.cu and kv_ops.cu, built by nvcc on the box)
+  where it is not: a Jetson, whose JetPack has nvcc and no Triton.
 
 The choice is made once per process and device (`backend`), with the reason each
 refused backend was refused (`refusals`), like the INT4 kernels' (ops/int4.py). The
@@ -14,17 +14,56 @@ probes are module functions, so the choice is tested without a GPU.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from edge.text.ops.attention_splits import ATTN_GROUP_ROWS as ATTN_GROUP_ROWS
 from edge.text.ops.cuda import decode_ops as cuda_ops
+from edge.text.ops.cuda import kv_ops as cuda_kv
 from edge.text.ops.triton import decode_ops as triton_ops
+from edge.text.ops.triton import triton_kv
+
+if TYPE_CHECKING:
+    from edge.text.kv.kv_quant import KVFormat
+    from edge.text.kv.quant_cache import QuantLayer
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("triton", "cuda")
+
+
+class KVKernels(Protocol):
+    """What serves a quantized KV cache on CUDA: triton_kv, or our kv_ops (same functions)."""
+
+    def write_tokens(self, layer: QuantLayer, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None: ...
+
+    def rope_write(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        pos: torch.Tensor,
+        layer: QuantLayer,
+        n_heads: int,
+    ) -> torch.Tensor: ...
+
+    def attention(
+        self, layer: QuantLayer, q: torch.Tensor, pos: torch.Tensor, kv_len: int, q_scale: float
+    ) -> torch.Tensor: ...
+
+    def chunk_attention(
+        self,
+        layer: QuantLayer,
+        q: torch.Tensor,
+        float_k: torch.Tensor,
+        float_v: torch.Tensor,
+        start: int,
+        coded: int,
+        q_scale: float,
+    ) -> torch.Tensor: ...
+
+
 _chosen: dict[str, str | None] = {}
 
 
@@ -75,8 +114,28 @@ def _ops(t: torch.Tensor) -> Any:
 
 
 def quantized_kv(device: torch.device | str) -> bool:
-    """Whether the fused step's kernels read the quantized KV caches here (Triton's do)."""
-    return backend(device) == "triton"
+    """Whether kernels that write and read the quantized KV caches serve `device`:
+    Triton's (triton_kv.py), or ours where they build (kv_ops.cu)."""
+    chosen = backend(device)
+    return chosen == "triton" or (chosen == "cuda" and cuda_kv.available(torch.device(device)))
+
+
+def kv_refusal(device: torch.device | str, fmt: KVFormat, head_dim: int, group: int, dtype: torch.dtype) -> str | None:
+    """Why the quantized-KV kernels here cannot serve this format for a model of this
+    shape and type (None: they can)."""
+    if not quantized_kv(device):
+        return "no quantized-KV kernels here (Triton is not installed and ours did not build: see the log)"
+    if backend(device) == "cuda":
+        return cuda_kv.refusal(fmt, head_dim, group, dtype)
+    return None
+
+
+def kv_kernels(device: torch.device | str) -> KVKernels:
+    """The module whose write_tokens, rope_write, attention and chunk_attention serve a
+    quantized KV cache on `device` (triton_kv, or our kv_ops)."""
+    if not quantized_kv(device):
+        raise RuntimeError(f"no quantized-KV kernels for {device}: {refusals(device)}")
+    return triton_kv if backend(device) == "triton" else cuda_kv
 
 
 def add_rmsnorm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:

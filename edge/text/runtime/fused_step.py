@@ -34,7 +34,6 @@ from edge.text.ops import step_ops
 from edge.text.ops.cuda import cuda_int4
 from edge.text.ops.int4 import GEMV_KERNELS, Int4Linear
 from edge.text.ops.step_ops import add_rmsnorm, decode_attention, rope_kv_write, silu_mul
-from edge.text.ops.triton import triton_kv
 from edge.text.runtime import cpu_step
 
 logger = logging.getLogger(__name__)
@@ -143,8 +142,9 @@ def _attend(
     n_heads = model.config.num_heads
     if isinstance(cache, QuantKVCache):
         layer = cache.rows(0, bsz).layer(i)
-        q = triton_kv.rope_write(qkv, model.rope_cos, model.rope_sin, pos, layer, n_heads)
-        return triton_kv.attention(layer, q, pos, kv_len, q_scale=1.0)
+        kernels = step_ops.kv_kernels(model.device)
+        q = kernels.rope_write(qkv, model.rope_cos, model.rope_sin, pos, layer, n_heads)
+        return kernels.attention(layer, q, pos, kv_len, q_scale=1.0)
     k_cache, v_cache = cache.k[i, :bsz], cache.v[i, :bsz]
     q = rope_kv_write(qkv, model.rope_cos, model.rope_sin, pos, k_cache, v_cache, n_heads)
     return decode_attention(q, k_cache, v_cache, pos, kv_len, sms)

@@ -1,4 +1,4 @@
-"""Our CUDA C sources (cuda_int4.cu, decode_ops.cu) built on the box by nvcc and loaded
+"""Our CUDA C sources (cuda_int4.cu, decode_ops.cu, kv_ops.cu) built on the box by nvcc and loaded
 through ctypes: one library per source, nvcc version, flags and GPU architecture, in the
 kernel cache the CPU kernels use (cpu_int4.cache_dir).
 
@@ -53,7 +53,8 @@ def flags(arch: str) -> list[str]:
 def library_path(compiler: str, source: Path, arch: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256()
-    for part in (source.read_bytes(), version.encode(), " ".join(flags(arch)).encode()):
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.cuh"))]  # what a source may include
+    for part in (source.read_bytes(), *headers, version.encode(), " ".join(flags(arch)).encode()):
         key.update(part)
         key.update(b"\0")
     return cpu_int4.cache_dir() / f"{source.stem}-{target(arch).replace('_', '')}-{key.hexdigest()[:16]}.so"

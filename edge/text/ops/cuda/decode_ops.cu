@@ -12,43 +12,15 @@
 // what costs). Splits and the chunk a split covers are the caller's (the same rule as
 // the Triton kernels', chosen as for one sequence whatever the batch): a sequence's
 // attention is summed in the same order alone or batched.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <stdint.h>
 
 #include <type_traits>
 
+#include "attention_common.cuh"
+
 namespace {
 
-// dtype codes shared with decode_ops.py: 0 bfloat16, 1 float16, 2 float32.
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_f(float v);
-template <>
-__device__ __forceinline__ float from_f<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __half from_f<__half>(float v) {
-  return __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
+using namespace edge_cuda;
 
 // ---- residual add + RMSNorm --------------------------------------------------------
 // x [B, H] float32 += delta (in place, where given); h = x * rsqrt(mean(x^2) + eps) * w.
@@ -57,9 +29,12 @@ __device__ __forceinline__ float warp_max(float v) {
 // layer at batch 1, where its latency is the whole cost); the sum of squares in a
 // fixed order.
 constexpr int NORM_PER = 16;
+// At most 512 threads a row (hidden sizes to 8192): under a 1024-thread bound the compiler
+// kept 32 registers and spilled the row's values to local memory (9 us a norm on an H100).
+constexpr int NORM_THREADS = 512;
 
 template <typename D, typename T>
-__global__ void __launch_bounds__(1024)
+__global__ void __launch_bounds__(NORM_THREADS)
     add_rmsnorm_kernel(float* __restrict__ x, const D* __restrict__ delta, const T* __restrict__ w,
                        T* __restrict__ h, int H, float eps) {
   __shared__ float sums[32];
@@ -102,17 +77,6 @@ __global__ void __launch_bounds__(1024)
 }
 
 // ---- rotary + cache write ------------------------------------------------------------
-// The tables hold [freqs, freqs]: the first half of a row serves both halves.
-template <typename Q>
-__device__ __forceinline__ void rotate(const Q* src, const float* cos, const float* sin, long long pos, int HD,
-                                       int r, float* o1, float* o2) {
-  const int half = HD / 2;
-  const float x1 = to_f(src[r]), x2 = to_f(src[r + half]);
-  const float c = cos[pos * HD + r], s = sin[pos * HD + r];
-  *o1 = x1 * c - x2 * s;
-  *o2 = x2 * c + x1 * s;
-}
-
 // Decode: block (b, head), HD/2 threads. q rotated and pre-scaled into q [B, NH, HD]; k
 // rotated into the cache [B, NKV, L, HD] at pos[b]; v copied there.
 template <typename Q, typename C>
@@ -175,12 +139,6 @@ __global__ void rope_prefill_kernel(const Q* __restrict__ qkv, const float* __re
 }
 
 // ---- attention -----------------------------------------------------------------------
-// Two neighbouring channels of a cache row, read in one 4-byte load.
-template <typename C>
-struct __align__(2 * sizeof(C)) Pair {
-  C x, y;
-};
-
 constexpr int ATTN_THREADS = 128;
 constexpr int ATTN_TILE = 64;      // cache positions per pass of a block
 constexpr int LANES_PER_TOKEN = 8;  // lanes that share one key's dot products
@@ -201,6 +159,7 @@ __global__ void __launch_bounds__(ATTN_THREADS)
   constexpr int TP = ATTN_THREADS / PAIRS;    // positions of a tile taken at once (values)
   constexpr int WARPS = ATTN_THREADS / 32;
   constexpr int KEYS_PER_PASS = 32 / LANES_PER_TOKEN;
+  constexpr int VPRE = ATTN_TILE / TP < 32 ? ATTN_TILE / TP : 32;  // values a thread loads early
   static_assert(EPL % 8 == 0 && TP >= 1, "head_dim 64, 128 or 256");
   // A key's 8 lanes read its channels 16 bytes each, side by side: in pass u lane li
   // takes channels (u * 8 + li) * 8 .. +7, so each load instruction of the 8 lanes is 128
@@ -237,6 +196,15 @@ __global__ void __launch_bounds__(ATTN_THREADS)
 
   for (long long t0 = start; t0 < end; t0 += ATTN_TILE) {
     const int n = (int)min((long long)ATTN_TILE, end - t0);
+    // The thread's values of the tile (its first VPRE positions) loaded before the scores,
+    // which they do not depend on: their trip to memory overlaps the keys', where loads
+    // issued after the softmax took one more round trip per four positions.
+    Pair<C> vpre[VPRE];
+#pragma unroll
+    for (int k = 0; k < VPRE; k++) {
+      const int tt = tp + k * TP;
+      if (tt < n) vpre[k] = *reinterpret_cast<const Pair<C>*>(vc + base + (size_t)(t0 + tt) * HD + 2 * dp);
+    }
     // Scores: warp w takes positions w*16 .. w*16+15, four at a time (the four passes'
     // loads in flight together, but for head_dim 256, whose keys would not fit the registers).
 #pragma unroll(HD <= 128 ? 4 : 1)
@@ -267,22 +235,7 @@ __global__ void __launch_bounds__(ATTN_THREADS)
       }
     }
     __syncthreads();
-    // Online softmax: warp w updates query rows w, w + 4, ...
-    for (int g = warp; g < group; g += WARPS) {
-      const float s0 = ps[g][lane], s1 = ps[g][lane + 32];
-      const float m_old = m_s[g];
-      const float m_new = fmaxf(m_old, warp_max(fmaxf(s0, s1)));
-      const float p0 = __expf(s0 - m_new), p1 = __expf(s1 - m_new);
-      ps[g][lane] = p0;
-      ps[g][lane + 32] = p1;
-      const float total = warp_sum(p0 + p1);
-      if (lane == 0) {
-        const float alpha = __expf(m_old - m_new);
-        alpha_s[g] = alpha;
-        l_s[g] = l_s[g] * alpha + total;
-        m_s[g] = m_new;
-      }
-    }
+    softmax_tile<WARPS>(ps, m_s, l_s, alpha_s, group, warp, lane);
     __syncthreads();
     // Values.
 #pragma unroll
@@ -291,8 +244,21 @@ __global__ void __launch_bounds__(ATTN_THREADS)
       a0[g] *= alpha_s[g];
       a1[g] *= alpha_s[g];
     }
-    // Four positions' values loaded before any is used: four loads in flight, not one.
-    for (int t4 = tp; t4 < n; t4 += 4 * TP) {
+#pragma unroll
+    for (int k = 0; k < VPRE; k++) {
+      const int tt = tp + k * TP;
+      if (tt >= n) break;
+      const float x = to_f(vpre[k].x), y = to_f(vpre[k].y);
+#pragma unroll
+      for (int g = 0; g < GP; g++) {
+        if (g >= group) break;
+        const float p = ps[g][tt];
+        a0[g] += p * x;
+        a1[g] += p * y;
+      }
+    }
+    // The rest (head_dim 256), four positions' values loaded before any is used.
+    for (int t4 = tp + VPRE * TP; t4 < n; t4 += 4 * TP) {
       float v0[4], v1[4];
 #pragma unroll
       for (int u = 0; u < 4; u++) {
@@ -349,44 +315,6 @@ __global__ void __launch_bounds__(ATTN_THREADS)
   }
 }
 
-// One query head: the chunks weighted by exp(m_s - max m), over the weighted sum of their
-// softmax denominators. Chunk 0 always holds position 0: the max is finite. Each chunk's
-// (m, l) read once into shared memory, its weight computed once; each channel's sum then
-// reads the chunks' partial sums with several loads in flight.
-constexpr int MAX_SPLITS = 128;
-
-template <typename C>
-__global__ void attn_merge_kernel(const float* __restrict__ acc, const float* __restrict__ ml, C* __restrict__ out,
-                                  int NH, int NKV, int splits, int group, int GP, int HD) {
-  __shared__ float weight[MAX_SPLITS];
-  __shared__ float inv_denom;
-  const int bh = blockIdx.x, g = blockIdx.y;
-  const int b = bh / NKV, kh = bh % NKV;
-  const size_t first = (size_t)bh * splits * GP + g;  // chunk s's slot: first + s * GP
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    float top = -INFINITY;
-    for (int s = lane; s < splits; s += 32) top = fmaxf(top, ml[(first + (size_t)s * GP) * 2]);
-    top = warp_max(top);
-    float denom = 0.0f;
-    for (int s = lane; s < splits; s += 32) {
-      const size_t slot = first + (size_t)s * GP;
-      const float w = __expf(ml[slot * 2] - top);
-      weight[s] = w;
-      denom += ml[slot * 2 + 1] * w;
-    }
-    denom = warp_sum(denom);
-    if (lane == 0) inv_denom = 1.0f / denom;
-  }
-  __syncthreads();
-  for (int d = threadIdx.x; d < HD; d += blockDim.x) {
-    float sum = 0.0f;
-#pragma unroll 8
-    for (int s = 0; s < splits; s++) sum += acc[(first + (size_t)s * GP) * HD + d] * weight[s];
-    out[((size_t)b * NH + kh * group + g) * HD + d] = from_f<C>(sum * inv_denom);
-  }
-}
-
 // ---- SiLU * up -----------------------------------------------------------------------
 // gate/up [B, 2F] -> silu(gate) * up [B, F]; `paired`: the INT4 kernel's paired column
 // order (each 16 columns are 8 gate then the same 8 up).
@@ -400,27 +328,6 @@ __global__ void silu_mul_kernel(const G* __restrict__ gu, O* __restrict__ out, i
   const float gate = to_f(gu[(size_t)row * 2 * F + gate_at]);
   const float up = to_f(gu[(size_t)row * 2 * F + up_at]);
   out[(size_t)row * F + i] = from_f<O>(gate / (1.0f + __expf(-gate)) * up);
-}
-
-// Calls f with a null pointer of the type a dtype code names.
-template <typename F>
-cudaError_t with_type(int dtype, F f) {
-  switch (dtype) {
-    case 0:
-      return f(static_cast<__nv_bfloat16*>(nullptr));
-    case 1:
-      return f(static_cast<__half*>(nullptr));
-    case 2:
-      return f(static_cast<float*>(nullptr));
-    default:
-      return cudaErrorInvalidValue;
-  }
-}
-
-// Calls f with null pointers of the types two dtype codes name (an input's and an output's).
-template <typename F>
-cudaError_t with_types(int a, int b, F f) {
-  return with_type(a, [&](auto* x) { return with_type(b, [&](auto* y) { return f(x, y); }); });
 }
 
 template <typename C, int HD, int GP>
@@ -451,9 +358,9 @@ extern "C" {
 
 int edge_add_rmsnorm(float* x, const void* delta, int delta_dtype, const void* w, void* h, int dtype, int B, int H,
                      float eps, void* stream) {
-  // Threads for a row: a warp at least, 1024 at most, each taking up to NORM_PER values.
-  const int threads = max(32, min(1024, (((H + NORM_PER - 1) / NORM_PER + 31) / 32) * 32));
-  if (H < 1 || H > 1024 * NORM_PER) return int(cudaErrorInvalidValue);
+  // Threads for a row: a warp at least, NORM_THREADS at most, each taking up to NORM_PER values.
+  const int threads = max(32, min(NORM_THREADS, (((H + NORM_PER - 1) / NORM_PER + 31) / 32) * 32));
+  if (H < 1 || H > NORM_THREADS * NORM_PER) return int(cudaErrorInvalidValue);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return int(with_types(delta_dtype, dtype, [&](auto* dd, auto* t) {
     using D = std::remove_pointer_t<decltype(dd)>;
@@ -513,7 +420,7 @@ int edge_decode_attention(const void* q, const void* kc, const void* vc, const l
       if (HD == 128) rc = split_for_group<C, 128>(gp, q, kc, vc, pos, acc, ml, B, NH, NKV, max_len, chunk, splits, s);
       if (HD == 256) rc = split_for_group<C, 256>(gp, q, kc, vc, pos, acc, ml, B, NH, NKV, max_len, chunk, splits, s);
       if (rc != cudaSuccess) return rc;
-      attn_merge_kernel<C><<<dim3(B * NKV, NH / NKV), 128, 0, s>>>(acc, ml, static_cast<C*>(out), NH, NKV, splits,
+      attn_merge_kernel<C><<<dim3(B * NKV, NH / NKV), MERGE_THREADS, 0, s>>>(acc, ml, static_cast<C*>(out), NH, NKV, splits,
                                                                     NH / NKV, gp, HD);
       return cudaGetLastError();
     }

@@ -1,0 +1,170 @@
+// What our CUDA attention sources share (decode_ops.cu over float caches, kv_ops.cu over
+// the quantized ones): type conversions, warp reductions, the rotary, the merge of an
+// attention's splits, and the dispatch from a dtype code to a type. Included by each .cu
+// (cuda_build.py hashes this header into every library's cache key).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace edge_cuda {
+
+// dtype codes shared with decode_ops.py: 0 bfloat16, 1 float16, 2 float32.
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_f(float v);
+template <>
+__device__ __forceinline__ float from_f<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __half from_f<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// The tables hold [freqs, freqs]: the first half of a row serves both halves.
+template <typename Q>
+__device__ __forceinline__ void rotate(const Q* src, const float* cos, const float* sin, long long pos, int HD,
+                                       int r, float* o1, float* o2) {
+  const int half = HD / 2;
+  const float x1 = to_f(src[r]), x2 = to_f(src[r + half]);
+  const float c = cos[pos * HD + r], s = sin[pos * HD + r];
+  *o1 = x1 * c - x2 * s;
+  *o2 = x2 * c + x1 * s;
+}
+
+// One tile's step of the online softmax, for tiles of 64 positions: the scores ps[g][t]
+// (-inf where masked) become weights; alpha_s[g] the rescale of the sums so far; m_s and
+// l_s the running max and sum. Warp w updates query rows w, w + WARPS, ...
+template <int WARPS>
+__device__ __forceinline__ void softmax_tile(float (*ps)[64], float* m_s, float* l_s, float* alpha_s, int group,
+                                             int warp, int lane) {
+  for (int g = warp; g < group; g += WARPS) {
+    const float s0 = ps[g][lane], s1 = ps[g][lane + 32];
+    const float m_old = m_s[g];
+    const float m_new = fmaxf(m_old, warp_max(fmaxf(s0, s1)));
+    const float p0 = __expf(s0 - m_new), p1 = __expf(s1 - m_new);
+    ps[g][lane] = p0;
+    ps[g][lane + 32] = p1;
+    const float total = warp_sum(p0 + p1);
+    if (lane == 0) {
+      const float alpha = __expf(m_old - m_new);
+      alpha_s[g] = alpha;
+      l_s[g] = l_s[g] * alpha + total;
+      m_s[g] = m_new;
+    }
+  }
+}
+
+// Two neighbouring channels of a cache row, read in one 4-byte load.
+template <typename C>
+struct __align__(2 * sizeof(C)) Pair {
+  C x, y;
+};
+
+// One query head: the chunks weighted by exp(m_s - max m), over the weighted sum of their
+// softmax denominators. Chunk 0 always holds position 0: the max is finite. MERGE_THREADS
+// threads: each channel's chunks shared out among MERGE_THREADS / HD threads, each of
+// which loads its chunks' partial sums (up to MERGE_BATCH at once) while the first warp
+// computes the chunks' weights, so the whole merge is about one trip to memory; the
+// threads' sums then added in a fixed order (a sequence's output the same alone or
+// batched).
+constexpr int MAX_SPLITS = 128;
+constexpr int MERGE_THREADS = 512;
+constexpr int MERGE_BATCH = 32;
+
+template <typename C>
+__global__ void __launch_bounds__(MERGE_THREADS)
+    attn_merge_kernel(const float* __restrict__ acc, const float* __restrict__ ml, C* __restrict__ out, int NH,
+                      int NKV, int splits, int group, int GP, int HD) {
+  __shared__ float weight[MAX_SPLITS];
+  __shared__ float inv_denom;
+  __shared__ float part_sum[MERGE_THREADS];
+  const int bh = blockIdx.x, g = blockIdx.y;
+  const int b = bh / NKV, kh = bh % NKV;
+  const size_t first = (size_t)bh * splits * GP + g;  // chunk s's slot: first + s * GP
+  const int parts = blockDim.x / HD, d = threadIdx.x % HD, part = threadIdx.x / HD;
+  const int mine = part < parts ? (splits - part + parts - 1) / parts : 0;  // chunks part, part + parts, ...
+  float vals[MERGE_BATCH];
+#pragma unroll
+  for (int k = 0; k < MERGE_BATCH; k++) vals[k] = k < mine ? acc[(first + (size_t)(part + k * parts) * GP) * HD + d] : 0.0f;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    float top = -INFINITY;
+    for (int s = lane; s < splits; s += 32) top = fmaxf(top, ml[(first + (size_t)s * GP) * 2]);
+    top = warp_max(top);
+    float denom = 0.0f;
+    for (int s = lane; s < splits; s += 32) {
+      const size_t slot = first + (size_t)s * GP;
+      const float w = __expf(ml[slot * 2] - top);
+      weight[s] = w;
+      denom += ml[slot * 2 + 1] * w;
+    }
+    denom = warp_sum(denom);
+    if (lane == 0) inv_denom = 1.0f / denom;
+  }
+  __syncthreads();
+  float sum = 0.0f;
+#pragma unroll
+  for (int k = 0; k < MERGE_BATCH; k++) {
+    if (k < mine) sum += vals[k] * weight[part + k * parts];
+  }
+  for (int k0 = MERGE_BATCH; k0 < mine; k0 += MERGE_BATCH) {  // more chunks than a batch a thread
+#pragma unroll
+    for (int k = 0; k < MERGE_BATCH; k++) {
+      vals[k] = k0 + k < mine ? acc[(first + (size_t)(part + (k0 + k) * parts) * GP) * HD + d] : 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < MERGE_BATCH; k++) {
+      if (k0 + k < mine) sum += vals[k] * weight[part + (k0 + k) * parts];
+    }
+  }
+  part_sum[threadIdx.x] = sum;
+  __syncthreads();
+  if (part == 0) {
+    float total = sum;
+    for (int p = 1; p < parts; p++) total += part_sum[p * HD + d];
+    out[((size_t)b * NH + kh * group + g) * HD + d] = from_f<C>(total * inv_denom);
+  }
+}
+
+// Calls f with a null pointer of the type a dtype code names.
+template <typename F>
+cudaError_t with_type(int dtype, F f) {
+  switch (dtype) {
+    case 0:
+      return f(static_cast<__nv_bfloat16*>(nullptr));
+    case 1:
+      return f(static_cast<__half*>(nullptr));
+    case 2:
+      return f(static_cast<float*>(nullptr));
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+// Calls f with null pointers of the types two dtype codes name (an input's and an output's).
+template <typename F>
+cudaError_t with_types(int a, int b, F f) {
+  return with_type(a, [&](auto* x) { return with_type(b, [&](auto* y) { return f(x, y); }); });
+}
+
+}  // namespace edge_cuda

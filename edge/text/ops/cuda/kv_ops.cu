@@ -1,0 +1,683 @@
+// The quantized KV cache's kernels in CUDA C (edge/text/kv/quant_cache.py's layout), for
+// boxes without Triton (a Jetson): the same work as edge/text/ops/triton/triton_kv.py.
+//
+// - A decode step's token into its row's float ring (rotated here in the fused step, with
+//   the queries), and, on the step a key block leaves the window, that block coded from
+//   the ring by one more block of threads a KV head in the same launch: the block's
+//   tokens are older than the step's, so no other block of the launch writes them.
+// - Attention split over the cache: each tile of 64 positions read from the codes (below
+//   the row's coded length) or from the float ring (from there on), then merged as the
+//   float cache's attention is (attention_common.cuh). Key scales (and int4 zero points)
+//   are folded into the query once a tile; a value's scale multiplies its codes.
+//
+// Codes are computed as kv_quant.py computes them in torch (float32, IEEE division, halves
+// rounded up, scales rounded to float16), so a cache coded here equals one coded there,
+// code for code. Positions are read on the device, so a step captures into CUDA graphs.
+#include <stdint.h>
+
+#include <type_traits>
+
+#include "attention_common.cuh"
+
+namespace {
+
+using namespace edge_cuda;
+
+// The format (kv_quant.KVFormat) and the layer's sizes, as the entries receive them.
+struct Format {
+  int KB;        // tokens sharing a key scale per channel (a multiple of the 64-position tile)
+  int VG;        // channels sharing a value scale
+  int W;         // the window of newest tokens kept float
+  int RING;      // ring slots; slot RING takes the row's last position's writes
+  int SINK;      // the first tokens kept float for good
+  int vsym;      // int4 values: codes 1..15 about 8, no zero point
+  int code_len;  // positions the codes are allocated for
+  int blocks;    // key blocks the scales are allocated for
+};
+
+// One layer's tensors, each [rows, NKV, ...]: the ring [.., RING + 1, HD] and the sink
+// [.., SINK, HD] in the activations' type; codes [.., code_len, HD] int8 or [.., HD / 2]
+// two int4 a byte (the even channel in the low nibble); key scales and zero points
+// [.., blocks, HD] and value ones [.., code_len, HD / VG], float16.
+template <typename C>
+struct Layer {
+  C* ring_k;
+  C* ring_v;
+  uint8_t* kc;
+  __half* ks;
+  __half* kz;
+  uint8_t* vc;
+  __half* vs;
+  __half* vz;
+  C* sink_k;
+  C* sink_v;
+};
+
+__device__ __forceinline__ int ring_slot(long long pos, int max_len, const Format& f) {
+  return pos == max_len - 1 ? f.RING : (int)(pos % f.RING);
+}
+
+// Whether the token at `pos` is the one with which a key block leaves the window (the
+// block is pos - W - KB .. pos - W - 1): quant_cache's fmt.coded grows by KB there.
+__device__ __forceinline__ bool block_due(long long pos, int max_len, const Format& f) {
+  return pos != max_len - 1 && pos - f.W >= f.KB && (pos - f.W) % f.KB == 0;
+}
+
+// Round to the nearest integer, halves up, and clamp (kv_quant._round): no contraction.
+__device__ __forceinline__ float code_of(float x, float safe, float lo, float hi) {
+  return fminf(fmaxf(floorf(__fadd_rn(__fdiv_rn(x, safe), 0.5f)), lo), hi);
+}
+
+__device__ __forceinline__ float safe_scale(__half s) {
+  const float f = __half2float(s);
+  return f > 0.0f ? f : 1.0f;
+}
+
+// The keys of the block leaving the window with the token at `pos`, coded from the ring
+// with scales per channel: a thread per channel pair. The sink tokens (read float) count
+// as the first token after them, as kv_quant.without_sink has it.
+template <typename C, bool INT4>
+__device__ void code_keys(const Layer<C>& L, const Format& f, int head, long long pos, int HD) {
+  const long long b0 = pos - f.W - f.KB;
+  const C* ring = L.ring_k + (size_t)head * (f.RING + 1) * HD;
+  const size_t at = ((size_t)head * f.blocks + b0 / f.KB) * HD;
+  const int cb = INT4 ? HD / 2 : HD;
+  for (int p = threadIdx.x; p < HD / 2; p += blockDim.x) {
+    float lo[2] = {INFINITY, INFINITY}, hi[2] = {-INFINITY, -INFINITY};
+    for (int i = 0; i < f.KB; i++) {
+      const long long t = max(b0 + i, (long long)f.SINK);
+      const Pair<C> x = *reinterpret_cast<const Pair<C>*>(ring + (t % f.RING) * HD + 2 * p);
+      lo[0] = fminf(lo[0], to_f(x.x));
+      hi[0] = fmaxf(hi[0], to_f(x.x));
+      lo[1] = fminf(lo[1], to_f(x.y));
+      hi[1] = fmaxf(hi[1], to_f(x.y));
+    }
+    float low[2], safe[2];
+#pragma unroll
+    for (int c = 0; c < 2; c++) {
+      __half scale;
+      if (INT4) {
+        const __half zero = __float2half_rn(lo[c]);
+        low[c] = __half2float(zero);
+        scale = __float2half_rn(__fdiv_rn(__fsub_rn(hi[c], low[c]), 15.0f));
+        L.kz[at + 2 * p + c] = zero;
+      } else {
+        low[c] = 0.0f;
+        scale = __float2half_rn(__fdiv_rn(fmaxf(fabsf(lo[c]), fabsf(hi[c])), 127.0f));
+      }
+      L.ks[at + 2 * p + c] = scale;
+      safe[c] = safe_scale(scale);
+    }
+    for (int i = 0; i < f.KB; i++) {
+      const long long t = max(b0 + i, (long long)f.SINK);
+      const Pair<C> x = *reinterpret_cast<const Pair<C>*>(ring + (t % f.RING) * HD + 2 * p);
+      uint8_t* dst = L.kc + ((size_t)head * f.code_len + b0 + i) * cb;
+      if (INT4) {
+        const int c0 = (int)code_of(__fsub_rn(to_f(x.x), low[0]), safe[0], 0.0f, 15.0f);
+        const int c1 = (int)code_of(__fsub_rn(to_f(x.y), low[1]), safe[1], 0.0f, 15.0f);
+        dst[p] = (uint8_t)(c0 | (c1 << 4));
+      } else {
+        dst[2 * p] = (uint8_t)(int8_t)code_of(to_f(x.x), safe[0], -127.0f, 127.0f);
+        dst[2 * p + 1] = (uint8_t)(int8_t)code_of(to_f(x.y), safe[1], -127.0f, 127.0f);
+      }
+    }
+  }
+}
+
+// The values of that block, with scales per token and group of VG channels: a warp per
+// token, each lane HD / 32 neighbouring channels, a group's extremes reduced across its
+// lanes (VG / (HD / 32) of them, a power of two).
+template <typename C, bool INT4>
+__device__ void code_values(const Layer<C>& L, const Format& f, int head, long long pos, int HD) {
+  constexpr int MAX_CPL = 8;  // head_dim 256
+  const long long b0 = pos - f.W - f.KB;
+  const C* ring = L.ring_v + (size_t)head * (f.RING + 1) * HD;
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int cpl = HD / 32, lpg = f.VG / cpl, groups = HD / f.VG;
+  for (int i = warp; i < f.KB; i += warps) {
+    const long long t = b0 + i;
+    const C* src = ring + (t % f.RING) * HD + lane * cpl;
+    float x[MAX_CPL];
+    float lo = INFINITY, hi = -INFINITY;
+#pragma unroll
+    for (int e = 0; e < MAX_CPL; e++) {
+      if (e < cpl) {
+        x[e] = to_f(src[e]);
+        lo = fminf(lo, x[e]);
+        hi = fmaxf(hi, x[e]);
+      }
+    }
+    for (int o = lpg / 2; o > 0; o >>= 1) {
+      lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+      hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
+    }
+    const size_t tok = (size_t)head * f.code_len + t;
+    const size_t g_at = tok * groups + lane * cpl / f.VG;
+    float low = 0.0f, qmin, qmax, shift = 0.0f;
+    __half scale;
+    if (INT4 && !f.vsym) {
+      const __half zero = __float2half_rn(lo);
+      low = __half2float(zero);
+      scale = __float2half_rn(__fdiv_rn(__fsub_rn(hi, low), 15.0f));
+      qmin = 0.0f;
+      qmax = 15.0f;
+      if (lane % lpg == 0) L.vz[g_at] = zero;
+    } else {
+      const float limit = INT4 ? 7.0f : 127.0f;
+      scale = __float2half_rn(__fdiv_rn(fmaxf(fabsf(lo), fabsf(hi)), limit));
+      qmin = -limit;
+      qmax = limit;
+      shift = INT4 ? 8.0f : 0.0f;
+    }
+    if (lane % lpg == 0) L.vs[g_at] = scale;
+    const float safe = safe_scale(scale);
+#pragma unroll
+    for (int e = 0; e < MAX_CPL; e += 2) {
+      if (e < cpl) {
+        const float c0 = code_of(__fsub_rn(x[e], low), safe, qmin, qmax) + shift;
+        const float c1 = code_of(__fsub_rn(x[e + 1], low), safe, qmin, qmax) + shift;
+        if (INT4) {
+          L.vc[tok * (HD / 2) + (lane * cpl + e) / 2] = (uint8_t)((int)c0 | ((int)c1 << 4));
+        } else {
+          L.vc[tok * HD + lane * cpl + e] = (uint8_t)(int8_t)c0;
+          L.vc[tok * HD + lane * cpl + e + 1] = (uint8_t)(int8_t)c1;
+        }
+      }
+    }
+  }
+}
+
+template <typename C>
+__device__ __forceinline__ void put(C* ring, C* sink, int head, long long pos, int slot, const Format& f, int HD,
+                                    int d, float x) {
+  ring[((size_t)head * (f.RING + 1) + slot) * HD + d] = from_f<C>(x);
+  if (pos < f.SINK) sink[((size_t)head * f.SINK + pos) * HD + d] = from_f<C>(x);
+}
+
+template <typename C, bool INT4>
+__device__ void code_block(const Layer<C>& L, const Format& f, int head, long long pos, int HD) {
+  code_keys<C, INT4>(L, f, head, pos, HD);
+  code_values<C, INT4>(L, f, head, pos, HD);
+}
+
+// The fused step's rotary for a quantized cache: block (b, head) of NH + 2 NKV + NKV. q
+// rotated and pre-scaled into q [B, NH, HD]; k rotated and v written into the ring (and
+// the sink) at pos[b]; the last NKV blocks code the block leaving the window, if one does.
+template <typename Q, typename C, bool INT4>
+__global__ void kv_rope_write_kernel(const Q* __restrict__ qkv, const float* __restrict__ cos,
+                                     const float* __restrict__ sin, const long long* __restrict__ pos_ptr,
+                                     C* __restrict__ q, Layer<C> L, Format f, int NH, int NKV, int max_len,
+                                     float q_scale, int HD) {
+  const int b = blockIdx.x, head = blockIdx.y, half = HD / 2;
+  const long long pos = pos_ptr[b];
+  if (head >= NH + 2 * NKV) {
+    if (block_due(pos, max_len, f)) code_block<C, INT4>(L, f, b * NKV + head - NH - 2 * NKV, pos, HD);
+    return;
+  }
+  const int slot = ring_slot(pos, max_len, f);
+  const Q* row = qkv + ((size_t)b * (NH + 2 * NKV) + head) * HD;
+  for (int r = threadIdx.x; r < half; r += blockDim.x) {
+    float o1, o2;
+    if (head < NH + NKV) {
+      rotate(row, cos, sin, pos, HD, r, &o1, &o2);
+    } else {
+      o1 = to_f(row[r]);
+      o2 = to_f(row[r + half]);
+    }
+    if (head < NH) {
+      C* dst = q + ((size_t)b * NH + head) * HD;
+      dst[r] = from_f<C>(o1 * q_scale);
+      dst[r + half] = from_f<C>(o2 * q_scale);
+    } else {
+      const bool is_k = head < NH + NKV;
+      const int kv = b * NKV + (is_k ? head - NH : head - NH - NKV);
+      C* ring = is_k ? L.ring_k : L.ring_v;
+      C* sink = is_k ? L.sink_k : L.sink_v;
+      put(ring, sink, kv, pos, slot, f, HD, r, o1);
+      put(ring, sink, kv, pos, slot, f, HD, r + half, o2);
+    }
+  }
+}
+
+// The op-by-op step's write: k, v [B, NKV, HD] (rotated) of one token per row at pos[b];
+// block (b, h) of 2 NKV + NKV, the last NKV coding.
+template <typename K, typename C, bool INT4>
+__global__ void kv_write_kernel(const K* __restrict__ k, const K* __restrict__ v, const long long* __restrict__ pos_ptr,
+                                Layer<C> L, Format f, int NKV, int max_len, int HD) {
+  const int b = blockIdx.x, h = blockIdx.y;
+  const long long pos = pos_ptr[b];
+  if (h >= 2 * NKV) {
+    if (block_due(pos, max_len, f)) code_block<C, INT4>(L, f, b * NKV + h - 2 * NKV, pos, HD);
+    return;
+  }
+  const bool is_k = h < NKV;
+  const int kv = b * NKV + (is_k ? h : h - NKV);
+  const K* src = (is_k ? k : v) + (size_t)kv * HD;
+  const int slot = ring_slot(pos, max_len, f);
+  for (int d = threadIdx.x; d < HD; d += blockDim.x)
+    put(is_k ? L.ring_k : L.ring_v, is_k ? L.sink_k : L.sink_v, kv, pos, slot, f, HD, d, to_f(src[d]));
+}
+
+// ---- attention -----------------------------------------------------------------------
+constexpr int KV_THREADS = 128;
+constexpr int KV_TILE = 64;  // positions a pass; a key block is whole tiles
+constexpr int LANES = 8;     // lanes sharing one key's dot products
+
+// BYTES (4, 8 or a multiple of 16) from 16-byte-aligned rows into words.
+template <int BYTES>
+__device__ __forceinline__ void load_words(const void* src, uint32_t* out) {
+  if constexpr (BYTES % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < BYTES / 16; i++) {
+      const uint4 w = reinterpret_cast<const uint4*>(src)[i];
+      out[4 * i] = w.x;
+      out[4 * i + 1] = w.y;
+      out[4 * i + 2] = w.z;
+      out[4 * i + 3] = w.w;
+    }
+  } else if constexpr (BYTES == 8) {
+    const uint2 w = *reinterpret_cast<const uint2*>(src);
+    out[0] = w.x;
+    out[1] = w.y;
+  } else {
+    static_assert(BYTES == 4, "4, 8 or 16n bytes");
+    out[0] = *reinterpret_cast<const uint32_t*>(src);
+  }
+}
+
+// A lane's EPL neighbouring channels of one key, as floats: from the activations' type,
+// int8 codes, or int4 codes (the even channel in the low nibble).
+template <typename C, int EPL>
+__device__ __forceinline__ void float_key(const C* src, float* out) {
+  uint32_t w[EPL * sizeof(C) / 4];
+  load_words<EPL * sizeof(C)>(src, w);
+  const C* vals = reinterpret_cast<const C*>(w);
+#pragma unroll
+  for (int e = 0; e < EPL; e++) out[e] = to_f(vals[e]);
+}
+
+template <bool INT4, int EPL>
+__device__ __forceinline__ void coded_key(const uint8_t* src, float* out) {
+  constexpr int BYTES = INT4 ? EPL / 2 : EPL;
+  uint32_t w[BYTES / 4];
+  load_words<BYTES>(src, w);
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(w);
+#pragma unroll
+  for (int j = 0; j < BYTES; j++) {
+    if (INT4) {
+      out[2 * j] = (float)(bytes[j] & 15);
+      out[2 * j + 1] = (float)(bytes[j] >> 4);
+    } else {
+      out[j] = (float)(int8_t)bytes[j];
+    }
+  }
+}
+
+// The GROUP query heads of KV head kh of query qi against one chunk of the cache: the
+// float cache's split kernel (decode_ops.cu) over codes and a ring. Decode (pos given):
+// query qi is row qi's token at pos[qi], coded up to kv_quant's coded(pos + 1), its float
+// tokens in the row's ring (slot t % RING). Chunk (pos null): query qi is position
+// start_in + qi of row 0, coded up to coded_in, its float tokens from coded_in on in kf,
+// vf [1, NKV, falloc, HD] (slot t - coded_in). Partial sums to acc and (m, l) to ml.
+template <typename C, int HD, int GP, bool INT4>
+__global__ void __launch_bounds__(KV_THREADS)
+    kv_attn_split_kernel(const C* __restrict__ q, Layer<C> L, Format f, const C* __restrict__ kf,
+                         const C* __restrict__ vf, const long long* __restrict__ pos_ptr, float* __restrict__ acc,
+                         float* __restrict__ ml, int start_in, int coded_in, float q_scale, int NH, int NKV,
+                         int falloc, int fmod, int chunk, int splits, int group) {
+  constexpr int EPL = HD / LANES;  // channels a lane takes in the scores
+  constexpr int CB = INT4 ? HD / 2 : HD;
+  constexpr int PAIRS = HD / 2;
+  constexpr int TP = KV_THREADS / PAIRS;
+  constexpr int WARPS = KV_THREADS / 32;
+  constexpr int KEYS_PER_PASS = 32 / LANES;
+  constexpr int VPRE = KV_TILE / TP < 16 ? KV_TILE / TP : 16;  // values a thread loads at once
+  static_assert(EPL % 8 == 0 && TP >= 1, "head_dim 64, 128 or 256");
+  // Queries with channel li * EPL + e at e * LANES + li: a key's 8 lanes read 8 neighbouring words.
+  __shared__ float qs[GP][HD];  // the queries, scaled
+  __shared__ float qk[GP][HD];  // times the tile's key scales
+  __shared__ float qz[GP];      // the queries . the tile's key zero points (int4)
+  __shared__ float ps[GP][KV_TILE];
+  __shared__ float m_s[GP], l_s[GP], alpha_s[GP];
+  __shared__ float red[TP > 1 ? TP - 1 : 1][GP][HD];
+
+  const int bh = blockIdx.x, sp = blockIdx.y;
+  const int qi = bh / NKV, kh = bh % NKV;
+  long long pos, coded, fbase;
+  int row;
+  if (pos_ptr != nullptr) {
+    pos = pos_ptr[qi];
+    row = qi;
+    coded = max(pos - f.W, 0LL) / f.KB * f.KB;
+    fbase = 0;
+  } else {
+    pos = start_in + qi;
+    row = 0;
+    coded = coded_in;
+    fbase = coded_in;
+  }
+  const int head = row * NKV + kh;
+  const long long start = (long long)sp * chunk;
+  const long long end = min(start + chunk, pos + 1);
+  const long long below = max(min(end, coded), start);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int li = lane % LANES, lg = lane / LANES;
+  const int groups = HD / f.VG;
+
+  for (int i = tid; i < GP * HD; i += KV_THREADS) {
+    const int g = i / HD, d = i % HD;
+    const float v = g < group ? to_f(q[((size_t)qi * NH + kh * group + g) * HD + d]) * q_scale : 0.0f;
+    qs[g][(d % EPL) * LANES + d / EPL] = v;
+  }
+  if (tid < GP) {
+    m_s[tid] = -INFINITY;
+    l_s[tid] = 0.0f;
+  }
+  const int dp = tid % PAIRS, tp = tid / PAIRS;
+  float a0[GP], a1[GP];
+#pragma unroll
+  for (int g = 0; g < GP; g++) a0[g] = a1[g] = 0.0f;
+  const size_t codes_at = (size_t)head * f.code_len;
+  const C* kf_row = kf + ((size_t)row * NKV + kh) * falloc * HD;
+  const C* vf_row = vf + ((size_t)row * NKV + kh) * falloc * HD;
+  __syncthreads();
+
+  for (long long t0 = start; t0 < end; t0 += KV_TILE) {
+    const int n = (int)min((long long)KV_TILE, end - t0);
+    const bool is_coded = t0 < below;  // a tile lies wholly below or above the coded length
+    // A position's value pair as loaded (float pair, or codes with their scale and zero
+    // point), raw: loaded before the scores, which they do not depend on, their trip to
+    // memory overlaps the keys'; decoded after the softmax.
+    auto raw = [&](int tt, uint32_t& w, uint32_t& sw) {
+      const long long t = t0 + tt;
+      if (!is_coded || t < f.SINK) {
+        const C* src =
+            !is_coded ? vf_row + (size_t)((t - fbase) % fmod) * HD : L.sink_v + ((size_t)head * f.SINK + t) * HD;
+        w = *reinterpret_cast<const uint32_t*>(src + 2 * dp);
+        sw = 0u;  // float: no scale
+        return;
+      }
+      const size_t tok = codes_at + t;
+      const size_t g_at = tok * groups + 2 * dp / f.VG;
+      w = INT4 ? (uint32_t)L.vc[tok * (HD / 2) + dp] : (uint32_t)*reinterpret_cast<const uint16_t*>(L.vc + tok * HD + 2 * dp);
+      const uint32_t zero = INT4 && !f.vsym ? (uint32_t)__half_as_ushort(L.vz[g_at]) : 0u;
+      sw = (uint32_t)__half_as_ushort(L.vs[g_at]) | (zero << 16);
+    };
+    auto fetch = [&](int k0, uint32_t* w, uint32_t* sw) {
+#pragma unroll
+      for (int k = 0; k < VPRE; k++) {
+        const int tt = tp + (k0 + k) * TP;
+        if (tt < n) raw(tt, w[k], sw[k]);
+      }
+    };
+    auto accumulate_from = [&](int k0, const uint32_t* w, const uint32_t* sw) {
+#pragma unroll
+      for (int k = 0; k < VPRE; k++) {
+        const int tt = tp + (k0 + k) * TP;
+        if (tt >= n) break;
+        float x, y;
+        if (!is_coded || t0 + tt < f.SINK) {
+          const Pair<C> pair = *reinterpret_cast<const Pair<C>*>(&w[k]);
+          x = to_f(pair.x);
+          y = to_f(pair.y);
+        } else {
+          const float scale = __half2float(__ushort_as_half((unsigned short)(sw[k] & 0xffffu)));
+          const float zero = __half2float(__ushort_as_half((unsigned short)(sw[k] >> 16)));
+          float c0, c1;
+          if (INT4) {
+            const float shift = f.vsym ? 8.0f : 0.0f;
+            c0 = (float)(w[k] & 15u) - shift;
+            c1 = (float)((w[k] >> 4) & 15u) - shift;
+          } else {
+            c0 = (float)(int8_t)(w[k] & 0xffu);
+            c1 = (float)(int8_t)((w[k] >> 8) & 0xffu);
+          }
+          x = c0 * scale + zero;
+          y = c1 * scale + zero;
+        }
+#pragma unroll
+        for (int g = 0; g < GP; g++) {
+          if (g >= group) break;
+          const float p = ps[g][tt];
+          a0[g] += p * x;
+          a1[g] += p * y;
+        }
+      }
+    };
+    uint32_t vw[VPRE], vs_w[VPRE];
+    fetch(0, vw, vs_w);
+    if (is_coded) {
+      // The tile's key scales (and zero points) folded into the queries.
+      const size_t s_at = ((size_t)head * f.blocks + t0 / f.KB) * HD;
+      for (int i = tid; i < group * HD; i += KV_THREADS) {
+        const int g = i / HD, d = i % HD;
+        const int at = (d % EPL) * LANES + d / EPL;
+        qk[g][at] = qs[g][at] * __half2float(L.ks[s_at + d]);
+      }
+      if (INT4) {
+        for (int g = warp; g < group; g += WARPS) {
+          float s = 0.0f;
+          for (int d = lane; d < HD; d += 32) s += qs[g][(d % EPL) * LANES + d / EPL] * __half2float(L.kz[s_at + d]);
+          s = warp_sum(s);
+          if (lane == 0) qz[g] = s;
+        }
+      }
+      __syncthreads();
+    }
+    // Scores: warp w takes positions w*16 .. w*16+15, four at a time.
+#pragma unroll(HD <= 128 ? 4 : 1)
+    for (int j = 0; j < KV_TILE / (WARPS * KEYS_PER_PASS); j++) {
+      const int tt = warp * (KV_TILE / WARPS) + j * KEYS_PER_PASS + lg;
+      const long long t = t0 + tt;
+      float kv[EPL];
+      bool scaled = false;  // the codes' scales are in qk (and zero points in qz)
+      if (tt >= n) {
+#pragma unroll
+        for (int e = 0; e < EPL; e++) kv[e] = 0.0f;
+      } else if (!is_coded) {
+        float_key<C, EPL>(kf_row + (size_t)((t - fbase) % fmod) * HD + li * EPL, kv);
+      } else if (t < f.SINK) {  // the first tokens: float, in place of their codes
+        float_key<C, EPL>(L.sink_k + ((size_t)head * f.SINK + t) * HD + li * EPL, kv);
+      } else {
+        coded_key<INT4, EPL>(L.kc + (codes_at + t) * CB + li * (INT4 ? EPL / 2 : EPL), kv);
+        scaled = true;
+      }
+      const float(*qrow)[HD] = scaled ? qk : qs;
+#pragma unroll
+      for (int g = 0; g < GP; g++) {
+        if (g >= group) break;
+        float s = 0.0f;
+#pragma unroll
+        for (int e = 0; e < EPL; e++) s += kv[e] * qrow[g][e * LANES + li];
+        for (int o = LANES / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (INT4 && scaled) s += qz[g];
+        if (li == 0) ps[g][tt] = tt < n ? s : -INFINITY;
+      }
+    }
+    __syncthreads();
+    softmax_tile<WARPS>(ps, m_s, l_s, alpha_s, group, warp, lane);
+    __syncthreads();
+#pragma unroll
+    for (int g = 0; g < GP; g++) {
+      if (g >= group) break;
+      a0[g] *= alpha_s[g];
+      a1[g] *= alpha_s[g];
+    }
+    // Values: each thread two channels, its positions tp, tp + TP, ... in batches of VPRE,
+    // the first batch loaded before the scores (see fetch).
+    for (int k0 = 0; k0 * TP < n; k0 += VPRE) {
+      if (k0 > 0) fetch(k0, vw, vs_w);
+      accumulate_from(k0, vw, vs_w);
+    }
+    __syncthreads();
+  }
+  // The TP position subsets' sums, added in a fixed order.
+  if (TP > 1 && tp > 0) {
+#pragma unroll
+    for (int g = 0; g < GP; g++) {
+      if (g >= group) break;
+      red[tp - 1][g][2 * dp] = a0[g];
+      red[tp - 1][g][2 * dp + 1] = a1[g];
+    }
+  }
+  __syncthreads();
+  if (tp == 0) {
+#pragma unroll
+    for (int g = 0; g < GP; g++) {
+      if (g >= group) break;
+      float s0 = a0[g], s1 = a1[g];
+      for (int u = 0; u < TP - 1; u++) {
+        s0 += red[u][g][2 * dp];
+        s1 += red[u][g][2 * dp + 1];
+      }
+      const size_t slot = ((size_t)bh * splits + sp) * GP + g;
+      acc[slot * HD + 2 * dp] = s0;
+      acc[slot * HD + 2 * dp + 1] = s1;
+      if (dp == 0) {
+        ml[slot * 2] = m_s[g];
+        ml[slot * 2 + 1] = l_s[g];
+      }
+    }
+  }
+}
+
+template <typename C>
+Layer<C> layer_of(const void* const* t) {
+  return Layer<C>{static_cast<C*>(const_cast<void*>(t[0])),       static_cast<C*>(const_cast<void*>(t[1])),
+                  static_cast<uint8_t*>(const_cast<void*>(t[2])), static_cast<__half*>(const_cast<void*>(t[3])),
+                  static_cast<__half*>(const_cast<void*>(t[4])),  static_cast<uint8_t*>(const_cast<void*>(t[5])),
+                  static_cast<__half*>(const_cast<void*>(t[6])),  static_cast<__half*>(const_cast<void*>(t[7])),
+                  static_cast<C*>(const_cast<void*>(t[8])),       static_cast<C*>(const_cast<void*>(t[9]))};
+}
+
+Format format_of(const int* v) { return Format{v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]}; }
+
+// Threads of a write block: the rotary's HD / 2 and the coder's warps at once.
+int write_threads(int HD) { return max(128, HD / 2); }
+
+bool format_ok(const Format& f, int HD) {
+  const int cpl = HD / 32;
+  return (HD == 64 || HD == 128 || HD == 256) && f.KB % KV_TILE == 0 && f.VG >= cpl && f.VG % cpl == 0 &&
+         HD % f.VG == 0 && ((f.VG / cpl) & (f.VG / cpl - 1)) == 0 && f.VG / cpl <= 32;
+}
+
+template <typename C, int HD, bool INT4>
+cudaError_t split_for(int gp, dim3 grid, cudaStream_t s, const C* q, const Layer<C>& L, const Format& f, const C* kf,
+                      const C* vf, const long long* pos, float* acc, float* ml, int start_in, int coded_in,
+                      float q_scale, int NH, int NKV, int falloc, int fmod, int chunk, int splits) {
+  const int group = NH / NKV;
+#define EDGE_KV_SPLIT(GPV)                                                                                          \
+  kv_attn_split_kernel<C, HD, GPV, INT4><<<grid, KV_THREADS, 0, s>>>(q, L, f, kf, vf, pos, acc, ml, start_in,     \
+                                                                     coded_in, q_scale, NH, NKV, falloc, fmod,    \
+                                                                     chunk, splits, group)
+  if (gp == 4) EDGE_KV_SPLIT(4);
+  else if (gp == 8) EDGE_KV_SPLIT(8);
+  else if (gp == 16) EDGE_KV_SPLIT(16);
+  else return cudaErrorInvalidValue;
+#undef EDGE_KV_SPLIT
+  return cudaGetLastError();
+}
+
+template <typename C, bool INT4>
+cudaError_t split_hd(int HD, int gp, dim3 grid, cudaStream_t s, const C* q, const Layer<C>& L, const Format& f,
+                     const C* kf, const C* vf, const long long* pos, float* acc, float* ml, int start_in,
+                     int coded_in, float q_scale, int NH, int NKV, int falloc, int fmod, int chunk, int splits) {
+  if (HD == 64)
+    return split_for<C, 64, INT4>(gp, grid, s, q, L, f, kf, vf, pos, acc, ml, start_in, coded_in, q_scale, NH, NKV,
+                                  falloc, fmod, chunk, splits);
+  if (HD == 128)
+    return split_for<C, 128, INT4>(gp, grid, s, q, L, f, kf, vf, pos, acc, ml, start_in, coded_in, q_scale, NH, NKV,
+                                   falloc, fmod, chunk, splits);
+  if (HD == 256)
+    return split_for<C, 256, INT4>(gp, grid, s, q, L, f, kf, vf, pos, acc, ml, start_in, coded_in, q_scale, NH, NKV,
+                                   falloc, fmod, chunk, splits);
+  return cudaErrorInvalidValue;
+}
+
+// Calls f with a null pointer of the float cache type a dtype code names (no float32:
+// the attention's loads are built for 16-bit activations), and INT4 as a type.
+template <typename F>
+cudaError_t with_cache(int dtype, int int4, F f) {
+  if (dtype == 2) return cudaErrorInvalidValue;
+  return with_type(dtype, [&](auto* c) {
+    if constexpr (std::is_same_v<std::remove_pointer_t<decltype(c)>, float>) {
+      return cudaErrorInvalidValue;
+    } else {
+      return int4 ? f(c, std::true_type{}) : f(c, std::false_type{});
+    }
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
+// Every entry returns a cudaError_t (0: launched). `tensors` holds the layer's ten
+// pointers (ring_k, ring_v, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sink_k,
+// sink_v; a tensor a format lacks stands in with another, never read); `format` its eight
+// ints (key block, value group, window, ring, sink, values symmetric, code_len, blocks).
+// dtype codes: 0 bfloat16, 1 float16 (the cache's activations; float32 is refused).
+
+int edge_kv_rope_write(const void* qkv, int qkv_dtype, const float* cos, const float* sin, const long long* pos,
+                       void* q, const void* const* tensors, const int* format, int cache_dtype, int int4, int B,
+                       int NH, int NKV, int max_len, float q_scale, int HD, void* stream) {
+  const Format f = format_of(format);
+  if (!format_ok(f, HD)) return int(cudaErrorInvalidValue);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return int(with_type(qkv_dtype, [&](auto* qt) {
+    using Q = std::remove_pointer_t<decltype(qt)>;
+    return with_cache(cache_dtype, int4, [&](auto* ct, auto is4) {
+      using C = std::remove_pointer_t<decltype(ct)>;
+      kv_rope_write_kernel<Q, C, decltype(is4)::value><<<dim3(B, NH + 3 * NKV), write_threads(HD), 0, s>>>(
+          static_cast<const Q*>(qkv), cos, sin, pos, static_cast<C*>(q), layer_of<C>(tensors), f, NH, NKV, max_len,
+          q_scale, HD);
+      return cudaGetLastError();
+    });
+  }));
+}
+
+int edge_kv_write(const void* k, const void* v, int in_dtype, const long long* pos, const void* const* tensors,
+                  const int* format, int cache_dtype, int int4, int B, int NKV, int max_len, int HD, void* stream) {
+  const Format f = format_of(format);
+  if (!format_ok(f, HD)) return int(cudaErrorInvalidValue);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return int(with_type(in_dtype, [&](auto* kt) {
+    using K = std::remove_pointer_t<decltype(kt)>;
+    return with_cache(cache_dtype, int4, [&](auto* ct, auto is4) {
+      using C = std::remove_pointer_t<decltype(ct)>;
+      kv_write_kernel<K, C, decltype(is4)::value><<<dim3(B, 3 * NKV), write_threads(HD), 0, s>>>(
+          static_cast<const K*>(k), static_cast<const K*>(v), pos, layer_of<C>(tensors), f, NKV, max_len, HD);
+      return cudaGetLastError();
+    });
+  }));
+}
+
+// q [nq, NH, HD] against the cache -> out [nq, NH, HD] in the cache's type. Decode: pos
+// [nq] (row i's token at pos[i], float tokens in the ring: kf, vf the ring, falloc RING
+// + 1, fmod RING); chunk: pos null, query i at start_in + i of row 0, coded up to
+// coded_in, float tokens in kf, vf [1, NKV, falloc, HD] from coded_in on (fmod falloc).
+// acc [nq * NKV * splits * gp, HD] and ml [.., 2] float32 scratch; chunk a multiple of 64.
+int edge_kv_attention(const void* q, const void* const* tensors, const int* format, const void* kf, const void* vf,
+                      const long long* pos, float* acc, float* ml, void* out, int dtype, int int4, int nq, int NH,
+                      int NKV, int falloc, int fmod, int start_in, int coded_in, float q_scale, int HD, int gp,
+                      int chunk, int splits, void* stream) {
+  const Format f = format_of(format);
+  if (!format_ok(f, HD) || NH % NKV != 0 || NH / NKV > gp || chunk < 1 || chunk % KV_TILE != 0 || splits < 1 ||
+      splits > MAX_SPLITS)
+    return int(cudaErrorInvalidValue);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return int(with_cache(dtype, int4, [&](auto* ct, auto is4) {
+    using C = std::remove_pointer_t<decltype(ct)>;
+    constexpr bool INT4 = decltype(is4)::value;
+    const cudaError_t rc = split_hd<C, INT4>(HD, gp, dim3(nq * NKV, splits), s, static_cast<const C*>(q),
+                                             layer_of<C>(tensors), f, static_cast<const C*>(kf),
+                                             static_cast<const C*>(vf), pos, acc, ml, start_in, coded_in, q_scale, NH,
+                                             NKV, falloc, fmod, chunk, splits);
+    if (rc != cudaSuccess) return rc;
+    attn_merge_kernel<C><<<dim3(nq * NKV, NH / NKV), MERGE_THREADS, 0, s>>>(acc, ml, static_cast<C*>(out), NH, NKV, splits,
+                                                                  NH / NKV, gp, HD);
+    return cudaGetLastError();
+  }));
+}
+
+}  // extern "C"

@@ -1,0 +1,226 @@
+"""Our CUDA C kernels for the quantized KV cache (edge/text/ops/cuda/kv_ops.cu), the path of
+a box without Triton (a Jetson): the choice and its refusals (no GPU needed), the build
+with nvcc where it is installed, and on the GPU (the `gpu` marker): the decode write
+leaves the codes torch's store leaves, byte for byte; decode and chunk attention match
+attention over the format's reference read-back; the fused decode step over a quantized
+cache agrees with the op-by-op step and is the same bits alone and batched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from edge.text.kv.kv_quant import FORMATS, KVFormat
+from edge.text.kv.quant_cache import QuantKVCache
+from edge.text.ops import step_ops
+from edge.text.ops.cuda import cuda_build, kv_ops
+from edge.text.runtime import fused_step
+from engines.text.random_llama import random_int4_llama
+from tests.test_quant_cache import CONFIG, _attend
+
+# Formats the CUDA kernels take (key blocks of whole 64-position tiles): the served two,
+# and the options they do not use (value groups, int4 zero points, int8 with a window
+# and sink).
+CUDA_FORMATS = {
+    "int8": FORMATS["int8"],
+    "int4": FORMATS["int4"],
+    "int8-grouped-sink": KVFormat("int8", key_block=64, value_group=32, window=4, sink=2),
+    "int4-asymmetric": KVFormat("int4", key_block=64, value_group=32, window=8, sink=3),
+}
+
+
+@pytest.fixture
+def fresh_choice(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(step_ops, "_chosen", {})
+    yield
+
+
+def test_without_triton_our_kernels_serve_the_quantized_formats_and_say_what_they_refuse(
+    monkeypatch: pytest.MonkeyPatch, fresh_choice: None
+) -> None:
+    """Without Triton, where our kernels build, the int8 and int4 caches load on CUDA;
+    the shapes, types and formats they do not take are refused in words; where they do
+    not build either, a quantized format is refused at load and float16 KV still loads."""
+    from edge.config.text import QAModelConfig
+    from edge.text.engine import kv_format
+
+    monkeypatch.setattr(step_ops, "triton_present", lambda: False)
+    monkeypatch.setattr(step_ops, "cuda_present", lambda device: True)
+    monkeypatch.setattr(kv_ops, "available", lambda device="cuda": True)
+    assert step_ops.quantized_kv("cuda:0") and step_ops.kv_kernels("cuda:0") is kv_ops
+    for dtype in ("int8", "int4"):
+        fmt = kv_format(QAModelConfig(device="cuda", kv_dtype=dtype))
+        assert step_ops.kv_refusal("cuda:0", fmt, 64, 3, torch.float16) is None
+        assert step_ops.kv_refusal("cuda:0", fmt, 128, 4, torch.bfloat16) is None
+    fmt = FORMATS["int8"]
+    assert "float32" in str(step_ops.kv_refusal("cuda:0", fmt, 64, 3, torch.float32))
+    assert "head_dim 96" in str(step_ops.kv_refusal("cuda:0", fmt, 96, 3, torch.float16))
+    assert "17 query heads" in str(step_ops.kv_refusal("cuda:0", fmt, 64, 17, torch.float16))
+    small_blocks = KVFormat("int8", key_block=32)
+    assert "key blocks of 32" in str(step_ops.kv_refusal("cuda:0", small_blocks, 64, 3, torch.float16))
+
+    monkeypatch.setattr(kv_ops, "available", lambda device="cuda": False)
+    assert not step_ops.quantized_kv("cuda:0")
+    assert kv_format(QAModelConfig(device="cuda", kv_dtype="float16")).dtype == "float16"
+    with pytest.raises(RuntimeError, match="kv_dtype int8 on CUDA needs Triton or our CUDA kernels"):
+        kv_format(QAModelConfig(device="cuda", kv_dtype="int8"))
+    assert "no quantized-KV kernels here" in str(step_ops.kv_refusal("cuda:0", fmt, 64, 3, torch.float16))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(cuda_build.nvcc() is None, reason="no nvcc on this machine")
+@pytest.mark.parametrize(("arch", "virtual"), [("87", None), ("90", "compute_80")])
+def test_kv_kernels_build_for_the_orin_and_as_ampere_ptx(
+    arch: str, virtual: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kv_ops.cu (with the header it shares with decode_ops.cu) compiles for sm_87 and as
+    compute_80 PTX alone; its entry points load."""
+    monkeypatch.setenv("EDGE_KERNEL_CACHE", str(tmp_path))
+    if virtual:
+        monkeypatch.setenv(cuda_build.ARCH_ENV, virtual)
+    path = cuda_build.build(kv_ops.SOURCE, arch)
+    lib = ctypes.CDLL(str(path))
+    assert all(hasattr(lib, name) for name in ("edge_kv_rope_write", "edge_kv_write", "edge_kv_attention"))
+
+
+def test_a_change_to_the_shared_header_builds_the_libraries_again(tmp_path: Path) -> None:
+    """The cache key of a library covers the header its source includes: an edit there
+    cannot leave a stale build in the kernel cache."""
+    src = tmp_path / "one.cu"
+    src.write_text('#include "common.cuh"\n')
+    header = tmp_path / "common.cuh"
+    header.write_text("// one\n")
+    before = cuda_build.library_path("true", src, "87")
+    header.write_text("// two\n")
+    assert cuda_build.library_path("true", src, "87") != before
+
+
+# ---- on the GPU ------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+CUDA = torch.device("cuda")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.fixture
+def cuda_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Our CUDA kernels serve this test's steps, Triton installed or not."""
+    from edge.text.ops.cuda import decode_ops
+
+    if not (decode_ops.available("cuda") and kv_ops.available("cuda")):
+        pytest.skip("our CUDA kernels did not build here")
+    monkeypatch.setattr(step_ops, "_chosen", {"cuda": "cuda", "cuda:0": "cuda"})
+    yield
+
+
+def _kv(tokens: int, rows: int = 2, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(rows, CONFIG.num_kv_heads, tokens, CONFIG.head_dim, generator=gen)
+    k[..., 7] *= 12.0  # an outlier channel, as real keys have
+    v = torch.randn(rows, CONFIG.num_kv_heads, tokens, CONFIG.head_dim, generator=gen)
+    return k.half(), v.half()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("name", sorted(CUDA_FORMATS))
+def test_decode_write_codes_as_torch_and_attention_matches_the_reference(name: str, cuda_backend: None) -> None:
+    """Token by token past three key blocks, our write leaves the codes, scales and zero
+    points torch's store leaves (byte for byte, from the same float16 tokens); decode
+    attention and a chunk after the cached tokens match attention over the reference's
+    read-back of the same cache."""
+    fmt = CUDA_FORMATS[name]
+    total, chunk = 232, 24
+    k, v = _kv(total + chunk)
+    want_cache = QuantKVCache(CONFIG, 2, 256, fmt, torch.float16, torch.device("cpu"))
+    cache = QuantKVCache(CONFIG, 2, 256, fmt, torch.float16, CUDA)
+    want, layer = want_cache.layer(1), cache.layer(1)
+    want.store(k[:, :, :20], v[:, :, :20], 0)
+    layer.store(k[:, :, :20].to(CUDA), v[:, :, :20].to(CUDA), 0)
+    for t in range(20, total):
+        want.write_tokens(k[:, :, t : t + 1], v[:, :, t : t + 1], [t, t])
+        kv_ops.write_tokens(layer, k[:, :, t].to(CUDA), v[:, :, t].to(CUDA), torch.tensor([t, t], device=CUDA))
+    coded = fmt.coded(total)
+    blocks = coded // fmt.key_block
+    assert blocks >= 2
+    for part, upto in (("k_codes", coded), ("v_codes", coded), ("v_scale", coded), ("v_zero", coded)):
+        if getattr(want, part).numel():  # (a format without zero points holds none)
+            got, expect = getattr(layer, part)[:, :, :upto].cpu(), getattr(want, part)[:, :, :upto]
+            assert torch.equal(got, expect), part
+    for part in ("k_scale", "k_zero"):
+        if getattr(want, part).numel():
+            got, expect = getattr(layer, part)[:, :, :blocks].cpu(), getattr(want, part)[:, :, :blocks]
+            assert torch.equal(got, expect), part
+    assert torch.equal(layer.ring_k.cpu(), want.ring_k) and torch.equal(layer.sink_k.cpu(), want.sink_k)
+
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, CONFIG.num_heads, CONFIG.head_dim, generator=gen).half()
+    pos = torch.tensor([total - 1, total - 1], device=CUDA)
+    out = kv_ops.attention(layer, q.to(CUDA), pos, 256, q_scale=CONFIG.head_dim**-0.5).float().cpu()
+    rk, rv = want.read(total)
+    for b in range(2):
+        expect_out = _attend(q[b, :, None].float(), rk[b], rv[b])[:, 0].reshape(-1)
+        torch.testing.assert_close(out[b], expect_out, rtol=2e-3, atol=2e-3)
+
+    # A chunk of 24 after the cached tokens of row 0.
+    one, one_want = cache.rows(0, 1).layer(1), want_cache.rows(0, 1).layer(1)
+    qc = torch.randn(chunk, CONFIG.num_heads, CONFIG.head_dim, generator=gen).half()
+    coded = fmt.coded(total)
+    ring_k, ring_v = one.ring_span(coded, total)
+    float_k = torch.cat([ring_k, k[:1, :, total:].to(CUDA)], dim=2)
+    float_v = torch.cat([ring_v, v[:1, :, total:].to(CUDA)], dim=2)
+    got = kv_ops.chunk_attention(one, qc.to(CUDA), float_k, float_v, total, coded, CONFIG.head_dim**-0.5)
+    rk, rv = one_want.read(total)
+    kk = torch.cat([rk, k[:1, :, total:].float()], dim=2)
+    vv = torch.cat([rv, v[:1, :, total:].float()], dim=2)
+    expect_chunk = _attend(qc.float().transpose(0, 1), kk[0], vv[0]).transpose(0, 1)
+    torch.testing.assert_close(got.float().cpu(), expect_chunk, rtol=2e-3, atol=2e-3)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_fused_step_over_a_quantized_cache_on_our_kernels(name: str, cuda_backend: None) -> None:
+    """The fused decode step's rotary kernel writes and codes the quantized cache itself:
+    its logits agree with the op-by-op step over a cache of the same format (whose write
+    is kv_ops' own), past the coding of key blocks, for two rows at different positions;
+    the codes agree, bar a step where the two rotaries' last bits put a key across a
+    rounding edge (a float16 key's last bit moves its int8 code by up to about 0.06 of a
+    step: 2.3% of codes measured, a step apart at most); a sequence's logits are the same bits alone and
+    beside another."""
+    config = CONFIG
+    fmt = FORMATS[name]  # type: ignore[index]
+    fused = random_int4_llama(config, CUDA, "cuda-mma", group=32, dtype=torch.float16, seed=5)
+    ref = random_int4_llama(config, CUDA, "dequant", group=32, dtype=torch.float16, seed=5)
+    ref.fused_decode = False
+    assert fused_step.can_fuse(fused)
+    cache = QuantKVCache(config, 2, 256, fmt, torch.float16, CUDA)
+    alone = QuantKVCache(config, 1, 256, fmt, torch.float16, CUDA)
+    ref_cache = QuantKVCache(config, 2, 256, fmt, torch.float16, CUDA)
+    gen = torch.Generator().manual_seed(1)
+    steps = 170  # past two key blocks of 64 leaving the window
+    ids = torch.randint(0, config.vocab_size, (2, steps), generator=gen).to(CUDA)
+    offsets = [0, 5]
+    for step in range(steps):
+        pos = torch.tensor([max(0, step - o) for o in offsets], device=CUDA)
+        tokens = torch.stack([ids[b, int(pos[b])] for b in range(2)]).view(2, 1)
+        got = fused_step.fused_decode_step(fused, tokens, cache, pos, 256)
+        one = fused_step.fused_decode_step(fused, tokens[:1], alone, pos[:1], 256)
+        expect = ref.decode_step(tokens, ref_cache, pos, 256)
+        assert torch.equal(one[0], got[0]), f"position {step}: batched logits differ from alone"
+        for b in range(2):
+            err = float((got[b].float() - expect[b].float()).norm() / expect[b].float().norm())
+            assert err < 3e-2, f"row {b} position {int(pos[b])}: relative error {err:.4f}"
+    coded = fmt.coded(steps - offsets[1])
+    assert coded >= 2 * fmt.key_block
+    got_codes = cache.k_codes[:, :, :, :coded].cpu().to(torch.int16)
+    want_codes = ref_cache.k_codes[:, :, :, :coded].cpu().to(torch.int16)
+    if fmt.dtype == "int4":  # two codes a byte: compare each nibble
+        got_codes = torch.stack([got_codes & 15, got_codes >> 4])
+        want_codes = torch.stack([want_codes & 15, want_codes >> 4])
+    assert (got_codes - want_codes).abs().max() <= 1 and (got_codes != want_codes).float().mean() < 0.05
