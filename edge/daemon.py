@@ -44,6 +44,7 @@ from edge.scheduler.queue import PriorityDeadlineQueue
 from edge.scheduler.text_worker import TextMemory, TextWorker
 from edge.scheduler.work import WorkItem
 from edge.stats import JobStats
+from edge.tasks.embed import EmbedTask
 from edge.tasks.inspect import InspectTask, start_inspect
 from edge.tasks.media import MediaLoader
 from edge.tasks.ocr import OCRTask, start_ocr
@@ -282,7 +283,10 @@ class Daemon:
             offload.release_grant = self.ledger.release
         queue = PriorityDeadlineQueue(self.profile.queue.max_size)
         self.queues["text"] = queue
-        self.workers["text"] = TextWorker("text", queue, self.qa, engine.batcher, memory, self.pipeline.complete)
+        answers = {"embed": EmbedTask(self.qa.retrieval).answer}
+        self.workers["text"] = TextWorker(
+            "text", queue, self.qa, engine.batcher, memory, self.pipeline.complete, answers
+        )
         return True
 
     def _start_replay(self) -> bool:

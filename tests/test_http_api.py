@@ -40,6 +40,7 @@ from tests.conftest import (
 )
 
 TOKEN_CAP = 96  # the profile's max_new_tokens_limit
+PROMPT_CHARS = 8000  # the default limits.max_prompt_chars
 HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hello."}]
 
 
@@ -184,6 +185,38 @@ def test_embeddings_are_the_retrieval_encoders(box: Box) -> None:
     assert len(resp.data[0].embedding) == 384
     one = box.client().embeddings.create(model=box.embed_model, input="a wound dressing", encoding_format="float")
     assert one.data[0].embedding == pytest.approx(resp.data[0].embedding, abs=1e-5)
+
+
+def test_embeddings_are_embed_jobs_of_the_text_queue(box: Box) -> None:
+    """/v1/embeddings is an `embed` job through the intake: counted by task, journalled (a
+    retry with its Idempotency-Key is answered once, from the journal), answered between
+    the decode steps of a running chat; its errors name the field."""
+    box.wait_idle()
+    client = box.client()
+    before = box.status()["jobs"]["ok_by_task"].get("embed", 0)
+    held: list[Any] = []
+    blocker = _busy(box, held)
+    try:
+        key = {"Idempotency-Key": f"embed-{uuid.uuid4().hex}"}
+        first = client.embeddings.with_raw_response.create(
+            model=box.embed_model, input=["a wound dressing"], extra_headers=key
+        )
+        assert box.text_branch()["running"] == 1 and not held  # the chat still decodes
+        again = client.embeddings.with_raw_response.create(
+            model=box.embed_model, input=["a wound dressing"], extra_headers=key
+        )
+    finally:
+        blocker.join(120)
+    job_id = first.headers["X-Request-Id"]
+    assert job_id.startswith("http-embd-") and again.headers["X-Request-Id"] == job_id
+    assert first.parse().data[0].embedding == again.parse().data[0].embedding
+    assert box.status()["jobs"]["ok_by_task"].get("embed", 0) == before + 1
+    with pytest.raises(openai.BadRequestError) as long_input:
+        client.embeddings.create(model=box.embed_model, input=["ok", "x" * (PROMPT_CHARS + 1)])
+    assert _error(long_input)["code"] == "prompt_too_long" and _error(long_input)["param"] == "input[1]"
+    with pytest.raises(openai.BadRequestError) as empty:
+        client.embeddings.create(model=box.embed_model, input=["ok", ""])
+    assert _error(empty)["param"] == "input"
 
 
 def _raw(method: str, url: str, body: bytes | None = None, key: str | None = None) -> tuple[int, Any]:

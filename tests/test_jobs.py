@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 
 from edge.protocol.errors import ErrorCode, JobError
-from edge.protocol.jobs import JobLimits, OCRJob, QAJob, decode_payload, parse_job, recover_id
+from edge.protocol.jobs import EmbedJob, JobLimits, OCRJob, QAJob, decode_payload, parse_job, recover_id
 
 LIMITS = JobLimits(max_payload_bytes=4096, max_prompt_chars=200, max_new_tokens_limit=64)
 
@@ -15,11 +15,17 @@ def parse(data: Any, topic_task: str | None = None) -> Any:
     return parse_job(data, topic_task, LIMITS)
 
 
-def test_valid_ocr_and_qa_jobs() -> None:
+def test_valid_ocr_qa_and_embed_jobs() -> None:
     job = parse({"id": "a1", "image": {"path": "labels/label_00.png"}}, "ocr")
     assert job.task == "ocr" and isinstance(job.request, OCRJob) and job.priority == 5
     qa = parse({"id": "q", "task": "qa", "question": "Why?", "priority": 0, "deadline_ms": 500, "stop": ["\n"]})
     assert isinstance(qa.request, QAJob) and qa.priority == 0 and qa.deadline_ms == 500
+    embed = parse({"id": "e", "input": ["a pump", "a dressing"], "priority": 2}, "embed")
+    assert (
+        embed.task == "embed"
+        and isinstance(embed.request, EmbedJob)
+        and embed.request.input == ["a pump", "a dressing"]
+    )
 
 
 @pytest.mark.parametrize(
@@ -50,6 +56,12 @@ def test_valid_ocr_and_qa_jobs() -> None:
         ({"id": "a", "question": "q" * 201}, "qa", ErrorCode.PROMPT_TOO_LONG, "question"),
         ({"id": "a", "question": "q", "context": "c" * 300}, "qa", ErrorCode.PROMPT_TOO_LONG, "context"),
         ({"id": "a", "question": "q", "max_new_tokens": 65}, "qa", ErrorCode.INVALID_FIELD, "max_new_tokens"),
+        ({"id": "a"}, "embed", ErrorCode.MISSING_FIELD, "input"),
+        ({"id": "a", "input": []}, "embed", ErrorCode.INVALID_FIELD, "input"),
+        ({"id": "a", "input": "a pump"}, "embed", ErrorCode.INVALID_FIELD, "input"),
+        ({"id": "a", "input": ["ok", ""]}, "embed", ErrorCode.INVALID_FIELD, "input[1]"),
+        ({"id": "a", "input": ["x"] * 257}, "embed", ErrorCode.INVALID_FIELD, "input"),
+        ({"id": "a", "input": ["ok", "p" * 201]}, "embed", ErrorCode.PROMPT_TOO_LONG, "input[1]"),
     ],
 )
 def test_bad_jobs_name_code_and_field(data: Any, topic: str | None, code: ErrorCode, field: str) -> None:

@@ -74,13 +74,18 @@ CASES: list[tuple[dict[str, Any], bool]] = [
     ({"id": "a", "question": "q", "priority": 10}, False),
     ({"id": "", "question": "q"}, False),
     ({"id": "a", "question": "q", "extra": 1}, False),
+    ({"id": "a", "input": ["a pump", "a dressing"]}, True),
+    ({"id": "a", "input": []}, False),
+    ({"id": "a", "input": [""]}, False),
+    ({"id": "a", "input": "a pump"}, False),
+    ({"id": "a", "input": ["x"] * 257}, False),
 ]
 
 
 @pytest.mark.parametrize(("job", "valid"), CASES)
 def test_schema_and_parser_agree(job: dict[str, Any], valid: bool) -> None:
     assert schema("job.schema.json").is_valid(job) == valid
-    task = "ocr" if "image" in job else "qa"
+    task = "ocr" if "image" in job else "embed" if "input" in job else "qa"
     try:
         parse_job(job, task, LIMITS)
         parsed = True
@@ -106,6 +111,13 @@ def test_examples_against_the_daemon(name: str, daemon: DaemonProc, requester: R
         assert set(out) == set(expected["output"])
         assert set(out["probabilities"]) == set(expected["output"]["probabilities"])
         assert out["ocr"]["text"] == expected["output"]["ocr"]["text"]
+    elif job["task"] == "embed":
+        # The example shows each vector's first four numbers: the encoder's, as served.
+        out, shown = result["output"], expected["output"]
+        assert (out["model"], out["dimensions"]) == (shown["model"], shown["dimensions"])
+        assert [len(v) for v in out["embeddings"]] == [out["dimensions"]] * len(job["input"])
+        for got, first in zip(out["embeddings"], shown["embeddings"], strict=True):
+            assert got[: len(first)] == pytest.approx(first, abs=1e-4)
     elif job["task"] == "ocr":
         assert result["output"]["text"] == expected["output"]["text"]
         assert result["output"]["lines"][0]["box"] == expected["output"]["lines"][0]["box"]

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from edge.config.text import QAModelConfig
-from edge.protocol.errors import ErrorCode
-from edge.protocol.jobs import ParsedJob, QAJob
+from edge.protocol.errors import ErrorCode, JobError
+from edge.protocol.jobs import EmbedJob, ParsedJob, QAJob
 from edge.scheduler.branch import Outcome
 from edge.scheduler.ledger import MemoryLedger
 from edge.scheduler.queue import PriorityDeadlineQueue
@@ -144,3 +144,61 @@ def test_mixed_jobs_all_finish_within_the_pool(harness: Harness) -> None:
     snap = h.engine.batcher.kv.snapshot()
     assert snap["reserved_bytes"] == 0 and 0 < snap["peak_bytes"] <= snap["capacity_bytes"]
     assert snap["rows_free"] == 3 and snap["peak_rows"] >= 2  # several rows held at once
+
+
+def test_jobs_answered_in_one_call_run_between_decode_steps_and_fail_alone(engine_dir: Path, tmp_path: Path) -> None:
+    """An `embed` job's kind (answers=): taken from the same queue, answered between the
+    decode steps of a running sequence, which goes on undisturbed; a failure (a JobError,
+    or anything else: `internal`) is that job's alone."""
+    engine = _engine(engine_dir, 1)
+    ledger = MemoryLedger(2**34)
+    assert ledger.add_model("llm", "text", engine.kv_cache_bytes)
+    queue = PriorityDeadlineQueue(64)
+    outcomes: dict[str, Outcome] = {}
+    cond = threading.Condition()
+
+    def complete(item: WorkItem, outcome: Outcome) -> None:
+        with cond:
+            outcomes[item.job.id] = outcome
+            cond.notify_all()
+
+    decoding: list[int] = []
+
+    def answer(item: WorkItem) -> dict[str, object]:
+        job = item.job.request
+        assert isinstance(job, EmbedJob)
+        decoding.append(len(engine.batcher.running))
+        if job.input[0] == "boom":
+            raise RuntimeError("the encoder broke")
+        if job.input[0] == "gone":
+            raise JobError(ErrorCode.UNAVAILABLE, "no encoder here", "task")
+        return {"texts": len(job.input)}
+
+    task = QATask(engine, fakes.responder(tmp_path)[0])
+    worker = TextWorker(
+        "text", queue, task, engine.batcher, TextMemory(ledger, "llm", 0.05), complete, {"embed": answer}
+    )
+    question = "Count from 1 to 200, separated by commas."
+    reference = _alone(engine, question, 60)
+    worker.start()
+    try:
+        queue.put(_item("long", question, new=60))
+        deadline = time.monotonic() + 30
+        while not (engine.batcher.running and len(engine.batcher.running[0].tokens) >= 3):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        for name, texts in (("ok", ["a pump", "a dressing"]), ("boom", ["boom"]), ("gone", ["gone"])):
+            job = ParsedJob(name, "embed", 5, None, EmbedJob(id=name, input=texts))
+            queue.put(WorkItem(job, Reply("r"), time.monotonic(), None))
+        with cond:
+            assert cond.wait_for(lambda: len(outcomes) == 4, 120), outcomes.keys()
+    finally:
+        worker.stop(30)
+    assert outcomes["ok"].output == {"texts": 2} and outcomes["ok"].error is None
+    boom, gone = outcomes["boom"].error, outcomes["gone"].error
+    assert boom is not None and boom.code == ErrorCode.INTERNAL
+    assert gone is not None and gone.code == ErrorCode.UNAVAILABLE and gone.field == "task"
+    assert decoding == [1, 1, 1]  # each answered while the long sequence was decoding
+    long = outcomes["long"]
+    assert long.error is None and long.output is not None and long.output["answer"] == reference
+    assert outcomes["ok"].finished_at < long.finished_at

@@ -60,7 +60,7 @@ def models_section(manager: ModelManager) -> list[dict[str, Any]]:
     ]
 
 
-BRANCH_TASKS = {"vision": ("ocr", "inspect"), "text": ("qa",)}
+BRANCH_TASKS = {"vision": ("ocr", "inspect"), "text": ("qa", "embed")}
 
 
 def branches_section(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import json
 import logging
@@ -30,7 +31,7 @@ import ssl
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +48,6 @@ from edge.protocol.jobs import MAX_ID_CHARS
 
 logger = logging.getLogger(__name__)
 
-MAX_EMBED_INPUTS = 256
 # Retry-After on a 429: a fixed hint, not a measure of the queue; a client's own backoff
 # decides how long it really waits.
 RETRY_AFTER_S = 1
@@ -68,6 +68,16 @@ class Served:
     embed: Callable[[list[str]], np.ndarray] | None
     max_prompt_chars: int
     ready: Callable[[], bool]
+
+
+@dataclass
+class _Waiting:
+    """A submitted job's result documents as they arrive, the request's deadline, and
+    whether its final result came (`answered` gets an entry)."""
+
+    inbox: asyncio.Queue[bytes]
+    deadline: float
+    answered: list[bool]
 
 
 class _Refused(Exception):
@@ -268,90 +278,98 @@ class HTTPServer:
         return await self._generate(request, chat=False)
 
     async def _embeddings(self, request: web.Request) -> web.Response:
+        """An embed job through the intake (the queue, its priority and deadline, the
+        journal), as a chat is a qa job."""
         body = await self._body(request)
         model = self._check_model(body, self._served.embed_model)
+        translate.check_embedding_keys(body)
         texts = body.get("input")
         if isinstance(texts, str):
             texts = [texts]
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
             raise _refused(JobError(ErrorCode.INVALID_FIELD, "input must be a string or a list of strings", "input"))
-        if len(texts) > MAX_EMBED_INPUTS:
-            message = f"{len(texts)} inputs, at most {MAX_EMBED_INPUTS} a request"
-            raise _refused(JobError(ErrorCode.INVALID_FIELD, message, "input"))
-        limit = self._served.max_prompt_chars
-        for i, text in enumerate(texts):
-            if len(text) > limit:
-                message = f"input {i} is {len(text)} characters, limit {limit}"
-                raise _refused(JobError(ErrorCode.PROMPT_TOO_LONG, message, f"input[{i}]"))
         fmt = body.get("encoding_format", "float")
         if fmt not in ("float", "base64"):
             raise _refused(JobError(ErrorCode.INVALID_FIELD, "encoding_format is float or base64", "encoding_format"))
         if body.get("dimensions") is not None:
             raise _refused(JobError(ErrorCode.INVALID_FIELD, "the encoder's dimensions are fixed", "dimensions"))
-        embed = self._served.embed
-        assert embed is not None  # embed_model is set only with it
-        try:
-            vectors = await asyncio.get_running_loop().run_in_executor(None, embed, texts)
-        except JobError as err:
-            raise _refused(err) from err
+        job_id = self._job_id(request, "embd")
+        job: dict[str, Any] = {"id": job_id, "task": "embed", "input": texts}
+        for key in ("priority", "deadline_ms"):
+            if body.get(key) is not None:
+                job[key] = body[key]
+        result = await self._submit_and_wait(request, job, "embed")
+        if result.get("status") != "ok":
+            raise _refused(result.get("error") or {})
         data = []
-        for i, vec in enumerate(np.asarray(vectors, dtype=np.float32)):
+        for i, vec in enumerate(np.asarray(result["output"]["embeddings"], dtype=np.float32)):
             value: Any = base64.b64encode(vec.astype("<f4").tobytes()).decode() if fmt == "base64" else vec.tolist()
             data.append({"object": "embedding", "index": i, "embedding": value})
         chars = sum(len(t) for t in texts)
         usage = {"prompt_tokens": chars, "total_tokens": chars}  # characters: the encoder's tokens are not counted
-        return _json(200, {"object": "list", "data": data, "model": model, "usage": usage})
+        doc = {"object": "list", "data": data, "model": model, "usage": usage}
+        return _json(200, doc, {"X-Request-Id": str(result["id"])})
 
-    # generation: a qa job ------------------------------------------------------------------
+    # jobs through the intake ----------------------------------------------------------------
 
-    def _job_id(self, request: web.Request, chat: bool) -> str:
-        """`http-` and the endpoint's prefix, then a random part, or with an
+    def _job_id(self, request: web.Request, kind: str) -> str:
+        """`http-` and the endpoint's `kind`, then a random part, or with an
         Idempotency-Key a digest of the API key's name and the Idempotency-Key: a retry
         finds its job, another key holder's same Idempotency-Key does not."""
-        kind = f"http-{'chatcmpl' if chat else 'cmpl'}"
         key = request.headers.get("Idempotency-Key")
         if key is None:
-            return f"{kind}-{uuid.uuid4().hex}"
+            return f"http-{kind}-{uuid.uuid4().hex}"
         if not key or len(key) > MAX_ID_CHARS or not key.isprintable():
             message = f"Idempotency-Key must be 1 to {MAX_ID_CHARS} printable characters"
             raise _refused(JobError(ErrorCode.INVALID_FIELD, message, "Idempotency-Key"))
         scope = f"{request.get(KEY_NAME, '')}\n{key}".encode()
-        return f"{kind}-{hashlib.sha256(scope).hexdigest()[:32]}"
+        return f"http-{kind}-{hashlib.sha256(scope).hexdigest()[:32]}"
+
+    @contextlib.asynccontextmanager
+    async def _submitted(self, request: web.Request, job: dict[str, Any], task: str) -> AsyncIterator[_Waiting]:
+        """`job` handed to the intake as a job of `task` with a reply topic of its own, its
+        result documents arriving in the yielded inbox. On the way out, a job not yet
+        answered (the client went away, or waited too long) is withdrawn if still queued,
+        unless a retry with its key waits on it."""
+        job_id = str(job["id"])
+        payload = json.dumps(job, sort_keys=True, separators=(",", ":")).encode("utf-8")
+        topic = reply_topic(job_id)
+        loop = asyncio.get_running_loop()
+        waiting = _Waiting(asyncio.Queue(), time.monotonic() + self._cfg.timeout_s, [])
+
+        def deliver(doc: bytes) -> None:  # the responder's thread
+            loop.call_soon_threadsafe(waiting.inbox.put_nowait, doc)
+
+        self._deliveries.open(topic, deliver)
+        try:
+            traceparent = request.headers.get("traceparent")
+            prefix = self._served.jobs_prefix
+            self._submit(IncomingJob(f"{prefix}/{task}", payload, topic, None, traceparent=traceparent, local=True))
+            yield waiting
+        finally:
+            remaining = self._deliveries.close(topic, deliver)
+            if not waiting.answered and remaining == 0:
+                self._cancel(job_id)
+
+    async def _submit_and_wait(self, request: web.Request, job: dict[str, Any], task: str) -> dict[str, Any]:
+        """The job's final result document."""
+        async with self._submitted(request, job, task) as waiting:
+            return await self._next(waiting.inbox, waiting.deadline, True, waiting.answered)
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await self._body(request)
         model = self._check_model(body, self._served.text_model)
-        job_id = self._job_id(request, chat)
+        job_id = self._job_id(request, "chatcmpl" if chat else "cmpl")
         try:
             job = translate.chat_job(body, job_id) if chat else translate.completion_job(body, job_id)
         except JobError as err:
             raise _refused(err, chat) from err
-        payload = json.dumps(job, sort_keys=True, separators=(",", ":")).encode("utf-8")
-        topic = reply_topic(job_id)
-        loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue[bytes] = asyncio.Queue()
-
-        def deliver(doc: bytes) -> None:  # the responder's thread
-            loop.call_soon_threadsafe(inbox.put_nowait, doc)
-
-        self._deliveries.open(topic, deliver)
-        deadline = time.monotonic() + self._cfg.timeout_s
-        answered: list[bool] = []  # set once the job's final result came: nothing to withdraw then
-        try:
-            traceparent = request.headers.get("traceparent")
-            incoming = IncomingJob(
-                f"{self._served.jobs_prefix}/qa", payload, topic, None, traceparent=traceparent, local=True
-            )
-            self._submit(incoming)
+        async with self._submitted(request, job, "qa") as waiting:
             if job["stream"]:
-                return await self._stream(request, inbox, deadline, job_id, model, chat, answered)
-            return self._answer(await self._next(inbox, deadline, True, answered), model, chat)
-        finally:
-            remaining = self._deliveries.close(topic, deliver)
-            if not answered and remaining == 0:
-                # The client went away, or waited too long, and no retry with its key waits
-                # on the same job: withdraw it if still queued.
-                self._cancel(job_id)
+                return await self._stream(
+                    request, waiting.inbox, waiting.deadline, job_id, model, chat, waiting.answered
+                )
+            return self._answer(await self._next(waiting.inbox, waiting.deadline, True, waiting.answered), model, chat)
 
     async def _next(
         self,

@@ -1,4 +1,4 @@
-"""OpenAI request bodies to `qa` job payloads, and `qa` results to OpenAI responses.
+"""OpenAI request bodies to `qa` (and `embed`) job payloads, and `qa` results to OpenAI responses.
 
 Only the shape changes here: every value a job has (token limits, sampling, priority,
 deadline, collection) is passed through as given for the intake to judge, so an HTTP
@@ -47,6 +47,14 @@ def _check_keys(body: dict[str, Any], allowed: frozenset[str]) -> None:
                 raise _invalid(f"only {key}={NEUTRAL[key]!r} is served here", key)
             continue
         raise _invalid(f"unknown field {key!r}", key)
+
+
+EMBEDDING_KEYS = frozenset({"model", "input", "encoding_format", "dimensions", "priority", "deadline_ms"})
+
+
+def check_embedding_keys(body: dict[str, Any]) -> None:
+    """An embeddings request's fields: OpenAI's, and this API's priority and deadline."""
+    _check_keys(body, EMBEDDING_KEYS)
 
 
 def _common(body: dict[str, Any], job_id: str) -> dict[str, Any]:

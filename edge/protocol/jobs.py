@@ -18,9 +18,10 @@ from edge.protocol.response_format import grammar_of
 
 logger = logging.getLogger(__name__)
 
-TASKS = ("ocr", "inspect", "qa", "cancel")
-Task = Literal["ocr", "inspect", "qa", "cancel"]
+TASKS = ("ocr", "inspect", "qa", "embed", "cancel")
+Task = Literal["ocr", "inspect", "qa", "embed", "cancel"]
 MAX_ID_CHARS = 128
+MAX_EMBED_INPUTS = 256  # texts an embed job carries at most
 
 JobId = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ID_CHARS)]
 
@@ -137,14 +138,28 @@ class QAJob(JobBase):
     )
 
 
+class EmbedJob(JobBase):
+    input: list[Annotated[str, StringConstraints(min_length=1)]] = Field(
+        min_length=1,
+        max_length=MAX_EMBED_INPUTS,
+        description="Texts to embed with the box's retrieval encoder (each within the device's prompt limit).",
+    )
+
+
 class CancelJob(JobBase):
     job: JobId = Field(description="Id of the queued job to withdraw; it is answered `cancelled`.")
 
 
-JOB_MODELS: dict[str, type[JobBase]] = {"ocr": OCRJob, "inspect": InspectJob, "qa": QAJob, "cancel": CancelJob}
+JOB_MODELS: dict[str, type[JobBase]] = {
+    "ocr": OCRJob,
+    "inspect": InspectJob,
+    "qa": QAJob,
+    "embed": EmbedJob,
+    "cancel": CancelJob,
+}
 
 
-_TASK_NAMES: dict[str, Task] = {"ocr": "ocr", "inspect": "inspect", "qa": "qa", "cancel": "cancel"}
+_TASK_NAMES: dict[str, Task] = {"ocr": "ocr", "inspect": "inspect", "qa": "qa", "embed": "embed", "cancel": "cancel"}
 
 
 @dataclass(frozen=True)
@@ -251,6 +266,11 @@ def parse_job(data: Any, topic_task: str | None, limits: JobLimits) -> ParsedJob
     if isinstance(request, QAJob):
         _check_qa_limits(request, limits)
         grammar_of(request.response_format)
+    if isinstance(request, EmbedJob):
+        for i, text in enumerate(request.input):
+            if len(text) > limits.max_prompt_chars:
+                message = f"input {i} is {len(text)} characters, limit {limits.max_prompt_chars}"
+                raise JobError(ErrorCode.PROMPT_TOO_LONG, message, f"input[{i}]")
     if isinstance(request, InspectJob) and request.ask is not None:
         _check_qa_limits(
             QAJob(id=request.id, question=request.ask.question, max_new_tokens=request.ask.max_new_tokens),

@@ -27,7 +27,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -85,9 +85,13 @@ class TextWorker(Worker):
         batcher: ContinuousBatcher,
         memory: TextMemory,
         complete: Completion,
+        answers: Mapping[str, Callable[[WorkItem], dict[str, Any]]] | None = None,
     ) -> None:
+        """`answers`: tasks of this queue answered in one call, no sequence (an embed
+        job), by task name."""
         super().__init__(name, queue, complete)
         self.batcher = batcher
+        self._answers = dict(answers or {})
         self._prepare = task.prepare
         self._output = task.output
         self._kv_tokens = task.kv_tokens
@@ -178,6 +182,10 @@ class TextWorker(Worker):
             error = self._over_budget(item, now) if item.waiting_since is not None else expired_error(item, now)
             self._answer_now(item, error)
             return True
+        answer = self._answers.get(item.job.task)
+        if answer is not None:
+            self._answer_whole(item, answer, now)
+            return True
         seq = item.progress
         if not isinstance(seq, Sequence):
             try:
@@ -211,6 +219,23 @@ class TextWorker(Worker):
         item.progress = seq
         self.queue.put(item, force=True)
         return False
+
+    def _answer_whole(self, item: WorkItem, answer: Callable[[WorkItem], dict[str, Any]], started: float) -> None:
+        """A job answered in one call between decode steps (no sequence, no KV row); its
+        failure is its own."""
+        self._take([item])
+        self.running_since = time.monotonic()
+        try:
+            outcome = Outcome(answer(item), None, started, time.monotonic())
+        except JobError as err:
+            outcome = Outcome(None, err, started, time.monotonic())
+        except Exception as err:
+            task = item.job.task
+            logger.exception("job %s failed", item.job.id, extra=job_fields(item.job.id, task, "internal"))
+            outcome = Outcome(None, internal_error(err), started, time.monotonic())
+        finally:
+            self.running_since = None
+        self._deliver(item, outcome)
 
     def _start(self, item: WorkItem, seq: Sequence, slot: KVSlot, attempt: float) -> bool:
         """Prefill the job into its row; False (nothing changed) if the ledger cannot

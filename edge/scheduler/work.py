@@ -8,7 +8,7 @@ from typing import Any
 
 from edge.protocol.jobs import ParsedJob
 
-TASK_BRANCH = {"ocr": "vision", "inspect": "vision", "qa": "text"}
+TASK_BRANCH = {"ocr": "vision", "inspect": "vision", "qa": "text", "embed": "text"}
 
 
 @dataclass(frozen=True)
