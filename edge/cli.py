@@ -225,6 +225,10 @@ def _job_from_args(args: argparse.Namespace) -> dict[str, Any]:
         if not args.job:
             raise SystemExit("edgectl submit cancel: --job ID is required")
         job["job"] = args.job
+    elif args.task == "embed":
+        if not args.text:
+            raise SystemExit("edgectl submit embed: --text is required (repeatable)")
+        job["input"] = args.text
     else:
         if not args.question:
             raise SystemExit("edgectl submit qa: --question is required")
@@ -267,6 +271,10 @@ def _print_result(result: dict[str, Any]) -> None:
     if "answer" in output:
         print(f"  {output['answer']}")
         _print_grounding(output)
+    if "embeddings" in output:
+        for i, vector in enumerate(output["embeddings"]):
+            head = ", ".join(f"{x:.4f}" for x in vector[:4])
+            print(f"  text {i}: {output['dimensions']} numbers ({output['model']}): [{head}, ...]")
     if "cancelled" in output:
         done = "withdrawn from the queue" if output["cancelled"] else "not queued (nothing done)"
         print(f"  job {output['job']}: {done}")
@@ -358,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(func=cmd_status)
 
     submit = sub.add_parser("submit", help="send one job and print its result")
-    submit.add_argument("task", choices=["ocr", "inspect", "qa", "cancel"])
+    submit.add_argument("task", choices=["ocr", "inspect", "qa", "embed", "cancel"])
     submit.add_argument("--profile", type=Path, help="take broker and device from a profile")
     submit.add_argument("--broker", default="127.0.0.1:1883", help="HOST:PORT")
     submit.add_argument("--device", default=None, help="device id (default: the profile's, else dev)")
@@ -381,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--job", help="cancel: id of the queued job to withdraw")
     submit.add_argument("--read-labels", action="store_true", help="inspect: also OCR the labels on the part")
     submit.add_argument("--question", help="qa: the question")
+    submit.add_argument("--text", action="append", help="embed: a text to embed (repeatable)")
     submit.add_argument("--context", help="qa: reference text")
     submit.add_argument("--context-file", help="qa: file with reference text")
     submit.add_argument("--max-new-tokens", type=int)

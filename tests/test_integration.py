@@ -359,6 +359,13 @@ def test_edgectl_submit(daemon: DaemonProc, broker: Broker) -> None:
     )
     assert res.returncode == 1
     assert json.loads(res.stdout)["error"]["code"] == "path_forbidden"
+    broker_args = ["--broker", f"127.0.0.1:{broker.port}", "--device", "t1"]
+    res = edgectl("submit", "embed", *broker_args, "--text", "a pump", "--text", "a dressing", "--json")
+    assert res.returncode == 0, res.stderr
+    output = json.loads(res.stdout)["output"]
+    assert [len(v) for v in output["embeddings"]] == [output["dimensions"]] * 2
+    res = edgectl("submit", "embed", *broker_args, "--text", "a pump")
+    assert res.returncode == 0 and f"text 0: {output['dimensions']} numbers" in res.stdout, res.stdout
 
 
 def test_status_unknown_when_no_daemon(tmp_path: Path) -> None:
