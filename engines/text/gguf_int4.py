@@ -26,12 +26,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from edge.text.model.checkpoint import load_checkpoint
+from edge.text.model.llama import LlamaModel
 from edge.text.ops.int4 import QuantizedWeight
-from engines.cache import build_cached, cache_key, read_manifest
-from engines.text.import_gguf import _BLOCK, _LAYER_NAMES, SourceModelError, _field, _unpermute_qk
-from engines.text.int4_checkpoint import save_int4
-from engines.text.quantize import QuantRecipe, linear_names, quantize_model
+from engines.cache import build_cached, cache_key
+from engines.text.import_gguf import _BLOCK, _LAYER_NAMES, GgufSource, SourceModelError, _field, _unpermute_qk
+from engines.text.layerwise import write_layerwise
+from engines.text.quantize import QuantRecipe, linear_names
 
 logger = logging.getLogger(__name__)
 
@@ -103,44 +103,39 @@ def kept_linears(gguf_path: Path) -> tuple[dict[str, QuantizedWeight], str | Non
     return kept, None
 
 
-def write_kept(gguf_path: Path, imported: Path, out: Path, kept: dict[str, QuantizedWeight]) -> dict[str, Any]:
-    """An INT4 checkpoint (as engines/text/text_build.write_quantized writes one) whose
-    block linears are the file's Q4_0 weights; norms and the token table from the float
-    import, the output projection the file's where it is Q4_0, else rounded to INT4."""
-    ckpt = load_checkpoint(imported, dtype=torch.float32, fuse=False)
-    names = set(linear_names(ckpt.model))
+def write_kept(gguf_path: Path, out: Path, kept: dict[str, QuantizedWeight], progress: bool) -> dict[str, Any]:
+    """An INT4 checkpoint (as a build writes one, a layer at a time: engines/text/layerwise.py)
+    whose block linears are the file's Q4_0 weights; norms and the token table from the
+    file's float tensors, the output projection the file's where it is Q4_0, else rounded
+    to INT4."""
+    source = GgufSource(gguf_path)
+    with torch.device("meta"):
+        names = set(linear_names(LlamaModel(source.config)))
     missing = sorted(names - set(kept))
     if missing:
         raise SourceModelError(f"{gguf_path.name}: no Q4_0 weight for {', '.join(missing[:5])}")
     # Every block linear stays out of the recipe (kept); only the output projection, when
     # the file's is not Q4_0, is rounded (to the nearest, at group 32, as a build does).
     recipe = QuantRecipe(method="rtn", group_size=GROUP, keep=tuple(sorted(names)), lm_head="lm_head" not in kept)
-    with torch.inference_mode():
-        packed, report = quantize_model(ckpt.model, recipe, None, progress=False)
-    for name, weight in kept.items():
-        float_weight = ckpt.model.get_submodule(name).weight
-        assert isinstance(float_weight, torch.Tensor)
-        shape = tuple(float_weight.shape)
-        if weight.shape != shape:
-            raise SourceModelError(f"{gguf_path.name}: {name} is {list(weight.shape)} in Q4_0, {list(shape)} in float")
-        packed[name] = weight
-        report.layers[name] = {"bits": 4, "group_size": GROUP, "clipped": False, "from": "gguf Q4_0, as stored"}
     recorded = {"method": "gguf-q4_0", "group_size": GROUP, "kept_version": KEPT_VERSION}
-    return save_int4(ckpt.model, packed, imported, out, recorded, report.layers)
+    try:
+        details = write_layerwise(source, out, recipe, progress, prepacked=kept, recorded=recorded)
+    except ValueError as err:  # a Q4_0 weight of another shape than the config's
+        raise SourceModelError(f"{gguf_path.name}: {err}") from err
+    for name in kept:
+        details["layers"][name] = {"bits": 4, "group_size": GROUP, "clipped": False, "from": "gguf Q4_0, as stored"}
+    return details
 
 
-def keep_q4_0(gguf_path: Path, imported: Path) -> Path | None:
-    """The INT4 build of `imported` (the float import of `gguf_path`) that keeps the
-    file's Q4_0 weights, cached by the import's inputs; None, saying why, where the file
-    is not wholly Q4_0 in its block linears."""
+def keep_q4_0(gguf_path: Path, imported: Path, imported_inputs: dict[str, Any], progress: bool = False) -> Path | None:
+    """The INT4 build of `gguf_path` that keeps the file's Q4_0 weights, cached beside
+    its float import `imported` (named, not built) by the import's inputs; None, saying
+    why, where the file is not wholly Q4_0 in its block linears."""
     kept, why = kept_linears(gguf_path)
     if why is not None:
         logger.info("%s: %s; its weights are dequantized and quantized again", gguf_path.name, why)
         return None
-    source = read_manifest(imported)
-    if source is None:
-        raise FileNotFoundError(f"{imported} is not a built checkpoint (no manifest)")
-    inputs = {"source": source["inputs"], "kept": "gguf-q4_0", "version": KEPT_VERSION}
+    inputs = {"source": imported_inputs, "kept": "gguf-q4_0", "version": KEPT_VERSION}
     out = imported.parent / f"{imported.name}-q4_0-{cache_key(inputs)}"
     logger.info("%s: every block linear is Q4_0, served as stored (no second rounding)", gguf_path.name)
-    return build_cached(out, inputs, lambda scratch: write_kept(gguf_path, imported, scratch, kept))
+    return build_cached(out, inputs, lambda scratch: write_kept(gguf_path, scratch, kept, progress))
