@@ -1,5 +1,6 @@
-"""Write a float model as a checkpoint directory beside its source's side files: what a
-build step that keeps the weights in float writes out (an import, an adapter merged)."""
+"""Write a float model as a checkpoint directory beside its source's side files, read from
+its source a layer at a time: what a build step that keeps the weights in float writes out
+(an import, an adapter merged), never holding the model whole."""
 
 from __future__ import annotations
 

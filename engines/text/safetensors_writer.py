@@ -4,9 +4,10 @@
 writing: for an 8B model's float32 import that is 32 GB held twice. Here the header is
 written first from the tensors' names, types and shapes, known before any is read
 (the model's config says them), and each tensor's bytes go straight to their place in
-the file as they are made. The layout is the one `save_file` writes (tensors ordered by
-element size, largest first, then by name, so each starts aligned to its element size;
-the header padded with spaces to 8 bytes), and `safe_open` reads it as one of its own.
+the file as they are made. The format is safetensors' own (a little-endian header length,
+the JSON header padded with spaces to 8 bytes, then the tensors back to back); the tensors
+are ordered by element size, largest first, so each starts aligned to its element size,
+and `safe_open` reads the file as one of its own.
 
 A file with a tensor never written is refused at `close()`: a build that stops part way
 raises, and its scratch directory is never published (engines/cache.py).

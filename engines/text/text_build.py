@@ -1,4 +1,5 @@
-"""Text-branch build steps after import: quantize (RTN or AWQ) and write the checkpoint."""
+"""The text branch's build: import, adapter merge, quantization (RTN or AWQ), the INT4
+checkpoint written a decoder layer at a time (engines/text/layerwise.py)."""
 
 from __future__ import annotations
 
