@@ -20,6 +20,8 @@ dequantized and quantized again by the build's recipe, and the build says why.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,9 +68,47 @@ def _rows(weight: QuantizedWeight, order: np.ndarray) -> QuantizedWeight:
     )
 
 
-def kept_linears(gguf_path: Path) -> tuple[dict[str, QuantizedWeight], str | None]:
+@dataclass(frozen=True)
+class _Stored:
+    offset: int
+    byte_shape: tuple[int, ...]  # [rows, columns / 32 * 18]
+    rows: int
+    columns: int
+    heads: int  # a Llama file's q or k: its rows unpermuted for this many heads; else 0
+
+
+class KeptWeights(Mapping[str, QuantizedWeight]):
+    """A file's Q4_0 linears by our module names, each read from the file when asked for,
+    so that a build holds one layer's at a time (an 8B file's are 4.5 GB)."""
+
+    def __init__(self, path: Path, stored: dict[str, _Stored]) -> None:
+        self.path = path
+        self._stored = stored
+
+    def __getitem__(self, name: str) -> QuantizedWeight:
+        s = self._stored[name]
+        with self.path.open("rb") as fh:
+            fh.seek(s.offset)
+            raw = np.fromfile(fh, dtype=np.uint8, count=int(np.prod(s.byte_shape))).reshape(s.byte_shape)
+        weight = q4_0_weight(raw, s.rows, s.columns)
+        if s.heads:
+            weight = _rows(weight, _unpermute_qk(np.arange(s.rows)[:, None], s.heads)[:, 0])
+        return weight
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._stored  # without reading it
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._stored)
+
+    def __len__(self) -> int:
+        return len(self._stored)
+
+
+def kept_linears(gguf_path: Path) -> tuple[Mapping[str, QuantizedWeight], str | None]:
     """Every block linear of the file as it is stored, in our layout and module names,
-    when all of them are Q4_0 (and the output projection, when it is); else ({}, why not)."""
+    when all of them are Q4_0 (and the output projection, when it is); else ({}, why not).
+    Only the file's tensor list is read here: each weight when it is asked for."""
     import gguf  # build-time only dependency
 
     reader = gguf.GGUFReader(str(gguf_path))
@@ -77,7 +117,7 @@ def kept_linears(gguf_path: Path) -> tuple[dict[str, QuantizedWeight], str | Non
     arch = _field(reader, "general.architecture")
     kv_field = reader.fields.get(f"{arch}.attention.head_count_kv")
     heads["attn_k"] = int(kv_field.contents()) if kv_field is not None else heads["attn_q"]
-    kept: dict[str, QuantizedWeight] = {}
+    kept: dict[str, _Stored] = {}
     q4_0 = gguf.GGMLQuantizationType.Q4_0
     for t in reader.tensors:
         match = _BLOCK.match(t.name)
@@ -89,21 +129,24 @@ def kept_linears(gguf_path: Path) -> tuple[dict[str, QuantizedWeight], str | Non
                 continue  # rounded to INT4 by the build like any output projection
             return {}, f"{t.name} is {t.tensor_type.name}, not Q4_0"
         columns, rows = (int(n) for n in t.shape[:2])  # GGUF lists the row length first
-        weight = q4_0_weight(np.asarray(t.data), rows, columns)
+        if columns % GROUP:
+            raise SourceModelError(f"a Q4_0 row of {columns} weights is not whole blocks of {GROUP}")
+        byte_shape = tuple(int(n) for n in t.data.shape)
         if is_output:
-            kept["lm_head"] = weight
+            kept["lm_head"] = _Stored(int(t.data_offset), byte_shape, rows, columns, 0)
             continue
         assert match is not None
         part = match.group(2)
-        if permuted and part in heads:
-            weight = _rows(weight, _unpermute_qk(np.arange(rows)[:, None], heads[part])[:, 0])
-        kept[f"layers.{int(match.group(1))}.{_LAYER_NAMES[part]}"] = weight
+        unpermute = heads[part] if permuted and part in heads else 0
+        kept[f"layers.{int(match.group(1))}.{_LAYER_NAMES[part]}"] = _Stored(
+            int(t.data_offset), byte_shape, rows, columns, unpermute
+        )
     if not kept:
         return {}, "the file has no Q4_0 linears"
-    return kept, None
+    return KeptWeights(gguf_path, kept), None
 
 
-def write_kept(gguf_path: Path, out: Path, kept: dict[str, QuantizedWeight], progress: bool) -> dict[str, Any]:
+def write_kept(gguf_path: Path, out: Path, kept: Mapping[str, QuantizedWeight], progress: bool) -> dict[str, Any]:
     """An INT4 checkpoint (as a build writes one, a layer at a time: engines/text/layerwise.py)
     whose block linears are the file's Q4_0 weights; norms and the token table from the
     file's float tensors, the output projection the file's where it is Q4_0, else rounded

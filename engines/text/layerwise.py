@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,17 +56,18 @@ logger = logging.getLogger(__name__)
 HEAD_ROWS = 8192
 
 
-def _packed_groups(model: LlamaModel, recipe: QuantRecipe, prepacked: dict[str, QuantizedWeight]) -> dict[str, int]:
+def _packed_groups(model: LlamaModel, recipe: QuantRecipe, prepacked: Mapping[str, QuantizedWeight]) -> dict[str, int]:
     """The linears stored in INT4, with their group sizes, in quantize_model's order."""
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     groups: dict[str, int] = {}
     for name in [*linear_names(model), "lm_head"]:
         shape = shapes[f"{name}.weight"]
         if name in prepacked:
-            if prepacked[name].shape != shape:
-                got = list(prepacked[name].shape)
-                raise ValueError(f"{name} is {got} as given, {list(shape)} in the model's config")
-            groups[name] = prepacked[name].group_size
+            given = prepacked[name]  # read once here to check it, again when it is written
+            if given.shape != shape:
+                raise ValueError(f"{name} is {list(given.shape)} as given, {list(shape)} in the model's config")
+            groups[name] = given.group_size
+            del given
         elif name == "lm_head" and not recipe.lm_head:
             continue
         elif not recipe.kept(name):
@@ -103,7 +105,7 @@ def write_layerwise(
     out: Path,
     recipe: QuantRecipe,
     progress: bool,
-    prepacked: dict[str, QuantizedWeight] | None = None,
+    prepacked: Mapping[str, QuantizedWeight] | None = None,
     recorded: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The INT4 checkpoint of `source` under `recipe` into `out`; returns the manifest's
