@@ -245,6 +245,7 @@ def test_the_measurement_builds_each_source_format_in_a_child_and_writes_its_fig
         assert row["recipe"]["method"] == "awq" and row["int4_bytes"] > 0
         assert row["command"][1:4] == ["-m", "engines.text.text_build", "--engine-dir"]
         assert row["layer_seconds"]["mean"] > 0
+        assert max(rss for _, rss in row["rss_timeline"]) <= row["peak_rss_bytes"]
     assert list(work.iterdir()) == []  # the sources and builds deleted
     table = render.build_memory(result)  # what docs/models.md shows of it
     for row in result["rows"]:
