@@ -468,14 +468,15 @@ class GgufSource(FloatSource):
                 t = self._stored[name]
                 count = int(np.prod(t.shape))
                 fh.seek(t.offset)
-                raw = np.fromfile(fh, dtype=t.dtype, count=count).reshape(t.shape)
+                raw = np.fromfile(fh, dtype=t.dtype, count=count)
                 if raw.size != count:
                     raise SourceModelError(f"{self.path.name}: {t.name} runs past the end of the file")
-                weight = np.asarray(gguf.quants.dequantize(raw, t.kind), dtype=np.float32)
+                weight = np.asarray(gguf.quants.dequantize(raw.reshape(t.shape), t.kind), dtype=np.float32)
                 del raw
-                # Gemma's norms are (1 + weight): llama.cpp's converter stored the sum, which
-                # is how our checkpoint keeps them too (engines/text/import_hf.py).
-                part = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+                # Gemma's norms need nothing: (1 + weight) is stored as the sum by llama.cpp's
+                # converter, as our checkpoint keeps them (engines/text/import_hf.py).
+                block = _BLOCK.match(t.name)
+                part = block.group(2) if block else ""
                 if self.permuted and part == "attn_q":
                     weight = _unpermute_qk(weight, self.config.num_heads)
                 elif self.permuted and part == "attn_k":

@@ -153,8 +153,7 @@ def build_text_engine(
             group = serving_group(float_source.config.parameter_count())
             recipe = layer_recipe(method, layers or [], group_size=group, symmetric=quant.endswith("-sym"))
             out, inputs = quantize_target(src, src_inputs, recipe)
-            stream = float_source
-            path = build_cached(out, inputs, lambda scratch: write_layerwise(stream, scratch, recipe, progress))
+            path = build_cached(out, inputs, lambda scratch: write_layerwise(float_source, scratch, recipe, progress))
     # What serving looks the checkpoint up by (edge/artifacts.py): the profile's words.
     selector = text_selector(source_id(source), source_id(adapter), quant)
     if layers:
