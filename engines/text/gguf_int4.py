@@ -31,7 +31,7 @@ import torch
 from edge.text.model.llama import LlamaModel
 from edge.text.ops.int4 import QuantizedWeight
 from engines.cache import build_cached, cache_key
-from engines.text.import_gguf import _BLOCK, _LAYER_NAMES, GgufSource, SourceModelError, _field, _unpermute_qk
+from engines.text.import_gguf import _BLOCK, _LAYER_NAMES, GgufSource, SourceModelError, _unpermute_qk
 from engines.text.layerwise import write_layerwise
 from engines.text.quantize import QuantRecipe, linear_names
 
@@ -105,53 +105,46 @@ class KeptWeights(Mapping[str, QuantizedWeight]):
         return len(self._stored)
 
 
-def kept_linears(gguf_path: Path) -> tuple[Mapping[str, QuantizedWeight], str | None]:
+def kept_linears(source: GgufSource) -> tuple[Mapping[str, QuantizedWeight], str | None]:
     """Every block linear of the file as it is stored, in our layout and module names,
     when all of them are Q4_0 (and the output projection, when it is); else ({}, why not).
-    Only the file's tensor list is read here: each weight when it is asked for."""
+    Only the file's tensor list is read here (the source's): each weight when asked for."""
     import gguf  # build-time only dependency
 
-    reader = gguf.GGUFReader(str(gguf_path))
-    permuted = _field(reader, "general.architecture") == "llama"
-    heads = {"attn_q": int(_field(reader, f"{_field(reader, 'general.architecture')}.attention.head_count"))}
-    arch = _field(reader, "general.architecture")
-    kv_field = reader.fields.get(f"{arch}.attention.head_count_kv")
-    heads["attn_k"] = int(kv_field.contents()) if kv_field is not None else heads["attn_q"]
+    heads = {"attn_q": source.config.num_heads, "attn_k": source.config.num_kv_heads}
     kept: dict[str, _Stored] = {}
     q4_0 = gguf.GGMLQuantizationType.Q4_0
-    for t in reader.tensors:
+    for t in source.stored().values():
         match = _BLOCK.match(t.name)
         is_output = t.name == "output.weight"
         if not (is_output or (match and match.group(2) in LINEAR_PARTS and match.group(3) == "weight")):
             continue
-        if t.tensor_type != q4_0:
+        if t.kind != q4_0:
             if is_output:
                 continue  # rounded to INT4 by the build like any output projection
-            return {}, f"{t.name} is {t.tensor_type.name}, not Q4_0"
-        columns, rows = (int(n) for n in t.shape[:2])  # GGUF lists the row length first
+            return {}, f"{t.name} is {t.kind.name}, not Q4_0"
+        rows, columns = t.dims[0], t.dims[1]
         if columns % GROUP:
             raise SourceModelError(f"a Q4_0 row of {columns} weights is not whole blocks of {GROUP}")
-        byte_shape = tuple(int(n) for n in t.data.shape)
         if is_output:
-            kept["lm_head"] = _Stored(int(t.data_offset), byte_shape, rows, columns, 0)
+            kept["lm_head"] = _Stored(t.offset, t.shape, rows, columns, 0)
             continue
         assert match is not None
         part = match.group(2)
-        unpermute = heads[part] if permuted and part in heads else 0
-        kept[f"layers.{int(match.group(1))}.{_LAYER_NAMES[part]}"] = _Stored(
-            int(t.data_offset), byte_shape, rows, columns, unpermute
-        )
+        unpermute = heads[part] if source.permuted and part in heads else 0
+        name = f"layers.{int(match.group(1))}.{_LAYER_NAMES[part]}"
+        kept[name] = _Stored(t.offset, t.shape, rows, columns, unpermute)
     if not kept:
         return {}, "the file has no Q4_0 linears"
-    return KeptWeights(gguf_path, kept), None
+    return KeptWeights(source.path, kept), None
 
 
-def write_kept(gguf_path: Path, out: Path, kept: Mapping[str, QuantizedWeight], progress: bool) -> dict[str, Any]:
+def write_kept(source: GgufSource, out: Path, kept: Mapping[str, QuantizedWeight], progress: bool) -> dict[str, Any]:
     """An INT4 checkpoint (as a build writes one, a layer at a time: engines/text/layerwise.py)
     whose block linears are the file's Q4_0 weights; norms and the token table from the
     file's float tensors, the output projection the file's where it is Q4_0, else rounded
     to INT4."""
-    source = GgufSource(gguf_path)
+    gguf_path = source.path
     with torch.device("meta"):
         names = set(linear_names(LlamaModel(source.config)))
     missing = sorted(names - set(kept))
@@ -170,15 +163,17 @@ def write_kept(gguf_path: Path, out: Path, kept: Mapping[str, QuantizedWeight], 
     return details
 
 
-def keep_q4_0(gguf_path: Path, imported: Path, imported_inputs: dict[str, Any], progress: bool = False) -> Path | None:
-    """The INT4 build of `gguf_path` that keeps the file's Q4_0 weights, cached beside
-    its float import `imported` (named, not built) by the import's inputs; None, saying
-    why, where the file is not wholly Q4_0 in its block linears."""
-    kept, why = kept_linears(gguf_path)
+def keep_q4_0(
+    source: GgufSource, imported: Path, imported_inputs: dict[str, Any], progress: bool = False
+) -> Path | None:
+    """The INT4 build of `source` that keeps the file's Q4_0 weights, cached beside its
+    float import `imported` (named, not built) by the import's inputs; None, saying why,
+    where the file is not wholly Q4_0 in its block linears."""
+    kept, why = kept_linears(source)
     if why is not None:
-        logger.info("%s: %s; its weights are dequantized and quantized again", gguf_path.name, why)
+        logger.info("%s: %s; its weights are dequantized and quantized again", source.path.name, why)
         return None
     inputs = {"source": imported_inputs, "kept": "gguf-q4_0", "version": KEPT_VERSION}
     out = imported.parent / f"{imported.name}-q4_0-{cache_key(inputs)}"
-    logger.info("%s: every block linear is Q4_0, served as stored (no second rounding)", gguf_path.name)
-    return build_cached(out, inputs, lambda scratch: write_kept(gguf_path, scratch, kept, progress))
+    logger.info("%s: every block linear is Q4_0, served as stored (no second rounding)", source.path.name)
+    return build_cached(out, inputs, lambda scratch: write_kept(source, scratch, kept, progress))

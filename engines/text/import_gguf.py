@@ -403,13 +403,14 @@ def file_config(reader: Any) -> LlamaConfig:
 
 
 @dataclass(frozen=True)
-class _Stored:
+class StoredTensor:
     """Where a tensor's bytes are in the file, and how to read them."""
 
     name: str  # the file's
     kind: Any  # gguf.GGMLQuantizationType
     dtype: np.dtype[Any]
     shape: tuple[int, ...]  # of the stored array (bytes per row for block types)
+    dims: tuple[int, ...]  # of the tensor (rows, columns), as numpy orders them
     offset: int
 
 
@@ -431,12 +432,15 @@ class GgufSource(FloatSource):
         self.permuted = self.family == "llama"
         self.tokenizer = build_tokenizer_json(reader)
         self.generation = generation_specials(reader)
-        self._stored: dict[str, _Stored] = {}
+        self._stored: dict[str, StoredTensor] = {}
         for t in reader.tensors:
             if t.name == "rope_freqs.weight":
                 continue
             name = self._our_name(t.name)
-            self._stored[name] = _Stored(t.name, t.tensor_type, t.data.dtype, tuple(t.data.shape), int(t.data_offset))
+            dims = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists the row length first
+            self._stored[name] = StoredTensor(
+                t.name, t.tensor_type, t.data.dtype, tuple(t.data.shape), dims, int(t.data_offset)
+            )
         missing = sorted(expected_tensors(config) - set(self._stored))
         if missing:
             raise SourceModelError(f"{gguf_path.name}: missing tensors {', '.join(missing[:5])}")
@@ -458,6 +462,10 @@ class GgufSource(FloatSource):
 
     def names(self) -> list[str]:
         return list(self._stored)
+
+    def stored(self) -> dict[str, StoredTensor]:
+        """Every tensor as the file stores it, by our name, in the file's order."""
+        return dict(self._stored)
 
     def read(self, names: Collection[str]) -> dict[str, torch.Tensor]:
         import gguf

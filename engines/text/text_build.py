@@ -136,15 +136,17 @@ def build_text_engine(
             imported, imported_inputs = gguf_import_target(gguf_path, engine_dir, name)
         else:
             imported, imported_inputs = hf_import_target(Path(source), engine_dir)
+        # The source's tensor list and config, read once (a GGUF file's metadata is seconds
+        # of parsing for a large vocabulary).
+        float_source: FloatSource = GgufSource(gguf_path) if gguf_path else HfSource(Path(source).resolve())
         kept = None
-        if source.endswith(".gguf") and adapter_dir is None and not layers:
+        if isinstance(float_source, GgufSource) and source != SMOLLM2_SOURCE and adapter_dir is None and not layers:
             # A file whose block linears are all Q4_0 is served as stored: already INT4 at
             # group 32 with zero points 8, both our layout and a symmetric one.
-            kept = keep_q4_0(Path(source), imported, imported_inputs, progress)
+            kept = keep_q4_0(float_source, imported, imported_inputs, progress)
         if kept is not None:
             path = kept
         else:
-            float_source: FloatSource = GgufSource(gguf_path) if gguf_path else HfSource(Path(source).resolve())
             src, src_inputs = imported, imported_inputs
             if adapter_dir is not None:
                 src, src_inputs = merge_target(imported, imported_inputs, adapter_dir)
