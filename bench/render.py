@@ -542,6 +542,33 @@ def first_start(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def build_memory(d: dict[str, Any]) -> str:
+    params = d["parameters"] / 1e9
+    threads = sorted({r["threads"] for r in d["rows"]})
+    lines = [
+        f"`edgectl build` of a {d['shape_name']}-shape model with random weights ({params:.1f}B parameters), "
+        f"{d['quantization']}, adapter {d['adapter']}, each source built in a child process on {d['cpus']} CPUs "
+        f"({d['machine']}, {'/'.join(map(str, threads))} threads, torch {d['torch']}): its peak resident memory "
+        "(the kernel's high-water mark, file-backed pages included) and its wall time, hashing the source "
+        "included (`bench/results/build_memory.json`).",
+        "",
+        "| source | on disk GiB | peak RSS GiB | limit GiB | within | minutes | per layer s |",
+        "|---|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in d["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['source_format']} | {r['source_bytes'] / 2**30:.1f} | failed (exit {r['exit_code']}) "
+                         "| | | | |")  # fmt: skip
+            continue
+        per_layer = r.get("layer_seconds", {}).get("mean")
+        lines.append(
+            f"| {r['source_format']} | {r['source_bytes'] / 2**30:.1f} | {r['peak_rss_bytes'] / 2**30:.2f} "
+            f"| {d['limit_bytes'] / 2**30:.0f} | {'yes' if r['within_limit'] else '**no**'} "
+            f"| {r['seconds'] / 60:.1f} | {_maybe(per_layer, '.1f')} |"
+        )
+    return "\n".join(lines)
+
+
 def verify(d: dict[str, Any], source: str) -> str:
     where = d["gpu"] or f"CPU only ({d['machine']})"
     lines = [
@@ -1109,6 +1136,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "http_stack": ("http_stack.json", http_stack),
     "headline": ("rag.json", headline),
     "first_start": ("first_start.json", first_start),
+    "build_memory": ("build_memory.json", build_memory),
     "daemon_cpu": ("daemon_cpu.json", lambda d: daemon(d, "bench/results/daemon_cpu.json")),
     "daemon_cuda": ("daemon_cuda.json", lambda d: daemon(d, "bench/results/daemon_cuda.json")),
     "scheduler_cpu": ("scheduler_cpu.json", lambda d: scheduler(d, "bench/results/scheduler_cpu.json")),

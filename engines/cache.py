@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import fcntl
+import glob
 import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -73,6 +76,10 @@ def build_cached(out_dir: Path, inputs: dict[str, Any], build: Callable[[Path], 
 
     A directory with a manifest whose inputs match is reused as is; a half-written one
     (a crash mid-build) never has a manifest, so it is rebuilt rather than trusted.
+    One build of `out_dir` runs at a time (a lock file beside it): a second waits, then
+    finds the first's result. Whoever holds the lock removes the scratch directories of
+    builds of `out_dir` that were killed before they could (SIGKILL, a power cut): an
+    8B model's leaves gigabytes behind.
     """
     existing = read_manifest(out_dir)
     if existing is not None and existing.get("inputs") == inputs:
@@ -81,19 +88,48 @@ def build_cached(out_dir: Path, inputs: dict[str, Any], build: Callable[[Path], 
     if not _BUILDS_ALLOWED.get():
         raise EngineMissing(f"engine {out_dir} is not built; run `edgectl build --profile ...`")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        details = build(scratch)
-        manifest = {"inputs": inputs, **details, "built_at": time.time()}
-        (scratch / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(scratch, out_dir)
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
+    with _build_lock(out_dir):
+        existing = read_manifest(out_dir)
+        if existing is not None and existing.get("inputs") == inputs:
+            logger.info("engine %s was built meanwhile", out_dir)
+            return out_dir
+        _remove_abandoned(out_dir)
+        scratch = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+        try:
+            details = build(scratch)
+            manifest = {"inputs": inputs, **details, "built_at": time.time()}
+            (scratch / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+            if out_dir.exists():
+                shutil.rmtree(out_dir)
+            os.replace(scratch, out_dir)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
     logger.info("built engine %s", out_dir)
     return out_dir
+
+
+@contextlib.contextmanager
+def _build_lock(out_dir: Path) -> Iterator[None]:
+    """Held while `out_dir` is built; the kernel lets go of it when the process ends,
+    however it ends. The lock file stays (removing it would let two builders lock two
+    different files of the same name)."""
+    with (out_dir.parent / f".{out_dir.name}.lock").open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _remove_abandoned(out_dir: Path) -> None:
+    """Scratch directories of `out_dir`'s builds (tempfile.mkdtemp's `.<name>.<8 random
+    characters>`): under the build lock, none belongs to a live build."""
+    scratch = re.compile(rf"\.{re.escape(out_dir.name)}\.[a-z0-9_]{{8}}")
+    for path in out_dir.parent.glob(f".{glob.escape(out_dir.name)}.*"):
+        if scratch.fullmatch(path.name) and path.is_dir() and not path.is_symlink():
+            logger.info("removing %s, left by a build that was stopped", path)
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def tag_serves(out_dir: Path, selector: dict[str, Any]) -> None:

@@ -289,17 +289,21 @@ def test_the_text_pipeline_builds_a_gguf_source_with_a_peft_adapter(family: dict
     assert {"task": "qa", "source": source_id(source), "adapter": source_id(adapter), "quantization": "awq-int4"} in (
         manifest["serves"]
     )
-    merged_dir = next(
-        p for p in (tmp_path / "engines" / "text").iterdir() if "-lora-" in p.name and "-awq-" not in p.name
-    )
+    # The INT4 build merged a layer at a time and wrote no float merge: the merge that
+    # serves as the reference is built here, by the same cached step a float build runs.
+    from engines.text.peft_adapter import merge_checkpoint
+
+    imported = import_gguf(Path(source), tmp_path / "engines", Path(source).stem, progress=False)
+    merged_dir = merge_checkpoint(imported, Path(adapter))
     merged = load_checkpoint(merged_dir, dtype=torch.float32)
     ids = torch.tensor([merged.tokenizer.encode(" ".join(CORPUS[:3]), add_special_tokens=False).ids[:60]])
     with torch.no_grad():
         expected = peft_model.merge_and_unload()(ids).logits
     got = merged.model(ids, merged.model.new_cache(1, 64), 0, last_only=False)
     assert (got - expected).abs().max().item() <= 1e-4 * expected.abs().max().item()
-    # The served checkpoint is the serving recipe's AWQ INT4 of that merged model (its
-    # accuracy against float is tested in tests/test_import_hf.py).
+    # The served checkpoint is the serving recipe's AWQ INT4 of that merged model, under the
+    # same cache key (its accuracy against float is tested in tests/test_import_hf.py, its
+    # weights against the whole-model quantizer's in tests/test_build_memory.py).
     assert quantize_checkpoint(merged_dir, layer_recipe("awq", []), progress=False) == built
     int4 = load_checkpoint(built, dtype=torch.float32)
     assert int4.int4_kernel is not None

@@ -67,7 +67,7 @@ def test_every_written_answer_shows_the_behaviour_its_prompt_asks_for() -> None:
 @pytest.mark.slow
 def test_the_shipped_adapter_changes_behaviour_on_heldout_prompts(engine_dir: Path) -> None:
     base = import_smollm2(engine_dir, progress=False)
-    merged = merge_checkpoint(base, CLINIC_ADAPTER)  # built by the fixture: cached
+    merged = merge_checkpoint(base, CLINIC_ADAPTER)  # the float merge (the fixture's INT4 build wrote none)
     base_rate, _ = follow_rate(base)
     merged_rate, answers = follow_rate(merged)
     assert base_rate <= 0.2, "the base model should not already cite and refuse"

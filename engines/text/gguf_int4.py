@@ -20,18 +20,20 @@ dequantized and quantized again by the build's recipe, and the build says why.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from edge.text.model.checkpoint import load_checkpoint
+from edge.text.model.llama import LlamaModel
 from edge.text.ops.int4 import QuantizedWeight
-from engines.cache import build_cached, cache_key, read_manifest
-from engines.text.import_gguf import _BLOCK, _LAYER_NAMES, SourceModelError, _field, _unpermute_qk
-from engines.text.int4_checkpoint import save_int4
-from engines.text.quantize import QuantRecipe, linear_names, quantize_model
+from engines.cache import build_cached, cache_key
+from engines.text.import_gguf import _BLOCK, _LAYER_NAMES, GgufSource, SourceModelError, _unpermute_qk
+from engines.text.layerwise import write_layerwise
+from engines.text.quantize import QuantRecipe, linear_names
 
 logger = logging.getLogger(__name__)
 
@@ -66,81 +68,112 @@ def _rows(weight: QuantizedWeight, order: np.ndarray) -> QuantizedWeight:
     )
 
 
-def kept_linears(gguf_path: Path) -> tuple[dict[str, QuantizedWeight], str | None]:
+@dataclass(frozen=True)
+class _Stored:
+    offset: int
+    byte_shape: tuple[int, ...]  # [rows, columns / 32 * 18]
+    rows: int
+    columns: int
+    heads: int  # a Llama file's q or k: its rows unpermuted for this many heads; else 0
+
+
+class KeptWeights(Mapping[str, QuantizedWeight]):
+    """A file's Q4_0 linears by our module names, each read from the file when asked for,
+    so that a build holds one layer's at a time (an 8B file's are 4.5 GB)."""
+
+    def __init__(self, path: Path, stored: dict[str, _Stored]) -> None:
+        self.path = path
+        self._stored = stored
+
+    def __getitem__(self, name: str) -> QuantizedWeight:
+        s = self._stored[name]
+        with self.path.open("rb") as fh:
+            fh.seek(s.offset)
+            raw = np.fromfile(fh, dtype=np.uint8, count=int(np.prod(s.byte_shape))).reshape(s.byte_shape)
+        weight = q4_0_weight(raw, s.rows, s.columns)
+        if s.heads:
+            weight = _rows(weight, _unpermute_qk(np.arange(s.rows)[:, None], s.heads)[:, 0])
+        return weight
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._stored  # without reading it
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._stored)
+
+    def __len__(self) -> int:
+        return len(self._stored)
+
+
+def kept_linears(source: GgufSource) -> tuple[Mapping[str, QuantizedWeight], str | None]:
     """Every block linear of the file as it is stored, in our layout and module names,
-    when all of them are Q4_0 (and the output projection, when it is); else ({}, why not)."""
+    when all of them are Q4_0 (and the output projection, when it is); else ({}, why not).
+    Only the file's tensor list is read here (the source's): each weight when asked for."""
     import gguf  # build-time only dependency
 
-    reader = gguf.GGUFReader(str(gguf_path))
-    permuted = _field(reader, "general.architecture") == "llama"
-    heads = {"attn_q": int(_field(reader, f"{_field(reader, 'general.architecture')}.attention.head_count"))}
-    arch = _field(reader, "general.architecture")
-    kv_field = reader.fields.get(f"{arch}.attention.head_count_kv")
-    heads["attn_k"] = int(kv_field.contents()) if kv_field is not None else heads["attn_q"]
-    kept: dict[str, QuantizedWeight] = {}
+    heads = {"attn_q": source.config.num_heads, "attn_k": source.config.num_kv_heads}
+    kept: dict[str, _Stored] = {}
     q4_0 = gguf.GGMLQuantizationType.Q4_0
-    for t in reader.tensors:
+    for t in source.stored().values():
         match = _BLOCK.match(t.name)
         is_output = t.name == "output.weight"
         if not (is_output or (match and match.group(2) in LINEAR_PARTS and match.group(3) == "weight")):
             continue
-        if t.tensor_type != q4_0:
+        if t.kind != q4_0:
             if is_output:
                 continue  # rounded to INT4 by the build like any output projection
-            return {}, f"{t.name} is {t.tensor_type.name}, not Q4_0"
-        columns, rows = (int(n) for n in t.shape[:2])  # GGUF lists the row length first
-        weight = q4_0_weight(np.asarray(t.data), rows, columns)
+            return {}, f"{t.name} is {t.kind.name}, not Q4_0"
+        rows, columns = t.dims[0], t.dims[1]
+        if columns % GROUP:
+            raise SourceModelError(f"a Q4_0 row of {columns} weights is not whole blocks of {GROUP}")
         if is_output:
-            kept["lm_head"] = weight
+            kept["lm_head"] = _Stored(t.offset, t.shape, rows, columns, 0)
             continue
         assert match is not None
         part = match.group(2)
-        if permuted and part in heads:
-            weight = _rows(weight, _unpermute_qk(np.arange(rows)[:, None], heads[part])[:, 0])
-        kept[f"layers.{int(match.group(1))}.{_LAYER_NAMES[part]}"] = weight
+        unpermute = heads[part] if source.permuted and part in heads else 0
+        name = f"layers.{int(match.group(1))}.{_LAYER_NAMES[part]}"
+        kept[name] = _Stored(t.offset, t.shape, rows, columns, unpermute)
     if not kept:
         return {}, "the file has no Q4_0 linears"
-    return kept, None
+    return KeptWeights(source.path, kept), None
 
 
-def write_kept(gguf_path: Path, imported: Path, out: Path, kept: dict[str, QuantizedWeight]) -> dict[str, Any]:
-    """An INT4 checkpoint (as engines/text/text_build.write_quantized writes one) whose
-    block linears are the file's Q4_0 weights; norms and the token table from the float
-    import, the output projection the file's where it is Q4_0, else rounded to INT4."""
-    ckpt = load_checkpoint(imported, dtype=torch.float32, fuse=False)
-    names = set(linear_names(ckpt.model))
+def write_kept(source: GgufSource, out: Path, kept: Mapping[str, QuantizedWeight], progress: bool) -> dict[str, Any]:
+    """An INT4 checkpoint (as a build writes one, a layer at a time: engines/text/layerwise.py)
+    whose block linears are the file's Q4_0 weights; norms and the token table from the
+    file's float tensors, the output projection the file's where it is Q4_0, else rounded
+    to INT4."""
+    gguf_path = source.path
+    with torch.device("meta"):
+        names = set(linear_names(LlamaModel(source.config)))
     missing = sorted(names - set(kept))
     if missing:
         raise SourceModelError(f"{gguf_path.name}: no Q4_0 weight for {', '.join(missing[:5])}")
     # Every block linear stays out of the recipe (kept); only the output projection, when
     # the file's is not Q4_0, is rounded (to the nearest, at group 32, as a build does).
     recipe = QuantRecipe(method="rtn", group_size=GROUP, keep=tuple(sorted(names)), lm_head="lm_head" not in kept)
-    with torch.inference_mode():
-        packed, report = quantize_model(ckpt.model, recipe, None, progress=False)
-    for name, weight in kept.items():
-        float_weight = ckpt.model.get_submodule(name).weight
-        assert isinstance(float_weight, torch.Tensor)
-        shape = tuple(float_weight.shape)
-        if weight.shape != shape:
-            raise SourceModelError(f"{gguf_path.name}: {name} is {list(weight.shape)} in Q4_0, {list(shape)} in float")
-        packed[name] = weight
-        report.layers[name] = {"bits": 4, "group_size": GROUP, "clipped": False, "from": "gguf Q4_0, as stored"}
     recorded = {"method": "gguf-q4_0", "group_size": GROUP, "kept_version": KEPT_VERSION}
-    return save_int4(ckpt.model, packed, imported, out, recorded, report.layers)
+    try:
+        details = write_layerwise(source, out, recipe, progress, prepacked=kept, recorded=recorded)
+    except ValueError as err:  # a Q4_0 weight of another shape than the config's
+        raise SourceModelError(f"{gguf_path.name}: {err}") from err
+    for name in kept:
+        details["layers"][name] = {"bits": 4, "group_size": GROUP, "clipped": False, "from": "gguf Q4_0, as stored"}
+    return details
 
 
-def keep_q4_0(gguf_path: Path, imported: Path) -> Path | None:
-    """The INT4 build of `imported` (the float import of `gguf_path`) that keeps the
-    file's Q4_0 weights, cached by the import's inputs; None, saying why, where the file
-    is not wholly Q4_0 in its block linears."""
-    kept, why = kept_linears(gguf_path)
+def keep_q4_0(
+    source: GgufSource, imported: Path, imported_inputs: dict[str, Any], progress: bool = False
+) -> Path | None:
+    """The INT4 build of `source` that keeps the file's Q4_0 weights, cached beside its
+    float import `imported` (named, not built) by the import's inputs; None, saying why,
+    where the file is not wholly Q4_0 in its block linears."""
+    kept, why = kept_linears(source)
     if why is not None:
-        logger.info("%s: %s; its weights are dequantized and quantized again", gguf_path.name, why)
+        logger.info("%s: %s; its weights are dequantized and quantized again", source.path.name, why)
         return None
-    source = read_manifest(imported)
-    if source is None:
-        raise FileNotFoundError(f"{imported} is not a built checkpoint (no manifest)")
-    inputs = {"source": source["inputs"], "kept": "gguf-q4_0", "version": KEPT_VERSION}
+    inputs = {"source": imported_inputs, "kept": "gguf-q4_0", "version": KEPT_VERSION}
     out = imported.parent / f"{imported.name}-q4_0-{cache_key(inputs)}"
-    logger.info("%s: every block linear is Q4_0, served as stored (no second rounding)", gguf_path.name)
-    return build_cached(out, inputs, lambda scratch: write_kept(gguf_path, imported, scratch, kept))
+    logger.info("%s: every block linear is Q4_0, served as stored (no second rounding)", source.path.name)
+    return build_cached(out, inputs, lambda scratch: write_kept(source, scratch, kept, progress))

@@ -20,17 +20,18 @@ import importlib.metadata
 import json
 import logging
 import re
-from dataclasses import replace
+from collections.abc import Collection
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
-from tqdm import tqdm
 
 from edge.text.architecture import LlamaConfig
 from engines.cache import build_cached, cache_key, file_sha256
+from engines.text.float_checkpoint import write_float_streamed
+from engines.text.float_source import FloatSource
 
 logger = logging.getLogger(__name__)
 
@@ -388,10 +389,8 @@ def rope_freq_factors(reader: Any) -> list[float] | None:
     return [float(v) for v in values]
 
 
-def convert(gguf_path: Path, out_dir: Path, progress: bool = True) -> dict[str, Any]:
-    import gguf  # build-time only dependency
-
-    reader = gguf.GGUFReader(str(gguf_path))
+def file_config(reader: Any) -> LlamaConfig:
+    """The file's config, with Llama 3.1's RoPE scaling from its rope_freqs tensor."""
     config = read_config(reader)
     factors = rope_freq_factors(reader)
     if factors is not None:
@@ -400,51 +399,115 @@ def convert(gguf_path: Path, out_dir: Path, progress: bool = True) -> dict[str, 
         if len(factors) != config.head_dim // 2:
             raise SourceModelError(f"rope_freqs has {len(factors)} factors for a head of {config.head_dim}")
         config = replace(config, rope_scaling={"rope_type": "freq_factors", "factors": factors})
-    # llama.cpp interleaves a Llama file's q/k rows for its rotary layout; Qwen2 files
-    # use the rotate-half layout already.
-    permuted = _field(reader, "general.architecture") == "llama"
-    tensors: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc=f"import {gguf_path.name}", unit="tensor", disable=not progress):
-        if t.name == "rope_freqs.weight":
-            continue
-        weight = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        match = _BLOCK.match(t.name)
+    return config
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where a tensor's bytes are in the file, and how to read them."""
+
+    name: str  # the file's
+    kind: Any  # gguf.GGMLQuantizationType
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]  # of the stored array (bytes per row for block types)
+    dims: tuple[int, ...]  # of the tensor (rows, columns), as numpy orders them
+    offset: int
+
+
+class GgufSource(FloatSource):
+    """A GGUF file's tensors under our names, each read from the file when asked for
+    (never through a mapping of the whole file), dequantized to float32; what is not
+    supported is refused before any is read."""
+
+    def __init__(self, gguf_path: Path) -> None:
+        import gguf  # build-time only dependency
+
+        reader = gguf.GGUFReader(str(gguf_path))
+        config = file_config(reader)
+        super().__init__(config, gguf_path.name)
+        self.path = gguf_path
+        self.family = str(_field(reader, "general.architecture"))
+        # llama.cpp interleaves a Llama file's q/k rows for its rotary layout; Qwen2 files
+        # use the rotate-half layout already.
+        self.permuted = self.family == "llama"
+        self.tokenizer = build_tokenizer_json(reader)
+        self.generation = generation_specials(reader)
+        self._stored: dict[str, StoredTensor] = {}
+        for t in reader.tensors:
+            if t.name == "rope_freqs.weight":
+                continue
+            name = self._our_name(t.name)
+            dims = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists the row length first
+            self._stored[name] = StoredTensor(
+                t.name, t.tensor_type, t.data.dtype, tuple(t.data.shape), dims, int(t.data_offset)
+            )
+        missing = sorted(expected_tensors(config) - set(self._stored))
+        if missing:
+            raise SourceModelError(f"{gguf_path.name}: missing tensors {', '.join(missing[:5])}")
+        del reader  # its mapping of the file, and the metadata's arrays
+
+    def _our_name(self, name: str) -> str:
+        config = self.config
+        match = _BLOCK.match(name)
         if match:
             layer, part, kind = int(match.group(1)), match.group(2), match.group(3)
             if part not in _LAYER_NAMES or (kind == "bias" and not (config.attention_bias and part in _BIASED)):
-                raise SourceModelError(f"unexpected tensor {t.name}")
+                raise SourceModelError(f"unexpected tensor {name}")
             if (part in _QK_NORMS and not config.qk_norm) or (part in _OUTPUT_NORMS and not config.output_norms):
-                raise SourceModelError(
-                    f"unexpected tensor {t.name} for a {_field(reader, 'general.architecture')} file"
-                )
-            # Gemma's norms are (1 + weight): llama.cpp's converter stored the sum, which
-            # is how our checkpoint keeps them too (engines/text/import_hf.py).
-            if permuted and part == "attn_q":
-                weight = _unpermute_qk(weight, config.num_heads)
-            elif permuted and part == "attn_k":
-                weight = _unpermute_qk(weight, config.num_kv_heads)
-            name = f"layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
-        elif t.name.removesuffix(".weight") in _TOP_NAMES and t.name.endswith(".weight"):
-            name = f"{_TOP_NAMES[t.name.removesuffix('.weight')]}.weight"
-        else:
-            raise SourceModelError(f"unexpected tensor {t.name}")
-        tensors[name] = torch.from_numpy(np.array(weight, dtype=np.float32, copy=True))
-    missing = sorted(expected_tensors(config) - set(tensors))
-    if missing:
-        raise SourceModelError(f"{gguf_path.name}: missing tensors {', '.join(missing[:5])}")
-    save_file(tensors, str(out_dir / "model.safetensors"))
-    (out_dir / "config.json").write_text(config.to_json() + "\n", encoding="utf-8")
-    tok = build_tokenizer_json(reader)
-    (out_dir / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False), encoding="utf-8")
-    (out_dir / "generation.json").write_text(json.dumps(generation_specials(reader), indent=2) + "\n", encoding="utf-8")
-    weight_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+                raise SourceModelError(f"unexpected tensor {name} for a {self.family} file")
+            return f"layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        if name.removesuffix(".weight") in _TOP_NAMES and name.endswith(".weight"):
+            return f"{_TOP_NAMES[name.removesuffix('.weight')]}.weight"
+        raise SourceModelError(f"unexpected tensor {name}")
+
+    def names(self) -> list[str]:
+        return list(self._stored)
+
+    def stored(self) -> dict[str, StoredTensor]:
+        """Every tensor as the file stores it, by our name, in the file's order."""
+        return dict(self._stored)
+
+    def read(self, names: Collection[str]) -> dict[str, torch.Tensor]:
+        import gguf
+
+        out: dict[str, torch.Tensor] = {}
+        with self.path.open("rb") as fh:
+            for name in names:
+                t = self._stored[name]
+                count = int(np.prod(t.shape))
+                fh.seek(t.offset)
+                raw = np.fromfile(fh, dtype=t.dtype, count=count)
+                if raw.size != count:
+                    raise SourceModelError(f"{self.path.name}: {t.name} runs past the end of the file")
+                weight = np.asarray(gguf.quants.dequantize(raw.reshape(t.shape), t.kind), dtype=np.float32)
+                del raw
+                # Gemma's norms need nothing: (1 + weight) is stored as the sum by llama.cpp's
+                # converter, as our checkpoint keeps them (engines/text/import_hf.py).
+                block = _BLOCK.match(t.name)
+                part = block.group(2) if block else ""
+                if self.permuted and part == "attn_q":
+                    weight = _unpermute_qk(weight, self.config.num_heads)
+                elif self.permuted and part == "attn_k":
+                    weight = _unpermute_qk(weight, self.config.num_kv_heads)
+                # Already an array of its own (read, not mapped): no second copy of a 1 GB table.
+                out[name] = torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
+                del weight
+        return out
+
+    def write_side_files(self, out: Path) -> None:
+        (out / "config.json").write_text(self.config.to_json() + "\n", encoding="utf-8")
+        (out / "tokenizer.json").write_text(json.dumps(self.tokenizer, ensure_ascii=False), encoding="utf-8")
+        (out / "generation.json").write_text(json.dumps(self.generation, indent=2) + "\n", encoding="utf-8")
+
+
+def convert(gguf_path: Path, out_dir: Path, progress: bool = True) -> dict[str, Any]:
+    source = GgufSource(gguf_path)
+    written = write_float_streamed(source, out_dir, progress)
     return {
-        "kind": "llama-checkpoint",
-        "family": _field(reader, "general.architecture"),
-        "config": json.loads(config.to_json()),
-        "weight_bytes": weight_bytes,
-        "kv_bytes_per_token_fp32": config.kv_bytes_per_token(torch.float32),
-        "tensors": len(tensors),
+        **written,
+        "family": source.family,
+        "config": json.loads(source.config.to_json()),
+        "tensors": len(source.names()),
     }
 
 
@@ -493,14 +556,16 @@ def expected_tensors(config: LlamaConfig) -> set[str]:
     return names
 
 
-def _import_target(gguf_path: Path, engine_dir: Path, name: str) -> tuple[Path, dict[str, Any]]:
+def import_target(gguf_path: Path, engine_dir: Path, name: str) -> tuple[Path, dict[str, Any]]:
+    """Where the import of `gguf_path` is cached, and its inputs (the later steps' cache
+    keys start from them, whether or not the float import itself is written)."""
     inputs = {"source": gguf_path.name, "sha256": file_sha256(gguf_path), "importer": IMPORTER_VERSION}
     return engine_dir / "text" / f"{name}-{cache_key(inputs)}", inputs
 
 
 def import_gguf(gguf_path: Path, engine_dir: Path, name: str, progress: bool = True) -> Path:
     """Convert once; later calls with the same source file return the cached directory."""
-    out_dir, inputs = _import_target(gguf_path, engine_dir, name)
+    out_dir, inputs = import_target(gguf_path, engine_dir, name)
     return build_cached(out_dir, inputs, lambda scratch: convert(gguf_path, scratch, progress))
 
 

@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
-from tqdm import tqdm
 
 from edge.text.architecture import LlamaConfig
 from engines.cache import build_cached, cache_key, file_sha256
+from engines.text.float_checkpoint import write_float_streamed
+from engines.text.float_source import FloatSource
 from engines.text.import_gguf import MAX_POSITIONS, SourceModelError, expected_tensors
 
 logger = logging.getLogger(__name__)
@@ -261,44 +262,84 @@ def generation_settings(directory: Path) -> dict[str, Any]:
     }
 
 
+def _fused_parts(name: str) -> list[str]:
+    """Our tensors a source tensor holds: Phi-3's fused ones split (as _split_fused does)."""
+    if name.endswith("self_attn.qkv_proj.weight"):
+        base = name.removesuffix("qkv_proj.weight")
+        return [f"{base}{p}_proj.weight" for p in "qkv"]
+    if name.endswith("mlp.gate_up_proj.weight"):
+        base = name.removesuffix("gate_up_proj.weight")
+        return [f"{base}gate_proj.weight", f"{base}up_proj.weight"]
+    return [name]
+
+
+class HfSource(FloatSource):
+    """A Hugging Face directory's weights under our names, read from its safetensors
+    shards a few tensors at a time; what is not supported is refused before any is read."""
+
+    def __init__(self, directory: Path) -> None:
+        config = read_hf_config(directory)
+        super().__init__(config, directory.name)
+        self.directory = directory
+        self.gemma = _load_json(directory / "config.json").get("model_type") == GEMMA
+        self.generation = generation_settings(directory)
+        expected = expected_tensors(config)
+        # Where each of our tensors is: (shard, the source's name for it).
+        self._where: dict[str, tuple[Path, str]] = {}
+        for path in weight_files(directory):
+            with safe_open(str(path), framework="pt") as fh:
+                for name in fh.keys():
+                    ours = _our_name(name, self.gemma)
+                    if ours == "lm_head.weight" and config.tie_embeddings:
+                        continue  # tied: the embedding is the head
+                    for part in _fused_parts(ours):
+                        if part not in expected:
+                            kind = config_kind(config)
+                            raise SourceModelError(f"{directory.name}: unexpected tensor {name} for a {kind}")
+                        self._where[part] = (path, name)
+        missing = sorted(expected - set(self._where))
+        if missing:
+            raise SourceModelError(f"{directory.name}: missing tensors {', '.join(missing[:5])}")
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def read(self, names: Collection[str]) -> dict[str, torch.Tensor]:
+        wanted: dict[Path, dict[str, set[str]]] = {}
+        for part in names:
+            path, name = self._where[part]
+            wanted.setdefault(path, {}).setdefault(name, set()).add(part)
+        out: dict[str, torch.Tensor] = {}
+        for path, sources in wanted.items():
+            with safe_open(str(path), framework="pt") as fh:
+                for name, parts in sources.items():
+                    ours = _our_name(name, self.gemma)
+                    tensor = fh.get_tensor(name).to(torch.float32)
+                    if self.gemma and ours.endswith("norm.weight"):
+                        # Gemma's RMSNorm multiplies by (1 + weight): stored as that sum, as
+                        # llama.cpp's converter stores it, so one RMSNorm (and AWQ's folding
+                        # of scales into it) serves every family.
+                        tensor = tensor + 1.0
+                    for part, value in _split_fused(ours, tensor, self.config):
+                        if part in parts:
+                            out[part] = value.contiguous()
+                    del tensor  # before the next one is read
+        return out
+
+    def write_side_files(self, out: Path) -> None:
+        (out / "config.json").write_text(self.config.to_json() + "\n", encoding="utf-8")
+        (out / "tokenizer.json").write_bytes((self.directory / "tokenizer.json").read_bytes())
+        (out / "generation.json").write_text(json.dumps(self.generation, indent=2) + "\n", encoding="utf-8")
+
+
 def convert(directory: Path, out_dir: Path, progress: bool = True) -> dict[str, Any]:
-    config = read_hf_config(directory)
-    gemma = _load_json(directory / "config.json").get("model_type") == GEMMA
-    expected = expected_tensors(config)
-    tensors: dict[str, torch.Tensor] = {}
-    files = weight_files(directory)
-    for path in tqdm(files, desc=f"import {directory.name}", unit="file", disable=not progress):
-        with safe_open(str(path), framework="pt") as fh:
-            for name in fh.keys():
-                ours = _our_name(name, gemma)
-                if ours == "lm_head.weight" and config.tie_embeddings:
-                    continue  # tied: the embedding is the head
-                tensor = fh.get_tensor(name).to(torch.float32)
-                if gemma and ours.endswith("norm.weight"):
-                    # Gemma's RMSNorm multiplies by (1 + weight): stored as that sum, as
-                    # llama.cpp's converter stores it, so one RMSNorm (and AWQ's folding
-                    # of scales into it) serves every family.
-                    tensor = tensor + 1.0
-                for part, value in _split_fused(ours, tensor, config):
-                    if part not in expected:
-                        kind = config_kind(config)
-                        raise SourceModelError(f"{directory.name}: unexpected tensor {name} for a {kind}")
-                    tensors[part] = value.contiguous()
-    missing = sorted(expected - set(tensors))
-    if missing:
-        raise SourceModelError(f"{directory.name}: missing tensors {', '.join(missing[:5])}")
-    save_file(tensors, str(out_dir / "model.safetensors"))
-    (out_dir / "config.json").write_text(config.to_json() + "\n", encoding="utf-8")
-    (out_dir / "tokenizer.json").write_bytes((directory / "tokenizer.json").read_bytes())
-    generation = generation_settings(directory)
-    (out_dir / "generation.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
+    source = HfSource(directory)
+    written = write_float_streamed(source, out_dir, progress)
     return {
-        "kind": "llama-checkpoint",
-        "family": config_kind(config),
-        "config": json.loads(config.to_json()),
-        "weight_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
-        "kv_bytes_per_token_fp32": config.kv_bytes_per_token(torch.float32),
-        "tensors": len(tensors),
+        **written,
+        "family": config_kind(source.config),
+        "config": json.loads(source.config.to_json()),
+        "tensors": len(source.names()),
     }
 
 
@@ -319,12 +360,19 @@ def source_inputs(directory: Path) -> dict[str, Any]:
     return {"files": {f.name: file_sha256(f) for f in files}, "importer": IMPORTER_VERSION}
 
 
-def import_hf(directory: Path, engine_dir: Path, progress: bool = True) -> Path:
-    """Convert once; later calls with the same files return the cached directory."""
+def import_target(directory: Path, engine_dir: Path) -> tuple[Path, dict[str, Any]]:
+    """Where the import of `directory` is cached, and its inputs (the later steps' cache
+    keys start from them, whether or not the float import itself is written)."""
     directory = directory.resolve()
     read_hf_config(directory)  # refuse an unsupported model before hashing its weights
     inputs = source_inputs(directory)
-    out_dir = engine_dir / "text" / f"{_safe_name(directory.name)}-{cache_key(inputs)}"
+    return engine_dir / "text" / f"{_safe_name(directory.name)}-{cache_key(inputs)}", inputs
+
+
+def import_hf(directory: Path, engine_dir: Path, progress: bool = True) -> Path:
+    """Convert once; later calls with the same files return the cached directory."""
+    directory = directory.resolve()
+    out_dir, inputs = import_target(directory, engine_dir)
     return build_cached(out_dir, inputs, lambda scratch: convert(directory, scratch, progress))
 
 

@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,12 +29,12 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from edge.text.model.checkpoint import load_checkpoint
 from edge.text.model.llama import LlamaModel
 from engines.cache import build_cached, cache_key, file_sha256, read_manifest
 from engines.text.base_quantization import FILE as BASE_QUANTIZATION
 from engines.text.base_quantization import BaseQuantization, BaseQuantizationError, read_base_quantization
-from engines.text.float_checkpoint import write_float_checkpoint
+from engines.text.float_checkpoint import write_float_streamed
+from engines.text.float_source import CheckpointSource, FloatSource
 
 logger = logging.getLogger(__name__)
 
@@ -155,23 +156,66 @@ def _check_targets(directory: Path, targets: Any, merged: set[str]) -> None:
         raise AdapterError(f"adapter {directory.name}: weights for {sorted(stray)[:3]} outside its target_modules")
 
 
+def merged_weight(adapter: Adapter, name: str, weight: torch.Tensor) -> torch.Tensor:
+    """Linear `name`'s weight with the adapter's update added, in the weight's dtype."""
+    update = adapter.updates[name]
+    base = weight.detach().float()
+    if adapter.base is not None:
+        # The weights the adapter was trained against: the rounded base.
+        try:
+            base = adapter.base.dequantized(base)
+        except BaseQuantizationError as err:
+            raise AdapterError(f"adapter {adapter.directory.name}: {err}") from err
+    return (base.double() + update.delta()).to(weight.dtype)
+
+
 def merge_adapter(model: LlamaModel, adapter: Adapter) -> int:
     """Merge in place (an unfused float model); returns how many linears changed."""
     modules = dict(model.named_modules())
     with torch.no_grad():
-        for name, update in adapter.updates.items():
+        for name in adapter.updates:
             linear = modules[name]
             assert isinstance(linear, nn.Linear)
-            weight = linear.weight.detach().float()
-            if adapter.base is not None:
-                # The weights the adapter was trained against: the rounded base.
-                try:
-                    weight = adapter.base.dequantized(weight)
-                except BaseQuantizationError as err:
-                    raise AdapterError(f"adapter {adapter.directory.name}: {err}") from err
-            merged = (weight.double() + update.delta()).to(linear.weight.dtype)
-            linear.weight = nn.Parameter(merged, requires_grad=False)
+            linear.weight = nn.Parameter(merged_weight(adapter, name, linear.weight), requires_grad=False)
     return len(adapter.updates)
+
+
+class MergedSource(FloatSource):
+    """`base` with the adapter in `directory` merged into each linear as it is read: the
+    merge a layer at a time, as merge_adapter does it to a whole model."""
+
+    def __init__(self, base: FloatSource, directory: Path) -> None:
+        super().__init__(base.config, f"{base.label}+{directory.name}")
+        with torch.device("meta"):
+            model = LlamaModel(base.config)  # the layers' shapes, to check the adapter against
+        self.adapter = read_adapter(directory, model)
+        self.base = base
+
+    def names(self) -> list[str]:
+        return self.base.names()
+
+    def read(self, names: Collection[str]) -> dict[str, torch.Tensor]:
+        tensors = self.base.read(names)
+        for name, tensor in tensors.items():
+            module = name.removesuffix(".weight")
+            if name.endswith(".weight") and module in self.adapter.updates:
+                tensors[name] = merged_weight(self.adapter, module, tensor)
+        return tensors
+
+    def write_side_files(self, out: Path) -> None:
+        self.base.write_side_files(out)
+
+    def describe(self) -> dict[str, Any]:
+        """The manifest's account of the merge."""
+        adapter = self.adapter
+        return {
+            "directory": adapter.directory.name,
+            "linears": len(adapter.updates),
+            "lora_alpha": adapter.config.get("lora_alpha"),
+            "r": adapter.config.get("r"),
+            "use_rslora": bool(adapter.config.get("use_rslora", False)),
+            "base_quantization": adapter.base.to_dict() if adapter.base is not None else None,
+        }
 
 
 def adapter_inputs(directory: Path) -> dict[str, Any]:
@@ -181,29 +225,23 @@ def adapter_inputs(directory: Path) -> dict[str, Any]:
     return {f.name: file_sha256(f) for f in files}
 
 
-def _build(src: Path, directory: Path, out: Path) -> dict[str, Any]:
-    ckpt = load_checkpoint(src, fuse=False)
-    adapter = read_adapter(directory, ckpt.model)
-    merged = merge_adapter(ckpt.model, adapter)
-    return {
-        **write_float_checkpoint(ckpt.model, src, out),
-        "merged_adapter": {
-            "directory": directory.name,
-            "linears": merged,
-            "lora_alpha": adapter.config.get("lora_alpha"),
-            "r": adapter.config.get("r"),
-            "use_rslora": bool(adapter.config.get("use_rslora", False)),
-            "base_quantization": adapter.base.to_dict() if adapter.base is not None else None,
-        },
-    }
+def _build(src: Path, directory: Path, out: Path, progress: bool) -> dict[str, Any]:
+    source = MergedSource(CheckpointSource(src), directory)
+    return {**write_float_streamed(source, out, progress), "merged_adapter": source.describe()}
 
 
-def merge_checkpoint(src: Path, directory: Path) -> Path:
+def merge_target(src: Path, src_inputs: dict[str, Any], directory: Path) -> tuple[Path, dict[str, Any]]:
+    """Where the merge of `directory` into the checkpoint `src` (built from `src_inputs`)
+    is cached, and its inputs; `src` need not be built."""
+    inputs = {"source": src_inputs, "adapter": adapter_inputs(directory.resolve()), "merger": MERGER_VERSION}
+    return src.parent / f"{src.name}-lora-{cache_key(inputs)}", inputs
+
+
+def merge_checkpoint(src: Path, directory: Path, progress: bool = False) -> Path:
     """The base checkpoint with the adapter merged; cached by both's inputs."""
     source = read_manifest(src)
     if source is None:
         raise FileNotFoundError(f"{src} is not a built checkpoint (no manifest)")
     directory = directory.resolve()
-    inputs = {"source": source["inputs"], "adapter": adapter_inputs(directory), "merger": MERGER_VERSION}
-    out = src.parent / f"{src.name}-lora-{cache_key(inputs)}"
-    return build_cached(out, inputs, lambda scratch: _build(src, directory, scratch))
+    out, inputs = merge_target(src, source["inputs"], directory)
+    return build_cached(out, inputs, lambda scratch: _build(src, directory, scratch, progress))

@@ -113,14 +113,23 @@ class _Capture:
 
     def add(self, x: torch.Tensor, keep_tokens: int, generator: torch.Generator) -> None:
         flat = x.detach().reshape(-1, x.shape[-1]).float()
-        s = flat.abs().sum(0)
-        self.abs_sum = s if self.abs_sum is None else self.abs_sum + s
-        self.count += flat.shape[0]
+        idx = None
         if self.sampled < keep_tokens:
             take = min(keep_tokens - self.sampled, max(1, flat.shape[0] // 4))
             idx = torch.randperm(flat.shape[0], generator=generator)[:take]
+        self._add(flat, idx)
+
+    def add_sampled(self, x: torch.Tensor, idx: torch.Tensor | None) -> None:
+        """As `add`, with the sample's rows drawn beforehand (sample_plan)."""
+        self._add(x.detach().reshape(-1, x.shape[-1]).float(), idx)
+
+    def _add(self, flat: torch.Tensor, idx: torch.Tensor | None) -> None:
+        s = flat.abs().sum(0)
+        self.abs_sum = s if self.abs_sum is None else self.abs_sum + s
+        self.count += flat.shape[0]
+        if idx is not None:
             self.sample.append(flat[idx].clone())
-            self.sampled += take
+            self.sampled += idx.numel()
 
     @property
     def mean_abs(self) -> torch.Tensor:
@@ -143,6 +152,27 @@ def _groups(layer: DecoderLayer, n_heads: int, n_kv: int) -> list[tuple[str, lis
         ("mlp.down_proj", ["mlp.down_proj"], layer.mlp.up_proj),
     ]
     return groups
+
+
+GROUPS_PER_LAYER = 4  # _groups' entries, each one capture
+
+
+def sample_plan(batch_tokens: list[int], layers: int, keep_tokens: int) -> list[list[torch.Tensor]]:
+    """The rows each capture samples from each calibration batch, [batch][layer * 4 + group],
+    as capture_inputs draws them: one generator, drawn from in the order the whole
+    model's forward passes reach the captures (every capture of batch 0, layer by layer,
+    then batch 1's). A build that runs the batches through one layer at a time draws
+    them here first and samples the same rows."""
+    gen = torch.Generator().manual_seed(0)
+    plan: list[list[torch.Tensor]] = []
+    sampled = 0
+    for tokens in batch_tokens:
+        if sampled >= keep_tokens:
+            break
+        take = min(keep_tokens - sampled, max(1, tokens // 4))
+        plan.append([torch.randperm(tokens, generator=gen)[:take] for _ in range(layers * GROUPS_PER_LAYER)])
+        sampled += take
+    return plan
 
 
 def calibration_batches(token_ids: list[int], seq_len: int, total: int) -> Iterator[torch.Tensor]:
@@ -232,11 +262,57 @@ def search_clip(x: torch.Tensor, weight: torch.Tensor, group_size: int, symmetri
     return best
 
 
+def awq_layer(
+    layer: DecoderLayer, i: int, captures: dict[str, _Capture], recipe: QuantRecipe, n_heads: int, n_kv: int
+) -> dict[str, torch.Tensor]:
+    """AWQ's searches for decoder layer `i` on its calibration captures: the scales are
+    folded into `layer` in place (a float-exact change); returns the clip ratios found,
+    by module name."""
+    clips: dict[str, torch.Tensor] = {}
+    for first, members, prev in _groups(layer, n_heads, n_kv):
+        names = [f"layers.{i}.{m}" for m in members]
+        if any(recipe.kept(n) for n in names):
+            continue
+        cap = captures[f"layers.{i}.{first}"]
+        linears = [layer.get_submodule(m) for m in members]
+        weights = [_weight(lin).float() for lin in linears]
+        k = weights[0].shape[1]
+        g = group_size_for(k, recipe.group_for(names[0]))
+        x = cap.x
+        if prev is not None:
+            s = search_scales(x, cap.mean_abs, weights, g, recipe.symmetric)
+            for lin in linears:
+                _weight(lin).mul_(s.to(_weight(lin).dtype))
+            prev_w = _weight(prev)
+            prev_w.div_(s.to(prev_w.dtype).view(-1, *([1] * (prev_w.dim() - 1))))
+            prev_bias = getattr(prev, "bias", None)
+            if isinstance(prev, nn.Linear) and prev_bias is not None:
+                prev_bias.data.div_(s.to(prev_bias.dtype))  # v_proj's outputs, bias included
+            x = x / s
+        del weights
+        for name, lin in zip(names, linears, strict=True):
+            if recipe.clip and not name.endswith(CLIP_SKIP):
+                group = group_size_for(k, recipe.group_for(name))
+                clips[name] = search_clip(x, _weight(lin).float(), group, recipe.symmetric)
+    return clips
+
+
+def pack_linear(
+    name: str, weight: torch.Tensor, recipe: QuantRecipe, clip: torch.Tensor | None, report: QuantReport
+) -> QuantizedWeight:
+    g = group_size_for(weight.shape[1], recipe.group_for(name))
+    report.layers[name] = {"bits": 4, "group_size": g, "clipped": clip is not None}
+    return pack(weight.float(), g, clip, recipe.symmetric)
+
+
 def quantize_model(
     model: LlamaModel, recipe: QuantRecipe, calib_ids: list[int] | None, progress: bool = True
 ) -> tuple[dict[str, QuantizedWeight], QuantReport]:
     """Quantize every linear not kept by the recipe. AWQ rescales `model` in place
-    (a float-exact change) before rounding; returns the packed weights by module name."""
+    (a float-exact change) before rounding; returns the packed weights by module name.
+
+    The whole model at once: engines/text/layerwise.py does the same a decoder layer at a
+    time (what a build runs), and is held to this one bit for bit (tests/test_build_memory.py)."""
     modules = dict(model.named_modules())
     report = QuantReport()
     clips: dict[str, torch.Tensor] = {}
@@ -248,39 +324,13 @@ def quantize_model(
         layers = list(enumerate(model.layers))
         for i, layer in tqdm(layers, desc="awq search", unit="layer", disable=not progress):
             assert isinstance(layer, DecoderLayer)
-            for first, members, prev in _groups(layer, model.config.num_heads, model.config.num_kv_heads):
-                names = [f"layers.{i}.{m}" for m in members]
-                if any(recipe.kept(n) for n in names):
-                    continue
-                cap = captures[f"layers.{i}.{first}"]
-                linears = [modules[n] for n in names]
-                weights = [_weight(lin).float() for lin in linears]
-                k = weights[0].shape[1]
-                g = group_size_for(k, recipe.group_for(names[0]))
-                x = cap.x
-                if prev is not None:
-                    s = search_scales(x, cap.mean_abs, weights, g, recipe.symmetric)
-                    for lin in linears:
-                        _weight(lin).mul_(s.to(_weight(lin).dtype))
-                    prev_w = _weight(prev)
-                    prev_w.div_(s.to(prev_w.dtype).view(-1, *([1] * (prev_w.dim() - 1))))
-                    prev_bias = getattr(prev, "bias", None)
-                    if isinstance(prev, nn.Linear) and prev_bias is not None:
-                        prev_bias.data.div_(s.to(prev_bias.dtype))  # v_proj's outputs, bias included
-                    x = x / s
-                for name, lin in zip(names, linears, strict=True):
-                    if recipe.clip and not name.endswith(CLIP_SKIP):
-                        group = group_size_for(k, recipe.group_for(name))
-                        clips[name] = search_clip(x, _weight(lin).float(), group, recipe.symmetric)
+            clips.update(awq_layer(layer, i, captures, recipe, model.config.num_heads, model.config.num_kv_heads))
     packed: dict[str, QuantizedWeight] = {}
     for name in linear_names(model):
         if recipe.kept(name):
             report.layers[name] = {"bits": 16}
             continue
-        weight = _weight(modules[name]).float()
-        g = group_size_for(weight.shape[1], recipe.group_for(name))
-        packed[name] = pack(weight, g, clips.get(name), recipe.symmetric)
-        report.layers[name] = {"bits": 4, "group_size": g, "clipped": name in clips}
+        packed[name] = pack_linear(name, _weight(modules[name]), recipe, clips.get(name), report)
     if recipe.lm_head and not recipe.kept("lm_head"):
         weight = _weight(model.lm_head).float()
         g = group_size_for(weight.shape[1], recipe.group_for("lm_head"))

@@ -1,4 +1,5 @@
-"""Text-branch build steps after import: quantize (RTN or AWQ) and write the checkpoint."""
+"""The text branch's build: import, adapter merge, quantization (RTN or AWQ), the INT4
+checkpoint written a decoder layer at a time (engines/text/layerwise.py)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ from typing import Any
 
 import torch
 
-from edge.text.architecture import LlamaConfig
 from edge.text.model.checkpoint import load_checkpoint
 from engines.cache import build_cached, cache_key, read_manifest, stop_on_sigterm, tag_serves
 from engines.text.corpus import calibration_text, corpus_fingerprint
+from engines.text.float_source import CheckpointSource, FloatSource
 from engines.text.gguf_int4 import keep_q4_0
 from engines.text.import_gguf import SourceModelError
 from engines.text.int4_checkpoint import save_int4
+from engines.text.layerwise import write_layerwise
 from engines.text.peft_adapter import AdapterError
 from engines.text.quantize import QuantRecipe, quantize_model
 
@@ -26,6 +28,10 @@ QUANTIZER_VERSION = 1
 
 
 def write_quantized(src: Path, out: Path, recipe: QuantRecipe, progress: bool) -> dict[str, Any]:
+    """The whole float checkpoint `src` loaded and quantized at once: the reference the
+    layer-at-a-time build (engines/text/layerwise.py, what quantize_checkpoint and
+    build_text_engine run) is held to, bit for bit (tests/test_build_memory.py). It holds
+    the float model whole: four bytes a weight."""
     ckpt = load_checkpoint(src, dtype=torch.float32, fuse=False)
     calib_ids = None
     if recipe.method == "awq":
@@ -35,19 +41,26 @@ def write_quantized(src: Path, out: Path, recipe: QuantRecipe, progress: bool) -
     return save_int4(ckpt.model, packed, src, out, recipe.to_dict(), report.layers)
 
 
+def quantize_target(src: Path, src_inputs: dict[str, Any], recipe: QuantRecipe) -> tuple[Path, dict[str, Any]]:
+    """Where the quantization of the float model `src` (built from `src_inputs`) is cached,
+    and its inputs; `src` need not be built: a build from the source model itself is the
+    same build."""
+    inputs = {
+        "source": src_inputs,
+        "recipe": recipe.to_dict(),
+        "calibration": corpus_fingerprint() if recipe.method == "awq" else None,
+        "quantizer": QUANTIZER_VERSION,
+    }
+    return src.parent / f"{src.name}-{recipe.method}-g{recipe.group_size}-{cache_key(inputs)}", inputs
+
+
 def quantize_checkpoint(src: Path, recipe: QuantRecipe, progress: bool = True) -> Path:
     """Cached by the source checkpoint's own inputs, the recipe and the calibration text."""
     source = read_manifest(src)
     if source is None:
         raise FileNotFoundError(f"{src} is not a built checkpoint (no manifest)")
-    inputs = {
-        "source": source["inputs"],
-        "recipe": recipe.to_dict(),
-        "calibration": corpus_fingerprint() if recipe.method == "awq" else None,
-        "quantizer": QUANTIZER_VERSION,
-    }
-    out = src.parent / f"{src.name}-{recipe.method}-g{recipe.group_size}-{cache_key(inputs)}"
-    return build_cached(out, inputs, lambda scratch: write_quantized(src, scratch, recipe, progress))
+    out, inputs = quantize_target(src, source["inputs"], recipe)
+    return build_cached(out, inputs, lambda scratch: write_layerwise(CheckpointSource(src), scratch, recipe, progress))
 
 
 # The build's group size, by the model's size (docs/models.md states the rule):
@@ -81,41 +94,68 @@ def build_text_engine(
     PEFT directory), AWQ INT4 (or, for a GGUF file whose block linears are all Q4_0 and
     no adapter, the file's own INT4 weights: engines/text/gguf_int4.py).
 
-    Every step is cached by its inputs, so a second call returns at once.
+    An INT4 build runs all three a decoder layer at a time (engines/text/layerwise.py):
+    it never holds the float model, and writes no float copy of it. Every build is
+    cached by its inputs, so a second call returns at once; one stopped at any point
+    leaves nothing a later one takes for built (engines/cache.py).
     """
     from edge.builds import source_id
-    from engines.text.import_gguf import import_gguf, import_smollm2
-    from engines.text.import_hf import import_hf
-    from engines.text.peft_adapter import merge_checkpoint
+    from engines.text.import_gguf import SMOLLM2_NAME, GgufSource, import_gguf, smollm2_gguf_path
+    from engines.text.import_gguf import import_target as gguf_import_target
+    from engines.text.import_hf import HfSource, import_hf
+    from engines.text.import_hf import import_target as hf_import_target
+    from engines.text.peft_adapter import MergedSource, merge_checkpoint, merge_target
     from engines.text.qlora import CLINIC_ADAPTER
 
+    if quant not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quant!r}")
+    if quant == "float" and layers:
+        raise ValueError("layers need INT4 quantization")
+    if adapter == "clinic" and source != SMOLLM2_SOURCE:
+        raise ValueError(f"the clinic adapter was trained for {SMOLLM2_SOURCE}, not {source}")
+    # The shipped clinic adapter (engines/text/adapters/clinic), trained once by engines/text/qlora.py.
+    adapter_dir = CLINIC_ADAPTER if adapter == "clinic" else None if adapter == "none" else Path(adapter)
+    gguf_path, name = None, ""
     if source == SMOLLM2_SOURCE:
-        path = import_smollm2(engine_dir, progress)
+        gguf_path, name = smollm2_gguf_path(), SMOLLM2_NAME
     elif source.endswith(".gguf"):
-        path = import_gguf(Path(source), engine_dir, Path(source).stem, progress)
+        gguf_path, name = Path(source), Path(source).stem
+    if quant == "float":
+        # The float model is what is served: imported (and merged) as a checkpoint.
+        if gguf_path is not None:
+            path = import_gguf(gguf_path, engine_dir, name, progress)
+        else:
+            path = import_hf(Path(source), engine_dir, progress)
+        if adapter_dir is not None:
+            path = merge_checkpoint(path, adapter_dir, progress)
     else:
-        path = import_hf(Path(source), engine_dir, progress)
-    if adapter == "clinic":
-        if source != SMOLLM2_SOURCE:
-            raise ValueError(f"the clinic adapter was trained for {SMOLLM2_SOURCE}, not {source}")
-        # The shipped adapter (engines/text/adapters/clinic), trained once by engines/text/qlora.py.
-        path = merge_checkpoint(path, CLINIC_ADAPTER)
-    elif adapter != "none":
-        path = merge_checkpoint(path, Path(adapter))
-    kept = None
-    if source.endswith(".gguf") and adapter == "none" and quant in INT4_QUANTIZATIONS and not layers:
-        # A file whose block linears are all Q4_0 is served as stored: already INT4 at
-        # group 32 with zero points 8, both our layout and a symmetric one.
-        kept = keep_q4_0(Path(source), path)
-    if kept is not None:
-        path = kept
-    elif quant in INT4_QUANTIZATIONS:
-        method = quant.split("-")[0]
-        group = serving_group(LlamaConfig.from_json(path / "config.json").parameter_count())
-        recipe = layer_recipe(method, layers or [], group_size=group, symmetric=quant.endswith("-sym"))
-        path = quantize_checkpoint(path, recipe, progress)
-    elif quant != "float" or layers:
-        raise ValueError(f"unknown quantization {quant!r}" if quant != "float" else "layers need INT4 quantization")
+        # INT4 straight from the source, a layer at a time: the float import and merge are
+        # never written, only named (the INT4 build's cache key starts from their inputs,
+        # as when each was a step of its own).
+        if gguf_path is not None:
+            imported, imported_inputs = gguf_import_target(gguf_path, engine_dir, name)
+        else:
+            imported, imported_inputs = hf_import_target(Path(source), engine_dir)
+        # The source's tensor list and config, read once (a GGUF file's metadata is seconds
+        # of parsing for a large vocabulary).
+        float_source: FloatSource = GgufSource(gguf_path) if gguf_path else HfSource(Path(source).resolve())
+        kept = None
+        if isinstance(float_source, GgufSource) and source != SMOLLM2_SOURCE and adapter_dir is None and not layers:
+            # A file whose block linears are all Q4_0 is served as stored: already INT4 at
+            # group 32 with zero points 8, both our layout and a symmetric one.
+            kept = keep_q4_0(float_source, imported, imported_inputs, progress)
+        if kept is not None:
+            path = kept
+        else:
+            src, src_inputs = imported, imported_inputs
+            if adapter_dir is not None:
+                src, src_inputs = merge_target(imported, imported_inputs, adapter_dir)
+                float_source = MergedSource(float_source, adapter_dir)
+            method = quant.split("-")[0]
+            group = serving_group(float_source.config.parameter_count())
+            recipe = layer_recipe(method, layers or [], group_size=group, symmetric=quant.endswith("-sym"))
+            out, inputs = quantize_target(src, src_inputs, recipe)
+            path = build_cached(out, inputs, lambda scratch: write_layerwise(float_source, scratch, recipe, progress))
     # What serving looks the checkpoint up by (edge/artifacts.py): the profile's words.
     selector = text_selector(source_id(source), source_id(adapter), quant)
     if layers:
