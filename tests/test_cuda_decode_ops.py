@@ -52,6 +52,8 @@ def test_triton_is_chosen_where_present_and_our_cuda_kernels_where_not(
     assert "head_dim 96" in str(step_ops.attention_refusal("cuda:0", 96, 4, torch.float16))
     assert "float32" in str(step_ops.attention_refusal("cuda:0", 64, 4, torch.float32))
     assert "17 query heads" in str(step_ops.attention_refusal("cuda:0", 64, 17, torch.float16))
+    assert step_ops.attention_refusal("cuda:0", 128, 4, torch.float16, 8192) is None
+    assert "hidden size 16384" in str(step_ops.attention_refusal("cuda:0", 128, 4, torch.float16, 16384))
 
     monkeypatch.setattr(step_ops, "_chosen", {})
     monkeypatch.setattr(step_ops, "cuda_present", lambda device: False)

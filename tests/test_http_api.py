@@ -217,6 +217,9 @@ def test_embeddings_are_embed_jobs_of_the_text_queue(box: Box) -> None:
     with pytest.raises(openai.BadRequestError) as empty:
         client.embeddings.create(model=box.embed_model, input=["ok", ""])
     assert _error(empty)["param"] == "input"
+    with pytest.raises(openai.BadRequestError) as misspelt:
+        client.embeddings.create(model=box.embed_model, input="ok", extra_body={"encodng_format": "float"})
+    assert _error(misspelt)["param"] == "encodng_format"
 
 
 def _raw(method: str, url: str, body: bytes | None = None, key: str | None = None) -> tuple[int, Any]:

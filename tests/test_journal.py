@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from edge.journal.store import ANSWERED, QUEUED, SENT, WAL_LIMIT_BYTES, Journal, JournalFull
+from edge.journal.store import ANSWERED, QUEUED, SENT, SHORT_KEPT, WAL_LIMIT_BYTES, Journal, JournalFull
 
 
 def test_a_job_goes_queued_sent_answered(tmp_path: Path) -> None:
@@ -104,6 +104,26 @@ def test_compaction_forgets_only_answered_jobs_past_the_window(tmp_path: Path) -
     assert j.lookup("old-answered") is None
     assert j.lookup("old-queued") is not None  # never answered: kept whatever its age
     assert j.lookup("new-answered") is not None
+
+
+def test_answered_embed_jobs_are_forgotten_sooner_than_the_dedup_window(tmp_path: Path) -> None:
+    """An embed job's result (its vectors) is kept for a retry's while, not the whole
+    window: a bulk indexing client cannot fill the journal for the other jobs."""
+    j = Journal(tmp_path / "j.sqlite3", 2**20, 86400.0)
+    for name, topic in (("e-old", "edge/t1/jobs/embed"), ("e-new", "edge/t1/jobs/embed"), ("q-old", "edge/t1/jobs/qa")):
+        j.accept(name, topic, b"x", "r", None)
+        j.store_result(name, "r", None, b"ok")
+        j.mark_answered(name)
+    j.accept("e-queued", "edge/t1/jobs/embed", b"x", "r", None)
+    with sqlite3.connect(str(j.path)) as db:
+        db.execute(
+            "UPDATE jobs SET received = received - ? WHERE id LIKE '%-old' OR id = 'e-queued'",
+            (SHORT_KEPT["embed"] + 1,),
+        )
+    assert j.compact() == 1
+    assert j.lookup("e-old") is None
+    assert j.lookup("e-new") is not None and j.lookup("q-old") is not None  # within their windows
+    assert j.lookup("e-queued") is not None  # never answered: kept
 
 
 def test_a_full_journal_refuses_then_recovers_when_space_is_freed(tmp_path: Path) -> None:

@@ -148,8 +148,9 @@ def test_mixed_jobs_all_finish_within_the_pool(harness: Harness) -> None:
 
 def test_jobs_answered_in_one_call_run_between_decode_steps_and_fail_alone(engine_dir: Path, tmp_path: Path) -> None:
     """An `embed` job's kind (answers=): taken from the same queue, answered between the
-    decode steps of a running sequence, which goes on undisturbed; a failure (a JobError,
-    or anything else: `internal`) is that job's alone."""
+    decode steps of a running sequence, which goes on undisturbed, and not held behind a
+    question waiting for a KV row; a failure (a JobError, or anything else: `internal`)
+    is that job's alone."""
     engine = _engine(engine_dir, 1)
     ledger = MemoryLedger(2**34)
     assert ledger.add_model("llm", "text", engine.kv_cache_bytes)
@@ -187,11 +188,15 @@ def test_jobs_answered_in_one_call_run_between_decode_steps_and_fail_alone(engin
         while not (engine.batcher.running and len(engine.batcher.running[0].tokens) >= 3):
             assert time.monotonic() < deadline
             time.sleep(0.005)
+        # A question that waits for the one KV row, ahead of them in the queue: they need
+        # no row, and do not wait behind it.
+        queue.put(_item("waiter", "Hello?", new=4))
+        time.sleep(0.2)
         for name, texts in (("ok", ["a pump", "a dressing"]), ("boom", ["boom"]), ("gone", ["gone"])):
-            job = ParsedJob(name, "embed", 5, None, EmbedJob(id=name, input=texts))
+            job = ParsedJob(name, "embed", 6, None, EmbedJob(id=name, input=texts))
             queue.put(WorkItem(job, Reply("r"), time.monotonic(), None))
         with cond:
-            assert cond.wait_for(lambda: len(outcomes) == 4, 120), outcomes.keys()
+            assert cond.wait_for(lambda: len(outcomes) == 5, 120), outcomes.keys()
     finally:
         worker.stop(30)
     assert outcomes["ok"].output == {"texts": 2} and outcomes["ok"].error is None
@@ -201,4 +206,4 @@ def test_jobs_answered_in_one_call_run_between_decode_steps_and_fail_alone(engin
     assert decoding == [1, 1, 1]  # each answered while the long sequence was decoding
     long = outcomes["long"]
     assert long.error is None and long.output is not None and long.output["answer"] == reference
-    assert outcomes["ok"].finished_at < long.finished_at
+    assert outcomes["ok"].finished_at < long.finished_at < outcomes["waiter"].finished_at

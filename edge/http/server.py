@@ -282,7 +282,10 @@ class HTTPServer:
         journal), as a chat is a qa job."""
         body = await self._body(request)
         model = self._check_model(body, self._served.embed_model)
-        translate.check_embedding_keys(body)
+        try:
+            translate.check_embedding_keys(body)
+        except JobError as err:
+            raise _refused(err) from err
         texts = body.get("input")
         if isinstance(texts, str):
             texts = [texts]

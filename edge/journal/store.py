@@ -100,6 +100,12 @@ class JournalUnavailable(JournalFull):
     """The journal cannot be opened at all (a full or failing disk at start)."""
 
 
+# Tasks whose answered jobs are kept for less than the dedup window, by task: an embed
+# job's result is its vectors (about 2 MB for 256 texts) and cheap to compute again, so a
+# client indexing in bulk would otherwise fill the journal within the day and leave every
+# other job refused `storage_full`. Kept long enough for a client's retry to be answered
+# from the journal.
+SHORT_KEPT = {"embed": 600.0}
 _META = "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)"
 # The WAL is folded back into the database by `checkpoint`, on the supervisor's own
 # connection, never by a commit: SQLite's automatic checkpoint runs inside whichever commit
@@ -498,11 +504,19 @@ class Journal:
         return [Entry(*r) for r in rows]
 
     def compact(self, now: float | None = None) -> int:
-        """Forget answered jobs older than the dedup window; returns how many."""
-        cutoff = (now if now is not None else time.time()) - self.dedup_window_s
+        """Forget answered jobs older than the dedup window (the tasks of SHORT_KEPT: older
+        than theirs); returns how many."""
+        now = now if now is not None else time.time()
+        cutoff = now - self.dedup_window_s
         if self._db is None:
             return 0
         removed = self._write("DELETE FROM jobs WHERE state = ? AND received < ?", (ANSWERED, cutoff))
+        for task, keep_s in SHORT_KEPT.items():
+            short = now - min(keep_s, self.dedup_window_s)
+            removed += self._write(
+                "DELETE FROM jobs WHERE state = ? AND received < ? AND topic LIKE ?",
+                (ANSWERED, short, f"%/jobs/{task}"),
+            )
         self.checkpoint()  # the deletions folded in too, without holding anyone up
         if removed:
             logger.info("journal compacted: %d answered jobs past the dedup window", removed)

@@ -97,6 +97,11 @@ class PriorityDeadlineQueue:
                 self._cond.wait(remaining)
         return batch
 
+    def take_matching(self, matches: Callable[[WorkItem], bool], limit: int) -> list[WorkItem]:
+        """Up to `limit` queued jobs that `matches` takes, most urgent first, out of the queue."""
+        with self._cond:
+            return self._pop_matching(matches, limit)
+
     def _pop_matching(self, matches: Callable[[WorkItem], bool], limit: int) -> list[WorkItem]:
         if not self._heap or limit <= 0:
             return []

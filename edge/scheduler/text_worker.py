@@ -42,6 +42,8 @@ from edge.text.runtime.continuous import ContinuousBatcher, Sequence
 
 logger = logging.getLogger(__name__)
 
+ADMIT_QUICK = 16  # one-call jobs answered between two steps while the queue's head waits
+
 
 class SequenceRunner(Protocol):
     """What the text worker runs: a task that makes sequences (edge/tasks/base.py)."""
@@ -165,7 +167,13 @@ class TextWorker(Worker):
     def _admit(self) -> None:
         while True:
             item = self.queue.get(timeout=0)
-            if item is None or not self._try_admit(item):
+            if item is None:
+                return
+            if not self._try_admit(item):
+                # The most urgent job waits for memory; jobs answered in one call need
+                # none (no KV row): they do not wait behind it.
+                for quick in self.queue.take_matching(lambda i: i.job.task in self._answers, ADMIT_QUICK):
+                    self._try_admit(quick)
                 return
 
     def set_memory_wait(self, seconds: float) -> None:

@@ -210,7 +210,10 @@ def write_layerwise(
                 module, _, kind = f"{prefix}{name}".rpartition(".")
                 if not (module in groups and kind == "weight"):
                     put_float(f"{prefix}{name}", tensor)
-            del layer, clips
+            # The loops' last weight and tensor point into the layer: gone with it, not held
+            # through the next layer's AWQ (one float linear more at the peak).
+            weight = tensor = torch.empty(0)
+            del layer, clips, weight, tensor
             logger.info(
                 "%s: layer %d/%d quantized in %.1f s",
                 source.label,

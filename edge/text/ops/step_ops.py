@@ -189,11 +189,14 @@ def silu_mul(gate_up: torch.Tensor, dtype: torch.dtype, paired: bool = False) ->
     return out
 
 
-def attention_refusal(device: torch.device | str, head_dim: int, group: int, dtype: torch.dtype) -> str | None:
-    """Why the chosen backend's attention cannot take this model (None: it can)."""
+def attention_refusal(
+    device: torch.device | str, head_dim: int, group: int, dtype: torch.dtype, hidden: int = 0
+) -> str | None:
+    """Why the chosen backend's step kernels (attention, RMSNorm) cannot take this model
+    (None: they can)."""
     chosen = backend(device)
     if chosen is None:
         return "no decode step kernels here"
     if group > ATTN_GROUP_ROWS:
         return f"{group} query heads per KV head (at most {ATTN_GROUP_ROWS})"
-    return cuda_ops.refusal(head_dim, group, dtype) if chosen == "cuda" else None
+    return cuda_ops.refusal(head_dim, group, dtype, hidden) if chosen == "cuda" else None

@@ -89,7 +89,7 @@ def can_fuse(model: LlamaModel) -> bool:
         return False
     config = model.config
     refused = refusal(model) or step_ops.attention_refusal(
-        model.device, config.head_dim, config.num_heads // config.num_kv_heads, model.dtype
+        model.device, config.head_dim, config.num_heads // config.num_kv_heads, model.dtype, config.hidden_size
     )
     if refused:
         # The per-op step (captured in CUDA graphs too) serves the model instead.

@@ -27,6 +27,7 @@ GROUP_PADS = (4, 8, 16)  # query rows per KV head the attention is built for
 # tiles), so more of them are needed to keep the memory busy at long context.
 ATTN_SPREAD = 4
 MAX_SPLITS = 128
+MAX_NORM_HIDDEN = 512 * 16  # decode_ops.cu's NORM_THREADS x NORM_PER: a row's values held in registers
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -52,8 +53,10 @@ def available(device: torch.device | str = "cuda") -> bool:
     return _LIBRARY.available(device)
 
 
-def refusal(head_dim: int, group: int, dtype: torch.dtype) -> str | None:
-    """Why the attention kernel cannot take a model of this shape and type (None: it can)."""
+def refusal(head_dim: int, group: int, dtype: torch.dtype, hidden: int = 0) -> str | None:
+    """Why these kernels cannot take a model of this shape and type (None: they can)."""
+    if hidden > MAX_NORM_HIDDEN:
+        return f"hidden size {hidden} (the CUDA RMSNorm takes at most {MAX_NORM_HIDDEN})"
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} (the CUDA attention takes {HEAD_DIMS})"
     if group > GROUP_PADS[-1]:
