@@ -112,14 +112,27 @@ def build_cached(out_dir: Path, inputs: dict[str, Any], build: Callable[[Path], 
 @contextlib.contextmanager
 def _build_lock(out_dir: Path) -> Iterator[None]:
     """Held while `out_dir` is built; the kernel lets go of it when the process ends,
-    however it ends. The lock file stays (removing it would let two builders lock two
-    different files of the same name)."""
-    with (out_dir.parent / f".{out_dir.name}.lock").open("a") as fh:
+    however it ends. The lock file is removed by its holder when done, so a build leaves
+    nothing beside its output: a waiter that then holds the removed file's lock sees the
+    name gone (or naming another file) and locks again, so two builders never hold two
+    files of the same name."""
+    path = out_dir.parent / f".{out_dir.name}.lock"
+    while True:
+        fh = path.open("a")
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+            held = path.stat().st_ino == os.fstat(fh.fileno()).st_ino
+        except FileNotFoundError:
+            held = False
+        if held:
+            break
+        fh.close()
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # under the lock: see above
+        fcntl.flock(fh, fcntl.LOCK_UN)
+        fh.close()
 
 
 def _remove_abandoned(out_dir: Path) -> None:

@@ -10,6 +10,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -250,3 +251,46 @@ def test_the_measurement_builds_each_source_format_in_a_child_and_writes_its_fig
     table = render.build_memory(result)  # what docs/models.md shows of it
     for row in result["rows"]:
         assert f"| {row['source_format']} |" in table
+
+
+def test_builders_of_one_output_take_turns_and_leave_nothing_beside_it(tmp_path: Path) -> None:
+    """Builds of the same output from several threads: one builds, the others wait and
+    find its result; the lock file goes with the last holder (a refused or finished build
+    leaves only its output), and a waiter never holds a removed lock beside a new one."""
+    import threading
+
+    from engines.cache import build_cached
+
+    out = tmp_path / "engine"
+    inside = 0
+    most = 0
+    builds = 0
+    guard = threading.Lock()
+
+    def build(scratch: Path) -> dict[str, object]:
+        nonlocal inside, most, builds
+        with guard:
+            inside += 1
+            builds += 1
+            most = max(most, inside)
+        time.sleep(0.2)
+        (scratch / "weights").write_bytes(b"w")
+        with guard:
+            inside -= 1
+        return {}
+
+    threads = [threading.Thread(target=build_cached, args=(out, {"k": 1}, build)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert builds == 1 and most == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine"]
+    # Other inputs: built again, one at a time, and again nothing left beside it.
+    threads = [threading.Thread(target=build_cached, args=(out, {"k": i}, build)) for i in (2, 3, 4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert most == 1 and builds == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine"]

@@ -60,6 +60,7 @@ def test_without_triton_our_kernels_serve_the_quantized_formats_and_say_what_the
     fmt = FORMATS["int8"]
     assert "float32" in str(step_ops.kv_refusal("cuda:0", fmt, 64, 3, torch.float32))
     assert "head_dim 96" in str(step_ops.kv_refusal("cuda:0", fmt, 96, 3, torch.float16))
+    assert "head_dim 256" in str(step_ops.kv_refusal("cuda:0", fmt, 256, 2, torch.float16))
     assert "17 query heads" in str(step_ops.kv_refusal("cuda:0", fmt, 64, 17, torch.float16))
     small_blocks = KVFormat("int8", key_block=32)
     assert "key blocks of 32" in str(step_ops.kv_refusal("cuda:0", small_blocks, 64, 3, torch.float16))

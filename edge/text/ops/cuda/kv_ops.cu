@@ -129,7 +129,7 @@ __device__ void code_keys(const Layer<C>& L, const Format& f, int head, long lon
 // lanes (VG / (HD / 32) of them, a power of two).
 template <typename C, bool INT4>
 __device__ void code_values(const Layer<C>& L, const Format& f, int head, long long pos, int HD) {
-  constexpr int MAX_CPL = 8;  // head_dim 256
+  constexpr int MAX_CPL = 8;  // channels a lane holds, up to head_dim 256
   const long long b0 = pos - f.W - f.KB;
   const C* ring = L.ring_v + (size_t)head * (f.RING + 1) * HD;
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -332,7 +332,7 @@ __global__ void __launch_bounds__(KV_THREADS)
   constexpr int WARPS = KV_THREADS / 32;
   constexpr int KEYS_PER_PASS = 32 / LANES;
   constexpr int VPRE = KV_TILE / TP < 16 ? KV_TILE / TP : 16;  // values a thread loads at once
-  static_assert(EPL % 8 == 0 && TP >= 1, "head_dim 64, 128 or 256");
+  static_assert(EPL % 8 == 0 && TP >= 1, "head_dim 64 or 128");
   // Queries with channel li * EPL + e at e * LANES + li: a key's 8 lanes read 8 neighbouring words.
   __shared__ float qs[GP][HD];  // the queries, scaled
   __shared__ float qk[GP][HD];  // times the tile's key scales
@@ -557,7 +557,7 @@ int write_threads(int HD) { return max(128, HD / 2); }
 
 bool format_ok(const Format& f, int HD) {
   const int cpl = HD / 32;
-  return (HD == 64 || HD == 128 || HD == 256) && f.KB % KV_TILE == 0 && f.VG >= cpl && f.VG % cpl == 0 &&
+  return (HD == 64 || HD == 128) && f.KB % KV_TILE == 0 && f.VG >= cpl && f.VG % cpl == 0 &&
          HD % f.VG == 0 && ((f.VG / cpl) & (f.VG / cpl - 1)) == 0 && f.VG / cpl <= 32;
 }
 
@@ -587,9 +587,6 @@ cudaError_t split_hd(int HD, int gp, dim3 grid, cudaStream_t s, const C* q, cons
                                   falloc, fmod, chunk, splits);
   if (HD == 128)
     return split_for<C, 128, INT4>(gp, grid, s, q, L, f, kf, vf, pos, acc, ml, start_in, coded_in, q_scale, NH, NKV,
-                                   falloc, fmod, chunk, splits);
-  if (HD == 256)
-    return split_for<C, 256, INT4>(gp, grid, s, q, L, f, kf, vf, pos, acc, ml, start_in, coded_in, q_scale, NH, NKV,
                                    falloc, fmod, chunk, splits);
   return cudaErrorInvalidValue;
 }

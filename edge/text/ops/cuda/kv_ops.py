@@ -18,7 +18,7 @@ import torch
 
 from edge.text.ops.attention_splits import attn_splits
 from edge.text.ops.cuda import cuda_build
-from edge.text.ops.cuda.decode_ops import DTYPES, GROUP_PADS, HEAD_DIMS
+from edge.text.ops.cuda.decode_ops import DTYPES, GROUP_PADS
 
 if TYPE_CHECKING:  # the cache's layer, read by attribute: ops sit below kv
     from edge.text.kv.kv_quant import KVFormat
@@ -26,6 +26,10 @@ if TYPE_CHECKING:  # the cache's layer, read by attribute: ops sit below kv
 
 SOURCE = Path(__file__).with_name("kv_ops.cu")
 CACHE_DTYPES = (torch.bfloat16, torch.float16)
+# Head sizes built (each a set of kernel instances: build time on the box): those of the
+# families a quantized cache serves (Llama, Qwen, Mistral: 64 and 128). Gemma 3's 256
+# comes with a sliding window, which the quantized caches refuse anyway.
+HEAD_DIMS = (64, 128)
 TILE = 64  # positions a pass of the attention (kv_ops.cu's KV_TILE): key blocks are whole tiles
 # Splits of the cache, as the float cache's CUDA attention takes them (decode_ops.py).
 ATTN_SPREAD = 4
