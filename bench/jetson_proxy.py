@@ -14,7 +14,14 @@ With --kv-out, the child process also decodes at 4K context with float16, int8 a
 KV (bench.kv.decode_4k, the Jetson profile's engine), into kv.json's `jetson_proxy`
 section with each format's ratio to float16 KV.
 
+With --agreement ENGINE_DIR, instead: greedy answers on the real SmolLM2 (the clinic
+build `edgectl build` makes, built or found in ENGINE_DIR) through the Triton path and
+through the proxy, the first 16 tokens of 24 held-out prompts, added to the jetson-proxy
+row already in --out as `real_model_agreement` (`exact_match`: prompts whose 16 tokens
+are all the same; `token_agreement`).
+
     python -m bench.jetson_proxy [--out bench/results/text_cuda.json] [--kv-out bench/results/kv.json]
+    python -m bench.jetson_proxy --agreement ENGINE_DIR [--out bench/results/text_cuda.json]
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from typing import Any
 import torch
 
 from bench import text
-from bench.common import RESULTS, write_json
+from bench.common import RESULTS, agreement, write_json
 
 VARIANT = "jetson-proxy"
 PROXY_ARCH = "compute_80"
@@ -72,6 +79,47 @@ def kv_child(checkpoint: str, out: str, context: int, new_tokens: int) -> None:
     write_json(Path(out), {"rows": kv.decode_4k(Path(checkpoint), context, new_tokens)})
 
 
+def greedy(checkpoint: Path, prompts: list[list[int]]) -> dict[str, Any]:
+    """The shipped CUDA profile's engine on `checkpoint`: its greedy tokens for `prompts`
+    (bench.text's agreement length) and its configuration."""
+    from bench import text_engines
+
+    engine = text_engines.load_engine(checkpoint, "cuda")
+    return {"tokens": text._greedy(engine, prompts), "engine_config": engine.config()}
+
+
+def greedy_child(checkpoint: str, prompts: str, out: str) -> None:
+    """`greedy` with the Jetson profile's engine, run as `child` is."""
+    from bench import text_engines
+
+    text_engines.SHIPPED["cuda"] = "jetson-orin"
+    write_json(Path(out), greedy(Path(checkpoint), json.loads(Path(prompts).read_text())))
+
+
+def real_agreement(engine_dir: Path, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Greedy answers of the real SmolLM2's served build through the Triton path (this
+    process) and the proxy (a child), compared prompt by prompt."""
+    from tokenizers import Tokenizer
+
+    from engines.text.text_build import build_text_engine
+
+    served = build_text_engine(engine_dir, "clinic", "awq-int4", progress=False)
+    prompts = text.held_out_prompts(Tokenizer.from_file(str(served / "tokenizer.json")))
+    triton_path = greedy(served, prompts)  # (its engine gone with the call)
+    text._release()
+    prompts_file, out = workdir / "prompts.json", workdir / "greedy.json"
+    prompts_file.write_text(json.dumps(prompts))
+    proxy = _in_child(f"greedy_child({str(served)!r}, {str(prompts_file)!r}, {str(out)!r})", args, out)
+    return {
+        "model": "SmolLM2-135M-Instruct (real weights), clinic adapter, AWQ INT4 as `edgectl build` makes it",
+        "prompts": len(prompts),
+        "tokens": text.AGREEMENT_TOKENS,
+        **agreement(triton_path["tokens"], proxy["tokens"]),
+        "engine_config": proxy["engine_config"],
+        "triton_engine_config": triton_path["engine_config"],
+    }
+
+
 def _in_child(call: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """`call` (a function of this module, its arguments written out) in a process where
     `import triton` fails, with our CUDA kernels built as args.arch; its JSON."""
@@ -109,8 +157,13 @@ def kv_rows(checkpoint: Path, args: argparse.Namespace, workdir: Path) -> dict[s
 
 
 def merged(path: Path, row: dict[str, Any]) -> dict[str, Any]:
-    """text_cuda.json with `row` in place of an earlier row of its variant."""
+    """text_cuda.json with `row` in place of an earlier row of its variant. The earlier
+    row's real-model agreement (a run of its own, `--agreement`) is kept, marked as
+    measured before this row (`earlier_run`): the kernels may have changed since."""
     doc: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {"rows": []}
+    earlier = next((r for r in doc.get("rows", []) if r.get("variant") == row["variant"]), None)
+    if earlier is not None and "real_model_agreement" in earlier and "real_model_agreement" not in row:
+        row["real_model_agreement"] = {**earlier["real_model_agreement"], "earlier_run": True}
     doc["rows"] = [r for r in doc.get("rows", []) if r.get("variant") != row["variant"]] + [row]
     return doc
 
@@ -132,7 +185,26 @@ def main() -> None:
         help="what the child's CUDA kernels are built as (EDGE_CUDA_ARCH); empty: for the GPU itself (a diagnosis "
         "of what the PTX costs, not the proxy)",
     )
+    parser.add_argument(
+        "--agreement",
+        type=Path,
+        default=None,
+        metavar="ENGINE_DIR",
+        help="only the real SmolLM2's greedy agreement, added to the jetson-proxy row in --out",
+    )
     args = parser.parse_args()
+    if args.agreement is not None:
+        doc = json.loads(args.out.read_text())
+        row = next((r for r in doc["rows"] if r.get("variant") == VARIANT), None)
+        if row is None:
+            raise SystemExit(f"{args.out} has no {VARIANT} row: measure it first")
+        with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+            row["real_model_agreement"] = real_agreement(args.agreement, args, Path(tmp))
+        found = row["real_model_agreement"]
+        print("greedy agreement, real SmolLM2:", json.dumps({k: v for k, v in found.items() if "config" not in k}))
+        write_json(args.out, doc)
+        print(f"wrote {args.out}")
+        return
     from engines.text.random_llama import LLAMA3_8B, write_random_checkpoint
 
     group = text.CUDA_VARIANTS["served"][0]

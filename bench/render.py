@@ -242,6 +242,19 @@ def text_cuda(d: dict[str, Any]) -> str:
                 f"most 1.1x; decode {_met(min(vs_triton['decode_512'], vs_triton['decode_4096']) >= 0.95)}, time to "
                 f"first token {_met(vs_triton['ttft'] <= 1.1)}).",
             ]
+            agree = r.get("real_model_agreement")
+            if agree:
+                lines[-1] += (
+                    f" Greedy answers on {agree['model']}, through both paths: {agree['exact_match']:.0%} of "
+                    f"{agree['prompts']} held-out prompts the same for their first {agree['tokens']} tokens, "
+                    f"{agree['token_agreement']:.1%} of tokens (target: at least 95% of prompts; "
+                    f"{_met(agree['exact_match'] >= 0.95)})"
+                    + (
+                        ", measured in an earlier run than the speeds above, with the kernels as they were then."
+                        if agree.get("earlier_run")
+                        else "."
+                    )
+                )
     for r in d["rows"]:
         batched = r.get("batched")
         if batched:
@@ -579,9 +592,11 @@ def build_memory(d: dict[str, Any]) -> str:
 
 def verify(d: dict[str, Any], source: str) -> str:
     where = d["gpu"] or f"CPU only ({d['machine']})"
+    models = sorted({c["model"] for c in d["checks"]} | {s["model"] for s in d["skipped"]})
+    profile = f" with profile `{d['profile']}`" if d.get("profile") else ""
     lines = [
-        f"`edgectl verify` on {where}, torch {d['torch']} (`{source}`): each model through each backend here, "
-        "on the same inputs, against its reference.",
+        f"`edgectl verify` on {where}, torch {d['torch']}{profile} (`{source}`): each model the profile "
+        f"serves ({', '.join(models)}) through each backend here, on the same inputs, against its reference.",
         "",
         "| model | backend | reference | max abs diff | cosine | top-1 agreement | within tolerance |",
         "|---|---|---|---:|---:|---:|---|",

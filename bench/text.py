@@ -1002,6 +1002,14 @@ def _greedy(engine: TextEngine, prompts: list[list[int]]) -> list[list[int]]:
     return [list(engine.generate(p, SamplingParams(max_new_tokens=AGREEMENT_TOKENS)).tokens) for p in prompts]
 
 
+def held_out_prompts(tokenizer: Any) -> list[list[int]]:
+    """AGREEMENT_PROMPTS prompts of 48 tokens, spread over held-out text (the evaluation
+    corpus, which neither the adapter nor the quantizer saw)."""
+    held = tokenizer.encode(evaluation_text(), add_special_tokens=False).ids
+    stride = len(held) // AGREEMENT_PROMPTS
+    return [held[i * stride : i * stride + 48] for i in range(AGREEMENT_PROMPTS)]
+
+
 def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
     from tokenizers import Tokenizer
 
@@ -1053,9 +1061,7 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
             "edge AWQ INT4 g32 + clinic adapter (served)": {},
             "edge AWQ INT4 g32 + clinic adapter, torch's bfloat16 kernel": {"cpu_kernel": "bf16"},
         }
-        held = tokenizer.encode(evaluation_text(), add_special_tokens=False).ids
-        stride = len(held) // AGREEMENT_PROMPTS
-        prompts = [held[i * stride : i * stride + 48] for i in range(AGREEMENT_PROMPTS)]
+        prompts = held_out_prompts(tokenizer)
         exact = load_engine(served, "cpu", threads=t)
         exact.batcher.model.fused_decode = False  # op by op: not the C step the served row runs
         reference = _greedy(exact, prompts)

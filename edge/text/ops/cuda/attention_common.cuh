@@ -74,6 +74,66 @@ __device__ __forceinline__ void softmax_tile(float (*ps)[64], float* m_s, float*
   }
 }
 
+// The end of a split kernel (decode_ops.cu's and kv_ops.cu's): each thread holds channels
+// 2dp and 2dp+1 of every query row (a0, a1) summed over its subset tp of a tile's
+// positions; the TP subsets' sums are added in a fixed order through `red` (so a
+// sequence's output is the same alone or batched), and the chunk's partial sums and its
+// softmax (m, l) stored at slots first_slot + g, where the merge reads them.
+template <int GP, int HD, int TP>
+__device__ __forceinline__ void store_split(const float (&a0)[GP], const float (&a1)[GP], float (*red)[GP][HD],
+                                            const float* m_s, const float* l_s, int group, int tp, int dp,
+                                            size_t first_slot, float* __restrict__ acc, float* __restrict__ ml) {
+  if (TP > 1 && tp > 0) {
+#pragma unroll
+    for (int g = 0; g < GP; g++) {
+      if (g >= group) break;
+      red[tp - 1][g][2 * dp] = a0[g];
+      red[tp - 1][g][2 * dp + 1] = a1[g];
+    }
+  }
+  __syncthreads();
+  if (tp == 0) {
+#pragma unroll
+    for (int g = 0; g < GP; g++) {
+      if (g >= group) break;
+      float s0 = a0[g], s1 = a1[g];
+      for (int u = 0; u < TP - 1; u++) {
+        s0 += red[u][g][2 * dp];
+        s1 += red[u][g][2 * dp + 1];
+      }
+      const size_t slot = first_slot + g;
+      acc[slot * HD + 2 * dp] = s0;
+      acc[slot * HD + 2 * dp + 1] = s1;
+      if (dp == 0) {
+        ml[slot * 2] = m_s[g];
+        ml[slot * 2 + 1] = l_s[g];
+      }
+    }
+  }
+}
+
+// The GP query rows of a KV head's group (rows[g * HD + d]; those from `group` on are
+// zeros) into shared memory as float, times `scale`, channel d at column place(d). Every
+// load is issued before any store: a load and its store one after the other, each of a
+// thread's loads waited for the store before it (a trip to memory per row, on the path
+// to the first key's score).
+template <int GP, int HD, int THREADS, typename C, typename Place>
+__device__ __forceinline__ void load_queries(const C* __restrict__ rows, float (*qs)[HD], int group, float scale,
+                                             Place place) {
+  constexpr int PER = (GP * HD + THREADS - 1) / THREADS;
+  float v[PER];
+#pragma unroll
+  for (int k = 0; k < PER; k++) {
+    const int i = min((int)threadIdx.x + k * THREADS, GP * HD - 1);
+    v[k] = to_f(rows[min(i / HD, group - 1) * HD + i % HD]);  // (rows past the group: read, not kept)
+  }
+#pragma unroll
+  for (int k = 0; k < PER; k++) {
+    const int i = threadIdx.x + k * THREADS;
+    if (i < GP * HD) qs[i / HD][place(i % HD)] = i / HD < group ? v[k] * scale : 0.0f;
+  }
+}
+
 // Two neighbouring channels of a cache row, read in one 4-byte load.
 template <typename C>
 struct __align__(2 * sizeof(C)) Pair {

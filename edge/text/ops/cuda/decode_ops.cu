@@ -28,10 +28,11 @@ using namespace edge_cuda;
 // any is used (one memory round trip, not one per value: a step runs this twice a
 // layer at batch 1, where its latency is the whole cost); the sum of squares in a
 // fixed order.
-constexpr int NORM_PER = 16;
-// At most 512 threads a row (hidden sizes to 8192): under a 1024-thread bound the compiler
-// kept 32 registers and spilled the row's values to local memory (9 us a norm on an H100).
-constexpr int NORM_THREADS = 512;
+constexpr int NORM_PER = 32;
+// At most 256 threads a row (hidden sizes to 8192), so the compiler may give each the
+// registers for its values, deltas and weights (96 floats) without spilling them to local
+// memory, as it did under a 1024-thread bound.
+constexpr int NORM_THREADS = 256;
 
 template <typename D, typename T>
 __global__ void __launch_bounds__(NORM_THREADS)
@@ -60,6 +61,15 @@ __global__ void __launch_bounds__(NORM_THREADS)
       if (i < H) xr[i] = v[k];
     }
   }
+  // The weights loaded before the reduction, all at once: loaded beside each store, one
+  // value's load waited for the store before it, a trip to memory per value (8.7 us a
+  // norm at hidden size 4096 on an H100, where Triton's takes 2.3).
+  float wv[NORM_PER];
+#pragma unroll
+  for (int k = 0; k < NORM_PER; k++) {
+    const int i = threadIdx.x + k * n;
+    wv[k] = to_f(w[i < H ? i : 0]);
+  }
   float ss = 0.0f;
 #pragma unroll
   for (int k = 0; k < NORM_PER; k++) ss += v[k] * v[k];
@@ -72,7 +82,7 @@ __global__ void __launch_bounds__(NORM_THREADS)
 #pragma unroll
   for (int k = 0; k < NORM_PER; k++) {
     const int i = threadIdx.x + k * n;
-    if (i < H) h[(size_t)row * H + i] = from_f<T>(v[k] * inv * to_f(w[i]));
+    if (i < H) h[(size_t)row * H + i] = from_f<T>(v[k] * inv * wv[k]);
   }
 }
 
@@ -178,11 +188,9 @@ __global__ void __launch_bounds__(ATTN_THREADS)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int li = lane % LANES_PER_TOKEN, lg = lane / LANES_PER_TOKEN;
 
-  for (int i = tid; i < GP * HD; i += ATTN_THREADS) {
-    const int g = i / HD, d = i % HD;
-    const float v = g < group ? to_f(q[((size_t)b * NH + kh * group + g) * HD + d]) : 0.0f;
-    qs[g][((d / 64) * 8 + d % 8) * LANES_PER_TOKEN + (d / 8) % 8] = v;
-  }
+  load_queries<GP, HD, ATTN_THREADS>(q + ((size_t)b * NH + kh * group) * HD, qs, group, 1.0f, [](int d) {
+    return ((d / 64) * 8 + d % 8) * LANES_PER_TOKEN + (d / 8) % 8;
+  });
   if (tid < GP) {
     m_s[tid] = -INFINITY;
     l_s[tid] = 0.0f;
@@ -285,34 +293,7 @@ __global__ void __launch_bounds__(ATTN_THREADS)
     }
     __syncthreads();
   }
-  // The TP position subsets' sums, added in a fixed order.
-  if (TP > 1 && tp > 0) {
-#pragma unroll
-    for (int g = 0; g < GP; g++) {
-      if (g >= group) break;
-      red[tp - 1][g][2 * dp] = a0[g];
-      red[tp - 1][g][2 * dp + 1] = a1[g];
-    }
-  }
-  __syncthreads();
-  if (tp == 0) {
-#pragma unroll
-    for (int g = 0; g < GP; g++) {
-      if (g >= group) break;
-      float s0 = a0[g], s1 = a1[g];
-      for (int u = 0; u < TP - 1; u++) {
-        s0 += red[u][g][2 * dp];
-        s1 += red[u][g][2 * dp + 1];
-      }
-      const size_t slot = ((size_t)bh * splits + sp) * GP + g;
-      acc[slot * HD + 2 * dp] = s0;
-      acc[slot * HD + 2 * dp + 1] = s1;
-      if (dp == 0) {
-        ml[slot * 2] = m_s[g];
-        ml[slot * 2 + 1] = l_s[g];
-      }
-    }
-  }
+  store_split<GP, HD, TP>(a0, a1, red, m_s, l_s, group, tp, dp, ((size_t)bh * splits + sp) * GP, acc, ml);
 }
 
 // ---- SiLU * up -----------------------------------------------------------------------

@@ -27,7 +27,7 @@ GROUP_PADS = (4, 8, 16)  # query rows per KV head the attention is built for
 # tiles), so more of them are needed to keep the memory busy at long context.
 ATTN_SPREAD = 4
 MAX_SPLITS = 128
-MAX_NORM_HIDDEN = 512 * 16  # decode_ops.cu's NORM_THREADS x NORM_PER: a row's values held in registers
+MAX_NORM_HIDDEN = 256 * 32  # decode_ops.cu's NORM_THREADS x NORM_PER: a row's values held in registers
 
 
 def _declare(lib: ctypes.CDLL) -> None:

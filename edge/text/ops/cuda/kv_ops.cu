@@ -364,11 +364,8 @@ __global__ void __launch_bounds__(KV_THREADS)
   const int li = lane % LANES, lg = lane / LANES;
   const int groups = HD / f.VG;
 
-  for (int i = tid; i < GP * HD; i += KV_THREADS) {
-    const int g = i / HD, d = i % HD;
-    const float v = g < group ? to_f(q[((size_t)qi * NH + kh * group + g) * HD + d]) * q_scale : 0.0f;
-    qs[g][(d % EPL) * LANES + d / EPL] = v;
-  }
+  load_queries<GP, HD, KV_THREADS>(q + ((size_t)qi * NH + kh * group) * HD, qs, group, q_scale,
+                                   [](int d) { return (d % EPL) * LANES + d / EPL; });
   if (tid < GP) {
     m_s[tid] = -INFINITY;
     l_s[tid] = 0.0f;
@@ -511,34 +508,7 @@ __global__ void __launch_bounds__(KV_THREADS)
     }
     __syncthreads();
   }
-  // The TP position subsets' sums, added in a fixed order.
-  if (TP > 1 && tp > 0) {
-#pragma unroll
-    for (int g = 0; g < GP; g++) {
-      if (g >= group) break;
-      red[tp - 1][g][2 * dp] = a0[g];
-      red[tp - 1][g][2 * dp + 1] = a1[g];
-    }
-  }
-  __syncthreads();
-  if (tp == 0) {
-#pragma unroll
-    for (int g = 0; g < GP; g++) {
-      if (g >= group) break;
-      float s0 = a0[g], s1 = a1[g];
-      for (int u = 0; u < TP - 1; u++) {
-        s0 += red[u][g][2 * dp];
-        s1 += red[u][g][2 * dp + 1];
-      }
-      const size_t slot = ((size_t)bh * splits + sp) * GP + g;
-      acc[slot * HD + 2 * dp] = s0;
-      acc[slot * HD + 2 * dp + 1] = s1;
-      if (dp == 0) {
-        ml[slot * 2] = m_s[g];
-        ml[slot * 2 + 1] = l_s[g];
-      }
-    }
-  }
+  store_split<GP, HD, TP>(a0, a1, red, m_s, l_s, group, tp, dp, ((size_t)bh * splits + sp) * GP, acc, ml);
 }
 
 template <typename C>
