@@ -207,3 +207,68 @@ def test_jobs_answered_in_one_call_run_between_decode_steps_and_fail_alone(engin
     long = outcomes["long"]
     assert long.error is None and long.output is not None and long.output["answer"] == reference
     assert outcomes["ok"].finished_at < long.finished_at < outcomes["waiter"].finished_at
+
+
+def test_a_schema_compiles_off_the_worker_thread_while_the_running_sequence_decodes(
+    engine_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A qa job with a schema new to the box waits in the queue while its grammar compiles
+    on the grammar engine's thread (here held up until the running sequence is done:
+    the real compile, started late), and the running sequence decodes to its end
+    meanwhile; then the job is admitted and answers JSON valid for its schema. Compiled
+    on the worker's thread, the running sequence would stop until the compile ended."""
+    from edge.protocol.jobs import ResponseFormat
+    from edge.text.runtime import grammar
+
+    engine = _engine(engine_dir, 2)
+    ledger = MemoryLedger(2**34)
+    assert ledger.add_model("llm", "text", engine.kv_cache_bytes)
+    queue = PriorityDeadlineQueue(64)
+    outcomes: dict[str, Outcome] = {}
+    cond = threading.Condition()
+
+    def complete(item: WorkItem, outcome: Outcome) -> None:
+        with cond:
+            outcomes[item.job.id] = outcome
+            cond.notify_all()
+
+    release = threading.Event()
+    compiling: list[str] = []
+    real_compile = grammar.Grammars._compile
+
+    def held_compile(self: grammar.Grammars, text: str) -> object:
+        compiling.append(threading.current_thread().name)
+        assert release.wait(120)
+        return real_compile(self, text)
+
+    monkeypatch.setattr(grammar.Grammars, "_compile", held_compile)
+    task = QATask(engine, fakes.responder(tmp_path)[0])
+    worker = TextWorker("text", queue, task, engine.batcher, TextMemory(ledger, "llm", 0.05), complete)
+    question = "Count from 1 to 200, separated by commas."
+    reference = _alone(engine, question, 40)
+    schema = {"type": "object", "properties": {"serial": {"type": "string", "maxLength": 12}}, "required": ["serial"]}
+    fmt = ResponseFormat.model_validate({"type": "json_schema", "schema": schema})
+    structured = QAJob(id="json", question="Give the serial of part AX-991 as JSON.", max_new_tokens=24)
+    structured = structured.model_copy(update={"response_format": fmt})
+    worker.start()
+    try:
+        queue.put(_item("long", question, new=40))
+        deadline = time.monotonic() + 30
+        while not (engine.batcher.running and len(engine.batcher.running[0].tokens) >= 2):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        queue.put(WorkItem(ParsedJob("json", "qa", 5, None, structured), Reply("r"), time.monotonic(), None))
+        with cond:
+            assert cond.wait_for(lambda: "long" in outcomes, 120), "the running sequence waited for the compile"
+        assert "json" not in outcomes and compiling and compiling[0].startswith("grammar")
+        release.set()
+        with cond:
+            assert cond.wait_for(lambda: "json" in outcomes, 120)
+    finally:
+        release.set()
+        worker.stop(30)
+    long = outcomes["long"]
+    assert long.error is None and long.output is not None and long.output["answer"] == reference
+    answer = outcomes["json"]
+    assert answer.error is None and answer.output is not None, answer.error
+    assert isinstance(answer.output["json"], dict) and isinstance(answer.output["json"]["serial"], str)

@@ -14,6 +14,10 @@ a job does not fit:
   3. if nothing can be paused it keeps waiting, and is answered `over_budget`, with the
      figures, if its deadline passes first.
 
+A job whose own preparation would be slow (a schema new to the box, compiled for the
+model's tokenizer) is not prepared on this thread: the task starts that work elsewhere
+(`ready`) and the job stays queued, the running sequences decoding, until it is done.
+
 Models are not evicted for the text branch: its KV comes from the cache the model
 allocated at load, which evicting another model would not enlarge. A job can never
 outgrow a row (the engine caps max_new_tokens to the context window), so none is
@@ -43,12 +47,19 @@ from edge.text.runtime.continuous import ContinuousBatcher, Sequence
 logger = logging.getLogger(__name__)
 
 ADMIT_QUICK = 16  # one-call jobs answered between two steps while the queue's head waits
+READY_WAIT_S = 0.05  # how long an idle worker waits for a queued job's own slow work at once
 
 
 class SequenceRunner(Protocol):
     """What the text worker runs: a task that makes sequences (edge/tasks/base.py)."""
 
     name: str
+
+    def ready(self, item: WorkItem, wait_s: float) -> bool:
+        """Whether `prepare` would not wait for slow work of the job's own (a grammar to
+        compile): if not, that work starts elsewhere, waited for up to `wait_s`, and the
+        job waits in the queue meanwhile, the running sequences decoding on."""
+        ...
 
     def prepare(self, item: WorkItem) -> Sequence | dict[str, Any]:
         """The job's sequence, or its output where it is answered without generating."""
@@ -95,6 +106,7 @@ class TextWorker(Worker):
         self.batcher = batcher
         self._answers = dict(answers or {})
         self._prepare = task.prepare
+        self._ready = task.ready
         self._output = task.output
         self._kv_tokens = task.kv_tokens
         self._memory = memory
@@ -196,6 +208,12 @@ class TextWorker(Worker):
             return True
         seq = item.progress
         if not isinstance(seq, Sequence):
+            # Slow work of the job's own (a schema to compile) is done off this thread: the
+            # job waits in the queue while the running sequences decode; with none running,
+            # a short wait for it here, not a spin.
+            if not self._ready(item, 0.0 if self.batcher.running else READY_WAIT_S):
+                self.queue.put(item, force=True)
+                return False
             try:
                 seq = self._prepare(item)
             except JobError as err:

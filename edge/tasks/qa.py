@@ -27,7 +27,7 @@ from edge.tasks.base import Output
 from edge.tasks.grounding import GroundingPolicy, before_generating, judge
 from edge.tasks.passage_fit import context_with, fit_passages
 from edge.tasks.retrieval import Retrieval
-from edge.tasks.structured import constrain, structured_result
+from edge.tasks.structured import constrain, grammar_ready, structured_result
 from edge.text.engine import TextEngine
 from edge.text.model.chat import ChatTemplateError
 from edge.text.runtime.continuous import Sequence
@@ -67,6 +67,15 @@ class QATask:
         self.top_k = top_k
         self.policy = policy or GroundingPolicy.of(QAModelConfig())
         self._prepared: weakref.WeakKeyDictionary[Sequence, _Prepared] = weakref.WeakKeyDictionary()
+
+    def ready(self, item: WorkItem, wait_s: float) -> bool:
+        """Whether `prepare` can run now without waiting for slow work of its own: the
+        compile of the job's response_format (started, on the grammar engine's thread, if
+        not; waited for up to `wait_s`)."""
+        job = item.job.request
+        assert isinstance(job, QAJob)
+        fields = "ask." if item.carry is not None else ""
+        return grammar_ready(self.engine, job.response_format, fields, wait_s)
 
     def prepare(self, item: WorkItem) -> Sequence | Output:
         """The job's sequence; or its result, where it abstains without generating."""

@@ -33,6 +33,19 @@ def constrain(engine: TextEngine, seq: Sequence, fmt: ResponseFormat | None, pre
         raise JobError(ErrorCode.INVALID_FIELD, f"the schema cannot be enforced: {err}", field) from err
 
 
+def grammar_ready(engine: TextEngine, fmt: ResponseFormat | None, prefix: str = "", wait_s: float = 0.0) -> bool:
+    """Whether `constrain` would not wait for a compile: no grammar asked, or its schema
+    compiled (or refused) for this model's tokenizer already. If not, the compile starts on
+    the grammar engine's own thread, waited for up to `wait_s`; the job waits in its queue
+    meanwhile, and the text branch's thread decodes on. A response_format that cannot
+    become a grammar is ready: `constrain` says why."""
+    try:
+        grammar = grammar_of(fmt, prefix)
+    except JobError:
+        return True
+    return grammar is None or engine.batcher.grammars.ready(grammar, wait_s)
+
+
 def structured_result(seq: Sequence) -> dict[str, Any]:
     """`json`: the answer parsed, where its grammar was completed (the JSON closed); else
     None and `json_error` saying why, so that an answer cut short (max_new_tokens, a stop

@@ -6,7 +6,7 @@ The grammar engine is llguidance, chosen over xgrammar by measurement (bench/str
 `engines`, rendered in docs/benchmarks.md): with SmolLM2's tokenizer on the CPU both compute
 a mask in a small fraction of a decode step, but xgrammar's compile of a schema with bounds
 (an integer's minimum and maximum, a string's maxLength) is far slower than llguidance's,
-and a compile runs on the text branch's thread between steps; llguidance's wheel is one
+and a job waits for its compile; llguidance's wheel is one
 abi3 file per platform (x86_64 and aarch64, any Python from 3.10) with no dependencies,
 where xgrammar's pulls in transformers and triton at run time.
 
@@ -15,15 +15,21 @@ it serves every other job, and a job that asks for structured output is told it 
 unavailable.
 
 A compiled grammar is cached by its text's hash (bounded, least recently used first out):
-each sequence gets a copy of the cached matcher, which shares its compiled lexer.
+each sequence gets a copy of the cached matcher, which shares its compiled lexer. Compiles
+run on a thread of their own (`ready`), so the text branch's thread keeps decoding the
+running sequences while a new schema compiles (and while the first structured job builds
+the engine's view of the tokenizer); the job that asked waits in the queue meanwhile.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -89,7 +95,9 @@ class Constraint:
 class Grammars:
     """The grammar engine bound to one model's tokenizer: grammar text to Constraint, with
     compiled grammars cached by hash. Built lazily (the engine's view of the tokenizer
-    takes a fraction of a second) by the first job that asks for structured output."""
+    takes a fraction of a second) by the first job that asks for structured output.
+    Compiles run on one thread of their own (`ready`); a grammar the engine refuses is
+    remembered with its error like a compiled one."""
 
     def __init__(self, tokenizer: Tokenizer, eos_ids: Iterable[int], vocab_size: int) -> None:
         self.vocab_size = vocab_size
@@ -97,43 +105,98 @@ class Grammars:
         self._tokenizer = tokenizer
         self._eos = sorted(eos_ids)
         self._ll: Any = None
-        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()  # the cache and the compiles in flight
+        self._tokenizer_lock = threading.Lock()
+        self._cache: OrderedDict[str, Any] = OrderedDict()  # hash -> matcher, or the GrammarError
+        self._compiling: dict[str, Future[None]] = {}
+        self._pool: ThreadPoolExecutor | None = None
         self.compiled = 0  # grammars compiled (misses), for tests and status
 
     def _lltokenizer(self) -> Any:
-        if self._ll is None:
-            llg = require()
+        with self._tokenizer_lock:
+            if self._ll is None:
+                llg = require()
+                try:
+                    self._ll = llg.LLTokenizer(self._tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=self._eos)
+                except (KeyboardInterrupt, SystemExit):
+                    raise
+                except BaseException as err:  # the engine's Rust panics are BaseExceptions
+                    raise GrammarError(f"the grammar engine cannot read this model's tokenizer: {err}"[:300]) from err
+            return self._ll
+
+    @staticmethod
+    def _key(grammar: str) -> str:
+        return hashlib.sha256(grammar.encode("utf-8")).hexdigest()
+
+    def _compile(self, grammar: str) -> Any:
+        """The grammar's matcher at its start, or the GrammarError saying why not."""
+        llg = require()
+        try:
+            proto = llg.LLMatcher(self._lltokenizer(), grammar, log_level=0, limits=limits())
+        except GrammarError as err:
+            return err
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # the engine's Rust panics are BaseExceptions
+            return GrammarError(f"{type(err).__name__}: {err}"[:300])
+        if proto.is_error():
+            return GrammarError(str(proto.get_error()).strip().splitlines()[0][:300])
+        return proto
+
+    def _store(self, key: str, compiled: Any) -> None:
+        with self._lock:
+            if not isinstance(compiled, GrammarError):
+                self.compiled += 1
+            self._cache[key] = compiled
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+
+    def ready(self, grammar: str, wait_s: float = 0.0) -> bool:
+        """Whether `constraint(grammar)` would return at once (compiled, or refused: its
+        error is ready too). If not, its compile is started on the compile thread (once)
+        and waited for up to `wait_s`."""
+        key = self._key(grammar)
+        with self._lock:
+            if key in self._cache:
+                return True
+            future = self._compiling.get(key)
+            if future is None:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+                future = self._pool.submit(self._compile_into_cache, key, grammar)
+                self._compiling[key] = future
+        if wait_s > 0:
             try:
-                self._ll = llg.LLTokenizer(self._tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=self._eos)
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except BaseException as err:  # the engine's Rust panics are BaseExceptions
-                raise GrammarError(f"the grammar engine cannot read this model's tokenizer: {err}"[:300]) from err
-        return self._ll
+                future.result(timeout=wait_s)
+            except futures.TimeoutError:  # (not the builtin one before Python 3.11)
+                return False
+        with self._lock:
+            return key in self._cache
+
+    def _compile_into_cache(self, key: str, grammar: str) -> None:
+        try:
+            self._store(key, self._compile(grammar))
+        except BaseException as err:  # whatever broke, the job is told, not left waiting
+            logger.exception("grammar compile failed")
+            self._store(key, GrammarError(f"{type(err).__name__}: {err}"[:300]))
+        finally:
+            with self._lock:
+                self._compiling.pop(key, None)
 
     def constraint(self, grammar: str) -> Constraint:
         """A fresh Constraint at the start of the grammar; GrammarError if the engine cannot
-        build it for this tokenizer."""
-        llg = require()
-        key = hashlib.sha256(grammar.encode("utf-8")).hexdigest()
-        proto = self._cache.get(key)
+        build it for this tokenizer. Compiles here where `ready` did not."""
+        require()
+        key = self._key(grammar)
+        with self._lock:
+            proto = self._cache.get(key)
+            if proto is not None:
+                self._cache.move_to_end(key)
         if proto is None:
-            try:
-                proto = llg.LLMatcher(self._lltokenizer(), grammar, log_level=0, limits=limits())
-            except GrammarError:
-                raise
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except BaseException as err:  # the engine's Rust panics are BaseExceptions
-                raise GrammarError(f"{type(err).__name__}: {err}"[:300]) from err
-            if proto.is_error():
-                raise GrammarError(str(proto.get_error()).strip().splitlines()[0][:300])
-            self.compiled += 1
-            self._cache[key] = proto
-            while len(self._cache) > CACHE_ENTRIES:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
+            proto = self._compile(grammar)
+            self._store(key, proto)
+        if isinstance(proto, GrammarError):
+            raise GrammarError(str(proto))
         return Constraint(proto.deep_copy())
 
     def masks(self, constraints: list[Constraint], pin: bool) -> torch.Tensor:
