@@ -223,6 +223,9 @@ def run_load(
         output: Callable[[Sequence], dict[str, Any]]
         kv_tokens: Callable[[Sequence], int]
 
+        def ready(self, item: WorkItem, wait_s: float) -> bool:
+            return True  # plain questions: nothing to prepare off the worker's thread
+
     vq = PriorityDeadlineQueue(4096)
     policy = BatchPolicy(load.max_batch, 0.005, frozenset({load.max_batch}))
     vision = BranchWorker("vision", vq, {"inspect": InspectBatches("inspect", policy)}, collector.complete)
