@@ -25,7 +25,7 @@ status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   files=()
   for f in tests/test_load_budget.py tests/test_cuda_int4.py tests/test_cuda_decode_ops.py tests/test_cuda_kv_ops.py tests/test_cuda_batcher.py tests/test_quant_cache.py \
-    tests/test_fused_prefill.py tests/test_triton_kernels.py tests/test_kv_offload.py; do
+    tests/test_fused_prefill.py tests/test_triton_kernels.py tests/test_kv_offload.py tests/test_families.py; do
     [ -f "$f" ] && files+=("$f")
   done
   python3 -m pytest -p no:cacheprovider -m gpu -q --timeout 300 "${files[@]}" 2>&1 | tee "$out/gpu_tests.log" | tail -25
