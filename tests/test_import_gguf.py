@@ -351,13 +351,33 @@ def test_a_q4_0_file_is_served_as_stored(
     from safetensors.torch import load_file
 
     from edge.text.ops.int4 import QuantizedWeight, dequantize
+    from engines.text import gguf_int4
+    from engines.text.import_gguf import GgufSource
     from engines.text.text_build import build_text_engine
 
     name, hf, tokenizer = family["name"], family["hf"], family["tokenizer"]
     source = write_gguf(hf, tokenizer, tmp_path / f"tiny-{name}-q4_0.gguf", name, q4_0=True)
-    with caplog.at_level(logging.INFO, logger="engines.text.gguf_int4"):
-        built = build_text_engine(tmp_path / "engines", "none", "awq-int4", progress=False, source=str(source))
+    # What the build reads: each Q4_0 linear once, as stored, and never in float too.
+    float_reads: list[str] = []
+    kept_reads: list[str] = []
+    read_float, read_kept = GgufSource.read, gguf_int4.KeptWeights.__getitem__
+
+    def recording_read(self: GgufSource, names: Any) -> dict[str, torch.Tensor]:
+        float_reads.extend(names)
+        return read_float(self, names)
+
+    def recording_get(self: gguf_int4.KeptWeights, key: str) -> QuantizedWeight:
+        kept_reads.append(key)
+        return read_kept(self, key)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(GgufSource, "read", recording_read)
+        patch.setattr(gguf_int4.KeptWeights, "__getitem__", recording_get)
+        with caplog.at_level(logging.INFO, logger="engines.text.gguf_int4"):
+            built = build_text_engine(tmp_path / "engines", "none", "awq-int4", progress=False, source=str(source))
     assert "served as stored" in caplog.text
+    assert sorted(kept_reads) == sorted(set(kept_reads)) and len(kept_reads) == 7 * hf.config.num_hidden_layers
+    assert not {f"{n}.weight" for n in kept_reads} & set(float_reads), "a kept linear read in float too"
     manifest = json.loads((built / "manifest.json").read_text())
     assert manifest["recipe"]["method"] == "gguf-q4_0"
     float_dir = import_gguf(source, tmp_path / "engines", source.stem, progress=False)  # the build's own import

@@ -95,6 +95,11 @@ class KeptWeights(Mapping[str, QuantizedWeight]):
             weight = _rows(weight, _unpermute_qk(np.arange(s.rows)[:, None], s.heads)[:, 0])
         return weight
 
+    def header(self, name: str) -> tuple[tuple[int, int], int]:
+        """A weight's shape and group size, from the file's tensor list (not read)."""
+        s = self._stored[name]
+        return (s.rows, s.columns), GROUP
+
     def __contains__(self, name: object) -> bool:
         return name in self._stored  # without reading it
 

@@ -63,11 +63,18 @@ def _packed_groups(model: LlamaModel, recipe: QuantRecipe, prepacked: Mapping[st
     for name in [*linear_names(model), "lm_head"]:
         shape = shapes[f"{name}.weight"]
         if name in prepacked:
-            given = prepacked[name]  # read once here to check it, again when it is written
-            if given.shape != shape:
-                raise ValueError(f"{name} is {list(given.shape)} as given, {list(shape)} in the model's config")
-            groups[name] = given.group_size
-            del given
+            # Its shape from the file's tensor list where the mapping has one (KeptWeights):
+            # each weight is then read once, when it is written.
+            header = getattr(prepacked, "header", None)
+            if header is not None:
+                given_shape, group = header(name)
+            else:
+                given = prepacked[name]
+                given_shape, group = given.shape, given.group_size
+                del given
+            if tuple(given_shape) != shape:
+                raise ValueError(f"{name} is {list(given_shape)} as given, {list(shape)} in the model's config")
+            groups[name] = group
         elif name == "lm_head" and not recipe.lm_head:
             continue
         elif not recipe.kept(name):
@@ -185,10 +192,21 @@ def write_layerwise(
         for i in layer_rows:
             layer_started = time.monotonic()
             prefix = f"layers.{i}."
-            state = {name.removeprefix(prefix): t for name, t in source.read(source.layer_names(i)).items()}
+            wanted = source.layer_names(i)
+            if cache is None:  # no AWQ: a linear given in INT4 is not read in float too
+                wanted = [n for n in wanted if n.removesuffix(".weight") not in prepacked]
+            skipped = {n.removeprefix(prefix) for n in source.layer_names(i)} - {n.removeprefix(prefix) for n in wanted}
+            state = {name.removeprefix(prefix): t for name, t in source.read(wanted).items()}
             with torch.device("meta"):
                 layer = DecoderLayer(config, i)
-            layer.load_state_dict(state, strict=True, assign=True)
+            # The given linears' weights stay on the meta device (written from `prepacked`);
+            # anything else missing is the source's fault, as with strict loading.
+            loaded = layer.load_state_dict(state, strict=False, assign=True)
+            if set(loaded.missing_keys) != skipped or loaded.unexpected_keys:
+                raise ValueError(
+                    f"layer {i}: missing {sorted(set(loaded.missing_keys) - skipped)[:5]}, "
+                    f"unexpected {loaded.unexpected_keys[:5]}"
+                )
             layer.eval()
             del state
             clips: dict[str, torch.Tensor] = {}
