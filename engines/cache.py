@@ -79,7 +79,8 @@ def build_cached(out_dir: Path, inputs: dict[str, Any], build: Callable[[Path], 
     One build of `out_dir` runs at a time (a lock file beside it): a second waits, then
     finds the first's result. Whoever holds the lock removes the scratch directories of
     builds of `out_dir` that were killed before they could (SIGKILL, a power cut): an
-    8B model's leaves gigabytes behind.
+    8B model's leaves gigabytes behind. It also removes those of other outputs in the
+    folder where no build of theirs runs (a killed build whose inputs have changed since).
     """
     existing = read_manifest(out_dir)
     if existing is not None and existing.get("inputs") == inputs:
@@ -94,6 +95,7 @@ def build_cached(out_dir: Path, inputs: dict[str, Any], build: Callable[[Path], 
             logger.info("engine %s was built meanwhile", out_dir)
             return out_dir
         _remove_abandoned(out_dir)
+        _remove_abandoned_beside(out_dir)
         scratch = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
         try:
             details = build(scratch)
@@ -107,6 +109,48 @@ def build_cached(out_dir: Path, inputs: dict[str, Any], build: Callable[[Path], 
             raise
     logger.info("built engine %s", out_dir)
     return out_dir
+
+
+def _try_lock(path: Path) -> Any:
+    """The open, locked lock file `path` if no one holds it now, else None (no waiting)."""
+    fh = path.open("a")
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.close()
+        return None
+    try:
+        held = path.stat().st_ino == os.fstat(fh.fileno()).st_ino
+    except FileNotFoundError:
+        held = False
+    if not held:  # removed or replaced meanwhile by its holder: someone else's turn
+        fh.close()
+        return None
+    return fh
+
+
+def _remove_abandoned_beside(out_dir: Path) -> None:
+    """Scratch directories of other outputs in `out_dir`'s folder (a build killed under
+    another cache key: its inputs changed since, so no build of that name will clear
+    it), each where no build of its output runs now (its lock is free): taken without
+    waiting, so a live build elsewhere is never waited for nor touched."""
+    scratch = re.compile(r"\.(.+)\.[a-z0-9_]{8}")
+    names = set()
+    for path in out_dir.parent.glob(".*"):
+        found = scratch.fullmatch(path.name)
+        if found and found.group(1) != out_dir.name and path.is_dir() and not path.is_symlink():
+            names.add(found.group(1))
+    for name in sorted(names):
+        lock = out_dir.parent / f".{name}.lock"
+        fh = _try_lock(lock)
+        if fh is None:
+            continue
+        try:
+            _remove_abandoned(out_dir.parent / name)
+        finally:
+            lock.unlink(missing_ok=True)
+            fcntl.flock(fh, fcntl.LOCK_UN)
+            fh.close()
 
 
 @contextlib.contextmanager

@@ -294,3 +294,31 @@ def test_builders_of_one_output_take_turns_and_leave_nothing_beside_it(tmp_path:
         t.join(30)
     assert most == 1 and builds == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["engine"]
+
+
+def test_a_build_removes_what_killed_builds_of_other_outputs_left_unless_one_runs(tmp_path: Path) -> None:
+    """A build killed under one cache key leaves its scratch directory; once the inputs
+    change, no build of that output's name clears it. Any build in the folder removes
+    such scratch directories of other outputs, unless a build of that output is running
+    (its lock held): then it is left alone, and not waited for."""
+    import fcntl
+
+    from engines.cache import build_cached
+
+    stale = tmp_path / ".text-clinic-awq-1234abcd.k3x9_q2z"  # as tempfile.mkdtemp names them
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    live = tmp_path / ".text-clinic-awq-5678efgh.a1b2c3d4"
+    live.mkdir()
+    (live / "model.safetensors").write_bytes(b"being written")
+    unrelated = tmp_path / ".keep"  # not a scratch name
+    unrelated.mkdir()
+    with (tmp_path / ".text-clinic-awq-5678efgh.lock").open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # a build of that output in progress
+        started = time.monotonic()
+        build_cached(tmp_path / "vision-quick", {"k": 1}, lambda scratch: {})
+        assert time.monotonic() - started < 5
+        assert not stale.exists() and live.is_dir() and unrelated.is_dir()
+        assert (live / "model.safetensors").read_bytes() == b"being written"
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [".keep", ".text-clinic-awq-5678efgh.a1b2c3d4", ".text-clinic-awq-5678efgh.lock", "vision-quick"]
