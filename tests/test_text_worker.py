@@ -45,6 +45,34 @@ def _item(job_id: str, question: str, priority: int = 5, new: int = 16, deadline
     return WorkItem(job, Reply("r"), received, received + deadline_ms / 1000 if deadline_ms else None)
 
 
+def _ledger(engine: TextEngine) -> MemoryLedger:
+    ledger = MemoryLedger(2**34)
+    assert ledger.add_model("llm", "text", engine.kv_cache_bytes)
+    return ledger
+
+
+def _wait_decoding(engine: TextEngine, tokens: int) -> None:
+    """Until the engine's first running sequence has `tokens` tokens."""
+    deadline = time.monotonic() + 30
+    while not (engine.batcher.running and len(engine.batcher.running[0].tokens) >= tokens):
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
+
+@dataclass
+class _Outcomes:
+    """The worker's outcomes by job id (`complete` is its completion), and a condition
+    to wait on them."""
+
+    got: dict[str, Outcome] = field(default_factory=dict)
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def complete(self, item: WorkItem, outcome: Outcome) -> None:
+        with self.cond:
+            self.got[item.job.id] = outcome
+            self.cond.notify_all()
+
+
 @dataclass
 class Harness:
     engine: TextEngine
@@ -92,10 +120,7 @@ def test_an_urgent_job_pauses_a_lower_priority_one(harness: Harness) -> None:
     low_ref, urgent_ref = _alone(h.engine, low_q, 40), _alone(h.engine, urgent_q, 8)
     h.worker.start()
     h.queue.put(_item("low", low_q, priority=8, new=40))
-    deadline = time.monotonic() + 30
-    while not (h.engine.batcher.running and len(h.engine.batcher.running[0].tokens) >= 3):
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    _wait_decoding(h.engine, 3)
     h.queue.put(_item("urgent", urgent_q, priority=0, new=8))
     h.wait(2)
     low, urgent = h.outcomes["low"], h.outcomes["urgent"]
@@ -152,16 +177,9 @@ def test_jobs_answered_in_one_call_run_between_decode_steps_and_fail_alone(engin
     question waiting for a KV row; a failure (a JobError, or anything else: `internal`)
     is that job's alone."""
     engine = _engine(engine_dir, 1)
-    ledger = MemoryLedger(2**34)
-    assert ledger.add_model("llm", "text", engine.kv_cache_bytes)
-    queue = PriorityDeadlineQueue(64)
-    outcomes: dict[str, Outcome] = {}
-    cond = threading.Condition()
-
-    def complete(item: WorkItem, outcome: Outcome) -> None:
-        with cond:
-            outcomes[item.job.id] = outcome
-            cond.notify_all()
+    ledger, queue = _ledger(engine), PriorityDeadlineQueue(64)
+    done = _Outcomes()
+    outcomes, cond, complete = done.got, done.cond, done.complete
 
     decoding: list[int] = []
 
@@ -184,10 +202,7 @@ def test_jobs_answered_in_one_call_run_between_decode_steps_and_fail_alone(engin
     worker.start()
     try:
         queue.put(_item("long", question, new=60))
-        deadline = time.monotonic() + 30
-        while not (engine.batcher.running and len(engine.batcher.running[0].tokens) >= 3):
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        _wait_decoding(engine, 3)
         # A question that waits for the one KV row, ahead of them in the queue: they need
         # no row, and do not wait behind it.
         queue.put(_item("waiter", "Hello?", new=4))
@@ -221,16 +236,9 @@ def test_a_schema_compiles_off_the_worker_thread_while_the_running_sequence_deco
     from edge.text.runtime import grammar
 
     engine = _engine(engine_dir, 2)
-    ledger = MemoryLedger(2**34)
-    assert ledger.add_model("llm", "text", engine.kv_cache_bytes)
-    queue = PriorityDeadlineQueue(64)
-    outcomes: dict[str, Outcome] = {}
-    cond = threading.Condition()
-
-    def complete(item: WorkItem, outcome: Outcome) -> None:
-        with cond:
-            outcomes[item.job.id] = outcome
-            cond.notify_all()
+    ledger, queue = _ledger(engine), PriorityDeadlineQueue(64)
+    done = _Outcomes()
+    outcomes, cond, complete = done.got, done.cond, done.complete
 
     release = threading.Event()
     compiling: list[str] = []
@@ -253,10 +261,7 @@ def test_a_schema_compiles_off_the_worker_thread_while_the_running_sequence_deco
     worker.start()
     try:
         queue.put(_item("long", question, new=40))
-        deadline = time.monotonic() + 30
-        while not (engine.batcher.running and len(engine.batcher.running[0].tokens) >= 2):
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        _wait_decoding(engine, 2)
         queue.put(WorkItem(ParsedJob("json", "qa", 5, None, structured), Reply("r"), time.monotonic(), None))
         with cond:
             assert cond.wait_for(lambda: "long" in outcomes, 120), "the running sequence waited for the compile"
