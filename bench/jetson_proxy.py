@@ -194,6 +194,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.agreement is not None:
+        if not args.out.exists():
+            raise SystemExit(f"{args.out} does not exist: measure the {VARIANT} row into it first")
         doc = json.loads(args.out.read_text())
         row = next((r for r in doc["rows"] if r.get("variant") == VARIANT), None)
         if row is None:

@@ -83,8 +83,10 @@ doc["paths"]["engine_dir"] = sys.argv[1]
 print(yaml.safe_dump(doc))
 PY
     python3 -m edge.cli build --profile "$profile" 2>&1 | tail -5
+    build=${PIPESTATUS[0]}
     python3 -m bench.verify_backends --profile "$profile" --out "$out/verify_cuda.json" 2>&1 | tail -20
     status=${PIPESTATUS[0]}
+    [ "$build" = 0 ] || status=1
     cp bench/results/text_cuda.json "$out/text_cuda.json"
     python3 -m bench.jetson_proxy --agreement "$engines" --out "$out/text_cuda.json" 2>&1 | tail -5
     [ "${PIPESTATUS[0]}" = 0 ] || status=1

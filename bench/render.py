@@ -246,7 +246,7 @@ def text_cuda(d: dict[str, Any]) -> str:
             if agree:
                 lines[-1] += (
                     f" Greedy answers on {agree['model']}, through both paths: {agree['exact_match']:.0%} of "
-                    f"{agree['prompts']} held-out prompts the same for their first {agree['tokens']} tokens, "
+                    f"{agree['prompts']} held-out prompts answered the same (up to {agree['tokens']} tokens each), "
                     f"{agree['token_agreement']:.1%} of tokens (target: at least 95% of prompts; "
                     f"{_met(agree['exact_match'] >= 0.95)})"
                     + (
@@ -288,7 +288,8 @@ def text_cuda(d: dict[str, Any]) -> str:
             top = list(prof["kernels"].items())[:6]
             lines += [
                 "",
-                f"Inside the captured step (the GPU's own kernel records over {prof['steps']} replays): a step spans "
+                f"{r['name']}, inside the captured step (the GPU's own kernel records over {prof['steps']} replays): "
+                f"a step spans "
                 f"{prof['step_span_ms']:.2f} ms, {prof['kernels_per_step']} kernels, "
                 f"busy {prof['kernel_busy_ms']:.2f} ms "
                 f"and idle {prof['gaps_ms']:.2f} ms between kernels. The INT4 matrix-vector products take "

@@ -10,6 +10,7 @@ asks for structured output is told it is unavailable (`available`, `missing_reas
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -102,6 +103,15 @@ def json_schema_grammar(schema: dict[str, Any]) -> str:
     text = json.dumps(schema)
     if len(text.encode("utf-8")) > MAX_SCHEMA_BYTES:
         raise GrammarError(f"the schema is {len(text.encode('utf-8'))} bytes; at most {MAX_SCHEMA_BYTES}")
+    return _grammar(text)
+
+
+# A schema's grammar is asked for at intake and again when its job is admitted (the text
+# worker's thread, each step while the grammar compiles): its conversion and check cost
+# about as much as the compile itself, so the last few are kept, by the schema's text (in
+# its own key order, which is the order the answer's fields are written in).
+@functools.lru_cache(maxsize=64)
+def _grammar(text: str) -> str:
     llg = require()
     try:
         grammar: str = llg.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)

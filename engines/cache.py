@@ -112,8 +112,12 @@ def build_cached(out_dir: Path, inputs: dict[str, Any], build: Callable[[Path], 
 
 
 def _try_lock(path: Path) -> Any:
-    """The open, locked lock file `path` if no one holds it now, else None (no waiting)."""
-    fh = path.open("a")
+    """The open, locked lock file `path` if no one holds it now, else None (no waiting;
+    nor where it cannot be opened: another user's build, say)."""
+    try:
+        fh = path.open("a")
+    except OSError:
+        return None
     try:
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -103,11 +103,12 @@ def cuda_backend(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 @needs_cuda
 @pytest.mark.parametrize("delta_dtype", [None, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_add_rmsnorm(delta_dtype: torch.dtype | None, dtype: torch.dtype, cuda_backend: None) -> None:
+@pytest.mark.parametrize("hidden", [576, 1000, 4096, 8192])  # SmolLM2's, a ragged one, the 8B's, the largest taken
+def test_add_rmsnorm(delta_dtype: torch.dtype | None, dtype: torch.dtype, hidden: int, cuda_backend: None) -> None:
     gen = torch.Generator(device="cuda").manual_seed(2)
-    x = torch.randn(3, 4096, device="cuda", generator=gen)
-    delta = None if delta_dtype is None else torch.randn(3, 4096, device="cuda", generator=gen).to(delta_dtype)
-    w = torch.randn(4096, device="cuda", generator=gen).to(dtype)
+    x = torch.randn(3, hidden, device="cuda", generator=gen)
+    delta = None if delta_dtype is None else torch.randn(3, hidden, device="cuda", generator=gen).to(delta_dtype)
+    w = torch.randn(hidden, device="cuda", generator=gen).to(dtype)
     want_x = x + (0 if delta is None else delta.float())
     want = (want_x * torch.rsqrt(want_x.pow(2).mean(-1, keepdim=True) + 1e-5) * w.float()).to(dtype)
     h = cuda_ops.add_rmsnorm(x, delta, w, 1e-5)

@@ -293,3 +293,45 @@ def test_a_row_whose_grammar_fails_ends_alone_and_the_batch_goes_on(engine: Text
     done = engine.batcher.run_all([bad, good])
     assert done[0].finish == "error" and "grammar" in (done[0].error or "")
     assert done[1].finish in ("eos", "length") and done[1].tokens
+
+
+def test_a_compile_that_breaks_is_tried_again_and_a_tokenizer_refusal_is_remembered(
+    engine: TextEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compile that breaks on the grammar thread (out of memory, say) is not remembered
+    as the schema's refusal: the job is let through and its compile tried again. A
+    tokenizer the engine cannot read is asked once, and every schema is refused with why."""
+    from edge.json_grammar import json_schema_grammar, require
+    from edge.text.runtime.grammar import GrammarError, Grammars
+
+    grammar = json_schema_grammar({"type": "object", "properties": {"n": {"type": "integer"}}})
+    grammars = Grammars(engine.tokenizer, engine.batcher.eos_ids, engine.model.config.vocab_size)
+    real = Grammars._compile
+    calls: list[str] = []
+
+    def breaks_once(self: Grammars, text: str) -> Any:
+        calls.append(text)
+        if len(calls) == 1:
+            raise MemoryError("no room")
+        return real(self, text)
+
+    monkeypatch.setattr(Grammars, "_compile", breaks_once)
+    assert grammars.ready(grammar, wait_s=30)  # done (broken): the job may go on
+    assert grammars.constraint(grammar) is not None and len(calls) == 2  # compiled again
+    assert grammars.ready(grammar) and grammars.compiled == 1
+
+    asked: list[int] = []
+    llg = require()
+
+    class Unreadable:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            asked.append(1)
+            raise ValueError("no such vocabulary")
+
+    monkeypatch.setattr(llg, "LLTokenizer", Unreadable)
+    fresh = Grammars(engine.tokenizer, engine.batcher.eos_ids, engine.model.config.vocab_size)
+    other = json_schema_grammar({"type": "object", "properties": {"s": {"type": "string"}}})
+    for text in (grammar, other):
+        with pytest.raises(GrammarError, match="cannot read this model's tokenizer"):
+            fresh.constraint(text)
+    assert asked == [1]

@@ -263,9 +263,13 @@ def test_a_schema_compiles_off_the_worker_thread_while_the_running_sequence_deco
         queue.put(_item("long", question, new=40))
         _wait_decoding(engine, 2)
         queue.put(WorkItem(ParsedJob("json", "qa", 5, None, structured), Reply("r"), time.monotonic(), None))
+        deadline = time.monotonic() + 30
+        while not compiling:  # its compile begun (and held) while "long" decodes
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
         with cond:
             assert cond.wait_for(lambda: "long" in outcomes, 120), "the running sequence waited for the compile"
-        assert "json" not in outcomes and compiling and compiling[0].startswith("grammar")
+        assert "json" not in outcomes and compiling[0].startswith("grammar")
         release.set()
         with cond:
             assert cond.wait_for(lambda: "json" in outcomes, 120)

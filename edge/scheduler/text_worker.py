@@ -209,9 +209,14 @@ class TextWorker(Worker):
         seq = item.progress
         if not isinstance(seq, Sequence):
             # Slow work of the job's own (a schema to compile) is done off this thread: the
-            # job waits in the queue while the running sequences decode; with none running,
-            # a short wait for it here, not a spin.
-            if not self._ready(item, 0.0 if self.batcher.running else READY_WAIT_S):
+            # job goes back to the queue (behind others of its priority and deadline) while
+            # the running sequences decode; with none running, a short wait here, not a spin.
+            try:
+                ready = self._ready(item, 0.0 if self.batcher.running else READY_WAIT_S)
+            except Exception:  # prepare meets the same fault and answers it: the job is not lost
+                logger.exception("could not tell whether job %s is ready", item.job.id)
+                ready = True
+            if not ready:
                 self.queue.put(item, force=True)
                 return False
             try:

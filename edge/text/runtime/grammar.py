@@ -17,8 +17,11 @@ unavailable.
 A compiled grammar is cached by its text's hash (bounded, least recently used first out):
 each sequence gets a copy of the cached matcher, which shares its compiled lexer. Compiles
 run on a thread of their own (`ready`), so the text branch's thread keeps decoding the
-running sequences while a new schema compiles (and while the first structured job builds
-the engine's view of the tokenizer); the job that asked waits in the queue meanwhile.
+running sequences while a new schema compiles (llguidance lets go of the interpreter
+while it compiles); the job that asked waits in the queue meanwhile. The first structured
+job also has the engine's view of the tokenizer built there, which holds the interpreter
+(about a third of a second for SmolLM2, once per process): the running sequences pause
+for it that once.
 """
 
 from __future__ import annotations
@@ -109,19 +112,26 @@ class Grammars:
         self._tokenizer_lock = threading.Lock()
         self._cache: OrderedDict[str, Any] = OrderedDict()  # hash -> matcher, or the GrammarError
         self._compiling: dict[str, Future[None]] = {}
+        self._failed: dict[str, bool] = {}  # compiles that broke (not refusals): ready once, then tried again
         self._pool: ThreadPoolExecutor | None = None
         self.compiled = 0  # grammars compiled (misses), for tests and status
 
     def _lltokenizer(self) -> Any:
+        """The engine's view of the tokenizer, built once (llguidance holds the interpreter
+        while it builds it: about a third of a second for SmolLM2's 49k tokens, once per
+        process); a refusal is remembered, not tried again for every schema."""
         with self._tokenizer_lock:
+            if isinstance(self._ll, GrammarError):
+                raise GrammarError(str(self._ll))
             if self._ll is None:
                 llg = require()
                 try:
                     self._ll = llg.LLTokenizer(self._tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=self._eos)
-                except (KeyboardInterrupt, SystemExit):
+                except (KeyboardInterrupt, SystemExit, MemoryError):
                     raise
                 except BaseException as err:  # the engine's Rust panics are BaseExceptions
-                    raise GrammarError(f"the grammar engine cannot read this model's tokenizer: {err}"[:300]) from err
+                    self._ll = GrammarError(f"the grammar engine cannot read this model's tokenizer: {err}"[:300])
+                    raise GrammarError(str(self._ll)) from err
             return self._ll
 
     @staticmethod
@@ -135,9 +145,9 @@ class Grammars:
             proto = llg.LLMatcher(self._lltokenizer(), grammar, log_level=0, limits=limits())
         except GrammarError as err:
             return err
-        except (KeyboardInterrupt, SystemExit):
+        except (KeyboardInterrupt, SystemExit, MemoryError):
             raise
-        except BaseException as err:  # the engine's Rust panics are BaseExceptions
+        except BaseException as err:  # the engine's Rust panics are BaseExceptions: its refusals
             return GrammarError(f"{type(err).__name__}: {err}"[:300])
         if proto.is_error():
             return GrammarError(str(proto.get_error()).strip().splitlines()[0][:300])
@@ -157,8 +167,8 @@ class Grammars:
         and waited for up to `wait_s`."""
         key = self._key(grammar)
         with self._lock:
-            if key in self._cache:
-                return True
+            if key in self._cache or self._failed.pop(key, False):
+                return True  # (a compile that failed otherwise is tried again by constraint: its error is the job's)
             future = self._compiling.get(key)
             if future is None:
                 if self._pool is None:
@@ -171,14 +181,15 @@ class Grammars:
             except futures.TimeoutError:  # (not the builtin one before Python 3.11)
                 return False
         with self._lock:
-            return key in self._cache
+            return key in self._cache or self._failed.pop(key, False)
 
     def _compile_into_cache(self, key: str, grammar: str) -> None:
         try:
             self._store(key, self._compile(grammar))
-        except BaseException as err:  # whatever broke, the job is told, not left waiting
+        except BaseException:  # not a refusal (out of memory, say): not remembered as one
             logger.exception("grammar compile failed")
-            self._store(key, GrammarError(f"{type(err).__name__}: {err}"[:300]))
+            with self._lock:
+                self._failed[key] = True
         finally:
             with self._lock:
                 self._compiling.pop(key, None)
