@@ -271,7 +271,7 @@ class TextEngine:
             self._stage(f"INT4 GEMV tuned, {shared / 2**20:.0f} MiB prefill dequantization buffer", t0)
         t0 = time.perf_counter()
         self.batcher.warm_up()
-        self._stage("every decode shape run", t0)
+        self._stage("the serving shapes run (ContinuousBatcher.warm_up)", t0)
         if self.device.type == "cuda":
             t0 = time.perf_counter()
             self.prefill_bytes = self._measure_prefill()

@@ -219,21 +219,28 @@ class ContinuousBatcher:
         branch's thread is waiting on the interpreter, their memory is inside the model's
         measured footprint, and no job's first prefill carries their cost into the
         figures the prefix cache and the offload decide by. Writes only to free rows,
-        which a prefill overwrites; returns the steps run."""
+        which a prefill overwrites; returns the steps run.
+
+        On the CPU nothing is compiled or tuned per shape (our kernels are built at load,
+        one code for every row count; the INT4 row limit is CUDA's): the longest prefill,
+        a chunk after it, and a decode step alone and at full batch over the whole KV
+        length touch every weight and every code path, and the other shapes only cost
+        start time (a second a start at one thread, where every test starts a daemon)."""
         if self.running:
             raise RuntimeError("warm_up runs before any sequence is admitted")
         device = self.model.device
+        cpu = device.type == "cpu"
         runs = 0
-        for length in prefill_lengths:
+        for length in (max(prefill_lengths),) if cpu else prefill_lengths:
             ids = torch.zeros((1, length), dtype=torch.long, device=device)
             for start in (0, length):
                 if start + length < self.slot_len:
                     self.model(ids, self._row(0), start)
                     runs += 1
-        for batch in range(1, self.slots + 1):
+        for batch in sorted({1, self.slots}) if cpu else range(1, self.slots + 1):
             ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
             pos = torch.zeros(batch, dtype=torch.long, device=device)
-            kv_len = 1
+            kv_len = self.slot_len if cpu else 1
             while True:
                 fused_step.decode_step(self.model, ids, self.cache, pos, min(kv_len, self.slot_len))
                 runs += 1
