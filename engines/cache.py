@@ -123,14 +123,25 @@ def _try_lock(path: Path) -> Any:
     except BlockingIOError:
         fh.close()
         return None
-    try:
-        held = path.stat().st_ino == os.fstat(fh.fileno()).st_ino
-    except FileNotFoundError:
-        held = False
-    if not held:  # removed or replaced meanwhile by its holder: someone else's turn
+    if not _names(path, fh):  # removed or replaced meanwhile by its holder: someone else's turn
         fh.close()
         return None
     return fh
+
+
+def _names(path: Path, fh: Any) -> bool:
+    """Whether `path` still names the open lock file `fh` (its holder removes it when done)."""
+    try:
+        return path.stat().st_ino == os.fstat(fh.fileno()).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _release(path: Path, fh: Any) -> None:
+    """A held lock file removed (under the lock: see _build_lock) and let go of."""
+    path.unlink(missing_ok=True)
+    fcntl.flock(fh, fcntl.LOCK_UN)
+    fh.close()
 
 
 def _remove_abandoned_beside(out_dir: Path) -> None:
@@ -152,9 +163,7 @@ def _remove_abandoned_beside(out_dir: Path) -> None:
         try:
             _remove_abandoned(out_dir.parent / name)
         finally:
-            lock.unlink(missing_ok=True)
-            fcntl.flock(fh, fcntl.LOCK_UN)
-            fh.close()
+            _release(lock, fh)
 
 
 @contextlib.contextmanager
@@ -168,19 +177,13 @@ def _build_lock(out_dir: Path) -> Iterator[None]:
     while True:
         fh = path.open("a")
         fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            held = path.stat().st_ino == os.fstat(fh.fileno()).st_ino
-        except FileNotFoundError:
-            held = False
-        if held:
+        if _names(path, fh):
             break
         fh.close()
     try:
         yield
     finally:
-        path.unlink(missing_ok=True)  # under the lock: see above
-        fcntl.flock(fh, fcntl.LOCK_UN)
-        fh.close()
+        _release(path, fh)
 
 
 def _remove_abandoned(out_dir: Path) -> None:

@@ -279,19 +279,18 @@ def test_builders_of_one_output_take_turns_and_leave_nothing_beside_it(tmp_path:
             inside -= 1
         return {}
 
-    threads = [threading.Thread(target=build_cached, args=(out, {"k": 1}, build)) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    def build_together(inputs: list[dict[str, object]]) -> None:
+        threads = [threading.Thread(target=build_cached, args=(out, i, build)) for i in inputs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+
+    build_together([{"k": 1}] * 4)
     assert builds == 1 and most == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["engine"]
     # Other inputs: built again, one at a time, and again nothing left beside it.
-    threads = [threading.Thread(target=build_cached, args=(out, {"k": i}, build)) for i in (2, 3, 4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    build_together([{"k": i} for i in (2, 3, 4)])
     assert most == 1 and builds == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["engine"]
 
