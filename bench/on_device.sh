@@ -59,6 +59,7 @@ case "$what" in
     EDGE_CUDA_ARCH=compute_80 python3 -m pytest -p no:cacheprovider -m gpu -q --timeout 300 \
       tests/test_cuda_decode_ops.py tests/test_cuda_kv_ops.py 2>&1 | tee "$out/jetson_tests.log" | tail -15
     status=${PIPESTATUS[0]}
+    [ "$status" = 0 ] || { echo "the Jetson path's kernel tests failed: nothing measured"; exit "$status"; }
     cp bench/results/text_cuda.json "$out/text_cuda.json"
     cp bench/results/kv.json "$out/kv.json"
     python3 -m bench.jetson_proxy --out "$out/text_cuda.json" --kv-out "$out/kv.json" "$@" 2>&1 | tail -30

@@ -172,7 +172,9 @@ def test_decode_attention_matches_softmax_over_each_rows_positions(
     """Each sequence attends to its own positions 0..pos[b] and to nothing after, over
     chunks split across the GPU (a partial last tile, chunks past a short sequence's
     position) or, as on a GPU of few SMs, one chunk of many tiles (the online softmax
-    rescaling across them); to float32 rounding of the cache's values."""
+    rescaling across them); to float32 rounding of the cache's values. The chunks' last
+    block merges them and leaves the split counters zeros: a second call (a graph's
+    replay) gives the same output, bit for bit."""
     gen = torch.Generator(device="cuda").manual_seed(4)
     max_len, kv_len = 1024, 900
     q = torch.randn(3, heads, hd, device="cuda", generator=gen).to(dtype) * hd**-0.5
@@ -180,6 +182,8 @@ def test_decode_attention_matches_softmax_over_each_rows_positions(
     v = torch.randn(3, kv_heads, max_len, hd, device="cuda", generator=gen).to(dtype)
     pos = torch.tensor([899, 0, 130], device="cuda")
     out = cuda_ops.decode_attention(q, k, v, pos, kv_len, sms=sms).view(3, heads, hd)
+    assert int(cuda_build.split_counters(q.device, 1).count_nonzero()) == 0
+    assert torch.equal(cuda_ops.decode_attention(q, k, v, pos, kv_len, sms=sms).view(3, heads, hd), out)
     group = heads // kv_heads
     for b, p in enumerate(pos.tolist()):
         keys = k[b, :, : p + 1].float().repeat_interleave(group, 0)

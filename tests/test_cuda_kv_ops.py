@@ -177,6 +177,8 @@ def test_decode_write_codes_as_torch_and_attention_matches_the_reference(case: s
     q = torch.randn(2, config.num_heads, config.head_dim, generator=gen).to(dtype)
     pos = torch.tensor([total - 1, total - 1], device=CUDA)
     out = kv_ops.attention(layer, q.to(CUDA), pos, 256, q_scale=config.head_dim**-0.5).float().cpu()
+    again = kv_ops.attention(layer, q.to(CUDA), pos, 256, q_scale=config.head_dim**-0.5).float().cpu()
+    assert torch.equal(out, again)  # the split counters left zeros for the next call
     rk, rv = want.read(total)
     for b in range(2):
         expect_out = _attend(q[b, :, None].float(), rk[b], rv[b])[:, 0].reshape(-1)

@@ -140,69 +140,97 @@ struct __align__(2 * sizeof(C)) Pair {
   C x, y;
 };
 
-// One query head: the chunks weighted by exp(m_s - max m), over the weighted sum of their
-// softmax denominators. Chunk 0 always holds position 0: the max is finite. MERGE_THREADS
-// threads: each channel's chunks shared out among MERGE_THREADS / HD threads, each of
-// which loads its chunks' partial sums (up to MERGE_BATCH at once) while the first warp
-// computes the chunks' weights, so the whole merge is about one trip to memory; the
-// threads' sums then added in a fixed order (a sequence's output the same alone or
-// batched).
+// The end of a split kernel, after store_split: the last of a KV head's split blocks to
+// finish merges the chunks into out (the group's rows: out[g * HD + d]), so a layer's
+// attention is one launch, not two (at batch 1 a separate merge kernel cost 4.4 us a
+// layer on an H100, most of it its launch and its own trips to memory). done[bh] counts
+// the finished blocks; the last resets it for the next call, which a graph replays on the
+// same buffer. The others' sums are read through L2 (__ldcg): L1 is not coherent.
+// Row g: the chunks weighted by exp(m_s - max m), over the weighted sum of their softmax
+// denominators (chunk 0 always holds position 0: the max is finite), the chunks added in
+// order (a sequence's output the same alone or batched). A thread takes four channels of
+// a row and their chunks MERGE_BATCH at a time, the first batch in flight while the
+// weights are computed.
 constexpr int MAX_SPLITS = 128;
-constexpr int MERGE_THREADS = 512;
-constexpr int MERGE_BATCH = 32;
+constexpr int MERGE_BATCH = 16;
 
-template <typename C>
-__global__ void __launch_bounds__(MERGE_THREADS)
-    attn_merge_kernel(const float* __restrict__ acc, const float* __restrict__ ml, C* __restrict__ out, int NH,
-                      int NKV, int splits, int group, int GP, int HD) {
-  __shared__ float weight[MAX_SPLITS];
-  __shared__ float inv_denom;
-  __shared__ float part_sum[MERGE_THREADS];
-  const int bh = blockIdx.x, g = blockIdx.y;
-  const int b = bh / NKV, kh = bh % NKV;
-  const size_t first = (size_t)bh * splits * GP + g;  // chunk s's slot: first + s * GP
-  const int parts = blockDim.x / HD, d = threadIdx.x % HD, part = threadIdx.x / HD;
-  const int mine = part < parts ? (splits - part + parts - 1) / parts : 0;  // chunks part, part + parts, ...
-  float vals[MERGE_BATCH];
+template <int GP, int HD, int THREADS, typename C>
+__device__ __forceinline__ void merge_if_last(int* __restrict__ done, int bh, int splits, int group,
+                                              const float* __restrict__ acc, const float* __restrict__ ml,
+                                              C* __restrict__ out) {
+  constexpr int QUADS = HD / 4;
+  constexpr int WARPS = THREADS / 32;
+  __shared__ int last;
+  __shared__ float weight[GP][MAX_SPLITS];
+  __shared__ float inv_denom[GP];
+  __threadfence();  // this block's sums visible before it counts itself done
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(done + bh, 1) == splits - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  if (threadIdx.x == 0) done[bh] = 0;
+  const size_t first = (size_t)bh * splits * GP;  // chunk s's row g: first + s * GP + g
+  const int items = group * QUADS, item0 = threadIdx.x;
+  float4 vals[MERGE_BATCH];
+  const auto fetch = [&](int item, int s0) {
+    const int g = item / QUADS, c = item % QUADS;
 #pragma unroll
-  for (int k = 0; k < MERGE_BATCH; k++) vals[k] = k < mine ? acc[(first + (size_t)(part + k * parts) * GP) * HD + d] : 0.0f;
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
+    for (int k = 0; k < MERGE_BATCH; k++) {
+      if (item < items && s0 + k < splits)
+        vals[k] = __ldcg(reinterpret_cast<const float4*>(acc + (first + (size_t)(s0 + k) * GP + g) * HD) + c);
+    }
+  };
+  fetch(item0, 0);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int g = warp; g < group; g += WARPS) {
+    float2 mls[MAX_SPLITS / 32];
     float top = -INFINITY;
-    for (int s = lane; s < splits; s += 32) top = fmaxf(top, ml[(first + (size_t)s * GP) * 2]);
+#pragma unroll
+    for (int k = 0; k < MAX_SPLITS / 32; k++) {
+      const int s = lane + 32 * k;
+      mls[k] = s < splits ? __ldcg(reinterpret_cast<const float2*>(ml) + first + (size_t)s * GP + g)
+                          : make_float2(-INFINITY, 0.0f);
+    }
+#pragma unroll
+    for (int k = 0; k < MAX_SPLITS / 32; k++) top = fmaxf(top, mls[k].x);
     top = warp_max(top);
     float denom = 0.0f;
-    for (int s = lane; s < splits; s += 32) {
-      const size_t slot = first + (size_t)s * GP;
-      const float w = __expf(ml[slot * 2] - top);
-      weight[s] = w;
-      denom += ml[slot * 2 + 1] * w;
+#pragma unroll
+    for (int k = 0; k < MAX_SPLITS / 32; k++) {
+      const int s = lane + 32 * k;
+      if (s < splits) {
+        const float w = __expf(mls[k].x - top);
+        weight[g][s] = w;
+        denom += mls[k].y * w;
+      }
     }
     denom = warp_sum(denom);
-    if (lane == 0) inv_denom = 1.0f / denom;
+    if (lane == 0) inv_denom[g] = 1.0f / denom;
   }
   __syncthreads();
-  float sum = 0.0f;
+  for (int item = item0; item < items; item += THREADS) {
+    const int g = item / QUADS, c = item % QUADS;
+    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (int s0 = 0; s0 < splits; s0 += MERGE_BATCH) {
+      if (item != item0 || s0 > 0) fetch(item, s0);
 #pragma unroll
-  for (int k = 0; k < MERGE_BATCH; k++) {
-    if (k < mine) sum += vals[k] * weight[part + k * parts];
-  }
-  for (int k0 = MERGE_BATCH; k0 < mine; k0 += MERGE_BATCH) {  // more chunks than a batch a thread
-#pragma unroll
-    for (int k = 0; k < MERGE_BATCH; k++) {
-      vals[k] = k0 + k < mine ? acc[(first + (size_t)(part + (k0 + k) * parts) * GP) * HD + d] : 0.0f;
+      for (int k = 0; k < MERGE_BATCH; k++) {
+        if (s0 + k < splits) {
+          const float w = weight[g][s0 + k];
+          sum.x += vals[k].x * w;
+          sum.y += vals[k].y * w;
+          sum.z += vals[k].z * w;
+          sum.w += vals[k].w * w;
+        }
+      }
     }
-#pragma unroll
-    for (int k = 0; k < MERGE_BATCH; k++) {
-      if (k0 + k < mine) sum += vals[k] * weight[part + (k0 + k) * parts];
-    }
-  }
-  part_sum[threadIdx.x] = sum;
-  __syncthreads();
-  if (part == 0) {
-    float total = sum;
-    for (int p = 1; p < parts; p++) total += part_sum[p * HD + d];
-    out[((size_t)b * NH + kh * group + g) * HD + d] = from_f<C>(total * inv_denom);
+    const float inv = inv_denom[g];
+    C* o = out + (size_t)g * HD + 4 * c;
+    o[0] = from_f<C>(sum.x * inv);
+    o[1] = from_f<C>(sum.y * inv);
+    o[2] = from_f<C>(sum.z * inv);
+    o[3] = from_f<C>(sum.w * inv);
   }
 }
 

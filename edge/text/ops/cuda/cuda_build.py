@@ -128,6 +128,33 @@ def stream() -> int:
     return int(torch.cuda.current_stream().cuda_stream)
 
 
+# The attention's split counters (attention_common.cuh's merge_if_last), per device and
+# stream: kernels on one stream run one after another, so one buffer serves them all and
+# each call leaves it zeros; two streams must not share one. Every buffer made is kept:
+# a graph captured with one replays on its address for the life of the process.
+DONE_MIN = 4096
+_done: dict[tuple[int, int], torch.Tensor] = {}
+_done_kept: list[torch.Tensor] = []
+_done_lock = threading.Lock()
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least `n` int32 zeros on `device` for the split counters of a launch on the current
+    stream. Made outside any graph capture (the capture helpers warm up on the capture's
+    stream first); one missing inside a capture is an error, not a buffer from the graph's
+    pool that the next replay would zero behind another launch's back."""
+    key = (torch.device(device).index or 0, stream())
+    with _done_lock:
+        done = _done.get(key)
+        if done is None or done.numel() < n:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("the attention's split counters must be made before a CUDA graph capture")
+            done = torch.zeros(max(n, DONE_MIN), dtype=torch.int32, device=device)
+            _done[key] = done
+            _done_kept.append(done)
+        return done
+
+
 def main() -> None:
     """Build every CUDA source of ours for this machine's GPU now (scripts/setup.sh calls
     this where torch sees a CUDA device) rather than at the daemon's first start."""

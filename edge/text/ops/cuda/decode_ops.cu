@@ -24,65 +24,88 @@ using namespace edge_cuda;
 
 // ---- residual add + RMSNorm --------------------------------------------------------
 // x [B, H] float32 += delta (in place, where given); h = x * rsqrt(mean(x^2) + eps) * w.
-// One block per row, each thread up to NORM_PER of the row's values, all loaded before
-// any is used (one memory round trip, not one per value: a step runs this twice a
-// layer at batch 1, where its latency is the whole cost); the sum of squares in a
-// fixed order.
-constexpr int NORM_PER = 32;
-// At most 256 threads a row (hidden sizes to 8192), so the compiler may give each the
-// registers for its values, deltas and weights (96 floats) without spilling them to local
-// memory, as it did under a 1024-thread bound.
-constexpr int NORM_THREADS = 256;
+// One block per row. A thread takes VEC neighbouring values per load (16 bytes of x
+// where H allows it) and up to LOADS such loads, all issued before any value is used: at
+// batch 1 a step runs this twice a layer and its latency is its whole cost, so the row
+// is spread over as many threads (up to 1024) as it has vectors, each with a load or two
+// in flight, rather than over few threads each walking many values (4.6 us a norm at
+// hidden size 4096 on an H100 with 128 threads of 32 values; Triton's takes 2.3). The
+// sum of squares in a fixed order (a row's norm the same alone or batched).
+constexpr int NORM_THREADS = 1024;
+constexpr int NORM_VALUES = 8;  // values a thread holds at most: hidden sizes to 8192
 
-template <typename D, typename T>
+template <typename T, int N>
+struct __align__(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+template <typename T, int N>
+__device__ __forceinline__ void load_vec(const T* p, float* out) {
+  const Vec<T, N> word = *reinterpret_cast<const Vec<T, N>*>(p);
+#pragma unroll
+  for (int e = 0; e < N; e++) out[e] = to_f(word.v[e]);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_vec(T* p, const float* in) {
+  Vec<T, N> word;
+#pragma unroll
+  for (int e = 0; e < N; e++) word.v[e] = from_f<T>(in[e]);
+  *reinterpret_cast<Vec<T, N>*>(p) = word;
+}
+
+template <typename D, typename T, int VEC>
 __global__ void __launch_bounds__(NORM_THREADS)
     add_rmsnorm_kernel(float* __restrict__ x, const D* __restrict__ delta, const T* __restrict__ w,
                        T* __restrict__ h, int H, float eps) {
+  constexpr int LOADS = NORM_VALUES / VEC;
   __shared__ float sums[32];
-  const int row = blockIdx.x, n = blockDim.x;
+  __shared__ float inv_s;
+  const int row = blockIdx.x, n = blockDim.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float* xr = x + (size_t)row * H;
-  float v[NORM_PER];
+  const D* dr = delta == nullptr ? nullptr : delta + (size_t)row * H;
+  T* hr = h + (size_t)row * H;
+  float v[NORM_VALUES], d[NORM_VALUES], wv[NORM_VALUES];
 #pragma unroll
-  for (int k = 0; k < NORM_PER; k++) {
-    const int i = threadIdx.x + k * n;
-    v[k] = i < H ? xr[i] : 0.0f;
-  }
-  if (delta != nullptr) {
-    float d[NORM_PER];
+  for (int k = 0; k < LOADS; k++) {
+    const int i = (threadIdx.x + k * n) * VEC;
 #pragma unroll
-    for (int k = 0; k < NORM_PER; k++) {
-      const int i = threadIdx.x + k * n;
-      d[k] = i < H ? to_f(delta[(size_t)row * H + i]) : 0.0f;
+    for (int e = 0; e < VEC; e++) v[k * VEC + e] = d[k * VEC + e] = wv[k * VEC + e] = 0.0f;
+    if (i < H) {
+      load_vec<float, VEC>(xr + i, v + k * VEC);
+      if (dr != nullptr) load_vec<D, VEC>(dr + i, d + k * VEC);
+      load_vec<T, VEC>(w + i, wv + k * VEC);
     }
-#pragma unroll
-    for (int k = 0; k < NORM_PER; k++) {
-      const int i = threadIdx.x + k * n;
-      v[k] += d[k];
-      if (i < H) xr[i] = v[k];
-    }
-  }
-  // The weights loaded before the reduction, all at once: loaded beside each store, one
-  // value's load waited for the store before it, a trip to memory per value (8.7 us a
-  // norm at hidden size 4096 on an H100, where Triton's takes 2.3).
-  float wv[NORM_PER];
-#pragma unroll
-  for (int k = 0; k < NORM_PER; k++) {
-    const int i = threadIdx.x + k * n;
-    wv[k] = to_f(w[i < H ? i : 0]);
   }
   float ss = 0.0f;
 #pragma unroll
-  for (int k = 0; k < NORM_PER; k++) ss += v[k] * v[k];
-  ss = warp_sum(ss);
-  if ((threadIdx.x & 31) == 0) sums[threadIdx.x >> 5] = ss;
-  __syncthreads();
-  float total = 0.0f;
-  for (int i = 0; i < (n >> 5); i++) total += sums[i];
-  const float inv = rsqrtf(total / (float)H + eps);
+  for (int k = 0; k < LOADS; k++) {
+    const int i = (threadIdx.x + k * n) * VEC;
 #pragma unroll
-  for (int k = 0; k < NORM_PER; k++) {
-    const int i = threadIdx.x + k * n;
-    if (i < H) h[(size_t)row * H + i] = from_f<T>(v[k] * inv * wv[k]);
+    for (int e = 0; e < VEC; e++) {
+      v[k * VEC + e] += d[k * VEC + e];
+      ss += v[k * VEC + e] * v[k * VEC + e];
+    }
+    if (dr != nullptr && i < H) store_vec<float, VEC>(xr + i, v + k * VEC);
+  }
+  ss = warp_sum(ss);
+  if (lane == 0) sums[warp] = ss;
+  __syncthreads();
+  if (warp == 0) {
+    const float total = warp_sum(lane < (n >> 5) ? sums[lane] : 0.0f);
+    if (lane == 0) inv_s = rsqrtf(total / (float)H + eps);
+  }
+  __syncthreads();
+  const float inv = inv_s;
+#pragma unroll
+  for (int k = 0; k < LOADS; k++) {
+    const int i = (threadIdx.x + k * n) * VEC;
+    if (i < H) {
+      float o[VEC];
+#pragma unroll
+      for (int e = 0; e < VEC; e++) o[e] = v[k * VEC + e] * inv * wv[k * VEC + e];
+      store_vec<T, VEC>(hr + i, o);
+    }
   }
 }
 
@@ -162,8 +185,9 @@ constexpr int LANES_PER_TOKEN = 8;  // lanes that share one key's dot products
 template <typename C, int HD, int GP>
 __global__ void __launch_bounds__(ATTN_THREADS)
     attn_split_kernel(const C* __restrict__ q, const C* __restrict__ kc, const C* __restrict__ vc,
-                      const long long* __restrict__ pos_ptr, float* __restrict__ acc, float* __restrict__ ml, int NH,
-                      int NKV, int max_len, int chunk, int splits, int group) {
+                      const long long* __restrict__ pos_ptr, float* __restrict__ acc, float* __restrict__ ml,
+                      int* __restrict__ done, C* __restrict__ out, int NH, int NKV, int max_len, int chunk, int splits,
+                      int group) {
   constexpr int EPL = HD / LANES_PER_TOKEN;   // channels per lane in the scores
   constexpr int PAIRS = HD / 2;               // value channel pairs
   constexpr int TP = ATTN_THREADS / PAIRS;    // positions of a tile taken at once (values)
@@ -294,6 +318,7 @@ __global__ void __launch_bounds__(ATTN_THREADS)
     __syncthreads();
   }
   store_split<GP, HD, TP>(a0, a1, red, m_s, l_s, group, tp, dp, ((size_t)bh * splits + sp) * GP, acc, ml);
+  merge_if_last<GP, HD, ATTN_THREADS>(done, bh, splits, group, acc, ml, out + ((size_t)b * NH + kh * group) * HD);
 }
 
 // ---- SiLU * up -----------------------------------------------------------------------
@@ -311,22 +336,30 @@ __global__ void silu_mul_kernel(const G* __restrict__ gu, O* __restrict__ out, i
   out[(size_t)row * F + i] = from_f<O>(gate / (1.0f + __expf(-gate)) * up);
 }
 
+// Where a split kernel's partial sums, their softmax and its output go.
+struct Merge {
+  float* acc;
+  float* ml;
+  int* done;
+  void* out;
+};
+
 template <typename C, int HD, int GP>
-cudaError_t launch_split(const void* q, const void* kc, const void* vc, const long long* pos, float* acc, float* ml,
-                         int B, int NH, int NKV, int max_len, int chunk, int splits, cudaStream_t s) {
+cudaError_t launch_split(const void* q, const void* kc, const void* vc, const long long* pos, const Merge& m, int B,
+                         int NH, int NKV, int max_len, int chunk, int splits, cudaStream_t s) {
   const dim3 grid(B * NKV, splits);
-  attn_split_kernel<C, HD, GP><<<grid, ATTN_THREADS, 0, s>>>(static_cast<const C*>(q), static_cast<const C*>(kc),
-                                                              static_cast<const C*>(vc), pos, acc, ml, NH, NKV,
-                                                              max_len, chunk, splits, NH / NKV);
+  attn_split_kernel<C, HD, GP><<<grid, ATTN_THREADS, 0, s>>>(
+      static_cast<const C*>(q), static_cast<const C*>(kc), static_cast<const C*>(vc), pos, m.acc, m.ml, m.done,
+      static_cast<C*>(m.out), NH, NKV, max_len, chunk, splits, NH / NKV);
   return cudaGetLastError();
 }
 
 template <typename C, int HD>
-cudaError_t split_for_group(int gp, const void* q, const void* kc, const void* vc, const long long* pos, float* acc,
-                            float* ml, int B, int NH, int NKV, int max_len, int chunk, int splits, cudaStream_t s) {
-  if (gp == 4) return launch_split<C, HD, 4>(q, kc, vc, pos, acc, ml, B, NH, NKV, max_len, chunk, splits, s);
-  if (gp == 8) return launch_split<C, HD, 8>(q, kc, vc, pos, acc, ml, B, NH, NKV, max_len, chunk, splits, s);
-  if (gp == 16) return launch_split<C, HD, 16>(q, kc, vc, pos, acc, ml, B, NH, NKV, max_len, chunk, splits, s);
+cudaError_t split_for_group(int gp, const void* q, const void* kc, const void* vc, const long long* pos,
+                            const Merge& m, int B, int NH, int NKV, int max_len, int chunk, int splits, cudaStream_t s) {
+  if (gp == 4) return launch_split<C, HD, 4>(q, kc, vc, pos, m, B, NH, NKV, max_len, chunk, splits, s);
+  if (gp == 8) return launch_split<C, HD, 8>(q, kc, vc, pos, m, B, NH, NKV, max_len, chunk, splits, s);
+  if (gp == 16) return launch_split<C, HD, 16>(q, kc, vc, pos, m, B, NH, NKV, max_len, chunk, splits, s);
   return cudaErrorInvalidValue;
 }
 
@@ -339,15 +372,25 @@ extern "C" {
 
 int edge_add_rmsnorm(float* x, const void* delta, int delta_dtype, const void* w, void* h, int dtype, int B, int H,
                      float eps, void* stream) {
-  // Threads for a row: a warp at least, NORM_THREADS at most, each taking up to NORM_PER values.
-  const int threads = max(32, min(NORM_THREADS, (((H + NORM_PER - 1) / NORM_PER + 31) / 32) * 32));
-  if (H < 1 || H > NORM_THREADS * NORM_PER) return int(cudaErrorInvalidValue);
+  if (H < 1 || H > NORM_THREADS * NORM_VALUES) return int(cudaErrorInvalidValue);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return int(with_types(delta_dtype, dtype, [&](auto* dd, auto* t) {
     using D = std::remove_pointer_t<decltype(dd)>;
     using T = std::remove_pointer_t<decltype(t)>;
-    add_rmsnorm_kernel<D, T><<<B, threads, 0, s>>>(x, static_cast<const D*>(delta), static_cast<const T*>(w),
-                                                   static_cast<T*>(h), H, eps);
+    // Four values a load where every row starts aligned for it; one otherwise.
+    const auto aligned = [](const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; };
+    const bool vec4 = H % 4 == 0 && aligned(x, 16) && aligned(delta, 4 * sizeof(D)) && aligned(w, 4 * sizeof(T)) &&
+                      aligned(h, 4 * sizeof(T));
+    const int per = vec4 ? 4 : 1;
+    const int loads = (H / per + NORM_THREADS - 1) / NORM_THREADS;  // fewest loads a thread, most threads
+    const int threads = max(32, ((H / per + loads - 1) / loads + 31) / 32 * 32);
+    if (vec4) {
+      add_rmsnorm_kernel<D, T, 4><<<B, threads, 0, s>>>(x, static_cast<const D*>(delta), static_cast<const T*>(w),
+                                                        static_cast<T*>(h), H, eps);
+    } else {
+      add_rmsnorm_kernel<D, T, 1><<<B, threads, 0, s>>>(x, static_cast<const D*>(delta), static_cast<const T*>(w),
+                                                        static_cast<T*>(h), H, eps);
+    }
     return cudaGetLastError();
   }));
 }
@@ -383,27 +426,25 @@ int edge_rope_prefill(const void* qkv, int qkv_dtype, const float* cos, const fl
 }
 
 // q [B, NH, HD] (pre-scaled) against cache positions 0..pos[b] -> out [B, NH, HD] in the
-// cache's type. acc [B * NKV * splits * gp, HD] and ml [..., 2] float32 scratch; gp (4, 8
-// or 16) at least NH / NKV; head_dim 64, 128 or 256; splits and chunk as the caller's rule.
+// cache's type. acc [B * NKV * splits * gp, HD] and ml [..., 2] float32 scratch; done
+// [B * NKV] int32 zeros, left zeros (the split blocks' count, see merge_if_last); gp (4,
+// 8 or 16) at least NH / NKV; head_dim 64, 128 or 256; splits and chunk as the caller's rule.
 int edge_decode_attention(const void* q, const void* kc, const void* vc, const long long* pos, float* acc, float* ml,
-                          void* out, int dtype, int B, int NH, int NKV, int max_len, int HD, int gp, int chunk,
-                          int splits, void* stream) {
+                          int* done, void* out, int dtype, int B, int NH, int NKV, int max_len, int HD, int gp,
+                          int chunk, int splits, void* stream) {
   if (NH % NKV != 0 || NH / NKV > gp || dtype == 2 || chunk < 1 || splits < 1 || splits > MAX_SPLITS)
     return int(cudaErrorInvalidValue);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const Merge m{acc, ml, done, out};
   return int(with_type(dtype, [&](auto* ct) {
     using C = std::remove_pointer_t<decltype(ct)>;
     if constexpr (std::is_same_v<C, float>) {
       return cudaErrorInvalidValue;
     } else {
-      cudaError_t rc = cudaErrorInvalidValue;
-      if (HD == 64) rc = split_for_group<C, 64>(gp, q, kc, vc, pos, acc, ml, B, NH, NKV, max_len, chunk, splits, s);
-      if (HD == 128) rc = split_for_group<C, 128>(gp, q, kc, vc, pos, acc, ml, B, NH, NKV, max_len, chunk, splits, s);
-      if (HD == 256) rc = split_for_group<C, 256>(gp, q, kc, vc, pos, acc, ml, B, NH, NKV, max_len, chunk, splits, s);
-      if (rc != cudaSuccess) return rc;
-      attn_merge_kernel<C><<<dim3(B * NKV, NH / NKV), MERGE_THREADS, 0, s>>>(acc, ml, static_cast<C*>(out), NH, NKV, splits,
-                                                                    NH / NKV, gp, HD);
-      return cudaGetLastError();
+      if (HD == 64) return split_for_group<C, 64>(gp, q, kc, vc, pos, m, B, NH, NKV, max_len, chunk, splits, s);
+      if (HD == 128) return split_for_group<C, 128>(gp, q, kc, vc, pos, m, B, NH, NKV, max_len, chunk, splits, s);
+      if (HD == 256) return split_for_group<C, 256>(gp, q, kc, vc, pos, m, B, NH, NKV, max_len, chunk, splits, s);
+      return cudaErrorInvalidValue;
     }
   }));
 }

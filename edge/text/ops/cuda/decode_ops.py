@@ -27,7 +27,7 @@ GROUP_PADS = (4, 8, 16)  # query rows per KV head the attention is built for
 # tiles), so more of them are needed to keep the memory busy at long context.
 ATTN_SPREAD = 4
 MAX_SPLITS = 128
-MAX_NORM_HIDDEN = 256 * 32  # decode_ops.cu's NORM_THREADS x NORM_PER: a row's values held in registers
+MAX_NORM_HIDDEN = 1024 * 8  # decode_ops.cu's NORM_THREADS x NORM_VALUES: a row's values held in registers
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -36,7 +36,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "edge_add_rmsnorm": [p, p, i, p, p, i, i, i, f, p],
         "edge_rope_kv_write": [p, i, p, p, p, p, p, p, i, i, i, i, i, f, i, p],
         "edge_rope_prefill": [p, i, p, p, p, p, p, p, p, p, i, i, i, i, i, f, i, p],
-        "edge_decode_attention": [p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, p],
+        "edge_decode_attention": [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, p],
         "edge_silu_mul": [p, i, p, i, i, i, i, p],
     }
     for name, argtypes in signatures.items():
@@ -181,10 +181,11 @@ def decode_attention(
     acc = torch.empty(rows, hd, device=q.device, dtype=torch.float32)
     ml = torch.empty(rows, 2, device=q.device, dtype=torch.float32)
     out = torch.empty(bsz, n_heads * hd, device=q.device, dtype=q.dtype)
+    done = cuda_build.split_counters(q.device, bsz * n_kv)
     lib = _LIBRARY.load(q.device)
     rc = lib.edge_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), pos.to(torch.int64).data_ptr(), acc.data_ptr(),
-        ml.data_ptr(), out.data_ptr(), _dtype(q), bsz, n_heads, n_kv, max_len, hd, pad, chunk, splits,
+        ml.data_ptr(), done.data_ptr(), out.data_ptr(), _dtype(q), bsz, n_heads, n_kv, max_len, hd, pad, chunk, splits,
         cuda_build.stream(),
     )  # fmt: skip
     _check(rc, "attention")

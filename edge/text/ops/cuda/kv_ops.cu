@@ -323,8 +323,9 @@ template <typename C, int HD, int GP, bool INT4>
 __global__ void __launch_bounds__(KV_THREADS)
     kv_attn_split_kernel(const C* __restrict__ q, Layer<C> L, Format f, const C* __restrict__ kf,
                          const C* __restrict__ vf, const long long* __restrict__ pos_ptr, float* __restrict__ acc,
-                         float* __restrict__ ml, int start_in, int coded_in, float q_scale, int NH, int NKV,
-                         int falloc, int fmod, int chunk, int splits, int group) {
+                         float* __restrict__ ml, int* __restrict__ done, C* __restrict__ out, int start_in,
+                         int coded_in, float q_scale, int NH, int NKV, int falloc, int fmod, int chunk, int splits,
+                         int group) {
   constexpr int EPL = HD / LANES;  // channels a lane takes in the scores
   constexpr int CB = INT4 ? HD / 2 : HD;
   constexpr int PAIRS = HD / 2;
@@ -509,6 +510,7 @@ __global__ void __launch_bounds__(KV_THREADS)
     __syncthreads();
   }
   store_split<GP, HD, TP>(a0, a1, red, m_s, l_s, group, tp, dp, ((size_t)bh * splits + sp) * GP, acc, ml);
+  merge_if_last<GP, HD, KV_THREADS>(done, bh, splits, group, acc, ml, out + ((size_t)qi * NH + kh * group) * HD);
 }
 
 template <typename C>
@@ -533,11 +535,11 @@ bool format_ok(const Format& f, int HD) {
 
 template <typename C, int HD, bool INT4>
 cudaError_t split_for(int gp, dim3 grid, cudaStream_t s, const C* q, const Layer<C>& L, const Format& f, const C* kf,
-                      const C* vf, const long long* pos, float* acc, float* ml, int start_in, int coded_in,
+                      const C* vf, const long long* pos, float* acc, float* ml, int* done, C* out, int start_in, int coded_in,
                       float q_scale, int NH, int NKV, int falloc, int fmod, int chunk, int splits) {
   const int group = NH / NKV;
 #define EDGE_KV_SPLIT(GPV)                                                                                          \
-  kv_attn_split_kernel<C, HD, GPV, INT4><<<grid, KV_THREADS, 0, s>>>(q, L, f, kf, vf, pos, acc, ml, start_in,     \
+  kv_attn_split_kernel<C, HD, GPV, INT4><<<grid, KV_THREADS, 0, s>>>(q, L, f, kf, vf, pos, acc, ml, done, out, start_in,     \
                                                                      coded_in, q_scale, NH, NKV, falloc, fmod,    \
                                                                      chunk, splits, group)
   if (gp == 4) EDGE_KV_SPLIT(4);
@@ -550,13 +552,13 @@ cudaError_t split_for(int gp, dim3 grid, cudaStream_t s, const C* q, const Layer
 
 template <typename C, bool INT4>
 cudaError_t split_hd(int HD, int gp, dim3 grid, cudaStream_t s, const C* q, const Layer<C>& L, const Format& f,
-                     const C* kf, const C* vf, const long long* pos, float* acc, float* ml, int start_in,
+                     const C* kf, const C* vf, const long long* pos, float* acc, float* ml, int* done, C* out, int start_in,
                      int coded_in, float q_scale, int NH, int NKV, int falloc, int fmod, int chunk, int splits) {
   if (HD == 64)
-    return split_for<C, 64, INT4>(gp, grid, s, q, L, f, kf, vf, pos, acc, ml, start_in, coded_in, q_scale, NH, NKV,
+    return split_for<C, 64, INT4>(gp, grid, s, q, L, f, kf, vf, pos, acc, ml, done, out, start_in, coded_in, q_scale, NH, NKV,
                                   falloc, fmod, chunk, splits);
   if (HD == 128)
-    return split_for<C, 128, INT4>(gp, grid, s, q, L, f, kf, vf, pos, acc, ml, start_in, coded_in, q_scale, NH, NKV,
+    return split_for<C, 128, INT4>(gp, grid, s, q, L, f, kf, vf, pos, acc, ml, done, out, start_in, coded_in, q_scale, NH, NKV,
                                    falloc, fmod, chunk, splits);
   return cudaErrorInvalidValue;
 }
@@ -623,9 +625,10 @@ int edge_kv_write(const void* k, const void* v, int in_dtype, const long long* p
 // [nq] (row i's token at pos[i], float tokens in the ring: kf, vf the ring, falloc RING
 // + 1, fmod RING); chunk: pos null, query i at start_in + i of row 0, coded up to
 // coded_in, float tokens in kf, vf [1, NKV, falloc, HD] from coded_in on (fmod falloc).
-// acc [nq * NKV * splits * gp, HD] and ml [.., 2] float32 scratch; chunk a multiple of 64.
+// acc [nq * NKV * splits * gp, HD] and ml [.., 2] float32 scratch; done [nq * NKV] int32
+// zeros, left zeros (see merge_if_last); chunk a multiple of 64.
 int edge_kv_attention(const void* q, const void* const* tensors, const int* format, const void* kf, const void* vf,
-                      const long long* pos, float* acc, float* ml, void* out, int dtype, int int4, int nq, int NH,
+                      const long long* pos, float* acc, float* ml, int* done, void* out, int dtype, int int4, int nq, int NH,
                       int NKV, int falloc, int fmod, int start_in, int coded_in, float q_scale, int HD, int gp,
                       int chunk, int splits, void* stream) {
   const Format f = format_of(format);
@@ -636,14 +639,9 @@ int edge_kv_attention(const void* q, const void* const* tensors, const int* form
   return int(with_cache(dtype, int4, [&](auto* ct, auto is4) {
     using C = std::remove_pointer_t<decltype(ct)>;
     constexpr bool INT4 = decltype(is4)::value;
-    const cudaError_t rc = split_hd<C, INT4>(HD, gp, dim3(nq * NKV, splits), s, static_cast<const C*>(q),
-                                             layer_of<C>(tensors), f, static_cast<const C*>(kf),
-                                             static_cast<const C*>(vf), pos, acc, ml, start_in, coded_in, q_scale, NH,
-                                             NKV, falloc, fmod, chunk, splits);
-    if (rc != cudaSuccess) return rc;
-    attn_merge_kernel<C><<<dim3(nq * NKV, NH / NKV), MERGE_THREADS, 0, s>>>(acc, ml, static_cast<C*>(out), NH, NKV, splits,
-                                                                  NH / NKV, gp, HD);
-    return cudaGetLastError();
+    return split_hd<C, INT4>(HD, gp, dim3(nq * NKV, splits), s, static_cast<const C*>(q), layer_of<C>(tensors), f,
+                             static_cast<const C*>(kf), static_cast<const C*>(vf), pos, acc, ml, done,
+                             static_cast<C*>(out), start_in, coded_in, q_scale, NH, NKV, falloc, fmod, chunk, splits);
   }));
 }
 

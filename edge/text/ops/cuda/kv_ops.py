@@ -41,7 +41,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     signatures = {
         "edge_kv_rope_write": [p, i, p, p, p, p, p, p, i, i, i, i, i, i, f, i, p],
         "edge_kv_write": [p, p, i, p, p, p, i, i, i, i, i, i, p],
-        "edge_kv_attention": [p, p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, f, i, i, i, i, p],
+        "edge_kv_attention": [p, p, p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, f, i, i, i, i, p],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -167,11 +167,12 @@ def _attend(
     out = torch.empty(nq, n_heads * hd, device=q.device, dtype=kf.dtype)
     falloc = kf.shape[2]
     fmod = layer.fmt.ring if pos is not None else falloc
+    done = cuda_build.split_counters(q.device, nq * n_kv)
     lib = _LIBRARY.load(q.device)
     rc = lib.edge_kv_attention(
         q.data_ptr(), ptrs, ints, kf.data_ptr(), vf.data_ptr(), None if pos is None else pos.data_ptr(),
-        acc.data_ptr(), ml.data_ptr(), out.data_ptr(), _dtype(kf), int(layer.fmt.dtype == "int4"), nq, n_heads, n_kv,
-        falloc, fmod, start, coded, q_scale, hd, pad, chunk, splits, cuda_build.stream(),
+        acc.data_ptr(), ml.data_ptr(), done.data_ptr(), out.data_ptr(), _dtype(kf), int(layer.fmt.dtype == "int4"),
+        nq, n_heads, n_kv, falloc, fmod, start, coded, q_scale, hd, pad, chunk, splits, cuda_build.stream(),
     )  # fmt: skip
     _check(rc, "attention")
     return out
