@@ -10,12 +10,15 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edge import logs
-from edge.config.broker import BrokerConfig, TopicsConfig
-from edge.config.loader import ProfileError, load_profile
-from edge.config.profile import Profile
+
+# The profile schema (pydantic) is imported where a command reads a profile: `edgectl
+# status`, which monitoring runs every few seconds, reads a socket and needs none of it
+# (0.56 s a call with it, 0.1 s without).
+if TYPE_CHECKING:
+    from edge.config.profile import Profile
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +31,8 @@ def _setup_logging(level: str, fmt: logs.LogFormat = "text") -> None:
 
 
 def _load(path: Path) -> Profile:
+    from edge.config.loader import ProfileError, load_profile
+
     try:
         return load_profile(path)
     except ProfileError as err:
@@ -183,6 +188,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _submit_profile(args: argparse.Namespace) -> Profile:
+    from edge.config.broker import BrokerConfig, TopicsConfig
+    from edge.config.profile import Profile
+
     if args.profile:
         profile = _load(args.profile)
         if args.device is None or args.device == profile.device_id:

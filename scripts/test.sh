@@ -4,6 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --dev
+# The suite starts hundreds of Python processes (daemons, edgectl, builds); where the
+# environment says not to write byte code, each would compile what it imports from source
+# again (torch alone: 3 s of CPU). Written once here, on first import.
+unset PYTHONDONTWRITEBYTECODE
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy edge engines scripts bench tests samples
