@@ -166,20 +166,40 @@ class DaemonProc:
     log: Path
 
     def status(self) -> subprocess.CompletedProcess[str]:
+        """`edgectl status --json`, the command itself (its exit code and output)."""
         return edgectl("status", "--socket", str(self.socket), "--json")
+
+    def state(self) -> dict[str, Any] | None:
+        """The status document with its check, as `edgectl status --json` prints it, read
+        from the socket in this process (None while nothing answers there): for waiting on
+        a daemon, where a process per poll would take the CPU the daemon is starting on."""
+        from edge.health.status import LABELS, StatusUnreachable, evaluate, query_status
+
+        try:
+            doc = query_status(self.socket)
+        except StatusUnreachable:
+            return None
+        code, reasons = evaluate(doc)
+        doc["check"] = {"code": code, "status": LABELS[code], "reasons": reasons}
+        return doc
 
     def wait_ready(self, timeout: float = 120.0) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log.read_text()}")
-            res = self.status()
-            if res.returncode in (0, 1):
-                doc = json.loads(res.stdout)
-                # Subscribed, not only connected: a job published between the CONNACK and
-                # the SUBACK is not the daemon's (dropped, or the shared stream's other boxes').
-                if doc.get("state") == "ready" and doc["broker"]["connected"] and doc["broker"]["subscribed"]:
-                    return doc  # type: ignore[no-any-return]
+            doc = self.state()
+            # Not CRITICAL; subscribed, not only connected: a job published between the
+            # CONNACK and the SUBACK is not the daemon's (dropped, or the shared stream's
+            # other boxes').
+            if (
+                doc is not None
+                and doc["check"]["code"] in (0, 1)
+                and doc.get("state") == "ready"
+                and doc["broker"]["connected"]
+                and doc["broker"]["subscribed"]
+            ):
+                return doc
             time.sleep(0.2)
         raise TimeoutError(f"daemon not ready:\n{self.log.read_text()}")
 

@@ -230,7 +230,7 @@ def _stopped_past_the_keepalive(tmp_path: Path, broker: Broker, broker_log: Path
             daemon.proc.send_signal(signal.SIGCONT)
         _wait_all(requester, corrs, 120)
         deadline = time.monotonic() + 60
-        while json.loads(daemon.status().stdout)["broker"]["connects"] < 2:
+        while (doc := daemon.state()) is None or doc["broker"]["connects"] < 2:
             assert time.monotonic() < deadline, "the daemon never reconnected"
             time.sleep(0.2)
         time.sleep(5)  # the redeliveries arrive on the new connection; give them time to be (not) answered

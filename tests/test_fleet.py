@@ -42,7 +42,7 @@ class _Killer(threading.Thread):
 
     def run(self) -> None:
         while not self.done.is_set():
-            if self.armed.is_set() and json.loads(self.box.status().stdout)["journal"]["queued"] >= 2:
+            if self.armed.is_set() and (doc := self.box.state()) is not None and doc["journal"]["queued"] >= 2:
                 self.box.stop(signal.SIGKILL)
                 self.killed.set()
                 return

@@ -433,7 +433,7 @@ def test_a_box_stopped_cleanly_hands_its_turn_of_the_shared_stream_to_the_others
         for d in (a, b):
             d.wait_ready()
         deadline = time.monotonic() + 30
-        while json.loads(a.status().stdout)["broker"]["stream_peers"] != ["hb"]:
+        while (doc := a.state()) is None or doc["broker"]["stream_peers"] != ["hb"]:
             assert time.monotonic() < deadline, "the box never saw the other online on its stream"
             time.sleep(0.2)
         assert a.stop() == 0

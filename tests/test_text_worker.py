@@ -79,12 +79,15 @@ class Harness:
     ledger: MemoryLedger
     queue: PriorityDeadlineQueue
     worker: TextWorker
-    outcomes: dict[str, Outcome] = field(default_factory=dict)
-    cond: threading.Condition = field(default_factory=threading.Condition)
+    done: _Outcomes
+
+    @property
+    def outcomes(self) -> dict[str, Outcome]:
+        return self.done.got
 
     def wait(self, count: int, timeout: float = 120) -> None:
-        with self.cond:
-            assert self.cond.wait_for(lambda: len(self.outcomes) >= count, timeout), self.outcomes.keys()
+        with self.done.cond:
+            assert self.done.cond.wait_for(lambda: len(self.outcomes) >= count, timeout), self.outcomes.keys()
 
 
 @pytest.fixture
@@ -94,17 +97,11 @@ def harness(request: pytest.FixtureRequest, engine_dir: Path, tmp_path: Path) ->
     ledger = MemoryLedger(2**34)
     assert ledger.add_model("llm", "text", engine.kv_cache_bytes)
     queue = PriorityDeadlineQueue(64)
-    h: Harness
-
-    def complete(item: WorkItem, outcome: Outcome) -> None:
-        with h.cond:
-            h.outcomes[item.job.id] = outcome
-            h.cond.notify_all()
-
+    done = _Outcomes()
     memory = TextMemory(ledger, "llm", wait_s)
     task = QATask(engine, fakes.responder(tmp_path)[0])
-    worker = TextWorker("text", queue, task, engine.batcher, memory, complete)
-    h = Harness(engine, ledger, queue, worker)
+    worker = TextWorker("text", queue, task, engine.batcher, memory, done.complete)
+    h = Harness(engine, ledger, queue, worker, done)
     yield h
     worker.stop(30)
 
