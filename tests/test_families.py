@@ -283,8 +283,18 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Insulin lower
 
 
 @pytest.mark.slow
-def test_the_real_gemma3_270m_gguf_answers_as_transformers_does(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_the_real_gemma3_270m_gguf_answers_as_transformers_does(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import functools
+
+    import gguf
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # transformers parses the file again for each thing it loads from it (the config, the
+    # tokenizer, the weights), a GGUFReader each: 13 s apiece for Gemma's 262,144 tokens.
+    # One parse serves them all here; what each reads from it is the same.
+    monkeypatch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
 
     from engines.text.gemma3_270m import NAME, gemma3_270m_gguf
     from engines.text.import_gguf import GEMMA3_TEMPLATE

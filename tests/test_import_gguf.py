@@ -21,7 +21,8 @@ import torch
 
 from edge.text.model.checkpoint import load_checkpoint
 from edge.text.runtime.generate import SamplingParams, generate
-from engines.text.import_gguf import SourceModelError, build_tokenizer_json, import_gguf
+from engines.text.gguf_header import GgufHeader
+from engines.text.import_gguf import SourceModelError, build_tokenizer_json, import_gguf, smollm2_gguf_path
 from engines.text.random_llama import LLAMA3_8B
 from tests.test_import_hf import LLAMA_TEMPLATE, MESSAGES, QWEN_TEMPLATE, random_family_model
 
@@ -449,12 +450,11 @@ def _spm_gguf(path: Path) -> Path:
 def test_a_sentencepiece_vocabulary_tokenizes_as_transformers_reads_it(tmp_path: Path) -> None:
     import json
 
-    import gguf
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
     path = _spm_gguf(tmp_path / "spm.gguf")
-    ours = Tokenizer.from_str(json.dumps(build_tokenizer_json(gguf.GGUFReader(str(path)))))
+    ours = Tokenizer.from_str(json.dumps(build_tokenizer_json(GgufHeader(path))))
     theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     # Not text that starts with a blank: SentencePiece (and llama.cpp) put the word-start
     # mark before it regardless, transformers' reading only where the text has none.
@@ -489,7 +489,7 @@ def _metadata_only(path: Path, arch: str, **fields: Any) -> Any:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return gguf.GGUFReader(str(path))
+    return GgufHeader(path)
 
 
 @pytest.mark.parametrize(
@@ -520,3 +520,65 @@ def test_what_is_not_supported_is_refused_by_name(
             read_config(reader)
         else:
             build_tokenizer_json(reader)
+
+
+# --- the header reader ------------------------------------------------------------------
+
+
+def _same_as_gguf_py(path: Path) -> None:
+    import gguf
+
+    ours, theirs = GgufHeader(path), gguf.GGUFReader(str(path))
+    assert set(ours.fields) == {k for k in theirs.fields if not k.startswith("GGUF.")}  # (its own header, as fields)
+    for key, field in ours.fields.items():
+        if key != "t.nested":  # (gguf-py flattens an array of arrays; the file holds [[1, 2], [3]])
+            assert field.contents() == theirs.fields[key].contents(), key
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for o, t in zip(ours.tensors, theirs.tensors, strict=True):
+        assert (o.tensor_type, o.data_offset, o.shape.tolist()) == (t.tensor_type, t.data_offset, t.shape.tolist())
+        assert (o.raw_dtype, o.raw_shape) == (t.data.dtype, tuple(t.data.shape)), o.name
+        assert np.array_equal(o.data, t.data), o.name
+
+
+def test_the_header_reader_reads_what_gguf_py_reads(tmp_path: Path) -> None:
+    """Every field (each value type, arrays of strings and of numbers) and every
+    tensor (plain and quantized, at the file's alignment) as gguf-py's GGUFReader reads
+    them: of a written file, and of the shipped SmolLM2's (49,152 tokens)."""
+    import gguf
+
+    path = tmp_path / "kinds.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_uint8("t.u8", 7)
+    writer.add_int8("t.i8", -7)
+    writer.add_uint16("t.u16", 65535)
+    writer.add_int16("t.i16", -300)
+    writer.add_uint32("t.u32", 1 << 31)
+    writer.add_int32("t.i32", -(1 << 30))
+    writer.add_float32("t.f32", 0.1)
+    writer.add_uint64("t.u64", 1 << 40)
+    writer.add_int64("t.i64", -(1 << 40))
+    writer.add_float64("t.f64", 0.1)
+    writer.add_bool("t.bool", True)
+    writer.add_string("t.str", "héllo ✓")
+    writer.add_array("t.strs", ["a", "", "ü" * 40])
+    writer.add_array("t.ints", [1, 2, 3])
+    writer.add_array("t.floats", [0.5, -1.25])
+    writer.add_array("t.nested", [[1, 2], [3]])
+    writer.add_custom_alignment(64)
+    rng = np.random.default_rng(0)
+    writer.add_tensor("plain.weight", rng.standard_normal((3, 64)).astype(np.float32))
+    writer.add_tensor("half.weight", rng.standard_normal((5,)).astype(np.float16))
+    q4 = gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q4_0)
+    writer.add_tensor("q4.weight", q4, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _same_as_gguf_py(path)
+    assert GgufHeader(path).fields["t.nested"].contents() == [[1, 2], [3]]
+    _same_as_gguf_py(smollm2_gguf_path())
+    # A file cut short is said so, not read past its end.
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(ValueError, match="past the end"):
+        GgufHeader(cut)

@@ -32,6 +32,7 @@ from edge.text.architecture import LlamaConfig
 from engines.cache import build_cached, cache_key, file_sha256
 from engines.text.float_checkpoint import write_float_streamed
 from engines.text.float_source import FloatSource
+from engines.text.gguf_header import GgufHeader
 
 logger = logging.getLogger(__name__)
 
@@ -420,9 +421,7 @@ class GgufSource(FloatSource):
     supported is refused before any is read."""
 
     def __init__(self, gguf_path: Path) -> None:
-        import gguf  # build-time only dependency
-
-        reader = gguf.GGUFReader(str(gguf_path))
+        reader = GgufHeader(gguf_path)
         config = file_config(reader)
         super().__init__(config, gguf_path.name)
         self.path = gguf_path
@@ -438,9 +437,7 @@ class GgufSource(FloatSource):
                 continue
             name = self._our_name(t.name)
             dims = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists the row length first
-            self._stored[name] = StoredTensor(
-                t.name, t.tensor_type, t.data.dtype, tuple(t.data.shape), dims, int(t.data_offset)
-            )
+            self._stored[name] = StoredTensor(t.name, t.tensor_type, t.raw_dtype, t.raw_shape, dims, t.data_offset)
         missing = sorted(expected_tensors(config) - set(self._stored))
         if missing:
             raise SourceModelError(f"{gguf_path.name}: missing tensors {', '.join(missing[:5])}")
