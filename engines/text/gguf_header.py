@@ -3,7 +3,7 @@
 gguf-py's GGUFReader (the format's maintained reader) builds a numpy view for every part of
 every field: for a tokenizer of 262,144 entries (Gemma 3's) that is a million views, 26 s
 of CPU before the first weight is read, for a 270M model. Here the header is read with
-`struct` from the bytes, strings decoded as they come (0.5 s for the same file); the
+`struct` from a mapping of the file, strings decoded as they come (0.5 s for the same file); the
 tensors' data stay in the file, mapped only when one is asked for. The constants (value
 types, quantization block sizes) are gguf-py's: the format is its, not ours. What the
 import uses of a GGUFReader is what this gives: `fields[key].contents()` and `tensors`
@@ -12,6 +12,7 @@ with `name`, `shape`, `tensor_type`, `data` and `data_offset`.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +80,7 @@ def _plain_types(gguf: Any) -> dict[Any, type[np.generic]]:
 
 
 class _Cursor:
-    def __init__(self, raw: bytes, path: Path) -> None:
+    def __init__(self, raw: mmap.mmap, path: Path) -> None:
         self.raw, self.at, self.path = raw, 0, path
 
     def take(self, fmt: str) -> Any:
@@ -122,26 +123,19 @@ class _Cursor:
 class GgufHeader:
     """`fields` (key -> Field) and `tensors` (in the file's order) of a GGUF file."""
 
-    # Headers are read in chunks until whole: a large tokenizer's is tens of MB.
-    CHUNK = 16 << 20
-
     def __init__(self, path: Path | str) -> None:
         import gguf
 
         self.path = Path(path)
-        size = self.path.stat().st_size
         with self.path.open("rb") as fh:
-            raw = fh.read(min(size, self.CHUNK))
-            while True:
-                try:
-                    self.fields, self.tensors = self._parse(raw, gguf)
-                    break
-                except GgufFormatError:
-                    if len(raw) >= size:
-                        raise
-                    raw += fh.read(min(size - len(raw), max(self.CHUNK, len(raw))))
+            if self.path.stat().st_size == 0:
+                raise ValueError(f"{self.path.name} is not a GGUF file (it is empty)")
+            # Mapped, not read: only the header's pages are touched, however large the
+            # file, and a damaged header is found past the file's end, not read into memory.
+            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as raw:
+                self.fields, self.tensors = self._parse(raw, gguf)
 
-    def _parse(self, raw: bytes, gguf: Any) -> tuple[dict[str, Field], list[TensorInfo]]:
+    def _parse(self, raw: mmap.mmap, gguf: Any) -> tuple[dict[str, Field], list[TensorInfo]]:
         cur = _Cursor(raw, self.path)
         if raw[:4] != MAGIC:
             raise ValueError(f"{self.path.name} is not a GGUF file")
