@@ -134,6 +134,27 @@ __device__ __forceinline__ void load_queries(const C* __restrict__ rows, float (
   }
 }
 
+// N neighbouring values in one load or store (16 bytes where N * sizeof(T) is).
+template <typename T, int N>
+struct __align__(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+template <typename T, int N>
+__device__ __forceinline__ void load_vec(const T* p, float* out) {
+  const Vec<T, N> word = *reinterpret_cast<const Vec<T, N>*>(p);
+#pragma unroll
+  for (int e = 0; e < N; e++) out[e] = to_f(word.v[e]);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_vec(T* p, const float* in) {
+  Vec<T, N> word;
+#pragma unroll
+  for (int e = 0; e < N; e++) word.v[e] = from_f<T>(in[e]);
+  *reinterpret_cast<Vec<T, N>*>(p) = word;
+}
+
 // Two neighbouring channels of a cache row, read in one 4-byte load.
 template <typename C>
 struct __align__(2 * sizeof(C)) Pair {
@@ -226,11 +247,8 @@ __device__ __forceinline__ void merge_if_last(int* __restrict__ done, int bh, in
       }
     }
     const float inv = inv_denom[g];
-    C* o = out + (size_t)g * HD + 4 * c;
-    o[0] = from_f<C>(sum.x * inv);
-    o[1] = from_f<C>(sum.y * inv);
-    o[2] = from_f<C>(sum.z * inv);
-    o[3] = from_f<C>(sum.w * inv);
+    const float o[4] = {sum.x * inv, sum.y * inv, sum.z * inv, sum.w * inv};
+    store_vec<C, 4>(out + (size_t)g * HD + 4 * c, o);
   }
 }
 

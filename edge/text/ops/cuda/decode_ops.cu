@@ -34,26 +34,6 @@ using namespace edge_cuda;
 constexpr int NORM_THREADS = 1024;
 constexpr int NORM_VALUES = 8;  // values a thread holds at most: hidden sizes to 8192
 
-template <typename T, int N>
-struct __align__(sizeof(T) * N) Vec {
-  T v[N];
-};
-
-template <typename T, int N>
-__device__ __forceinline__ void load_vec(const T* p, float* out) {
-  const Vec<T, N> word = *reinterpret_cast<const Vec<T, N>*>(p);
-#pragma unroll
-  for (int e = 0; e < N; e++) out[e] = to_f(word.v[e]);
-}
-
-template <typename T, int N>
-__device__ __forceinline__ void store_vec(T* p, const float* in) {
-  Vec<T, N> word;
-#pragma unroll
-  for (int e = 0; e < N; e++) word.v[e] = from_f<T>(in[e]);
-  *reinterpret_cast<Vec<T, N>*>(p) = word;
-}
-
 template <typename D, typename T, int VEC>
 __global__ void __launch_bounds__(NORM_THREADS)
     add_rmsnorm_kernel(float* __restrict__ x, const D* __restrict__ delta, const T* __restrict__ w,

@@ -160,6 +160,12 @@ def rope_prefill(
     return q, k, v
 
 
+def attention_splits(kv_len: int, n_kv: int, sms: int) -> tuple[int, int]:
+    """(splits, chunk) of a sequence's cache for decode_attention: the Triton kernels' rule
+    (attention_splits.attn_splits) with ATTN_SPREAD times the blocks, up to MAX_SPLITS."""
+    return attn_splits(kv_len, n_kv, sms * ATTN_SPREAD, MAX_SPLITS)
+
+
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, kv_len: int, sms: int
 ) -> torch.Tensor:
@@ -176,7 +182,7 @@ def decode_attention(
         raise ValueError("the cache must be 16-byte aligned and hold a position for every row")
     _contiguous(q, k_cache, v_cache, pos)
     pad = next(p for p in GROUP_PADS if p >= group)
-    splits, chunk = attn_splits(kv_len, n_kv, sms * ATTN_SPREAD, MAX_SPLITS)
+    splits, chunk = attention_splits(kv_len, n_kv, sms)
     rows = bsz * n_kv * splits * pad
     acc = torch.empty(rows, hd, device=q.device, dtype=torch.float32)
     ml = torch.empty(rows, 2, device=q.device, dtype=torch.float32)

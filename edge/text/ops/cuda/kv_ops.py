@@ -178,12 +178,18 @@ def _attend(
     return out
 
 
+def attention_splits(kv_len: int, n_kv: int, sms: int) -> tuple[int, int]:
+    """(splits, chunk) of a sequence's quantized cache for attention: the float cache's
+    rule, the chunk rounded up to whole tiles (splits start on a key block)."""
+    splits, chunk = attn_splits(kv_len, n_kv, sms * ATTN_SPREAD, MAX_SPLITS)
+    return splits, -(-chunk // TILE) * TILE
+
+
 def attention(layer: QuantLayer, q: torch.Tensor, pos: torch.Tensor, kv_len: int, q_scale: float) -> torch.Tensor:
     """q [B, NH, HD] (times q_scale) of each row's token at pos[b] against its cache
     positions 0..pos[b] -> [B, NH * HD] in the cache's float type."""
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    splits, chunk = attn_splits(kv_len, layer.ring_k.shape[1], sms * ATTN_SPREAD, MAX_SPLITS)
-    chunk = -(-chunk // TILE) * TILE  # splits start on a tile, and so on a key block
+    splits, chunk = attention_splits(kv_len, layer.ring_k.shape[1], sms)
     positions = pos.to(torch.int64).contiguous()
     return _attend(layer, q.contiguous(), (layer.ring_k, layer.ring_v), positions, 0, 0, splits, chunk, q_scale)
 
