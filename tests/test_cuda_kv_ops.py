@@ -20,6 +20,7 @@ from edge.text.kv.kv_quant import FORMATS, KVFormat
 from edge.text.kv.quant_cache import QuantKVCache
 from edge.text.ops import step_ops
 from edge.text.ops.cuda import cuda_build, kv_ops
+from edge.text.ops.cuda import decode_ops as cuda_ops
 from edge.text.runtime import fused_step
 from engines.text.random_llama import random_int4_llama
 from tests.test_quant_cache import CONFIG, _attend
@@ -72,6 +73,18 @@ def test_without_triton_our_kernels_serve_the_quantized_formats_and_say_what_the
     with pytest.raises(RuntimeError, match="kv_dtype int8 on CUDA needs Triton or our CUDA kernels"):
         kv_format(QAModelConfig(device="cuda", kv_dtype="int8"))
     assert "no quantized-KV kernels here" in str(step_ops.kv_refusal("cuda:0", fmt, 64, 3, torch.float16))
+
+
+@pytest.mark.parametrize("sms", [16, 132])  # an AGX Orin's, an H100's
+def test_the_quantized_cache_splits_on_key_blocks_and_covers_every_position(sms: int) -> None:
+    """A split of a quantized cache starts on a whole tile (so on a key block: its scales
+    apply to the whole tile) and the splits cover the cache, as many as the float cache's
+    rule takes."""
+    for kv_len in [1, 63, 64, 65, 256, 768, 4096, 4352, 20000]:
+        splits, chunk = kv_ops.attention_splits(kv_len, 8, sms)
+        float_splits, float_chunk = cuda_ops.attention_splits(kv_len, 8, sms)
+        assert chunk % kv_ops.TILE == 0 and chunk >= float_chunk and splits == float_splits
+        assert splits * chunk >= kv_len, (kv_len, splits, chunk)
 
 
 @pytest.mark.slow

@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from edge.text.ops.attention_splits import attn_splits
-from edge.text.ops.cuda import cuda_build
+from edge.text.ops.cuda import cuda_build, decode_ops
 from edge.text.ops.cuda.decode_ops import DTYPES, GROUP_PADS
 
 if TYPE_CHECKING:  # the cache's layer, read by attribute: ops sit below kv
@@ -31,9 +30,6 @@ CACHE_DTYPES = (torch.bfloat16, torch.float16)
 # comes with a sliding window, which the quantized caches refuse anyway.
 HEAD_DIMS = (64, 128)
 TILE = 64  # positions a pass of the attention (kv_ops.cu's KV_TILE): key blocks are whole tiles
-# Splits of the cache, as the float cache's CUDA attention takes them (decode_ops.py).
-ATTN_SPREAD = 4
-MAX_SPLITS = 128
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -180,8 +176,9 @@ def _attend(
 
 def attention_splits(kv_len: int, n_kv: int, sms: int) -> tuple[int, int]:
     """(splits, chunk) of a sequence's quantized cache for attention: the float cache's
-    rule, the chunk rounded up to whole tiles (splits start on a key block)."""
-    splits, chunk = attn_splits(kv_len, n_kv, sms * ATTN_SPREAD, MAX_SPLITS)
+    (decode_ops.attention_splits), the chunk rounded up to whole tiles (splits start on a
+    key block)."""
+    splits, chunk = decode_ops.attention_splits(kv_len, n_kv, sms)
     return splits, -(-chunk // TILE) * TILE
 
 
