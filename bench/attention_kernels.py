@@ -5,9 +5,11 @@ the Triton path; this says how much of it is the attention, and for which cache 
 For each context and each cache (float16, and the int8 and int4 formats the engine
 serves), 32 layers' caches are filled with random tokens and one step's attention, a call
 per layer (one sequence, 32 query heads over 8 KV heads of 128 channels), is captured in
-a CUDA graph and replayed; each row is the time of one call, with the splits each kernel
-chose. Our kernels are built for the architecture EDGE_CUDA_ARCH names (compute_80: the
-Jetson proxy's Ampere PTX) or this GPU's.
+a CUDA graph and replayed; each row is the time of one call, with the splits the kernel
+chose (Triton's quantized kernels choose theirs inside and are not recorded). These are
+the kernels alone, not an engine: the served step's figures are bench.text's and
+bench.jetson_proxy's. Our kernels are built for the architecture EDGE_CUDA_ARCH names
+(compute_80: the Jetson proxy's Ampere PTX) or this GPU's.
 
     python -m bench.attention_kernels [--contexts 512 4096] [--out bench/results/attention_kernels.json]
 """
@@ -22,12 +24,14 @@ from typing import Any
 
 import torch
 
+from bench import text
 from bench.common import RESULTS, write_json
 from edge.text.architecture import LlamaConfig
 from edge.text.kv.kv_quant import FORMATS, KVDtype
 from edge.text.kv.quant_cache import QuantKVCache
 from edge.text.ops.attention_splits import attn_splits
 from edge.text.ops.cuda import cuda_build, decode_ops, kv_ops
+from edge.text.runtime import cuda_graphs
 
 # The 8B shape's attention (Llama 3 8B): 32 query heads over 8 KV heads of 128 channels.
 SHAPE = LlamaConfig(
@@ -39,26 +43,17 @@ Call = Callable[[int], torch.Tensor]  # one layer's attention
 
 
 def _time_step(call: Call, layers: int) -> float:
-    """Microseconds a call, one step's calls (a call per layer) replayed from a CUDA graph."""
-    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for layer in range(layers):  # warm up (and make the split counters) outside the capture
+    """Microseconds a call: one step's calls (a call per layer) captured as the engine
+    captures its step (cuda_graphs.capture: warm-up and capture on one side stream, where
+    the split counters are made) and replayed, the median of REPLAYS."""
+
+    def step() -> torch.Tensor:
+        for layer in range(layers - 1):
             call(layer)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(layers):
-            call(layer)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return float(start.elapsed_time(end)) * 1000.0 / (REPLAYS * layers)
+        return call(layers - 1)
+
+    graph, _ = cuda_graphs.capture(step, None)
+    return text.cuda_time(graph.replay, repeat=REPLAYS) * 1e6 / layers
 
 
 def float_rows(context: int, device: torch.device, sms: int) -> list[dict[str, Any]]:
@@ -129,16 +124,12 @@ def measure(contexts: list[int], formats: list[KVDtype]) -> dict[str, Any]:
             rows += float_rows(context, device, props.multi_processor_count)
         for kv_dtype in (f for f in formats if f != "float16"):
             rows += quant_rows(context, kv_dtype, device, props.multi_processor_count)
-    ratios = {}
-    for row in rows:
-        if row["kernels"] == "cuda":
-            twin = [
-                r
-                for r in rows
-                if r["kernels"] == "triton" and r["kv_dtype"] == row["kv_dtype"] and r["context"] == row["context"]
-            ]
-            if twin:
-                ratios[f"{row['kv_dtype']}_{row['context']}"] = twin[0]["us_per_layer"] / row["us_per_layer"]
+    triton = {(r["kv_dtype"], r["context"]): r for r in rows if r["kernels"] == "triton"}
+    ratios = {
+        f"{r['kv_dtype']}_{r['context']}": triton[r["kv_dtype"], r["context"]]["us_per_layer"] / r["us_per_layer"]
+        for r in rows
+        if r["kernels"] == "cuda" and (r["kv_dtype"], r["context"]) in triton
+    }
     return {
         "device": props.name,
         "cuda_arch": os.environ.get("EDGE_CUDA_ARCH") or cuda_build.device_arch(device),
