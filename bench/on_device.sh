@@ -3,6 +3,7 @@
 # text engine is checked and measured by there, its results under $OUT.
 #   bench/on_device.sh [tests|quant|daemon|all]   (quant: the quantized cache's tests only)
 #   bench/on_device.sh text|kv|scheduler|speculative|jetson [its arguments]   (one measurement, its JSON under $OUT)
+#   bench/on_device.sh attention   (the Jetson path's kernel tests, then decode attention alone: bench.attention_kernels)
 #   bench/on_device.sh real   (the real SmolLM2, its wheel carried too: verify, the proxy's agreement, structured output)
 # Carried beside the tree (ignored by git): .whl/ (the Python packages the machine lacks,
 # cp312 wheels: pydantic and its core, paho-mqtt, opentelemetry, lz4, zstandard, pypdf, pyclipper;
@@ -19,8 +20,15 @@ root=/tmp/mosquitto-root
 mkdir -p "$root"
 for f in .deb/*.deb; do dpkg -x "$f" "$root"; done
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
-# Our CUDA kernels, built for this GPU now rather than inside the first load.
-python3 -m edge.text.ops.cuda.cuda_build || echo "our CUDA kernels did not build"
+# Our CUDA kernels, built for this GPU now rather than inside the first load (the attention
+# run builds its own, as Ampere PTX).
+[ "$what" = attention ] || python3 -m edge.text.ops.cuda.cuda_build || echo "our CUDA kernels did not build"
+# The kernels a box without Triton runs, built as Ampere PTX (an Orin's instructions) and tested.
+jetson_tests() {
+  EDGE_CUDA_ARCH=compute_80 python3 -m pytest -p no:cacheprovider -m gpu -q --timeout 300 \
+    tests/test_cuda_decode_ops.py tests/test_cuda_kv_ops.py 2>&1 | tee "$out/jetson_tests.log" | tail -15
+  return "${PIPESTATUS[0]}"
+}
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   files=()
@@ -56,14 +64,19 @@ case "$what" in
   jetson)
     # The Jetson path (no Triton, our CUDA kernels as Ampere PTX) beside the Triton path:
     # its kernels' tests, then its row of text_cuda.json.
-    EDGE_CUDA_ARCH=compute_80 python3 -m pytest -p no:cacheprovider -m gpu -q --timeout 300 \
-      tests/test_cuda_decode_ops.py tests/test_cuda_kv_ops.py 2>&1 | tee "$out/jetson_tests.log" | tail -15
-    status=${PIPESTATUS[0]}
+    jetson_tests
+    status=$?
     [ "$status" = 0 ] || { echo "the Jetson path's kernel tests failed: nothing measured"; exit "$status"; }
     cp bench/results/text_cuda.json "$out/text_cuda.json"
     cp bench/results/kv.json "$out/kv.json"
     python3 -m bench.jetson_proxy --out "$out/text_cuda.json" --kv-out "$out/kv.json" "$@" 2>&1 | tail -30
     [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+  attention)
+    jetson_tests
+    status=$?
+    [ "$status" = 0 ] || { echo "the Jetson path's kernel tests failed: nothing measured"; exit "$status"; }
+    EDGE_CUDA_ARCH=compute_80 python3 -m bench.attention_kernels --out "$out/attention_kernels.json" "$@" 2>&1 | tail -30
+    status=${PIPESTATUS[0]} ;;
   kv)
     cp bench/results/kv.json "$out/kv.json"
     python3 -m bench.kv --only "${1:-cuda}" --out "$out/kv.json" 2>&1 | tail -40

@@ -123,10 +123,12 @@ def text_cpu(d: dict[str, Any]) -> str:
     lines += _provenance(*edge_rows)
     kernels = sorted({str(r["int4_kernel"]) for r in edge_rows if r.get("int4_kernel")})
     if kernels and not any(r.get("served") for r in edge_rows):
+        from bench.text_engines import served_cpu_kernel  # torch's import, only here
+
         lines += [
             "",
-            f"*Its INT4 rows ran the `{', '.join(kernels)}` kernel, not the one the CPU profile serves (`cpu-f32`, "
-            "our float32 kernel): the served CPU engine is not in this table.*",
+            f"*Its INT4 rows ran the `{', '.join(kernels)}` kernel, not the one the CPU profile serves "
+            f"(`{served_cpu_kernel()}`): the served CPU engine is not in this table.*",
         ]
     prof = d.get("awq_step_profile", {})
     if "in_c_step_ms" in prof:
@@ -1155,6 +1157,29 @@ def http_stack(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def attention_kernels(d: dict[str, Any]) -> str:
+    shape = d["shape"]
+    lines = [
+        f"Decode attention alone on the {d['device']} (our kernels built for `{d['cuda_arch']}`), one sequence, "
+        f"{shape['heads']} query heads over {shape['kv_heads']} KV heads of {shape['head_dim']} channels, "
+        f"{shape['layers']} layers' caches, each call in a CUDA graph (`bench/results/attention_kernels.json`): "
+        "microseconds a layer, and Triton's time over ours (above 1: ours faster).",
+        "",
+        "| cache | context | ours (CUDA C) | Triton | Triton / ours | our splits x chunk |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    theirs = {(r["kv_dtype"], r["context"]): r for r in d["rows"] if r["kernels"] == "triton"}
+    for r in (r for r in d["rows"] if r["kernels"] == "cuda"):
+        t = theirs.get((r["kv_dtype"], r["context"]))
+        triton = f"{t['us_per_layer']:.2f}" if t else "-"
+        ratio = f"{t['us_per_layer'] / r['us_per_layer']:.2f}x" if t else "-"
+        lines.append(
+            f"| {r['kv_dtype']} | {r['context']} | {r['us_per_layer']:.2f} | {triton} | {ratio} "
+            f"| {r['splits']} x {r['chunk']} |"
+        )
+    return "\n".join(lines)
+
+
 TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "http": ("http.json", http),
     "http_stack": ("http_stack.json", http_stack),
@@ -1169,6 +1194,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "text_cpu": ("text_cpu.json", text_cpu),
     "text_cuda": ("text_cuda.json", text_cuda),
     "kv": ("kv.json", kv),
+    "attention_kernels": ("attention_kernels.json", attention_kernels),
     "speculative": ("speculative.json", speculative),
     "structured": ("structured.json", structured),
     "models": ("models.json", models),

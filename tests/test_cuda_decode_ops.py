@@ -64,6 +64,21 @@ def test_triton_is_chosen_where_present_and_our_cuda_kernels_where_not(
 
 @pytest.mark.slow
 @pytest.mark.skipif(cuda_build.nvcc() is None, reason="no nvcc on this machine")
+@pytest.mark.parametrize("sms", [16, 132])  # an AGX Orin's, an H100's
+@pytest.mark.parametrize("n_kv", [1, 2, 8])
+def test_the_cache_splits_into_whole_tiles_each_with_positions_to_read(sms: int, n_kv: int) -> None:
+    """Our attention's chunks are whole tiles and none lies wholly past the cache (a block
+    with nothing to read still costs its whole latency), as many as give each SM about
+    eight blocks until a chunk is one tile, at most MAX_SPLITS however long the cache."""
+    for kv_len in [1, 63, 64, 65, 256, 768, 4096, 4352, 16384, 20000, 131072]:
+        splits, chunk = cuda_ops.attention_splits(kv_len, n_kv, sms)
+        assert chunk % cuda_ops.ATTN_TILE == 0 and 1 <= splits <= cuda_ops.MAX_SPLITS
+        assert (splits - 1) * chunk < kv_len <= splits * chunk, (kv_len, splits, chunk)
+        wanted = min(cuda_ops.MAX_SPLITS, 2 * sms * cuda_ops.ATTN_SPREAD // n_kv)
+        if chunk > cuda_ops.ATTN_TILE:  # longer chunks only where a tile less would take more splits than wanted
+            assert -(-kv_len // (chunk - cuda_ops.ATTN_TILE)) > wanted, (kv_len, splits, chunk)
+
+
 @pytest.mark.parametrize(("arch", "virtual"), [("87", None), ("90", "compute_80")])
 def test_decode_kernels_build_for_the_orin_and_as_ampere_ptx(
     arch: str, virtual: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

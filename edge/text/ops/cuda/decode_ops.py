@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from edge.text.ops.attention_splits import ATTN_GROUP_ROWS, attn_splits
+from edge.text.ops.attention_splits import ATTN_GROUP_ROWS
 from edge.text.ops.cuda import cuda_build
 
 SOURCE = Path(__file__).with_name("decode_ops.cu")
@@ -22,11 +22,13 @@ DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 ATTN_DTYPES = (torch.bfloat16, torch.float16)  # the attention's 16-byte key loads
 HEAD_DIMS = (64, 128, 256)
 GROUP_PADS = (4, 8, 16)  # query rows per KV head the attention is built for
-# Splits of the cache: four times the Triton kernel's rule gives (up to 128, decode_ops.cu's
-# MAX_SPLITS). Its blocks keep few loads in flight each (no tensor cores, no pipelined
-# tiles), so more of them are needed to keep the memory busy at long context.
+# Splits of the cache (attention_splits): about 2 * ATTN_SPREAD blocks an SM, four times
+# the Triton rule's two, up to MAX_SPLITS (decode_ops.cu's); chunks of whole ATTN_TILEs
+# (decode_ops.cu's and kv_ops.cu's pass of a block). A block of ours keeps fewer loads in
+# flight than Triton's pipelined one, so more of them keep the memory busy.
 ATTN_SPREAD = 4
 MAX_SPLITS = 128
+ATTN_TILE = 64
 MAX_NORM_HIDDEN = 1024 * 8  # decode_ops.cu's NORM_THREADS x NORM_VALUES: a row's values held in registers
 
 
@@ -161,9 +163,17 @@ def rope_prefill(
 
 
 def attention_splits(kv_len: int, n_kv: int, sms: int) -> tuple[int, int]:
-    """(splits, chunk) of a sequence's cache for decode_attention: the Triton kernels' rule
-    (attention_splits.attn_splits) with ATTN_SPREAD times the blocks, up to MAX_SPLITS."""
-    return attn_splits(kv_len, n_kv, sms * ATTN_SPREAD, MAX_SPLITS)
+    """(splits, chunk) of a sequence's cache for our attention kernels: chunks of whole
+    tiles, as many as give each SM about 2 * ATTN_SPREAD blocks, at most MAX_SPLITS, and
+    none wholly past the cache. Not the Triton rule (attention_splits.attn_splits): its
+    power-of-two splits of half-tiles, rounded up to our tile, left blocks with nothing to
+    read (16 splits at 768 positions, four empty) or a tile and a half to walk (64 splits
+    of 96 positions at 4K), where a block's latency is its whole cost. Our merge takes any
+    number of splits. Per sequence, whatever the batch (batch invariance)."""
+    want = max(1, min(MAX_SPLITS, (2 * sms * ATTN_SPREAD) // max(1, n_kv)))
+    chunk = max(ATTN_TILE, -(-kv_len // want))
+    chunk = -(-chunk // ATTN_TILE) * ATTN_TILE
+    return -(-kv_len // chunk), chunk
 
 
 def decode_attention(
