@@ -45,6 +45,12 @@ def engine_perplexity(engine: TextEngine, ids: list[int]) -> float:
     return perplexity(engine.model, ids, WINDOW, kv_format=kv_format(engine.cfg))
 
 
+# The perplexity and token-table rows measure a quantization's (or a table's) cost alone:
+# on our exact CPU kernel, not the CPU profile's int8 activations, whose rounding would
+# add its own. The adapter rows are answered by the engine the profile serves.
+EXACT = "exact"
+
+
 def adapter_behaviour(engine_dir: Path, only: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Held-out clinic prompts: how often each build cites its document / declines to
     diagnose / answers untagged context without a made-up citation. `only`: just these
@@ -100,12 +106,12 @@ def token_tables(served: Path, ids: list[int], args: argparse.Namespace) -> list
     every format is one the engine serves.)"""
     stride = len(ids) // args.prompts
     prompts = [ids[i * stride : i * stride + 48] for i in range(args.prompts)]
-    reference = load_engine(served, "cpu", embedding="float")
+    reference = load_engine(served, "cpu", embedding="float", cpu_kernel=EXACT)
     ref_conts = continuations(reference, prompts, args.new_tokens)
     ref_ppl = engine_perplexity(reference, ids)
     rows = []
     for fmt in ("int8", "int4"):
-        engine = load_engine(served, "cpu", embedding=fmt)
+        engine = load_engine(served, "cpu", embedding=fmt, cpu_kernel=EXACT)
         table = engine.model.embed_tokens
         assert isinstance(table, QuantizedEmbedding), f"the {fmt} table was not compacted"
         t0 = time.perf_counter()
@@ -210,7 +216,7 @@ def main() -> None:
     for name, path in variants.items():
         if only and name not in only:
             continue
-        engine = reference if path == base else load_engine(path, "cpu")
+        engine = reference if path == base else load_engine(path, "cpu", cpu_kernel=EXACT)
         t0 = time.perf_counter()
         ppl = engine_perplexity(engine, ids)
         conts = ref_conts if engine is reference else continuations(engine, prompts, args.new_tokens)

@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -900,9 +901,9 @@ def _python_share(path: Path, prompt_ids: list[int], threads: int, steps: int = 
         step, linear = cpu_step.decode_layers, cpu_int4.linear
 
         def timed(name: str, inner: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-            def call(*args: Any) -> torch.Tensor:
+            def call(*args: Any, **kwargs: Any) -> torch.Tensor:
                 t0 = time.perf_counter()
-                out = inner(*args)
+                out = inner(*args, **kwargs)
                 spent[name] += time.perf_counter() - t0
                 return out
 
@@ -963,22 +964,47 @@ def _hf_cpu(gguf: Path, prompt_ids: list[int], new_tokens: int) -> Measure:
     return once, {"engine_config": config, "served": False}
 
 
-def _llamacpp_cpu(gguf: Path, prompt: str, new_tokens: int, threads: int) -> Measure:
+LLAMACPP_CTX = 512
+
+
+def _llamacpp_cpu(gguf: Path, prompt: str, new_tokens: int, threads: int, runs: int) -> Measure:
+    """llama.cpp on the CPU, measured in a child process with nothing else in it. In this
+    process its GNU OpenMP threads would join torch's (one runtime): with more OpenMP
+    threads than cores, libgomp spins less before sleeping at each barrier, and after our
+    rows' torch work llama.cpp decoded at 14-29 tok/s where alone it ran at 82 (SmolLM2,
+    2 threads, x86)."""
     import xllamacpp as xlc
 
-    params = xlc.CommonParams()
-    params.model.path = str(gguf)
-    params.prompt = prompt
-    params.n_predict = new_tokens
-    params.n_ctx = 512
-    params.cpuparams.n_threads = threads
-    params.cpuparams_batch.n_threads = threads
-    params.sampling.temp = 0.0
-    server = xlc.Server(params)
-    body = {"prompt": prompt, "n_predict": new_tokens, "temperature": 0.0, "ignore_eos": True}
+    # The child imports xllamacpp alone: not edge, whose import sets GOMP_SPINCOUNT for
+    # our own threads (edge/__init__.py); llama.cpp runs with its runtime's defaults.
+    code = f"""
+import json, sys
+import xllamacpp as xlc
+gguf, prompt, new_tokens, threads, runs = json.loads(sys.argv[1])
+params = xlc.CommonParams()
+params.model.path = gguf
+params.prompt = prompt
+params.n_predict = new_tokens
+params.n_ctx = {LLAMACPP_CTX}
+params.cpuparams.n_threads = threads
+params.cpuparams_batch.n_threads = threads
+params.sampling.temp = 0.0
+server = xlc.Server(params)
+body = {{"prompt": prompt, "n_predict": new_tokens, "temperature": 0.0, "ignore_eos": True}}
+rates = [float(server.handle_completions(body)["timings"]["predicted_per_second"]) for _ in range(runs)]
+print(json.dumps(rates))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    arg = json.dumps([str(gguf), prompt, new_tokens, threads, runs])
+    done = subprocess.run(
+        [sys.executable, "-c", code, arg], capture_output=True, text=True, timeout=1800, check=False, env=env
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"llama.cpp's child failed: {done.stderr.strip()[-1000:]}")
+    rates = iter([float(r) for r in json.loads(done.stdout.strip().splitlines()[-1])])
 
     def once() -> float:
-        return float(server.handle_completions(body)["timings"]["predicted_per_second"])
+        return next(rates)
 
     return once, {
         # What the peer ran, in the terms our rows' configurations use where they apply.
@@ -988,7 +1014,8 @@ def _llamacpp_cpu(gguf: Path, prompt: str, new_tokens: int, threads: int) -> Mea
             "device": "cpu",
             "weights": gguf.name,
             "threads": threads,
-            "n_ctx": params.n_ctx,
+            "n_ctx": LLAMACPP_CTX,
+            "process": "its own",
         },
         "served": False,
     }
@@ -1031,9 +1058,16 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     t = args.threads
     variants: list[tuple[str, Callable[[], Measure]]] = [
-        ("llama.cpp (xllamacpp, same GGUF)", lambda: _llamacpp_cpu(gguf, prompt, args.new_tokens, args.threads)),
+        (
+            "llama.cpp (xllamacpp, same GGUF)",
+            lambda: _llamacpp_cpu(gguf, prompt, args.new_tokens, args.threads, args.rounds + 1),
+        ),
         ("transformers FP32 generate", lambda: _hf_cpu(gguf, prompt_ids, args.new_tokens)),
         ("edge AWQ INT4 g32 + clinic adapter (served)", lambda: _ours_cpu(served, prompt_ids, args.new_tokens, t)),
+        (
+            "edge AWQ INT4 g32 + clinic adapter, our exact float32 kernel",
+            lambda: _ours_cpu(served, prompt_ids, args.new_tokens, t, cpu_kernel="exact"),
+        ),
         (
             "edge AWQ INT4 g32 + clinic adapter, torch's bfloat16 kernel",
             lambda: _ours_cpu(served, prompt_ids, args.new_tokens, t, cpu_kernel="bf16"),
@@ -1059,11 +1093,12 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
     try:
         exact_rows: dict[str, dict[str, Any]] = {
             "edge AWQ INT4 g32 + clinic adapter (served)": {},
+            "edge AWQ INT4 g32 + clinic adapter, our exact float32 kernel": {"cpu_kernel": "exact"},
             "edge AWQ INT4 g32 + clinic adapter, torch's bfloat16 kernel": {"cpu_kernel": "bf16"},
         }
         prompts = held_out_prompts(tokenizer)
-        exact = load_engine(served, "cpu", threads=t)
-        exact.batcher.model.fused_decode = False  # op by op: not the C step the served row runs
+        exact = load_engine(served, "cpu", threads=t, cpu_kernel="exact")
+        exact.batcher.model.fused_decode = False  # op by op: not the C step the rows run
         reference = _greedy(exact, prompts)
         for r in rows:
             if r["name"] in exact_rows and "error" not in r:

@@ -15,6 +15,7 @@ from edge.config.loader import load_profile
 from edge.config.profile import Profile
 from edge.config.text import QAModelConfig
 from edge.text.engine import TextEngine, variant
+from edge.text.model.checkpoint import CPU_KERNELS
 from edge.text.runtime.generate import SamplingParams
 from engines.text.text_build import serving_group
 
@@ -57,16 +58,23 @@ def profile_engine(profile: Path, origin: dict[str, Any]) -> TextEngine:
     return TextEngine.load(cfg.engine, cfg, origin=origin)
 
 
+def served_cpu_kernel() -> str:
+    """The INT4 kernel today's shipped CPU profile serves (where the box compiles ours)."""
+    return CPU_KERNELS.get(shipped_profile("cpu").models.qa.cpu_kernel, "cpu")
+
+
 def is_served(config: dict[str, Any]) -> bool:
     """Whether an engine's resolved configuration is what the shipped profile serves on
-    its device: built from that profile, changing only neutral fields, from a checkpoint
-    quantized as `edgectl build` quantizes."""
+    its device today: built from that profile, changing only neutral fields, from a
+    checkpoint quantized as `edgectl build` quantizes, on the CPU with the kernel the
+    profile names (a figure measured before the profile changed its kernel is not)."""
     origin = config.get("origin") or {}
     changed = set(origin.get("changed") or {})
     return (
         origin.get("profile") == SHIPPED.get(config["device"])
         and changed <= NEUTRAL
         and config.get("group_size") == serving_group(int(config.get("parameters") or 0))
+        and (config["device"] != "cpu" or config.get("kernel") == served_cpu_kernel())
     )
 
 

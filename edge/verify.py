@@ -69,6 +69,8 @@ TEXT_TOLERANCES = {
     "float16": Tolerance(max_abs_diff=1.0, cosine=0.999, agreement=0.9),
     # torch's CPU INT4 kernel (models.qa.cpu_kernel: bf16) rounds inputs and sums to bfloat16.
     "bfloat16": Tolerance(max_abs_diff=3.0, cosine=0.998, agreement=0.9),
+    # Ours with int8 activations (cpu_kernel: int8): each activation to 1/254 of its block's largest.
+    "int8": Tolerance(max_abs_diff=3.0, cosine=0.998, agreement=0.9),
 }
 
 
@@ -340,16 +342,21 @@ def verify_text(profile: Profile, checkpoint: Path, have: set[str], skipped: lis
         got.append(session.run(["logits"], feed)[0][0])
     checks.append(compare("text", "onnxruntime", reference, "float32", got, ref, _token_top1, TEXT_TOLERANCES))
 
+    from edge.text.ops.cpu import cpu_int4
     from edge.text.ops.int4 import cpu_kernel_available
 
-    if cpu_kernel_available():
-        bf16 = engine(device="cpu", dtype="float32", cpu_kernel="bf16")
-        got = torch_logits(bf16.model, "cpu")
+    # Our kernel with int8 activations (what the CPU profile serves) and torch's bfloat16 one.
+    others = (("int8", "int8", cpu_int4.available(int8=True)), ("bf16", "bfloat16", cpu_kernel_available()))
+    for setting, precision, runs in others:
+        if not runs:
+            continue
+        other = engine(device="cpu", dtype="float32", cpu_kernel=setting)
+        got = torch_logits(other.model, "cpu")
         check = compare(
-            "text", f"torch-cpu ({bf16.int4_kernel})", reference, "bfloat16", got, ref, _token_top1, TEXT_TOLERANCES
+            "text", f"torch-cpu ({other.int4_kernel})", reference, precision, got, ref, _token_top1, TEXT_TOLERANCES
         )
-        checks.append(replace(check, engine_config=bf16.config()))
-        del bf16
+        checks.append(replace(check, engine_config=other.config()))
+        del other
     if "torch-cuda" in have:
         # The dtype the profile serves on CUDA (its own, or "auto"'s).
         cuda = engine(device="cuda")

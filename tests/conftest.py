@@ -240,10 +240,18 @@ def daemon(broker: Broker, engine_dir: Path, tmp_path_factory: pytest.TempPathFa
     from edge.docs.store import DocStore
 
     add(DocStore(directory / "state" / "docs"), "leaflets", [SAMPLES / "leaflets"], Embedder.load(locate(engine_dir)))
-    d = start_daemon(write_profile(directory, broker.port, engine_dir))
+    # Its text model on the CPU kernel the shipped profile serves.
+    qa = {"max_new_tokens": 24, "max_context_tokens": 512, "cpu_kernel": shipped_cpu_kernel()}
+    d = start_daemon(write_profile(directory, broker.port, engine_dir, models={"qa": qa}))
     d.wait_ready()
     yield d
     d.stop()
+
+
+def shipped_cpu_kernel() -> str:
+    """models.qa.cpu_kernel as profiles/cpu-dev.yaml sets it."""
+    doc = yaml.safe_load((REPO / "profiles" / "cpu-dev.yaml").read_text(encoding="utf-8"))
+    return str(doc["models"]["qa"].get("cpu_kernel", "exact"))
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 
 from bench.common import REPO
-from bench.text_engines import is_served
+from bench.text_engines import is_served, served_cpu_kernel
 from engines.text.random_llama import LLAMA3_8B
 
 BUILDERS = frozenset(
@@ -72,6 +72,10 @@ def test_a_row_is_served_only_from_the_shipped_profile_with_neutral_changes() ->
     assert not is_served({**served, "group_size": 128})
     assert not is_served({**served, "origin": {"profile": "cpu-dev", "changed": {}}})
     assert not is_served({"device": "cuda", "group_size": 32})
+    # On the CPU, only the kernel the shipped profile names.
+    cpu = {**served, "device": "cpu", "origin": {"profile": "cpu-dev", "changed": {}}}
+    assert is_served({**cpu, "kernel": served_cpu_kernel()})
+    assert not is_served({**cpu, "kernel": "cpu"})
     # An 8B model is built at group 128 (text_build.serving_group): its served row too.
     large = {**served, "parameters": LLAMA3_8B.parameter_count()}
     assert not is_served(large)
@@ -85,3 +89,27 @@ def test_the_served_engine_records_its_profile() -> None:
     cfg, origin = section("cpu", max_context_tokens=256)
     assert cfg.device == "cpu" and cfg.max_context_tokens == 256
     assert origin == {"profile": "cpu-dev", "changed": {"max_context_tokens": 256}}
+
+
+def _rows(node: object) -> list[dict]:  # type: ignore[type-arg]
+    """Every figure row of a result (a dict carrying `engine_config`), however nested."""
+    if isinstance(node, dict):
+        own = [node] if isinstance(node.get("engine_config"), dict) else []
+        return own + [r for v in node.values() for r in _rows(v)]
+    if isinstance(node, list):
+        return [r for v in node for r in _rows(v)]
+    return []
+
+
+def test_every_committed_row_called_served_is_what_the_profiles_serve_today() -> None:
+    """A figure measured before a shipped profile changed (its CPU kernel, say) is not
+    the served configuration's any more: it must be measured again, not called served."""
+    import json
+
+    stale = [
+        (path.name, row.get("name", ""))
+        for path in sorted((REPO / "bench" / "results").glob("*.json"))
+        for row in _rows(json.loads(path.read_text(encoding="utf-8")))
+        if row.get("served") and not is_served(row["engine_config"])
+    ]
+    assert stale == []

@@ -128,7 +128,7 @@ def test_a_checkpoint_loads_on_the_kernel_its_setting_names(tmp_path: Path) -> N
     )
     path = write_random_checkpoint(tmp_path / "ckpt", config, group=32)
     exact = load_checkpoint(path)
-    bf16 = load_checkpoint(path, exact_cpu=False)
+    bf16 = load_checkpoint(path, cpu_kernel="bf16")
     assert exact.int4_kernel == "cpu-f32"
     assert {m.kernel for m in exact.model.modules() if isinstance(m, Int4Linear)} == {"cpu-f32"}
     expected = "cpu" if cpu_kernel_available() else "dequant"

@@ -24,11 +24,13 @@ from edge.text.runtime.generate import SamplingParams
 pytestmark = pytest.mark.skipif(not cpu_int4.available(), reason="no C compiler for the CPU kernels")
 
 
-@pytest.fixture(scope="module")
-def served(engine_dir: Path) -> TextCheckpoint:
+@pytest.fixture(scope="module", params=["exact", "int8"])
+def served(engine_dir: Path, request: pytest.FixtureRequest) -> TextCheckpoint:
+    """The served build on each of our CPU kernels (models.qa.cpu_kernel)."""
     from engines.text.text_build import build_text_engine
 
-    return load_checkpoint(build_text_engine(engine_dir, "clinic", "awq-int4", progress=False))
+    path = build_text_engine(engine_dir, "clinic", "awq-int4", progress=False)
+    return load_checkpoint(path, cpu_kernel=request.param)
 
 
 def _prefilled(model: LlamaModel, prompts: torch.Tensor, slots: int = 128):  # type: ignore[no-untyped-def]
@@ -53,13 +55,19 @@ def test_the_served_build_decodes_in_the_c_step_as_op_by_op(served: TextCheckpoi
             model.fused_decode = None
             got = fused_step.decode_step(model, ids, fused, pos, 25 + step)
             assert model.fused_decode is True
-            # The same products, float32 throughout: only the order of some sums differs.
-            assert float((got - ref).abs().max() / ref.abs().max()) < 2e-5, step
+            # The same products: only the order of some float32 sums differs. With int8
+            # activations such a difference can move an activation across a rounding
+            # boundary, by a step of its block's scale: the two then differ as much as
+            # either differs from the exact model (about 3% of the largest logit here).
+            tolerance = 2e-5 if served.int4_kernel == "cpu-f32" else 5e-2
+            assert float((got - ref).abs().max() / ref.abs().max()) < tolerance, step
             assert torch.equal(got.argmax(-1), ref.argmax(-1)), step
             ids = ref.argmax(-1, keepdim=True)
-        # It wrote the same keys and values into the cache.
-        torch.testing.assert_close(fused.k, per_op.k, rtol=0, atol=1e-4)
-        torch.testing.assert_close(fused.v, per_op.v, rtol=0, atol=1e-4)
+        # It wrote the same keys and values into the cache (as above, to a rounding step
+        # of the activations with int8 ones).
+        for got_kv, ref_kv in ((fused.k, per_op.k), (fused.v, per_op.v)):
+            atol = 1e-4 if served.int4_kernel == "cpu-f32" else 5e-2 * float(ref_kv.abs().max())
+            torch.testing.assert_close(got_kv, ref_kv, rtol=0, atol=atol)
     finally:
         model.fused_decode = None
 
@@ -91,7 +99,7 @@ def test_a_sequence_answers_the_same_alone_and_beside_others(served: TextCheckpo
 def test_what_it_does_not_implement_is_refused_by_name_and_served_op_by_op(served: TextCheckpoint) -> None:
     tiny = LlamaConfig(vocab_size=64, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=128)
     float_model = LlamaModel(tiny).eval()
-    assert "not on our float32 INT4 kernel" in (runtime_step.refusal(float_model) or "")
+    assert "not on our CPU INT4 kernels" in (runtime_step.refusal(float_model) or "")
     qwen3 = LlamaModel(dataclasses.replace(tiny, qk_norm=True)).eval()
     assert runtime_step.refusal(qwen3) == "it does not implement qk_norm"
     assert not fused_step.can_fuse(qwen3)

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from edge.health.metrics import MAX_CONNECTIONS
+from edge.text.model.checkpoint import CPU_KERNELS
 from tests.conftest import (
     LABELS,
     SAMPLES,
@@ -28,6 +29,7 @@ from tests.conftest import (
     Requester,
     edgectl,
     free_port,
+    shipped_cpu_kernel,
     start_daemon,
     write_profile,
 )
@@ -293,7 +295,8 @@ def test_status_json_and_ok_exit(daemon: DaemonProc) -> None:
     # The text model says what it resolved to, as every benchmark row does.
     engine = doc["text_engine"]
     assert engine["device"] == "cpu" and engine["dtype"] == "float32"
-    assert engine["kernel"] == "cpu-f32" and engine["group_size"] == 32
+    # The CPU kernel the shipped profile serves (the shared daemon's profile names it).
+    assert engine["kernel"] == CPU_KERNELS[shipped_cpu_kernel()] and engine["group_size"] == 32
     assert engine["origin"] == {"profile": doc["device"]}
     # The ledger holds every loaded model at its measured size, within the budget.
     memory = doc["memory"]

@@ -52,6 +52,8 @@ def test_verify_passes_on_this_box_and_prints_the_interface(engine_dir: Path, tm
     assert {("ocr-rec", "onnxruntime"), ("text", "onnxruntime")} <= pairs
     text = next(c for c in checks if c["model"] == "text" and c["backend"] == "onnxruntime")
     assert text["agreement"] == 1.0 and text["max_abs_diff"] < 5e-3 and text["samples"] > 4 * 32
+    int8 = next(c for c in checks if c["backend"] == "torch-cpu (cpu-int8)")  # ours with int8 activations
+    assert int8["precision"] == "int8" and int8["agreement"] >= 0.9
     if any(c["backend"] == "torch-cpu (cpu)" for c in checks):  # torch's INT4 CPU kernel, where it has one
         bf16 = next(c for c in checks if c["backend"] == "torch-cpu (cpu)")
         assert bf16["precision"] == "bfloat16" and bf16["agreement"] >= 0.9

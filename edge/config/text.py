@@ -100,13 +100,17 @@ class QAModelConfig(StrictModel):
         title="Activation type",
         description="Activations and float weights: 'auto' is float32 on the CPU and float16 on CUDA.",
     )
-    cpu_kernel: Literal["exact", "bf16"] = Field(
+    cpu_kernel: Literal["exact", "int8", "bf16"] = Field(
         default="exact",
         title="CPU INT4 kernel",
         description="On the CPU: 'exact' (ours, built on the box: the quantized model in float32, so answers "
-        "are the model's own on every CPU and match the GPU's; slower, mostly in prefill) or "
-        "'bf16' (torch's tiled kernel: faster prefill, every product rounded to bfloat16, so about one "
-        "greedy answer in ten strays from the model's). 'exact' falls back to 'bf16' without a C compiler.",
+        "are the model's own on every CPU and match the GPU's), 'int8' (ours, the same weights against "
+        "activations rounded to int8 in blocks of 32, multiplied by the CPU's integer dot products: "
+        "AVX-512 VNNI, AVX-VNNI, AVX2 or Arm's dot product; faster, and answers stray from the exact "
+        "kernel's now and then: bench/results/text_cpu.json measures how often) or 'bf16' (torch's tiled "
+        "kernel: every product rounded to bfloat16, so about one greedy answer in ten strays from the "
+        "model's). 'exact' and 'int8' fall back to 'bf16' without a C compiler; 'int8' to 'exact' for a "
+        "group size that is not a power of two.",
     )
     cuda_kernel: Literal["auto", "cuda-mma", "triton", "torch"] = Field(
         default="auto",

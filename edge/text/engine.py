@@ -165,7 +165,7 @@ class TextEngine:
             dtype=resolve_dtype(cfg),
             device=cfg.device,
             int4_kernel=cuda_kernel(cfg),
-            exact_cpu=cfg.cpu_kernel == "exact",
+            cpu_kernel=cfg.cpu_kernel,
             embedding=resolve_embedding(cfg),
         )
         engine = cls(ckpt, cfg, offload_dir, origin)

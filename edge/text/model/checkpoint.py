@@ -51,7 +51,12 @@ class TextCheckpoint:
     chat: ChatTemplate | None = None  # the model's own template, where its source had one
 
 
-def default_int4_kernel(device: torch.device, exact_cpu: bool = True) -> str:
+CPU_KERNELS = {"exact": "cpu-f32", "int8": "cpu-int8"}  # models.qa.cpu_kernel -> our CPU INT4 kernel
+
+
+def default_int4_kernel(device: torch.device, cpu_kernel: str = "exact") -> str:
+    """The INT4 kernel a device serves; on the CPU `cpu_kernel` (models.qa.cpu_kernel)
+    picks ours, float32 or int8 activations, or torch's bfloat16 one ("bf16")."""
     if device.type == "cuda":
         # Ours: the CUDA tensor-core GEMV where nvcc built it for this GPU, else the
         # Triton one; torch's tiled kernel decodes slower and prefills ten times slower.
@@ -59,9 +64,9 @@ def default_int4_kernel(device: torch.device, exact_cpu: bool = True) -> str:
         if cuda_int4.available(device):
             return "cuda-mma"
         return "triton" if TRITON_SUPPORT else "cuda"
-    # Ours computes the quantized model exactly in float32; torch's rounds to bfloat16.
-    if exact_cpu and cpu_int4.available():
-        return "cpu-f32"
+    ours = CPU_KERNELS.get(cpu_kernel)
+    if ours is not None and cpu_int4.available(int8=ours == "cpu-int8"):
+        return ours
     return "cpu" if cpu_kernel_available() else "dequant"
 
 
@@ -76,12 +81,12 @@ def load_checkpoint(
     device: torch.device | str = "cpu",
     int4_kernel: str | None = None,
     fuse: bool = True,
-    exact_cpu: bool = True,
+    cpu_kernel: str = "exact",
     embedding: EmbeddingFormat = "float",
 ) -> TextCheckpoint:
     """Load for serving. `fuse` merges q/k/v and gate/up into single linears. Without
-    `int4_kernel` the device's default serves; `exact_cpu=False` takes torch's bfloat16
-    kernel on the CPU instead of ours. `embedding` "int8" or "int4" keeps the token table
+    `int4_kernel` the device's default serves, on the CPU as `cpu_kernel` says
+    (default_int4_kernel). `embedding` "int8" or "int4" keeps the token table
     compact (edge/text/model/embedding.py).
 
     On `device` the load holds what the model keeps and little more at any moment, so a
@@ -111,7 +116,7 @@ def load_checkpoint(
             return tensor
 
         if quant_path.exists():
-            kernel = int4_kernel or default_int4_kernel(device, exact_cpu)
+            kernel = int4_kernel or default_int4_kernel(device, cpu_kernel)
             linears = json.loads(quant_path.read_text(encoding="utf-8"))["linears"]
             groups = {name: int(info["group_size"]) for name, info in linears.items()}
             for target, parts in _int4_units(groups, set(keys), config.num_layers, fuse):

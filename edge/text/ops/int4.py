@@ -168,7 +168,8 @@ def cpu_kernel_available() -> bool:
 class Int4Linear(nn.Module):
     """y = x @ dequant(W).T, computed by the machine's INT4 kernel without materialising W.
 
-    Kernels: "cpu-f32" (ours, float32 throughout; reads our layout directly), "cpu"
+    Kernels: "cpu-f32" (ours, float32 throughout; reads our layout directly), "cpu-int8"
+    (ours, the same weights against activations rounded to int8 in blocks of 32), "cpu"
     (torch's tiled CPU kernel, bf16 activations), "cuda" (torch's tiled CUDA kernel, bf16
     activations), "triton" (our GEMV for decode, dequantize + cuBLAS for prefill; reads
     our layout directly), "cuda-mma" (our CUDA GEMV on the tensor cores for decode, its
@@ -220,6 +221,9 @@ class Int4Linear(nn.Module):
             # 32001 tokens, say): such a layer is dequantized once and multiplied instead.
             logger.info("INT4 layer with %d rows: dequantized (the %s kernel packs 16 at a time)", q.shape[0], kernel)
             kernel = "dequant"
+        if kernel == "cpu-int8" and not cpu_int4.supports_int8(self.in_features, self.group_size):
+            logger.info("INT4 layer of group %d: the float32 kernel (cpu-int8 takes powers of two)", q.group_size)
+            kernel = "cpu-f32"
         if kernel == "cpu-f32" and not cpu_int4.supports(self.in_features, self.group_size):
             logger.info("INT4 layer of group %d: torch's tiled kernel (cpu-f32 takes multiples of 32)", q.group_size)
             kernel = "cpu"
@@ -233,11 +237,11 @@ class Int4Linear(nn.Module):
         self.dequant_buffer: torch.Tensor | None = None
         self.paired = False
         # Torch's CPU kernel rounds its inputs, scales and outputs to bfloat16: a logit of
-        # 20 is then known to 1/16, and greedy decoding picks among near-ties by rounding.
-        # Where it serves (no C compiler for cpu-f32), the output layer's `exact_top` best
-        # of each row are computed again in float32 from the stored codes, so at least
-        # the last product's choice is the quantized model's own.
-        self.exact_top = exact_top if kernel == "cpu" else 0
+        # 20 is then known to 1/16, and greedy decoding picks among near-ties by rounding;
+        # cpu-int8 rounds the activations. Where either serves, the output layer's
+        # `exact_top` best of each row are computed again in float32 from the stored
+        # codes, so at least the last product's choice is the quantized model's own.
+        self.exact_top = exact_top if kernel in ("cpu", "cpu-int8") else 0
         if kernel == "cpu":
             codes = unpack_codes(q).to(torch.int32)
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2))
@@ -254,7 +258,7 @@ class Int4Linear(nn.Module):
                 "packed", torch.ops.aten._convert_weight_to_int4pack(swapped.contiguous(), inner_k_tiles)
             )
             self.register_buffer("sz", _scales_and_offsets(q, torch.bfloat16))
-        elif kernel == "cpu-f32":
+        elif kernel in ("cpu-f32", "cpu-int8"):
             self.register_buffer("qweight", q.qweight.contiguous())
             self.register_buffer("scales", q.scales.float().contiguous())
             self.register_buffer("zeros", q.zeros.contiguous())
@@ -333,8 +337,9 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        if self.kernel == "cpu-f32":
-            out = cpu_int4.linear(flat, self.qweight, self.scales, self.zeros, self.group_size)
+        if self.kernel in ("cpu-f32", "cpu-int8"):
+            int8 = self.kernel == "cpu-int8"
+            out = cpu_int4.linear(flat, self.qweight, self.scales, self.zeros, self.group_size, int8=int8)
         elif self.kernel == "cpu":
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 flat.to(torch.bfloat16), self.packed, self.group_size, self.sz

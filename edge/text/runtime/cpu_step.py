@@ -1,10 +1,10 @@
 """The CPU's decode step: every layer in one call of our C kernel (ops/cpu/cpu_step.c)
-where the model is Llama's graph over INT4 products of our float32 kernel, else the
-model's own step, op by op.
+where the model is Llama's graph over INT4 products of our kernels (float32 or int8
+activations), else the model's own step, op by op.
 
 Op by op, a step of SmolLM2-135M is about 5,500 torch operators; their dispatch, not
 their arithmetic, was a third of the step at two threads. The kernel runs the same
-arithmetic (the same INT4 products, float32 throughout) in one call; the embedding
+arithmetic (the same INT4 products, float32 elsewhere) in one call; the embedding
 before it and the final norm and head after it stay torch's (one operator each, the head
 being most of a step's bytes)."""
 
@@ -46,8 +46,8 @@ def refusal(model: LlamaModel) -> str | None:
             ("gate/up", mlp.gate_up_proj),
             ("down", mlp.down_proj),
         ):
-            if not isinstance(part, Int4Linear) or part.kernel != "cpu-f32":
-                return f"layer {i}'s {name} product is not on our float32 INT4 kernel"
+            if not isinstance(part, Int4Linear) or part.kernel not in ("cpu-f32", "cpu-int8"):
+                return f"layer {i}'s {name} product is not on our CPU INT4 kernels"
             if part.bias is not None:
                 return f"layer {i}'s {name} product has a bias"
     if not cpu_step.available():
@@ -73,7 +73,7 @@ def _matrix(part: torch.nn.Module, keep: list[torch.Tensor]) -> cpu_step.Int4Mat
     assert isinstance(part, Int4Linear)
     tensors = (part.qweight, part.scales, part.zeros)
     keep.extend(tensors)
-    return cpu_step.matrix(*tensors, part.group_size)
+    return cpu_step.matrix(*tensors, part.group_size, int8=part.kernel == "cpu-int8")
 
 
 def _layout(model: LlamaModel) -> cpu_step.Plan:

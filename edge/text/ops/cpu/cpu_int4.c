@@ -14,9 +14,16 @@
  * through ctypes. GCC's vector types keep it portable: the compiler lowers them to the
  * machine's registers (AVX-512, AVX2, NEON).
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__) || defined(__AVXVNNI__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#if defined(__ARM_FEATURE_DOTPROD)
+#include <arm_neon.h>
+#endif
 
 #define LANES 16 /* floats per vector: one AVX-512 register, two AVX2 or four NEON ones */
 
@@ -30,13 +37,18 @@ static inline vfloat load_floats(const float *p) {
     return v;
 }
 
-/* A vector's lanes summed in a fixed pairwise order (cpu_step.c sums with it too). */
+/* A vector's lanes summed in a fixed pairwise order (cpu_step.c sums with it too): lane l
+ * gets lane l + 8, then l + 4, l + 2 and l + 1, as halves of the vector added. */
+typedef float vhalf __attribute__((vector_size(2 * LANES)));
+typedef float vquarter __attribute__((vector_size(LANES)));
 static inline float sum_lanes(vfloat v) {
-    float lane[LANES];
-    memcpy(lane, &v, sizeof lane);
-    for (int w = LANES / 2; w > 0; w /= 2)
-        for (int l = 0; l < w; l++) lane[l] += lane[l + w];
-    return lane[0];
+    vhalf h[2];
+    memcpy(h, &v, sizeof h);
+    const vhalf a = h[0] + h[1];
+    vquarter q[2];
+    memcpy(q, &a, sizeof q);
+    const vquarter b = q[0] + q[1];
+    return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 /* `nb` weight rows times `r` activation rows, both constants where this is inlined, so
@@ -111,6 +123,56 @@ typedef void (*tile_fn)(const float *, const float *, int64_t, int64_t, int64_t,
  * a token and its drafts being verified) in one pass over the row's codes. */
 static const tile_fn ONE_ROW[9] = {0, tile_1_1, tile_1_2, tile_1_3, tile_1_4, tile_1_5, tile_1_6, tile_1_7, tile_1_8};
 
+/* The tiles of one task of a product: four weight rows from `row` (t < n4), or one row
+ * past the last multiple of four. Up to 4 activation rows, or more than 8: two 2 x 4
+ * tiles per 4 activation rows, then the rest (a 4 x 1 tile for one, two 2 x r tiles for
+ * two or three). 5 to 8 rows: each weight row once against all of them. A row past the
+ * multiple of four against up to 8 activation rows at once. `call(ctx, row, nb, i, r)`
+ * runs the nb x r tile of weight rows row.. and activation rows i..; each kernel's tiles
+ * sum each output in the same order whatever the tile, so the plan changes no result. */
+typedef void (*tile_call)(const void *ctx, int64_t row, int nb, int64_t i, int r);
+
+static inline __attribute__((always_inline)) void plan_tiles(int64_t t, int64_t n4, int64_t m, tile_call call,
+                                                             const void *ctx) {
+    const int64_t row = t < n4 ? 4 * t : 4 * n4 + (t - n4);
+    if (t >= n4 || (m > 4 && m <= 8)) {
+        const int64_t weight_rows = t < n4 ? 4 : 1;
+        for (int64_t w = 0; w < weight_rows; w++)
+            for (int64_t i = 0; i < m; i += 8) call(ctx, row + w, 1, i, (int)(m - i < 8 ? m - i : 8));
+        return;
+    }
+    int64_t i = 0;
+    for (; i + 4 <= m; i += 4) {
+        call(ctx, row, 2, i, 4);
+        call(ctx, row + 2, 2, i, 4);
+    }
+    if (m - i == 1) {
+        call(ctx, row, 4, i, 1);
+    } else if (m - i > 1) {
+        call(ctx, row, 2, i, (int)(m - i));
+        call(ctx, row + 2, 2, i, (int)(m - i));
+    }
+}
+
+/* The float kernel's operands, for its tile calls. */
+typedef struct {
+    const float *xe, *xo;
+    const uint8_t *q, *zeros;
+    const float *scales;
+    float *y;
+    int64_t n, k2, groups, half_group;
+} f32_product;
+
+static void f32_tile(const void *ctx, int64_t row, int nb, int64_t i, int r) {
+    const f32_product *P = ctx;
+    const float *xe = P->xe + i * P->k2, *xo = P->xo + i * P->k2;
+    const uint8_t *q = P->q + row * P->k2, *z = P->zeros + row * P->groups;
+    const float *s = P->scales + row * P->groups;
+    float *y = P->y + i * P->n + row;
+    const tile_fn fn = nb == 1 ? ONE_ROW[r] : nb == 4 ? tile_4_1 : r == 4 ? tile_2_4 : r == 3 ? tile_2_3 : tile_2_2;
+    fn(xe, xo, P->k2, P->groups, P->half_group, q, s, z, y, P->n);
+}
+
 /* Returns 0, -1 when K or G does not fit the kernel's tiling, -2 when out of memory. */
 int edge_int4_linear(const float *x, int64_t m, int64_t k, const uint8_t *q, const float *scales,
                      const uint8_t *zeros, int64_t n, int64_t group, float *y, int threads) {
@@ -129,44 +191,323 @@ int edge_int4_linear(const float *x, int64_t m, int64_t k, const uint8_t *q, con
             xe[i * k2 + j] = x[i * k + 2 * j];
             xo[i * k2 + j] = x[i * k + 2 * j + 1];
         }
-    /* Four weight rows at a time. Up to 4 activation rows, or more than 8: two 2 x 4
-     * tiles per 4 activation rows, then the rest (a 4 x 1 tile for one, two 2 x r tiles
-     * for two or three). 5 to 8 rows: each weight row once against all of them. Weight
-     * rows beyond a multiple of 4 one at a time, against up to 8 activation rows at once.
-     * Whatever the tile, each output's sum runs in the same order. */
+    /* Four weight rows a task (plan_tiles), the tasks split between the threads. */
     const int64_t n4 = n / 4;
+    const f32_product P = {xe, xo, q, zeros, scales, y, n, k2, groups, half_group};
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < n4 + n % 4; t++) {
-        const int64_t row = t < n4 ? 4 * t : 4 * n4 + (t - n4);
-        const uint8_t *qr = q + row * k2;
-        const float *sr = scales + row * groups;
-        const uint8_t *zr = zeros + row * groups;
-        int64_t i = 0;
-        if (t >= n4 || (m > 4 && m <= 8)) {
-            const int64_t weight_rows = t < n4 ? 4 : 1;
-            for (int64_t w = 0; w < weight_rows; w++)
-                for (i = 0; i < m; i += 8) {
-                    const int64_t r = m - i < 8 ? m - i : 8;
-                    ONE_ROW[r](xe + i * k2, xo + i * k2, k2, groups, half_group, qr + w * k2, sr + w * groups,
-                               zr + w * groups, y + i * n + row + w, n);
-                }
-            continue;
-        }
-        for (; i + 4 <= m; i += 4) {
-            tile_2_4(xe + i * k2, xo + i * k2, k2, groups, half_group, qr, sr, zr, y + i * n + row, n);
-            tile_2_4(xe + i * k2, xo + i * k2, k2, groups, half_group, qr + 2 * k2, sr + 2 * groups,
-                     zr + 2 * groups, y + i * n + row + 2, n);
-        }
-        const tile_fn pair = m - i == 3 ? tile_2_3 : tile_2_2;
-        if (m - i == 1) {
-            tile_4_1(xe + i * k2, xo + i * k2, k2, groups, half_group, qr, sr, zr, y + i * n + row, n);
-        } else if (m - i > 1) {
-            pair(xe + i * k2, xo + i * k2, k2, groups, half_group, qr, sr, zr, y + i * n + row, n);
-            pair(xe + i * k2, xo + i * k2, k2, groups, half_group, qr + 2 * k2, sr + 2 * groups, zr + 2 * groups,
-                 y + i * n + row + 2, n);
-        }
-    }
+    for (int64_t t = 0; t < n4 + n % 4; t++) plan_tiles(t, n4, m, f32_tile, &P);
     free(xe);
     free(xo);
+    return 0;
+}
+
+/* ---- The same products with 8-bit activations (models.qa.cpu_kernel: int8) ----
+ *
+ * Each activation row is rounded to int8 in blocks of 32 values, one float scale a
+ * block (what llama.cpp does to the activations of its Q4 products), and the codes meet
+ * it in integer dot products of four byte pairs at a time: AVX-512 VNNI's vpdpbusd,
+ * AVX-VNNI's, AVX2's maddubs + madd, or Arm's sdot (Orin's Cortex-A78AE has it), else
+ * plain C. The weights are the model's own; only the activations are rounded, to about
+ * 1/254 of their block's largest value, so answers stray from the exact kernel's now and
+ * then (bench/text.py measures how often: `exact_agreement`).
+ *
+ * A step covers 64 code bytes of a weight row (128 weights): sixteen 32-bit lanes, lane
+ * l summing the products of bytes 4l..4l+3, i.e. weights 8l..8l+7 of the step (low
+ * nibbles against the even activations, high against the odd). With the groups a power
+ * of two of at least 32, a lane lies in one weight group and one activation block, so
+ * each lane's integer sum is scaled once: by its group's scale times its block's. The
+ * zero points come off at the end: sum over groups of scale * zero * (sum over the
+ * group's blocks of block scale * sum of the block's int8 values).
+ *
+ * Integer sums are exact and each lane's float sums run in step order, so as in the
+ * float kernel a row's outputs do not depend on its batch or its tile. */
+
+#define STEP_BYTES 64
+#define BLOCK 32 /* activation values per int8 scale */
+/* A step's code bytes of the row this many rows on are fetched ahead: the integer products
+ * are fast enough that the loads stall (the float kernel's arithmetic hides them), and a
+ * matrix of short rows (576 inputs: 288 bytes) is too brief a stream for the hardware
+ * prefetcher to ramp up on. Two weight tiles ahead; 4, 8 and 16 measured alike, and
+ * without it the products took 1.4x as long (SmolLM2-135M's shapes, 2 threads, x86). */
+#define PREFETCH_ROWS 8
+
+typedef uint8_t vcodes __attribute__((vector_size(STEP_BYTES)));
+
+/* Lane l of the result: sum over b < 4 of lo[4l + b] * e[4l + b] + hi[4l + b] * o[4l + b]
+ * (codes unsigned, activations signed). */
+static inline vint dot_step(vcodes lo, vcodes hi, const int8_t *e, const int8_t *o) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    __m512i a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), (__m512i)lo, _mm512_loadu_si512(e));
+    return (vint)_mm512_dpbusd_epi32(a, (__m512i)hi, _mm512_loadu_si512(o));
+#elif defined(__AVXVNNI__) || defined(__AVX2__)
+    int32_t out[16];
+    const uint8_t *l = (const uint8_t *)&lo, *h = (const uint8_t *)&hi;
+    for (int half = 0; half < 2; half++) {
+        const __m256i cl = _mm256_loadu_si256((const __m256i *)(l + 32 * half));
+        const __m256i ch = _mm256_loadu_si256((const __m256i *)(h + 32 * half));
+        const __m256i xe = _mm256_loadu_si256((const __m256i *)(e + 32 * half));
+        const __m256i xo = _mm256_loadu_si256((const __m256i *)(o + 32 * half));
+#if defined(__AVXVNNI__)
+        __m256i a = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), cl, xe);
+        a = _mm256_dpbusd_avx_epi32(a, ch, xo);
+#else
+        /* Pairs of products as int16 (at most 2 * 15 * 127: no saturation), then fours. */
+        const __m256i ones = _mm256_set1_epi16(1);
+        const __m256i a = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(cl, xe), ones),
+                                           _mm256_madd_epi16(_mm256_maddubs_epi16(ch, xo), ones));
+#endif
+        _mm256_storeu_si256((__m256i *)(out + 8 * half), a);
+    }
+    vint r;
+    memcpy(&r, out, sizeof r);
+    return r;
+#elif defined(__ARM_FEATURE_DOTPROD)
+    int32_t out[16];
+    const uint8_t *l = (const uint8_t *)&lo, *h = (const uint8_t *)&hi;
+    for (int q4 = 0; q4 < 4; q4++) {
+        /* Codes are at most 15: as signed bytes they are the same numbers. */
+        int32x4_t a = vdotq_s32(vdupq_n_s32(0), vreinterpretq_s8_u8(vld1q_u8(l + 16 * q4)), vld1q_s8(e + 16 * q4));
+        a = vdotq_s32(a, vreinterpretq_s8_u8(vld1q_u8(h + 16 * q4)), vld1q_s8(o + 16 * q4));
+        vst1q_s32(out + 4 * q4, a);
+    }
+    vint r;
+    memcpy(&r, out, sizeof r);
+    return r;
+#else
+    int32_t out[16];
+    const uint8_t *l = (const uint8_t *)&lo, *h = (const uint8_t *)&hi;
+    for (int lane = 0; lane < 16; lane++) {
+        int32_t sum = 0;
+        for (int b = 0; b < 4; b++) sum += l[4 * lane + b] * e[4 * lane + b] + h[4 * lane + b] * o[4 * lane + b];
+        out[lane] = sum;
+    }
+    vint r;
+    memcpy(&r, out, sizeof r);
+    return r;
+#endif
+}
+
+/* The weight scales of a step's 16 lanes: groups of 2^shift weights, the step starting
+ * at group g0 (shift 5: four groups of four lanes; 6: two of eight; 7 and up: one). */
+static inline vfloat lane_scales(const float *s, int64_t g0, int shift) {
+    if (shift == 5) {
+#if defined(__AVX512F__)
+        const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        return (vfloat)_mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(s + g0)));
+#else
+        const float a = s[g0], b = s[g0 + 1], c = s[g0 + 2], d = s[g0 + 3];
+        return (vfloat){a, a, a, a, b, b, b, b, c, c, c, c, d, d, d, d};
+#endif
+    }
+    if (shift == 6) {
+        const float a = s[g0], b = s[g0 + 1];
+        return (vfloat){a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b};
+    }
+    return (vfloat){0} + s[g0];
+}
+
+/* LANES bytes widened to floats. */
+static inline vfloat bytes_as_floats(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (vfloat)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#else
+    float f[LANES];
+    for (int l = 0; l < LANES; l++) f[l] = (float)p[l];
+    return load_floats(f);
+#endif
+}
+
+/* Activation rows in int8, laid out for the steps: row i's even and odd values apart
+ * (e, o: `bytes` each, a whole number of steps, zero past K), each step's 16 lane block
+ * scales (d), and per weight group the sum of its blocks' scale * value sums (cz, zero
+ * past the row's groups up to a multiple of LANES). */
+typedef struct {
+    int8_t *e, *o;
+    float *d, *cz;
+    int64_t bytes, steps, cz_len;
+} int8_rows;
+
+static void free_rows(int8_rows *A) {
+    free(A->e);
+    free(A->o);
+    free(A->d);
+    free(A->cz);
+}
+
+static int quantize_rows(const float *x, int64_t m, int64_t k, int64_t group, int8_rows *A) {
+    const int64_t groups = k / group;
+    A->steps = (k / 2 + STEP_BYTES - 1) / STEP_BYTES;
+    A->bytes = A->steps * STEP_BYTES;
+    A->cz_len = (groups + LANES - 1) / LANES * LANES;
+    A->e = calloc((size_t)(m * A->bytes), 1);
+    A->o = calloc((size_t)(m * A->bytes), 1);
+    A->d = calloc((size_t)(m * A->steps * LANES), sizeof(float));
+    A->cz = calloc((size_t)(m * A->cz_len), sizeof(float));
+    if (!A->e || !A->o || !A->d || !A->cz) return -2;
+    for (int64_t i = 0; i < m; i++) {
+        const float *xr = x + i * k;
+        int8_t *e = A->e + i * A->bytes, *o = A->o + i * A->bytes;
+        float *d = A->d + i * A->steps * LANES, *cz = A->cz + i * A->cz_len;
+        for (int64_t b = 0; b < k / BLOCK; b++) {
+            const float *v = xr + b * BLOCK;
+            float top = 0.0f;
+            for (int t = 0; t < BLOCK; t++) top = fmaxf(top, fabsf(v[t]));
+            const float scale = top / 127.0f, inv = top > 0.0f ? 127.0f / top : 0.0f;
+            int32_t sum = 0;
+            for (int t = 0; t < BLOCK; t += 2) {
+                const int8_t qe = (int8_t)lrintf(v[t] * inv), qo = (int8_t)lrintf(v[t + 1] * inv);
+                e[(b * BLOCK + t) / 2] = qe;
+                o[(b * BLOCK + t) / 2] = qo;
+                sum += qe + qo;
+            }
+            /* Block b is lanes 4(b % 4)..4(b % 4)+3 of step b / 4. */
+            for (int l = 0; l < 4; l++) d[(b / 4) * LANES + (b % 4) * 4 + l] = scale;
+            cz[b * BLOCK / group] += scale * (float)sum;
+        }
+    }
+    return 0;
+}
+
+/* As tile() above, over int8 activation rows i0.. of A. The steps past K read the next
+ * weight row's codes and scales (or a padded copy, for a matrix's last row) against
+ * zero activations: they add nothing. */
+static inline __attribute__((always_inline)) void tile8(const int nb, const int r, const int8_rows *A, int64_t i0,
+                                                        int64_t k2, int64_t groups, int shift, const uint8_t *q,
+                                                        const float *scales, const uint8_t *zeros, float *y,
+                                                        int64_t ldy) {
+    vfloat acc[4][8];
+    for (int j = 0; j < nb; j++)
+        for (int i = 0; i < r; i++) acc[j][i] = (vfloat){0};
+    for (int64_t c = 0; c < A->steps; c++) {
+        const int64_t g0 = (c * 2 * STEP_BYTES) >> shift;
+        vcodes lo[4], hi[4];
+        vfloat s[4];
+        for (int j = 0; j < nb; j++) {
+            vcodes b;
+            memcpy(&b, q + j * k2 + c * STEP_BYTES, sizeof b);
+            __builtin_prefetch(q + (j + PREFETCH_ROWS) * k2 + c * STEP_BYTES);
+            lo[j] = b & 15;
+            hi[j] = b >> 4;
+            s[j] = lane_scales(scales + j * groups, g0, shift);
+        }
+        for (int i = 0; i < r; i++) {
+            const int64_t at = (i0 + i) * A->bytes + c * STEP_BYTES;
+            const vfloat d = load_floats(A->d + ((i0 + i) * A->steps + c) * LANES);
+            for (int j = 0; j < nb; j++)
+                acc[j][i] += __builtin_convertvector(dot_step(lo[j], hi[j], A->e + at, A->o + at), vfloat) * (s[j] * d);
+        }
+    }
+    for (int j = 0; j < nb; j++) {
+        vfloat zt[8];
+        for (int i = 0; i < r; i++) zt[i] = (vfloat){0};
+        for (int64_t g = 0; g < A->cz_len; g += LANES) {
+            const vfloat sz = load_floats(scales + j * groups + g) * bytes_as_floats(zeros + j * groups + g);
+            for (int i = 0; i < r; i++) zt[i] += sz * load_floats(A->cz + (i0 + i) * A->cz_len + g);
+        }
+        for (int i = 0; i < r; i++) y[i * ldy + j] = sum_lanes(acc[j][i] - zt[i]);
+    }
+}
+
+#define TILE8_FN(NB, R)                                                                                     \
+    static void tile8_##NB##_##R(const int8_rows *A, int64_t i0, int64_t k2, int64_t groups, int shift,     \
+                                 const uint8_t *q, const float *scales, const uint8_t *zeros, float *y,     \
+                                 int64_t ldy) {                                                             \
+        tile8(NB, R, A, i0, k2, groups, shift, q, scales, zeros, y, ldy);                                   \
+    }
+TILE8_FN(2, 4)
+TILE8_FN(2, 3)
+TILE8_FN(2, 2)
+TILE8_FN(4, 1)
+TILE8_FN(1, 1)
+TILE8_FN(1, 2)
+TILE8_FN(1, 3)
+TILE8_FN(1, 4)
+TILE8_FN(1, 5)
+TILE8_FN(1, 6)
+TILE8_FN(1, 7)
+TILE8_FN(1, 8)
+
+typedef void (*tile8_fn)(const int8_rows *, int64_t, int64_t, int64_t, int, const uint8_t *, const float *,
+                         const uint8_t *, float *, int64_t);
+static const tile8_fn ONE_ROW8[9] = {0,           tile8_1_1, tile8_1_2, tile8_1_3, tile8_1_4,
+                                     tile8_1_5,   tile8_1_6, tile8_1_7, tile8_1_8};
+
+static int log2_group(int64_t group) {
+    int shift = 0;
+    while (((int64_t)1 << shift) < group) shift++;
+    return ((int64_t)1 << shift) == group && shift >= 5 ? shift : -1;
+}
+
+
+/* A weight as the int8 tiles read it: rows from `head` on come from a copy padded with
+ * zeros (their last steps would read past the matrix). */
+typedef struct {
+    const uint8_t *q, *zeros, *tail_q, *tail_zeros;
+    const float *scales, *tail_scales;
+    int64_t head, k2, groups;
+} int8_weight;
+
+/* The int8 kernel's operands, for its tile calls. */
+typedef struct {
+    const int8_rows *A;
+    const int8_weight *W;
+    float *y;
+    int64_t n;
+    int shift;
+} int8_product;
+
+static void int8_tile(const void *ctx, int64_t row, int nb, int64_t i, int r) {
+    const int8_product *P = ctx;
+    const int8_weight *W = P->W;
+    const int copied = row >= W->head; /* a tile lies wholly before the copy or in it */
+    const int64_t at = copied ? row - W->head : row;
+    const uint8_t *q = (copied ? W->tail_q : W->q) + at * W->k2;
+    const float *s = (copied ? W->tail_scales : W->scales) + at * W->groups;
+    const uint8_t *z = (copied ? W->tail_zeros : W->zeros) + at * W->groups;
+    const tile8_fn fn = nb == 1 ? ONE_ROW8[r] : nb == 4 ? tile8_4_1 : r == 4 ? tile8_2_4 : r == 3 ? tile8_2_3 : tile8_2_2;
+    fn(P->A, i, W->k2, W->groups, P->shift, q, s, z, P->y + i * P->n + row, P->n);
+}
+
+/* edge_int4_linear's product with the activations rounded to int8 (above). Returns 0, -1
+ * where K or G does not fit, -2 when out of memory. */
+int edge_int4_linear_int8(const float *x, int64_t m, int64_t k, const uint8_t *q, const float *scales,
+                          const uint8_t *zeros, int64_t n, int64_t group, float *y, int threads) {
+    const int shift = log2_group(group);
+    if (shift < 0 || k % group != 0) return -1;
+    if (m <= 0 || n <= 0) return 0;
+    const int64_t k2 = k / 2, groups = k / group;
+    int8_rows A;
+    if (quantize_rows(x, m, k, group, &A) != 0) {
+        free_rows(&A);
+        return -2;
+    }
+    /* A row's last step reads up to A.bytes - k2 code bytes past it, its zero sums up to
+     * cz_len - groups scales and zero points: those rows whose reads would pass the end
+     * of the matrix, rounded to whole tiles of four, are read from a padded copy. */
+    int64_t tail = 1;
+    while (tail < n && ((tail + 1) * k2 < A.bytes || (tail + 1) * groups < A.cz_len)) tail++;
+    const int64_t head = (n - tail) / 4 * 4, copied = n - head;
+    uint8_t *tq = calloc((size_t)(copied * k2 + STEP_BYTES), 1);
+    float *ts = calloc((size_t)(copied * groups + LANES), sizeof(float));
+    uint8_t *tz = calloc((size_t)(copied * groups + LANES), 1);
+    if (!tq || !ts || !tz) {
+        free_rows(&A);
+        free(tq);
+        free(ts);
+        free(tz);
+        return -2;
+    }
+    memcpy(tq, q + head * k2, (size_t)(copied * k2));
+    memcpy(ts, scales + head * groups, sizeof(float) * (size_t)(copied * groups));
+    memcpy(tz, zeros + head * groups, (size_t)(copied * groups));
+    const int8_weight W = {q, zeros, tq, tz, scales, ts, head, k2, groups};
+    const int8_product P = {&A, &W, y, n, shift};
+    const int64_t n4 = n / 4;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < n4 + n % 4; t++) plan_tiles(t, n4, m, int8_tile, &P);
+    free_rows(&A);
+    free(tq);
+    free(ts);
+    free(tz);
     return 0;
 }

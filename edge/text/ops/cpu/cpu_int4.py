@@ -161,29 +161,32 @@ class CKernel:
         return True
 
 
-_KERNEL = CKernel(
-    SOURCE,
-    "edge_int4_linear",
-    [
-        ctypes.c_void_p,  # x [M, K] float32
-        ctypes.c_int64,  # M
-        ctypes.c_int64,  # K
-        ctypes.c_void_p,  # qweight [N, K/2] uint8
-        ctypes.c_void_p,  # scales [N, K/G] float32
-        ctypes.c_void_p,  # zeros [N, K/G] uint8
-        ctypes.c_int64,  # N
-        ctypes.c_int64,  # G
-        ctypes.c_void_p,  # y [M, N] float32
-        ctypes.c_int,  # threads
-    ],
-    "the float32 CPU INT4 kernel",
-)
+_ARGS: list[Any] = [
+    ctypes.c_void_p,  # x [M, K] float32
+    ctypes.c_int64,  # M
+    ctypes.c_int64,  # K
+    ctypes.c_void_p,  # qweight [N, K/2] uint8
+    ctypes.c_void_p,  # scales [N, K/G] float32
+    ctypes.c_void_p,  # zeros [N, K/G] uint8
+    ctypes.c_int64,  # N
+    ctypes.c_int64,  # G
+    ctypes.c_void_p,  # y [M, N] float32
+    ctypes.c_int,  # threads
+]
+_KERNEL = CKernel(SOURCE, "edge_int4_linear", _ARGS, "the float32 CPU INT4 kernel")
+# The same products with each activation row rounded to int8 in blocks of 32 (cpu_int4.c).
+_INT8_KERNEL = CKernel(SOURCE, "edge_int4_linear_int8", _ARGS, "the int8-activation CPU INT4 kernel")
 
 
-def available() -> bool:
+def supports_int8(in_features: int, group_size: int) -> bool:
+    """Whether the int8-activation kernel takes these: groups a power of two of at least 32."""
+    return group_size >= 32 and group_size & (group_size - 1) == 0 and in_features % group_size == 0
+
+
+def available(int8: bool = False) -> bool:
     """Whether the kernel is built (building it now if needed) and loadable here."""
     try:
-        _KERNEL.function()
+        (_INT8_KERNEL if int8 else _KERNEL).function()
     except RuntimeError as exc:
         logger.warning("%s; torch's bfloat16 kernel serves instead", exc)
         return False
@@ -191,13 +194,21 @@ def available() -> bool:
 
 
 def linear(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group: int,
+    int8: bool = False,
 ) -> torch.Tensor:
-    """x [M, K] -> [M, N] float32 for weights in the checkpoint's layout (scales float32)."""
-    fn = _KERNEL.function()
+    """x [M, K] -> [M, N] float32 for weights in the checkpoint's layout (scales float32);
+    `int8`: the activations rounded to int8 in blocks of 32 (the int8 kernel)."""
+    fn = (_INT8_KERNEL if int8 else _KERNEL).function()
     m, k = x.shape
     n = qweight.shape[0]
-    if not supports(k, group):
+    if int8 and not supports_int8(k, group):
+        raise ValueError(f"the int8 CPU INT4 kernel takes groups of a power of two from 32 dividing K ({group}, {k})")
+    if not int8 and not supports(k, group):
         raise ValueError(f"the CPU INT4 kernel takes groups of a multiple of {2 * LANES} dividing K ({group}, {k})")
     x = x.detach().to(torch.float32).contiguous()
     out = torch.empty(m, n, dtype=torch.float32)

@@ -9,9 +9,9 @@
  *    down product + residual
  *
  * and the caller does the embedding before and the final norm and head after (one
- * operator each). The INT4 products are cpu_int4.c's, included here, so the weights
- * are the quantized model's own to the last bit and each output is summed in the same
- * order whatever the batch. Attention sums each (row, head) in a fixed order too: a
+ * operator each). The INT4 products are cpu_int4.c's, included here (float32, or with
+ * int8 activations where the matrix says so), so the weights are the quantized model's
+ * own to the last bit and each output is summed in the same order whatever the batch. Attention sums each (row, head) in a fixed order too: a
  * sequence's logits do not depend on the sequences decoded beside it.
  *
  * Llama's graph only (SiLU, one RoPE table, no biases, no q/k norms, no window): the
@@ -27,6 +27,7 @@ typedef struct {
     const float *scales;   /* [n, k / group] */
     const uint8_t *zeros;  /* [n, k / group] */
     int64_t n, k, group;
+    int64_t int8;          /* nonzero: its activations rounded to int8 (edge_int4_linear_int8) */
 } int4_matrix;
 
 typedef struct {
@@ -106,6 +107,7 @@ static void attend(const step_model *M, const float *q, const float *keys, const
 }
 
 static int product(const int4_matrix *W, const float *x, int64_t m, float *y, int threads) {
+    if (W->int8) return edge_int4_linear_int8(x, m, W->k, W->q, W->scales, W->zeros, W->n, W->group, y, threads);
     return edge_int4_linear(x, m, W->k, W->q, W->scales, W->zeros, W->n, W->group, y, threads);
 }
 
