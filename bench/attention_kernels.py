@@ -6,7 +6,8 @@ For each context and each cache (float16, and the int8 and int4 formats the engi
 serves), 32 layers' caches are filled with random tokens and one step's attention, a call
 per layer (one sequence, 32 query heads over 8 KV heads of 128 channels), is captured in
 a CUDA graph and replayed; each row is the time of one call, with the splits the kernel
-chose (Triton's quantized kernels choose theirs inside and are not recorded). These are
+chose (Triton's quantized kernels choose theirs inside and are not recorded) and, for
+ours, which kernel ran (the tensor-core one or the scalar one, and why). These are
 the kernels alone, not an engine: the served step's figures are bench.text's and
 bench.jetson_proxy's. Our kernels are built for the architecture EDGE_CUDA_ARCH names
 (compute_80: the Jetson proxy's Ampere PTX) or this GPU's.
@@ -69,7 +70,8 @@ def float_rows(context: int, device: torch.device, sms: int) -> list[dict[str, A
     rows = []
     splits, chunk = decode_ops.attention_splits(context, cfg.num_kv_heads, sms)
     ours: Call = lambda i: decode_ops.decode_attention(q, *caches[i], pos, context, sms)  # noqa: E731
-    rows.append(_row("cuda", "float16", context, _time_step(ours, layers), splits, chunk))
+    kernel = decode_ops.attention_kernel(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
+    rows.append(_row("cuda", "float16", context, _time_step(ours, layers), splits, chunk, kernel))
     try:
         from edge.text.ops.triton import decode_ops as triton_ops
     except ImportError:
@@ -97,7 +99,8 @@ def quant_rows(context: int, kv_dtype: KVDtype, device: torch.device, sms: int) 
     rows = []
     splits, chunk = kv_ops.attention_splits(context, cfg.num_kv_heads, sms)
     ours: Call = lambda i: kv_ops.attention(cache.layer(i), q, pos, context, scale)  # noqa: E731
-    rows.append(_row("cuda", kv_dtype, context, _time_step(ours, cfg.num_layers), splits, chunk))
+    kernel = kv_ops.attention_kernel(fmt, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
+    rows.append(_row("cuda", kv_dtype, context, _time_step(ours, cfg.num_layers), splits, chunk, kernel))
     try:
         from edge.text.ops.triton import triton_kv
     except ImportError:
@@ -107,10 +110,21 @@ def quant_rows(context: int, kv_dtype: KVDtype, device: torch.device, sms: int) 
     return rows
 
 
-def _row(kernels: str, kv_dtype: str, context: int, us: float, splits: int | None, chunk: int | None) -> dict[str, Any]:
+def _row(
+    kernels: str,
+    kv_dtype: str,
+    context: int,
+    us: float,
+    splits: int | None,
+    chunk: int | None,
+    kernel: str | None = None,
+) -> dict[str, Any]:
+    """A row; `kernel`: which of our attention kernels ran (decode_ops/kv_ops.attention_kernel)."""
     row = {"kernels": kernels, "kv_dtype": kv_dtype, "context": context, "us_per_layer": us}
     if splits is not None:
         row.update(splits=splits, chunk=chunk)
+    if kernel is not None:
+        row["kernel"] = kernel
     print(f"  {kernels:6} {kv_dtype:7} {context:6} tokens: {us:7.2f} us a layer", flush=True)
     return row
 

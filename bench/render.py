@@ -1165,8 +1165,8 @@ def attention_kernels(d: dict[str, Any]) -> str:
         f"{shape['layers']} layers' caches, each call in a CUDA graph (`bench/results/attention_kernels.json`): "
         "microseconds a layer, and Triton's time over ours (above 1: ours faster).",
         "",
-        "| cache | context | ours (CUDA C) | Triton | Triton / ours | our splits x chunk |",
-        "|---|---:|---:|---:|---:|---|",
+        "| cache | context | ours (CUDA C) | Triton | Triton / ours | our splits x chunk | our kernel |",
+        "|---|---:|---:|---:|---:|---|---|",
     ]
     theirs = {(r["kv_dtype"], r["context"]): r for r in d["rows"] if r["kernels"] == "triton"}
     for r in (r for r in d["rows"] if r["kernels"] == "cuda"):
@@ -1175,7 +1175,7 @@ def attention_kernels(d: dict[str, Any]) -> str:
         ratio = f"{t['us_per_layer'] / r['us_per_layer']:.2f}x" if t else "-"
         lines.append(
             f"| {r['kv_dtype']} | {r['context']} | {r['us_per_layer']:.2f} | {triton} | {ratio} "
-            f"| {r['splits']} x {r['chunk']} |"
+            f"| {r['splits']} x {r['chunk']} | {r.get('kernel', 'not recorded')} |"
         )
     return "\n".join(lines)
 

@@ -27,12 +27,14 @@ from tests.test_quant_cache import CONFIG, _attend
 
 # Formats the CUDA kernels take (key blocks of whole 64-position tiles): the served two,
 # and the options they do not use (value groups, int4 zero points, int8 with a window
-# and sink).
+# and sink). Value groups of at least head_dim / 8 channels take the tensor-core kernel;
+# smaller ones (int8-small-groups) the scalar one.
 CUDA_FORMATS = {
     "int8": FORMATS["int8"],
     "int4": FORMATS["int4"],
     "int8-grouped-sink": KVFormat("int8", key_block=64, value_group=32, window=4, sink=2),
     "int4-asymmetric": KVFormat("int4", key_block=64, value_group=32, window=8, sink=3),
+    "int8-small-groups": KVFormat("int8", key_block=64, value_group=4, window=4, sink=2),
 }
 
 
@@ -73,6 +75,19 @@ def test_without_triton_our_kernels_serve_the_quantized_formats_and_say_what_the
     with pytest.raises(RuntimeError, match="kv_dtype int8 on CUDA needs Triton or our CUDA kernels"):
         kv_format(QAModelConfig(device="cuda", kv_dtype="int8"))
     assert "no quantized-KV kernels here" in str(step_ops.kv_refusal("cuda:0", fmt, 64, 3, torch.float16))
+
+
+def test_the_tensor_core_attention_serves_the_shipped_formats_and_says_what_it_leaves_to_the_scalar_one() -> None:
+    """The served formats on the 8B shape (head_dim 128, four query heads a KV head) and the
+    test model's take the tensor-core kernels; value groups narrower than a lane's eighth of
+    a head, more than 8 query heads a KV head, or head_dim 256 leave it, saying which."""
+    for name in ("int8", "int4"):
+        assert kv_ops.attention_kernel(FORMATS[name], 128, 4) == "mma"
+        assert kv_ops.attention_kernel(FORMATS[name], 64, 3) == "mma"
+    assert cuda_ops.attention_kernel(128, 4) == "mma"
+    assert "value groups of 4" in kv_ops.attention_kernel(CUDA_FORMATS["int8-small-groups"], 64, 3)
+    assert "16 query heads" in kv_ops.attention_kernel(FORMATS["int8"], 128, 16)
+    assert "head_dim 256" in cuda_ops.attention_kernel(256, 2)
 
 
 @pytest.mark.parametrize("sms", [16, 132])  # an AGX Orin's, an H100's

@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "attention_common.cuh"
+#include "attention_mma.cuh"
 
 namespace {
 
@@ -302,52 +303,13 @@ __global__ void __launch_bounds__(ATTN_THREADS)
 }
 
 // ---- attention on tensor cores (mma.sync m16n8k16), head_dim 64 or 128, up to 8 query rows --
-// Scores as S^T = K Q^T (16 keys x 8 query rows a warp, the rows the n side of the mma, so
-// a group of 4 or 8 wastes nothing of the m side), values as O^T = V^T P^T (16 channels x
-// 8 rows). Each warp takes 16 positions of every 64-position tile with its own online
-// softmax; the four warps' sums are combined at the end of the chunk. Channel and key
-// orders are chosen so every load is 16 contiguous bytes of a cache row:
+// The layout is attention_mma.cuh's. Channel and key orders are chosen so every load is 16
+// contiguous bytes of a cache row:
 // - scores: k-step s = 2j + h of the dot product takes, at fragment k {2c, 2c+1} and
 //   {2c+8, 2c+9} (c = lane % 4), channels 32j + 8c + 4h + {0, 1} and {2, 3}; a lane loads
 //   channels 32j + 8c .. +7 of its keys r and r + 8 (r = lane / 4) and of query row r;
-// - values: with CPR = HD / 8 channels per lane row, m-tile i's rows r and r + 8 are
-//   channels CPR r + 2i and CPR r + 2i + 1; a lane loads channels CPR r .. CPR r + CPR - 1
-//   of its keys 2c, 2c + 1, 2c + 8, 2c + 9 (one 16-byte word at head_dim 64, two at 128).
-constexpr int MMA_ROWS = 8;
-
-template <typename C>
-__device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                          uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<C, __half>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-}
-
-template <typename C>
-__device__ __forceinline__ uint32_t pack2(float x, float y) {
-  if constexpr (std::is_same_v<C, __half>) {
-    const __half2 h = __floats2half2_rn(x, y);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  } else {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  }
-}
-
-__device__ __forceinline__ uint32_t word(const uint4& w, int i) {
-  return i == 0 ? w.x : i == 1 ? w.y : i == 2 ? w.z : w.w;
-}
-
+// - values: a lane loads channels CPR r .. CPR r + CPR - 1 of its keys 2c, 2c + 1, 2c + 8,
+//   2c + 9 (one 16-byte word at head_dim 64, two at 128).
 template <typename C, int HD, int GP>
 __global__ void __launch_bounds__(ATTN_THREADS)
     attn_mma_kernel(const C* __restrict__ q, const C* __restrict__ kc, const C* __restrict__ vc,
@@ -357,14 +319,11 @@ __global__ void __launch_bounds__(ATTN_THREADS)
   static_assert(HD == 64 || HD == 128, "head_dim 64 or 128");
   static_assert(GP <= MMA_ROWS, "up to 8 query rows a KV head");
   constexpr int WARPS = ATTN_THREADS / 32;
-  constexpr int KW = HD / 32;    // a key's 16-byte words a lane loads (scores)
-  constexpr int CPR = HD / 8;    // a value row's channels a lane loads: CPR r .. CPR r + CPR - 1
-  constexpr int VW = CPR / 8;    // ... in 16-byte words
-  constexpr int MT = HD / 16;    // m-tiles of the values (16 channels each)
-  constexpr int WPOS = ATTN_TILE / WARPS;  // positions a warp takes of a tile: 16
-  __shared__ __align__(16) C ps[WARPS][MMA_ROWS][WPOS + 8];  // a warp's P, rows x keys (padded)
-  __shared__ float wm[WARPS][MMA_ROWS], wl[WARPS][MMA_ROWS];
-  __shared__ float red[WARPS][GP][HD];
+  constexpr int KW = HD / 32;  // a key's 16-byte words a lane loads (scores)
+  constexpr int CPR = HD / 8;  // a value row's channels a lane loads: CPR r .. CPR r + CPR - 1
+  constexpr int VW = CPR / 8;  // ... in 16-byte words
+  static_assert(ATTN_TILE / WARPS == MMA_WPOS, "16 positions a warp");
+  __shared__ __align__(16) C ps[WARPS][MMA_ROWS][MMA_WPOS + 8];  // a warp's P, rows x keys (padded)
 
   const int bh = blockIdx.x, sp = blockIdx.y;
   const int b = bh / NKV, kh = bh % NKV;
@@ -378,7 +337,7 @@ __global__ void __launch_bounds__(ATTN_THREADS)
   // positions; the first tile's loaded before the position and the queries arrive.
   uint4 kw[2][KW], vw[4][VW];
   const auto load_tile = [&](long long t0) {
-    const long long p0 = t0 + warp * WPOS;
+    const long long p0 = t0 + warp * MMA_WPOS;
 #pragma unroll
     for (int u = 0; u < 2; u++) {
       const long long t = p0 + r + 8 * u;
@@ -406,18 +365,13 @@ __global__ void __launch_bounds__(ATTN_THREADS)
       if (r >= group) qw[j] = make_uint4(0, 0, 0, 0);
     }
   }
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // rows 2c and 2c + 1
-  float o[MT][4];
-#pragma unroll
-  for (int i = 0; i < MT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  MmaState<HD / 16> st;
   const long long end = min(start + chunk, pos + 1);
 
   for (long long t0 = start; t0 < end; t0 += ATTN_TILE) {
     if (t0 > start) load_tile(t0);
-    const long long p0 = t0 + warp * WPOS;
+    const long long p0 = t0 + warp * MMA_WPOS;
     if (p0 >= end) continue;  // the warp's positions all past the sequence's (warp-uniform)
-    // Values past the sequence's position as zeros: what the cache holds there may be
-    // anything (NaN times a zero weight is NaN).
 #pragma unroll
     for (int u = 0; u < 4; u++) {
       if (p0 + 2 * c + (u & 1) + 8 * (u >> 1) >= end) {
@@ -434,103 +388,10 @@ __global__ void __launch_bounds__(ATTN_THREADS)
                      word(kw[1][j], 2 * h + 1), word(qw[j], 2 * h), word(qw[j], 2 * h + 1));
       }
     }
-    // s: keys r (s0, s1) and r + 8 (s2, s3) x rows 2c (s0, s2) and 2c + 1 (s1, s3).
-    const bool in0 = p0 + r < end, in1 = p0 + r + 8 < end;
-    if (!in0) s[0] = s[1] = -INFINITY;
-    if (!in1) s[2] = s[3] = -INFINITY;
-    float x0 = fmaxf(s[0], s[2]), x1 = fmaxf(s[1], s[3]);
-#pragma unroll
-    for (int off = 4; off < 32; off <<= 1) {
-      x0 = fmaxf(x0, __shfl_xor_sync(0xffffffffu, x0, off));
-      x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, off));
-    }
-    const float n0 = fmaxf(m0, x0), n1 = fmaxf(m1, x1);  // finite: position p0 <= pos is in
-    const float al0 = __expf(m0 - n0), al1 = __expf(m1 - n1);
-    m0 = n0;
-    m1 = n1;
-    const float p00 = __expf(s[0] - n0), p01 = __expf(s[1] - n1), p10 = __expf(s[2] - n0), p11 = __expf(s[3] - n1);
-    l0 = l0 * al0 + p00 + p10;
-    l1 = l1 * al1 + p01 + p11;
-#pragma unroll
-    for (int i = 0; i < MT; i++) {
-      o[i][0] *= al0;
-      o[i][2] *= al0;
-      o[i][1] *= al1;
-      o[i][3] *= al1;
-    }
-    // P to the values' B fragments (row r, keys 2c, 2c + 1 and 2c + 8, 2c + 9) through
-    // the warp's shared rows.
-    C(*pw)[WPOS + 8] = ps[warp];
-    pw[2 * c][r] = from_f<C>(p00);
-    pw[2 * c + 1][r] = from_f<C>(p01);
-    pw[2 * c][r + 8] = from_f<C>(p10);
-    pw[2 * c + 1][r + 8] = from_f<C>(p11);
-    __syncwarp();
-    const uint32_t b0 = *reinterpret_cast<const uint32_t*>(&pw[r][2 * c]);
-    const uint32_t b1 = *reinterpret_cast<const uint32_t*>(&pw[r][2 * c + 8]);
-    __syncwarp();
-#pragma unroll
-    for (int i = 0; i < MT; i++) {
-      // Channels CPR r + 2i (m row r) and CPR r + 2i + 1 (m row r + 8) of keys 2c, 2c + 1 (a0,
-      // a1) and 2c + 8, 2c + 9 (a2, a3): word i % 4 of value word i / 4 holds both channels.
-      const uint32_t k0 = word(vw[0][i / 4], i % 4), k1 = word(vw[1][i / 4], i % 4);
-      const uint32_t k8 = word(vw[2][i / 4], i % 4), k9 = word(vw[3][i / 4], i % 4);
-      mma_16816<C>(o[i], __byte_perm(k0, k1, 0x5410), __byte_perm(k0, k1, 0x7632), __byte_perm(k8, k9, 0x5410),
-                   __byte_perm(k8, k9, 0x7632), b0, b1);
-    }
+    mma_tile_values<C, HD>(s, p0 + r < end, p0 + r + 8 < end, vw, ps[warp], st, r, c);
   }
-  // The warps' sums combined: each row's sum of exponentials over the warp, then every
-  // warp's sums rescaled to the block's max.
-#pragma unroll
-  for (int off = 4; off < 32; off <<= 1) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
-  }
-  if (r == 0) {
-    wm[warp][2 * c] = m0;
-    wm[warp][2 * c + 1] = m1;
-    wl[warp][2 * c] = l0;
-    wl[warp][2 * c + 1] = l1;
-  }
-  __syncthreads();
-  float top0 = -INFINITY, top1 = -INFINITY;
-#pragma unroll
-  for (int w = 0; w < WARPS; w++) {
-    top0 = fmaxf(top0, wm[w][2 * c]);
-    top1 = fmaxf(top1, wm[w][2 * c + 1]);
-  }
-  const float e0 = m0 == -INFINITY ? 0.0f : __expf(m0 - top0), e1 = m1 == -INFINITY ? 0.0f : __expf(m1 - top1);
-#pragma unroll
-  for (int i = 0; i < MT; i++) {
-    if (2 * c < group) {
-      red[warp][2 * c][CPR * r + 2 * i] = o[i][0] * e0;
-      red[warp][2 * c][CPR * r + 2 * i + 1] = o[i][2] * e0;
-    }
-    if (2 * c + 1 < group) {
-      red[warp][2 * c + 1][CPR * r + 2 * i] = o[i][1] * e1;
-      red[warp][2 * c + 1][CPR * r + 2 * i + 1] = o[i][3] * e1;
-    }
-  }
-  __syncthreads();
-  const size_t first_slot = ((size_t)bh * splits + sp) * GP;
-  for (int item = threadIdx.x; item < group * HD; item += ATTN_THREADS) {
-    const int g = item / HD, d = item % HD;
-    float sum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < WARPS; w++) sum += red[w][g][d];
-    acc[(first_slot + g) * HD + d] = sum;
-  }
-  if (threadIdx.x < group) {
-    const int g = threadIdx.x;
-    float top = -INFINITY, l = 0.0f;
-#pragma unroll
-    for (int w = 0; w < WARPS; w++) top = fmaxf(top, wm[w][g]);
-#pragma unroll
-    for (int w = 0; w < WARPS; w++) l += wm[w][g] == -INFINITY ? 0.0f : wl[w][g] * __expf(wm[w][g] - top);
-    ml[(first_slot + g) * 2] = top;
-    ml[(first_slot + g) * 2 + 1] = l;
-  }
-  merge_if_last<GP, HD, ATTN_THREADS>(done, bh, splits, group, acc, ml, out + ((size_t)b * NH + kh * group) * HD);
+  mma_finish<C, GP, HD, ATTN_THREADS>(st, group, bh, sp, splits, acc, ml, done,
+                                      out + ((size_t)b * NH + kh * group) * HD);
 }
 
 // ---- SiLU * up -----------------------------------------------------------------------

@@ -55,6 +55,20 @@ def available(device: torch.device | str = "cuda") -> bool:
     return _LIBRARY.available(device)
 
 
+MMA_ROWS = 8  # query rows a KV head the tensor-core attention takes (attention_mma.cuh)
+MMA_HEAD_DIMS = (64, 128)
+
+
+def attention_kernel(head_dim: int, group: int) -> str:
+    """Which of decode_ops.cu's attention kernels serves this shape (as its launch_split
+    chooses): "mma" (the tensor cores) or "scalar", with the reason."""
+    if head_dim not in MMA_HEAD_DIMS:
+        return f"scalar: head_dim {head_dim} (the tensor-core kernel takes {MMA_HEAD_DIMS})"
+    if group > MMA_ROWS:
+        return f"scalar: {group} query heads per KV head (the tensor-core kernel takes at most {MMA_ROWS})"
+    return "mma"
+
+
 def refusal(head_dim: int, group: int, dtype: torch.dtype, hidden: int = 0) -> str | None:
     """Why these kernels cannot take a model of this shape and type (None: they can)."""
     if hidden > MAX_NORM_HIDDEN:

@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "attention_common.cuh"
+#include "attention_mma.cuh"
 
 namespace {
 
@@ -513,6 +514,282 @@ __global__ void __launch_bounds__(KV_THREADS)
   merge_if_last<GP, HD, KV_THREADS>(done, bh, splits, group, acc, ml, out + ((size_t)qi * NH + kh * group) * HD);
 }
 
+// ---- attention on tensor cores -------------------------------------------------------
+// kv_attn_split_kernel's work on attention_mma.cuh's layout (mma.sync m16n8k16), for up to
+// 8 query rows a KV head and value groups of at least CPR = HD / 8 channels (a lane's
+// channels of a value share one scale). A coded tile's codes are turned into the
+// activations' type in registers (int8 and int4 codes are exact in float16 and bfloat16):
+// the tile's key scales multiplied into the queries, the int4 key zero points' dot product
+// with the queries added to each score, a value's scale (and zero point) applied as its
+// codes are turned. The sink tokens of the first tile are float keys among codes: their
+// scores come from a second product against the queries without the scales.
+
+// Channels 2k and 2k + 1 of a lane's codes `w` (int8: a byte each; int4: the low and the
+// high nibble of byte k), as floats.
+template <bool INT4>
+__device__ __forceinline__ void code_pair(const uint32_t* w, int k, float& x, float& y) {
+  if constexpr (INT4) {
+    const uint32_t byte = (w[k / 4] >> (8 * (k % 4))) & 0xffu;
+    x = (float)(byte & 15u);
+    y = (float)(byte >> 4);
+  } else {
+    x = (float)(int8_t)((w[(2 * k) / 4] >> (8 * ((2 * k) % 4))) & 0xffu);
+    y = (float)(int8_t)((w[(2 * k + 1) / 4] >> (8 * ((2 * k + 1) % 4))) & 0xffu);
+  }
+}
+
+template <typename C, int HD, int GP, bool INT4>
+__global__ void __launch_bounds__(KV_THREADS, 3)
+    kv_attn_mma_kernel(const C* __restrict__ q, Layer<C> L, Format f, const C* __restrict__ kf,
+                       const C* __restrict__ vf, const long long* __restrict__ pos_ptr, float* __restrict__ acc,
+                       float* __restrict__ ml, int* __restrict__ done, C* __restrict__ out, int start_in,
+                       int coded_in, float q_scale, int NH, int NKV, int falloc, int fmod, int chunk, int splits,
+                       int group) {
+  static_assert(HD == 64 || HD == 128, "head_dim 64 or 128");
+  static_assert(GP <= MMA_ROWS, "up to 8 query rows a KV head");
+  constexpr int WARPS = KV_THREADS / 32;
+  constexpr int KW = HD / 32;            // a lane's 8-channel groups of a key
+  constexpr int CPR = HD / 8;            // a lane's channels of a value
+  constexpr int VW = CPR / 8;            // ... as 16-byte words of the activations' type
+  constexpr int CB = INT4 ? HD / 2 : HD;  // code bytes a token
+  constexpr int PER_BYTE = INT4 ? 2 : 1;  // channels a code byte
+  static_assert(KV_TILE / WARPS == MMA_WPOS, "16 positions a warp");
+  __shared__ __align__(16) C ps[WARPS][MMA_ROWS][MMA_WPOS + 8];
+  __shared__ __align__(16) float qs[MMA_ROWS][HD];  // the queries times q_scale (zeros past the group)
+
+  const int bh = blockIdx.x, sp = blockIdx.y;
+  const int qi = bh / NKV, kh = bh % NKV;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r = lane >> 2, c = lane & 3;
+  // Positions fit an int: a cache holds fewer than 2^31. The position's load is issued
+  // first; what does not depend on it is worked out while it travels.
+  const bool decode = pos_ptr != nullptr;
+  const long long pos_in = decode ? pos_ptr[qi] : 0;
+  const int row = decode ? qi : 0;
+  const int head = row * NKV + kh;
+  const int start = sp * chunk;
+  const int fbase = decode ? 0 : coded_in;  // float token t in slot (t - fbase) % fmod
+  const int groups = HD / f.VG;
+  const int vgroup = CPR * r / f.VG;  // the value group of this lane's channels
+  const size_t codes_at = (size_t)head * f.code_len;
+  const C* kf_row = kf + ((size_t)row * NKV + kh) * falloc * HD;
+  const C* vf_row = vf + ((size_t)row * NKV + kh) * falloc * HD;
+
+  // A tile's keys (r, r + 8) and values (2c, 2c + 1, 2c + 8, 2c + 9) of this warp's 16
+  // positions, as words of the activations' type; a coded one's codes are loaded into the
+  // first of its words, with its scales (and zero points), and turned in place in the tile
+  // loop. Zeros past the sequence.
+  uint4 kw[2][KW], vw[4][VW];
+  uint4 ksw[KW], kzw[KW];
+  float vsc[4], vzc[4];
+  const uint4 zero4 = make_uint4(0, 0, 0, 0);
+  // Codes of a coded tile; float tokens of a float tile, or the sink tokens among a coded
+  // one's (a second trip, the first tile only).
+  const auto load_codes = [&](int t0) {
+    const int p0 = t0 + warp * MMA_WPOS;
+#pragma unroll
+    for (int u = 0; u < 2; u++) {
+      const uint8_t* codes = L.kc + (codes_at + p0 + r + 8 * u) * CB;
+#pragma unroll
+      for (int j = 0; j < KW; j++) load_words<INT4 ? 4 : 8>(codes + (32 * j + 8 * c) / PER_BYTE, &kw[u][j].x);
+    }
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+      const size_t tok = codes_at + p0 + 2 * c + (u & 1) + 8 * (u >> 1);
+      load_words<CPR / PER_BYTE>(L.vc + tok * CB + CPR * r / PER_BYTE, &vw[u][0].x);
+      vsc[u] = __half2float(L.vs[tok * groups + vgroup]);
+      vzc[u] = INT4 && !f.vsym ? __half2float(L.vz[tok * groups + vgroup]) : 0.0f;
+    }
+    const size_t s_at = ((size_t)head * f.blocks + t0 / f.KB) * HD;
+#pragma unroll
+    for (int j = 0; j < KW; j++) {
+      ksw[j] = reinterpret_cast<const uint4*>(L.ks + s_at + 32 * j + 8 * c)[0];
+      if (INT4) kzw[j] = reinterpret_cast<const uint4*>(L.kz + s_at + 32 * j + 8 * c)[0];
+    }
+  };
+  const auto load_floats = [&](int t0, const C* k_rows, const C* v_rows, int base, int mod, int below_t) {
+    const int p0 = t0 + warp * MMA_WPOS;
+#pragma unroll
+    for (int u = 0; u < 2; u++) {
+      const int t = p0 + r + 8 * u;
+      if (t < below_t) {
+        const C* src = k_rows + (size_t)((t - base) % mod) * HD + 8 * c;
+#pragma unroll
+        for (int j = 0; j < KW; j++) kw[u][j] = reinterpret_cast<const uint4*>(src + 32 * j)[0];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+      const int t = p0 + 2 * c + (u & 1) + 8 * (u >> 1);
+      if (t < below_t) {
+        const C* src = v_rows + (size_t)((t - base) % mod) * HD + CPR * r;
+#pragma unroll
+        for (int j = 0; j < VW; j++) vw[u][j] = reinterpret_cast<const uint4*>(src)[j];
+      }
+    }
+  };
+  const auto load_sink = [&](int t0) {  // (a warp's test: the first tile only)
+    if (t0 + warp * MMA_WPOS < f.SINK)
+      load_floats(t0, L.sink_k + (size_t)head * f.SINK * HD, L.sink_v + (size_t)head * f.SINK * HD, 0, f.SINK, f.SINK);
+  };
+  const auto load_tile = [&](int t0, bool is_coded, int end) {
+#pragma unroll
+    for (int u = 0; u < 2; u++) {
+#pragma unroll
+      for (int j = 0; j < KW; j++) kw[u][j] = zero4;
+    }
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+#pragma unroll
+      for (int j = 0; j < VW; j++) vw[u][j] = zero4;
+    }
+    if (is_coded) {
+      load_codes(t0);
+      load_sink(t0);
+    } else {
+      load_floats(t0, kf_row, vf_row, fbase, fmod, end);
+    }
+  };
+  // A decode block's first tile is coded unless it lies among the last tokens (the window
+  // and the key block being filled): its codes are loaded before the position arrives, and
+  // the queries after them (load_queries waits for its loads to store them), so the three
+  // trips to memory overlap as the float kernel's do; a guess the position proves wrong is
+  // loaded again as floats.
+  const bool early = decode && start + KV_TILE <= f.code_len && start / f.KB < f.blocks;
+  if (early) load_codes(start);
+  load_queries<MMA_ROWS, HD, KV_THREADS>(q + ((size_t)qi * NH + kh * group) * HD, qs, group, q_scale,
+                                         [](int d) { return d; });
+  const int pos = decode ? (int)pos_in : start_in + qi;
+  const int coded = decode ? max(pos - f.W, 0) / f.KB * f.KB : coded_in;
+  const int end = min(start + chunk, pos + 1);
+  const int below = max(min(end, coded), start);
+  if (start < end) {
+    if (!early || start >= below) {
+      load_tile(start, start < below, end);
+    } else {
+      load_sink(start);
+    }
+  }
+  __syncthreads();  // the queries in shared memory
+
+  // The queries as the scores' B fragments (row r, channels 32j + 8c .. +7), times the key
+  // scales ks (null: float keys) and their dot product with the zero points kz, for each
+  // tile from shared memory (held in registers across the tiles they would cost the
+  // occupancy that lets a whole 4K cache's splits run at once).
+  // The queries (row r, channels 32j + 8c .. +7), times the tile's key scales where
+  // `scaled` (coded keys), as the scores' B fragments, in two parts: the value rounded to the activations'
+  // type (lo false), then what that rounding left (lo true). With both, a score is as
+  // exact as float32 queries against the keys (the codes are exact): a tile's key scales
+  // (and int4 zero points, whose product with the queries cancels much of the codes')
+  // would otherwise put a float16 rounding of each large product into the scores.
+  // Returns the queries' dot product with the zero points (int4), over this lane's
+  // channels. Read from shared memory per tile: held in registers across the tiles they
+  // would cost the occupancy that runs a 4K cache's splits at three blocks an SM.
+  const auto queries = [&](uint4 (&qb)[KW], bool scaled, bool lo) {
+    float zsum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < KW; j++) {
+      const float* qrow = &qs[r][32 * j + 8 * c];
+#pragma unroll
+      for (int w = 0; w < 4; w++) {
+        float x = qrow[2 * w], y = qrow[2 * w + 1];
+        if (scaled) {
+          const __half* kz_j = reinterpret_cast<const __half*>(&kzw[j]);
+          if (INT4 && !lo) zsum += x * __half2float(kz_j[2 * w]) + y * __half2float(kz_j[2 * w + 1]);
+          const __half* ks_j = reinterpret_cast<const __half*>(&ksw[j]);
+          x *= __half2float(ks_j[2 * w]);
+          y *= __half2float(ks_j[2 * w + 1]);
+        }
+        if (lo) {
+          x -= to_f(from_f<C>(x));
+          y -= to_f(from_f<C>(y));
+        }
+        set_word(qb[j], w, pack2<C>(x, y));
+      }
+    }
+    return zsum;
+  };
+  MmaState<HD / 16> st;
+
+  for (int t0 = start; t0 < end; t0 += KV_TILE) {
+    const bool is_coded = t0 < below;  // a tile lies wholly below or above the coded length
+    if (t0 > start) load_tile(t0, is_coded, end);
+    const int p0 = t0 + warp * MMA_WPOS;
+    if (p0 >= end) continue;       // the warp's positions all past the sequence's (warp-uniform)
+    if (is_coded) {
+      // Codes turned in place (the words read before any is written).
+#pragma unroll
+      for (int u = 0; u < 2; u++) {
+        const int t = p0 + r + 8 * u;
+        if (t < end && t >= f.SINK) {
+#pragma unroll
+          for (int j = 0; j < KW; j++) {
+            const uint32_t codes[2] = {kw[u][j].x, kw[u][j].y};
+#pragma unroll
+            for (int w = 0; w < 4; w++) {
+              float x, y;
+              code_pair<INT4>(codes, w, x, y);
+              set_word(kw[u][j], w, pack2<C>(x, y));
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 4; u++) {
+        const int t = p0 + 2 * c + (u & 1) + 8 * (u >> 1);
+        if (t < end && t >= f.SINK) {
+          const float shift = INT4 && f.vsym ? 8.0f : 0.0f;
+          const uint32_t codes[4] = {vw[u][0].x, vw[u][0].y, vw[u][0].z, vw[u][0].w};
+#pragma unroll
+          for (int w = 0; w < CPR / 2; w++) {
+            float x, y;
+            code_pair<INT4>(codes, w, x, y);
+            set_word(vw[u][w / 4], w % 4, pack2<C>((x - shift) * vsc[u] + vzc[u], (y - shift) * vsc[u] + vzc[u]));
+          }
+        }
+      }
+    }
+    uint4 qb[KW];  // the scores' B fragments (queries)
+    const auto scores = [&](float (&d)[4]) {
+#pragma unroll
+      for (int j = 0; j < KW; j++) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+          mma_16816<C>(d, word(kw[0][j], 2 * h), word(kw[1][j], 2 * h), word(kw[0][j], 2 * h + 1),
+                       word(kw[1][j], 2 * h + 1), word(qb[j], 2 * h), word(qb[j], 2 * h + 1));
+        }
+      }
+    };
+    // Scores against both parts of the queries (times the key scales on codes).
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float zsum = queries(qb, is_coded, false);
+    scores(s);
+    queries(qb, is_coded, true);
+    scores(s);
+    if (is_coded) {
+      const bool sink0 = p0 + r < f.SINK, sink1 = p0 + r + 8 < f.SINK;
+      if (INT4) {  // rows 2c, 2c + 1: the queries . the key zero points, summed over a row's lanes
+        zsum += __shfl_xor_sync(0xffffffffu, zsum, 1);
+        zsum += __shfl_xor_sync(0xffffffffu, zsum, 2);
+        const float qz0 = __shfl_sync(0xffffffffu, zsum, 8 * c), qz1 = __shfl_sync(0xffffffffu, zsum, 8 * c + 4);
+        if (!sink0) s[0] += qz0, s[1] += qz1;
+        if (!sink1) s[2] += qz0, s[3] += qz1;
+      }
+      if (p0 < f.SINK) {  // (warp-uniform) float keys among the codes: scores without the scales
+        float s2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        queries(qb, false, false);
+        scores(s2);
+        queries(qb, false, true);
+        scores(s2);
+        if (sink0) s[0] = s2[0], s[1] = s2[1];
+        if (sink1) s[2] = s2[2], s[3] = s2[3];
+      }
+    }
+    mma_tile_values<C, HD>(s, p0 + r < end, p0 + r + 8 < end, vw, ps[warp], st, r, c);
+  }
+  mma_finish<C, GP, HD, KV_THREADS>(st, group, bh, sp, splits, acc, ml, done,
+                                    out + ((size_t)qi * NH + kh * group) * HD);
+}
+
 template <typename C>
 Layer<C> layer_of(const void* const* t) {
   return Layer<C>{static_cast<C*>(const_cast<void*>(t[0])),       static_cast<C*>(const_cast<void*>(t[1])),
@@ -542,11 +819,20 @@ cudaError_t split_for(int gp, dim3 grid, cudaStream_t s, const C* q, const Layer
   kv_attn_split_kernel<C, HD, GPV, INT4><<<grid, KV_THREADS, 0, s>>>(q, L, f, kf, vf, pos, acc, ml, done, out, start_in,     \
                                                                      coded_in, q_scale, NH, NKV, falloc, fmod,    \
                                                                      chunk, splits, group)
-  if (gp == 4) EDGE_KV_SPLIT(4);
+#define EDGE_KV_MMA(GPV)                                                                                            \
+  kv_attn_mma_kernel<C, HD, GPV, INT4><<<grid, KV_THREADS, 0, s>>>(q, L, f, kf, vf, pos, acc, ml, done, out, start_in,       \
+                                                                   coded_in, q_scale, NH, NKV, falloc, fmod, chunk,     \
+                                                                   splits, group)
+  // The tensor cores where a lane's channels of a value share a scale (mma_ok); else scalar.
+  const bool mma = f.VG >= HD / 8;
+  if (gp == 4 && mma) EDGE_KV_MMA(4);
+  else if (gp == 8 && mma) EDGE_KV_MMA(8);
+  else if (gp == 4) EDGE_KV_SPLIT(4);
   else if (gp == 8) EDGE_KV_SPLIT(8);
   else if (gp == 16) EDGE_KV_SPLIT(16);
   else return cudaErrorInvalidValue;
 #undef EDGE_KV_SPLIT
+#undef EDGE_KV_MMA
   return cudaGetLastError();
 }
 

@@ -70,6 +70,16 @@ def refusal(fmt: KVFormat, head_dim: int, group: int, dtype: torch.dtype) -> str
     return None
 
 
+def attention_kernel(fmt: KVFormat, head_dim: int, group: int) -> str:
+    """Which of kv_ops.cu's attention kernels serves this format and shape (as its
+    split_for chooses): "mma" (the tensor cores), or "scalar" with the reason."""
+    chosen = decode_ops.attention_kernel(head_dim, group)
+    lane = head_dim // 8  # a lane's channels of a value, which share one scale there
+    if chosen == "mma" and fmt.group(head_dim) < lane:
+        return f"scalar: value groups of {fmt.group(head_dim)} channels (the tensor-core kernel takes {lane} or more)"
+    return chosen
+
+
 def _check(rc: int, what: str) -> None:
     if rc != 0:
         raise RuntimeError(f"the CUDA quantized-KV {what} kernel failed to launch (CUDA error {rc})")
