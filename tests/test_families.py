@@ -30,6 +30,7 @@ from bench.family_models import (
 from edge.text.architecture import LlamaConfig
 from edge.text.kv.kv_quant import FORMATS
 from edge.text.model.checkpoint import load_checkpoint
+from edge.text.model.llama import Attention
 from edge.text.runtime import fused_step
 from edge.text.runtime.generate import SamplingParams, generate
 from engines.text.import_gguf import SourceModelError, import_gguf
@@ -179,9 +180,49 @@ def test_what_the_fast_paths_do_not_implement_is_refused_by_name(family: dict[st
 
     with pytest.raises(ExportError, match=first):
         export_text_onnx(family["ckpt"], family["ckpt"])
-    if family["name"] != "qwen3":
+    if family["name"] != "qwen3" and torch.cuda.is_available():
+        # The CPU's quantized attention takes the window (the next test); CUDA's not yet.
+        cuda = load_checkpoint(family["ckpt"], dtype=torch.float16, device=torch.device("cuda"))
         with pytest.raises(ValueError, match=f"sliding_window {WINDOW}"):
-            ours.model.new_cache(1, 64, FORMATS["int8"])
+            cuda.model.new_cache(1, 64, FORMATS["int8"])
+
+
+def test_on_the_cpu_a_quantized_cache_keeps_the_window_and_the_query_scale(family: dict[str, Any]) -> None:
+    """Past the sliding window (a prefill longer than it, then one token at a time), the
+    logits over an int8 cache stay near the float cache's; the same codes read as if the
+    model had no window do not (so the window is what the kernel kept). int4's codes are
+    checked against their own read-back with a window in tests/test_quant_cache.py: on
+    these random weights (q/k norms, sharp attention) its rounding alone moves the logits
+    too far for this comparison to single out the window."""
+    int8 = FORMATS["int8"]
+    ours = load_checkpoint(family["ckpt"], dtype=torch.float32)
+    model = ours.model
+    ids = torch.tensor([ours.tokenizer.encode(" ".join(CORPUS), add_special_tokens=False).ids[:200]])
+    assert ids.shape[1] == 200  # past the int4 format's float tokens and three key blocks
+    prefill = WINDOW + 5
+
+    def run(kv_format: Any) -> torch.Tensor:
+        cache = model.new_cache(1, 256, kv_format)
+        steps = [model(ids[:, :prefill], cache, 0)[0, -1]]
+        steps += [model(ids[:, t : t + 1], cache, t)[0, -1] for t in range(prefill, ids.shape[1])]
+        return torch.stack(steps)
+
+    want = run(None)
+    got = run(int8)
+    error = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
+    attentions = [m for m in model.modules() if isinstance(m, Attention)]
+    windows = [a.window for a in attentions]
+    if any(windows):
+        for a in attentions:
+            a.window = 0
+        try:
+            unwindowed = run(int8)
+        finally:
+            for a, w in zip(attentions, windows, strict=True):
+                a.window = w
+        far = ((unwindowed - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
+        assert far > 10 * error, (error, far)
+    assert error < 0.1, error
 
 
 def test_family_options_name_each_option() -> None:

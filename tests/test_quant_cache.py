@@ -73,13 +73,19 @@ def _filled(fmt: KVFormat, k: torch.Tensor, v: torch.Tensor, prompt: int, steps:
     return cache
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [NH, T, D] against k, v [NKV, L, D]: the last T positions, causally."""
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0, scale: float | None = None
+) -> torch.Tensor:
+    """q [NH, T, D] against k, v [NKV, L, D]: the last T positions, causally (and each
+    seeing only its last `window` positions, where given)."""
     group = q.shape[0] // k.shape[0]
     k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
     t, length = q.shape[1], k.shape[1]
-    mask = torch.arange(length)[None, :] <= (torch.arange(t)[:, None] + length - t)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    query = torch.arange(t)[:, None] + length - t
+    mask = torch.arange(length)[None, :] <= query
+    if window:
+        mask &= torch.arange(length)[None, :] > query - window
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 @pytest.mark.parametrize("name", sorted(SMALL_FORMATS))
@@ -112,6 +118,38 @@ def test_the_cache_is_smaller_by_what_the_format_says() -> None:
     )
     assert cache.nbytes == per_head_row * 2 * CONFIG.num_layers * CONFIG.num_kv_heads
     assert cache.v_zero.numel() == 0 and cache.k_zero.numel() > 0
+
+
+@needs_cc
+@pytest.mark.parametrize("name", sorted(SMALL_FORMATS))
+@pytest.mark.parametrize("window", [3, 40])  # inside the float tokens; across key blocks
+def test_cpu_kernel_takes_a_sliding_window_and_a_query_scale(name: str, window: int) -> None:
+    """A sliding layer's decode and chunk (Gemma 3's, Mistral's) over a quantized cache:
+    each query sees its last `window` positions, sink tokens included only inside it, with
+    the family's own query scale; as attention over the reference's read-back with the
+    window's mask. Without the window the outputs differ (the test can fail)."""
+    fmt = SMALL_FORMATS[name]
+    k, v = _kv(100)
+    gen = torch.Generator().manual_seed(11)
+    scale = 0.3
+    cache = _filled(fmt, k[:1], v[:1], 77, 0)
+    layer = cache.layer(0)
+    q = torch.randn(1, CONFIG.num_heads, CONFIG.head_dim, generator=gen)
+    out = kv_attention.decode(layer, q, k[:1, :, 77], v[:1, :, 77], torch.tensor([77]), 128, window, scale)
+    rk, rv = _reference(fmt, k[:1], v[:1], 78)
+    want = _attend(q[0, :, None], rk[0], rv[0], window, scale)[:, 0]
+    torch.testing.assert_close(out[0], want, rtol=1e-4, atol=1e-5)
+    dense = _attend(q[0, :, None], rk[0], rv[0], 0, scale)[:, 0]
+    assert (want - dense).abs().max() > 1e-2
+    cache = _filled(fmt, k[:1], v[:1], 61, 0)
+    layer = cache.layer(0)
+    qc = torch.randn(1, CONFIG.num_heads, 30, CONFIG.head_dim, generator=gen)
+    out = kv_attention.chunk(layer, qc, k[:1, :, 61:91], v[:1, :, 61:91], 61, window, scale)
+    coded = fmt.coded(61)
+    rk, rv = _reference(fmt, k[:1], v[:1], 61)
+    rk = torch.cat([rk[:, :, :coded], k[:1, :, coded:91]], dim=2)
+    rv = torch.cat([rv[:, :, :coded], v[:1, :, coded:91]], dim=2)
+    torch.testing.assert_close(out[0], _attend(qc[0], rk[0], rv[0], window, scale), rtol=1e-4, atol=1e-5)
 
 
 @needs_cc

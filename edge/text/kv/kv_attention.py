@@ -32,16 +32,34 @@ def _format(layer: QuantLayer) -> tuple[int, int, bool]:
     return fmt.key_block, fmt.group(layer.ring_k.shape[-1]), fmt.dtype == "int4"
 
 
+def _cuda_window(window: int) -> None:
+    if window:
+        # LlamaModel.new_cache refuses a quantized cache to a sliding model on CUDA; never
+        # attend past a window if one got here.
+        raise RuntimeError("the CUDA quantized-KV attention kernels do not implement a sliding window")
+
+
 def decode(
-    layer: QuantLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, kv_len: int
+    layer: QuantLayer,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pos: torch.Tensor,
+    kv_len: int,
+    window: int = 0,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """q [B, NH, D] (unscaled), k and v [B, NKV, D] of the new tokens at positions pos [B]
     -> [B, NH, D] in q's type. A row's attention reaches no further than kv_len (rows a
-    step does not advance sit at the last position; their output is not read)."""
+    step does not advance sit at the last position; their output is not read), nor, in a
+    sliding layer, further back than its `window` (the CPU's kernel); `scale`: the
+    queries' (None: 1/sqrt(D))."""
+    q_scale = scale if scale is not None else q.shape[-1] ** -0.5
     if q.is_cuda:
+        _cuda_window(window)
         kernels = step_ops.kv_kernels(q.device)
         kernels.write_tokens(layer, k, v, pos)
-        out = kernels.attention(layer, q.contiguous(), pos, kv_len, q_scale=q.shape[-1] ** -0.5)
+        out = kernels.attention(layer, q.contiguous(), pos, kv_len, q_scale=q_scale)
         return out.view(q.shape).to(q.dtype)
     positions = [int(p) for p in pos.tolist()]
     layer.write_tokens(k.unsqueeze(2), v.unsqueeze(2), positions)
@@ -59,13 +77,24 @@ def decode(
         float_kv=(layer.ring_k, layer.ring_v),
         fmod=layer.fmt.ring,
         sink_kv=_sink(layer),
+        window=window,
+        scale=q_scale,
     )
     return out.to(q.dtype)
 
 
-def chunk(layer: QuantLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+def chunk(
+    layer: QuantLayer,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    window: int = 0,
+    scale: float | None = None,
+) -> torch.Tensor:
     """q [1, NH, T, D] (unscaled), k and v [1, NKV, T, D] of positions start..start+T-1 of
-    the layer's one row -> [1, NH, T, D] in q's type; the tokens are stored after."""
+    the layer's one row -> [1, NH, T, D] in q's type; the tokens are stored after.
+    window and scale as decode's."""
     if q.shape[0] != 1:
         raise ValueError(f"a chunk after cached tokens is one row's, not {q.shape[0]}")
     seq = q.shape[2]
@@ -74,9 +103,11 @@ def chunk(layer: QuantLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     float_k = torch.cat([ring_k, k.to(ring_k.dtype)], dim=2)
     float_v = torch.cat([ring_v, v.to(ring_v.dtype)], dim=2)
     queries = q[0].transpose(0, 1)  # [T, NH, D]
+    q_scale = scale if scale is not None else q.shape[-1] ** -0.5
     if q.is_cuda:
+        _cuda_window(window)
         kernels = step_ops.kv_kernels(q.device)
-        out = kernels.chunk_attention(layer, queries, float_k, float_v, start, coded, q_scale=q.shape[-1] ** -0.5)
+        out = kernels.chunk_attention(layer, queries, float_k, float_v, start, coded, q_scale=q_scale)
     else:
         out = cpu_kv.attention(
             queries,
@@ -90,6 +121,8 @@ def chunk(layer: QuantLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             float_kv=(float_k, float_v),
             fmod=float_k.shape[2],
             sink_kv=_sink(layer),
+            window=window,
+            scale=q_scale,
         )
     layer.store(k, v, start)
     return out.to(q.dtype).transpose(0, 1).unsqueeze(0)

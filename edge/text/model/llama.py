@@ -248,18 +248,21 @@ class Attention(nn.Module):
         a chunk after cached tokens read the codes in the kernel; a fresh prompt attends
         to itself in float, as with a float cache, and is coded as it is stored."""
         bsz, _, seq, hd = q.shape
-        if self.window or self.scale != hd**-0.5:
-            # The quantized attention kernels take neither (LlamaModel.new_cache refuses
-            # such a model a quantized cache); never attend wrongly if one got here.
-            raise RuntimeError("a quantized KV cache does not implement sliding_window or attention_scale")
+        gqa = self.n_kv != self.n_heads
         if isinstance(start, DecodeAt):
-            out = kv_attention.decode(layer, q[:, :, 0], k[:, :, 0], v[:, :, 0], start.pos, start.kv_len)
+            out = kv_attention.decode(
+                layer, q[:, :, 0], k[:, :, 0], v[:, :, 0], start.pos, start.kv_len, self.window, self.scale
+            )
             out = out.unsqueeze(2)
         elif start == 0:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=seq > 1, enable_gqa=self.n_kv != self.n_heads)
+            if self.window and seq > self.window:
+                mask = window_mask(seq, seq, self.window, q.device)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=seq > 1, scale=self.scale, enable_gqa=gqa)
             layer.store(k, v, 0)
         else:
-            out = kv_attention.chunk(layer, q, k, v, start)
+            out = kv_attention.chunk(layer, q, k, v, start, self.window, self.scale)
         projected: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(bsz, seq, self.n_heads * hd))
         return projected
 
@@ -457,15 +460,14 @@ class LlamaModel(nn.Module):
         (edge/text/kv/quant_cache.py) for a quantized format."""
         length = min(max_len, self.config.max_position)
         if kv_format is not None and kv_format.dtype != "float16":
-            unsupported = [
-                o for o in self.config.family_options() if o.startswith(("sliding_window", "attention_scale"))
-            ]
-            if unsupported:
-                raise ValueError(
-                    f"kv_dtype {kv_format.dtype}: the quantized KV attention kernels do not implement "
-                    f"{', '.join(unsupported)}; serve this model with kv_dtype float16"
-                )
             if self.device.type == "cuda":
+                # The CPU's quantized attention takes a sliding window; CUDA's kernels not yet.
+                sliding = [o for o in self.config.family_options() if o.startswith("sliding_window")]
+                if sliding:
+                    raise ValueError(
+                        f"kv_dtype {kv_format.dtype} on CUDA: the quantized KV attention kernels do not implement "
+                        f"{sliding[0]}; serve this model with kv_dtype float16"
+                    )
                 config = self.config
                 group = config.num_heads // config.num_kv_heads
                 refused = step_ops.kv_refusal(self.device, kv_format, config.head_dim, group, self.dtype)

@@ -66,6 +66,7 @@ typedef struct {
     int64_t falloc, fmod;
     const float *sk, *sv;                   /* [rows, nkv, sink, d] float32: the first tokens */
     int64_t sink;
+    int64_t window;                         /* a sliding layer's window (0: every position) */
 } kv_layer;
 
 /* One query's `group` heads (q [group, d], pre-scaled) against KV head h of row `row`:
@@ -73,6 +74,8 @@ typedef struct {
 static void attend_one(const kv_layer *L, const float *q, int group, int64_t row, int64_t h, int64_t pos,
                        int64_t coded, int64_t frow, int64_t fbase, float *out, float *scores, float *work) {
     const int64_t d = L->d, n = pos + 1;
+    /* A sliding layer's query sees itself and the window - 1 positions before it. */
+    const int64_t lo = L->window > 0 && pos + 1 > L->window ? pos + 1 - L->window : 0;
     const int64_t dc = L->int4 ? d / 2 : d;
     const int64_t head = row * L->nkv + h;
     const int64_t fhead = frow * L->nkv + h;
@@ -81,7 +84,7 @@ static void attend_one(const kv_layer *L, const float *q, int group, int64_t row
     for (int g = 0; g < group; g++) {
         const float *qg = q + g * d;
         float *sg = scores + g * n;
-        for (int64_t b0 = 0; b0 < coded; b0 += L->kb) {
+        for (int64_t b0 = lo / L->kb * L->kb; b0 < coded; b0 += L->kb) {
             const int64_t blk = b0 / L->kb;
             const uint16_t *ks = L->kscale + (head * L->blocks + blk) * d;
             float zterm = 0.0f;
@@ -91,7 +94,7 @@ static void attend_one(const kv_layer *L, const float *q, int group, int64_t row
                 for (int64_t c = 0; c < d; c++) zterm += qg[c] * half_to_float(kz[c]);
             }
             const int64_t b1 = b0 + L->kb < coded ? b0 + L->kb : coded;
-            for (int64_t t = b0; t < b1; t++) {
+            for (int64_t t = b0 > lo ? b0 : lo; t < b1; t++) {
                 float s = 0.0f;
                 if (L->int4) {
                     const uint8_t *code = (const uint8_t *)L->kcodes + (head * L->code_len + t) * dc;
@@ -105,13 +108,14 @@ static void attend_one(const kv_layer *L, const float *q, int group, int64_t row
             }
         }
         const int64_t sunk = L->sink < coded ? L->sink : coded; /* coded, but read float */
-        for (int64_t t = 0; t < sunk; t++) {
+        for (int64_t t = lo; t < sunk; t++) {
             const float *k = L->sk + (head * L->sink + t) * d;
             float s = 0.0f;
             for (int64_t c = 0; c < d; c++) s += qg[c] * k[c];
             sg[t] = s;
         }
-        for (int64_t t = coded; t < n; t++) {
+        const int64_t first_float = coded > lo ? coded : lo;
+        for (int64_t t = first_float; t < n; t++) {
             const int64_t slot = (t - fbase) % L->fmod;
             const float *k = L->kf + (fhead * L->falloc + slot) * d;
             float s = 0.0f;
@@ -119,21 +123,21 @@ static void attend_one(const kv_layer *L, const float *q, int group, int64_t row
             sg[t] = s;
         }
         float m = -INFINITY;
-        for (int64_t t = 0; t < n; t++) m = sg[t] > m ? sg[t] : m;
+        for (int64_t t = lo; t < n; t++) m = sg[t] > m ? sg[t] : m;
         float sum = 0.0f;
-        for (int64_t t = 0; t < n; t++) {
+        for (int64_t t = lo; t < n; t++) {
             sg[t] = expf(sg[t] - m);
             sum += sg[t];
         }
         const float inv = 1.0f / sum;
         float *og = out + g * d;
         for (int64_t c = 0; c < d; c++) og[c] = 0.0f;
-        for (int64_t t = 0; t < sunk; t++) {
+        for (int64_t t = lo; t < sunk; t++) {
             const float p = sg[t] * inv;
             const float *v = L->sv + (head * L->sink + t) * d;
             for (int64_t c = 0; c < d; c++) og[c] += p * v[c];
         }
-        for (int64_t t = sunk; t < coded; t++) {
+        for (int64_t t = sunk > lo ? sunk : lo; t < coded; t++) {
             const float p = sg[t] * inv;
             const uint16_t *vs = L->vscale + (head * L->code_len + t) * L->groups;
             for (int64_t gi = 0; gi < L->groups; gi++) {
@@ -154,7 +158,7 @@ static void attend_one(const kv_layer *L, const float *q, int group, int64_t row
                 }
             }
         }
-        for (int64_t t = coded; t < n; t++) {
+        for (int64_t t = first_float; t < n; t++) {
             const float p = sg[t] * inv;
             const int64_t slot = (t - fbase) % L->fmod;
             const float *v = L->vf + (fhead * L->falloc + slot) * d;
@@ -163,20 +167,22 @@ static void attend_one(const kv_layer *L, const float *q, int group, int64_t row
     }
 }
 
-/* q [Q, nh, d] float32 (not yet scaled) -> out [Q, nh, d] float32. Returns 0, or -1 on a
- * bad shape or an allocation failure. */
+/* q [Q, nh, d] float32 (not yet scaled: times q_scale, or 1/sqrt(d) where it is 0) -> out
+ * [Q, nh, d] float32, each query seeing its last `window` positions (0: all). Returns 0,
+ * or -1 on a bad shape or an allocation failure. */
 int edge_kv_attention(const float *q, int64_t nq, int64_t nh, const int64_t *rows, const int64_t *pos,
                       const int64_t *coded, const int64_t *frows, const int64_t *fbase, int64_t nkv, int64_t d,
                       int64_t code_len, int64_t kb, int64_t vg, int int4, const void *kcodes, const void *kscale,
                       const void *kzero, const void *vcodes, const void *vscale, const void *vzero, const float *kf,
                       const float *vf, int64_t falloc, int64_t fmod, const float *sk, const float *sv,
-                      int64_t sink, float *out, int threads) {
-    if (nkv <= 0 || nh % nkv || d <= 0 || kb <= 0 || vg <= 0 || d % vg || (int4 && (d % 2 || vg % 2)) || fmod <= 0)
+                      int64_t sink, int64_t window, float q_scale, float *out, int threads) {
+    if (nkv <= 0 || nh % nkv || d <= 0 || kb <= 0 || vg <= 0 || d % vg || (int4 && (d % 2 || vg % 2)) || fmod <= 0 ||
+        window < 0)
         return -1;
     kv_layer L = {nkv,    d,     code_len, (code_len + kb - 1) / kb, d / vg, kb, vg, int4, kcodes, vcodes,
-                  kscale, kzero, vscale,   vzero,                     kf,     vf, falloc, fmod, sk, sv, sink};
+                  kscale, kzero, vscale,   vzero,                     kf,     vf, falloc, fmod, sk, sv, sink, window};
     const int group = (int)(nh / nkv);
-    const float scale = 1.0f / sqrtf((float)d);
+    const float scale = q_scale > 0.0f ? q_scale : 1.0f / sqrtf((float)d);
     int64_t longest = 0;
     for (int64_t i = 0; i < nq; i++) longest = pos[i] + 1 > longest ? pos[i] + 1 : longest;
     int failed = 0;

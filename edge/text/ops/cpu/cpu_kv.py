@@ -22,6 +22,7 @@ _ARGTYPES = [
     _P, _P, _P, _P, _P, _P,  # k codes, k scales, k zeros, v codes, v scales, v zeros
     _P, _P, _I, _I,  # float keys, float values [frows, NKV, falloc, D], falloc, fmod
     _P, _P, _I,  # sink keys, sink values [rows, NKV, sink, D] float32, sink
+    _I, ctypes.c_float,  # window (0: every position), query scale (0: 1/sqrt(D))
     _P, ctypes.c_int,  # out [Q, NH, D] float32, threads
 ]  # fmt: skip
 _KERNEL = cpu_int4.CKernel(SOURCE, "edge_kv_attention", _ARGTYPES, "the CPU quantized-KV attention kernel")
@@ -44,13 +45,17 @@ def attention(
     float_kv: tuple[torch.Tensor, torch.Tensor],
     fmod: int,
     sink_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window: int = 0,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """q [Q, NH, D] (unscaled) -> [Q, NH, D] float32. Query i attends to positions
     0..pos[i] of cache row rows[i]: below coded[i] from the layer's codes (k codes, k
     scales, k zeros, v codes, v scales, v zeros, each [rows, NKV, ...]), the rest from
     float_kv [frows, NKV, slots, D] at slot (t - fbase[i]) % fmod of row frows[i].
     kv_format: (key block, value group, int4). sink_kv: the first positions of each row,
-    float [rows, NKV, sink, D], read in place of their codes."""
+    float [rows, NKV, sink, D], read in place of their codes. window: a sliding layer's
+    (each query sees its last `window` positions; 0: all); scale: the queries' (None:
+    1/sqrt(D))."""
     fn = _KERNEL.function()
     nq, nh, dim = q.shape
     kc, ks, kz, vc, vs, vz = layer_codes
@@ -72,7 +77,7 @@ def attention(
         kc.data_ptr(), ks.data_ptr(), kz.data_ptr() if kz.numel() else None,
         vc.data_ptr(), vs.data_ptr(), vz.data_ptr() if vz.numel() else None,
         kf.data_ptr(), vf.data_ptr(), kf.shape[2], fmod, sk.data_ptr(), sv.data_ptr(), sink,
-        out.data_ptr(), torch.get_num_threads(),
+        window, scale or 0.0, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     if rc != 0:
         raise RuntimeError(f"the CPU quantized-KV attention failed (code {rc}) on {nq} queries of {nh} heads")
