@@ -11,6 +11,8 @@
 //   neighbours in memory.
 #pragma once
 
+#include <string.h>
+
 #include <type_traits>
 
 #include "attention_common.cuh"
@@ -49,6 +51,19 @@ __device__ __forceinline__ uint32_t pack2(float x, float y) {
   }
 }
 
+template <typename C>
+__device__ __forceinline__ float2 unpack2(uint32_t bits) {  // pack2's inverse
+  if constexpr (std::is_same_v<C, __half>) {
+    __half2 h;
+    memcpy(&h, &bits, sizeof h);
+    return __half22float2(h);
+  } else {
+    __nv_bfloat162 h;
+    memcpy(&h, &bits, sizeof h);
+    return __bfloat1622float2(h);
+  }
+}
+
 __device__ __forceinline__ uint32_t word(const uint4& w, int i) {
   return i == 0 ? w.x : i == 1 ? w.y : i == 2 ? w.z : w.w;
 }
@@ -58,6 +73,20 @@ __device__ __forceinline__ void set_word(uint4& w, int i, uint32_t v) {
   else if (i == 1) w.y = v;
   else if (i == 2) w.z = v;
   else w.w = v;
+}
+
+// A warp's scores S^T += K Q^T for its 16 keys (kw[0]: key r, kw[1]: key r + 8, as A
+// fragments) and the query rows (qb, B fragments), over KW groups of 32 channels.
+template <typename C, int KW>
+__device__ __forceinline__ void mma_scores(float (&d)[4], const uint4 (&kw)[2][KW], const uint4 (&qb)[KW]) {
+#pragma unroll
+  for (int j = 0; j < KW; j++) {
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      mma_16816<C>(d, word(kw[0][j], 2 * h), word(kw[1][j], 2 * h), word(kw[0][j], 2 * h + 1),
+                   word(kw[1][j], 2 * h + 1), word(qb[j], 2 * h), word(qb[j], 2 * h + 1));
+    }
+  }
 }
 
 // A warp's running softmax of rows 2c (m0, l0) and 2c + 1 (m1, l1) and its sums o.

@@ -380,14 +380,7 @@ __global__ void __launch_bounds__(ATTN_THREADS)
       }
     }
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int j = 0; j < KW; j++) {
-#pragma unroll
-      for (int h = 0; h < 2; h++) {
-        mma_16816<C>(s, word(kw[0][j], 2 * h), word(kw[1][j], 2 * h), word(kw[0][j], 2 * h + 1),
-                     word(kw[1][j], 2 * h + 1), word(qw[j], 2 * h), word(qw[j], 2 * h + 1));
-      }
-    }
+    mma_scores<C, KW>(s, kw, qw);
     mma_tile_values<C, HD>(s, p0 + r < end, p0 + r + 8 < end, vw, ps[warp], st, r, c);
   }
   mma_finish<C, GP, HD, ATTN_THREADS>(st, group, bh, sp, splits, acc, ml, done,

@@ -14,6 +14,7 @@
 // rounded up, scales rounded to float16), so a cache coded here equals one coded there,
 // code for code. Positions are read on the device, so a step captures into CUDA graphs.
 #include <stdint.h>
+#include <string.h>
 
 #include <type_traits>
 
@@ -525,17 +526,54 @@ __global__ void __launch_bounds__(KV_THREADS)
 // scores come from a second product against the queries without the scales.
 
 // Channels 2k and 2k + 1 of a lane's codes `w` (int8: a byte each; int4: the low and the
-// high nibble of byte k), as floats.
+// high nibble of byte k), as floats. A code is put under the mantissa of 2^23 and 2^23 taken
+// away (exact: the codes are small integers), where an integer-to-float conversion runs
+// at a quarter of the float rate.
 template <bool INT4>
 __device__ __forceinline__ void code_pair(const uint32_t* w, int k, float& x, float& y) {
+  constexpr uint32_t TWO23 = 0x4B000000u;  // 2^23 as float bits
   if constexpr (INT4) {
     const uint32_t byte = (w[k / 4] >> (8 * (k % 4))) & 0xffu;
-    x = (float)(byte & 15u);
-    y = (float)(byte >> 4);
+    x = __uint_as_float(TWO23 | (byte & 15u)) - 8388608.0f;
+    y = __uint_as_float(TWO23 | (byte >> 4)) - 8388608.0f;
   } else {
-    x = (float)(int8_t)((w[(2 * k) / 4] >> (8 * ((2 * k) % 4))) & 0xffu);
-    y = (float)(int8_t)((w[(2 * k + 1) / 4] >> (8 * ((2 * k + 1) % 4))) & 0xffu);
+    // int8 codes offset by 128 (the sign bit flipped) to be placed, and 2^23 + 128 taken away.
+    const uint32_t flipped = w[k / 2] ^ 0x80808080u, at = 16 * (k % 2);
+    x = __uint_as_float(TWO23 | ((flipped >> at) & 0xffu)) - 8388736.0f;
+    y = __uint_as_float(TWO23 | ((flipped >> (at + 8)) & 0xffu)) - 8388736.0f;
   }
+}
+
+// The same two channels as one word of two float16 values (pack2's order), less `shift`:
+// the codes put under the mantissa of 1024 by byte permutes and 1024 (plus int8's offset
+// of 128, plus shift) taken away in one float16 subtraction, exact. Two integer
+// instructions and one float16 one for two channels, where the float route takes two
+// quarter-rate conversions and a packing one.
+template <bool INT4>
+__device__ __forceinline__ __half2 code_pair_h2(const uint32_t* w, int k, uint32_t shift) {
+  uint32_t bits;
+  if constexpr (INT4) {
+    const uint32_t word4 = w[k / 4], b = k % 4;
+    const uint32_t lo = word4 & 0x0F0F0F0Fu, hi = (word4 >> 4) & 0x0F0F0F0Fu;
+    bits = (__byte_perm(lo, hi, b | ((4 + b) << 8)) & 0x00FF00FFu) | 0x64006400u;
+  } else {
+    const uint32_t b = 2 * (k % 2);  // bytes b and b + 1 of word k / 2, each under 0x64
+    bits = __byte_perm(w[k / 2] ^ 0x80808080u, 0x64646464u, b | 0x40u | ((b + 1) << 8) | 0x4000u);
+  }
+  // 1024 + offset as float16 bits (steps of 1 there), made as bits: a conversion of a
+  // constant would not be folded.
+  const uint32_t offset = 0x6400u + (INT4 ? 0u : 128u) + shift;
+  const uint32_t offsets = offset | (offset << 16);
+  __half2 h, o;
+  memcpy(&h, &bits, sizeof h);
+  memcpy(&o, &offsets, sizeof o);
+  return __hsub2(h, o);
+}
+
+__device__ __forceinline__ uint32_t h2_bits(__half2 h) {
+  uint32_t bits;
+  memcpy(&bits, &h, sizeof bits);
+  return bits;
 }
 
 template <typename C, int HD, int GP, bool INT4>
@@ -671,19 +709,15 @@ __global__ void __launch_bounds__(KV_THREADS, 3)
   }
   __syncthreads();  // the queries in shared memory
 
-  // The queries as the scores' B fragments (row r, channels 32j + 8c .. +7), times the key
-  // scales ks (null: float keys) and their dot product with the zero points kz, for each
-  // tile from shared memory (held in registers across the tiles they would cost the
-  // occupancy that lets a whole 4K cache's splits run at once).
   // The queries (row r, channels 32j + 8c .. +7), times the tile's key scales where
-  // `scaled` (coded keys), as the scores' B fragments, in two parts: the value rounded to the activations'
-  // type (lo false), then what that rounding left (lo true). With both, a score is as
-  // exact as float32 queries against the keys (the codes are exact): a tile's key scales
-  // (and int4 zero points, whose product with the queries cancels much of the codes')
-  // would otherwise put a float16 rounding of each large product into the scores.
-  // Returns the queries' dot product with the zero points (int4), over this lane's
-  // channels. Read from shared memory per tile: held in registers across the tiles they
-  // would cost the occupancy that runs a 4K cache's splits at three blocks an SM.
+  // `scaled` (coded keys), as the scores' B fragments: the value rounded to the
+  // activations' type (lo false), or what that rounding left (lo true). With both parts a
+  // score is as exact as float32 queries against the keys (the codes are exact): int4 zero
+  // points make products with the queries that cancel much of the codes', and a rounding
+  // of each large product would stay in the scores. Returns the queries' dot product with
+  // the zero points (int4), over this lane's channels. Read from shared memory per tile:
+  // held in registers across the tiles they would cost the occupancy that runs a 4K
+  // cache's splits at three blocks an SM.
   const auto queries = [&](uint4 (&qb)[KW], bool scaled, bool lo) {
     float zsum = 0.0f;
 #pragma unroll
@@ -699,11 +733,12 @@ __global__ void __launch_bounds__(KV_THREADS, 3)
           x *= __half2float(ks_j[2 * w]);
           y *= __half2float(ks_j[2 * w + 1]);
         }
-        if (lo) {
-          x -= to_f(from_f<C>(x));
-          y -= to_f(from_f<C>(y));
+        uint32_t packed = pack2<C>(x, y);
+        if (lo) {  // what the rounding left: one packing conversion back and forth, not two
+          const float2 hi = unpack2<C>(packed);
+          packed = pack2<C>(x - hi.x, y - hi.y);
         }
-        set_word(qb[j], w, pack2<C>(x, y));
+        set_word(qb[j], w, packed);
       }
     }
     return zsum;
@@ -726,9 +761,13 @@ __global__ void __launch_bounds__(KV_THREADS, 3)
             const uint32_t codes[2] = {kw[u][j].x, kw[u][j].y};
 #pragma unroll
             for (int w = 0; w < 4; w++) {
-              float x, y;
-              code_pair<INT4>(codes, w, x, y);
-              set_word(kw[u][j], w, pack2<C>(x, y));
+              if constexpr (std::is_same_v<C, __half>) {
+                set_word(kw[u][j], w, h2_bits(code_pair_h2<INT4>(codes, w, 0u)));
+              } else {
+                float x, y;
+                code_pair<INT4>(codes, w, x, y);
+                set_word(kw[u][j], w, pack2<C>(x, y));
+              }
             }
           }
         }
@@ -737,34 +776,42 @@ __global__ void __launch_bounds__(KV_THREADS, 3)
       for (int u = 0; u < 4; u++) {
         const int t = p0 + 2 * c + (u & 1) + 8 * (u >> 1);
         if (t < end && t >= f.SINK) {
-          const float shift = INT4 && f.vsym ? 8.0f : 0.0f;
           const uint32_t codes[4] = {vw[u][0].x, vw[u][0].y, vw[u][0].z, vw[u][0].w};
+          if constexpr (std::is_same_v<C, __half>) {
+            // One rounding of the exact code * scale + zero (the float route rounds twice,
+            // one float16 step apart at most where an int4 zero point is far from the product).
+            const __half2 scale = __float2half2_rn(vsc[u]), zero = __float2half2_rn(vzc[u]);
+            const uint32_t shift = INT4 && f.vsym ? 8u : 0u;
 #pragma unroll
-          for (int w = 0; w < CPR / 2; w++) {
-            float x, y;
-            code_pair<INT4>(codes, w, x, y);
-            set_word(vw[u][w / 4], w % 4, pack2<C>((x - shift) * vsc[u] + vzc[u], (y - shift) * vsc[u] + vzc[u]));
+            for (int w = 0; w < CPR / 2; w++)
+              set_word(vw[u][w / 4], w % 4, h2_bits(__hfma2(code_pair_h2<INT4>(codes, w, shift), scale, zero)));
+          } else {
+            const float shift = INT4 && f.vsym ? 8.0f : 0.0f;
+#pragma unroll
+            for (int w = 0; w < CPR / 2; w++) {
+              float x, y;
+              code_pair<INT4>(codes, w, x, y);
+              set_word(vw[u][w / 4], w % 4, pack2<C>((x - shift) * vsc[u] + vzc[u], (y - shift) * vsc[u] + vzc[u]));
+            }
           }
         }
       }
     }
     uint4 qb[KW];  // the scores' B fragments (queries)
-    const auto scores = [&](float (&d)[4]) {
-#pragma unroll
-      for (int j = 0; j < KW; j++) {
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-          mma_16816<C>(d, word(kw[0][j], 2 * h), word(kw[1][j], 2 * h), word(kw[0][j], 2 * h + 1),
-                       word(kw[1][j], 2 * h + 1), word(qb[j], 2 * h), word(qb[j], 2 * h + 1));
-        }
-      }
-    };
-    // Scores against both parts of the queries (times the key scales on codes).
+    const auto scores = [&](float (&d)[4]) { mma_scores<C, KW>(d, kw, qb); };
+    // Scores against the queries (times the key scales on codes): both parts where int4
+    // codes' zero points make large products that cancel, and always for bfloat16, whose
+    // 8-bit mantissa would round the queries (times the query scale, and the key scales)
+    // too coarsely for the scores; one part elsewhere (float16: int8 codes and float keys,
+    // rounded as the float cache's kernel rounds its queries).
+    constexpr bool BF16 = !std::is_same_v<C, __half>;
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     float zsum = queries(qb, is_coded, false);
     scores(s);
-    queries(qb, is_coded, true);
-    scores(s);
+    if (BF16 || (INT4 && is_coded)) {
+      queries(qb, is_coded, true);
+      scores(s);
+    }
     if (is_coded) {
       const bool sink0 = p0 + r < f.SINK, sink1 = p0 + r + 8 < f.SINK;
       if (INT4) {  // rows 2c, 2c + 1: the queries . the key zero points, summed over a row's lanes
@@ -778,8 +825,10 @@ __global__ void __launch_bounds__(KV_THREADS, 3)
         float s2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         queries(qb, false, false);
         scores(s2);
-        queries(qb, false, true);
-        scores(s2);
+        if (BF16) {
+          queries(qb, false, true);
+          scores(s2);
+        }
         if (sink0) s[0] = s2[0], s[1] = s2[1];
         if (sink1) s[2] = s2[2], s[3] = s2[3];
       }
