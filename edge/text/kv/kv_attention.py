@@ -39,6 +39,10 @@ def _cuda_window(window: int) -> None:
         raise RuntimeError("the CUDA quantized-KV attention kernels do not implement a sliding window")
 
 
+def _query_scale(q: torch.Tensor, scale: float | None) -> float:
+    return scale if scale is not None else q.shape[-1] ** -0.5
+
+
 def decode(
     layer: QuantLayer,
     q: torch.Tensor,
@@ -54,7 +58,7 @@ def decode(
     step does not advance sit at the last position; their output is not read), nor, in a
     sliding layer, further back than its `window` (the CPU's kernel); `scale`: the
     queries' (None: 1/sqrt(D))."""
-    q_scale = scale if scale is not None else q.shape[-1] ** -0.5
+    q_scale = _query_scale(q, scale)
     if q.is_cuda:
         _cuda_window(window)
         kernels = step_ops.kv_kernels(q.device)
@@ -103,7 +107,7 @@ def chunk(
     float_k = torch.cat([ring_k, k.to(ring_k.dtype)], dim=2)
     float_v = torch.cat([ring_v, v.to(ring_v.dtype)], dim=2)
     queries = q[0].transpose(0, 1)  # [T, NH, D]
-    q_scale = scale if scale is not None else q.shape[-1] ** -0.5
+    q_scale = _query_scale(q, scale)
     if q.is_cuda:
         _cuda_window(window)
         kernels = step_ops.kv_kernels(q.device)

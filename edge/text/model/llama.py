@@ -205,16 +205,11 @@ class Attention(nn.Module):
         v = v_.view(bsz, seq, self.n_kv, hd).transpose(1, 2)
         if isinstance(k_cache, QuantLayer):
             return self._quantized(q, k, v, k_cache, start)
-        gqa = self.n_kv != self.n_heads
         if k_cache is None or v_cache is None:
             # Training: the whole sequence at once, nothing cached, gradients flow.
-            if self.window and seq > self.window:
-                mask = window_mask(seq, seq, self.window, x.device)
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
-            else:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)
-            trained: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
+            trained: torch.Tensor = self.o_proj(self._self_attend(q, k, v).transpose(1, 2).reshape(bsz, seq, -1))
             return trained
+        gqa = self.n_kv != self.n_heads
         if isinstance(start, DecodeAt):
             return self._decode_at(q, k, v, k_cache, v_cache, start)
         end = start + seq
@@ -241,6 +236,16 @@ class Attention(nn.Module):
         projected: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
         return projected
 
+    def _self_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """A fresh sequence attending to itself (training, or a prompt's first chunk):
+        causal, and within the window in a sliding layer the sequence outgrows."""
+        seq = q.shape[2]
+        gqa = self.n_kv != self.n_heads
+        if self.window and seq > self.window:
+            mask = window_mask(seq, seq, self.window, q.device)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=seq > 1, scale=self.scale, enable_gqa=gqa)
+
     def _quantized(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: QuantLayer, start: int | DecodeAt
     ) -> torch.Tensor:
@@ -248,18 +253,13 @@ class Attention(nn.Module):
         a chunk after cached tokens read the codes in the kernel; a fresh prompt attends
         to itself in float, as with a float cache, and is coded as it is stored."""
         bsz, _, seq, hd = q.shape
-        gqa = self.n_kv != self.n_heads
         if isinstance(start, DecodeAt):
             out = kv_attention.decode(
                 layer, q[:, :, 0], k[:, :, 0], v[:, :, 0], start.pos, start.kv_len, self.window, self.scale
             )
             out = out.unsqueeze(2)
         elif start == 0:
-            if self.window and seq > self.window:
-                mask = window_mask(seq, seq, self.window, q.device)
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
-            else:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=seq > 1, scale=self.scale, enable_gqa=gqa)
+            out = self._self_attend(q, k, v)
             layer.store(k, v, 0)
         else:
             out = kv_attention.chunk(layer, q, k, v, start, self.window, self.scale)
