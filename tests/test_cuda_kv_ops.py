@@ -229,6 +229,46 @@ def test_decode_write_codes_as_torch_and_attention_matches_the_reference(case: s
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("window", [5, 150])  # inside the float tokens; across key blocks and splits
+@pytest.mark.parametrize("case", ["int8", "int4-hd128-f16", "int8-small-groups", "int8-grouped-sink-bf16"])
+def test_attention_keeps_a_sliding_window_and_a_query_scale(case: str, window: int, cuda_backend: None) -> None:
+    """A sliding layer (Gemma 3's, Mistral's) over our kernels, tensor-core and scalar:
+    decode and a chunk see each query's last `window` positions only (the sink tokens
+    only inside them), with the family's query scale; as attention over the reference's
+    read-back with the window's mask, and unlike it without."""
+    name, config, dtype = CASES[case]
+    fmt = CUDA_FORMATS[name]
+    tol = 2e-3 if dtype == torch.float16 else 8e-3
+    total, chunk, scale = 232, 24, 0.3
+    k, v = _kv(total + chunk, config, dtype, rows=1)
+    want_cache = QuantKVCache(config, 1, 256, fmt, dtype, torch.device("cpu"))
+    cache = QuantKVCache(config, 1, 256, fmt, dtype, CUDA)
+    want, layer = want_cache.layer(0), cache.layer(0)
+    want.store(k[:, :, :total], v[:, :, :total], 0)
+    layer.store(k[:, :, :total].to(CUDA), v[:, :, :total].to(CUDA), 0)
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(1, config.num_heads, config.head_dim, generator=gen).to(dtype)
+    pos = torch.tensor([total - 1], device=CUDA)
+    out = kv_ops.attention(layer, q.to(CUDA), pos, 256, q_scale=scale, window=window).float().cpu()
+    rk, rv = want.read(total)
+    expect = _attend(q[0, :, None].float(), rk[0], rv[0], window, scale)[:, 0].reshape(-1)
+    torch.testing.assert_close(out[0], expect, rtol=tol, atol=tol)
+    dense = _attend(q[0, :, None].float(), rk[0], rv[0], 0, scale)[:, 0].reshape(-1)
+    assert (expect - dense).abs().max() > 10 * tol
+    qc = torch.randn(chunk, config.num_heads, config.head_dim, generator=gen).to(dtype)
+    coded = fmt.coded(total)
+    ring_k, ring_v = layer.ring_span(coded, total)
+    float_k = torch.cat([ring_k, k[:, :, total:].to(CUDA)], dim=2)
+    float_v = torch.cat([ring_v, v[:, :, total:].to(CUDA)], dim=2)
+    got = kv_ops.chunk_attention(layer, qc.to(CUDA), float_k, float_v, total, coded, scale, window)
+    kk = torch.cat([rk, k[:, :, total:].float()], dim=2)
+    vv = torch.cat([rv, v[:, :, total:].float()], dim=2)
+    expect_chunk = _attend(qc.float().transpose(0, 1), kk[0], vv[0], window, scale).transpose(0, 1)
+    torch.testing.assert_close(got.float().cpu(), expect_chunk, rtol=tol, atol=tol)
+
+
+@gpu
+@needs_cuda
 @pytest.mark.parametrize("name", ["int8", "int4"])
 def test_fused_step_over_a_quantized_cache_on_our_kernels(name: str, cuda_backend: None) -> None:
     """The fused decode step's rotary kernel writes and codes the quantized cache itself:

@@ -180,24 +180,26 @@ def test_what_the_fast_paths_do_not_implement_is_refused_by_name(family: dict[st
 
     with pytest.raises(ExportError, match=first):
         export_text_onnx(family["ckpt"], family["ckpt"])
-    if family["name"] != "qwen3" and torch.cuda.is_available():
-        # The CPU's quantized attention takes the window (the next test); CUDA's not yet.
-        cuda = load_checkpoint(family["ckpt"], dtype=torch.float16, device=torch.device("cuda"))
-        with pytest.raises(ValueError, match=f"sliding_window {WINDOW}"):
-            cuda.model.new_cache(1, 64, FORMATS["int8"])
 
 
-def test_on_the_cpu_a_quantized_cache_keeps_the_window_and_the_query_scale(family: dict[str, Any]) -> None:
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_quantized_cache_keeps_the_window_and_the_query_scale(family: dict[str, Any], device: str) -> None:
     """Past the sliding window (a prefill longer than it, then one token at a time), the
     logits over an int8 cache stay near the float cache's; the same codes read as if the
-    model had no window do not (so the window is what the kernel kept). int4's codes are
-    checked against their own read-back with a window in tests/test_quant_cache.py: on
-    these random weights (q/k norms, sharp attention) its rounding alone moves the logits
-    too far for this comparison to single out the window."""
+    model had no window do not (so the window is what the kernel kept): the CPU's C
+    kernel, and on CUDA Triton's or ours. int4's codes are checked against their own
+    read-back with a window in tests/test_quant_cache.py and tests/test_cuda_kv_ops.py:
+    on these random weights (q/k norms, sharp attention) its rounding alone moves the
+    logits too far for this comparison to single out the window."""
     int8 = FORMATS["int8"]
-    ours = load_checkpoint(family["ckpt"], dtype=torch.float32)
+    dtype = torch.float32 if device == "cpu" else torch.float16  # (the CUDA kernels take 16-bit types)
+    ours = load_checkpoint(family["ckpt"], dtype=dtype, device=torch.device(device))
     model = ours.model
-    ids = torch.tensor([ours.tokenizer.encode(" ".join(CORPUS), add_special_tokens=False).ids[:200]])
+    ids = torch.tensor([ours.tokenizer.encode(" ".join(CORPUS), add_special_tokens=False).ids[:200]], device=device)
     assert ids.shape[1] == 200  # past the int4 format's float tokens and three key blocks
     prefill = WINDOW + 5
 
@@ -205,7 +207,7 @@ def test_on_the_cpu_a_quantized_cache_keeps_the_window_and_the_query_scale(famil
         cache = model.new_cache(1, 256, kv_format)
         steps = [model(ids[:, :prefill], cache, 0)[0, -1]]
         steps += [model(ids[:, t : t + 1], cache, t)[0, -1] for t in range(prefill, ids.shape[1])]
-        return torch.stack(steps)
+        return torch.stack(steps).float()
 
     want = run(None)
     got = run(int8)

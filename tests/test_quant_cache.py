@@ -62,9 +62,13 @@ def _reference(fmt: KVFormat, k: torch.Tensor, v: torch.Tensor, length: int) -> 
     return torch.cat([dk, k[:, :, coded:length]], dim=2), torch.cat([dv, v[:, :, coded:length]], dim=2)
 
 
-def _filled(fmt: KVFormat, k: torch.Tensor, v: torch.Tensor, prompt: int, steps: int) -> QuantKVCache:
+def _filled(
+    fmt: KVFormat, k: torch.Tensor, v: torch.Tensor, prompt: int, steps: int, device: torch.device | None = None
+) -> QuantKVCache:
     """A cache whose rows took a `prompt`-token prefill, then `steps` tokens one at a time."""
-    cache = QuantKVCache(CONFIG, k.shape[0], 128, fmt, torch.float32, torch.device("cpu"))
+    device = device or torch.device("cpu")
+    cache = QuantKVCache(CONFIG, k.shape[0], 128, fmt, torch.float32, device)
+    k, v = k.to(device), v.to(device)
     for i in range(CONFIG.num_layers):
         layer = cache.layer(i)
         layer.store(k[:, :, :prompt], v[:, :, :prompt], 0)
@@ -234,6 +238,46 @@ def test_triton_write_codes_as_torch_and_attends_as_the_reference(name: str) -> 
     vv = torch.cat([rv[:, :, :coded], v[:1, :, coded:104]], dim=2)
     want_out = _attend(qc.transpose(0, 1), kk[0], vv[0]).transpose(0, 1)
     torch.testing.assert_close(out, want_out, rtol=1e-4, atol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("name", "window"),
+    [*((name, 40) for name in sorted(SMALL_FORMATS)), ("int8-sink", 3), ("int4", 3)],
+)  # across key blocks, the sink tokens left out; inside the float tokens
+def test_triton_kernels_take_a_sliding_window_and_a_query_scale(name: str, window: int) -> None:
+    """Triton's decode and chunk attention in a sliding layer (Gemma 3's, Mistral's): each
+    query sees its last `window` positions, sink tokens only inside them, with the
+    family's query scale; as attention over the reference's read-back with the window's
+    mask, and unlike it without the mask."""
+    from edge.text.ops.triton import triton_kv
+
+    fmt = SMALL_FORMATS[name]
+    k, v = _kv(100)
+    gen = torch.Generator().manual_seed(12)
+    scale = 0.3
+    layer = _filled(fmt, k[:1], v[:1], 77, 0, DEVICE).layer(0)
+    q = torch.randn(1, CONFIG.num_heads, CONFIG.head_dim, generator=gen)
+    pos = torch.tensor([77], device=DEVICE)
+    triton_kv.write_tokens(layer, k[:1, :, 77].to(DEVICE), v[:1, :, 77].to(DEVICE), pos)
+    out = triton_kv.attention(layer, q.to(DEVICE), pos, 128, q_scale=scale, window=window).cpu()
+    rk, rv = _reference(fmt, k[:1], v[:1], 78)
+    want = _attend(q[0, :, None], rk[0], rv[0], window, scale)[:, 0].reshape(-1)
+    torch.testing.assert_close(out[0], want, rtol=1e-4, atol=1e-4)
+    dense = _attend(q[0, :, None], rk[0], rv[0], 0, scale)[:, 0].reshape(-1)
+    assert (want - dense).abs().max() > 1e-2
+    layer = _filled(fmt, k[:1], v[:1], 61, 0, DEVICE).layer(0)
+    qc = torch.randn(30, CONFIG.num_heads, CONFIG.head_dim, generator=gen)
+    coded = fmt.coded(61)
+    ring_k, ring_v = layer.ring_span(coded, 61)
+    float_k = torch.cat([ring_k, k[:1, :, 61:91].to(DEVICE)], dim=2)
+    float_v = torch.cat([ring_v, v[:1, :, 61:91].to(DEVICE)], dim=2)
+    got = triton_kv.chunk_attention(layer, qc.to(DEVICE), float_k, float_v, 61, coded, scale, window).cpu()
+    rk, rv = _reference(fmt, k[:1], v[:1], 61)
+    rk = torch.cat([rk[:, :, :coded], k[:1, :, coded:91]], dim=2)
+    rv = torch.cat([rv[:, :, :coded], v[:1, :, coded:91]], dim=2)
+    want_chunk = _attend(qc.transpose(0, 1), rk[0], rv[0], window, scale).transpose(0, 1)
+    torch.testing.assert_close(got, want_chunk, rtol=1e-4, atol=1e-4)
 
 
 def test_kv_dtype_is_checked_and_reaches_the_pool() -> None:

@@ -32,13 +32,6 @@ def _format(layer: QuantLayer) -> tuple[int, int, bool]:
     return fmt.key_block, fmt.group(layer.ring_k.shape[-1]), fmt.dtype == "int4"
 
 
-def _cuda_window(window: int) -> None:
-    if window:
-        # LlamaModel.new_cache refuses a quantized cache to a sliding model on CUDA; never
-        # attend past a window if one got here.
-        raise RuntimeError("the CUDA quantized-KV attention kernels do not implement a sliding window")
-
-
 def _query_scale(q: torch.Tensor, scale: float | None) -> float:
     return scale if scale is not None else q.shape[-1] ** -0.5
 
@@ -56,14 +49,13 @@ def decode(
     """q [B, NH, D] (unscaled), k and v [B, NKV, D] of the new tokens at positions pos [B]
     -> [B, NH, D] in q's type. A row's attention reaches no further than kv_len (rows a
     step does not advance sit at the last position; their output is not read), nor, in a
-    sliding layer, further back than its `window` (the CPU's kernel); `scale`: the
-    queries' (None: 1/sqrt(D))."""
+    sliding layer, further back than its `window` (every kernel: CPU C, Triton, CUDA C);
+    `scale`: the queries' (None: 1/sqrt(D))."""
     q_scale = _query_scale(q, scale)
     if q.is_cuda:
-        _cuda_window(window)
         kernels = step_ops.kv_kernels(q.device)
         kernels.write_tokens(layer, k, v, pos)
-        out = kernels.attention(layer, q.contiguous(), pos, kv_len, q_scale=q_scale)
+        out = kernels.attention(layer, q.contiguous(), pos, kv_len, q_scale=q_scale, window=window)
         return out.view(q.shape).to(q.dtype)
     positions = [int(p) for p in pos.tolist()]
     layer.write_tokens(k.unsqueeze(2), v.unsqueeze(2), positions)
@@ -109,9 +101,8 @@ def chunk(
     queries = q[0].transpose(0, 1)  # [T, NH, D]
     q_scale = _query_scale(q, scale)
     if q.is_cuda:
-        _cuda_window(window)
         kernels = step_ops.kv_kernels(q.device)
-        out = kernels.chunk_attention(layer, queries, float_k, float_v, start, coded, q_scale=q_scale)
+        out = kernels.chunk_attention(layer, queries, float_k, float_v, start, coded, q_scale=q_scale, window=window)
     else:
         out = cpu_kv.attention(
             queries,

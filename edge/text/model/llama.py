@@ -461,13 +461,6 @@ class LlamaModel(nn.Module):
         length = min(max_len, self.config.max_position)
         if kv_format is not None and kv_format.dtype != "float16":
             if self.device.type == "cuda":
-                # The CPU's quantized attention takes a sliding window; CUDA's kernels not yet.
-                sliding = [o for o in self.config.family_options() if o.startswith("sliding_window")]
-                if sliding:
-                    raise ValueError(
-                        f"kv_dtype {kv_format.dtype} on CUDA: the quantized KV attention kernels do not implement "
-                        f"{sliding[0]}; serve this model with kv_dtype float16"
-                    )
                 config = self.config
                 group = config.num_heads // config.num_kv_heads
                 refused = step_ops.kv_refusal(self.device, kv_format, config.head_dim, group, self.dtype)

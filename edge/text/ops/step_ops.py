@@ -49,7 +49,7 @@ class KVKernels(Protocol):
     ) -> torch.Tensor: ...
 
     def attention(
-        self, layer: QuantLayer, q: torch.Tensor, pos: torch.Tensor, kv_len: int, q_scale: float
+        self, layer: QuantLayer, q: torch.Tensor, pos: torch.Tensor, kv_len: int, q_scale: float, window: int = 0
     ) -> torch.Tensor: ...
 
     def chunk_attention(
@@ -61,6 +61,7 @@ class KVKernels(Protocol):
         start: int,
         coded: int,
         q_scale: float,
+        window: int = 0,
     ) -> torch.Tensor: ...
 
 

@@ -35,6 +35,8 @@ struct Format {
   int vsym;      // int4 values: codes 1..15 about 8, no zero point
   int code_len;  // positions the codes are allocated for
   int blocks;    // key blocks the scales are allocated for
+  int slide;     // attention: a sliding layer's window (each query sees its last `slide`
+                 // positions, sink tokens only inside them), 0 for none; writes ignore it
 };
 
 // One layer's tensors, each [rows, NKV, ...]: the ring [.., RING + 1, HD] and the sink
@@ -360,8 +362,11 @@ __global__ void __launch_bounds__(KV_THREADS)
     fbase = coded_in;
   }
   const int head = row * NKV + kh;
-  const long long start = (long long)sp * chunk;
-  const long long end = min(start + chunk, pos + 1);
+  const long long end = min((long long)sp * chunk + chunk, pos + 1);
+  // A sliding layer's first visible position; tiles wholly before it skipped (the first
+  // one read holds it, so a tile never has every score masked).
+  const long long lo = f.slide > 0 ? max(pos + 1 - f.slide, 0LL) : 0LL;
+  const long long start = max((long long)sp * chunk, lo / KV_TILE * KV_TILE);
   const long long below = max(min(end, coded), start);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int li = lane % LANES, lg = lane / LANES;
@@ -491,7 +496,7 @@ __global__ void __launch_bounds__(KV_THREADS)
         for (int e = 0; e < EPL; e++) s += kv[e] * qrow[g][e * LANES + li];
         for (int o = LANES / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
         if (INT4 && scaled) s += qz[g];
-        if (li == 0) ps[g][tt] = tt < n ? s : -INFINITY;
+        if (li == 0) ps[g][tt] = tt < n && t >= lo ? s : -INFINITY;
       }
     }
     __syncthreads();
@@ -604,7 +609,7 @@ __global__ void __launch_bounds__(KV_THREADS, 3)
   const long long pos_in = decode ? pos_ptr[qi] : 0;
   const int row = decode ? qi : 0;
   const int head = row * NKV + kh;
-  const int start = sp * chunk;
+  const int split_at = sp * chunk;
   const int fbase = decode ? 0 : coded_in;  // float token t in slot (t - fbase) % fmod
   const int groups = HD / f.VG;
   const int vgroup = CPR * r / f.VG;  // the value group of this lane's channels
@@ -691,14 +696,18 @@ __global__ void __launch_bounds__(KV_THREADS, 3)
   // and the key block being filled): its codes are loaded before the position arrives, and
   // the queries after them (load_queries waits for its loads to store them), so the three
   // trips to memory overlap as the float kernel's do; a guess the position proves wrong is
-  // loaded again as floats.
-  const bool early = decode && start + KV_TILE <= f.code_len && start / f.KB < f.blocks;
-  if (early) load_codes(start);
+  // loaded again as floats. (Not in a sliding layer, whose first tile the position moves.)
+  const bool early = decode && f.slide == 0 && split_at + KV_TILE <= f.code_len && split_at / f.KB < f.blocks;
+  if (early) load_codes(split_at);
   load_queries<MMA_ROWS, HD, KV_THREADS>(q + ((size_t)qi * NH + kh * group) * HD, qs, group, q_scale,
                                          [](int d) { return d; });
   const int pos = decode ? (int)pos_in : start_in + qi;
   const int coded = decode ? max(pos - f.W, 0) / f.KB * f.KB : coded_in;
-  const int end = min(start + chunk, pos + 1);
+  const int end = min(split_at + chunk, pos + 1);
+  // A sliding layer's first visible position; tiles wholly before it skipped (the first
+  // one read holds it, so a tile never has every score masked).
+  const int first = f.slide > 0 ? max(pos + 1 - f.slide, 0) : 0;
+  const int start = max(split_at, first / KV_TILE * KV_TILE);
   const int below = max(min(end, coded), start);
   if (start < end) {
     if (!early || start >= below) {
@@ -833,7 +842,8 @@ __global__ void __launch_bounds__(KV_THREADS, 3)
         if (sink1) s[2] = s2[2], s[3] = s2[3];
       }
     }
-    mma_tile_values<C, HD>(s, p0 + r < end, p0 + r + 8 < end, vw, ps[warp], st, r, c);
+    mma_tile_values<C, HD>(s, p0 + r < end && p0 + r >= first, p0 + r + 8 < end && p0 + r + 8 >= first, vw, ps[warp], st,
+                           r, c);
   }
   mma_finish<C, GP, HD, KV_THREADS>(st, group, bh, sp, splits, acc, ml, done,
                                     out + ((size_t)qi * NH + kh * group) * HD);
@@ -848,7 +858,7 @@ Layer<C> layer_of(const void* const* t) {
                   static_cast<C*>(const_cast<void*>(t[8])),       static_cast<C*>(const_cast<void*>(t[9]))};
 }
 
-Format format_of(const int* v) { return Format{v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]}; }
+Format format_of(const int* v) { return Format{v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8]}; }
 
 // Threads of a write block: the rotary's HD / 2 and the coder's warps at once.
 int write_threads(int HD) { return max(128, HD / 2); }
@@ -918,8 +928,9 @@ extern "C" {
 
 // Every entry returns a cudaError_t (0: launched). `tensors` holds the layer's ten
 // pointers (ring_k, ring_v, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, sink_k,
-// sink_v; a tensor a format lacks stands in with another, never read); `format` its eight
-// ints (key block, value group, window, ring, sink, values symmetric, code_len, blocks).
+// sink_v; a tensor a format lacks stands in with another, never read); `format` its nine
+// ints (key block, value group, window, ring, sink, values symmetric, code_len, blocks,
+// and the attention's sliding window, 0 for none).
 // dtype codes: 0 bfloat16, 1 float16 (the cache's activations; float32 is refused).
 
 int edge_kv_rope_write(const void* qkv, int qkv_dtype, const float* cos, const float* sin, const long long* pos,

@@ -26,8 +26,8 @@ if TYPE_CHECKING:  # the cache's layer, read by attribute: ops sit below kv
 SOURCE = Path(__file__).with_name("kv_ops.cu")
 CACHE_DTYPES = (torch.bfloat16, torch.float16)
 # Head sizes built (each a set of kernel instances: build time on the box): those of the
-# families a quantized cache serves (Llama, Qwen, Mistral: 64 and 128). Gemma 3's 256
-# comes with a sliding window, which the quantized caches refuse anyway.
+# families most served (Llama, Qwen, Mistral, Phi-3: 64 and 128). Gemma 3's 256 is
+# refused by name at load (refusal), float16 KV serving it here; Triton's kernels take it.
 HEAD_DIMS = (64, 128)
 TILE = 64  # positions a pass of the attention (kv_ops.cu's KV_TILE): key blocks are whole tiles
 
@@ -91,9 +91,10 @@ def _dtype(t: torch.Tensor) -> int:
     return DTYPES[t.dtype]
 
 
-def _layer(layer: QuantLayer) -> tuple[ctypes.Array[ctypes.c_void_p], ctypes.Array[ctypes.c_int]]:
+def _layer(layer: QuantLayer, window: int = 0) -> tuple[ctypes.Array[ctypes.c_void_p], ctypes.Array[ctypes.c_int]]:
     """The layer's ten tensors (a tensor its format lacks stood in for by one never read
-    then) and its format's eight ints, as kv_ops.cu's entries take them."""
+    then) and its format's nine ints (the last: the attention's sliding window, 0 for
+    none), as kv_ops.cu's entries take them."""
     fmt, dim = layer.fmt, layer.ring_k.shape[-1]
     refused = refusal(fmt, dim, 1, layer.ring_k.dtype)
     if refused:
@@ -108,7 +109,7 @@ def _layer(layer: QuantLayer) -> tuple[ctypes.Array[ctypes.c_void_p], ctypes.Arr
     ptrs = (ctypes.c_void_p * 10)(*(t.data_ptr() for t in (*tensors, sink_k, sink_v)))
     ints = (fmt.key_block, fmt.group(dim), fmt.window, fmt.ring, fmt.sink, int(fmt.value_symmetric))
     sizes = (layer.code_len, layer.k_scale.shape[2])
-    return ptrs, (ctypes.c_int * 8)(*ints, *sizes)
+    return ptrs, (ctypes.c_int * 9)(*ints, *sizes, window)
 
 
 def write_tokens(layer: QuantLayer, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
@@ -155,6 +156,7 @@ def _attend(
     splits: int,
     chunk: int,
     q_scale: float,
+    window: int,
 ) -> torch.Tensor:
     nq, n_heads, hd = q.shape
     n_kv = layer.ring_k.shape[1]
@@ -165,7 +167,7 @@ def _attend(
     kf, vf = float_kv
     if q.dtype != kf.dtype or not (q.is_contiguous() and kf.is_contiguous() and vf.is_contiguous()):
         raise ValueError(f"contiguous queries and float tokens of the cache's type, got {q.dtype} and {kf.dtype}")
-    ptrs, ints = _layer(layer)
+    ptrs, ints = _layer(layer, window)
     pad = next(p for p in GROUP_PADS if p >= group)
     rows = nq * n_kv * splits * pad
     acc = torch.empty(rows, hd, device=q.device, dtype=torch.float32)
@@ -192,13 +194,16 @@ def attention_splits(kv_len: int, n_kv: int, sms: int) -> tuple[int, int]:
     return splits, -(-chunk // TILE) * TILE
 
 
-def attention(layer: QuantLayer, q: torch.Tensor, pos: torch.Tensor, kv_len: int, q_scale: float) -> torch.Tensor:
+def attention(
+    layer: QuantLayer, q: torch.Tensor, pos: torch.Tensor, kv_len: int, q_scale: float, window: int = 0
+) -> torch.Tensor:
     """q [B, NH, HD] (times q_scale) of each row's token at pos[b] against its cache
-    positions 0..pos[b] -> [B, NH * HD] in the cache's float type."""
+    positions 0..pos[b] (in a sliding layer, `window` > 0, its last `window` of them)
+    -> [B, NH * HD] in the cache's float type."""
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     splits, chunk = attention_splits(kv_len, layer.ring_k.shape[1], sms)
     positions = pos.to(torch.int64).contiguous()
-    return _attend(layer, q.contiguous(), (layer.ring_k, layer.ring_v), positions, 0, 0, splits, chunk, q_scale)
+    return _attend(layer, q.contiguous(), (layer.ring_k, layer.ring_v), positions, 0, 0, splits, chunk, q_scale, window)
 
 
 def chunk_attention(
@@ -209,13 +214,16 @@ def chunk_attention(
     start: int,
     coded: int,
     q_scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """q [T, NH, HD] of positions start.. of the layer's row 0 against its codes below
-    `coded` and the float tokens from `coded` on (float_k, float_v [1, NKV, F, HD]) ->
-    [T, NH, HD]. One split per query: the chunk's queries fill the GPU."""
+    `coded` and the float tokens from `coded` on (float_k, float_v [1, NKV, F, HD]),
+    each within its last `window` positions where window > 0 -> [T, NH, HD]. One split
+    per query: the chunk's queries fill the GPU."""
     end = start + q.shape[0]
     chunk = -(-end // TILE) * TILE
     out = _attend(
-        layer, q.contiguous(), (float_k.contiguous(), float_v.contiguous()), None, start, coded, 1, chunk, q_scale
-    )
+        layer, q.contiguous(), (float_k.contiguous(), float_v.contiguous()), None, start, coded, 1, chunk, q_scale,
+        window,
+    )  # fmt: skip
     return out.view(q.shape[0], q.shape[1], q.shape[2])

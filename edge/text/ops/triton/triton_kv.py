@@ -328,13 +328,15 @@ if decode_ops.TRITON_SUPPORT:
         return p, alpha, m_new, l_sum * alpha + tl.sum(p, axis=1)
 
     @triton.jit
-    def _span(qh, sp, pos_ptr, start_in, coded_in, NKV, chunk, KB: tl.constexpr, W: tl.constexpr,
-              DECODE: tl.constexpr):  # fmt: skip
+    def _span(qh, sp, pos_ptr, start_in, coded_in, NKV, chunk, window, KB: tl.constexpr, W: tl.constexpr,
+              DECODE: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
         """Where attention program (qh, sp) works: its query qi and KV head kh, the cache
         row and head it reads, where that row's float tokens start (fbase), and its chunk
-        of positions: coded tiles start..below, float tiles below..end. DECODE: query qi
-        is row qi's token at pos[qi], coded up to fmt.coded(pos+1); else position
-        start_in + qi of row 0, coded up to coded_in."""
+        of positions: coded tiles start..below, float tiles below..end, the first position
+        the query sees (lo: in a sliding layer, `window` > 0, its last `window` positions;
+        tiles wholly before it skipped). DECODE: query qi is row qi's token at pos[qi],
+        coded up to fmt.coded(pos+1); else position start_in + qi of row 0, coded up to
+        coded_in."""
         qi = qh // NKV
         kh = qh % NKV
         if DECODE:
@@ -349,8 +351,10 @@ if decode_ops.TRITON_SUPPORT:
             fbase = coded_in
         start = sp * chunk
         end = tl.minimum(start + chunk, pos + 1)
+        lo = tl.maximum(pos + 1 - window, 0) if window > 0 else 0
+        start = tl.maximum(start, lo // BLOCK_T * BLOCK_T)  # still on a tile, so in one key block
         below = tl.maximum(tl.minimum(end, coded), start)
-        return qi, kh, row, row * NKV + kh, fbase, start, below, end
+        return qi, kh, row, row * NKV + kh, fbase, start, below, end, lo
 
     @triton.jit
     def _attn_kernel(
@@ -371,6 +375,7 @@ if decode_ops.TRITON_SUPPORT:
         start_in,
         coded_in,
         q_scale,
+        window,
         NH,
         NKV,
         code_len,
@@ -405,8 +410,8 @@ if decode_ops.TRITON_SUPPORT:
         NG: tl.constexpr = HD // VG
         qh = tl.program_id(0)
         sp = tl.program_id(1)
-        qi, kh, row, head, fbase, start, below, end = _span(
-            qh, sp, pos_ptr, start_in, coded_in, NKV, chunk, KB, W, DECODE
+        qi, kh, row, head, fbase, start, below, end, lo = _span(
+            qh, sp, pos_ptr, start_in, coded_in, NKV, chunk, window, KB, W, DECODE, BLOCK_T
         )
         rg = tl.arange(0, GP)
         g_mask = rg < GROUP
@@ -424,7 +429,7 @@ if decode_ops.TRITON_SUPPORT:
         acc_o = tl.zeros((GP, HALF), dtype=tl.float32)
         for t0 in range(start, below, BLOCK_T):
             rt = t0 + tl.arange(0, BLOCK_T)
-            t_mask = rt < end
+            t_mask = (rt < end) & (rt >= lo)
             # Packed codes read whole and split into even and odd channels. The keys' scales
             # (and zero points) are folded into the query, once a tile; the values'
             # scales, one per token and group, multiply the codes.
@@ -477,7 +482,7 @@ if decode_ops.TRITON_SUPPORT:
             acc_o = acc_o * alpha[:, None] + tl.dot(p.to(dt), v_o, input_precision=PREC)
         for t0 in range(below, end, BLOCK_T):
             rt = t0 + tl.arange(0, BLOCK_T)
-            t_mask = rt < end
+            t_mask = (rt < end) & (rt >= lo)
             slot = (rt - fbase) % fmod
             f_at = (((row * NKV + kh) * falloc + slot) * HD)[:, None] + rd[None, :]
             k_e, k_o = tl.split(tl.reshape(tl.load(kf_ptr + f_at, mask=t_mask[:, None], other=0.0), (BLOCK_T, HALF, 2)))
@@ -515,6 +520,7 @@ if decode_ops.TRITON_SUPPORT:
         start_in,
         coded_in,
         q_scale,
+        window,
         NH,
         NKV,
         code_len,
@@ -544,8 +550,8 @@ if decode_ops.TRITON_SUPPORT:
         NG: tl.constexpr = HD // VG
         qh = tl.program_id(0)
         sp = tl.program_id(1)
-        qi, kh, row, head, fbase, start, below, end = _span(
-            qh, sp, pos_ptr, start_in, coded_in, NKV, chunk, KB, W, DECODE
+        qi, kh, row, head, fbase, start, below, end, lo = _span(
+            qh, sp, pos_ptr, start_in, coded_in, NKV, chunk, window, KB, W, DECODE, BLOCK_T
         )
         rg = tl.arange(0, GP)
         g_mask = rg < GROUP
@@ -559,7 +565,7 @@ if decode_ops.TRITON_SUPPORT:
         acc = tl.zeros((GP, HD), dtype=tl.float32)
         for t0 in range(start, below, BLOCK_T):
             rt = t0 + tl.arange(0, BLOCK_T)
-            t_mask = rt < end
+            t_mask = (rt < end) & (rt >= lo)
             q_ks = (q32 * tl.load(ks + (head * blocks + t0 // KB) * HD + rd).to(tl.float32)[None, :]).to(dt)
             tok = head * code_len + rt
             c_at = (tok * HD)[:, None] + rd[None, :]
@@ -590,7 +596,7 @@ if decode_ops.TRITON_SUPPORT:
             acc = acc * alpha[:, None] + tl.dot((p * v_w[None, :]).to(dt), v, input_precision=PREC)
         for t0 in range(below, end, BLOCK_T):
             rt = t0 + tl.arange(0, BLOCK_T)
-            t_mask = rt < end
+            t_mask = (rt < end) & (rt >= lo)
             slot = (rt - fbase) % fmod
             f_at = (((row * NKV + kh) * falloc + slot) * HD)[:, None] + rd[None, :]
             k = tl.load(kf_ptr + f_at, mask=t_mask[:, None], other=0.0).to(dt)
@@ -682,6 +688,7 @@ def _attend(
     splits: int,
     chunk: int,
     q_scale: float,
+    window: int,
 ) -> torch.Tensor:
     nq, n_heads, hd = q.shape
     n_kv = layer.ring_k.shape[1]
@@ -700,7 +707,7 @@ def _attend(
         chunk = triton.cdiv(chunk, block_t) * block_t  # splits start on a tile (and so a block)
         _attn8_kernel[(nq * n_kv, splits)](
             q, layer.k_codes, layer.k_scale, layer.v_codes, layer.v_scale, kf, vf, *_sink(layer),
-            pos if pos is not None else q, acc, ml, start, coded, q_scale, n_heads, n_kv, layer.code_len,
+            pos if pos is not None else q, acc, ml, start, coded, q_scale, window, n_heads, n_kv, layer.code_len,
             layer.k_scale.shape[2], kf.shape[2], fmod, chunk, splits, group, decode_ops.ATTN_GROUP_ROWS,
             HD=hd, KB=layout["KB"], VG=layout["VG"], W=layout["W"], SINK=layout["SINK"],
             DECODE=pos is not None, BLOCK_T=block_t, F32_DOT=not q.is_cuda, PREC=prec,
@@ -710,7 +717,7 @@ def _attend(
     else:
         _attn_kernel[(nq * n_kv, splits)](
             q, layer.k_codes, layer.k_scale, kz, layer.v_codes, layer.v_scale, vz, kf, vf, *_sink(layer),
-            pos if pos is not None else q, acc, ml, start, coded, q_scale, n_heads, n_kv, layer.code_len,
+            pos if pos is not None else q, acc, ml, start, coded, q_scale, window, n_heads, n_kv, layer.code_len,
             layer.k_scale.shape[2], kf.shape[2], fmod, chunk, splits, group, decode_ops.ATTN_GROUP_ROWS,
             DECODE=pos is not None, BLOCK_T=decode_ops.ATTN_BLOCK_T, F32_DOT=not q.is_cuda, PREC=prec,
             num_warps=4, **_layout(layer),
@@ -722,15 +729,19 @@ def _attend(
     return out
 
 
-def attention(layer: QuantLayer, q: torch.Tensor, pos: torch.Tensor, kv_len: int, q_scale: float) -> torch.Tensor:
+def attention(
+    layer: QuantLayer, q: torch.Tensor, pos: torch.Tensor, kv_len: int, q_scale: float, window: int = 0
+) -> torch.Tensor:
     """q [B, NH, HD] (times q_scale) of each row's token at pos[b] against its cache
-    positions 0..pos[b] -> [B, NH * HD] in the cache's float type."""
+    positions 0..pos[b] (in a sliding layer, `window` > 0, its last `window` of them)
+    -> [B, NH * HD] in the cache's float type."""
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
     spread = ATTN8_SPREAD if layer.fmt.dtype == "int8" else 1.0
     splits, chunk = decode_ops.attn_splits(
         kv_len, layer.ring_k.shape[1], int(sms * spread), int(decode_ops.MAX_ATTN_SPLITS * spread)
     )
-    return _attend(layer, q, (layer.ring_k, layer.ring_v), layer.fmt.ring, pos, 0, 0, kv_len, splits, chunk, q_scale)
+    ring = (layer.ring_k, layer.ring_v)
+    return _attend(layer, q, ring, layer.fmt.ring, pos, 0, 0, kv_len, splits, chunk, q_scale, window)
 
 
 def chunk_attention(
@@ -741,14 +752,16 @@ def chunk_attention(
     start: int,
     coded: int,
     q_scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """q [T, NH, HD] of positions start.. of the layer's row 0 against its codes below
-    `coded` and the float tokens from `coded` on (float_k, float_v [1, NKV, F, HD]) ->
-    [T, NH, HD]. One split per query: the chunk's queries fill the GPU."""
+    `coded` and the float tokens from `coded` on (float_k, float_v [1, NKV, F, HD]),
+    each within its last `window` positions where window > 0 -> [T, NH, HD]. One split
+    per query: the chunk's queries fill the GPU."""
     end = start + q.shape[0]
     chunk = triton.cdiv(end, decode_ops.ATTN_BLOCK_T) * decode_ops.ATTN_BLOCK_T
     out = _attend(
         layer, q.contiguous(), (float_k.contiguous(), float_v.contiguous()), float_k.shape[2], None, start, coded,
-        end, 1, chunk, q_scale,
+        end, 1, chunk, q_scale, window,
     )  # fmt: skip
     return out.view(q.shape[0], q.shape[1], q.shape[2])
