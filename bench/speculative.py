@@ -144,6 +144,23 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return float(sum(acceptance**i for i in range(k + 1)))
 
 
+def project(entry: dict[str, Any], acceptance: float | None) -> dict[str, Any]:
+    """A verify_cost row with its projection at `acceptance` (arithmetic on its measured
+    times: what the drafts taken at that rate would make of them)."""
+    entry = {k: v for k, v in entry.items() if not k.startswith("projected_")}
+    if acceptance is not None:
+        tokens = expected_tokens(acceptance, entry["k"])
+        speedup = tokens * entry["decode_ms"] / entry["verify_ms"]
+        entry |= {"projected_tokens_per_step": tokens, "projected_speedup": speedup}
+    return entry
+
+
+def default_acceptance(rows: list[dict[str, Any]]) -> float | None:
+    """The measured acceptance of the profile's default draft length (the projection's)."""
+    measured = [r for r in rows if r.get("acceptance_rate") is not None and r.get("default")]
+    return measured[0]["acceptance_rate"] if measured else None
+
+
 def verify_cost(args: argparse.Namespace, acceptance: float | None) -> dict[str, Any]:
     """Per k: the verification call's time against one served decode step, on CUDA."""
     import statistics
@@ -177,15 +194,9 @@ def verify_cost(args: argparse.Namespace, acceptance: float | None) -> dict[str,
                     end.synchronize()
                     times.append(start.elapsed_time(end))
                 verify_ms = statistics.median(times[2:])
-                entry: dict[str, Any] = {
-                    "k": k,
-                    "verify_ms": verify_ms,
-                    "decode_ms": decode_ms,
-                    "ratio": verify_ms / decode_ms,
-                }
-                if acceptance is not None:
-                    tokens = expected_tokens(acceptance, k)
-                    entry |= {"projected_tokens_per_step": tokens, "projected_speedup": tokens * decode_ms / verify_ms}
+                entry = project(
+                    {"k": k, "verify_ms": verify_ms, "decode_ms": decode_ms, "ratio": verify_ms / decode_ms}, acceptance
+                )
                 rows.append(entry)
                 print(json.dumps(entry), flush=True)
         return {
@@ -217,17 +228,23 @@ def main() -> None:
     args = parser.parse_args()
     if args.verify_cost:
         result = json.loads(args.out.read_text()) if args.out.exists() else {}
-        measured = [r for r in result.get("rows", []) if r.get("acceptance_rate") is not None and r.get("default")]
-        result["verify_cost"] = verify_cost(args, measured[0]["acceptance_rate"] if measured else None)
+        result["verify_cost"] = verify_cost(args, default_acceptance(result.get("rows", [])))
         write_json(args.out, result)
         print(f"wrote {args.out}")
         return
     result = run(args)
     if args.out.exists():
-        # The GPU's verification cost is measured apart (--verify-cost): kept, not lost.
+        # The GPU's verification cost is measured apart (--verify-cost): kept, not lost,
+        # its projection made again at this run's acceptance (the times are its own).
         earlier = json.loads(args.out.read_text())
         if "verify_cost" in earlier:
-            result["verify_cost"] = earlier["verify_cost"]
+            cost = earlier["verify_cost"]
+            acceptance = default_acceptance(result["rows"])
+            result["verify_cost"] = {
+                **cost,
+                "acceptance_rate": acceptance,
+                "rows": [project(entry, acceptance) for entry in cost["rows"]],
+            }
     write_json(args.out, result)
     print(f"{'method':<20} {'accept':>7} {'tok/step':>8} {'tok/s':>7} {'speedup':>7} same")
     for r in result["rows"]:

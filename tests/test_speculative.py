@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -33,11 +34,30 @@ PASSAGE = (
 def test_propose_takes_what_followed_the_latest_longest_match() -> None:
     # The last three tokens (1, 2, 3) occurred twice before: the later one's followers win.
     assert propose([1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 0, 1, 2, 3], k=2) == [7, 8]
-    # No trigram match: the bigram (2, 3)'s, before falling back to the last token alone.
+    # No trigram match: the bigram (2, 3)'s; the last token alone only where asked for
+    # (min_ngram 1): by default a lone token's match drafts nothing.
     assert propose([2, 3, 6, 6, 1, 2, 3], k=3) == [6, 6, 1]
-    assert propose([5, 8, 4, 0, 8], k=2) == [4, 0]
+    assert propose([5, 8, 4, 0, 8], k=2, min_ngram=1) == [4, 0]
+    assert propose([5, 8, 4, 0, 8], k=2) == []
     # Fewer followers than k: what there is.
     assert propose([4, 5, 6, 4, 5], k=4) == [6, 4, 5]
+
+
+def test_the_gpu_projection_is_made_again_at_a_new_acceptance() -> None:
+    """bench/speculative.py keeps the GPU's measured verification times when the CPU rows
+    are measured again, and makes their projection again at the new acceptance rate."""
+    from bench.speculative import default_acceptance, expected_tokens, project
+
+    rows: list[dict[str, Any]] = [
+        {"acceptance_rate": None, "default": False},
+        {"acceptance_rate": 0.5, "default": True},
+    ]
+    assert default_acceptance(rows) == 0.5
+    old = {"k": 2, "verify_ms": 4.0, "decode_ms": 2.0, "ratio": 2.0, "projected_speedup": 9.0}
+    new = project(old, 0.5)
+    assert new["projected_tokens_per_step"] == expected_tokens(0.5, 2) == 1.75
+    assert new["projected_speedup"] == 1.75 * 2.0 / 4.0 and new["verify_ms"] == 4.0
+    assert "projected_speedup" not in project(old, None)
 
 
 def test_propose_without_a_match_or_room_gives_nothing() -> None:
@@ -45,8 +65,8 @@ def test_propose_without_a_match_or_room_gives_nothing() -> None:
     assert propose([7], k=4) == []
     assert propose([1, 2, 1, 2], k=0) == []
     # The longest match is tried first, down to max_ngram.
-    assert propose([9, 1, 2, 8, 3, 1, 2], k=1, max_ngram=1) == [8]
-    assert propose([9, 1, 2, 8, 3, 2], k=1, max_ngram=1) == [8]
+    assert propose([9, 1, 2, 8, 3, 1, 2], k=1, max_ngram=1, min_ngram=1) == [8]
+    assert propose([9, 1, 2, 8, 3, 2], k=1, max_ngram=1, min_ngram=1) == [8]
 
 
 @pytest.fixture(scope="module")
