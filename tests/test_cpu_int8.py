@@ -116,11 +116,33 @@ def test_a_checkpoint_loads_on_the_int8_kernel_with_an_exact_head(tmp_path: Path
     assert {m.kernel for m in layers} == {"cpu-int8"}
     head = ckpt.model.lm_head
     assert isinstance(head, Int4Linear) and head.exact_top == EXACT_TOP
-    h = torch.randn(2, 64)
-    logits = head(h)
-    exact = h.double() @ dequantize(QuantizedWeight(head.qweight, head.scales, head.zeros, 32)).double().T
-    top = logits.topk(EXACT_TOP, dim=-1).indices
-    torch.testing.assert_close(logits.gather(-1, top).double(), exact.gather(-1, top), rtol=1e-5, atol=1e-5)
+    weight = dequantize(QuantizedWeight(head.qweight, head.scales, head.zeros, 32)).double()
+    for rows in (2, 9):  # our C selection and exact kernel; past REFINE_ROWS, torch's route
+        h = torch.randn(rows, 64)
+        logits = head(h)
+        head.exact_top = 0
+        rounded = head(h)  # the int8 kernel's alone
+        head.exact_top = EXACT_TOP
+        exact = h.double() @ weight.T
+        # Each row's best 16 of the rounded logits are exact; the rest stay as rounded.
+        top = rounded.topk(EXACT_TOP, dim=-1).indices
+        torch.testing.assert_close(logits.gather(-1, top).double(), exact.gather(-1, top), rtol=1e-5, atol=1e-5)
+        rest = torch.ones_like(logits, dtype=torch.bool).scatter(-1, top, False)
+        assert torch.equal(logits[rest], rounded[rest])
+        assert (rounded.double() - exact).abs().max() > 1e-4
+
+
+def test_top_k_picks_each_rows_largest_in_order() -> None:
+    """cpu_int4.top_k (the exact head's selection): torch's topk indices where values are
+    distinct; of equal values the lower index first; NaNs never chosen."""
+    gen = torch.Generator().manual_seed(3)
+    y = torch.randn(5, 49152, generator=gen)
+    assert torch.equal(cpu_int4.top_k(y, 16), y.topk(16, dim=-1).indices)
+    tied = torch.tensor([[1.0, 3.0, 2.0, 3.0, float("nan"), 3.0]])
+    assert cpu_int4.top_k(tied, 4).tolist() == [[1, 3, 5, 2]]
+    assert cpu_int4.top_k(torch.tensor([[float("nan"), 1.0, float("nan")]]), 2).tolist() == [[1, -1]]
+    with pytest.raises(ValueError):
+        cpu_int4.top_k(y, 65)
 
 
 # --- every instruction set's path -------------------------------------------------------

@@ -40,6 +40,9 @@ PREFILL_SLAB_ROWS = 8192
 PREFILL_SLAB_VALUES = 8192 * 4096
 # Kernels whose GEMV the fused decode step (runtime/fused_step.py) calls: float32 sums out.
 GEMV_KERNELS = ("triton", "cuda-mma")
+# Rows of logits up to which the exact top is refined by our C kernels one row at a time
+# (a decode step, a verification's drafts); more rows (a scored prompt) take torch's route.
+REFINE_ROWS = 8
 # Logits recomputed exactly per position on the CPU kernel (see Int4Linear.exact_top).
 EXACT_TOP = 16
 
@@ -399,6 +402,19 @@ class Int4Linear(nn.Module):
         """`out` [M, N] with each row's `exact_top` largest entries recomputed in float32
         from the codes: the rows of the weight they need are dequantized, nothing else."""
         top = min(self.exact_top, self.out_features)
+        ours = self.kernel == "cpu-int8" and out.device.type == "cpu" and out.shape[0] <= REFINE_ROWS
+        idx = cpu_int4.top_k(out, top) if ours else None
+        if idx is not None and bool((idx >= 0).all()):  # (-1: a row of NaNs, left to torch below)
+            # Our C selection and our exact float32 kernel over the rows picked: a fraction
+            # of what torch's topk, dequantization and einsum took a decode step (SmolLM2's
+            # 49,152 logits on two threads).
+            exact = torch.stack(
+                [
+                    cpu_int4.linear(flat[i : i + 1], self.qweight[r], self.scales[r], self.zeros[r], self.group_size)[0]
+                    for i, r in enumerate(idx)
+                ]
+            )
+            return out.scatter(-1, idx, exact)
         idx = out.topk(top, dim=-1).indices  # [M, top]
         rows = idx.reshape(-1)
         q = QuantizedWeight(self.qweight[rows], self.scales[rows], self.zeros[rows], self.group_size)

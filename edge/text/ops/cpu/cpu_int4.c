@@ -511,3 +511,33 @@ int edge_int4_linear_int8(const float *x, int64_t m, int64_t k, const uint8_t *q
     free(tz);
     return 0;
 }
+
+/* Per row of y [m, n]: the indices of its k largest entries, largest first (of equal
+ * values the lower index first; a NaN is never among them), into idx [m, k]. The output
+ * layer's exact top (Int4Linear._refine) asks for 16 of a vocabulary's logits at every
+ * decode step: one pass keeping the k best in order rejects almost every entry with one
+ * comparison, where torch's topk took longer than the step's own head product's tenth.
+ * Returns 0, or -1 when k is not in 1..min(n, 64). */
+int edge_top_k(const float *y, int64_t m, int64_t n, int k, int64_t *idx) {
+    if (k < 1 || k > 64 || k > n) return -1;
+    for (int64_t row = 0; row < m; row++) {
+        const float *v = y + row * n;
+        float best[64];
+        int64_t at[64];
+        int count = 0;
+        for (int64_t j = 0; j < n; j++) {
+            const float x = v[j];
+            if (!(count < k ? x == x : x > best[count - 1])) continue; /* NaN, or not above the k-th */
+            int i = count < k ? count++ : k - 1;
+            while (i > 0 && best[i - 1] < x) {
+                best[i] = best[i - 1];
+                at[i] = at[i - 1];
+                i--;
+            }
+            best[i] = x;
+            at[i] = j;
+        }
+        for (int i = 0; i < k; i++) idx[row * k + i] = i < count ? at[i] : -1;
+    }
+    return 0;
+}

@@ -178,6 +178,27 @@ _KERNEL = CKernel(SOURCE, "edge_int4_linear", _ARGS, "the float32 CPU INT4 kerne
 _INT8_KERNEL = CKernel(SOURCE, "edge_int4_linear_int8", _ARGS, "the int8-activation CPU INT4 kernel")
 
 
+_TOP_K = CKernel(
+    SOURCE,
+    "edge_top_k",
+    [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p],
+    "the CPU top-k selection",
+)
+
+
+def top_k(y: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [M, k] of each row's k largest entries of y [M, N] float32 (k at most 64
+    and N), largest first, of equal values the lower index first; a row with fewer than k
+    numbers (NaNs) pads with -1."""
+    y = y.detach().to(torch.float32).contiguous()
+    m, n = y.shape
+    idx = torch.empty(m, k, dtype=torch.int64)
+    rc = _TOP_K.function()(y.data_ptr(), m, n, k, idx.data_ptr())
+    if rc != 0:
+        raise ValueError(f"top {k} of rows of {n} (at most 64 and the row)")
+    return idx
+
+
 def supports_int8(in_features: int, group_size: int) -> bool:
     """Whether the int8-activation kernel takes these: groups a power of two of at least 32."""
     return group_size >= 32 and group_size & (group_size - 1) == 0 and in_features % group_size == 0
