@@ -40,6 +40,9 @@ ATTN8_STAGES = 1
 ATTN8_SPREAD = 2.0
 ATTN8_BLOCK_T = 64
 ATTN8_MAXNREG = 128
+# The window the attention kernels take for a layer without one: every position is seen
+# (a branch-free bound; a ternary on a runtime value would compile to two typed branches).
+NO_WINDOW = 1 << 30
 ROPE_WRITE_WARPS = 2  # warps of the fused step's rotary-and-write program
 BLOCK_CODERS = 8  # programs a KV head sharing a leaving key block's coding (a power of two)
 
@@ -333,8 +336,8 @@ if decode_ops.TRITON_SUPPORT:
         """Where attention program (qh, sp) works: its query qi and KV head kh, the cache
         row and head it reads, where that row's float tokens start (fbase), and its chunk
         of positions: coded tiles start..below, float tiles below..end, the first position
-        the query sees (lo: in a sliding layer, `window` > 0, its last `window` positions;
-        tiles wholly before it skipped). DECODE: query qi is row qi's token at pos[qi],
+        the query sees (lo: in a sliding layer its last `window` positions; tiles wholly
+        before it skipped). DECODE: query qi is row qi's token at pos[qi],
         coded up to fmt.coded(pos+1); else position start_in + qi of row 0, coded up to
         coded_in."""
         qi = qh // NKV
@@ -351,7 +354,7 @@ if decode_ops.TRITON_SUPPORT:
             fbase = coded_in
         start = sp * chunk
         end = tl.minimum(start + chunk, pos + 1)
-        lo = tl.maximum(pos + 1 - window, 0) if window > 0 else 0
+        lo = tl.maximum(pos + 1 - window, 0)  # (no window: _attend passes NO_WINDOW)
         start = tl.maximum(start, lo // BLOCK_T * BLOCK_T)  # still on a tile, so in one key block
         below = tl.maximum(tl.minimum(end, coded), start)
         return qi, kh, row, row * NKV + kh, fbase, start, below, end, lo
@@ -700,6 +703,7 @@ def _attend(
     ml = torch.empty(rows, 2, device=q.device, dtype=torch.float32)
     kz, vz = _zeros(layer)
     kf, vf = float_kv
+    seen = window or NO_WINDOW
     prec = "ieee" if kf.dtype == torch.float32 else "tf32"  # a float32 float part: no TF32
     if layer.fmt.dtype == "int8":
         layout = _layout(layer)
@@ -707,7 +711,7 @@ def _attend(
         chunk = triton.cdiv(chunk, block_t) * block_t  # splits start on a tile (and so a block)
         _attn8_kernel[(nq * n_kv, splits)](
             q, layer.k_codes, layer.k_scale, layer.v_codes, layer.v_scale, kf, vf, *_sink(layer),
-            pos if pos is not None else q, acc, ml, start, coded, q_scale, window, n_heads, n_kv, layer.code_len,
+            pos if pos is not None else q, acc, ml, start, coded, q_scale, seen, n_heads, n_kv, layer.code_len,
             layer.k_scale.shape[2], kf.shape[2], fmod, chunk, splits, group, decode_ops.ATTN_GROUP_ROWS,
             HD=hd, KB=layout["KB"], VG=layout["VG"], W=layout["W"], SINK=layout["SINK"],
             DECODE=pos is not None, BLOCK_T=block_t, F32_DOT=not q.is_cuda, PREC=prec,
@@ -717,7 +721,7 @@ def _attend(
     else:
         _attn_kernel[(nq * n_kv, splits)](
             q, layer.k_codes, layer.k_scale, kz, layer.v_codes, layer.v_scale, vz, kf, vf, *_sink(layer),
-            pos if pos is not None else q, acc, ml, start, coded, q_scale, window, n_heads, n_kv, layer.code_len,
+            pos if pos is not None else q, acc, ml, start, coded, q_scale, seen, n_heads, n_kv, layer.code_len,
             layer.k_scale.shape[2], kf.shape[2], fmod, chunk, splits, group, decode_ops.ATTN_GROUP_ROWS,
             DECODE=pos is not None, BLOCK_T=decode_ops.ATTN_BLOCK_T, F32_DOT=not q.is_cuda, PREC=prec,
             num_warps=4, **_layout(layer),
