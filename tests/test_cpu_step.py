@@ -100,14 +100,15 @@ def test_what_it_does_not_implement_is_refused_by_name_and_served_op_by_op(serve
     tiny = LlamaConfig(vocab_size=64, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=128)
     float_model = LlamaModel(tiny).eval()
     assert "not on our CPU INT4 kernels" in (runtime_step.refusal(float_model) or "")
-    qwen3 = LlamaModel(dataclasses.replace(tiny, qk_norm=True)).eval()
-    assert runtime_step.refusal(qwen3) == "it does not implement qk_norm"
-    assert not fused_step.can_fuse(qwen3)
+    # Qwen3's q/k norms and a sliding window it takes (tests/test_families.py); Gemma's GeGLU not.
+    geglu = LlamaModel(dataclasses.replace(tiny, qk_norm=True, mlp_activation="gelu_tanh")).eval()
+    assert runtime_step.refusal(geglu) == "it does not implement mlp_activation gelu_tanh"
+    assert not fused_step.can_fuse(geglu)
     # The op-by-op step still serves such a model.
-    cache = qwen3.new_cache(1, 16)
+    cache = geglu.new_cache(1, 16)
     with torch.no_grad():
-        qwen3(torch.tensor([[1, 2, 3]]), cache, 0)
-        logits = fused_step.decode_step(qwen3, torch.tensor([[4]]), cache, torch.tensor([3]), 4)
+        geglu(torch.tensor([[1, 2, 3]]), cache, 0)
+        logits = fused_step.decode_step(geglu, torch.tensor([[4]]), cache, torch.tensor([3]), 4)
     assert logits.shape == (1, 64) and bool(torch.isfinite(logits).all())
     # A quantized KV cache is read by the per-op step's kernel: the engine says so.
     cfg = QAModelConfig(max_context_tokens=128, max_sequences=1, kv_dtype="int8")

@@ -31,7 +31,8 @@ from edge.text.architecture import LlamaConfig
 from edge.text.kv.kv_quant import FORMATS
 from edge.text.model.checkpoint import load_checkpoint
 from edge.text.model.llama import Attention
-from edge.text.runtime import fused_step
+from edge.text.ops.cpu import cpu_int4
+from edge.text.runtime import cpu_step, fused_step
 from edge.text.runtime.generate import SamplingParams, generate
 from engines.text.import_gguf import SourceModelError, import_gguf
 from engines.text.import_hf import import_hf, read_hf_config
@@ -167,6 +168,61 @@ def test_awq_quantizes_the_linears_and_keeps_the_norms_float(family: dict[str, A
     # output norms lift every branch to the residual's scale, rounding error with it.
     rel, top1 = figures["awq"]
     assert rel <= figures["rtn"][0] * 1.05 and top1 >= 0.2, figures
+
+
+@pytest.mark.skipif(not cpu_int4.available(), reason="no C compiler for the CPU kernels")
+def test_the_c_step_serves_the_int4_build_as_op_by_op_past_the_window(family: dict[str, Any]) -> None:
+    """The CPU's one-call decode step (cpu_step.c) takes Qwen3's q/k head norms and
+    Mistral's and Phi-3's sliding window: on each such family's INT4 build (our float32
+    kernel) a decode past the window gives the op-by-op step's logits to float32 rounding,
+    and the C step with the window taken away does not. Gemma 3's other options are
+    refused by name."""
+    from engines.text.quantize import QuantRecipe
+    from engines.text.text_build import quantize_checkpoint
+
+    int4 = quantize_checkpoint(family["ckpt"], QuantRecipe(method="rtn", group_size=32), progress=False)
+    model = load_checkpoint(int4, cpu_kernel="exact").model
+    refused = cpu_step.refusal(model)
+    if family["name"] == "gemma3":
+        assert refused is not None and "mlp_activation gelu_tanh" in refused and "embedding_scale" in refused
+        assert "qk_norm" not in refused and "sliding_window" not in refused
+        return
+    assert refused is None
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(2))
+    prefill = WINDOW - 4
+
+    def decode(fused: bool) -> torch.Tensor:
+        cache = model.new_cache(1, 64)
+        model.fused_decode = None if fused else False  # None: decided on the first step
+        try:
+            with torch.no_grad():
+                model(ids[:, :prefill], cache, 0)
+                steps = [
+                    fused_step.decode_step(model, ids[:, t : t + 1], cache, torch.tensor([t]), t + 1)
+                    for t in range(prefill, ids.shape[1])
+                ]
+            assert model.fused_decode is fused
+        finally:
+            model.fused_decode = None
+        return torch.cat(steps)
+
+    want, got = decode(False), decode(True)
+    error = ((got - want).abs().amax(-1) / want.abs().amax(-1)).max().item()
+    assert error < 2e-5 and torch.equal(got.argmax(-1), want.argmax(-1)), error
+    attentions = [m for m in model.modules() if isinstance(m, Attention)]
+    if any(a.window for a in attentions):
+        cpu_step._plans.pop(model)  # laid out again without the window
+        windows = [a.window for a in attentions]
+        for a in attentions:
+            a.window = 0
+        try:
+            unwindowed = decode(True)
+        finally:
+            for a, w in zip(attentions, windows, strict=True):
+                a.window = w
+            cpu_step._plans.pop(model)
+        far = ((unwindowed - want).abs().amax(-1) / want.abs().amax(-1)).max().item()
+        assert far > 1e3 * error and far > 1e-3, (error, far)
 
 
 def test_what_the_fast_paths_do_not_implement_is_refused_by_name(family: dict[str, Any]) -> None:

@@ -1,6 +1,7 @@
 """The CPU's decode step: every layer in one call of our C kernel (ops/cpu/cpu_step.c)
-where the model is Llama's graph over INT4 products of our kernels (float32 or int8
-activations), else the model's own step, op by op.
+where the model is Llama's graph (with Qwen3's q/k head norms and a sliding window where
+it has them) over INT4 products of our kernels (float32 or int8 activations), else the
+model's own step, op by op.
 
 Op by op, a step of SmolLM2-135M is about 5,500 torch operators; their dispatch, not
 their arithmetic, was a third of the step at two threads. The kernel runs the same
@@ -22,6 +23,9 @@ from edge.text.ops.int4 import Int4Linear
 
 logger = logging.getLogger(__name__)
 
+# The family options (LlamaConfig.family_options, by their first word) the C step takes:
+# Qwen3's q/k head norms and a sliding window (Mistral's, Phi-3's).
+IMPLEMENTED = ("qk_norm", "sliding_window")
 # Each model's layout for the kernel, made on its first step; or why it cannot serve it.
 _plans: weakref.WeakKeyDictionary[LlamaModel, cpu_step.Plan | str] = weakref.WeakKeyDictionary()
 
@@ -29,13 +33,13 @@ _plans: weakref.WeakKeyDictionary[LlamaModel, cpu_step.Plan | str] = weakref.Wea
 def refusal(model: LlamaModel) -> str | None:
     """Why the kernel cannot run this model's step, by name; None where it can."""
     config = model.config
-    options = config.family_options()
+    options = [name for name in config.family_options() if name.split()[0] not in IMPLEMENTED]
     if options:
         return f"it does not implement {', '.join(options)}"
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return f"it runs float32 on the CPU, not {model.dtype} on {model.device.type}"
-    if config.head_dim % cpu_step.LANES or config.head_dim > cpu_step.MAX_HEAD_DIM:
-        return f"head size {config.head_dim}: it takes multiples of {cpu_step.LANES} up to {cpu_step.MAX_HEAD_DIM}"
+    if config.head_dim % 2 or config.head_dim > cpu_step.MAX_HEAD_DIM:
+        return f"head size {config.head_dim}: it takes even sizes up to {cpu_step.MAX_HEAD_DIM}"
     for i, layer in enumerate(model.layers):
         if not isinstance(layer, DecoderLayer):
             return f"layer {i} is not a decoder layer"
@@ -86,7 +90,8 @@ def _layout(model: LlamaModel) -> cpu_step.Plan:
         norms = [
             n.weight.detach().float().contiguous() for n in (layer.input_layernorm, layer.post_attention_layernorm)
         ]
-        keep.extend(norms)
+        head_norms = [n.weight.detach().float().contiguous() for n in (attn.q_norm, attn.k_norm) if n is not None]
+        keep.extend(norms + head_norms)
         layers[i] = cpu_step.StepLayer(
             norms[0].data_ptr(),
             norms[1].data_ptr(),
@@ -94,6 +99,9 @@ def _layout(model: LlamaModel) -> cpu_step.Plan:
             _matrix(attn.o_proj, keep),
             _matrix(mlp.gate_up_proj, keep),  # type: ignore[arg-type]
             _matrix(mlp.down_proj, keep),
+            head_norms[0].data_ptr() if head_norms else 0,
+            head_norms[1].data_ptr() if head_norms else 0,
+            attn.window,
         )
     cos, sin = model.rope_cos.float().contiguous(), model.rope_sin.float().contiguous()
     keep.extend((cos, sin))

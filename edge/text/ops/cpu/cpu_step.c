@@ -4,9 +4,9 @@
  * call, a dispatch and a small allocation: on SmolLM2-135M at two threads that overhead
  * was a third of the step. Here each layer is, in float32 throughout:
  *
- *    RMSNorm -> qkv product -> rotary + KV-cache write -> attention over the row's
- *    positions -> o product + residual -> RMSNorm -> gate/up product -> SiLU * up ->
- *    down product + residual
+ *    RMSNorm -> qkv product -> (q/k head norms) -> rotary + KV-cache write ->
+ *    attention over the row's positions (its window's, in a sliding layer) -> o product
+ *    + residual -> RMSNorm -> gate/up product -> SiLU * up -> down product + residual
  *
  * and the caller does the embedding before and the final norm and head after (one
  * operator each). The INT4 products are cpu_int4.c's, included here (float32, or with
@@ -14,9 +14,10 @@
  * own to the last bit and each output is summed in the same order whatever the batch. Attention sums each (row, head) in a fixed order too: a
  * sequence's logits do not depend on the sequences decoded beside it.
  *
- * Llama's graph only (SiLU, one RoPE table, no biases, no q/k norms, no window): the
- * runtime (edge/text/runtime/cpu_step.py) refuses anything else by name and runs the
- * step op by op instead. Built on the box like cpu_int4.c and called through ctypes.
+ * Llama's graph, with Qwen3's q/k head norms and Mistral's (or Phi-3's) sliding window
+ * where a layer has them (SiLU, one RoPE table, no biases): the runtime
+ * (edge/text/runtime/cpu_step.py) refuses anything else by name and runs the step op by
+ * op instead. Built on the box like cpu_int4.c and called through ctypes.
  */
 #include <math.h>
 
@@ -33,6 +34,10 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
     int4_matrix qkv, o, gate_up, down;   /* gate_up: the gate's rows, then the up's */
+    const float *q_norm, *k_norm;        /* [head_dim]: each q and k head's RMSNorm before the
+                                            rotary (Qwen3), or NULL */
+    int64_t window;                      /* a sliding layer's: each token sees its last
+                                            `window` positions; 0: every earlier one */
 } step_layer;
 
 typedef struct {
@@ -48,7 +53,7 @@ typedef struct {
     int64_t rows;
 } step_cache;
 
-/* out = x / rms(x) * w: the mean of squares in a fixed pairwise order. */
+/* out = x / rms(x) * w (out may be x): the mean of squares in a fixed pairwise order. */
 static void rmsnorm(const float *x, const float *w, int64_t n, float eps, float *out) {
     vfloat acc = {0};
     int64_t i = 0;
@@ -75,30 +80,33 @@ static void rope(float *x, const float *cos, const float *sin, int64_t d) {
 
 static inline float dot(const float *a, const float *b, int64_t d) {
     vfloat acc = {0};
-    for (int64_t i = 0; i < d; i += LANES) acc += load_floats(a + i) * load_floats(b + i);
-    return sum_lanes(acc);
+    int64_t i = 0;
+    for (; i + LANES <= d; i += LANES) acc += load_floats(a + i) * load_floats(b + i);
+    float sum = sum_lanes(acc);
+    for (; i < d; i++) sum += a[i] * b[i];  /* a head size not a multiple of LANES (Qwen3's small ones) */
+    return sum;
 }
 
-/* The `group` query heads of KV head h of batch row b against positions 0..pos:
+/* The `group` query heads of KV head h of batch row b against positions first..pos:
  * out [group, d]. scores holds pos + 1 floats. */
-static void attend(const step_model *M, const float *q, const float *keys, const float *values, int64_t pos,
-                   int group, float *out, float *scores) {
+static void attend(const step_model *M, const float *q, const float *keys, const float *values, int64_t first,
+                   int64_t pos, int group, float *out, float *scores) {
     const int64_t d = M->head_dim;
     for (int g = 0; g < group; g++) {
         const float *qg = q + g * d;
         float top = -INFINITY;
-        for (int64_t t = 0; t <= pos; t++) {
+        for (int64_t t = first; t <= pos; t++) {
             scores[t] = dot(qg, keys + t * d, d) * M->scale;
             if (scores[t] > top) top = scores[t];
         }
         float total = 0.0f;
-        for (int64_t t = 0; t <= pos; t++) {
+        for (int64_t t = first; t <= pos; t++) {
             scores[t] = expf(scores[t] - top);
             total += scores[t];
         }
         float *o = out + g * d;
         for (int64_t c = 0; c < d; c++) o[c] = 0.0f;
-        for (int64_t t = 0; t <= pos; t++) {
+        for (int64_t t = first; t <= pos; t++) {
             const float p = scores[t] / total;
             const float *v = values + t * d;
             for (int64_t c = 0; c < d; c++) o[c] += p * v[c];
@@ -113,7 +121,8 @@ static int product(const int4_matrix *W, const float *x, int64_t m, float *y, in
 
 /* x [B, hidden]: the residual stream in (the tokens' embeddings), the last layer's out.
  * Row b of the batch is a token at position pos[b] of cache row rows[b], attending to
- * positions 0..min(pos[b], kv_len - 1) as the per-op step does (a row the batch does not
+ * positions 0..min(pos[b], kv_len - 1) (in a sliding layer the last `window` of them) as
+ * the per-op step does (a row the batch does not
  * advance sits at the cache's last slot: its answer is not read, and it costs no more
  * than a real row's). Several batch rows may share a cache row at consecutive
  * positions (a sequence's token and its drafts, verified at once): each layer writes
@@ -124,7 +133,7 @@ int edge_cpu_decode_layers(const step_model *M, const step_layer *layers, const 
                            const int64_t *rows, const int64_t *pos, int64_t kv_len, int threads) {
     const int64_t H = M->hidden, d = M->head_dim, nh = M->heads, nkv = M->kv_heads;
     const int group = (int)(nh / nkv);
-    if (d % LANES != 0 || d > 512 || nh % nkv != 0) return -1;
+    if (d % 2 != 0 || d > 512 || nh % nkv != 0) return -1;
     if (kv_len < 1 || kv_len > C->slots) return -3;
     int64_t longest = 0;
     for (int64_t b = 0; b < B; b++) {
@@ -150,6 +159,10 @@ int edge_cpu_decode_layers(const step_model *M, const step_layer *layers, const 
         for (int64_t b = 0; b < B; b++) {
             float *row = big + b * qkv_n;
             const float *cs = M->cos + pos[b] * d, *sn = M->sin + pos[b] * d;
+            if (L->q_norm)
+                for (int64_t j = 0; j < nh; j++) rmsnorm(row + j * d, L->q_norm, d, M->eps, row + j * d);
+            if (L->k_norm)
+                for (int64_t j = nh; j < nh + nkv; j++) rmsnorm(row + j * d, L->k_norm, d, M->eps, row + j * d);
             for (int64_t j = 0; j < nh + nkv; j++) rope(row + j * d, cs, sn, d);
             for (int64_t j = 0; j < nkv; j++) {
                 const int64_t at = rows[b] * C->row_stride + (j * C->slots + pos[b]) * d;
@@ -162,7 +175,8 @@ int edge_cpu_decode_layers(const step_model *M, const step_layer *layers, const 
             const int64_t b = w / nkv, j = w % nkv;
             const int64_t head = rows[b] * C->row_stride + j * C->slots * d;
             const int64_t last = pos[b] < kv_len ? pos[b] : kv_len - 1;
-            attend(M, big + b * qkv_n + j * group * d, kl + head, vl + head, last, group,
+            const int64_t first = L->window > 0 && last >= L->window ? last + 1 - L->window : 0;
+            attend(M, big + b * qkv_n + j * group * d, kl + head, vl + head, first, last, group,
                    attn + (b * nh + j * group) * d, scores + w * (longest + 1));
         }
         if ((rc = product(&L->o, attn, B, proj, threads)) != 0) break;

@@ -14,7 +14,6 @@ import torch
 from edge.text.ops.cpu import cpu_int4
 
 SOURCE = Path(__file__).with_name("cpu_step.c")
-LANES = cpu_int4.LANES  # a head's size must be a multiple of this
 MAX_HEAD_DIM = 512  # cpu_step.c rotates a head in a buffer of this many floats
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -31,6 +30,9 @@ class StepLayer(ctypes.Structure):
         ("o", Int4Matrix),
         ("gate_up", Int4Matrix),
         ("down", Int4Matrix),
+        ("q_norm", _P),  # 0: none
+        ("k_norm", _P),
+        ("window", _I),  # 0: none
     ]
 
 
