@@ -172,22 +172,17 @@ def test_awq_quantizes_the_linears_and_keeps_the_norms_float(family: dict[str, A
 
 @pytest.mark.skipif(not cpu_int4.available(), reason="no C compiler for the CPU kernels")
 def test_the_c_step_serves_the_int4_build_as_op_by_op_past_the_window(family: dict[str, Any]) -> None:
-    """The CPU's one-call decode step (cpu_step.c) takes Qwen3's q/k head norms and
-    Mistral's and Phi-3's sliding window: on each such family's INT4 build (our float32
-    kernel) a decode past the window gives the op-by-op step's logits to float32 rounding,
-    and the C step with the window taken away does not. Gemma 3's other options are
-    refused by name."""
+    """The CPU's one-call decode step (cpu_step.c) takes each family's options (Qwen3's q/k
+    head norms, the sliding window, Gemma 3's local rotary table, GELU, output norms,
+    scaled embedding, attention scale and logit cap): on each family's INT4 build (our
+    float32 kernel) a decode past the window gives the op-by-op step's logits to float32
+    rounding, and the C step with the window taken away does not."""
     from engines.text.quantize import QuantRecipe
     from engines.text.text_build import quantize_checkpoint
 
     int4 = quantize_checkpoint(family["ckpt"], QuantRecipe(method="rtn", group_size=32), progress=False)
     model = load_checkpoint(int4, cpu_kernel="exact").model
-    refused = cpu_step.refusal(model)
-    if family["name"] == "gemma3":
-        assert refused is not None and "mlp_activation gelu_tanh" in refused and "embedding_scale" in refused
-        assert "qk_norm" not in refused and "sliding_window" not in refused
-        return
-    assert refused is None
+    assert cpu_step.refusal(model) is None
     ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(2))
     prefill = WINDOW - 4
 

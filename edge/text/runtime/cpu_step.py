@@ -17,15 +17,25 @@ import weakref
 import torch
 
 from edge.text.kv.float_cache import KVCache
-from edge.text.model.llama import DecoderLayer, LlamaModel
+from edge.text.model.llama import DecoderLayer, LlamaModel, RMSNorm
 from edge.text.ops.cpu import cpu_step
 from edge.text.ops.int4 import Int4Linear
 
 logger = logging.getLogger(__name__)
 
 # The family options (LlamaConfig.family_options, by their first word) the C step takes:
-# Qwen3's q/k head norms and a sliding window (Mistral's, Phi-3's).
-IMPLEMENTED = ("qk_norm", "sliding_window")
+# Qwen3's q/k head norms, a sliding window (Mistral's, Phi-3's) and Gemma 3's; the
+# embedding's scale and the logits' cap are the embedding's and the head's, around it.
+IMPLEMENTED = (
+    "qk_norm",
+    "sliding_window",
+    "rope_local_theta",
+    "mlp_activation",
+    "embedding_scale",
+    "output_norms",
+    "attention_scale",
+    "final_logit_softcap",
+)
 # Each model's layout for the kernel, made on its first step; or why it cannot serve it.
 _plans: weakref.WeakKeyDictionary[LlamaModel, cpu_step.Plan | str] = weakref.WeakKeyDictionary()
 
@@ -80,6 +90,11 @@ def _matrix(part: torch.nn.Module, keep: list[torch.Tensor]) -> cpu_step.Int4Mat
     return cpu_step.matrix(*tensors, part.group_size, int8=part.kernel == "cpu-int8")
 
 
+def _weights(*norms: RMSNorm | None) -> list[torch.Tensor]:
+    """The float32 weights of the norms a layer has (both or neither)."""
+    return [n.weight.detach().float().contiguous() for n in norms if n is not None]
+
+
 def _layout(model: LlamaModel) -> cpu_step.Plan:
     config = model.config
     keep: list[torch.Tensor] = []
@@ -90,8 +105,14 @@ def _layout(model: LlamaModel) -> cpu_step.Plan:
         norms = [
             n.weight.detach().float().contiguous() for n in (layer.input_layernorm, layer.post_attention_layernorm)
         ]
-        head_norms = [n.weight.detach().float().contiguous() for n in (attn.q_norm, attn.k_norm) if n is not None]
-        keep.extend(norms + head_norms)
+        head_norms = _weights(attn.q_norm, attn.k_norm)
+        out_norms = _weights(layer.attn_output_norm, layer.mlp_output_norm)
+        local = (
+            (model.rope_local[0].float().contiguous(), model.rope_local[1].float().contiguous())
+            if layer.local_rope and model.rope_local is not None
+            else None
+        )
+        keep.extend(norms + head_norms + out_norms + list(local or ()))
         layers[i] = cpu_step.StepLayer(
             norms[0].data_ptr(),
             norms[1].data_ptr(),
@@ -102,6 +123,11 @@ def _layout(model: LlamaModel) -> cpu_step.Plan:
             head_norms[0].data_ptr() if head_norms else 0,
             head_norms[1].data_ptr() if head_norms else 0,
             attn.window,
+            local[0].data_ptr() if local else 0,
+            local[1].data_ptr() if local else 0,
+            out_norms[0].data_ptr() if out_norms else 0,
+            out_norms[1].data_ptr() if out_norms else 0,
+            int(mlp.gelu),
         )
     cos, sin = model.rope_cos.float().contiguous(), model.rope_sin.float().contiguous()
     keep.extend((cos, sin))

@@ -6,7 +6,8 @@
  *
  *    RMSNorm -> qkv product -> (q/k head norms) -> rotary + KV-cache write ->
  *    attention over the row's positions (its window's, in a sliding layer) -> o product
- *    + residual -> RMSNorm -> gate/up product -> SiLU * up -> down product + residual
+ *    (-> RMSNorm) + residual -> RMSNorm -> gate/up product -> SiLU (or GELU) * up -> down
+ *    product (-> RMSNorm) + residual
  *
  * and the caller does the embedding before and the final norm and head after (one
  * operator each). The INT4 products are cpu_int4.c's, included here (float32, or with
@@ -14,10 +15,12 @@
  * own to the last bit and each output is summed in the same order whatever the batch. Attention sums each (row, head) in a fixed order too: a
  * sequence's logits do not depend on the sequences decoded beside it.
  *
- * Llama's graph, with Qwen3's q/k head norms and Mistral's (or Phi-3's) sliding window
- * where a layer has them (SiLU, one RoPE table, no biases): the runtime
- * (edge/text/runtime/cpu_step.py) refuses anything else by name and runs the step op by
- * op instead. Built on the box like cpu_int4.c and called through ctypes.
+ * Llama's graph, with what the families built on it add where a layer has it: Qwen3's
+ * q/k head norms, a sliding window (Mistral, Phi-3, Gemma 3's local layers) with its own
+ * rotary table (Gemma 3's), Gemma 3's GELU and the norms of each branch's output (its
+ * scaled embedding, attention scale and logit cap are the caller's and the model's
+ * scale). No biases: the runtime (edge/text/runtime/cpu_step.py) refuses anything else by
+ * name and runs the step op by op instead. Built on the box like cpu_int4.c and called through ctypes.
  */
 #include <math.h>
 
@@ -38,6 +41,10 @@ typedef struct {
                                             rotary (Qwen3), or NULL */
     int64_t window;                      /* a sliding layer's: each token sees its last
                                             `window` positions; 0: every earlier one */
+    const float *cos, *sin;              /* this layer's rotary table, or NULL: the model's */
+    const float *attn_out_norm, *mlp_out_norm; /* [hidden]: each branch's output normalised
+                                                  before its add (Gemma 3), or NULL */
+    int64_t gelu;                        /* nonzero: GELU (tanh form) * up, not SiLU * up */
 } step_layer;
 
 typedef struct {
@@ -76,6 +83,12 @@ static void rope(float *x, const float *cos, const float *sin, int64_t d) {
         tmp[j + half] = x[j + half] * cos[j + half] + x[j] * sin[j + half];
     }
     memcpy(x, tmp, sizeof(float) * (size_t)d);
+}
+
+/* GELU in its tanh form, as torch's gelu(approximate="tanh"). */
+static inline float gelu_tanh(float x) {
+    const float inner = 0.7978845608028654f * (x + 0.044715f * x * x * x); /* sqrt(2 / pi) */
+    return 0.5f * x * (1.0f + tanhf(inner));
 }
 
 static inline float dot(const float *a, const float *b, int64_t d) {
@@ -158,7 +171,8 @@ int edge_cpu_decode_layers(const step_model *M, const step_layer *layers, const 
         float *kl = C->k + i * C->layer_stride, *vl = C->v + i * C->layer_stride;
         for (int64_t b = 0; b < B; b++) {
             float *row = big + b * qkv_n;
-            const float *cs = M->cos + pos[b] * d, *sn = M->sin + pos[b] * d;
+            const float *cs = (L->cos ? L->cos : M->cos) + pos[b] * d;
+            const float *sn = (L->sin ? L->sin : M->sin) + pos[b] * d;
             if (L->q_norm)
                 for (int64_t j = 0; j < nh; j++) rmsnorm(row + j * d, L->q_norm, d, M->eps, row + j * d);
             if (L->k_norm)
@@ -180,6 +194,8 @@ int edge_cpu_decode_layers(const step_model *M, const step_layer *layers, const 
                    attn + (b * nh + j * group) * d, scores + w * (longest + 1));
         }
         if ((rc = product(&L->o, attn, B, proj, threads)) != 0) break;
+        if (L->attn_out_norm)
+            for (int64_t b = 0; b < B; b++) rmsnorm(proj + b * H, L->attn_out_norm, H, M->eps, proj + b * H);
         for (int64_t j = 0; j < B * H; j++) x[j] += proj[j];
         for (int64_t b = 0; b < B; b++) rmsnorm(x + b * H, L->post_norm, H, M->eps, h + b * H);
         if ((rc = product(&L->gate_up, h, B, big, threads)) != 0) break;
@@ -187,9 +203,11 @@ int edge_cpu_decode_layers(const step_model *M, const step_layer *layers, const 
         for (int64_t b = 0; b < B; b++)
             for (int64_t j = 0; j < I; j++) {
                 const float g = big[b * wide + j], u = big[b * wide + I + j];
-                act[b * I + j] = g / (1.0f + expf(-g)) * u;
+                act[b * I + j] = (L->gelu ? gelu_tanh(g) : g / (1.0f + expf(-g))) * u;
             }
         if ((rc = product(&L->down, act, B, proj, threads)) != 0) break;
+        if (L->mlp_out_norm)
+            for (int64_t b = 0; b < B; b++) rmsnorm(proj + b * H, L->mlp_out_norm, H, M->eps, proj + b * H);
         for (int64_t j = 0; j < B * H; j++) x[j] += proj[j];
     }
     free(h);

@@ -33,6 +33,11 @@ class StepLayer(ctypes.Structure):
         ("q_norm", _P),  # 0: none
         ("k_norm", _P),
         ("window", _I),  # 0: none
+        ("cos", _P),  # 0: the model's table
+        ("sin", _P),
+        ("attn_out_norm", _P),  # 0: none
+        ("mlp_out_norm", _P),
+        ("gelu", _I),
     ]
 
 
