@@ -72,6 +72,7 @@ MESSAGES = [
     {"role": "user", "content": "  Is 38.5 a fever?  "},
 ]
 WINDOW = 24  # the Gemma model's sliding window: far shorter than the positions compared
+LONGROPE_ORIGINAL = 256  # the Phi model's original context: half its 512 positions, past the 200 compared
 
 
 def _tokenizer(directory: Path, template: str, eos: str) -> Any:
@@ -109,8 +110,8 @@ def random_family_model(family: str, tokenizer: Any) -> Any:
     hidden / heads, tied embeddings), or Gemma 3 text with every option it has set to a
     value that shows when it is ignored (a sliding window shorter than the text, a local
     RoPE base, a query_pre_attn_scalar other than the head width, soft-capped logits), or
-    Mistral or Phi-3 (fused q/k/v and gate/up weights) with a sliding window on every
-    layer."""
+    Mistral or Phi-4-mini (fused q/k/v and gate/up weights, LongRoPE, a partial rotary)
+    with a sliding window on every layer."""
     from transformers import (
         Gemma3ForCausalLM,
         Gemma3TextConfig,
@@ -141,9 +142,27 @@ def random_family_model(family: str, tokenizer: Any) -> Any:
         mistral: Any = MistralConfig
         config = mistral(**shape, num_hidden_layers=2, num_key_value_heads=2, sliding_window=WINDOW)
         model = MistralForCausalLM(config)
-    elif family == "phi3":  # fused q/k/v and gate/up weights, every layer slides
+    elif family == "phi3":
+        # Phi-4-mini's: fused q/k/v and gate/up weights, LongRoPE (its short factors and its
+        # attention factor at a context twice the original) and a partial rotary (three
+        # quarters of a head); every layer slides, as Phi-3-mini's do.
         phi3: Any = Phi3Config
-        config = phi3(**shape, num_hidden_layers=2, num_key_value_heads=2, sliding_window=WINDOW)
+        rope = {
+            "rope_type": "longrope",
+            "rope_theta": 10_000.0,
+            "short_factor": [1.0, 1.1, 1.3, 1.7, 2.2, 3.0],
+            "long_factor": [2.0, 3.0, 4.0, 5.0, 6.0, 8.0],
+            "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": LONGROPE_ORIGINAL,
+        }
+        config = phi3(
+            **shape,
+            num_hidden_layers=2,
+            num_key_value_heads=2,
+            sliding_window=WINDOW,
+            original_max_position_embeddings=LONGROPE_ORIGINAL,
+            rope_parameters=rope,
+        )
         model = Phi3ForCausalLM(config)
     else:
         gemma: Any = Gemma3TextConfig  # its typed signature does not list every field

@@ -21,6 +21,7 @@ import torch
 
 from bench.family_models import (
     CORPUS,
+    LONGROPE_ORIGINAL,
     MESSAGES,
     WINDOW,
     make_model,
@@ -59,8 +60,15 @@ def test_the_import_keeps_the_familys_options(family: dict[str, Any]) -> None:
     config = read_hf_config(family["source"])
     assert not config.attention_bias
     if family["name"] in ("mistral", "phi3"):
-        assert config.family_options() == [f"sliding_window {WINDOW}"] and not config.tie_embeddings
+        assert config.family_options()[0] == f"sliding_window {WINDOW}" and not config.tie_embeddings
         assert config.layer_types == ("sliding", "sliding") and config.layer_window(1) == WINDOW
+    if family["name"] == "phi3":  # Phi-4-mini's rotary: three quarters of a head, LongRoPE
+        assert config.family_options()[1:] == ["rotary_dim 12"] and config.rotated == 12
+        assert config.rope_scaling is not None and config.rope_scaling["rope_type"] == "longrope"
+        assert config.rope_scaling["attention_factor"] == pytest.approx(family["hf"].model.rotary_emb.attention_scaling)
+        assert config.max_position == LONGROPE_ORIGINAL  # where its short factors hold
+    elif family["name"] == "mistral":
+        assert config.family_options() == [f"sliding_window {WINDOW}"]
     elif family["name"] == "qwen3":
         assert config.head_dim == 24 and config.family_options() == ["qk_norm"] and config.tie_embeddings
     else:
@@ -334,10 +342,11 @@ def _write_config(directory: Path, **fields: Any) -> Path:
         ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ({"model_type": "qwen3", "attention_bias": True}, "attention_bias on a Qwen3 model"),
         ({"model_type": "qwen3", "use_sliding_window": True}, "use_sliding_window"),
-        ({"model_type": "phi3", "partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75"),  # Phi-4-mini
+        # A partial rotary of an odd count of a head's 8 channels; LongRoPE factors not one a frequency.
+        ({"model_type": "phi3", "partial_rotary_factor": 0.7}, "partial_rotary_factor 0.7 (5 of 8 channels)"),
         (
             {"model_type": "phi3", "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0]}},
-            "rope_scaling 'longrope'",
+            "longrope short_factor: 1 factors for 4 frequencies",
         ),
     ],
 )

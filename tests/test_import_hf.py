@@ -232,7 +232,7 @@ def _write_config(directory: Path, **fields: Any) -> Path:
     ("fields", "named"),
     [
         ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}, "model_type 'gemma2'"),
-        ({"model_type": "phi3", "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "longrope"),
+        ({"model_type": "phi3", "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "longrope short_factor: 0"),
         ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling 'yarn'"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),

@@ -4,7 +4,7 @@ config.json holds them. The one thing every wing of edge/text reads.
 One config and one decoder serve every family: Llama is the config with every option at
 its default, and a family is the options it sets (Qwen2: attention biases; Qwen3: q/k
 norms; Gemma 3: sliding-window layers, q/k norms, GeGLU, a scaled embedding, output
-norms, its own attention scale and soft-capped logits). A fast path that does not
+norms, its own attention scale and soft-capped logits; Phi-4-mini: a partial rotary). A fast path that does not
 implement an option reads `family_options()` and refuses the model naming it."""
 
 from __future__ import annotations
@@ -39,8 +39,14 @@ class LlamaConfig:
     # RoPE frequency scaling: None, {"rope_type": "linear", "factor": f} or Llama 3's
     # {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
     # "original_max_position_embeddings"}, or {"rope_type": "freq_factors", "factors": [...]}:
-    # one divisor per frequency, which is how llama.cpp stores Llama 3's scaling.
+    # one divisor per frequency, which is how llama.cpp stores Llama 3's scaling; or Phi-3's
+    # {"rope_type": "longrope", "short_factor": [...], "attention_factor": a,
+    # "original_max_position_embeddings": n}: a divisor per frequency and cos and sin
+    # times a, as transformers has them up to n positions (the model's max_position).
     rope_scaling: dict[str, Any] | None = None
+    # The leading channels of each q and k head the rotary turns (Phi-4-mini's partial
+    # rotary: three quarters); the rest pass unturned (0: every channel).
+    rotary_dim: int = 0
     # RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3).
     qk_norm: bool = False
     # Keys a sliding layer's query sees: itself and the window - 1 before it (0: no window).
@@ -93,6 +99,7 @@ class LlamaConfig:
             "output_norms": self.output_norms,
             f"attention_scale {self.attention_scale:g}": bool(self.attention_scale),
             f"final_logit_softcap {self.final_logit_softcap:g}": bool(self.final_logit_softcap),
+            f"rotary_dim {self.rotary_dim}": 0 < self.rotary_dim < self.head_dim,
         }
         return [name for name, on in named.items() if on]
 
@@ -103,6 +110,13 @@ class LlamaConfig:
             raise ValueError(f"layer_types names {len(self.layer_types)} layers of {self.num_layers}")
         if any(kind not in LAYER_TYPES for kind in self.layer_types):
             raise ValueError(f"layer_types {self.layer_types}: each one of {', '.join(LAYER_TYPES)}")
+        if self.rotary_dim % 2 or not 0 <= self.rotary_dim <= self.head_dim:
+            raise ValueError(f"rotary_dim {self.rotary_dim}: an even number of a head's {self.head_dim} channels")
+
+    @property
+    def rotated(self) -> int:
+        """The channels of a head the rotary turns (its tables' width)."""
+        return self.rotary_dim or self.head_dim
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()

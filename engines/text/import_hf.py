@@ -6,8 +6,9 @@ shards), `tokenizer.json`, and `tokenizer_config.json` with the chat template an
 special tokens. Supported: the Llama family (Llama 2/3.x with its RoPE scaling, SmolLM,
 TinyLlama, Mistral with its sliding window), the Qwen2 family (q/k/v
 biases, tied embeddings), Qwen3 (q/k norms) and Gemma 3 text models (sliding-window and
-global layers, q/k norms, GeGLU, the scaled embedding, output norms) and Phi-3 (its
-fused q/k/v and gate/up weights split, its sliding window). Anything else is
+global layers, q/k norms, GeGLU, the scaled embedding, output norms) and Phi-3 and
+Phi-4-mini (their fused q/k/v and gate/up weights split, the sliding window, LongRoPE up
+to the original context, Phi-4-mini's partial rotary). Anything else is
 refused with an error naming what is not supported. The output is the layout `edge.text.model.checkpoint` loads: float32
 weights under our module names, our config, the tokenizer, and generation.json with the
 chat template, the special tokens and the end-of-turn ids.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -53,7 +55,7 @@ GEMMA_NAMES = {
     "post_feedforward_layernorm": "mlp_output_norm",
 }
 REQUIRED = ("config.json", "tokenizer.json", "tokenizer_config.json")
-HF_ROPE_TYPES = ("linear", "llama3")  # what a Hugging Face config.json may name that we serve
+HF_ROPE_TYPES = ("linear", "llama3", "longrope")  # what a Hugging Face config.json may name that we serve
 
 
 def _load_json(path: Path) -> dict[str, Any]:
@@ -99,18 +101,24 @@ def read_hf_config(directory: Path) -> LlamaConfig:
         problems.append(f"layer_types {sorted(set(layer_types))}")
     options: dict[str, Any] = {}
     rope_parameters = hf.get("rope_parameters") or {}
+    heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    head_dim = int(hf.get("head_dim") or hidden // heads)
     if kind == GEMMA:
         options, rope_parameters = _gemma_options(hf, problems)
     elif kind == "phi3":
-        # Phi-4-mini rotates three quarters of each head: not a rotation we implement.
+        # Phi-4-mini rotates the leading three quarters of each head.
         partial = float(rope_parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+        rotary = int(head_dim * partial)
         if partial != 1.0:
-            problems.append(f"partial_rotary_factor {partial}")
+            if rotary % 2 or not 0 < rotary <= head_dim:
+                problems.append(f"partial_rotary_factor {partial} ({rotary} of {head_dim} channels)")
+            options["rotary_dim"] = rotary
         rope_parameters = {k: v for k, v in rope_parameters.items() if k != "partial_rotary_factor"}
     if kind in ("mistral", "phi3") and hf.get("sliding_window") is not None:
         # Mistral 7B v0.1's and Phi-3's window: every layer slides (as transformers masks them).
         window = int(hf["sliding_window"])
-        options = {"sliding_window": window, "layer_types": ("sliding",) * int(hf["num_hidden_layers"])}
+        options |= {"sliding_window": window, "layer_types": ("sliding",) * int(hf["num_hidden_layers"])}
     # transformers 5 writes RoPE as rope_parameters (theta included); older configs as
     # rope_theta and rope_scaling.
     rope = dict(rope_parameters or hf.get("rope_scaling") or {})
@@ -120,12 +128,12 @@ def read_hf_config(directory: Path) -> LlamaConfig:
     scaling = rope if rope_type != "default" else None
     if scaling is not None and rope_type not in HF_ROPE_TYPES:
         problems.append(f"rope_scaling {rope_type!r} (supported: {', '.join(HF_ROPE_TYPES)})")
+    positions = int(hf.get("max_position_embeddings", 8192))
+    if scaling is not None and rope_type == "longrope":
+        rotated = int(options.get("rotary_dim") or head_dim)
+        scaling, positions = _longrope(scaling, hf, positions, rotated // 2, problems, directory.name)
     if problems:
         raise SourceModelError(f"{kind} model in {directory.name}: not supported: {'; '.join(problems)}")
-    heads = int(hf["num_attention_heads"])
-    hidden = int(hf["hidden_size"])
-    head_dim = int(hf.get("head_dim") or hidden // heads)
-    positions = int(hf.get("max_position_embeddings", 8192))
     if positions > MAX_POSITIONS:
         logger.info("%s: positions capped at %d of the model's %d", directory.name, MAX_POSITIONS, positions)
     return LlamaConfig(
@@ -145,6 +153,42 @@ def read_hf_config(directory: Path) -> LlamaConfig:
         qk_norm=kind in ("qwen3", GEMMA),
         **options,
     )
+
+
+def _longrope(
+    scaling: dict[str, Any], hf: dict[str, Any], positions: int, frequencies: int, problems: list[str], name: str
+) -> tuple[dict[str, Any], int]:
+    """Phi-3's LongRoPE as ours, and the positions it is served for. transformers turns
+    the frequencies by the short factors while a sequence stays within the model's
+    original context and by the long ones, for the whole sequence, once it grows past it:
+    a table per position cannot be both, so the model is served up to its original
+    context, where the short factors hold, with transformers' attention factor (cos and
+    sin scaled by it; from the ratio of the two contexts where the config gives none).
+    A short factor per frequency, or the problem goes into `problems`."""
+    short = [float(f) for f in scaling.get("short_factor") or ()]
+    if len(short) != frequencies:
+        problems.append(f"longrope short_factor: {len(short)} factors for {frequencies} frequencies")
+    original = int(
+        scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings") or positions
+    )
+    factor = float(scaling.get("factor") or positions / original)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    if positions > original:
+        logger.info(
+            "%s: served up to its original %d positions of %d, where LongRoPE's short factors hold",
+            name,
+            original,
+            positions,
+        )
+    ours = {
+        "rope_type": "longrope",
+        "short_factor": short,
+        "attention_factor": float(attention),
+        "original_max_position_embeddings": original,
+    }
+    return ours, min(positions, original)
 
 
 def _gemma_options(hf: dict[str, Any], problems: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -65,7 +65,7 @@ def rope_tables(
     config: LlamaConfig, max_len: int, device: torch.device, local: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin per position; `local`: the sliding layers' (rope_local_theta, unscaled)."""
-    d = config.head_dim
+    d = config.rotated
     # Built on the CPU explicitly, so a model constructed on the meta device still
     # gets real tables (they are derived, not loaded from the checkpoint).
     cpu = torch.device("cpu")
@@ -76,10 +76,14 @@ def rope_tables(
     t = torch.arange(max_len, dtype=torch.float64, device=cpu)
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().float().to(device), emb.sin().float().to(device)
+    scaling = config.rope_scaling or {}
+    # LongRoPE's attention factor multiplies cos and sin (transformers' attention_scaling).
+    longrope = not local and scaling.get("rope_type") == "longrope"
+    mscale = float(scaling.get("attention_factor", 1.0)) if longrope else 1.0
+    return (emb.cos() * mscale).float().to(device), (emb.sin() * mscale).float().to(device)
 
 
-ROPE_TYPES = ("linear", "llama3", "freq_factors")
+ROPE_TYPES = ("linear", "llama3", "freq_factors", "longrope")
 
 
 def scaled_frequencies(inv_freq: torch.Tensor, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -87,10 +91,12 @@ def scaled_frequencies(inv_freq: torch.Tensor, scaling: dict[str, Any] | None) -
     if not scaling:
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "freq_factors":
-        factors = torch.tensor(scaling["factors"], dtype=inv_freq.dtype, device=inv_freq.device)
+    if kind in ("freq_factors", "longrope"):
+        # LongRoPE's short factors: the ones transformers uses up to its original context.
+        key = "factors" if kind == "freq_factors" else "short_factor"
+        factors = torch.tensor(scaling[key], dtype=inv_freq.dtype, device=inv_freq.device)
         if factors.shape != inv_freq.shape:
-            raise ValueError(f"RoPE freq_factors: {factors.numel()} factors for {inv_freq.numel()} frequencies")
+            raise ValueError(f"RoPE {kind}: {factors.numel()} factors for {inv_freq.numel()} frequencies")
         return inv_freq / factors
     factor = float(scaling["factor"])
     if kind == "linear":
@@ -109,6 +115,9 @@ def scaled_frequencies(inv_freq: torch.Tensor, scaling: dict[str, Any] | None) -
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rotated_dims = cos.shape[-1]
+    if rotated_dims < x.shape[-1]:  # a partial rotary: the leading channels turned, the rest kept
+        return torch.cat([apply_rope(x[..., :rotated_dims], cos, sin), x[..., rotated_dims:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)

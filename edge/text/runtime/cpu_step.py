@@ -24,8 +24,9 @@ from edge.text.ops.int4 import Int4Linear
 logger = logging.getLogger(__name__)
 
 # The family options (LlamaConfig.family_options, by their first word) the C step takes:
-# Qwen3's q/k head norms, a sliding window (Mistral's, Phi-3's) and Gemma 3's; the
-# embedding's scale and the logits' cap are the embedding's and the head's, around it.
+# Qwen3's q/k head norms, a sliding window (Mistral's, Phi-3's), Gemma 3's options and
+# Phi-4-mini's partial rotary; the embedding's scale and the logits' cap are the
+# embedding's and the head's, around it.
 IMPLEMENTED = (
     "qk_norm",
     "sliding_window",
@@ -35,6 +36,7 @@ IMPLEMENTED = (
     "output_norms",
     "attention_scale",
     "final_logit_softcap",
+    "rotary_dim",
 )
 # Each model's layout for the kernel, made on its first step; or why it cannot serve it.
 _plans: weakref.WeakKeyDictionary[LlamaModel, cpu_step.Plan | str] = weakref.WeakKeyDictionary()
@@ -145,6 +147,7 @@ def _layout(model: LlamaModel) -> cpu_step.Plan:
         cos.data_ptr(),
         sin.data_ptr(),
         cos.shape[0],
+        config.rotated,
     )
     return cpu_step.Plan(described, layers, keep)
 

@@ -41,7 +41,7 @@ typedef struct {
                                             rotary (Qwen3), or NULL */
     int64_t window;                      /* a sliding layer's: each token sees its last
                                             `window` positions; 0: every earlier one */
-    const float *cos, *sin;              /* this layer's rotary table, or NULL: the model's */
+    const float *cos, *sin;              /* this layer's rotary tables, or NULL: the model's */
     const float *attn_out_norm, *mlp_out_norm; /* [hidden]: each branch's output normalised
                                                   before its add (Gemma 3), or NULL */
     int64_t gelu;                        /* nonzero: GELU (tanh form) * up, not SiLU * up */
@@ -50,8 +50,9 @@ typedef struct {
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, intermediate;
     float eps, scale;        /* RMSNorm epsilon; attention's scale on the scores */
-    const float *cos, *sin;  /* [positions, head_dim] */
+    const float *cos, *sin;  /* [positions, rotary] */
     int64_t positions;
+    int64_t rotary;          /* the leading channels of a head the rotary turns (Phi-4-mini: 3/4) */
 } step_model;
 
 typedef struct {
@@ -74,7 +75,7 @@ static void rmsnorm(const float *x, const float *w, int64_t n, float eps, float 
     for (int64_t j = 0; j < n; j++) out[j] = x[j] * inv * w[j];
 }
 
-/* Rotary in place on one head: x * cos + rotate_half(x) * sin, as apply_rope. */
+/* Rotary in place on a head's leading d channels: x * cos + rotate_half(x) * sin, as apply_rope. */
 static void rope(float *x, const float *cos, const float *sin, int64_t d) {
     const int64_t half = d / 2;
     float tmp[512];
@@ -146,7 +147,7 @@ int edge_cpu_decode_layers(const step_model *M, const step_layer *layers, const 
                            const int64_t *rows, const int64_t *pos, int64_t kv_len, int threads) {
     const int64_t H = M->hidden, d = M->head_dim, nh = M->heads, nkv = M->kv_heads;
     const int group = (int)(nh / nkv);
-    if (d % 2 != 0 || d > 512 || nh % nkv != 0) return -1;
+    if (d % 2 != 0 || d > 512 || nh % nkv != 0 || M->rotary % 2 != 0 || M->rotary < 2 || M->rotary > d) return -1;
     if (kv_len < 1 || kv_len > C->slots) return -3;
     int64_t longest = 0;
     for (int64_t b = 0; b < B; b++) {
@@ -171,13 +172,14 @@ int edge_cpu_decode_layers(const step_model *M, const step_layer *layers, const 
         float *kl = C->k + i * C->layer_stride, *vl = C->v + i * C->layer_stride;
         for (int64_t b = 0; b < B; b++) {
             float *row = big + b * qkv_n;
-            const float *cs = (L->cos ? L->cos : M->cos) + pos[b] * d;
-            const float *sn = (L->sin ? L->sin : M->sin) + pos[b] * d;
+            const int64_t rot = M->rotary;
+            const float *cs = (L->cos ? L->cos : M->cos) + pos[b] * rot;
+            const float *sn = (L->sin ? L->sin : M->sin) + pos[b] * rot;
             if (L->q_norm)
                 for (int64_t j = 0; j < nh; j++) rmsnorm(row + j * d, L->q_norm, d, M->eps, row + j * d);
             if (L->k_norm)
                 for (int64_t j = nh; j < nh + nkv; j++) rmsnorm(row + j * d, L->k_norm, d, M->eps, row + j * d);
-            for (int64_t j = 0; j < nh + nkv; j++) rope(row + j * d, cs, sn, d);
+            for (int64_t j = 0; j < nh + nkv; j++) rope(row + j * d, cs, sn, rot);
             for (int64_t j = 0; j < nkv; j++) {
                 const int64_t at = rows[b] * C->row_stride + (j * C->slots + pos[b]) * d;
                 memcpy(kl + at, row + (nh + j) * d, sizeof(float) * (size_t)d);

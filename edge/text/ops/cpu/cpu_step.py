@@ -54,6 +54,7 @@ class StepModel(ctypes.Structure):
         ("cos", _P),
         ("sin", _P),
         ("positions", _I),
+        ("rotary", _I),
     ]
 
 
