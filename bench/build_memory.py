@@ -17,6 +17,7 @@ Writes bench/results/build_memory.json. The sources take about 16 GB of disk eac
 8B shape; each is deleted after its build (`--keep` keeps them and the builds).
 
     python -m bench.build_memory                      # the 8B shape: about an hour a source on 2 CPUs
+    python -m bench.build_memory --sources gguf       # one source; the other's row of the same shape kept
     python -m bench.build_memory --shape tiny --out /tmp/build_memory.json
 """
 
@@ -379,6 +380,19 @@ def measure_build(work: Path, source: Path, threads: int | None) -> dict[str, An
     return row
 
 
+def kept_rows(out: Path, shape: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """This run's rows after the rows of `out` (an earlier run's) for the same shape and
+    the other sources: at the 8B shape a source takes about an hour on two CPUs, so each
+    may be measured in a run of its own. A row of the same source is replaced."""
+    if not out.exists():
+        return rows
+    earlier = json.loads(out.read_text(encoding="utf-8"))
+    if earlier.get("shape_name") != shape:
+        return rows
+    ran = {r["source"] for r in rows}
+    return [r for r in earlier.get("rows", []) if r["source"] not in ran] + rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
@@ -418,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(where)
     if not args.keep and args.work is None:
         shutil.rmtree(work)
+    rows = kept_rows(args.out, args.shape, rows)
     result = {
         "what": "edgectl build's text build (AWQ INT4, no adapter) of a random-weight model, in a child process",
         "shape_name": args.shape,

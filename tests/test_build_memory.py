@@ -253,6 +253,17 @@ def test_the_measurement_builds_each_source_format_in_a_child_and_writes_its_fig
         assert f"| {row['source_format']} |" in table
 
 
+def test_a_run_of_one_source_keeps_the_other_sources_row_of_the_same_shape(tmp_path: Path) -> None:
+    from bench.build_memory import kept_rows
+
+    out = tmp_path / "build_memory.json"
+    st, gguf = {"source": "safetensors", "seconds": 1.0}, {"source": "gguf", "seconds": 2.0}
+    assert kept_rows(out, "llama3-8b", [gguf]) == [gguf]  # nothing earlier
+    out.write_text(json.dumps({"shape_name": "llama3-8b", "rows": [st, {"source": "gguf", "seconds": 9.0}]}))
+    assert kept_rows(out, "llama3-8b", [gguf]) == [st, gguf]  # the same source's row replaced
+    assert kept_rows(out, "tiny", [gguf]) == [gguf]  # another shape's rows are not this one's
+
+
 def test_builders_of_one_output_take_turns_and_leave_nothing_beside_it(tmp_path: Path) -> None:
     """Builds of the same output from several threads: one builds, the others wait and
     find its result; the lock file goes with the last holder (a refused or finished build
