@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -212,17 +214,12 @@ def test_the_c_step_serves_the_int4_build_as_op_by_op_past_the_window(family: di
     want, got = decode(False), decode(True)
     error = ((got - want).abs().amax(-1) / want.abs().amax(-1)).max().item()
     assert error < 2e-5 and torch.equal(got.argmax(-1), want.argmax(-1)), error
-    attentions = [m for m in model.modules() if isinstance(m, Attention)]
-    if any(a.window for a in attentions):
+    if any(a.window for a in model.modules() if isinstance(a, Attention)):
         cpu_step._plans.pop(model)  # laid out again without the window
-        windows = [a.window for a in attentions]
-        for a in attentions:
-            a.window = 0
         try:
-            unwindowed = decode(True)
+            with _without_windows(model):
+                unwindowed = decode(True)
         finally:
-            for a, w in zip(attentions, windows, strict=True):
-                a.window = w
             cpu_step._plans.pop(model)
         far = ((unwindowed - want).abs().amax(-1) / want.abs().amax(-1)).max().item()
         assert far > 1e3 * error and far > 1e-3, (error, far)
@@ -239,6 +236,21 @@ def test_what_the_fast_paths_do_not_implement_is_refused_by_name(family: dict[st
 
     with pytest.raises(ExportError, match=first):
         export_text_onnx(family["ckpt"], family["ckpt"])
+
+
+@contextmanager
+def _without_windows(model: torch.nn.Module) -> Iterator[None]:
+    """The model's attention layers with their windows taken away inside the block (what a
+    kernel that ignored the window would compute)."""
+    attentions = [m for m in model.modules() if isinstance(m, Attention)]
+    windows = [a.window for a in attentions]
+    for a in attentions:
+        a.window = 0
+    try:
+        yield
+    finally:
+        for a, w in zip(attentions, windows, strict=True):
+            a.window = w
 
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -271,16 +283,9 @@ def test_a_quantized_cache_keeps_the_window_and_the_query_scale(family: dict[str
     want = run(None)
     got = run(int8)
     error = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
-    attentions = [m for m in model.modules() if isinstance(m, Attention)]
-    windows = [a.window for a in attentions]
-    if any(windows):
-        for a in attentions:
-            a.window = 0
-        try:
+    if any(a.window for a in model.modules() if isinstance(a, Attention)):
+        with _without_windows(model):
             unwindowed = run(int8)
-        finally:
-            for a, w in zip(attentions, windows, strict=True):
-                a.window = w
         far = ((unwindowed - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
         assert far > 10 * error, (error, far)
     assert error < 0.1, error
