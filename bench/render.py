@@ -571,6 +571,13 @@ def build_memory(d: dict[str, Any]) -> str:
         "| source | on disk GiB | peak RSS GiB | limit GiB | within | minutes | per layer s |",
         "|---|---:|---:|---:|---|---:|---:|",
     ]
+    missing = [s for s in ("safetensors", "gguf") if s not in {r["source"] for r in d["rows"]}]
+    if missing:
+        lines[1:1] = [
+            "",
+            f"**Not measured at this shape yet:** the {' and '.join(missing)} source "
+            f"(`python -m bench.build_memory --sources {','.join(missing)}` adds its row to these).",
+        ]
     if d["shape_name"] != "llama3-8b":
         lines[1:1] = [
             "",

@@ -264,6 +264,18 @@ def test_a_run_of_one_source_keeps_the_other_sources_row_of_the_same_shape(tmp_p
     assert kept_rows(out, "tiny", [gguf]) == [gguf]  # another shape's rows are not this one's
 
 
+def test_the_docs_say_which_source_is_not_measured_yet() -> None:
+    from bench import render
+
+    row = {"source": "safetensors", "source_format": "safetensors", "source_bytes": 2**30, "exit_code": 0}
+    row |= {"peak_rss_bytes": 2**30, "within_limit": True, "seconds": 60.0, "threads": 2}
+    result = {"shape_name": "llama3-8b", "parameters": 8e9, "quantization": "awq-int4", "adapter": "none"}
+    result |= {"cpus": 2, "machine": "x86_64", "torch": "2", "limit_bytes": 12 * 2**30, "rows": [row]}
+    assert "**Not measured at this shape yet:** the gguf source" in render.build_memory(result)
+    both = result | {"rows": [row, row | {"source": "gguf"}]}
+    assert "Not measured" not in render.build_memory(both)
+
+
 def test_builders_of_one_output_take_turns_and_leave_nothing_beside_it(tmp_path: Path) -> None:
     """Builds of the same output from several threads: one builds, the others wait and
     find its result; the lock file goes with the last holder (a refused or finished build
