@@ -1,6 +1,6 @@
 """The CPU's decode step: every layer in one call of our C kernel (ops/cpu/cpu_step.c)
-where the model is Llama's graph (with Qwen3's q/k head norms and a sliding window where
-it has them) over INT4 products of our kernels (float32 or int8 activations), else the
+where the model is Llama's graph (with whatever options of today's families it sets,
+IMPLEMENTED) over INT4 products of our kernels (float32 or int8 activations), else the
 model's own step, op by op.
 
 Op by op, a step of SmolLM2-135M is about 5,500 torch operators; their dispatch, not
@@ -93,7 +93,7 @@ def _matrix(part: torch.nn.Module, keep: list[torch.Tensor]) -> cpu_step.Int4Mat
 
 
 def _weights(*norms: RMSNorm | None) -> list[torch.Tensor]:
-    """The float32 weights of the norms a layer has (both or neither)."""
+    """The float32 weights of the norms a layer has (of a pair: both or neither)."""
     return [n.weight.detach().float().contiguous() for n in norms if n is not None]
 
 
@@ -104,9 +104,7 @@ def _layout(model: LlamaModel) -> cpu_step.Plan:
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)
         attn, mlp = layer.self_attn, layer.mlp
-        norms = [
-            n.weight.detach().float().contiguous() for n in (layer.input_layernorm, layer.post_attention_layernorm)
-        ]
+        norms = _weights(layer.input_layernorm, layer.post_attention_layernorm)
         head_norms = _weights(attn.q_norm, attn.k_norm)
         out_norms = _weights(layer.attn_output_norm, layer.mlp_output_norm)
         local = (

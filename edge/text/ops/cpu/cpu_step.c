@@ -17,9 +17,10 @@
  *
  * Llama's graph, with what the families built on it add where a layer has it: Qwen3's
  * q/k head norms, a sliding window (Mistral, Phi-3, Gemma 3's local layers) with its own
- * rotary table (Gemma 3's), Gemma 3's GELU and the norms of each branch's output (its
- * scaled embedding, attention scale and logit cap are the caller's and the model's
- * scale). No biases: the runtime (edge/text/runtime/cpu_step.py) refuses anything else by
+ * rotary table (Gemma 3's), Gemma 3's GELU and the norms of each branch's output, and
+ * Phi-4-mini's partial rotary (the leading `rotary` channels of a head turned). Gemma 3's
+ * attention scale is the model's `scale`; its scaled embedding and logit cap are the
+ * caller's, before and after the call. No biases: the runtime (edge/text/runtime/cpu_step.py) refuses anything else by
  * name and runs the step op by op instead. Built on the box like cpu_int4.c and called through ctypes.
  */
 #include <math.h>
@@ -73,6 +74,13 @@ static void rmsnorm(const float *x, const float *w, int64_t n, float eps, float 
     for (; i < n; i++) sum += x[i] * x[i];
     const float inv = 1.0f / sqrtf(sum / (float)n + eps);
     for (int64_t j = 0; j < n; j++) out[j] = x[j] * inv * w[j];
+}
+
+/* Each of `rows` vectors of n floats normalised in place by w; nothing where w is NULL (a
+ * norm the layer does not have). */
+static void rmsnorm_rows(float *x, const float *w, int64_t rows, int64_t n, float eps) {
+    if (!w) return;
+    for (int64_t r = 0; r < rows; r++) rmsnorm(x + r * n, w, n, eps, x + r * n);
 }
 
 /* Rotary in place on a head's leading d channels: x * cos + rotate_half(x) * sin, as apply_rope. */
@@ -175,10 +183,8 @@ int edge_cpu_decode_layers(const step_model *M, const step_layer *layers, const 
             const int64_t rot = M->rotary;
             const float *cs = (L->cos ? L->cos : M->cos) + pos[b] * rot;
             const float *sn = (L->sin ? L->sin : M->sin) + pos[b] * rot;
-            if (L->q_norm)
-                for (int64_t j = 0; j < nh; j++) rmsnorm(row + j * d, L->q_norm, d, M->eps, row + j * d);
-            if (L->k_norm)
-                for (int64_t j = nh; j < nh + nkv; j++) rmsnorm(row + j * d, L->k_norm, d, M->eps, row + j * d);
+            rmsnorm_rows(row, L->q_norm, nh, d, M->eps);
+            rmsnorm_rows(row + nh * d, L->k_norm, nkv, d, M->eps);
             for (int64_t j = 0; j < nh + nkv; j++) rope(row + j * d, cs, sn, rot);
             for (int64_t j = 0; j < nkv; j++) {
                 const int64_t at = rows[b] * C->row_stride + (j * C->slots + pos[b]) * d;
@@ -196,8 +202,7 @@ int edge_cpu_decode_layers(const step_model *M, const step_layer *layers, const 
                    attn + (b * nh + j * group) * d, scores + w * (longest + 1));
         }
         if ((rc = product(&L->o, attn, B, proj, threads)) != 0) break;
-        if (L->attn_out_norm)
-            for (int64_t b = 0; b < B; b++) rmsnorm(proj + b * H, L->attn_out_norm, H, M->eps, proj + b * H);
+        rmsnorm_rows(proj, L->attn_out_norm, B, H, M->eps);
         for (int64_t j = 0; j < B * H; j++) x[j] += proj[j];
         for (int64_t b = 0; b < B; b++) rmsnorm(x + b * H, L->post_norm, H, M->eps, h + b * H);
         if ((rc = product(&L->gate_up, h, B, big, threads)) != 0) break;
@@ -208,8 +213,7 @@ int edge_cpu_decode_layers(const step_model *M, const step_layer *layers, const 
                 act[b * I + j] = (L->gelu ? gelu_tanh(g) : g / (1.0f + expf(-g))) * u;
             }
         if ((rc = product(&L->down, act, B, proj, threads)) != 0) break;
-        if (L->mlp_out_norm)
-            for (int64_t b = 0; b < B; b++) rmsnorm(proj + b * H, L->mlp_out_norm, H, M->eps, proj + b * H);
+        rmsnorm_rows(proj, L->mlp_out_norm, B, H, M->eps);
         for (int64_t j = 0; j < B * H; j++) x[j] += proj[j];
     }
     free(h);
