@@ -212,6 +212,7 @@ def served_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
         model(ids[:, first:second], cache, first, last_only=False)[0],
     ]
     for p in range(second, ids.shape[1]):
+        cache.make_room_for_step([p])  # as the batcher does before each step
         rows.append(model.decode_step(ids[:, p : p + 1], cache, torch.tensor([p], device=ids.device), 256))
     return torch.cat(rows)
 

@@ -30,6 +30,7 @@ from bench.common import REPO, RESULTS, agreement, perplexity, write_json
 from bench.family_models import MESSAGES, make_model, served_logits, write_qwen3_gguf
 from bench.text_engines import engine_fields, load_engine
 from edge.text.engine import kv_format
+from edge.text.kv.float_cache import KVCache
 from edge.text.runtime.generate import SamplingParams
 from engines.text.corpus import corpus_fingerprint, evaluation_text
 from engines.text.gemma3_270m import NAME, gemma3_270m_gguf
@@ -142,7 +143,22 @@ def gemma3_row(engine_dir: Path, max_tokens: int, prompts: int) -> dict[str, Any
         "int4_perplexity": int4_ppl,
         "int4_greedy_agreement": agreement(float_conts, int4_conts)["token_agreement"],
         "int4_build_seconds": round(build_s, 1),
+        **kv_fields(engine),
         **engine_fields(engine),
+    }
+
+
+def kv_fields(engine: Any) -> dict[str, Any]:
+    """The float KV cache the engine allocated (the sliding layers' own buffers where rows
+    are longer than they need) and what it would take with every position held."""
+    cache = engine.batcher.cache
+    every = KVCache(engine.model.config, cache.batch, cache.max_len, cache.k.dtype, torch.device("meta"), False)
+    return {
+        "kv_rows": cache.batch,
+        "kv_row_tokens": cache.max_len,
+        "kv_sliding_slots": cache.local_slots,
+        "kv_bytes": cache.nbytes,
+        "kv_bytes_every_position": every.nbytes,
     }
 
 

@@ -1117,6 +1117,14 @@ def models(d: dict[str, Any]) -> str:
             f"| float (dequantized Q4_K_M) | {r['float_perplexity']:.3f} | 1.000 |",
             f"| {r['int4']} | {r['int4_perplexity']:.3f} | {r['int4_greedy_agreement']:.3f} |",
         ]
+        if "kv_bytes" in r:
+            lines += [
+                "",
+                f"Its float KV cache as that engine allocates it, {r['kv_rows']} rows of {r['kv_row_tokens']} tokens: "
+                f"{r['kv_bytes'] / 2**20:.1f} MiB with the sliding layers' buffers of {r['kv_sliding_slots']} "
+                f"positions, against {r['kv_bytes_every_position'] / 2**20:.1f} MiB with every position of every "
+                f"layer held ({r['kv_bytes'] / r['kv_bytes_every_position']:.2f}x).",
+            ]
     return "\n".join(lines)
 
 

@@ -130,10 +130,11 @@ def test_the_engine_records_the_c_step_and_rejects_a_bad_position(served: TextCh
     plan = runtime_step._plans[model]
     assert isinstance(plan, cpu_step.Plan)
     x = torch.zeros(1, model.config.hidden_size)
+    parts = runtime_step._parts(cache)
     with pytest.raises(RuntimeError, match="past the cache"):
-        cpu_step.decode_layers(plan, x, cache.k, cache.v, torch.tensor([0]), torch.tensor([16]), 16)
+        cpu_step.decode_layers(plan, x, parts, torch.tensor([0]), torch.tensor([16]), 16)
     with pytest.raises(ValueError, match="float32"):
-        cpu_step.decode_layers(plan, x.half(), cache.k, cache.v, torch.tensor([0]), torch.tensor([0]), 1)
+        cpu_step.decode_layers(plan, x.half(), parts, torch.tensor([0]), torch.tensor([0]), 1)
 
 
 def test_a_token_and_its_drafts_verified_at_once_answer_as_decoded_one_by_one(served: TextCheckpoint) -> None:

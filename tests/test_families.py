@@ -31,11 +31,13 @@ from bench.family_models import (
     write_qwen3_gguf,
 )
 from edge.text.architecture import LlamaConfig
+from edge.text.kv.float_cache import LOCAL_ROOM, KVCache
 from edge.text.kv.kv_quant import FORMATS
 from edge.text.model.checkpoint import load_checkpoint
-from edge.text.model.llama import Attention
+from edge.text.model.llama import Attention, LlamaModel
 from edge.text.ops.cpu import cpu_int4
 from edge.text.runtime import cpu_step, fused_step
+from edge.text.runtime.continuous import ContinuousBatcher, Sequence
 from edge.text.runtime.generate import SamplingParams, generate
 from engines.text.import_gguf import SourceModelError, import_gguf
 from engines.text.import_hf import import_hf, read_hf_config
@@ -137,6 +139,9 @@ def test_the_served_engine_answers_as_transformers_past_the_window(family: dict[
 
     engine = load_engine(family["ckpt"], "cpu")
     assert not engine.config()["fused_step"]
+    # The sliding layers keep their window and room alone (the rows are longer).
+    sliding = family["name"] != "qwen3"
+    assert engine.config()["kv_sliding_slots"] == (WINDOW + LOCAL_ROOM if sliding else None)
     tokenizer = family["tokenizer"]
     prompt = tokenizer(engine.prompter.text("Is 38.5 a fever?", None), add_special_tokens=False)["input_ids"]
     assert engine.prompter.ids("Is 38.5 a fever?", None) == prompt
@@ -180,18 +185,26 @@ def test_awq_quantizes_the_linears_and_keeps_the_norms_float(family: dict[str, A
     assert rel <= figures["rtn"][0] * 1.05 and top1 >= 0.2, figures
 
 
-@pytest.mark.skipif(not cpu_int4.available(), reason="no C compiler for the CPU kernels")
-def test_the_c_step_serves_the_int4_build_as_op_by_op_past_the_window(family: dict[str, Any]) -> None:
+@pytest.fixture(scope="module")
+def int4(family: dict[str, Any]) -> LlamaModel:
+    """The family's INT4 build (round to nearest, groups of 32) on our float32 CPU kernel,
+    which the C step serves."""
+    from engines.text.quantize import QuantRecipe
+    from engines.text.text_build import quantize_checkpoint
+
+    if not cpu_int4.available():
+        pytest.skip("no C compiler for the CPU kernels")
+    built = quantize_checkpoint(family["ckpt"], QuantRecipe(method="rtn", group_size=32), progress=False)
+    return load_checkpoint(built, cpu_kernel="exact").model
+
+
+def test_the_c_step_serves_the_int4_build_as_op_by_op_past_the_window(family: dict[str, Any], int4: LlamaModel) -> None:
     """The CPU's one-call decode step (cpu_step.c) takes each family's options (Qwen3's q/k
     head norms, the sliding window, Gemma 3's local rotary table, GELU, output norms,
     scaled embedding, attention scale and logit cap): on each family's INT4 build (our
     float32 kernel) a decode past the window gives the op-by-op step's logits to float32
     rounding, and the C step with the window taken away does not."""
-    from engines.text.quantize import QuantRecipe
-    from engines.text.text_build import quantize_checkpoint
-
-    int4 = quantize_checkpoint(family["ckpt"], QuantRecipe(method="rtn", group_size=32), progress=False)
-    model = load_checkpoint(int4, cpu_kernel="exact").model
+    model = int4
     assert cpu_step.refusal(model) is None
     ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(2))
     prefill = WINDOW - 4
@@ -223,6 +236,126 @@ def test_the_c_step_serves_the_int4_build_as_op_by_op_past_the_window(family: di
             cpu_step._plans.pop(model)
         far = ((unwindowed - want).abs().amax(-1) / want.abs().amax(-1)).max().item()
         assert far > 1e3 * error and far > 1e-3, (error, far)
+
+
+def _steps(model: LlamaModel, cache: KVCache, ids: torch.Tensor, row: int, start: int, fused: bool) -> torch.Tensor:
+    """Logits of ids[start:] decoded one token a step in cache row `row` (the other row
+    parked at the cache's end), room made in the sliding buffers before each as the
+    batcher does: the C step (`fused`) or the op-by-op one."""
+    model.fused_decode = None if fused else False  # None: decided on the first step
+    rows = []
+    try:
+        with torch.no_grad():
+            for t in range(start, ids.shape[1]):
+                positions = [cache.max_len - 1] * cache.batch
+                positions[row] = t
+                cache.make_room_for_step(positions)
+                tokens = torch.zeros(cache.batch, 1, dtype=torch.long)
+                tokens[row] = ids[0, t]
+                rows.append(fused_step.decode_step(model, tokens, cache, torch.tensor(positions), t + 1)[row])
+        assert model.fused_decode is fused
+    finally:
+        model.fused_decode = None
+    return torch.stack(rows)
+
+
+def test_the_sliding_layers_keep_their_window_alone_and_answer_as_with_every_position(
+    family: dict[str, Any], int4: LlamaModel
+) -> None:
+    """A sliding layer's keys and values live in a buffer of its window and a little room
+    (float_cache.py), moved to the front as positions go by: the cache takes less memory
+    by exactly the positions the sliding layers no longer hold, and the INT4 build decodes
+    far past the window (30 moves of the buffer: room for 8 new positions), in the C step
+    and op by op, as with every position held (to float32 rounding: a prefill's masked
+    keys are fewer, so its sums round otherwise). A row saved after those moves (what the prefix cache
+    and the offload keep) and put in another row decodes on as the first."""
+    model, config = int4, int4.config
+    sliding = sum(1 for i in range(config.num_layers) if config.layer_window(i))
+    full = KVCache(config, 2, 256, model.dtype, model.device, window_sized=False)
+    held = KVCache(config, 2, 256, model.dtype, model.device, room=8)
+    if not sliding:
+        assert held.local_slots == 0 and held.nbytes == full.nbytes
+        return
+    assert held.local_slots == WINDOW + 8 and full.local_slots == 0
+    per_position = full.nbytes // (config.num_layers * 256)
+    assert full.nbytes - held.nbytes == sliding * (256 - held.local_slots) * per_position
+    ids = torch.randint(0, config.vocab_size, (1, 250), generator=torch.Generator().manual_seed(4))
+    prefill = 37  # longer than the room: written in pieces of 8 (so too with every position)
+    for fused in (True, False):
+        got: list[torch.Tensor] = []
+        want: list[torch.Tensor] = []
+        for cache, out in ((held, got), (full, want)):
+            with torch.no_grad():
+                model(ids[:, :prefill], cache.rows(1, 1), 0)
+                if cache is full:  # the same pieces, so the same rounding
+                    for at in range(0, prefill, 8):
+                        model(ids[:, at : min(at + 8, prefill)], cache.rows(1, 1), at)
+            out.append(_steps(model, cache, ids, 1, prefill, fused))
+        assert int(held.offsets[1]) > 200  # the buffer moved with the positions
+        error = ((got[0] - want[0]).abs().amax(-1) / want[0].abs().amax(-1)).max().item()
+        assert error < 2e-5 and torch.equal(got[0].argmax(-1), want[0].argmax(-1)), (fused, error)
+    # Saved at position 230 (its offset with it), put in row 0, decoded on in both rows.
+    at = 230
+    again = KVCache(config, 2, 256, model.dtype, model.device, room=8)
+    with torch.no_grad():
+        model(ids[:, :prefill], again.rows(1, 1), 0)
+    _steps(model, again, ids[:, :at], 1, prefill, True)
+    again.load_row(0, at, again.save_row(1, at))
+    assert int(again.offsets[0]) == int(again.offsets[1]) > 0
+    assert torch.equal(_steps(model, again, ids, 0, at, True), _steps(model, again, ids, 1, at, True))
+
+
+def test_a_sliding_buffer_moves_the_window_to_its_front_and_refuses_what_it_cannot_hold() -> None:
+    config = LlamaConfig(
+        vocab_size=32, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=32,
+        sliding_window=8, layer_types=("sliding", "full"),
+    )  # fmt: skip
+    cache = KVCache(config, 1, 64, torch.float32, torch.device("cpu"), room=4)
+    assert cache.local_slots == 12 and cache.is_local == [True, False] and cache.layer(0)[0].shape[2] == 12
+    assert cache.local_k is not None
+    cache.local_k[0, 0, 0, :, 0] = torch.arange(12.0)  # slot j holds position j
+    cache.make_room(0, 8, 11)  # fits below the scratch slot: nothing moves
+    assert int(cache.offsets[0]) == 0
+    with pytest.raises(ValueError, match="takes 4"):
+        cache.make_room(0, 11, 16)
+    cache.make_room(0, 11, 12)  # past the last data slot: positions 4..10 (the window before 11) to the front
+    assert int(cache.offsets[0]) == 4 and cache.local_k[0, 0, 0, :7, 0].tolist() == list(range(4, 11))
+    with pytest.raises(ValueError, match="before its sliding buffers' first"):
+        cache.make_room(0, 3, 4)
+    cache.make_room(0, 0, 2)  # a new sequence in the row
+    assert int(cache.offsets[0]) == 0
+
+
+@pytest.mark.skipif(not cpu_int4.available(), reason="no C compiler for the CPU kernels")
+def test_the_batcher_speculates_over_the_sliding_buffers_as_over_every_position(
+    family: dict[str, Any], int4: LlamaModel
+) -> None:
+    """Served: two sequences decoded together with prompt-lookup drafts (verified in the
+    C step as rows of one step) over sliding buffers with room for 8 new positions take
+    the tokens the same batcher takes with every position held."""
+    if not any(int4.config.layer_window(i) for i in range(int4.config.num_layers)):
+        pytest.skip("no sliding layer")
+    config = int4.config
+    pattern = torch.randint(0, config.vocab_size, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    prompts = [pattern * 4, pattern[3:] * 3 + [7, 8]]  # repeated text: drafts to take
+    answers = []
+    for window_sized in (True, False):
+        batcher = ContinuousBatcher(int4, None, frozenset(), slots=2, slot_len=256)
+        batcher.cache = KVCache(config, 2, 256, int4.dtype, int4.device, window_sized=window_sized, room=8)
+        batcher.speculative_tokens = 3
+        params = [SamplingParams(max_new_tokens=250 - len(p), ignore_eos=True) for p in prompts]
+        seqs = [Sequence(i, p, params[i]) for i, p in enumerate(prompts)]
+        for seq in seqs:
+            slot = batcher.kv.allocate_slots(str(seq.owner), len(seq.prompt) + seq.params.max_new_tokens)
+            assert slot is not None
+            batcher.admit(seq, slot)
+        while batcher.running:
+            for seq in batcher.step():
+                assert seq.kv is not None
+                batcher.kv.free(seq.kv)
+        assert sum(s.accepted for s in seqs) > 0 and all(s.finish == "length" for s in seqs)
+        answers.append([s.tokens for s in seqs])
+    assert answers[0] == answers[1]
 
 
 def test_what_the_fast_paths_do_not_implement_is_refused_by_name(family: dict[str, Any]) -> None:

@@ -185,7 +185,10 @@ def write_layerwise(
             sin = model.rope_sin[:seq].to(torch.float32)
             tables = model._tables(cos, sin, slice(0, seq))
             # One batch row of keys and values per layer, as a whole model's cache lays them out.
-            cache = KVCache(config, 1, min(seq, config.max_position), torch.float32, torch.device("cpu"))
+            # Every position of every layer: a calibration sequence is written whole.
+            cache = KVCache(
+                config, 1, min(seq, config.max_position), torch.float32, torch.device("cpu"), window_sized=False
+            )
             if seq > cache.max_len:
                 raise ValueError(f"sequence of {seq} tokens exceeds the cache ({cache.max_len})")
         layer_rows = tqdm(range(config.num_layers), desc=f"quantize {source.label}", unit="layer", disable=not progress)

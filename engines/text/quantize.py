@@ -204,7 +204,7 @@ def capture_inputs(
     try:
         batch_list = list(batches)
         for ids in tqdm(batch_list, desc="calibrate", unit="seq", disable=not progress):
-            cache = model.new_cache(1, ids.shape[1])
+            cache = model.new_cache(1, ids.shape[1], window_sized=False)  # each sequence in one pass
             model(ids, cache, 0)
     finally:
         for h in hooks:

@@ -459,14 +459,19 @@ class LlamaModel(nn.Module):
         return table.weight.device if isinstance(table, nn.Embedding) else table.device
 
     @overload
-    def new_cache(self, batch: int, max_len: int, kv_format: None = None) -> KVCache: ...
+    def new_cache(self, batch: int, max_len: int, kv_format: None = None, window_sized: bool = True) -> KVCache: ...
 
     @overload
-    def new_cache(self, batch: int, max_len: int, kv_format: KVFormat | None) -> KVCache | QuantKVCache: ...
+    def new_cache(
+        self, batch: int, max_len: int, kv_format: KVFormat | None, window_sized: bool = True
+    ) -> KVCache | QuantKVCache: ...
 
-    def new_cache(self, batch: int, max_len: int, kv_format: KVFormat | None = None) -> KVCache | QuantKVCache:
-        """A KV cache of `batch` rows: float in the activations' type, or int8/int4 codes
-        (edge/text/kv/quant_cache.py) for a quantized format."""
+    def new_cache(
+        self, batch: int, max_len: int, kv_format: KVFormat | None = None, window_sized: bool = True
+    ) -> KVCache | QuantKVCache:
+        """A KV cache of `batch` rows: float in the activations' type (the sliding layers
+        in buffers sized from their window unless `window_sized` is off: float_cache.py),
+        or int8/int4 codes (edge/text/kv/quant_cache.py) for a quantized format."""
         length = min(max_len, self.config.max_position)
         if kv_format is not None and kv_format.dtype != "float16":
             if self.device.type == "cuda":
@@ -476,7 +481,7 @@ class LlamaModel(nn.Module):
                 if refused:
                     raise ValueError(f"kv_dtype {kv_format.dtype} on CUDA: {refused}; serve with kv_dtype float16")
             return QuantKVCache(self.config, batch, length, kv_format, self.dtype, self.device)
-        return KVCache(self.config, batch, length, self.dtype, self.device)
+        return KVCache(self.config, batch, length, self.dtype, self.device, window_sized)
 
     @torch.inference_mode()
     def forward(
@@ -486,6 +491,21 @@ class LlamaModel(nn.Module):
         seq = ids.shape[1]
         if start + seq > cache.max_len:
             raise ValueError(f"sequence of {start + seq} tokens exceeds the cache ({cache.max_len})")
+        if isinstance(cache, KVCache) and cache.local_slots and seq > cache.room:
+            # The sliding layers' buffers take a chunk this long at most (float_cache.py).
+            pieces = [
+                self.forward(ids[:, at : at + cache.room], cache, start + at, last_only)
+                for at in range(0, seq, cache.room)
+            ]
+            return pieces[-1] if last_only else torch.cat(pieces, dim=1)
+        local_start = start
+        if isinstance(cache, KVCache) and cache.local_slots:
+            for row in range(ids.shape[0]):
+                cache.make_room(row, start, start + seq)
+            offsets = set(cache.offsets[: ids.shape[0]].tolist())
+            if len(offsets) != 1:
+                raise ValueError("a chunk written to several rows needs their sliding buffers at one offset")
+            local_start = start - offsets.pop()
         cos = self.rope_cos[start : start + seq].to(self.dtype)
         sin = self.rope_sin[start : start + seq].to(self.dtype)
         # The residual stream stays in float32 between layers, as in the fused decode
@@ -494,7 +514,8 @@ class LlamaModel(nn.Module):
         x = self._embed(ids).float()
         tables = self._tables(cos, sin, slice(start, start + seq))
         for i, layer in enumerate(self.layers):
-            x = layer(x, *tables[i], *_layer_kv(cache, i), start)
+            local = isinstance(cache, KVCache) and cache.is_local[i]
+            x = layer(x, *tables[i], *_layer_kv(cache, i), local_start if local else start)
         if last_only:
             x = x[:, -1:, :]
         return self._head(x).float()
@@ -519,17 +540,26 @@ class LlamaModel(nn.Module):
         op by op (the runtime runs the fused step instead where it can: fused_step.decode_step).
 
         Attends over the first kv_len cache slots (masked beyond each position): a
-        fixed shape, so one CUDA graph per kv_len bucket serves every step.
+        fixed shape, so one CUDA graph per kv_len bucket serves every step. A float
+        cache's sliding buffers are given room by the caller first, where the positions
+        are known on the host (KVCache.make_room_for_step, as the batcher does).
         """
         dtype = self.dtype
         cos = self.rope_cos.index_select(0, pos).to(dtype).unsqueeze(1).unsqueeze(1)
         sin = self.rope_sin.index_select(0, pos).to(dtype).unsqueeze(1).unsqueeze(1)
         bias, window_bias = decode_biases(self.config, pos, kv_len)
-        at = DecodeAt(pos, kv_len, bias, window_bias)
+        at = local_at = DecodeAt(pos, kv_len, bias, window_bias)
+        if isinstance(cache, KVCache) and cache.local_slots:
+            # The sliding layers' own buffers: positions from each row's offset.
+            local_pos = cache.local_positions(pos)
+            local_len = min(kv_len, cache.local_slots)
+            local_bias, local_window = decode_biases(self.config, local_pos, local_len)
+            local_at = DecodeAt(local_pos, local_len, local_bias, local_window)
         x = self._embed(ids).float()  # the residual stream, as in forward()
         tables = self._tables(cos, sin, pos)
         for i, layer in enumerate(self.layers):
-            x = layer(x, *tables[i], *_layer_kv(cache, i), at)
+            local = isinstance(cache, KVCache) and cache.is_local[i]
+            x = layer(x, *tables[i], *_layer_kv(cache, i), local_at if local else at)
         return self._head(x)[:, -1].float()
 
 
@@ -538,7 +568,7 @@ def _layer_kv(cache: KVCache | QuantKVCache, i: int) -> tuple[torch.Tensor | Qua
     of a quantized cache."""
     if isinstance(cache, QuantKVCache):
         return cache.layer(i), None
-    return cache.k[i], cache.v[i]
+    return cache.layer(i)
 
 
 def fuse_projections(model: LlamaModel) -> None:

@@ -630,9 +630,13 @@ class ContinuousBatcher:
             assert seq.slot is not None
             sources[seq.slot], positions[seq.slot] = i, seq.length
         kv_len = max(s.length for s in running) + 1
+        if isinstance(self.cache, KVCache):
+            self.cache.make_room_for_step(positions)
         return self.graphs.run_chosen(chosen, sources, positions, kv_len, reported)
 
     def _decode(self, ids: list[int], positions: list[int], kv_len: int) -> torch.Tensor:
+        if isinstance(self.cache, KVCache):
+            self.cache.make_room_for_step(positions)
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device).view(-1, 1)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         return fused_step.decode_step(self.model, ids_t, self.cache, pos_t, kv_len)

@@ -157,7 +157,8 @@ def decode_step(model: LlamaModel, ids: torch.Tensor, cache: KVCache, pos: torch
     assert isinstance(plan, cpu_step.Plan)
     x = model._embed(ids.view(-1)).float()
     rows = torch.arange(ids.shape[0])
-    x = cpu_step.decode_layers(plan, x, cache.k, cache.v, rows, pos, kv_len)
+    cache.make_room_for_step(pos.tolist())
+    x = cpu_step.decode_layers(plan, x, _parts(cache), rows, pos, kv_len)
     return model._head(x.unsqueeze(1))[:, -1].float()
 
 
@@ -173,5 +174,13 @@ def verify(model: LlamaModel, ids: list[int], cache: KVCache, row: int, start: i
     count = len(ids)
     x = model._embed(torch.tensor(ids)).float()
     pos = torch.arange(start, start + count)
-    x = cpu_step.decode_layers(plan, x, cache.k, cache.v, torch.full((count,), row), pos, start + count)
+    cache.make_room(row, start, start + count)
+    x = cpu_step.decode_layers(plan, x, _parts(cache), torch.full((count,), row), pos, start + count)
     return model._head(x.unsqueeze(1))[:, -1].float()
+
+
+def _parts(cache: KVCache) -> cpu_step.CacheParts:
+    index = [-1 - ix if local else ix for ix, local in zip(cache.index, cache.is_local, strict=True)]
+    return cpu_step.CacheParts(
+        cache.k, cache.v, cache.local_k, cache.local_v, cache.offsets, torch.tensor(index, dtype=torch.int64)
+    )

@@ -67,6 +67,8 @@ class GraphDecoder:
     def step(self, token_ids: torch.Tensor, pos: int) -> torch.Tensor:
         """Logits [B, V] for tokens [B] at position `pos` (same for the whole batch)."""
         kv_len = self.kv_len_for(pos)
+        if isinstance(self.cache, KVCache):  # room in the sliding layers' own buffers
+            self.cache.make_room_for_step([pos] * self.ids.shape[0])
         self.ids.copy_(token_ids.view(-1, 1))
         self.pos.fill_(pos)
         if kv_len not in self.graphs:

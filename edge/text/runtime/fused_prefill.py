@@ -77,7 +77,7 @@ def fused_prefill(
         assert attn.qkv_proj is not None and mlp.gate_up_proj is not None
         h = step_ops.add_rmsnorm(x, delta, layer.input_layernorm.weight, eps)
         qkv = attn.qkv_proj(h)
-        q, k, v = rope_write(qkv, model, row, cache.k[i], cache.v[i])
+        q, k, v = rope_write(qkv, model, row, *cache.layer(i))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0, enable_gqa=k.shape[1] != q.shape[1])
         o = attn.o_proj(out.transpose(1, 2).reshape(tokens, -1))
         h = step_ops.add_rmsnorm(x, o, layer.post_attention_layernorm.weight, eps)

@@ -145,7 +145,7 @@ def _attend(
         kernels = step_ops.kv_kernels(model.device)
         q = kernels.rope_write(qkv, model.rope_cos, model.rope_sin, pos, layer, n_heads)
         return kernels.attention(layer, q, pos, kv_len, q_scale=1.0)
-    k_cache, v_cache = cache.k[i, :bsz], cache.v[i, :bsz]
+    k_cache, v_cache = (t[:bsz] for t in cache.layer(i))
     q = rope_kv_write(qkv, model.rope_cos, model.rope_sin, pos, k_cache, v_cache, n_heads)
     return decode_attention(q, k_cache, v_cache, pos, kv_len, sms)
 

@@ -57,10 +57,44 @@ typedef struct {
 } step_model;
 
 typedef struct {
-    float *k, *v;                              /* [layers, rows, kv_heads, slots, head_dim] */
+    float *k, *v;                              /* the layers that hold every position:
+                                                  [layers, rows, kv_heads, slots, head_dim] */
     int64_t layer_stride, row_stride, slots;   /* in floats; slots per row */
     int64_t rows;
+    float *local_k, *local_v;                  /* the sliding layers' own buffers (float_cache.py):
+                                                  [layers, rows, kv_heads, local_slots, head_dim],
+                                                  or NULL */
+    int64_t local_layer_stride, local_row_stride, local_slots;
+    const int64_t *offsets;                    /* [rows]: the position a row's slot 0 holds there */
+    const int64_t *index;                      /* [layers]: a layer's index in k/v, or -1 - its
+                                                  index in local_k/local_v */
 } step_cache;
+
+/* Where layer i keeps its keys and values, and token b's slot there: its position, or in a
+ * sliding layer's own buffer the position less the row's offset (the buffer's last slot
+ * for a row not advanced, which sits at the cache's last position). */
+typedef struct {
+    float *k, *v;
+    int64_t row_stride, slots;
+    int local;
+} layer_cache;
+
+static layer_cache cache_of(const step_cache *C, int64_t i) {
+    const int64_t ix = C->index[i];
+    if (ix >= 0) {
+        const layer_cache at = {C->k + ix * C->layer_stride, C->v + ix * C->layer_stride, C->row_stride, C->slots, 0};
+        return at;
+    }
+    const int64_t j = -1 - ix;
+    const layer_cache at = {C->local_k + j * C->local_layer_stride, C->local_v + j * C->local_layer_stride,
+                            C->local_row_stride, C->local_slots, 1};
+    return at;
+}
+
+static int64_t slot_of(const step_cache *C, const layer_cache *at, int64_t row, int64_t pos) {
+    if (!at->local) return pos;
+    return pos == C->slots - 1 ? at->slots - 1 : pos - C->offsets[row];
+}
 
 /* out = x / rms(x) * w (out may be x): the mean of squares in a fixed pairwise order. */
 static void rmsnorm(const float *x, const float *w, int64_t n, float eps, float *out) {
@@ -143,8 +177,8 @@ static int product(const int4_matrix *W, const float *x, int64_t m, float *y, in
 
 /* x [B, hidden]: the residual stream in (the tokens' embeddings), the last layer's out.
  * Row b of the batch is a token at position pos[b] of cache row rows[b], attending to
- * positions 0..min(pos[b], kv_len - 1) (in a sliding layer the last `window` of them) as
- * the per-op step does (a row the batch does not
+ * positions 0..min(pos[b], kv_len - 1) (in a sliding layer the last `window` of them, from
+ * its own buffer where the cache gives it one) as the per-op step does (a row the batch does not
  * advance sits at the cache's last slot: its answer is not read, and it costs no more
  * than a real row's). Several batch rows may share a cache row at consecutive
  * positions (a sequence's token and its drafts, verified at once): each layer writes
@@ -162,6 +196,10 @@ int edge_cpu_decode_layers(const step_model *M, const step_layer *layers, const 
         if (pos[b] < 0 || pos[b] >= C->slots || pos[b] >= M->positions) return -3;
         if (rows[b] < 0 || rows[b] >= C->rows) return -3;
         if (pos[b] > longest) longest = pos[b];
+        if (C->local_k) {
+            const int64_t rel = pos[b] == C->slots - 1 ? C->local_slots - 1 : pos[b] - C->offsets[rows[b]];
+            if (rel < 0 || rel >= C->local_slots) return -3;
+        }
     }
     if (longest >= kv_len) longest = kv_len - 1;
     const int64_t qkv_n = (nh + 2 * nkv) * d, wide = 2 * M->intermediate;
@@ -177,7 +215,8 @@ int edge_cpu_decode_layers(const step_model *M, const step_layer *layers, const 
         const step_layer *L = layers + i;
         for (int64_t b = 0; b < B; b++) rmsnorm(x + b * H, L->input_norm, H, M->eps, h + b * H);
         if ((rc = product(&L->qkv, h, B, big, threads)) != 0) break;
-        float *kl = C->k + i * C->layer_stride, *vl = C->v + i * C->layer_stride;
+        const layer_cache at = cache_of(C, i);
+        const int64_t at_len = kv_len < at.slots ? kv_len : at.slots;
         for (int64_t b = 0; b < B; b++) {
             float *row = big + b * qkv_n;
             const int64_t rot = M->rotary;
@@ -187,18 +226,19 @@ int edge_cpu_decode_layers(const step_model *M, const step_layer *layers, const 
             rmsnorm_rows(row + nh * d, L->k_norm, nkv, d, M->eps);
             for (int64_t j = 0; j < nh + nkv; j++) rope(row + j * d, cs, sn, rot);
             for (int64_t j = 0; j < nkv; j++) {
-                const int64_t at = rows[b] * C->row_stride + (j * C->slots + pos[b]) * d;
-                memcpy(kl + at, row + (nh + j) * d, sizeof(float) * (size_t)d);
-                memcpy(vl + at, row + (nh + nkv + j) * d, sizeof(float) * (size_t)d);
+                const int64_t to = rows[b] * at.row_stride + (j * at.slots + slot_of(C, &at, rows[b], pos[b])) * d;
+                memcpy(at.k + to, row + (nh + j) * d, sizeof(float) * (size_t)d);
+                memcpy(at.v + to, row + (nh + nkv + j) * d, sizeof(float) * (size_t)d);
             }
         }
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t w = 0; w < B * nkv; w++) {
             const int64_t b = w / nkv, j = w % nkv;
-            const int64_t head = rows[b] * C->row_stride + j * C->slots * d;
-            const int64_t last = pos[b] < kv_len ? pos[b] : kv_len - 1;
+            const int64_t head = rows[b] * at.row_stride + j * at.slots * d;
+            const int64_t slot = slot_of(C, &at, rows[b], pos[b]);
+            const int64_t last = slot < at_len ? slot : at_len - 1;
             const int64_t first = L->window > 0 && last >= L->window ? last + 1 - L->window : 0;
-            attend(M, big + b * qkv_n + j * group * d, kl + head, vl + head, first, last, group,
+            attend(M, big + b * qkv_n + j * group * d, at.k + head, at.v + head, first, last, group,
                    attn + (b * nh + j * group) * d, scores + w * (longest + 1));
         }
         if ((rc = product(&L->o, attn, B, proj, threads)) != 0) break;

@@ -59,7 +59,36 @@ class StepModel(ctypes.Structure):
 
 
 class StepCache(ctypes.Structure):
-    _fields_ = [("k", _P), ("v", _P), ("layer_stride", _I), ("row_stride", _I), ("slots", _I), ("rows", _I)]
+    _fields_ = [
+        ("k", _P),
+        ("v", _P),
+        ("layer_stride", _I),
+        ("row_stride", _I),
+        ("slots", _I),
+        ("rows", _I),
+        ("local_k", _P),  # 0: no layer has a buffer of its own
+        ("local_v", _P),
+        ("local_layer_stride", _I),
+        ("local_row_stride", _I),
+        ("local_slots", _I),
+        ("offsets", _P),
+        ("index", _P),
+    ]
+
+
+@dataclass
+class CacheParts:
+    """A float32 cache as the step reads it (edge/text/kv/float_cache.KVCache): k, v
+    [layers, rows, KV heads, slots, head dim] for the layers that hold every position;
+    the sliding layers' own buffers (or None) with each row's offset there; each layer's
+    index in its tensor (a sliding buffer's i as -1 - i)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    local_k: torch.Tensor | None
+    local_v: torch.Tensor | None
+    offsets: torch.Tensor
+    index: torch.Tensor
 
 
 _KERNEL = cpu_int4.CKernel(
@@ -107,27 +136,44 @@ class Plan:
     keep: list[torch.Tensor]
 
 
+def _heads(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.stride()[2:] == (t.shape[3] * t.shape[4], t.shape[4], 1)
+
+
 def decode_layers(
-    plan: Plan, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, kv_len: int
+    plan: Plan, x: torch.Tensor, parts: CacheParts, rows: torch.Tensor, pos: torch.Tensor, kv_len: int
 ) -> torch.Tensor:
     """Every layer for one token per sequence: x [B, H] float32 (the embeddings) is
-    replaced by the last layer's residual stream and returned. k, v: the float32 cache
-    [layers, rows, KV heads, slots, head dim] (rows may be a view of a larger cache's
-    first rows); batch row b is a token at position pos[b] of cache row rows[b],
+    replaced by the last layer's residual stream and returned. parts: the float32 cache
+    (its rows may be a view of a larger cache's first rows); batch row b is a token at
+    position pos[b] of cache row rows[b],
     attending to its positions below kv_len (a row the batch does not advance may sit
     past it). Batch rows may share a cache row at consecutive positions: a sequence's
     token and its drafts, each attending causally."""
     fn = _KERNEL.function()
-    if x.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32:
+    k, v, lk, lv = parts.k, parts.v, parts.local_k, parts.local_v
+    if x.dtype != torch.float32:
         raise ValueError("the CPU decode step runs float32 activations over a float32 cache")
-    if k.stride() != v.stride() or k.stride()[2:] != (k.shape[3] * k.shape[4], k.shape[4], 1):
-        raise ValueError("the CPU decode step reads a cache of whole contiguous heads")
+    for a, b in ((k, v), (lk, lv)):
+        if a is not None and (b is None or a.stride() != b.stride() or not _heads(a) or not _heads(b)):
+            raise ValueError("the CPU decode step reads a float32 cache of whole contiguous heads")
+    if parts.index.dtype != torch.int64 or parts.index.shape != (plan.model.layers,):
+        raise ValueError(f"the cache's layer index names {parts.index.shape} layers of {plan.model.layers}")
+    offsets = parts.offsets
     x = x.contiguous()
     bsz = x.shape[0]
     positions, cache_rows = pos.to(torch.int64).contiguous(), rows.to(torch.int64).contiguous()
     if positions.shape != (bsz,) or cache_rows.shape != (bsz,):
         raise ValueError(f"{bsz} tokens need {bsz} positions and cache rows")
-    cache = StepCache(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.shape[3], k.shape[1])
+    local = (0, 0, 0, 0, 0)
+    if lk is not None and lv is not None:
+        local = (lk.data_ptr(), lv.data_ptr(), lk.stride(0), lk.stride(1), lk.shape[3])
+        if offsets.dtype != torch.int64 or not offsets.is_contiguous() or offsets.shape != (k.shape[1],):
+            raise ValueError("the sliding buffers' offsets: one int64 a cache row")
+    cache = StepCache(
+        k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.shape[3], k.shape[1], *local,
+        offsets.data_ptr(), parts.index.data_ptr(),
+    )  # fmt: skip
     rc = fn(
         ctypes.byref(plan.model), plan.layers, ctypes.byref(cache), x.data_ptr(), bsz,
         cache_rows.data_ptr(), positions.data_ptr(), kv_len, torch.get_num_threads(),
