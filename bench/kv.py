@@ -196,17 +196,17 @@ def codecs(kv: list[bytes], width: int) -> list[dict[str, Any]]:
 def real_kv(model: LlamaModel, ids: list[int]) -> list[bytes]:
     """The float16 keys and values of `ids` read in one window: one buffer per layer and
     kind ([heads, tokens, head size], as the cache lays them out)."""
-    cache = model.new_cache(1, len(ids))
+    cache = model.new_cache(1, len(ids), window_sized=False)  # every position of every layer
     assert isinstance(cache, KVCache)
     for c in range(0, len(ids), 512):
         with torch.inference_mode():
             model(torch.tensor([ids[c : c + 512]]), cache, c)
     out = []
-    for layer in range(cache.k.shape[0]):
-        for t in (cache.k, cache.v):
+    for layer in range(model.config.num_layers):
+        for t in cache.layer(layer):
             # Token-major ([tokens, heads * head size]): a token's values together, as an
             # offloaded row is written, and what delta coding along tokens needs.
-            out.append(t[layer, 0].transpose(0, 1).contiguous().to(torch.float16).numpy().tobytes())
+            out.append(t[0].transpose(0, 1).contiguous().to(torch.float16).numpy().tobytes())
     return out
 
 

@@ -915,6 +915,7 @@ def _python_share(path: Path, prompt_ids: list[int], threads: int, steps: int = 
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 t0 = time.perf_counter()
                 for i in range(steps):
+                    cache.make_room_for_step([n + i])  # a sliding model's buffers, as the batcher does
                     fused_step.decode_step(model, token, cache, torch.tensor([n + i]), n + i + 1)
                 wall = time.perf_counter() - t0
         finally:

@@ -135,7 +135,7 @@ class KVCache:
             offset = int(self.offsets[row])
             saved["local_k"] = self.local_k[:, row, :, : length - offset].clone()
             saved["local_v"] = self.local_v[:, row, :, : length - offset].clone()
-            saved["offset"] = torch.tensor([offset])
+            saved["offset"] = torch.tensor([offset], device=self.local_k.device)  # where the row's parts are
         return saved
 
     def load_row(self, row: int, length: int, saved: dict[str, torch.Tensor]) -> None:

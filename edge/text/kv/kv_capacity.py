@@ -25,9 +25,13 @@ def cache_bytes(config: LlamaConfig, fmt: KVFormat, rows: int, row_tokens: int, 
 def longest_rows(config: LlamaConfig, fmt: KVFormat, rows: int, pool_bytes: int, dtype: torch.dtype) -> int:
     """The longest rows (tokens each) of which `rows` fit in `pool_bytes` in `fmt`; 0 if
     not even one token does."""
+    # Bytes never fall as rows grow (a sliding layer's buffer stops growing at its window
+    # and room); rows end at the model's longest context.
     low, high = 0, 1
     while cache_bytes(config, fmt, rows, high, dtype) <= pool_bytes:
-        low, high = high, high * 2
+        if high >= config.max_position:
+            return config.max_position
+        low, high = high, min(high * 2, config.max_position)
     while high - low > 1:  # low fits, high does not
         mid = (low + high) // 2
         if cache_bytes(config, fmt, rows, mid, dtype) <= pool_bytes:

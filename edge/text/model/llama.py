@@ -492,12 +492,19 @@ class LlamaModel(nn.Module):
         if start + seq > cache.max_len:
             raise ValueError(f"sequence of {start + seq} tokens exceeds the cache ({cache.max_len})")
         if isinstance(cache, KVCache) and cache.local_slots and seq > cache.room:
-            # The sliding layers' buffers take a chunk this long at most (float_cache.py).
-            pieces = [
-                self.forward(ids[:, at : at + cache.room], cache, start + at, last_only)
-                for at in range(0, seq, cache.room)
-            ]
-            return pieces[-1] if last_only else torch.cat(pieces, dim=1)
+            # The sliding layers' buffers take a chunk this long at most (float_cache.py);
+            # the output head runs once, on what is asked for.
+            pieces = [self._layers(ids[:, at : at + cache.room], cache, start + at) for at in range(0, seq, cache.room)]
+            x = pieces[-1] if last_only else torch.cat(pieces, dim=1)
+        else:
+            x = self._layers(ids, cache, start)
+        if last_only:
+            x = x[:, -1:, :]
+        return self._head(x).float()
+
+    def _layers(self, ids: torch.Tensor, cache: KVCache | QuantKVCache, start: int) -> torch.Tensor:
+        """The residual stream after every layer for `ids` [B, T] at positions start.. ."""
+        seq = ids.shape[1]
         local_start = start
         if isinstance(cache, KVCache) and cache.local_slots:
             for row in range(ids.shape[0]):
@@ -516,9 +523,7 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             local = isinstance(cache, KVCache) and cache.is_local[i]
             x = layer(x, *tables[i], *_layer_kv(cache, i), local_start if local else start)
-        if last_only:
-            x = x[:, -1:, :]
-        return self._head(x).float()
+        return x
 
     def forward_train(self, ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] for whole sequences, with autograd and no KV cache."""

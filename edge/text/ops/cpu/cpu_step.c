@@ -196,9 +196,11 @@ int edge_cpu_decode_layers(const step_model *M, const step_layer *layers, const 
         if (pos[b] < 0 || pos[b] >= C->slots || pos[b] >= M->positions) return -3;
         if (rows[b] < 0 || rows[b] >= C->rows) return -3;
         if (pos[b] > longest) longest = pos[b];
-        if (C->local_k) {
-            const int64_t rel = pos[b] == C->slots - 1 ? C->local_slots - 1 : pos[b] - C->offsets[rows[b]];
-            if (rel < 0 || rel >= C->local_slots) return -3;
+        /* In a sliding buffer a token's slot is below the last (the scratch), unless its
+         * row is not advanced (at the cache's last position). */
+        if (C->local_k && pos[b] != C->slots - 1) {
+            const int64_t rel = pos[b] - C->offsets[rows[b]];
+            if (rel < 0 || rel >= C->local_slots - 1) return -3;
         }
     }
     if (longest >= kv_len) longest = kv_len - 1;
