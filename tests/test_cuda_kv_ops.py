@@ -68,6 +68,8 @@ def test_without_triton_our_kernels_serve_the_quantized_formats_and_say_what_the
     assert "17 query heads" in str(step_ops.kv_refusal("cuda:0", fmt, 64, 17, torch.float16))
     small_blocks = KVFormat("int8", key_block=32)
     assert "key blocks of 32" in str(step_ops.kv_refusal("cuda:0", small_blocks, 64, 3, torch.float16))
+    # A model with sliding layers: not on these kernels until their window passes its GPU tests.
+    assert "a sliding window" in str(step_ops.kv_refusal("cuda:0", fmt, 64, 3, torch.float16, sliding=True))
 
     monkeypatch.setattr(kv_ops, "available", lambda device="cuda": False)
     assert not step_ops.quantized_kv("cuda:0")
@@ -75,6 +77,12 @@ def test_without_triton_our_kernels_serve_the_quantized_formats_and_say_what_the
     with pytest.raises(RuntimeError, match="kv_dtype int8 on CUDA needs Triton or our CUDA kernels"):
         kv_format(QAModelConfig(device="cuda", kv_dtype="int8"))
     assert "no quantized-KV kernels here" in str(step_ops.kv_refusal("cuda:0", fmt, 64, 3, torch.float16))
+
+    # Triton's kernels: heads and value groups of a power of two (Qwen3's test model's 24 is not).
+    monkeypatch.setattr(step_ops, "triton_present", lambda: True)
+    monkeypatch.setattr(step_ops, "_chosen", {})
+    assert step_ops.kv_refusal("cuda:0", fmt, 64, 3, torch.float16, sliding=True) is None
+    assert "head_dim 24" in str(step_ops.kv_refusal("cuda:0", fmt, 24, 2, torch.float16))
 
 
 def test_the_tensor_core_attention_serves_the_shipped_formats_and_says_what_it_leaves_to_the_scalar_one() -> None:

@@ -101,7 +101,7 @@ struct MmaState {
 // stepped, and the values vw (keys 2c, 2c + 1, 2c + 8, 2c + 9; CPR channels each as
 // packed words, zeros where a key is past the sequence: what the cache holds there may be
 // anything, and NaN times a zero weight is NaN) added to o through the warp's shared P
-// rows pw. At least the warp's first key is live, so the max stays finite.
+// rows pw. A warp may have every key masked (a sliding layer's window starts past them).
 template <typename C, int HD>
 __device__ __forceinline__ void mma_tile_values(float (&s)[4], bool in0, bool in1, const uint4 (&vw)[4][HD / 64],
                                                 C (*pw)[MMA_WPOS + 8], MmaState<HD / 16>& st, int r, int c) {
@@ -115,10 +115,13 @@ __device__ __forceinline__ void mma_tile_values(float (&s)[4], bool in0, bool in
     x1 = fmaxf(x1, __shfl_xor_sync(0xffffffffu, x1, off));
   }
   const float n0 = fmaxf(st.m0, x0), n1 = fmaxf(st.m1, x1);
-  const float al0 = __expf(st.m0 - n0), al1 = __expf(st.m1 - n1);
+  // Every key so far masked (a sliding layer's warp wholly before the window): nothing to
+  // rescale and nothing to add, without the NaN of -inf less -inf.
+  const float z0 = n0 == -INFINITY ? 0.0f : n0, z1 = n1 == -INFINITY ? 0.0f : n1;
+  const float al0 = __expf(st.m0 - z0), al1 = __expf(st.m1 - z1);
   st.m0 = n0;
   st.m1 = n1;
-  const float p00 = __expf(s[0] - n0), p01 = __expf(s[1] - n1), p10 = __expf(s[2] - n0), p11 = __expf(s[3] - n1);
+  const float p00 = __expf(s[0] - z0), p01 = __expf(s[1] - z1), p10 = __expf(s[2] - z0), p11 = __expf(s[3] - z1);
   st.l0 = st.l0 * al0 + p00 + p10;
   st.l1 = st.l1 * al1 + p01 + p11;
 #pragma unroll
