@@ -112,11 +112,16 @@ def _llama3_rope_factors(config: Any) -> np.ndarray:
 
 
 def write_gguf(
-    model: Any, tokenizer: Any, path: Path, family: str, q4_0: bool = False, keep_float: tuple[str, ...] = ()
+    model: Any,
+    tokenizer: Any,
+    path: Path,
+    family: str,
+    quant: str | None = None,
+    keep_float: tuple[str, ...] = (),
 ) -> Path:
     """The model as llama.cpp's convert_hf_to_gguf.py writes one (float32 tensors), or with
-    `q4_0` its block linears quantized to Q4_0 as llama-quantize does, but those named in
-    `keep_float`."""
+    `quant` ("Q4_0", "Q4_1", or "mixed": Q4_1 in even blocks, Q4_0 in odd ones) its block
+    linears quantized as llama-quantize does, but those named in `keep_float`."""
     import json
 
     import gguf
@@ -180,9 +185,11 @@ def write_gguf(
         elif family == "llama" and part == "self_attn.k_proj":
             data = _llama_cpp_permute(data, cfg.num_key_value_heads)
         tensor_name = f"blk.{layer}.{parts[part]}.{kind}"
-        if q4_0 and kind == "weight" and data.ndim == 2 and tensor_name not in keep_float:
-            q = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q4_0)
-            writer.add_tensor(tensor_name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+        if quant and kind == "weight" and data.ndim == 2 and tensor_name not in keep_float:
+            kind_here = ("Q4_1" if int(layer) % 2 == 0 else "Q4_0") if quant == "mixed" else quant
+            qtype = gguf.GGMLQuantizationType[kind_here]
+            q = gguf.quants.quantize(data, qtype)
+            writer.add_tensor(tensor_name, q, raw_shape=q.shape, raw_dtype=qtype)
             continue
         writer.add_tensor(tensor_name, data)
     writer.write_header_to_file()
@@ -337,14 +344,16 @@ def test_a_build_quantizes_at_the_group_its_model_size_gets(
     assert text_build.serving_group(LLAMA3_8B.parameter_count()) == 128
 
 
-def test_a_q4_0_file_is_served_as_stored(
-    family: dict[str, Any], tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("quant", ["Q4_0", "Q4_1", "mixed"])
+def test_a_q4_file_is_served_as_stored(
+    family: dict[str, Any], quant: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A GGUF whose block linears are all Q4_0, built with no adapter at the default INT4
-    quantization, serves the file's weights bit for bit: each linear of the build equals
-    gguf's own dequantization of its tensor (q and k in rotate-half order), with no AWQ;
-    and it answers as the float import of the same file does with the same output
-    projection. With one linear left in float the file is rounded again by AWQ, and the
+    """A GGUF whose block linears are all Q4_0, all Q4_1 (a float minimum a block) or
+    both, built with no adapter at the default INT4 quantization, serves the file's
+    weights bit for bit: each linear of the build equals gguf's own dequantization of its
+    tensor (q and k in rotate-half order), with no AWQ; and it answers as the float import
+    of the same file does with the same output projection, op by op and in the CPU's C
+    decode step. With one linear left in float the file is rounded again by AWQ, and the
     build says why."""
     import json
     import logging
@@ -357,8 +366,8 @@ def test_a_q4_0_file_is_served_as_stored(
     from engines.text.text_build import build_text_engine
 
     name, hf, tokenizer = family["name"], family["hf"], family["tokenizer"]
-    source = write_gguf(hf, tokenizer, tmp_path / f"tiny-{name}-q4_0.gguf", name, q4_0=True)
-    # What the build reads: each Q4_0 linear once, as stored, and never in float too.
+    source = write_gguf(hf, tokenizer, tmp_path / f"tiny-{name}-{quant}.gguf", name, quant=quant)
+    # What the build reads: each stored linear once, as stored, and never in float too.
     float_reads: list[str] = []
     kept_reads: list[str] = []
     read_float, read_kept = GgufSource.read, gguf_int4.KeptWeights.__getitem__
@@ -380,7 +389,7 @@ def test_a_q4_0_file_is_served_as_stored(
     assert sorted(kept_reads) == sorted(set(kept_reads)) and len(kept_reads) == 7 * hf.config.num_hidden_layers
     assert not {f"{n}.weight" for n in kept_reads} & set(float_reads), "a kept linear read in float too"
     manifest = json.loads((built / "manifest.json").read_text())
-    assert manifest["recipe"]["method"] == "gguf-q4_0"
+    assert manifest["recipe"]["method"] == {"Q4_0": "gguf-q4_0", "Q4_1": "gguf-q4_1", "mixed": "gguf-q4_0+q4_1"}[quant]
     float_dir = import_gguf(source, tmp_path / "engines", source.stem, progress=False)  # the build's own import
     floats = load_file(str(float_dir / "model.safetensors"))
     packed = load_file(str(built / "model.safetensors"))
@@ -388,7 +397,10 @@ def test_a_q4_0_file_is_served_as_stored(
     blocks = [n for n in linears if n.startswith("layers.")]
     assert len(blocks) == 7 * hf.config.num_hidden_layers
     for layer in blocks:
-        weight = QuantizedWeight(packed[f"{layer}.qweight"], packed[f"{layer}.scales"], packed[f"{layer}.zeros"], 32)
+        minimums = packed.get(f"{layer}.minimums")
+        assert (minimums is not None) == (quant == "Q4_1" or (quant == "mixed" and int(layer.split(".")[1]) % 2 == 0))
+        parts = (packed[f"{layer}.qweight"], packed[f"{layer}.scales"], packed[f"{layer}.zeros"])
+        weight = QuantizedWeight(*parts, 32, minimums)
         assert torch.equal(dequantize(weight), floats[f"{layer}.weight"]), layer
     ids = torch.tensor([tokenizer.encode(" ".join(CORPUS[:3]))[:40]])
     int4 = load_checkpoint(built, dtype=torch.float32)
@@ -404,13 +416,76 @@ def test_a_q4_0_file_is_served_as_stored(
     assert int4.int4_kernel == "cpu-f32"
     assert (got - want).abs().max().item() <= 3e-3 * want.abs().max().item()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.95
-
     caplog.clear()
-    mixed = write_gguf(hf, tokenizer, tmp_path / "mixed.gguf", name, q4_0=True, keep_float=("blk.1.attn_v.weight",))
-    with caplog.at_level(logging.INFO, logger="engines.text.gguf_int4"):
-        rounded = build_text_engine(tmp_path / "engines", "none", "awq-int4", progress=False, source=str(mixed))
-    assert "blk.1.attn_v.weight is F32, not Q4_0" in caplog.text
-    assert json.loads((rounded / "manifest.json").read_text())["recipe"]["method"] == "awq"
+    if quant == "Q4_0":  # (the fallback is the same for every kind)
+        mixed = write_gguf(
+            hf, tokenizer, tmp_path / "mixed.gguf", name, quant=quant, keep_float=("blk.1.attn_v.weight",)
+        )
+        with caplog.at_level(logging.INFO, logger="engines.text.gguf_int4"):
+            rounded = build_text_engine(tmp_path / "engines", "none", "awq-int4", progress=False, source=str(mixed))
+        assert "blk.1.attn_v.weight is F32, not Q4_0 or Q4_1" in caplog.text
+        assert json.loads((rounded / "manifest.json").read_text())["recipe"]["method"] == "awq"
+    # Decoded in the CPU's C step (the minimums added after each product there too) as op by op.
+    from edge.text.runtime import cpu_step, fused_step
+
+    if name == "qwen2":  # (its biased q/k/v are served op by op)
+        assert "bias" in str(cpu_step.refusal(int4.model))
+        return
+    assert cpu_step.refusal(int4.model) is None
+    steps = {}
+    for fused in (False, True):
+        cache = int4.model.new_cache(1, 64)
+        int4.model(ids[:, :20], cache, 0)
+        int4.model.fused_decode = None if fused else False
+        steps[fused] = torch.cat(
+            [
+                fused_step.decode_step(int4.model, ids[:, t : t + 1], cache, torch.tensor([t]), t + 1)
+                for t in range(20, ids.shape[1])
+            ]
+        )
+        assert int4.model.fused_decode is fused
+    error = ((steps[True] - steps[False]).abs().amax(-1) / steps[False].abs().amax(-1)).max().item()
+    assert error < 2e-5, error
+
+
+def test_the_real_smollm2_q4_1_file_is_served_as_stored(tmp_path: Path) -> None:
+    """SmolLM2's own GGUF (every block linear Q4_1, as the package ships it) built with no
+    adapter keeps the file's weights: each of its 210 linears equals gguf's dequantization
+    of the tensor bit for bit, the same weights llama.cpp serves from the file; and the
+    CPU's C decode step gives its per-op logits."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from edge.text.ops.int4 import QuantizedWeight, dequantize
+    from edge.text.runtime import cpu_step, fused_step
+    from engines.text.text_build import build_text_engine
+
+    path = smollm2_gguf_path()
+    built = build_text_engine(tmp_path / "engines", "none", "awq-int4", progress=False, source=str(path))
+    assert json.loads((built / "manifest.json").read_text())["recipe"]["method"] == "gguf-q4_1"
+    floats = load_file(str(import_gguf(path, tmp_path / "engines", path.stem, progress=False) / "model.safetensors"))
+    packed = load_file(str(built / "model.safetensors"))
+    blocks = [n for n in json.loads((built / "quant.json").read_text())["linears"] if n.startswith("layers.")]
+    assert len(blocks) == 7 * 30
+    for layer in blocks:
+        parts = (packed[f"{layer}.qweight"], packed[f"{layer}.scales"], packed[f"{layer}.zeros"])
+        weight = QuantizedWeight(*parts, 32, packed[f"{layer}.minimums"])
+        assert torch.equal(dequantize(weight), floats[f"{layer}.weight"]), layer
+    model = load_checkpoint(built, dtype=torch.float32, cpu_kernel="exact").model
+    assert cpu_step.refusal(model) is None
+    ids = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(3))
+    steps = {}
+    for fused in (False, True):
+        cache = model.new_cache(1, 32)
+        model(ids[:, :16], cache, 0)
+        model.fused_decode = None if fused else False
+        steps[fused] = torch.cat(
+            [fused_step.decode_step(model, ids[:, t : t + 1], cache, torch.tensor([t]), t + 1) for t in range(16, 24)]
+        )
+    model.fused_decode = None
+    error = ((steps[True] - steps[False]).abs().amax(-1) / steps[False].abs().amax(-1)).max().item()
+    assert error < 2e-5, error
 
 
 # --- a SentencePiece vocabulary (tokenizer.ggml.model "llama") ---------------------

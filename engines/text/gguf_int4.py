@@ -1,20 +1,23 @@
-"""A GGUF file's Q4_0 weights served as they are, with no second rounding.
+"""A GGUF file's Q4_0 and Q4_1 weights served as they are, with no second rounding.
 
 Q4_0 is llama.cpp's block of 32 weights: one float16 scale d and 32 four-bit codes q,
 each weight (q - 8) * d. That is our INT4 layout at group 32 with every zero point 8
 (edge/text/ops/int4.py: (code - zero) * scale, float16 scales), so a Q4_0 linear is
 repacked code for code: the served weights are the file's, bit for bit, the ones
-llama.cpp serves from it. Only the order differs: a block keeps weights 0..15 in the
-low nibbles of its 16 bytes and 16..31 in the high ones, where ours pairs neighbours
-(even k low, odd k high); and a Llama file's q and k rows are in llama.cpp's rotary
-order, undone here by the row permutation the float import applies.
+llama.cpp serves from it. Q4_1 adds a float16 minimum m per block, each weight q * d + m:
+our layout with zero points 0 and the minimums kept beside it (QuantizedWeight.minimums,
+added after the product by our kernels, in the offsets of torch's). Only the order
+differs: a block keeps weights 0..15 in the low nibbles of its 16 bytes and 16..31 in
+the high ones, where ours pairs neighbours (even k low, odd k high); and a Llama file's
+q and k rows are in llama.cpp's rotary order, undone here by the row permutation the
+float import applies.
 
-A file is kept only when every linear of its blocks is Q4_0 and no adapter is merged
-(merging changes the weights, which must then be rounded again). The output projection
-and other tensors are what the float import makes of them; a kept build rounds the
-output projection to INT4 as every build does, unless the file's own is Q4_0 (kept too).
-Q4_1 (a float minimum per block) and Q8_0 have no layout of ours yet: such files are
-dequantized and quantized again by the build's recipe, and the build says why.
+A file is kept only when every linear of its blocks is Q4_0 or Q4_1 and no adapter is
+merged (merging changes the weights, which must then be rounded again). The output
+projection and other tensors are what the float import makes of them; a kept build
+rounds the output projection to INT4 as every build does, unless the file's own is Q4_0
+(kept too). Q8_0 has no layout of ours yet: such files are dequantized and quantized
+again by the build's recipe, and the build says why.
 """
 
 from __future__ import annotations
@@ -37,49 +40,59 @@ from engines.text.quantize import QuantRecipe, linear_names
 
 logger = logging.getLogger(__name__)
 
-GROUP = 32  # weights per Q4_0 block
-BLOCK_BYTES = 18  # a float16 scale, then 16 bytes of codes
+GROUP = 32  # weights per Q4_0 or Q4_1 block
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}  # a float16 scale (Q4_1: and minimum), then 16 bytes of codes
 ZERO = 8
 LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-KEPT_VERSION = 1
+KEPT_VERSION = 2
 
 
-def q4_0_weight(raw: np.ndarray, rows: int, columns: int) -> QuantizedWeight:
-    """A Q4_0 tensor's bytes ([rows, columns / 32 * 18]) in our INT4 layout at group 32."""
+def q4_weight(raw: np.ndarray, rows: int, columns: int, kind: str = "Q4_0") -> QuantizedWeight:
+    """A Q4_0 or Q4_1 tensor's bytes ([rows, columns / 32 * 18 or 20]) in our INT4 layout
+    at group 32 (Q4_1: zero points 0 and its block minimums)."""
     if columns % GROUP:
-        raise SourceModelError(f"a Q4_0 row of {columns} weights is not whole blocks of {GROUP}")
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, columns // GROUP, BLOCK_BYTES)
-    scales = blocks[..., :2].copy().view(np.float16)[..., 0]  # [rows, blocks], little-endian as x86 and arm64
-    packed = blocks[..., 2:]
+        raise SourceModelError(f"a {kind} row of {columns} weights is not whole blocks of {GROUP}")
+    head = BLOCK_BYTES[kind] - 16
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, columns // GROUP, BLOCK_BYTES[kind])
+    halves = blocks[..., :head].copy().view(np.float16)  # [rows, blocks, 1 or 2], little-endian as x86 and arm64
+    packed = blocks[..., head:]
     codes = np.concatenate([packed & 15, packed >> 4], axis=-1).reshape(rows, columns)  # block order
     ours = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    minimums = torch.from_numpy(np.ascontiguousarray(halves[..., 1])) if kind == "Q4_1" else None
     return QuantizedWeight(
         qweight=torch.from_numpy(ours),
-        scales=torch.from_numpy(np.ascontiguousarray(scales)),
-        zeros=torch.full((rows, columns // GROUP), ZERO, dtype=torch.uint8),
+        scales=torch.from_numpy(np.ascontiguousarray(halves[..., 0])),
+        zeros=torch.full((rows, columns // GROUP), 0 if kind == "Q4_1" else ZERO, dtype=torch.uint8),
         group_size=GROUP,
+        minimums=minimums,
     )
 
 
 def _rows(weight: QuantizedWeight, order: np.ndarray) -> QuantizedWeight:
     index = torch.from_numpy(order)
+    minimums = None if weight.minimums is None else weight.minimums[index].contiguous()
     return QuantizedWeight(
-        weight.qweight[index].contiguous(), weight.scales[index].contiguous(), weight.zeros[index].contiguous(), GROUP
+        weight.qweight[index].contiguous(),
+        weight.scales[index].contiguous(),
+        weight.zeros[index].contiguous(),
+        GROUP,
+        minimums,
     )
 
 
 @dataclass(frozen=True)
 class _Stored:
     offset: int
-    byte_shape: tuple[int, ...]  # [rows, columns / 32 * 18]
+    byte_shape: tuple[int, ...]  # [rows, columns / 32 * bytes a block]
     rows: int
     columns: int
     heads: int  # a Llama file's q or k: its rows unpermuted for this many heads; else 0
+    kind: str = "Q4_0"  # or "Q4_1"
 
 
 class KeptWeights(Mapping[str, QuantizedWeight]):
-    """A file's Q4_0 linears by our module names, each read from the file when asked for,
-    so that a build holds one layer's at a time (an 8B file's are 4.5 GB)."""
+    """A file's Q4_0 and Q4_1 linears by our module names, each read from the file when
+    asked for, so that a build holds one layer's at a time (an 8B file's are 4.5 GB)."""
 
     def __init__(self, path: Path, stored: dict[str, _Stored]) -> None:
         self.path = path
@@ -90,7 +103,7 @@ class KeptWeights(Mapping[str, QuantizedWeight]):
         with self.path.open("rb") as fh:
             fh.seek(s.offset)
             raw = np.fromfile(fh, dtype=np.uint8, count=int(np.prod(s.byte_shape))).reshape(s.byte_shape)
-        weight = q4_0_weight(raw, s.rows, s.columns)
+        weight = q4_weight(raw, s.rows, s.columns, s.kind)
         if s.heads:
             weight = _rows(weight, _unpermute_qk(np.arange(s.rows)[:, None], s.heads)[:, 0])
         return weight
@@ -99,6 +112,10 @@ class KeptWeights(Mapping[str, QuantizedWeight]):
         """A weight's shape and group size, from the file's tensor list (not read)."""
         s = self._stored[name]
         return (s.rows, s.columns), GROUP
+
+    def has_minimums(self, name: str) -> bool:
+        """Whether a weight carries block minimums (Q4_1), from the file's tensor list."""
+        return self._stored[name].kind == "Q4_1"
 
     def __contains__(self, name: object) -> bool:
         return name in self._stored  # without reading it
@@ -112,25 +129,29 @@ class KeptWeights(Mapping[str, QuantizedWeight]):
 
 def kept_linears(source: GgufSource) -> tuple[Mapping[str, QuantizedWeight], str | None]:
     """Every block linear of the file as it is stored, in our layout and module names,
-    when all of them are Q4_0 (and the output projection, when it is); else ({}, why not).
-    Only the file's tensor list is read here (the source's): each weight when asked for."""
+    when all of them are Q4_0 or Q4_1 (and the output projection, when it is Q4_0); else
+    ({}, why not). Only the file's tensor list is read here (the source's): each weight when
+    asked for."""
     import gguf  # build-time only dependency
 
     heads = {"attn_q": source.config.num_heads, "attn_k": source.config.num_kv_heads}
     kept: dict[str, _Stored] = {}
-    q4_0 = gguf.GGMLQuantizationType.Q4_0
+    kinds = {gguf.GGMLQuantizationType.Q4_0: "Q4_0", gguf.GGMLQuantizationType.Q4_1: "Q4_1"}
     for t in source.stored().values():
         match = _BLOCK.match(t.name)
         is_output = t.name == "output.weight"
         if not (is_output or (match and match.group(2) in LINEAR_PARTS and match.group(3) == "weight")):
             continue
-        if t.kind != q4_0:
+        kind = kinds.get(t.kind)
+        if kind is None or (is_output and kind != "Q4_0"):
             if is_output:
-                continue  # rounded to INT4 by the build like any output projection
-            return {}, f"{t.name} is {t.kind.name}, not Q4_0"
+                # Rounded to INT4 by the build like any output projection (a Q4_1 one too:
+                # the output layer's exact top reads codes without minimums).
+                continue
+            return {}, f"{t.name} is {t.kind.name}, not Q4_0 or Q4_1"
         rows, columns = t.dims[0], t.dims[1]
         if columns % GROUP:
-            raise SourceModelError(f"a Q4_0 row of {columns} weights is not whole blocks of {GROUP}")
+            raise SourceModelError(f"a {kind} row of {columns} weights is not whole blocks of {GROUP}")
         if is_output:
             kept["lm_head"] = _Stored(t.offset, t.shape, rows, columns, 0)
             continue
@@ -138,13 +159,13 @@ def kept_linears(source: GgufSource) -> tuple[Mapping[str, QuantizedWeight], str
         part = match.group(2)
         unpermute = heads[part] if source.permuted and part in heads else 0
         name = f"layers.{int(match.group(1))}.{_LAYER_NAMES[part]}"
-        kept[name] = _Stored(t.offset, t.shape, rows, columns, unpermute)
+        kept[name] = _Stored(t.offset, t.shape, rows, columns, unpermute, kind)
     if not kept:
-        return {}, "the file has no Q4_0 linears"
+        return {}, "the file has no Q4_0 or Q4_1 linears"
     return KeptWeights(source.path, kept), None
 
 
-def write_kept(source: GgufSource, out: Path, kept: Mapping[str, QuantizedWeight], progress: bool) -> dict[str, Any]:
+def write_kept(source: GgufSource, out: Path, kept: KeptWeights, progress: bool) -> dict[str, Any]:
     """An INT4 checkpoint (as a build writes one, a layer at a time: engines/text/layerwise.py)
     whose block linears are the file's Q4_0 weights; norms and the token table from the
     file's float tensors, the output projection the file's where it is Q4_0, else rounded
@@ -154,31 +175,40 @@ def write_kept(source: GgufSource, out: Path, kept: Mapping[str, QuantizedWeight
         names = set(linear_names(LlamaModel(source.config)))
     missing = sorted(names - set(kept))
     if missing:
-        raise SourceModelError(f"{gguf_path.name}: no Q4_0 weight for {', '.join(missing[:5])}")
+        raise SourceModelError(f"{gguf_path.name}: no Q4_0 or Q4_1 weight for {', '.join(missing[:5])}")
     # Every block linear stays out of the recipe (kept); only the output projection, when
     # the file's is not Q4_0, is rounded (to the nearest, at group 32, as a build does).
     recipe = QuantRecipe(method="rtn", group_size=GROUP, keep=tuple(sorted(names)), lm_head="lm_head" not in kept)
-    recorded = {"method": "gguf-q4_0", "group_size": GROUP, "kept_version": KEPT_VERSION}
+    recorded = {"method": stored_method(kept), "group_size": GROUP, "kept_version": KEPT_VERSION}
     try:
         details = write_layerwise(source, out, recipe, progress, prepacked=kept, recorded=recorded)
-    except ValueError as err:  # a Q4_0 weight of another shape than the config's
+    except ValueError as err:  # a stored weight of another shape than the config's
         raise SourceModelError(f"{gguf_path.name}: {err}") from err
     for name in kept:
-        details["layers"][name] = {"bits": 4, "group_size": GROUP, "clipped": False, "from": "gguf Q4_0, as stored"}
+        kind = "Q4_1" if kept.has_minimums(name) else "Q4_0"
+        details["layers"][name] = {"bits": 4, "group_size": GROUP, "clipped": False, "from": f"gguf {kind}, as stored"}
     return details
 
 
-def keep_q4_0(
+def stored_method(kept: KeptWeights) -> str:
+    """The recipe a kept build's manifest names: gguf-q4_0, gguf-q4_1, or both."""
+    kinds = sorted({"q4_1" if kept.has_minimums(n) else "q4_0" for n in kept})
+    return "gguf-" + "+".join(kinds)
+
+
+def keep_stored(
     source: GgufSource, imported: Path, imported_inputs: dict[str, Any], progress: bool = False
 ) -> Path | None:
-    """The INT4 build of `source` that keeps the file's Q4_0 weights, cached beside its
-    float import `imported` (named, not built) by the import's inputs; None, saying why,
-    where the file is not wholly Q4_0 in its block linears."""
+    """The INT4 build of `source` that keeps the file's Q4_0 and Q4_1 weights, cached
+    beside its float import `imported` (named, not built) by the import's inputs; None,
+    saying why, where its block linears are not all Q4_0 or Q4_1."""
     kept, why = kept_linears(source)
     if why is not None:
         logger.info("%s: %s; its weights are dequantized and quantized again", source.path.name, why)
         return None
-    inputs = {"source": imported_inputs, "kept": "gguf-q4_0", "version": KEPT_VERSION}
-    out = imported.parent / f"{imported.name}-q4_0-{cache_key(inputs)}"
-    logger.info("%s: every block linear is Q4_0, served as stored (no second rounding)", source.path.name)
+    assert isinstance(kept, KeptWeights)
+    method = stored_method(kept)
+    inputs = {"source": imported_inputs, "kept": method, "version": KEPT_VERSION}
+    out = imported.parent / f"{imported.name}-{method.removeprefix('gguf-').replace('+', '-')}-{cache_key(inputs)}"
+    logger.info("%s: every block linear is %s, served as stored (no second rounding)", source.path.name, method)
     return build_cached(out, inputs, lambda scratch: write_kept(source, scratch, kept, progress))

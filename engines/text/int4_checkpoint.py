@@ -39,6 +39,8 @@ def save_int4(
         tensors[f"{name}.qweight"] = q.qweight.contiguous()
         tensors[f"{name}.scales"] = q.scales.contiguous()
         tensors[f"{name}.zeros"] = q.zeros.contiguous()
+        if q.minimums is not None:
+            tensors[f"{name}.minimums"] = q.minimums.to(torch.float16).contiguous()
     save_file(tensors, str(out / "model.safetensors"))
     quant = {"linears": {name: {"group_size": q.group_size, "bits": 4} for name, q in packed.items()}}
     (out / "quant.json").write_text(json.dumps(quant, indent=1) + "\n", encoding="utf-8")

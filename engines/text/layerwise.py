@@ -82,9 +82,19 @@ def _packed_groups(model: LlamaModel, recipe: QuantRecipe, prepacked: Mapping[st
     return groups
 
 
-def _specs(model: LlamaModel, groups: dict[str, int]) -> dict[str, Spec]:
+def _with_minimums(prepacked: Mapping[str, QuantizedWeight], groups: dict[str, int]) -> set[str]:
+    """The given linears that carry block minimums (a GGUF file's Q4_1 weights)."""
+    told = getattr(prepacked, "has_minimums", None)  # KeptWeights: from the file's tensor list
+    names = [n for n in groups if n in prepacked]
+    if told is not None:
+        return {n for n in names if told(n)}
+    return {n for n in names if prepacked[n].minimums is not None}
+
+
+def _specs(model: LlamaModel, groups: dict[str, int], minimums: set[str]) -> dict[str, Spec]:
     """Every tensor of the INT4 checkpoint, as engines/text/int4_checkpoint.save_int4 writes
-    them: the packed linears' codes, scales and zeros, every other tensor in float16."""
+    them: the packed linears' codes, scales and zeros (and block minimums, where given),
+    every other tensor in float16."""
     specs: dict[str, Spec] = {}
     for name, tensor in model.state_dict().items():
         module, _, kind = name.rpartition(".")
@@ -96,6 +106,8 @@ def _specs(model: LlamaModel, groups: dict[str, int]) -> dict[str, Spec]:
             specs[f"{module}.qweight"] = (torch.uint8, (n, k // 2))
             specs[f"{module}.scales"] = (torch.float16, (n, k // g))
             specs[f"{module}.zeros"] = (torch.uint8, (n, k // g))
+            if module in minimums:
+                specs[f"{module}.minimums"] = (torch.float16, (n, k // g))
             continue
         specs[name] = (torch.float16, tuple(tensor.shape))
     return specs
@@ -128,12 +140,17 @@ def write_layerwise(
     groups = _packed_groups(model, recipe, prepacked)
     report = QuantReport()
     heads, kv_heads = config.num_heads, config.num_kv_heads
-    writer = SafetensorsWriter(out / "model.safetensors", _specs(model, groups))
+    with_minimums = _with_minimums(prepacked, groups)
+    writer = SafetensorsWriter(out / "model.safetensors", _specs(model, groups, with_minimums))
 
     def put_packed(name: str, q: QuantizedWeight) -> None:
+        if (q.minimums is not None) != (name in with_minimums):
+            raise ValueError(f"{name}: its block minimums do not agree with its header")
         writer.write(f"{name}.qweight", q.qweight.contiguous())
         writer.write(f"{name}.scales", q.scales.contiguous())
         writer.write(f"{name}.zeros", q.zeros.contiguous())
+        if q.minimums is not None:
+            writer.write(f"{name}.minimums", q.minimums.to(torch.float16).contiguous())
 
     def put_float(name: str, tensor: torch.Tensor) -> None:
         # Norms and embeddings stay float; fp16 halves their bytes at no cost in accuracy.

@@ -15,7 +15,7 @@ from edge.text.model.checkpoint import load_checkpoint
 from engines.cache import build_cached, cache_key, read_manifest, stop_on_sigterm, tag_serves
 from engines.text.corpus import calibration_text, corpus_fingerprint
 from engines.text.float_source import CheckpointSource, FloatSource
-from engines.text.gguf_int4 import keep_q4_0
+from engines.text.gguf_int4 import keep_stored
 from engines.text.import_gguf import SourceModelError
 from engines.text.int4_checkpoint import save_int4
 from engines.text.layerwise import write_layerwise
@@ -91,8 +91,8 @@ def build_text_engine(
 ) -> Path:
     """The whole text pipeline: import (the built-in SmolLM2, a Hugging Face model
     directory or a GGUF file), the adapter merged in (the shipped clinic adapter or a
-    PEFT directory), AWQ INT4 (or, for a GGUF file whose block linears are all Q4_0 and
-    no adapter, the file's own INT4 weights: engines/text/gguf_int4.py).
+    PEFT directory), AWQ INT4 (or, for a GGUF file whose block linears are all Q4_0 or
+    Q4_1 and no adapter, the file's own INT4 weights: engines/text/gguf_int4.py).
 
     An INT4 build runs all three a decoder layer at a time (engines/text/layerwise.py):
     it never holds the float model, and writes no float copy of it. Every build is
@@ -141,9 +141,9 @@ def build_text_engine(
         float_source: FloatSource = GgufSource(gguf_path) if gguf_path else HfSource(Path(source).resolve())
         kept = None
         if isinstance(float_source, GgufSource) and source != SMOLLM2_SOURCE and adapter_dir is None and not layers:
-            # A file whose block linears are all Q4_0 is served as stored: already INT4 at
-            # group 32 with zero points 8, both our layout and a symmetric one.
-            kept = keep_q4_0(float_source, imported, imported_inputs, progress)
+            # A file whose block linears are all Q4_0 or Q4_1 is served as stored: already
+            # INT4 at group 32 (Q4_0's zero points 8, Q4_1's 0 with its block minimums).
+            kept = keep_stored(float_source, imported, imported_inputs, progress)
         if kept is not None:
             path = kept
         else:

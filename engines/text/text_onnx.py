@@ -138,6 +138,10 @@ class _Exporter:
             json.loads(quant_path.read_text(encoding="utf-8"))["linears"] if quant_path.exists() else {}
         )
         self.state = load_file(str(ckpt_dir / "model.safetensors"))
+        with_minimums = sorted(k.removesuffix(".minimums") for k in self.state if k.endswith(".minimums"))
+        if with_minimums:
+            # MatMulNBits takes integer zero points; a Q4_1 block's float minimum has no place.
+            raise ExportError(f"the ONNX export does not implement block minimums (GGUF Q4_1): {with_minimums[0]}, ...")
         self.g = _Graph(*DTYPES[dtype])
         self.linears: list[LinearReport] = []
 

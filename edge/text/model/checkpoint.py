@@ -121,9 +121,12 @@ def load_checkpoint(
             groups = {name: int(info["group_size"]) for name, info in linears.items()}
             for target, parts in _int4_units(groups, set(keys), config.num_layers, fuse):
                 sources = [
-                    QuantizedWeight(read(f"{n}.qweight"), read(f"{n}.scales"), read(f"{n}.zeros"), groups[n])
+                    QuantizedWeight(
+                        read(f"{n}.qweight"), read(f"{n}.scales"), read(f"{n}.zeros"), groups[n],
+                        read(f"{n}.minimums") if f"{n}.minimums" in keys else None,  # a GGUF Q4_1 weight's
+                    )
                     for n in parts
-                ]
+                ]  # fmt: skip
                 q = sources[0] if len(sources) == 1 else concat_rows(sources)
                 bias = None
                 if f"{parts[0]}.bias" in keys:

@@ -45,6 +45,9 @@ GEMV_KERNELS = ("triton", "cuda-mma")
 REFINE_ROWS = 8
 # Logits recomputed exactly per position on the CPU kernel (see Int4Linear.exact_top).
 EXACT_TOP = 16
+# Kernels that read our layout's integer zero points: a weight's block minimums are added
+# after their product (Int4Linear.forward).
+OWN = ("cpu-f32", "cpu-int8", "triton", "cuda-mma")
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,9 @@ class QuantizedWeight:
     scales: torch.Tensor  # float16 [N, K/G]
     zeros: torch.Tensor  # uint8 [N, K/G]
     group_size: int
+    # float16 [N, K/G] added to each weight of its group (a GGUF Q4_1 block's minimum, kept
+    # as stored: code * scale + minimum, zeros 0), or None.
+    minimums: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -60,10 +66,14 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros))
+        parts = (self.qweight, self.scales, self.zeros, *(() if self.minimums is None else (self.minimums,)))
+        return sum(t.numel() * t.element_size() for t in parts)
 
     def to(self, device: torch.device | str) -> QuantizedWeight:
-        return QuantizedWeight(self.qweight.to(device), self.scales.to(device), self.zeros.to(device), self.group_size)
+        minimums = None if self.minimums is None else self.minimums.to(device)
+        return QuantizedWeight(
+            self.qweight.to(device), self.scales.to(device), self.zeros.to(device), self.group_size, minimums
+        )
 
 
 def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -71,11 +81,17 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     groups = {p.group_size for p in parts}
     if len(groups) != 1:
         raise ValueError(f"cannot fuse weights with group sizes {sorted(groups)}")
+    with_minimums = [p.minimums is not None for p in parts]
+    minimums = None
+    if any(with_minimums):
+        # A part without minimums (Q4_0 beside Q4_1) adds zeros: its weights unchanged.
+        minimums = torch.cat([p.minimums if p.minimums is not None else torch.zeros_like(p.scales) for p in parts])
     return QuantizedWeight(
         qweight=torch.cat([p.qweight for p in parts]),
         scales=torch.cat([p.scales for p in parts]),
         zeros=torch.cat([p.zeros for p in parts]),
         group_size=parts[0].group_size,
+        minimums=minimums,
     )
 
 
@@ -154,13 +170,19 @@ def unpack_codes(q: QuantizedWeight) -> torch.Tensor:
 
 
 def dequantize(q: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return _codes_to_weights(unpack_codes(q), q.scales, q.zeros, q.group_size).to(dtype)
+    w = _codes_to_weights(unpack_codes(q), q.scales, q.zeros, q.group_size)
+    if q.minimums is not None:  # code * scale + minimum, in float32 as llama.cpp's Q4_1
+        n, k = w.shape
+        w = (w.view(n, k // q.group_size, q.group_size) + q.minimums.float().unsqueeze(-1)).view(n, k)
+    return w.to(dtype)
 
 
 def _scales_and_offsets(q: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
-    """[K/G, N, 2] (scale, offset) in the tiled kernels' convention."""
+    """[K/G, N, 2] (scale, offset) in the tiled kernels' convention: (code - 8) * scale + offset."""
     scales = q.scales.float()
     offsets = (8.0 - q.zeros.float()) * scales
+    if q.minimums is not None:
+        offsets = offsets + q.minimums.float()
     return torch.stack([scales, offsets], dim=-1).transpose(0, 1).contiguous().to(dtype)
 
 
@@ -232,6 +254,16 @@ class Int4Linear(nn.Module):
             kernel = "cpu"
         self.kernel = kernel
         self.weight_bytes = q.nbytes
+        # A Q4_1 weight's block minimums: torch's tiled kernels and the dequantized weight
+        # take them in their offsets; ours (integer zero points) add them after the product,
+        # as the group sums of x times the minimums (exact: sum (q d + m) x = d sum q x + m sum x).
+        self.minimums: torch.Tensor | None
+        self.register_buffer(
+            "minimums",
+            q.minimums.to(device=device, dtype=torch.float32) if q.minimums is not None and kernel in OWN else None,
+        )
+        if q.minimums is not None and exact_top:
+            raise ValueError("a weight with block minimums (GGUF Q4_1) has no exact top: the output projection")
         if kernel != "cuda-mma":
             q = q.to(device)  # the other kernels keep q, or make their buffers from it there
         self._counters: torch.Tensor | None = None  # the Triton GEMV's split-K tile counters
@@ -272,7 +304,7 @@ class Int4Linear(nn.Module):
             self.register_buffer("scales", q.scales)
             self.register_buffer("zeros", q.zeros)
         elif kernel == "cuda-mma":
-            self.paired = gated and bias is None and cuda_int4.can_pair(self.out_features)
+            self.paired = gated and bias is None and q.minimums is None and cuda_int4.can_pair(self.out_features)
             tiled = cuda_int4.repack(q.qweight, q.scales, q.zeros, q.group_size, paired=self.paired, device=device)
             self.register_buffer("codes", tiled.codes)
             self.register_buffer("tile_scales", tiled.scales)
@@ -295,7 +327,7 @@ class Int4Linear(nn.Module):
         """silu(gate) * up [M, N/2] in x's dtype straight from the GEMV, for a paired
         gate/up layer and activations it takes; None where this layer cannot. `norm`:
         x is a producer's un-divided norm input (see folds_norm)."""
-        if self.kernel != "cuda-mma" or not self.paired or x.dtype not in cuda_int4.DTYPES:
+        if self.kernel != "cuda-mma" or not self.paired or x.dtype not in cuda_int4.DTYPES or self.minimums is not None:
             return None
         return cuda_int4.gemv_silu(x, self.tiled, norm=norm) if x.shape[0] <= cuda_int4.MAX_ROWS else None
 
@@ -303,6 +335,8 @@ class Int4Linear(nn.Module):
         """Whether this layer's GEMV takes the RMSNorm folded into it for `rows` rows of
         `dtype`: as the producer (gemv_residual) or as the consumer (`norm=`)."""
         if self.kernel != "cuda-mma" or dtype not in cuda_int4.DTYPES or rows > cuda_int4.MAX_ROWS:
+            return False
+        if self.minimums is not None:
             return False
         if producer:
             return not self.paired and self.out_features % cuda_int4.TILE_ROWS == 0
@@ -318,7 +352,10 @@ class Int4Linear(nn.Module):
     def gemv(self, x: torch.Tensor, norm: cuda_int4.NormInput | None = None) -> torch.Tensor:
         """x [M, K] (a few rows) -> [M, N] float32, straight from the GEMV: the fused
         decode step reads the float32 sums without a cast kernel in between. `norm`
-        (cuda-mma only): x is a producer's un-divided norm input."""
+        (cuda-mma only): x is a producer's un-divided norm input. Not for a weight with
+        block minimums (the fused step refuses such a model)."""
+        if self.minimums is not None:
+            raise RuntimeError("gemv() does not add block minimums: such a layer is served by forward()")
         if self.kernel == "cuda-mma":
             if x.dtype in cuda_int4.DTYPES:
                 return cuda_int4.gemv(x, self.tiled, norm=norm)
@@ -366,6 +403,9 @@ class Int4Linear(nn.Module):
             out = self.gemv(flat) if flat.shape[0] <= cuda_int4.MAX_ROWS else self._dequant_matmul(flat)
         else:
             out = flat.to(self.w.dtype) @ self.w.T
+        if self.minimums is not None:
+            sums = flat.float().view(flat.shape[0], -1, self.group_size).sum(-1)  # [M, K/G]
+            out = out + (sums @ self.minimums.T).to(out.dtype)
         if self.exact_top:
             out = self._refine(flat, out.float())
         if self.bias is not None:
@@ -378,6 +418,7 @@ class Int4Linear(nn.Module):
         its paired column order (cuda_int4.pair_order) for a SiLU kernel that reads it so,
         instead of being reordered by a copy; paired False: the usual order."""
         if self.kernel == "cuda-mma" and self.paired and x.shape[0] > cuda_int4.MAX_ROWS and self.bias is None:
+            # (A paired weight has no block minimums: see __init__.)
             if self.exact_top:
                 raise ValueError("a paired gate/up weight has no exact top")
             return self._dequant_matmul(x, unpair=False), True

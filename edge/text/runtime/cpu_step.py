@@ -89,7 +89,9 @@ def _matrix(part: torch.nn.Module, keep: list[torch.Tensor]) -> cpu_step.Int4Mat
     assert isinstance(part, Int4Linear)
     tensors = (part.qweight, part.scales, part.zeros)
     keep.extend(tensors)
-    return cpu_step.matrix(*tensors, part.group_size, int8=part.kernel == "cpu-int8")
+    if part.minimums is not None:
+        keep.append(part.minimums)
+    return cpu_step.matrix(*tensors, part.group_size, int8=part.kernel == "cpu-int8", minimums=part.minimums)
 
 
 def _weights(*norms: RMSNorm | None) -> list[torch.Tensor]:

@@ -76,6 +76,8 @@ def refusal(model: LlamaModel) -> str | None:
     not implement (they are Llama's graph: SiLU, one RoPE table, no q/k norms, no window,
     no output norms); None where they can."""
     options = model.config.family_options()
+    if any(isinstance(m, Int4Linear) and m.minimums is not None for m in model.modules()):
+        options.append("block minimums (a GGUF file's Q4_1 weights)")
     return f"they do not implement {', '.join(options)}" if options else None
 
 

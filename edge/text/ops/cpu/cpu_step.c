@@ -33,6 +33,8 @@ typedef struct {
     const uint8_t *zeros;  /* [n, k / group] */
     int64_t n, k, group;
     int64_t int8;          /* nonzero: its activations rounded to int8 (edge_int4_linear_int8) */
+    const float *minimums; /* [n, k / group] added to each weight of a group (a GGUF Q4_1
+                              block's minimum), or NULL */
 } int4_matrix;
 
 typedef struct {
@@ -170,9 +172,31 @@ static void attend(const step_model *M, const float *q, const float *keys, const
     }
 }
 
+/* y [m, n] = x [m, k] @ W.T; a weight's block minimums added after the codes' product as
+ * the group sums of x times the minimums (sum (q d + mn) x = d sum q x + mn sum x), in the
+ * order Int4Linear.forward adds them. */
 static int product(const int4_matrix *W, const float *x, int64_t m, float *y, int threads) {
-    if (W->int8) return edge_int4_linear_int8(x, m, W->k, W->q, W->scales, W->zeros, W->n, W->group, y, threads);
-    return edge_int4_linear(x, m, W->k, W->q, W->scales, W->zeros, W->n, W->group, y, threads);
+    const int rc = W->int8 ? edge_int4_linear_int8(x, m, W->k, W->q, W->scales, W->zeros, W->n, W->group, y, threads)
+                           : edge_int4_linear(x, m, W->k, W->q, W->scales, W->zeros, W->n, W->group, y, threads);
+    if (rc != 0 || !W->minimums) return rc;
+    const int64_t G = W->k / W->group;
+    float *sums = malloc(sizeof(float) * (size_t)(m * G));
+    if (!sums) return -2;
+    for (int64_t b = 0; b < m; b++)
+        for (int64_t g = 0; g < G; g++) {
+            float s = 0.0f;
+            for (int64_t i = 0; i < W->group; i++) s += x[b * W->k + g * W->group + i];
+            sums[b * G + g] = s;
+        }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t j = 0; j < W->n; j++)
+        for (int64_t b = 0; b < m; b++) {
+            float t = 0.0f;
+            for (int64_t g = 0; g < G; g++) t += sums[b * G + g] * W->minimums[j * G + g];
+            y[b * W->n + j] += t;
+        }
+    free(sums);
+    return 0;
 }
 
 /* x [B, hidden]: the residual stream in (the tokens' embeddings), the last layer's out.

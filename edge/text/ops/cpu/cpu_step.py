@@ -19,7 +19,16 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 class Int4Matrix(ctypes.Structure):
-    _fields_ = [("q", _P), ("scales", _P), ("zeros", _P), ("n", _I), ("k", _I), ("group", _I), ("int8", _I)]
+    _fields_ = [
+        ("q", _P),
+        ("scales", _P),
+        ("zeros", _P),
+        ("n", _I),
+        ("k", _I),
+        ("group", _I),
+        ("int8", _I),
+        ("minimums", _P),  # 0: none
+    ]
 
 
 class StepLayer(ctypes.Structure):
@@ -110,21 +119,32 @@ def available() -> bool:
 
 
 def matrix(
-    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, int8: bool = False
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    group: int,
+    int8: bool = False,
+    minimums: torch.Tensor | None = None,
 ) -> Int4Matrix:
     """An INT4 weight in the checkpoint's layout (scales float32), as the kernel reads it;
-    `int8`: its products take int8 activations (the cpu-int8 kernel)."""
+    `int8`: its products take int8 activations (the cpu-int8 kernel); `minimums`: float32
+    block minimums (a GGUF Q4_1 weight's), added after the product."""
     n, k2 = qweight.shape
-    for t in (qweight, scales, zeros):
+    for t in (qweight, scales, zeros, *(() if minimums is None else (minimums,))):
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError("the CPU decode step reads contiguous CPU tensors")
     if scales.dtype != torch.float32 or qweight.dtype != torch.uint8 or zeros.dtype != torch.uint8:
         raise ValueError("the CPU decode step reads uint8 codes and zero points, float32 scales")
+    if minimums is not None and (minimums.dtype != torch.float32 or minimums.shape != scales.shape):
+        raise ValueError("block minimums: float32, one a group as the scales")
     if int8 and not cpu_int4.supports_int8(2 * k2, group):
         raise ValueError(f"the int8 CPU INT4 kernel takes groups of a power of two from 32 ({group})")
     if not cpu_int4.supports(2 * k2, group):
         raise ValueError(f"the CPU INT4 kernel takes groups of a multiple of {2 * cpu_int4.LANES} ({group})")
-    return Int4Matrix(qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, 2 * k2, group, int(int8))
+    return Int4Matrix(
+        qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, 2 * k2, group, int(int8),
+        minimums.data_ptr() if minimums is not None else 0,
+    )  # fmt: skip
 
 
 @dataclass
