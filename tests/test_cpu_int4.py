@@ -12,7 +12,7 @@ import torch
 
 from edge.text.model.checkpoint import default_int4_kernel
 from edge.text.ops.cpu import cpu_int4
-from edge.text.ops.int4 import Int4Linear, cpu_kernel_available, dequantize, pack
+from edge.text.ops.int4 import Int4Linear, QuantizedWeight, cpu_kernel_available, dequantize, pack
 
 
 def _weights(n: int, k: int, group: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,6 +57,35 @@ def test_a_rows_result_is_the_same_alone_and_in_any_batch() -> None:
         batch = cpu_int4.linear(x[:m], q.qweight, scales, q.zeros, 32)
         for i in range(m):
             assert torch.equal(batch[i : i + 1], alone[i]), (m, i)
+
+
+def with_minimums(n: int, k: int, seed: int = 4) -> QuantizedWeight:
+    """A GGUF Q4_1-like weight: zero points 0, a float16 minimum a block of 32."""
+    w, _ = _weights(n, k, 32, seed=seed)
+    q = pack(w, 32)
+    minimums = (torch.randn(n, k // 32, generator=torch.Generator().manual_seed(seed)) * 0.05).half()
+    return QuantizedWeight(q.qweight, q.scales, torch.zeros_like(q.zeros), 32, minimums)
+
+
+@pytest.mark.parametrize("kernel", ["cpu-f32", "cpu-int8", "cpu", "dequant"])
+def test_block_minimums_are_added_once_by_every_cpu_kernel(kernel: str) -> None:
+    """A weight with block minimums (GGUF Q4_1) through each CPU kernel: the product of
+    code x scale + minimum, for a decode's few rows and a prefill's many (our float32
+    kernel to float32 rounding; int8 activations and torch's bfloat16 to their own
+    rounding, measured against the same kernel's miss without minimums); a decode row the
+    same alone and in a batch."""
+    q = with_minimums(64, 576)
+    plain = QuantizedWeight(q.qweight, q.scales, q.zeros, 32)
+    x = torch.randn(12, 576, generator=torch.Generator().manual_seed(5))
+    layer, without = Int4Linear(q, kernel), Int4Linear(plain, kernel)
+    for rows in (3, 12):
+        exact = _exact(dequantize(q), x[:rows])
+        miss = float((layer(x[:rows]) - exact).abs().max())
+        base = float((without(x[:rows]) - _exact(dequantize(plain), x[:rows])).abs().max())
+        assert miss <= (1e-4 if kernel in ("cpu-f32", "dequant") else 2 * base + 1e-4), (rows, miss, base)
+    if kernel == "cpu-f32":
+        alone = [layer(x[i : i + 1]) for i in range(4)]
+        assert all(torch.equal(layer(x[:4])[i : i + 1], alone[i]) for i in range(4))
 
 
 def test_the_layer_serves_the_kernel_with_its_bias_and_dtype() -> None:

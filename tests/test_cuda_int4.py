@@ -403,3 +403,24 @@ def test_kernel_builds_for_the_orin_and_for_hopper(arch: str, tmp_path: Path, mo
     assert cuda_int4.build(arch) == path and path.stat().st_mtime_ns == mtime
     lib = ctypes.CDLL(str(path))
     assert all(hasattr(lib, name) for name in ("edge_int4_gemv", "edge_int4_dequant"))
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="no CUDA device")
+@pytest.mark.parametrize("kernel", ["cuda-mma", "triton", "cuda", "dequant"])
+def test_block_minimums_are_added_once_by_every_cuda_kernel(kernel: str) -> None:
+    """A weight with block minimums (GGUF Q4_1) on each CUDA kernel, in decode's GEMV
+    (a few rows) and prefill's product (many): code x scale + minimum, to float16 rounding."""
+    from edge.text.ops.int4 import Int4Linear
+    from edge.text.ops.triton import triton_int4
+    from tests.test_cpu_int4 import with_minimums
+
+    if kernel == "triton" and not triton_int4.TRITON_SUPPORT:
+        pytest.skip("triton is not installed")
+    q = with_minimums(256, 1024)
+    layer = Int4Linear(q.to("cuda"), kernel)
+    x = torch.randn(40, 1024, generator=torch.Generator().manual_seed(6)).half().cuda()
+    for rows in (1, 3, 40):
+        want = x[:rows].float() @ dequantize(q).cuda().T
+        got = layer(x[:rows]).float()
+        assert float((got - want).abs().max()) <= 2e-2 * float(want.abs().max()), (kernel, rows)

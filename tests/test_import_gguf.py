@@ -425,6 +425,11 @@ def test_a_q4_file_is_served_as_stored(
             rounded = build_text_engine(tmp_path / "engines", "none", "awq-int4", progress=False, source=str(mixed))
         assert "blk.1.attn_v.weight is F32, not Q4_0 or Q4_1" in caplog.text
         assert json.loads((rounded / "manifest.json").read_text())["recipe"]["method"] == "awq"
+    if quant == "Q4_1":  # asked for TensorRT's symmetric form, which a block minimum is not
+        with caplog.at_level(logging.INFO, logger="engines.text.gguf_int4"):
+            sym = build_text_engine(tmp_path / "engines", "none", "awq-int4-sym", progress=False, source=str(source))
+        assert "not the symmetric form asked for" in caplog.text
+        assert json.loads((sym / "manifest.json").read_text())["recipe"]["method"] == "awq"
     # Decoded in the CPU's C step (the minimums added after each product there too) as op by op.
     from edge.text.runtime import cpu_step, fused_step
 

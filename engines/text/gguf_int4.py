@@ -192,17 +192,24 @@ def write_kept(source: GgufSource, out: Path, kept: KeptWeights, progress: bool)
 
 def stored_method(kept: KeptWeights) -> str:
     """The recipe a kept build's manifest names: gguf-q4_0, gguf-q4_1, or both."""
-    kinds = sorted({"q4_1" if kept.has_minimums(n) else "q4_0" for n in kept})
+    kinds = sorted({"q4_1" if kept.has_minimums(n) else "q4_0" for n in kept if n != "lm_head"})
     return "gguf-" + "+".join(kinds)
 
 
 def keep_stored(
-    source: GgufSource, imported: Path, imported_inputs: dict[str, Any], progress: bool = False
+    source: GgufSource,
+    imported: Path,
+    imported_inputs: dict[str, Any],
+    progress: bool = False,
+    symmetric: bool = False,
 ) -> Path | None:
     """The INT4 build of `source` that keeps the file's Q4_0 and Q4_1 weights, cached
     beside its float import `imported` (named, not built) by the import's inputs; None,
-    saying why, where its block linears are not all Q4_0 or Q4_1."""
+    saying why, where its block linears are not all Q4_0 or Q4_1, or where a symmetric
+    build (zero points 8: TensorRT's INT4) is asked for and Q4_1's minimums are not that."""
     kept, why = kept_linears(source)
+    if isinstance(kept, KeptWeights) and symmetric and "q4_1" in stored_method(kept):
+        why = "its Q4_1 weights have a minimum a block, not the symmetric form asked for"
     if why is not None:
         logger.info("%s: %s; its weights are dequantized and quantized again", source.path.name, why)
         return None

@@ -143,7 +143,7 @@ def build_text_engine(
         if isinstance(float_source, GgufSource) and source != SMOLLM2_SOURCE and adapter_dir is None and not layers:
             # A file whose block linears are all Q4_0 or Q4_1 is served as stored: already
             # INT4 at group 32 (Q4_0's zero points 8, Q4_1's 0 with its block minimums).
-            kept = keep_stored(float_source, imported, imported_inputs, progress)
+            kept = keep_stored(float_source, imported, imported_inputs, progress, quant.endswith("-sym"))
         if kept is not None:
             path = kept
         else:

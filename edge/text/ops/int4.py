@@ -309,7 +309,8 @@ class Int4Linear(nn.Module):
             self.register_buffer("codes", tiled.codes)
             self.register_buffer("tile_scales", tiled.scales)
             self.register_buffer("tile_zeros", tiled.zeros)
-            self.weight_bytes = tiled.nbytes  # its rows padded to a multiple of 16
+            # Its rows padded to a multiple of 16; block minimums kept beside it.
+            self.weight_bytes = tiled.nbytes + (0 if q.minimums is None else q.minimums.numel() * 4)
         elif kernel == "dequant":
             self.register_buffer("w", dequantize(q))
         else:
@@ -356,6 +357,10 @@ class Int4Linear(nn.Module):
         block minimums (the fused step refuses such a model)."""
         if self.minimums is not None:
             raise RuntimeError("gemv() does not add block minimums: such a layer is served by forward()")
+        return self._gemv(x, norm)
+
+    def _gemv(self, x: torch.Tensor, norm: cuda_int4.NormInput | None = None) -> torch.Tensor:
+        """gemv() without the block minimums (forward() adds them)."""
         if self.kernel == "cuda-mma":
             if x.dtype in cuda_int4.DTYPES:
                 return cuda_int4.gemv(x, self.tiled, norm=norm)
@@ -388,7 +393,7 @@ class Int4Linear(nn.Module):
             out = torch.ops.aten._weight_int4pack_mm(flat.to(torch.bfloat16), self.packed, self.group_size, self.sz)
         elif self.kernel == "triton":
             if flat.shape[0] <= triton_int4.GEMV_MAX_ROWS:
-                out = self.gemv(flat)
+                out = self._gemv(flat)
             else:
                 # Dequantize a slab of rows at a time: the bf16 copy of a wide weight
                 # (the 28672-row gate/up of an 8B model is 235 MB) never exists whole.
@@ -400,12 +405,17 @@ class Int4Linear(nn.Module):
                     )
                     out[:, n0:n1] = flat @ w.T
         elif self.kernel == "cuda-mma":
-            out = self.gemv(flat) if flat.shape[0] <= cuda_int4.MAX_ROWS else self._dequant_matmul(flat)
+            out = self._gemv(flat) if flat.shape[0] <= cuda_int4.MAX_ROWS else self._dequant_matmul(flat)
         else:
             out = flat.to(self.w.dtype) @ self.w.T
         if self.minimums is not None:
             sums = flat.float().view(flat.shape[0], -1, self.group_size).sum(-1)  # [M, K/G]
-            out = out + (sums @ self.minimums.T).to(out.dtype)
+            if flat.shape[0] <= REFINE_ROWS:
+                # A row at a time: a decode step's row gets the same sums alone or batched.
+                term = torch.stack([torch.mv(self.minimums, row) for row in sums])
+            else:
+                term = sums @ self.minimums.T
+            out = out + term.to(out.dtype)
         if self.exact_top:
             out = self._refine(flat, out.float())
         if self.bias is not None:
@@ -515,7 +525,7 @@ def tune_gemv(model: nn.Module, dtype: torch.dtype) -> int:
         if layer.kernel == "cuda-mma" and dtype in cuda_int4.DTYPES:
             cuda_int4.tuned_config(layer.tiled, dtype)  # one choice for gemv and gemv_silu
         elif layer.kernel == "triton":
-            layer.gemv(torch.zeros(1, layer.in_features, device=layer.qweight.device, dtype=dtype))
+            layer._gemv(torch.zeros(1, layer.in_features, device=layer.qweight.device, dtype=dtype))
     if shapes:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the tuner's L2-cold copies of the small weights

@@ -173,8 +173,8 @@ static void attend(const step_model *M, const float *q, const float *keys, const
 }
 
 /* y [m, n] = x [m, k] @ W.T; a weight's block minimums added after the codes' product as
- * the group sums of x times the minimums (sum (q d + mn) x = d sum q x + mn sum x), in the
- * order Int4Linear.forward adds them. */
+ * the group sums of x times the minimums (sum (q d + mn) x = d sum q x + mn sum x), as
+ * Int4Linear.forward adds them (its sums in torch's order: equal to float32 rounding). */
 static int product(const int4_matrix *W, const float *x, int64_t m, float *y, int threads) {
     const int rc = W->int8 ? edge_int4_linear_int8(x, m, W->k, W->q, W->scales, W->zeros, W->n, W->group, y, threads)
                            : edge_int4_linear(x, m, W->k, W->q, W->scales, W->zeros, W->n, W->group, y, threads);
