@@ -80,6 +80,11 @@ class LlamaConfig:
         tables = (1 if self.tie_embeddings else 2) * self.vocab_size * self.hidden_size
         return self.num_layers * (attention + mlp) + tables
 
+    @property
+    def window(self) -> int:
+        """The sliding layers' window (0: no layer slides)."""
+        return next((w for i in range(self.num_layers) if (w := self.layer_window(i))), 0)
+
     def layer_window(self, layer: int) -> int:
         """The attention window of layer `layer` (0: it sees every earlier position)."""
         if self.sliding_window and self.layer_types and self.layer_types[layer] == "sliding":
@@ -92,7 +97,7 @@ class LlamaConfig:
         refuse."""
         named = {
             "qk_norm": self.qk_norm,
-            f"sliding_window {self.sliding_window}": any(self.layer_window(i) for i in range(self.num_layers)),
+            f"sliding_window {self.sliding_window}": bool(self.window),
             f"rope_local_theta {self.rope_local_theta:g}": bool(self.rope_local_theta),
             f"mlp_activation {self.mlp_activation}": self.mlp_activation != "silu",
             f"embedding_scale {self.embedding_scale:g}": bool(self.embedding_scale),

@@ -36,11 +36,7 @@ def save_int4(
         # Norms and embeddings stay float; fp16 halves their bytes at no cost in accuracy.
         tensors[name] = tensor.detach().to(torch.float16).contiguous()
     for name, q in packed.items():
-        tensors[f"{name}.qweight"] = q.qweight.contiguous()
-        tensors[f"{name}.scales"] = q.scales.contiguous()
-        tensors[f"{name}.zeros"] = q.zeros.contiguous()
-        if q.minimums is not None:
-            tensors[f"{name}.minimums"] = q.minimums.to(torch.float16).contiguous()
+        tensors.update(q.stored(name))
     save_file(tensors, str(out / "model.safetensors"))
     quant = {"linears": {name: {"group_size": q.group_size, "bits": 4} for name, q in packed.items()}}
     (out / "quant.json").write_text(json.dumps(quant, indent=1) + "\n", encoding="utf-8")

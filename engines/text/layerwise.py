@@ -146,11 +146,8 @@ def write_layerwise(
     def put_packed(name: str, q: QuantizedWeight) -> None:
         if (q.minimums is not None) != (name in with_minimums):
             raise ValueError(f"{name}: its block minimums do not agree with its header")
-        writer.write(f"{name}.qweight", q.qweight.contiguous())
-        writer.write(f"{name}.scales", q.scales.contiguous())
-        writer.write(f"{name}.zeros", q.zeros.contiguous())
-        if q.minimums is not None:
-            writer.write(f"{name}.minimums", q.minimums.to(torch.float16).contiguous())
+        for key, tensor in q.stored(name).items():
+            writer.write(key, tensor)
 
     def put_float(name: str, tensor: torch.Tensor) -> None:
         # Norms and embeddings stay float; fp16 halves their bytes at no cost in accuracy.

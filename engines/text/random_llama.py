@@ -147,9 +147,7 @@ def write_random_checkpoint(
 
     def add(name: str, n: int, k: int) -> None:
         q = random_quantized(n, k, group, device, gen)
-        tensors[f"{name}.qweight"] = q.qweight.cpu()
-        tensors[f"{name}.scales"] = q.scales.cpu()
-        tensors[f"{name}.zeros"] = q.zeros.cpu()
+        tensors.update({key: t.cpu() for key, t in q.stored(name).items()})
         linears[name] = {"group_size": group, "bits": 4}
 
     ones = torch.ones(h, dtype=torch.float16)

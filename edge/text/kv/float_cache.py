@@ -28,9 +28,8 @@ LOCAL_ROOM = 128
 def local_slots(config: LlamaConfig, max_len: int, room: int = LOCAL_ROOM) -> int:
     """Positions a row of the sliding layers' own buffer holds, or 0 where a row of
     `max_len` is no longer (nothing would be saved) or no layer slides."""
-    window = max((config.layer_window(i) for i in range(config.num_layers)), default=0)
-    slots = window + room  # the window - 1 kept, the room, the scratch slot
-    return slots if window and slots < max_len else 0
+    slots = config.window + room  # the window - 1 kept, the room, the scratch slot
+    return slots if config.window and slots < max_len else 0
 
 
 class KVCache:
@@ -51,7 +50,7 @@ class KVCache:
         self.max_len = max_len
         self.room = room
         self.local_slots = local_slots(config, max_len, room) if window_sized else 0
-        self.window = max((config.layer_window(i) for i in range(config.num_layers)), default=0)
+        self.window = config.window
         local = [bool(self.local_slots and config.layer_window(i)) for i in range(config.num_layers)]
         # Each layer's index in its tensor: k/v for the layers that keep every position,
         # local_k/local_v for the sliding layers' buffers.
@@ -76,7 +75,7 @@ class KVCache:
 
     @property
     def batch(self) -> int:
-        return int(self.k.shape[1] if self.k.shape[0] else self.offsets.shape[0])
+        return int(self.offsets.shape[0])
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's keys and values [rows, KV heads, slots, head dim]: a sliding layer's

@@ -155,7 +155,7 @@ def decode_biases(config: LlamaConfig, pos: torch.Tensor, kv_len: int) -> tuple[
     keys = torch.arange(kv_len, device=pos.device)
     visible = keys <= pos.view(-1, 1)
     bias = torch.zeros(visible.shape, device=pos.device).masked_fill_(~visible, float("-inf"))
-    window = next((w for i in range(config.num_layers) if (w := config.layer_window(i))), 0)
+    window = config.window
     if not window:
         return bias.view(-1, 1, 1, kv_len), None
     seen = visible & (keys > pos.view(-1, 1) - window)
@@ -477,8 +477,9 @@ class LlamaModel(nn.Module):
             if self.device.type == "cuda":
                 config = self.config
                 group = config.num_heads // config.num_kv_heads
-                sliding = any(config.layer_window(i) for i in range(config.num_layers))
-                refused = step_ops.kv_refusal(self.device, kv_format, config.head_dim, group, self.dtype, sliding)
+                refused = step_ops.kv_refusal(
+                    self.device, kv_format, config.head_dim, group, self.dtype, bool(config.window)
+                )
                 if refused:
                     raise ValueError(f"kv_dtype {kv_format.dtype} on CUDA: {refused}; serve with kv_dtype float16")
             return QuantKVCache(self.config, batch, length, kv_format, self.dtype, self.device)

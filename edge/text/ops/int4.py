@@ -69,6 +69,13 @@ class QuantizedWeight:
         parts = (self.qweight, self.scales, self.zeros, *(() if self.minimums is None else (self.minimums,)))
         return sum(t.numel() * t.element_size() for t in parts)
 
+    def stored(self, name: str) -> dict[str, torch.Tensor]:
+        """Its tensors as a checkpoint stores them, by name (module `name`'s)."""
+        parts = {f"{name}.qweight": self.qweight, f"{name}.scales": self.scales, f"{name}.zeros": self.zeros}
+        if self.minimums is not None:
+            parts[f"{name}.minimums"] = self.minimums.to(torch.float16)
+        return {key: t.contiguous() for key, t in parts.items()}
+
     def to(self, device: torch.device | str) -> QuantizedWeight:
         minimums = None if self.minimums is None else self.minimums.to(device)
         return QuantizedWeight(

@@ -154,12 +154,13 @@ def _layout(model: LlamaModel) -> cpu_step.Plan:
 
 def decode_step(model: LlamaModel, ids: torch.Tensor, cache: KVCache, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
     """Logits [B, V] float32 for one token per sequence (ids [B, 1]) at positions pos [B],
-    batch row b on cache row b attending below kv_len. The caller has checked can_run(model)."""
+    batch row b on cache row b attending below kv_len. The caller has checked can_run(model)
+    and made room in the sliding buffers (KVCache.make_room_for_step), as for every step;
+    a position past them is refused by the kernel."""
     plan = _plans[model]
     assert isinstance(plan, cpu_step.Plan)
     x = model._embed(ids.view(-1)).float()
     rows = torch.arange(ids.shape[0])
-    cache.make_room_for_step(pos.tolist())
     x = cpu_step.decode_layers(plan, x, _parts(cache), rows, pos, kv_len)
     return model._head(x.unsqueeze(1))[:, -1].float()
 
