@@ -477,9 +477,7 @@ class LlamaModel(nn.Module):
             if self.device.type == "cuda":
                 config = self.config
                 group = config.num_heads // config.num_kv_heads
-                refused = step_ops.kv_refusal(
-                    self.device, kv_format, config.head_dim, group, self.dtype, bool(config.window)
-                )
+                refused = step_ops.kv_refusal(self.device, kv_format, config.head_dim, group, self.dtype)
                 if refused:
                     raise ValueError(f"kv_dtype {kv_format.dtype} on CUDA: {refused}; serve with kv_dtype float16")
             return QuantKVCache(self.config, batch, length, kv_format, self.dtype, self.device)

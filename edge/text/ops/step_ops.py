@@ -121,18 +121,12 @@ def quantized_kv(device: torch.device | str) -> bool:
     return chosen == "triton" or (chosen == "cuda" and cuda_kv.available(torch.device(device)))
 
 
-def kv_refusal(
-    device: torch.device | str, fmt: KVFormat, head_dim: int, group: int, dtype: torch.dtype, sliding: bool = False
-) -> str | None:
+def kv_refusal(device: torch.device | str, fmt: KVFormat, head_dim: int, group: int, dtype: torch.dtype) -> str | None:
     """Why the quantized-KV kernels here cannot serve this format for a model of this
-    shape and type, `sliding`: with sliding-window layers (None: they can)."""
+    shape and type (None: they can)."""
     if not quantized_kv(device):
         return "no quantized-KV kernels here (Triton is not installed and ours did not build: see the log)"
     if backend(device) == "cuda":
-        if sliding:
-            # Their window code has not passed its GPU tests (tests/test_cuda_kv_ops.py:
-            # a window of 150 positions over float16 codes): not served until it does.
-            return "a sliding window (our CUDA C kernels' window is not verified on a GPU yet)"
         return cuda_kv.refusal(fmt, head_dim, group, dtype)
     width = fmt.group(head_dim)
     if head_dim & (head_dim - 1) or width & (width - 1):  # Triton's block shapes are powers of two

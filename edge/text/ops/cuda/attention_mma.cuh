@@ -75,17 +75,25 @@ __device__ __forceinline__ void set_word(uint4& w, int i, uint32_t v) {
   else w.w = v;
 }
 
+// One 8-channel group of a warp's scores S^T += K Q^T: a lane's words of key r (a0) and
+// key r + 8 (a1), as A fragments, against its words of query row r (b, B fragments).
+template <typename C>
+__device__ __forceinline__ void mma_scores_step(float (&d)[4], const uint32_t (&a0)[4], const uint32_t (&a1)[4],
+                                                const uint32_t (&b)[4]) {
+#pragma unroll
+  for (int h = 0; h < 2; h++) mma_16816<C>(d, a0[2 * h], a1[2 * h], a0[2 * h + 1], a1[2 * h + 1], b[2 * h], b[2 * h + 1]);
+}
+
 // A warp's scores S^T += K Q^T for its 16 keys (kw[0]: key r, kw[1]: key r + 8, as A
 // fragments) and the query rows (qb, B fragments), over KW groups of 32 channels.
 template <typename C, int KW>
 __device__ __forceinline__ void mma_scores(float (&d)[4], const uint4 (&kw)[2][KW], const uint4 (&qb)[KW]) {
 #pragma unroll
   for (int j = 0; j < KW; j++) {
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-      mma_16816<C>(d, word(kw[0][j], 2 * h), word(kw[1][j], 2 * h), word(kw[0][j], 2 * h + 1),
-                   word(kw[1][j], 2 * h + 1), word(qb[j], 2 * h), word(qb[j], 2 * h + 1));
-    }
+    const uint32_t a0[4] = {kw[0][j].x, kw[0][j].y, kw[0][j].z, kw[0][j].w};
+    const uint32_t a1[4] = {kw[1][j].x, kw[1][j].y, kw[1][j].z, kw[1][j].w};
+    const uint32_t b[4] = {qb[j].x, qb[j].y, qb[j].z, qb[j].w};
+    mma_scores_step<C>(d, a0, a1, b);
   }
 }
 

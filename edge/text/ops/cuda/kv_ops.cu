@@ -581,8 +581,65 @@ __device__ __forceinline__ uint32_t h2_bits(__half2 h) {
   return bits;
 }
 
+// A lane's codes of a coded tile as loaded (attention_mma.cuh's layout): its keys' (r, r +
+// 8) channels 32j + 8c .. +7 (CW words a group), its values' (2c, 2c + 1, 2c + 8, 2c + 9)
+// CPR channels, the tile's key scales (and int4 zero points) of its key channels and its
+// values' scales (and zero points). Codes are turned into the activations' type only
+// where a product takes them, so a tile's turned keys and values are never all held at
+// once: the kernel fits four blocks an SM (128 registers) without spilling.
+template <int HD, bool INT4>
+struct TileCodes {
+  static constexpr int KW = HD / 32, CW = INT4 ? 1 : 2, VCW = HD / 8 / (INT4 ? 2 : 1) / 4;
+  uint32_t k[2][KW][CW];
+  uint32_t v[4][VCW];
+  uint4 ks[KW], kz[KW];
+  float vs[4], vz[4];
+};
+
+// Row r's queries at a lane's channels of one 8-channel group (qrow, from shared memory),
+// times the key scales ks where SCALED (coded keys), as the scores' B fragment words: the
+// value rounded to the activations' type (hi) and, where TWO, what that rounding left
+// (lo). With both parts a score is as exact as float32 queries against the keys (the codes
+// are exact): int4 zero points make products with the queries that cancel much of the
+// codes', and a rounding of each large product would stay in the scores. Adds the queries'
+// dot product with the int4 key zero points kz to zsum.
+template <typename C, bool INT4, bool SCALED, bool TWO>
+__device__ __forceinline__ void query_words(const float* qrow, const uint4& ks, const uint4& kz, float& zsum,
+                                            uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+  const float4 q0 = reinterpret_cast<const float4*>(qrow)[0], q1 = reinterpret_cast<const float4*>(qrow)[1];
+  const float qv[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+  const __half* s = reinterpret_cast<const __half*>(&ks);
+  const __half* z = reinterpret_cast<const __half*>(&kz);
+#pragma unroll
+  for (int w = 0; w < 4; w++) {
+    float x = qv[2 * w], y = qv[2 * w + 1];
+    if constexpr (SCALED) {
+      if constexpr (INT4) zsum += x * __half2float(z[2 * w]) + y * __half2float(z[2 * w + 1]);
+      x *= __half2float(s[2 * w]);
+      y *= __half2float(s[2 * w + 1]);
+    }
+    hi[w] = pack2<C>(x, y);
+    if constexpr (TWO) {  // one packing conversion back and forth, not two
+      const float2 h = unpack2<C>(hi[w]);
+      lo[w] = pack2<C>(x - h.x, y - h.y);
+    }
+  }
+}
+
+// Key pair w (of 4) of a lane's 8-channel group `codes`, turned into the activations' type.
+template <typename C, bool INT4>
+__device__ __forceinline__ uint32_t key_word(const uint32_t* codes, int w) {
+  if constexpr (std::is_same_v<C, __half>) {
+    return h2_bits(code_pair_h2<INT4>(codes, w, 0u));
+  } else {
+    float x, y;
+    code_pair<INT4>(codes, w, x, y);
+    return pack2<C>(x, y);
+  }
+}
+
 template <typename C, int HD, int GP, bool INT4>
-__global__ void __launch_bounds__(KV_THREADS, 3)
+__global__ void __launch_bounds__(KV_THREADS, 4)
     kv_attn_mma_kernel(const C* __restrict__ q, Layer<C> L, Format f, const C* __restrict__ kf,
                        const C* __restrict__ vf, const long long* __restrict__ pos_ptr, float* __restrict__ acc,
                        float* __restrict__ ml, int* __restrict__ done, C* __restrict__ out, int start_in,
@@ -591,12 +648,19 @@ __global__ void __launch_bounds__(KV_THREADS, 3)
   static_assert(HD == 64 || HD == 128, "head_dim 64 or 128");
   static_assert(GP <= MMA_ROWS, "up to 8 query rows a KV head");
   constexpr int WARPS = KV_THREADS / 32;
-  constexpr int KW = HD / 32;            // a lane's 8-channel groups of a key
-  constexpr int CPR = HD / 8;            // a lane's channels of a value
-  constexpr int VW = CPR / 8;            // ... as 16-byte words of the activations' type
+  constexpr int KW = HD / 32;             // a lane's 8-channel groups of a key
+  constexpr int CPR = HD / 8;             // a lane's channels of a value
+  constexpr int VW = CPR / 8;             // ... as 16-byte words of the activations' type
   constexpr int CB = INT4 ? HD / 2 : HD;  // code bytes a token
   constexpr int PER_BYTE = INT4 ? 2 : 1;  // channels a code byte
+  // Scores in two parts (query_words) on codes where int4 zero points make large products
+  // that cancel, and always for bfloat16, whose 8-bit mantissa would round the queries
+  // (times the query scale, and the key scales) too coarsely; one part elsewhere (float16:
+  // int8 codes and float keys, rounded as the float cache's kernel rounds its queries).
+  constexpr bool BF16 = !std::is_same_v<C, __half>;
+  constexpr bool TWO_CODED = BF16 || INT4;
   static_assert(KV_TILE / WARPS == MMA_WPOS, "16 positions a warp");
+  using Codes = TileCodes<HD, INT4>;
   __shared__ __align__(16) C ps[WARPS][MMA_ROWS][MMA_WPOS + 8];
   __shared__ __align__(16) float qs[MMA_ROWS][HD];  // the queries times q_scale (zeros past the group)
 
@@ -616,89 +680,151 @@ __global__ void __launch_bounds__(KV_THREADS, 3)
   const size_t codes_at = (size_t)head * f.code_len;
   const C* kf_row = kf + ((size_t)row * NKV + kh) * falloc * HD;
   const C* vf_row = vf + ((size_t)row * NKV + kh) * falloc * HD;
+  const float* qrow = qs[r] + 8 * c;  // row r's channels 32j + 8c .. +7 at qrow + 32j
 
-  // A tile's keys (r, r + 8) and values (2c, 2c + 1, 2c + 8, 2c + 9) of this warp's 16
-  // positions, as words of the activations' type; a coded one's codes are loaded into the
-  // first of its words, with its scales (and zero points), and turned in place in the tile
-  // loop. Zeros past the sequence.
-  uint4 kw[2][KW], vw[4][VW];
-  uint4 ksw[KW], kzw[KW];
-  float vsc[4], vzc[4];
-  const uint4 zero4 = make_uint4(0, 0, 0, 0);
-  // Codes of a coded tile; float tokens of a float tile, or the sink tokens among a coded
-  // one's (a second trip, the first tile only).
   const auto load_codes = [&](int t0) {
+    Codes cd;
     const int p0 = t0 + warp * MMA_WPOS;
 #pragma unroll
     for (int u = 0; u < 2; u++) {
       const uint8_t* codes = L.kc + (codes_at + p0 + r + 8 * u) * CB;
 #pragma unroll
-      for (int j = 0; j < KW; j++) load_words<INT4 ? 4 : 8>(codes + (32 * j + 8 * c) / PER_BYTE, &kw[u][j].x);
+      for (int j = 0; j < KW; j++) load_words<INT4 ? 4 : 8>(codes + (32 * j + 8 * c) / PER_BYTE, cd.k[u][j]);
     }
 #pragma unroll
     for (int u = 0; u < 4; u++) {
       const size_t tok = codes_at + p0 + 2 * c + (u & 1) + 8 * (u >> 1);
-      load_words<CPR / PER_BYTE>(L.vc + tok * CB + CPR * r / PER_BYTE, &vw[u][0].x);
-      vsc[u] = __half2float(L.vs[tok * groups + vgroup]);
-      vzc[u] = INT4 && !f.vsym ? __half2float(L.vz[tok * groups + vgroup]) : 0.0f;
+      load_words<CPR / PER_BYTE>(L.vc + tok * CB + CPR * r / PER_BYTE, cd.v[u]);
+      cd.vs[u] = __half2float(L.vs[tok * groups + vgroup]);
+      cd.vz[u] = INT4 && !f.vsym ? __half2float(L.vz[tok * groups + vgroup]) : 0.0f;
     }
     const size_t s_at = ((size_t)head * f.blocks + t0 / f.KB) * HD;
 #pragma unroll
     for (int j = 0; j < KW; j++) {
-      ksw[j] = reinterpret_cast<const uint4*>(L.ks + s_at + 32 * j + 8 * c)[0];
-      if (INT4) kzw[j] = reinterpret_cast<const uint4*>(L.kz + s_at + 32 * j + 8 * c)[0];
+      cd.ks[j] = reinterpret_cast<const uint4*>(L.ks + s_at + 32 * j + 8 * c)[0];
+      cd.kz[j] = INT4 ? reinterpret_cast<const uint4*>(L.kz + s_at + 32 * j + 8 * c)[0] : make_uint4(0, 0, 0, 0);
+    }
+    return cd;
+  };
+  // Scores S^T += K Q^T of float keys: a lane's words of keys r and r + 8 (krow(u), null
+  // for none: zeros) against the unscaled queries.
+  const auto float_scores = [&](float (&s)[4], const auto& krow) {
+#pragma unroll
+    for (int j = 0; j < KW; j++) {
+      uint32_t a[2][4], hi[4], lo[4];
+#pragma unroll
+      for (int u = 0; u < 2; u++) {
+        const C* src = krow(u);
+        const uint4 w = src != nullptr ? reinterpret_cast<const uint4*>(src + 32 * j + 8 * c)[0] : make_uint4(0, 0, 0, 0);
+        a[u][0] = w.x, a[u][1] = w.y, a[u][2] = w.z, a[u][3] = w.w;
+      }
+      float zsum = 0.0f;
+      query_words<C, INT4, false, BF16>(qrow + 32 * j, make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), zsum, hi, lo);
+      mma_scores_step<C>(s, a[0], a[1], hi);
+      if constexpr (BF16) mma_scores_step<C>(s, a[0], a[1], lo);
     }
   };
-  const auto load_floats = [&](int t0, const C* k_rows, const C* v_rows, int base, int mod, int below_t) {
+  // A value's words from a float row (zeros for none).
+  const auto float_values = [&](uint4 (&vw)[VW], const C* src) {
+#pragma unroll
+    for (int j = 0; j < VW; j++) vw[j] = src != nullptr ? reinterpret_cast<const uint4*>(src + CPR * r)[j] : make_uint4(0, 0, 0, 0);
+  };
+  MmaState<HD / 16> st;
+
+  // A coded tile (whole: below the coded length, so below `end` too). Keys turned a group
+  // at a time as the product takes them, against the queries times the tile's key scales;
+  // values turned after the scores, each with its scale (and zero point). The sink tokens
+  // of the first tile are float keys among codes: their scores come from a second product
+  // against the queries without the scales, their values from the sink.
+  const auto coded_tile = [&](int t0, const Codes& cd, int first) {
     const int p0 = t0 + warp * MMA_WPOS;
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float zsum = 0.0f;
 #pragma unroll
-    for (int u = 0; u < 2; u++) {
-      const int t = p0 + r + 8 * u;
-      if (t < below_t) {
-        const C* src = k_rows + (size_t)((t - base) % mod) * HD + 8 * c;
+    for (int j = 0; j < KW; j++) {
+      uint32_t a[2][4], hi[4], lo[4];
 #pragma unroll
-        for (int j = 0; j < KW; j++) kw[u][j] = reinterpret_cast<const uint4*>(src + 32 * j)[0];
+      for (int u = 0; u < 2; u++) {
+#pragma unroll
+        for (int w = 0; w < 4; w++) a[u][w] = key_word<C, INT4>(cd.k[u][j], w);
       }
+      query_words<C, INT4, true, TWO_CODED>(qrow + 32 * j, cd.ks[j], cd.kz[j], zsum, hi, lo);
+      mma_scores_step<C>(s, a[0], a[1], hi);
+      if constexpr (TWO_CODED) mma_scores_step<C>(s, a[0], a[1], lo);
     }
+    const bool sink0 = p0 + r < f.SINK, sink1 = p0 + r + 8 < f.SINK;
+    if constexpr (INT4) {  // rows 2c, 2c + 1: the queries . the key zero points, summed over a row's lanes
+      zsum += __shfl_xor_sync(0xffffffffu, zsum, 1);
+      zsum += __shfl_xor_sync(0xffffffffu, zsum, 2);
+      const float qz0 = __shfl_sync(0xffffffffu, zsum, 8 * c), qz1 = __shfl_sync(0xffffffffu, zsum, 8 * c + 4);
+      if (!sink0) s[0] += qz0, s[1] += qz1;
+      if (!sink1) s[2] += qz0, s[3] += qz1;
+    }
+    const C* sink_k = L.sink_k + (size_t)head * f.SINK * HD;
+    const C* sink_v = L.sink_v + (size_t)head * f.SINK * HD;
+    if (p0 < f.SINK) {  // (warp-uniform) float keys among the codes
+      float s2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      float_scores(s2, [&](int u) {
+        const int t = p0 + r + 8 * u;
+        return t < f.SINK ? sink_k + (size_t)t * HD : nullptr;
+      });
+      if (sink0) s[0] = s2[0], s[1] = s2[1];
+      if (sink1) s[2] = s2[2], s[3] = s2[3];
+    }
+    uint4 vw[4][VW];
 #pragma unroll
     for (int u = 0; u < 4; u++) {
       const int t = p0 + 2 * c + (u & 1) + 8 * (u >> 1);
-      if (t < below_t) {
-        const C* src = v_rows + (size_t)((t - base) % mod) * HD + CPR * r;
+      if (t < f.SINK) {
+        float_values(vw[u], sink_v + (size_t)t * HD);
+      } else if constexpr (std::is_same_v<C, __half>) {
+        // One rounding of the exact code * scale + zero (the float route rounds twice,
+        // one float16 step apart at most where an int4 zero point is far from the product).
+        const __half2 scale = __float2half2_rn(cd.vs[u]), zero = __float2half2_rn(cd.vz[u]);
+        const uint32_t shift = INT4 && f.vsym ? 8u : 0u;
 #pragma unroll
-        for (int j = 0; j < VW; j++) vw[u][j] = reinterpret_cast<const uint4*>(src)[j];
+        for (int w = 0; w < CPR / 2; w++)
+          set_word(vw[u][w / 4], w % 4, h2_bits(__hfma2(code_pair_h2<INT4>(cd.v[u], w, shift), scale, zero)));
+      } else {
+        const float shift = INT4 && f.vsym ? 8.0f : 0.0f;
+#pragma unroll
+        for (int w = 0; w < CPR / 2; w++) {
+          float x, y;
+          code_pair<INT4>(cd.v[u], w, x, y);
+          set_word(vw[u][w / 4], w % 4, pack2<C>((x - shift) * cd.vs[u] + cd.vz[u], (y - shift) * cd.vs[u] + cd.vz[u]));
+        }
       }
     }
+    mma_tile_values<C, HD>(s, p0 + r >= first, p0 + r + 8 >= first, vw, ps[warp], st, r, c);
   };
-  const auto load_sink = [&](int t0) {  // (a warp's test: the first tile only)
-    if (t0 + warp * MMA_WPOS < f.SINK)
-      load_floats(t0, L.sink_k + (size_t)head * f.SINK * HD, L.sink_v + (size_t)head * f.SINK * HD, 0, f.SINK, f.SINK);
-  };
-  const auto load_tile = [&](int t0, bool is_coded, int end) {
-#pragma unroll
-    for (int u = 0; u < 2; u++) {
-#pragma unroll
-      for (int j = 0; j < KW; j++) kw[u][j] = zero4;
-    }
+  // A float tile: the ring's (decode) or the chunk's float tokens; zeros past the sequence.
+  const auto float_tile = [&](int t0, int end, int first) {
+    const int p0 = t0 + warp * MMA_WPOS;
+    if (p0 >= end) return;  // the warp's positions all past the sequence's (warp-uniform)
+    const auto slot = [&](int t) { return (size_t)((t - fbase) % fmod) * HD; };
+    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float_scores(s, [&](int u) {
+      const int t = p0 + r + 8 * u;
+      return t < end ? kf_row + slot(t) : nullptr;
+    });
+    uint4 vw[4][VW];
 #pragma unroll
     for (int u = 0; u < 4; u++) {
-#pragma unroll
-      for (int j = 0; j < VW; j++) vw[u][j] = zero4;
+      const int t = p0 + 2 * c + (u & 1) + 8 * (u >> 1);
+      float_values(vw[u], t < end ? vf_row + slot(t) : nullptr);
     }
-    if (is_coded) {
-      load_codes(t0);
-      load_sink(t0);
-    } else {
-      load_floats(t0, kf_row, vf_row, fbase, fmod, end);
-    }
+    mma_tile_values<C, HD>(s, p0 + r < end && p0 + r >= first, p0 + r + 8 < end && p0 + r + 8 >= first, vw, ps[warp],
+                           st, r, c);
   };
+
   // A decode block's first tile is coded unless it lies among the last tokens (the window
   // and the key block being filled): its codes are loaded before the position arrives, and
   // the queries after them (load_queries waits for its loads to store them), so the three
-  // trips to memory overlap as the float kernel's do; a guess the position proves wrong is
-  // loaded again as floats. (Not in a sliding layer, whose first tile the position moves.)
+  // trips to memory overlap as the float kernel's do. (Not in a sliding layer, whose first
+  // tile the position moves.)
   const bool early = decode && f.slide == 0 && split_at + KV_TILE <= f.code_len && split_at / f.KB < f.blocks;
-  if (early) load_codes(split_at);
+  Codes first_codes;
+  if (early) first_codes = load_codes(split_at);
   load_queries<MMA_ROWS, HD, KV_THREADS>(q + ((size_t)qi * NH + kh * group) * HD, qs, group, q_scale,
                                          [](int d) { return d; });
   const int pos = decode ? (int)pos_in : start_in + qi;
@@ -709,141 +835,17 @@ __global__ void __launch_bounds__(KV_THREADS, 3)
   const int first = f.slide > 0 ? max(pos + 1 - f.slide, 0) : 0;
   const int start = max(split_at, first / KV_TILE * KV_TILE);
   const int below = max(min(end, coded), start);
-  if (start < end) {
-    if (!early || start >= below) {
-      load_tile(start, start < below, end);
-    } else {
-      load_sink(start);
-    }
-  }
+  const bool first_coded = start < below;  // a tile lies wholly below or above the coded length
+  if (!early && first_coded && start < end) first_codes = load_codes(start);
   __syncthreads();  // the queries in shared memory
 
-  // The queries (row r, channels 32j + 8c .. +7), times the tile's key scales where
-  // `scaled` (coded keys), as the scores' B fragments: the value rounded to the
-  // activations' type (lo false), or what that rounding left (lo true). With both parts a
-  // score is as exact as float32 queries against the keys (the codes are exact): int4 zero
-  // points make products with the queries that cancel much of the codes', and a rounding
-  // of each large product would stay in the scores. Returns the queries' dot product with
-  // the zero points (int4), over this lane's channels. Read from shared memory per tile:
-  // held in registers across the tiles they would cost the occupancy that runs a 4K
-  // cache's splits at three blocks an SM.
-  const auto queries = [&](uint4 (&qb)[KW], bool scaled, bool lo) {
-    float zsum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < KW; j++) {
-      const float* qrow = &qs[r][32 * j + 8 * c];
-#pragma unroll
-      for (int w = 0; w < 4; w++) {
-        float x = qrow[2 * w], y = qrow[2 * w + 1];
-        if (scaled) {
-          const __half* kz_j = reinterpret_cast<const __half*>(&kzw[j]);
-          if (INT4 && !lo) zsum += x * __half2float(kz_j[2 * w]) + y * __half2float(kz_j[2 * w + 1]);
-          const __half* ks_j = reinterpret_cast<const __half*>(&ksw[j]);
-          x *= __half2float(ks_j[2 * w]);
-          y *= __half2float(ks_j[2 * w + 1]);
-        }
-        uint32_t packed = pack2<C>(x, y);
-        if (lo) {  // what the rounding left: one packing conversion back and forth, not two
-          const float2 hi = unpack2<C>(packed);
-          packed = pack2<C>(x - hi.x, y - hi.y);
-        }
-        set_word(qb[j], w, packed);
-      }
-    }
-    return zsum;
-  };
-  MmaState<HD / 16> st;
-
-  for (int t0 = start; t0 < end; t0 += KV_TILE) {
-    const bool is_coded = t0 < below;  // a tile lies wholly below or above the coded length
-    if (t0 > start) load_tile(t0, is_coded, end);
-    const int p0 = t0 + warp * MMA_WPOS;
-    if (p0 >= end) continue;       // the warp's positions all past the sequence's (warp-uniform)
-    if (is_coded) {
-      // Codes turned in place (the words read before any is written).
-#pragma unroll
-      for (int u = 0; u < 2; u++) {
-        const int t = p0 + r + 8 * u;
-        if (t < end && t >= f.SINK) {
-#pragma unroll
-          for (int j = 0; j < KW; j++) {
-            const uint32_t codes[2] = {kw[u][j].x, kw[u][j].y};
-#pragma unroll
-            for (int w = 0; w < 4; w++) {
-              if constexpr (std::is_same_v<C, __half>) {
-                set_word(kw[u][j], w, h2_bits(code_pair_h2<INT4>(codes, w, 0u)));
-              } else {
-                float x, y;
-                code_pair<INT4>(codes, w, x, y);
-                set_word(kw[u][j], w, pack2<C>(x, y));
-              }
-            }
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < 4; u++) {
-        const int t = p0 + 2 * c + (u & 1) + 8 * (u >> 1);
-        if (t < end && t >= f.SINK) {
-          const uint32_t codes[4] = {vw[u][0].x, vw[u][0].y, vw[u][0].z, vw[u][0].w};
-          if constexpr (std::is_same_v<C, __half>) {
-            // One rounding of the exact code * scale + zero (the float route rounds twice,
-            // one float16 step apart at most where an int4 zero point is far from the product).
-            const __half2 scale = __float2half2_rn(vsc[u]), zero = __float2half2_rn(vzc[u]);
-            const uint32_t shift = INT4 && f.vsym ? 8u : 0u;
-#pragma unroll
-            for (int w = 0; w < CPR / 2; w++)
-              set_word(vw[u][w / 4], w % 4, h2_bits(__hfma2(code_pair_h2<INT4>(codes, w, shift), scale, zero)));
-          } else {
-            const float shift = INT4 && f.vsym ? 8.0f : 0.0f;
-#pragma unroll
-            for (int w = 0; w < CPR / 2; w++) {
-              float x, y;
-              code_pair<INT4>(codes, w, x, y);
-              set_word(vw[u][w / 4], w % 4, pack2<C>((x - shift) * vsc[u] + vzc[u], (y - shift) * vsc[u] + vzc[u]));
-            }
-          }
-        }
-      }
-    }
-    uint4 qb[KW];  // the scores' B fragments (queries)
-    const auto scores = [&](float (&d)[4]) { mma_scores<C, KW>(d, kw, qb); };
-    // Scores against the queries (times the key scales on codes): both parts where int4
-    // codes' zero points make large products that cancel, and always for bfloat16, whose
-    // 8-bit mantissa would round the queries (times the query scale, and the key scales)
-    // too coarsely for the scores; one part elsewhere (float16: int8 codes and float keys,
-    // rounded as the float cache's kernel rounds its queries).
-    constexpr bool BF16 = !std::is_same_v<C, __half>;
-    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    float zsum = queries(qb, is_coded, false);
-    scores(s);
-    if (BF16 || (INT4 && is_coded)) {
-      queries(qb, is_coded, true);
-      scores(s);
-    }
-    if (is_coded) {
-      const bool sink0 = p0 + r < f.SINK, sink1 = p0 + r + 8 < f.SINK;
-      if (INT4) {  // rows 2c, 2c + 1: the queries . the key zero points, summed over a row's lanes
-        zsum += __shfl_xor_sync(0xffffffffu, zsum, 1);
-        zsum += __shfl_xor_sync(0xffffffffu, zsum, 2);
-        const float qz0 = __shfl_sync(0xffffffffu, zsum, 8 * c), qz1 = __shfl_sync(0xffffffffu, zsum, 8 * c + 4);
-        if (!sink0) s[0] += qz0, s[1] += qz1;
-        if (!sink1) s[2] += qz0, s[3] += qz1;
-      }
-      if (p0 < f.SINK) {  // (warp-uniform) float keys among the codes: scores without the scales
-        float s2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        queries(qb, false, false);
-        scores(s2);
-        if (BF16) {
-          queries(qb, false, true);
-          scores(s2);
-        }
-        if (sink0) s[0] = s2[0], s[1] = s2[1];
-        if (sink1) s[2] = s2[2], s[3] = s2[3];
-      }
-    }
-    mma_tile_values<C, HD>(s, p0 + r < end && p0 + r >= first, p0 + r + 8 < end && p0 + r + 8 >= first, vw, ps[warp], st,
-                           r, c);
+  if (start < end) {  // the first tile apart: its codes may be loaded already
+    if (first_coded) coded_tile(start, first_codes, first);
+    else float_tile(start, end, first);
+  }
+  for (int t0 = start + KV_TILE; t0 < end; t0 += KV_TILE) {
+    if (t0 < below) coded_tile(t0, load_codes(t0), first);
+    else float_tile(t0, end, first);
   }
   mma_finish<C, GP, HD, KV_THREADS>(st, group, bh, sp, splits, acc, ml, done,
                                     out + ((size_t)qi * NH + kh * group) * HD);
