@@ -31,6 +31,7 @@ from bench.family_models import MESSAGES, make_model, served_logits, write_qwen3
 from bench.text_engines import engine_fields, load_engine
 from edge.text.engine import kv_format
 from edge.text.kv.float_cache import KVCache
+from edge.text.kv.quant_cache import QuantKVCache
 from edge.text.runtime.generate import SamplingParams
 from engines.text.corpus import corpus_fingerprint, evaluation_text
 from engines.text.gemma3_270m import NAME, gemma3_270m_gguf
@@ -144,6 +145,7 @@ def gemma3_row(engine_dir: Path, max_tokens: int, prompts: int) -> dict[str, Any
         "int4_greedy_agreement": agreement(float_conts, int4_conts)["token_agreement"],
         "int4_build_seconds": round(build_s, 1),
         **kv_fields(engine),
+        "kv_quantized": {dtype: quantized_kv_fields(int4, dtype) for dtype in ("int8", "int4")},
         **engine_fields(engine),
     }
 
@@ -153,6 +155,10 @@ def kv_fields(engine: Any) -> dict[str, Any]:
     are longer than they need) and what it would take with every position held."""
     cache = engine.batcher.cache
     every = KVCache(engine.model.config, cache.batch, cache.max_len, cache.k.dtype, torch.device("meta"), False)
+    return _sizes(cache, every)
+
+
+def _sizes(cache: KVCache | QuantKVCache, every: KVCache | QuantKVCache) -> dict[str, Any]:
     return {
         "kv_rows": cache.batch,
         "kv_row_tokens": cache.max_len,
@@ -160,6 +166,19 @@ def kv_fields(engine: Any) -> dict[str, Any]:
         "kv_bytes": cache.nbytes,
         "kv_bytes_every_position": every.nbytes,
     }
+
+
+def quantized_kv_fields(checkpoint: Path, dtype: str) -> dict[str, Any]:
+    """The int8 or int4 KV cache the CPU profile's engine allocates with `kv_dtype` so
+    (the sliding layers' codes in circles of their window's key blocks) and what it would
+    take with every position held."""
+    engine = load_engine(checkpoint, "cpu", warm=False, cpu_kernel="exact", kv_dtype=dtype)
+    cache = engine.batcher.cache
+    assert isinstance(cache, QuantKVCache)
+    every = QuantKVCache(
+        engine.model.config, cache.batch, cache.max_len, cache.fmt, cache.dtype, torch.device("meta"), False
+    )
+    return {**_sizes(cache, every), "engine_config": engine.config()}
 
 
 def main() -> None:

@@ -1125,6 +1125,14 @@ def models(d: dict[str, Any]) -> str:
                 f"positions, against {r['kv_bytes_every_position'] / 2**20:.1f} MiB with every position of every "
                 f"layer held ({r['kv_bytes'] / r['kv_bytes_every_position']:.2f}x).",
             ]
+        for dtype, q in r.get("kv_quantized", {}).items():
+            lines += [
+                "",
+                f"Its {dtype} KV cache as that engine allocates it with `kv_dtype: {dtype}`, {q['kv_rows']} rows of "
+                f"{q['kv_row_tokens']} tokens: {q['kv_bytes'] / 2**20:.1f} MiB with the sliding layers' codes in "
+                f"circles of {q['kv_sliding_slots']} slots, against {q['kv_bytes_every_position'] / 2**20:.1f} MiB "
+                f"with every position of every layer coded ({q['kv_bytes'] / q['kv_bytes_every_position']:.2f}x).",
+            ]
     return "\n".join(lines)
 
 

@@ -33,6 +33,7 @@ from bench.family_models import (
 from edge.text.architecture import LlamaConfig
 from edge.text.kv.float_cache import LOCAL_ROOM, KVCache
 from edge.text.kv.kv_quant import FORMATS
+from edge.text.kv.quant_cache import QuantKVCache
 from edge.text.model.checkpoint import load_checkpoint
 from edge.text.model.llama import Attention, LlamaModel
 from edge.text.ops import step_ops
@@ -304,6 +305,72 @@ def test_the_sliding_layers_keep_their_window_alone_and_answer_as_with_every_pos
     again.load_row(0, at, again.save_row(1, at))
     assert int(again.offsets[0]) == int(again.offsets[1]) > 0
     assert torch.equal(_steps(model, again, ids, 0, at, True), _steps(model, again, ids, 1, at, True))
+
+
+def _quant_steps(model: LlamaModel, cache: QuantKVCache, ids: torch.Tensor, row: int, start: int) -> torch.Tensor:
+    """Logits of ids[start:] decoded one token a step, op by op, in cache row `row` (the
+    other row parked at the cache's end)."""
+    rows = []
+    with torch.no_grad():
+        for t in range(start, ids.shape[1]):
+            positions = [cache.max_len - 1] * cache.batch
+            positions[row] = t
+            tokens = torch.zeros(cache.batch, 1, dtype=torch.long)
+            tokens[row] = ids[0, t]
+            rows.append(model.decode_step(tokens, cache, torch.tensor(positions), t + 1)[row])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_a_quantized_cache_codes_its_sliding_layers_window_alone_and_answers_as_with_every_position(
+    family: dict[str, Any], int4: LlamaModel, name: str
+) -> None:
+    """On the CPU a sliding layer's codes live in a circle of the key blocks its window can
+    reach and one more (quant_cache.py): the cache takes less memory by exactly the code
+    slots the sliding layers no longer hold, and the INT4 build answers bit for bit as
+    over a cache coding every position (the same codes, read from other slots) through a
+    prefill that codes more blocks than the circle holds, a chunk after it and a decode
+    going round the circle again; a row saved there (what the prefix cache and the
+    offload keep) and put in another row decodes on as the first."""
+    model, config, fmt = int4, int4.config, FORMATS[name]  # type: ignore[index]
+    sliding = sum(1 for i in range(config.num_layers) if config.layer_window(i))
+    full = model.new_cache(2, 512, fmt, window_sized=False)
+    held = model.new_cache(2, 512, fmt)
+    assert isinstance(full, QuantKVCache) and isinstance(held, QuantKVCache) and full.local_slots == 0
+    if not sliding or config.window >= 512:
+        assert held.local_slots == 0 and held.nbytes == full.nbytes
+        return
+    assert held.local_slots == 2 * fmt.key_block  # a window of 24: its block and one more
+    assert all(held.layer(i).circular == bool(config.layer_window(i)) for i in range(config.num_layers))
+
+    def codes(cache: QuantKVCache, prefix: str) -> int:
+        kept = (prefix + "k_", prefix + "v_")
+        return sum(t.numel() * t.element_size() for n, t in cache._tensors().items() if n.startswith(kept))
+
+    per_slot_full = codes(full, "") / (config.num_layers * full.layer(0).code_len)
+    assert codes(held, "local_") == sliding * held.local_slots * per_slot_full  # the same slots, fewer
+    assert full.nbytes - held.nbytes == sliding * (full.layer(0).code_len - held.local_slots) * per_slot_full
+    # Rows of 512 (Phi-3's of 256: its original context): the prefill codes 192 positions
+    # into 128 slots (Phi-3's 64), and the decode goes round the circle.
+    length = held.max_len
+    ids = torch.randint(0, config.vocab_size, (1, length - 42), generator=torch.Generator().manual_seed(4))
+    prefill, chunk = (200, 40) if length >= 512 else (100, 20)
+    logits = []
+    for cache in (held, full):
+        with torch.no_grad():
+            first = model(ids[:, :prefill], cache.rows(1, 1), 0)[0, -1]
+            after = model(ids[:, prefill : prefill + chunk], cache.rows(1, 1), prefill)[0, -1]
+        logits.append(torch.cat([first[None], after[None], _quant_steps(model, cache, ids, 1, prefill + chunk)]))
+    assert torch.equal(logits[0], logits[1])
+    # Saved 30 positions before the end, put in row 0, decoded on in both rows.
+    at = ids.shape[1] - 30
+    again = model.new_cache(2, 512, fmt)
+    assert isinstance(again, QuantKVCache)
+    with torch.no_grad():
+        model(ids[:, :prefill], again.rows(1, 1), 0)
+    _quant_steps(model, again, ids[:, :at], 1, prefill)
+    again.load_row(0, at, again.save_row(1, at))
+    assert torch.equal(_quant_steps(model, again, ids, 0, at), _quant_steps(model, again, ids, 1, at))
 
 
 def test_a_sliding_buffer_moves_the_window_to_its_front_and_refuses_what_it_cannot_hold() -> None:

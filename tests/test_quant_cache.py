@@ -6,6 +6,7 @@ quantized cache answer as each does alone."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -332,3 +333,74 @@ def test_real_model_served_over_a_quantized_cache_answers_as_alone(ckpt: TextChe
     assert batcher.kv.snapshot()["kv_dtype"] == dtype
     assert batcher.cache.nbytes < float_bytes / (1.8 if dtype == "int8" else 2.5)
     assert batcher.kv.bytes_per_token * 2 * 512 >= batcher.cache.nbytes
+
+
+SLIDING = dataclasses.replace(CONFIG, sliding_window=24, layer_types=("sliding", "full"))
+
+
+def test_a_sliding_layers_codes_in_a_circle_go_where_the_kernels_read_them_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sliding layer keeps codes for the key blocks its window reaches and one more (slot
+    t % slots) where that is fewer than a row can code; the CPU's and Triton's kernels
+    read them so, ours on CUDA (slot t) refuse such a layer by name and get a cache
+    holding every position (step_ops.circular_kv, which LlamaModel.new_cache asks)."""
+    from edge.text.ops import step_ops
+    from edge.text.ops.cuda import kv_ops as cuda_kv
+
+    meta, fmt = torch.device("meta"), FORMATS["int8"]
+    circle = QuantKVCache(SLIDING, 1, 512, fmt, torch.float16, meta, window_sized=True)
+    every = QuantKVCache(SLIDING, 1, 512, fmt, torch.float16, meta, window_sized=False)
+    assert circle.local_slots == 128 and [circle.layer(i).circular for i in range(2)] == [True, False]
+    assert every.local_slots == 0 and not any(every.layer(i).circular for i in range(2))
+    assert every.layer(0).code_len == 448 and circle.layer(0).code_len == 128 and circle.nbytes < every.nbytes
+    # Rows of 160 tokens code 128 positions at most: a circle of 128 would save nothing.
+    assert QuantKVCache(SLIDING, 1, 160, fmt, torch.float16, meta, window_sized=True).local_slots == 0
+    assert QuantKVCache(SLIDING, 1, 512, fmt, torch.float16, meta).local_slots == 0  # asked for only
+    with pytest.raises(ValueError, match="do not take a sliding layer's codes in a circle"):
+        cuda_kv._layer(circle.layer(0))
+    assert step_ops.circular_kv("cpu")
+    monkeypatch.setattr(step_ops, "_chosen", {"cuda:0": "triton"})
+    assert step_ops.circular_kv("cuda:0")
+    monkeypatch.setattr(step_ops, "_chosen", {"cuda:0": "cuda"})
+    assert not step_ops.circular_kv("cuda:0")
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_triton_kernels_read_and_write_a_sliding_layers_codes_in_a_circle(name: str) -> None:
+    """Triton's decode write codes each key block into its slot of the circle (a prefill
+    having coded more blocks than the circle holds), and its decode and chunk attention
+    over the circle, in the layer's window, give what they give over a cache holding
+    every position, bit for bit (the same codes, from other slots)."""
+    from edge.text.ops.triton import triton_kv
+
+    fmt, window, steps = SMALL_FORMATS[name], 24, range(100, 140)
+    k, v = _kv(164, rows=1)
+    layers = []
+    for sized in (True, False):
+        cache = QuantKVCache(SLIDING, 1, 256, fmt, torch.float32, DEVICE, window_sized=sized)
+        layer = cache.layer(0)
+        layer.store(k[:, :, :100].to(DEVICE), v[:, :, :100].to(DEVICE), 0)
+        for t in steps:
+            at = torch.tensor([t], device=DEVICE)
+            triton_kv.write_tokens(layer, k[:, :, t].to(DEVICE), v[:, :, t].to(DEVICE), at)
+        layers.append(layer)
+    circle, every = layers
+    assert circle.circular and circle.code_len == 2 * fmt.key_block < every.code_len
+    coded = fmt.coded(140)
+    live = torch.arange(coded - fmt.key_block, coded)  # the newest coded block: where each cache put it
+    assert torch.equal(circle.k_codes[:, :, live % circle.code_len].cpu(), every.k_codes[:, :, live].cpu())
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, CONFIG.num_heads, CONFIG.head_dim, generator=gen).to(DEVICE)
+    pos = torch.tensor([139], device=DEVICE)
+    outs = [triton_kv.attention(layer, q, pos, 256, q_scale=0.2, window=window).cpu() for layer in layers]
+    assert torch.equal(outs[0], outs[1])
+    qc = torch.randn(24, CONFIG.num_heads, CONFIG.head_dim, generator=gen).to(DEVICE)
+    chunks = []
+    for layer in layers:
+        ring_k, ring_v = layer.ring_span(coded, 140)
+        float_k = torch.cat([ring_k, k[:, :, 140:164].to(DEVICE)], dim=2)
+        float_v = torch.cat([ring_v, v[:, :, 140:164].to(DEVICE)], dim=2)
+        chunks.append(triton_kv.chunk_attention(layer, qc, float_k, float_v, 140, coded, 0.2, window).cpu())
+    assert torch.equal(chunks[0], chunks[1])
+    dense = triton_kv.chunk_attention(every, qc, float_k, float_v, 140, coded, 0.2, 0).cpu()
+    assert not torch.allclose(dense, chunks[1], atol=1e-2)  # the window is what both kept

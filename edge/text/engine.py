@@ -217,8 +217,9 @@ class TextEngine:
             "parameters": model.config.parameter_count(),
             "embedding": table.fmt if isinstance(table, QuantizedEmbedding) else "float",
             "kv_dtype": self.batcher.kv.dtype,
-            # Positions a row of a sliding layer's own buffer holds (float_cache.py); None:
-            # every layer holds every position.
+            # Positions a row of a sliding layer's own buffer holds (float_cache.py), or its
+            # code slots in an int8/int4 cache (quant_cache.py); None: every layer holds
+            # every position.
             "kv_sliding_slots": getattr(self.batcher.cache, "local_slots", 0) or None,
             "fused_step": fused,
             "fold_norms": bool(folds),

@@ -12,6 +12,15 @@ Per layer and row, for every KV head:
 - the first `fmt.sink` positions in float too, for good (read in place of their codes,
   which are never used, and left out of the first key block's scales).
 
+A sliding layer (Mistral's, Phi-3's, Gemma 3's local ones) reads only its last `window`
+positions, so where rows are longer than that needs, the sliding layers keep codes for
+`local_slots` positions a row (whole key blocks: the window's and one more) used as a
+circle: position t's codes in slot t % local_slots, key block b's scales in slot b %
+(local_slots / key_block). Every layer is addressed so (a layer holding every position
+has more slots than positions), so the kernels need nothing else; a key block coded
+overwrites one the window left long before. Unlike the float cache's sliding buffers
+(float_cache.py) nothing moves: a coded block is written once, where it stays.
+
 A row holding n tokens has its first fmt.coded(n) as codes and the rest in the ring.
 Writing tokens start..end-1 codes every key block that leaves the window, from the ring
 and the new tokens, then puts the new tokens in the ring. Attention reads the codes where
@@ -54,8 +63,15 @@ class QuantLayer:
 
     @property
     def code_len(self) -> int:
-        """Positions the codes are allocated for (those a row can ever code)."""
+        """Code slots a row has: position t's are slot t % code_len (every position a row
+        can ever code where the layer keeps them all, a sliding layer's window otherwise)."""
         return int(self.k_codes.shape[2])
+
+    @property
+    def circular(self) -> bool:
+        """Whether this layer keeps fewer code slots than a row can code (a sliding
+        layer's window-sized codes, reused as the window moves)."""
+        return self.code_len < full_code_len(self.fmt, self.max_len)
 
     @property
     def scratch(self) -> int:
@@ -99,18 +115,22 @@ class QuantLayer:
             self.ring_v[:, :, slots] = v[:, :, first - start :].to(self.ring_v.dtype)
 
     def _code(self, k: torch.Tensor, v: torch.Tensor, first: int) -> None:
-        """Code whole key blocks [B, H, n, D] of positions first..first+n-1."""
-        n = k.shape[2]
+        """Code whole key blocks [B, H, n, D] of positions first..first+n-1, into their
+        slots (of a circle shorter than n, the last blocks only: the earlier ones' slots
+        would be written again within the same call)."""
+        n, kb = k.shape[2], self.fmt.key_block
         codes = kv_quant.code(k, v, self.fmt, first_block=first == 0)
-        b0, b1 = first // self.fmt.key_block, (first + n) // self.fmt.key_block
-        self.k_codes[:, :, first : first + n] = codes.k_codes
-        self.v_codes[:, :, first : first + n] = codes.v_codes
-        self.k_scale[:, :, b0:b1] = codes.k_scale
-        self.v_scale[:, :, first : first + n] = codes.v_scale
+        kept = min(n, self.code_len)
+        slots = torch.arange(first + n - kept, first + n, device=k.device) % self.code_len
+        blocks = slots[::kb] // kb
+        self.k_codes[:, :, slots] = codes.k_codes[:, :, n - kept :]
+        self.v_codes[:, :, slots] = codes.v_codes[:, :, n - kept :]
+        self.k_scale[:, :, blocks] = codes.k_scale[:, :, (n - kept) // kb :]
+        self.v_scale[:, :, slots] = codes.v_scale[:, :, n - kept :]
         if codes.k_zero is not None:
-            self.k_zero[:, :, b0:b1] = codes.k_zero
+            self.k_zero[:, :, blocks] = codes.k_zero[:, :, (n - kept) // kb :]
         if codes.v_zero is not None:
-            self.v_zero[:, :, first : first + n] = codes.v_zero
+            self.v_zero[:, :, slots] = codes.v_zero[:, :, n - kept :]
 
     def write_tokens(self, k: torch.Tensor, v: torch.Tensor, positions: list[int]) -> None:
         """One token per row ([B, H, 1, D]) at each row's own position (a decode step)."""
@@ -120,22 +140,25 @@ class QuantLayer:
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, H, length, D] float32 of rows holding `length` tokens, as
         attention must see them: the reference the kernels are checked against (serving
-        never builds this)."""
+        never builds this). In a circular layer, positions whose slots a later block has
+        taken read as that block: only the window's are the row's own."""
         fmt = self.fmt
         coded = fmt.coded(length)
         rows, heads, _, dim = self.ring_k.shape
         group = fmt.group(dim)
-        kc, vc = self.k_codes[:, :, :coded], self.v_codes[:, :, :coded]
+        slots = torch.arange(coded, device=self.k_codes.device) % self.code_len
+        blocks = slots[:: fmt.key_block] // fmt.key_block
+        kc, vc = self.k_codes[:, :, slots], self.v_codes[:, :, slots]
         if fmt.dtype == "int4":
             kc, vc = _unpack4(kc), _unpack4(vc)
         vf = vc.float() - SYM4_ZERO if fmt.value_symmetric else vc.float()
-        blocks = coded // fmt.key_block
-        k = kc.float().reshape(rows, heads, blocks, fmt.key_block, dim) * self.k_scale[:, :, :blocks, None].float()
-        v = vf.reshape(rows, heads, coded, dim // group, group) * self.v_scale[:, :, :coded, :, None].float()
+        n = coded // fmt.key_block
+        k = kc.float().reshape(rows, heads, n, fmt.key_block, dim) * self.k_scale[:, :, blocks, None].float()
+        v = vf.reshape(rows, heads, coded, dim // group, group) * self.v_scale[:, :, slots, :, None].float()
         if fmt.dtype == "int4":
-            k = k + self.k_zero[:, :, :blocks, None].float()
+            k = k + self.k_zero[:, :, blocks, None].float()
         if self.v_zero.numel():
-            v = v + self.v_zero[:, :, :coded, :, None].float()
+            v = v + self.v_zero[:, :, slots, :, None].float()
         ring_k, ring_v = self.ring_span(coded, length)
         k, v = k.reshape(rows, heads, coded, dim), v.reshape(rows, heads, coded, dim)
         sink = min(fmt.sink, coded)
@@ -154,12 +177,34 @@ class QuantLayer:
         return QuantLayer(**parts)
 
 
-_TENSORS = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero", "ring_k", "ring_v", "sink_k", "sink_v")
+_CODES = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero")
+_FLOATS = ("ring_k", "ring_v", "sink_k", "sink_v")
+_TENSORS = (*_CODES, *_FLOATS, *(f"local_{name}" for name in _CODES))
+
+
+def full_code_len(fmt: KVFormat, max_len: int) -> int:
+    """Code slots of a layer holding every position a row of `max_len` can code (at least
+    one block, so that every format's tensors have a shape)."""
+    return max(fmt.coded(max_len), fmt.key_block)
+
+
+def local_slots(config: LlamaConfig, fmt: KVFormat, max_len: int) -> int:
+    """Code slots a row of the sliding layers keeps: the key blocks a window of positions
+    can touch and one more (whole blocks: scales are per block), or 0 where no layer
+    slides or that would save nothing. A decode step codes the block leaving the format's
+    float window before it attends; the blocks its window reads then are at most
+    ceil(window / key_block), so the one the step codes never takes a slot they use, nor
+    does a chunk's, which attends before it stores."""
+    kb = fmt.key_block
+    slots = (-(-config.window // kb) + 1) * kb
+    return slots if config.window and slots < full_code_len(fmt, max_len) else 0
 
 
 class QuantKVCache:
     """Keys and values of `batch` rows of up to `max_len` tokens in an int8 or int4 format,
-    allocated once (the same interface as llama.KVCache: rows, max_len, nbytes)."""
+    allocated once (the same interface as llama.KVCache: rows, max_len, nbytes).
+    `window_sized`: the sliding layers' codes in circles where that saves memory, for
+    kernels that read them so (step_ops.circular_kv, which LlamaModel.new_cache asks)."""
 
     def __init__(
         self,
@@ -169,6 +214,7 @@ class QuantKVCache:
         fmt: KVFormat,
         dtype: torch.dtype,
         device: torch.device,
+        window_sized: bool = False,
     ) -> None:
         if fmt.dtype == "float16":
             raise ValueError("a float16 cache is llama.KVCache")
@@ -178,24 +224,28 @@ class QuantKVCache:
         if fmt.key_block % 32:
             raise ValueError(f"key blocks of {fmt.key_block} tokens: a multiple of 32 is needed")
         lead = (config.num_layers, batch, config.num_kv_heads)
-        # Codes only for the positions a row can ever code: its newest tokens stay in the
-        # ring (at least one block, so that every format's tensors have a shape).
-        code_len = max(fmt.coded(max_len), fmt.key_block)
-        blocks = code_len // fmt.key_block
-        code_dim, code_type = (dim, torch.int8) if fmt.dtype == "int8" else (dim // 2, torch.uint8)
-        half = torch.float16
         self.fmt = fmt
         self.max_len = max_len
-        self.k_codes = torch.zeros(*lead, code_len, code_dim, dtype=code_type, device=device)
-        self.v_codes = torch.zeros(*lead, code_len, code_dim, dtype=code_type, device=device)
-        self.k_scale = torch.zeros(*lead, blocks, dim, dtype=half, device=device)
-        self.v_scale = torch.zeros(*lead, code_len, dim // group, dtype=half, device=device)
-        zeros = fmt.dtype == "int4"
-        self.k_zero = torch.zeros(*lead, blocks, dim, dtype=half, device=device) if zeros else _empty(device)
-        v_zeros = zeros and not fmt.value_symmetric
-        self.v_zero = (
-            torch.zeros(*lead, code_len, dim // group, dtype=half, device=device) if v_zeros else _empty(device)
+        # Codes only for the positions a row can ever code (its newest tokens stay in the
+        # ring), or, in the sliding layers, for their window's blocks.
+        self.local_slots = local_slots(config, fmt, max_len) if window_sized else 0
+        local = [bool(self.local_slots and config.layer_window(i)) for i in range(config.num_layers)]
+        # Each layer's index among the layers holding every position, or among the
+        # sliding layers' (the local_ tensors).
+        self.index = [sum(local[:i]) if local[i] else i - sum(local[:i]) for i in range(config.num_layers)]
+        self.is_local = local
+        heads = config.num_kv_heads
+        codes = _code_tensors(
+            config, fmt, (config.num_layers - sum(local), batch, heads), full_code_len(fmt, max_len), device
         )
+        self.k_codes, self.v_codes, self.k_scale, self.k_zero, self.v_scale, self.v_zero = (codes[n] for n in _CODES)
+        codes = _code_tensors(config, fmt, (sum(local), batch, heads), self.local_slots, device)
+        self.local_k_codes, self.local_v_codes, self.local_k_scale = (
+            codes["k_codes"],
+            codes["v_codes"],
+            codes["k_scale"],
+        )
+        self.local_k_zero, self.local_v_scale, self.local_v_zero = codes["k_zero"], codes["v_scale"], codes["v_zero"]
         self.ring_k = torch.zeros(*lead, fmt.ring + 1, dim, dtype=dtype, device=device)
         self.ring_v = torch.zeros(*lead, fmt.ring + 1, dim, dtype=dtype, device=device)
         sink = (lambda: torch.zeros(*lead, fmt.sink, dim, dtype=dtype, device=device)) if fmt.sink else None
@@ -204,7 +254,7 @@ class QuantKVCache:
 
     @property
     def batch(self) -> int:
-        return int(self.k_codes.shape[1])
+        return int(self.ring_k.shape[1])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -221,18 +271,24 @@ class QuantKVCache:
     def rows(self, first: int, count: int) -> QuantKVCache:
         """A cache over rows first..first+count-1 that shares this one's memory."""
         view = QuantKVCache.__new__(QuantKVCache)
-        view.fmt, view.max_len = self.fmt, self.max_len
+        view.__dict__.update(self.__dict__)
         for name, tensor in self._tensors().items():
             setattr(view, name, tensor[:, first : first + count] if tensor.numel() else tensor)
         return view
 
     def layer(self, i: int) -> QuantLayer:
-        parts = {name: (t[i] if t.numel() else t) for name, t in self._tensors().items()}
+        """Layer i's share: its codes (a sliding layer's own, where it keeps its window's
+        only) and its float ring and sink."""
+        tensors = self._tensors()
+        prefix, at = ("local_" if self.is_local[i] else ""), self.index[i]
+        parts = {name: _at(tensors[prefix + name], at) for name in _CODES}
+        parts.update({name: _at(tensors[name], i) for name in _FLOATS})
         return QuantLayer(self.fmt, self.max_len, **parts)
 
     def save_row(self, row: int, length: int) -> dict[str, torch.Tensor]:
         """What a row holding `length` tokens needs to go on from where it is: its codes
-        and scales up to fmt.coded(length), its ring's tokens after that (copies)."""
+        and scales up to fmt.coded(length) (a circular layer's slots: every one once the
+        row has gone round), its ring's tokens after that (copies)."""
         coded = self.fmt.coded(length)
         blocks = coded // self.fmt.key_block
         out: dict[str, torch.Tensor] = {}
@@ -246,7 +302,7 @@ class QuantKVCache:
             elif name.startswith("sink"):
                 out[name] = part.clone()
             else:
-                out[name] = part[:, :, : blocks if name == "k_scale" or name == "k_zero" else coded].clone()
+                out[name] = part[:, :, : blocks if name.endswith(("k_scale", "k_zero")) else coded].clone()
         return out
 
     def load_row(self, row: int, length: int, saved: dict[str, torch.Tensor]) -> None:
@@ -265,6 +321,33 @@ class QuantKVCache:
                 part.copy_(value)
             else:
                 part[:, :, : value.shape[2]] = value
+
+
+def _code_tensors(
+    config: LlamaConfig, fmt: KVFormat, lead: tuple[int, ...], code_len: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Codes, scales and zero points of `code_len` slots for layers x rows x KV heads
+    `lead` (empty tensors for what the format does not keep, or no slots)."""
+    dim, group = config.head_dim, fmt.group(config.head_dim)
+    if not code_len or not lead[0]:
+        return {name: _empty(device) for name in _CODES}
+    blocks = code_len // fmt.key_block
+    code_dim, code_type = (dim, torch.int8) if fmt.dtype == "int8" else (dim // 2, torch.uint8)
+    half = torch.float16
+    zeros = fmt.dtype == "int4"
+    v_zeros = zeros and not fmt.value_symmetric
+    return {
+        "k_codes": torch.zeros(*lead, code_len, code_dim, dtype=code_type, device=device),
+        "v_codes": torch.zeros(*lead, code_len, code_dim, dtype=code_type, device=device),
+        "k_scale": torch.zeros(*lead, blocks, dim, dtype=half, device=device),
+        "k_zero": torch.zeros(*lead, blocks, dim, dtype=half, device=device) if zeros else _empty(device),
+        "v_scale": torch.zeros(*lead, code_len, dim // group, dtype=half, device=device),
+        "v_zero": torch.zeros(*lead, code_len, dim // group, dtype=half, device=device) if v_zeros else _empty(device),
+    }
+
+
+def _at(tensor: torch.Tensor, i: int) -> torch.Tensor:
+    return tensor[i] if tensor.numel() else tensor
 
 
 def _empty(device: torch.device) -> torch.Tensor:

@@ -471,7 +471,9 @@ class LlamaModel(nn.Module):
     ) -> KVCache | QuantKVCache:
         """A KV cache of `batch` rows: float in the activations' type (the sliding layers
         in buffers sized from their window unless `window_sized` is off: float_cache.py),
-        or int8/int4 codes (edge/text/kv/quant_cache.py) for a quantized format."""
+        or int8/int4 codes (edge/text/kv/quant_cache.py) for a quantized format (the
+        sliding layers' codes sized from their window where the kernels read them as a
+        circle: step_ops.circular_kv)."""
         length = min(max_len, self.config.max_position)
         if kv_format is not None and kv_format.dtype != "float16":
             if self.device.type == "cuda":
@@ -480,7 +482,8 @@ class LlamaModel(nn.Module):
                 refused = step_ops.kv_refusal(self.device, kv_format, config.head_dim, group, self.dtype)
                 if refused:
                     raise ValueError(f"kv_dtype {kv_format.dtype} on CUDA: {refused}; serve with kv_dtype float16")
-            return QuantKVCache(self.config, batch, length, kv_format, self.dtype, self.device)
+            circle = window_sized and step_ops.circular_kv(self.device)
+            return QuantKVCache(self.config, batch, length, kv_format, self.dtype, self.device, circle)
         return KVCache(self.config, batch, length, self.dtype, self.device, window_sized)
 
     @torch.inference_mode()

@@ -134,6 +134,13 @@ def kv_refusal(device: torch.device | str, fmt: KVFormat, head_dim: int, group: 
     return None
 
 
+def circular_kv(device: torch.device | str) -> bool:
+    """Whether the quantized-KV kernels serving `device` read a sliding layer's codes kept
+    in a circle of its window's key blocks (quant_cache.py): the CPU's and Triton's; ours
+    on CUDA (kv_ops.cu) read position t's codes at slot t."""
+    return torch.device(device).type == "cpu" or backend(device) == "triton"
+
+
 def kv_kernels(device: torch.device | str) -> KVKernels:
     """The module whose write_tokens, rope_write, attention and chunk_attention serve a
     quantized KV cache on `device` (triton_kv, or our kv_ops)."""

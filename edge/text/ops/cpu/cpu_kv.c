@@ -15,6 +15,11 @@
  * The first `sink` positions of a row are kept float (sk, sv) and read instead of their
  * codes once they are coded.
  *
+ * Position t's codes are in slot t % code_len and key block b's scales in slot b % blocks:
+ * a sliding layer keeps only its window's key blocks, a circle the window moves round
+ * (quant_cache.py); a layer holding every position has a slot for each, so the same
+ * arithmetic reads it in place.
+ *
  * Query i (of Q) attends to positions 0..pos[i] of cache row rows[i]: positions below
  * coded[i] from the codes, the rest from the float part, where position t is slot
  * (t - fbase[i]) % fmod of float row frows[i]: the ring of the cache's newest tokens
@@ -56,7 +61,7 @@ static inline float half_to_float(uint16_t h) {
 }
 
 typedef struct {
-    int64_t nkv, d, code_len, blocks, groups; /* groups: value groups per token */
+    int64_t nkv, d, code_len, blocks, groups; /* code slots, key-block slots, value groups per token */
     int64_t kb, vg;
     int int4;
     const void *kcodes, *vcodes;            /* [rows, nkv, code_len, d or d/2] */
@@ -85,7 +90,7 @@ static void attend_one(const kv_layer *L, const float *q, int group, int64_t row
         const float *qg = q + g * d;
         float *sg = scores + g * n;
         for (int64_t b0 = lo / L->kb * L->kb; b0 < coded; b0 += L->kb) {
-            const int64_t blk = b0 / L->kb;
+            const int64_t blk = b0 / L->kb % L->blocks;
             const uint16_t *ks = L->kscale + (head * L->blocks + blk) * d;
             float zterm = 0.0f;
             for (int64_t c = 0; c < d; c++) qs[c] = qg[c] * half_to_float(ks[c]);
@@ -96,12 +101,13 @@ static void attend_one(const kv_layer *L, const float *q, int group, int64_t row
             const int64_t b1 = b0 + L->kb < coded ? b0 + L->kb : coded;
             for (int64_t t = b0 > lo ? b0 : lo; t < b1; t++) {
                 float s = 0.0f;
+                const int64_t at = head * L->code_len + t % L->code_len;
                 if (L->int4) {
-                    const uint8_t *code = (const uint8_t *)L->kcodes + (head * L->code_len + t) * dc;
+                    const uint8_t *code = (const uint8_t *)L->kcodes + at * dc;
                     for (int64_t j = 0; j < dc; j++)
                         s += qs[2 * j] * (float)(code[j] & 15) + qs[2 * j + 1] * (float)(code[j] >> 4);
                 } else {
-                    const int8_t *code = (const int8_t *)L->kcodes + (head * L->code_len + t) * dc;
+                    const int8_t *code = (const int8_t *)L->kcodes + at * dc;
                     for (int64_t c = 0; c < d; c++) s += qs[c] * (float)code[c];
                 }
                 sg[t] = s + zterm;
@@ -139,21 +145,21 @@ static void attend_one(const kv_layer *L, const float *q, int group, int64_t row
         }
         for (int64_t t = sunk > lo ? sunk : lo; t < coded; t++) {
             const float p = sg[t] * inv;
-            const uint16_t *vs = L->vscale + (head * L->code_len + t) * L->groups;
+            const int64_t at = head * L->code_len + t % L->code_len;
+            const uint16_t *vs = L->vscale + at * L->groups;
             for (int64_t gi = 0; gi < L->groups; gi++) {
                 const float w = p * half_to_float(vs[gi]);
                 const int64_t c0 = gi * L->vg;
                 if (L->int4) {
-                    const uint8_t *code = (const uint8_t *)L->vcodes + (head * L->code_len + t) * dc + c0 / 2;
+                    const uint8_t *code = (const uint8_t *)L->vcodes + at * dc + c0 / 2;
                     /* no zero points: symmetric codes, c standing for (c - 8) steps */
-                    const float z = L->vzero ? p * half_to_float(L->vzero[(head * L->code_len + t) * L->groups + gi])
-                                             : -8.0f * w;
+                    const float z = L->vzero ? p * half_to_float(L->vzero[at * L->groups + gi]) : -8.0f * w;
                     for (int64_t j = 0; j < L->vg / 2; j++) {
                         og[c0 + 2 * j] += w * (float)(code[j] & 15) + z;
                         og[c0 + 2 * j + 1] += w * (float)(code[j] >> 4) + z;
                     }
                 } else {
-                    const int8_t *code = (const int8_t *)L->vcodes + (head * L->code_len + t) * dc + c0;
+                    const int8_t *code = (const int8_t *)L->vcodes + at * dc + c0;
                     for (int64_t c = 0; c < L->vg; c++) og[c0 + c] += w * (float)code[c];
                 }
             }
@@ -177,7 +183,7 @@ int edge_kv_attention(const float *q, int64_t nq, int64_t nh, const int64_t *row
                       const float *vf, int64_t falloc, int64_t fmod, const float *sk, const float *sv,
                       int64_t sink, int64_t window, float q_scale, float *out, int threads) {
     if (nkv <= 0 || nh % nkv || d <= 0 || kb <= 0 || vg <= 0 || d % vg || (int4 && (d % 2 || vg % 2)) || fmod <= 0 ||
-        window < 0)
+        window < 0 || code_len <= 0 || code_len % kb)
         return -1;
     kv_layer L = {nkv,    d,     code_len, (code_len + kb - 1) / kb, d / vg, kb, vg, int4, kcodes, vcodes,
                   kscale, kzero, vscale,   vzero,                     kf,     vf, falloc, fmod, sk, sv, sink, window};

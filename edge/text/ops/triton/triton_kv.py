@@ -92,8 +92,10 @@ if decode_ops.TRITON_SUPPORT:
         src = ring_ptr + ((head * (RING + 1) + tl.maximum(rt, SINK) % RING) * HD)[:, None]
         ke = tl.load(src + 2 * r[None, :]).to(tl.float32)
         ko = tl.load(src + 2 * r[None, :] + 1).to(tl.float32)
-        at = (head * blocks + b0 // KB) * HD
-        code_at = ((head * code_len + rt) * (HALF if INT4 else HD))[:, None]
+        # Slots t % code_len and b % blocks: a sliding layer's codes are a circle of its
+        # window's blocks (quant_cache.py); a block never wraps (code_len is whole blocks).
+        at = (head * blocks + (b0 // KB) % blocks) * HD
+        code_at = ((head * code_len + b0 % code_len + tl.arange(0, KB)) * (HALF if INT4 else HD))[:, None]
         if INT4:
             lo_e = tl.min(ke, axis=0).to(tl.float16).to(tl.float32)
             lo_o = tl.min(ko, axis=0).to(tl.float16).to(tl.float32)
@@ -150,8 +152,9 @@ if decode_ops.TRITON_SUPPORT:
         src = ring_ptr + ((head * (RING + 1) + rt % RING) * HD)[:, None]
         ve = tl.reshape(tl.load(src + 2 * r[None, :]).to(tl.float32), (KT, NG, GH))
         vo = tl.reshape(tl.load(src + 2 * r[None, :] + 1).to(tl.float32), (KT, NG, GH))
-        g_at = (head * code_len + rt)[:, None] * NG + tl.arange(0, NG)[None, :]
-        code_at = ((head * code_len + rt) * (HALF if INT4 else HD))[:, None]
+        slot = head * code_len + b0 % code_len + part * KT + tl.arange(0, KT)  # as _code_keys's
+        g_at = slot[:, None] * NG + tl.arange(0, NG)[None, :]
+        code_at = (slot * (HALF if INT4 else HD))[:, None]
         if INT4 and VSYM:
             amax = tl.maximum(tl.max(tl.abs(ve), axis=2), tl.max(tl.abs(vo), axis=2))
             s = (amax / 7.0).to(tl.float16).to(tl.float32)
@@ -436,11 +439,12 @@ if decode_ops.TRITON_SUPPORT:
             # Packed codes read whole and split into even and odd channels. The keys' scales
             # (and zero points) are folded into the query, once a tile; the values'
             # scales, one per token and group, multiply the codes.
-            blk = t0 // KB
+            # Slots t % code_len and b % blocks (a tile lies in one block: never wraps).
+            blk = (t0 // KB) % blocks
             s_at = (head * blocks + blk) * HD + 2 * rh
             q_ks_e = (q_e32 * tl.load(ks + s_at).to(tl.float32)[None, :]).to(dt)
             q_ks_o = (q_o32 * tl.load(ks + s_at + 1).to(tl.float32)[None, :]).to(dt)
-            tok = head * code_len + rt
+            tok = head * code_len + t0 % code_len + tl.arange(0, BLOCK_T)
             g_at = tok[:, None] * NG + tl.arange(0, NG)[None, :]
             vs_t = tl.load(vs + g_at, mask=t_mask[:, None], other=0.0).to(tl.float32)[:, :, None]
             c_at = (tok * HALF)[:, None] + rh[None, :]
@@ -569,8 +573,9 @@ if decode_ops.TRITON_SUPPORT:
         for t0 in range(start, below, BLOCK_T):
             rt = t0 + tl.arange(0, BLOCK_T)
             t_mask = (rt < end) & (rt >= lo)
-            q_ks = (q32 * tl.load(ks + (head * blocks + t0 // KB) * HD + rd).to(tl.float32)[None, :]).to(dt)
-            tok = head * code_len + rt
+            # Slots t % code_len and b % blocks (a tile lies in one block: never wraps).
+            q_ks = (q32 * tl.load(ks + (head * blocks + (t0 // KB) % blocks) * HD + rd).to(tl.float32)[None, :]).to(dt)
+            tok = head * code_len + t0 % code_len + tl.arange(0, BLOCK_T)
             c_at = (tok * HD)[:, None] + rd[None, :]
             ck = tl.load(kc + c_at, mask=t_mask[:, None], other=0).to(dt)
             scores = tl.dot(q_ks, tl.trans(ck), input_precision=PREC)
