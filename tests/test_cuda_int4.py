@@ -424,3 +424,31 @@ def test_block_minimums_are_added_once_by_every_cuda_kernel(kernel: str) -> None
         want = x[:rows].float() @ dequantize(q).cuda().T
         got = layer(x[:rows]).float()
         assert float((got - want).abs().max()) <= 2e-2 * float(want.abs().max()), (kernel, rows)
+
+
+@gpu
+@pytest.mark.skipif(not CUDA, reason="no CUDA device")
+@pytest.mark.parametrize("kernel", ["cuda-mma", "triton", "cuda", "dequant"])
+def test_a_weight_in_two_halves_is_summed_once_by_every_cuda_kernel(kernel: str) -> None:
+    """A GGUF Q8_0 weight kept as two INT4 halves on each CUDA kernel, in decode's GEMV (a
+    few rows) and prefill's product (many): both halves in one product, added after, as
+    the file's weights, to float16 rounding."""
+    import gguf
+    import numpy as np
+
+    from edge.text.ops.int4 import Int4Linear
+    from edge.text.ops.triton import triton_int4
+    from engines.text.gguf_int4 import q8_halves
+
+    if kernel == "triton" and not triton_int4.TRITON_SUPPORT:
+        pytest.skip("triton is not installed")
+    data = np.random.default_rng(5).standard_normal((256, 1024)).astype(np.float32)
+    raw = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+    q = q8_halves(raw, 256, 1024)
+    layer = Int4Linear(q.to("cuda"), kernel)
+    x = torch.randn(40, 1024, generator=torch.Generator().manual_seed(6)).half().cuda()
+    for rows in (1, 3, 40):
+        want = x[:rows].float() @ dequantize(q).cuda().T
+        got = layer(x[:rows]).float()
+        assert got.shape == want.shape
+        assert float((got - want).abs().max()) <= 2e-2 * float(want.abs().max()), (kernel, rows)

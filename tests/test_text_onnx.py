@@ -136,3 +136,24 @@ def test_a_float_checkpoint_exports_float_products(engine_dir: Path) -> None:
             export_text_onnx(base, out, "int8")
     finally:
         shutil.rmtree(out)
+
+
+def test_the_export_refuses_weights_in_two_halves_by_name(engine_dir: Path, tmp_path: Path) -> None:
+    """A build whose linears include a GGUF Q8_0 weight kept as two INT4 halves (quant.json
+    says which) is refused by the export, naming the first such linear."""
+    from engines.text.import_gguf import import_smollm2
+    from engines.text.text_onnx import ExportError
+
+    base = import_smollm2(engine_dir, progress=False)
+    built = quantize_checkpoint(base, QuantRecipe(method="rtn", group_size=SERVING_GROUP), progress=False)
+    halves = tmp_path / "halves"
+    halves.mkdir()
+    for f in built.iterdir():
+        if f.name != "quant.json":
+            (halves / f.name).symlink_to(f)
+    quant = json.loads((built / "quant.json").read_text())
+    first = next(n for n in quant["linears"] if n.startswith("layers."))
+    quant["linears"][first]["halves"] = True
+    (halves / "quant.json").write_text(json.dumps(quant))
+    with pytest.raises(ExportError, match=f"two INT4 halves.*{first}"):
+        export_checkpoint(halves, "float32")

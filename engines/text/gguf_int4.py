@@ -1,4 +1,4 @@
-"""A GGUF file's Q4_0 and Q4_1 weights served as they are, with no second rounding.
+"""A GGUF file's Q4_0, Q4_1 and Q8_0 weights served as they are, with no second rounding.
 
 Q4_0 is llama.cpp's block of 32 weights: one float16 scale d and 32 four-bit codes q,
 each weight (q - 8) * d. That is our INT4 layout at group 32 with every zero point 8
@@ -16,8 +16,10 @@ A file is kept only when every linear of its blocks is Q4_0 or Q4_1 and no adapt
 merged (merging changes the weights, which must then be rounded again). The output
 projection and other tensors are what the float import makes of them; a kept build
 rounds the output projection to INT4 as every build does, unless the file's own is Q4_0
-(kept too). Q8_0 has no layout of ours yet: such files are dequantized and quantized
-again by the build's recipe, and the build says why.
+(kept too). Q8_0's blocks (a float16 scale and 32 signed 8-bit codes) are kept as two
+INT4 weights of our layout stacked in one (QuantizedWeight.halves, q8_halves), whose sum
+is the file's weight for weight; any other kind is dequantized and quantized again by
+the build's recipe, and the build says why.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ GROUP = 32  # weights per Q4_0 or Q4_1 block
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}  # a float16 scale (Q4_1: and minimum), then 16 bytes of codes
 ZERO = 8
 LINEAR_PARTS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-KEPT_VERSION = 2
+KEPT_VERSION = 3
 
 
 def q4_weight(raw: np.ndarray, rows: int, columns: int, kind: str = "Q4_0") -> QuantizedWeight:
@@ -68,8 +70,44 @@ def q4_weight(raw: np.ndarray, rows: int, columns: int, kind: str = "Q4_0") -> Q
     )
 
 
+# Q8_0: a float16 scale d and 32 signed 8-bit codes q, each weight q * d.
+Q8_BLOCK_BYTES = 34
+
+
+def q8_halves(raw: np.ndarray, rows: int, columns: int) -> QuantizedWeight:
+    """A Q8_0 tensor's bytes ([rows, columns / 32 * 34]) as two weights of our INT4 layout at
+    group 32, stacked [high; low] (QuantizedWeight.halves), whose sum is the file's weight
+    for weight: each code q = 16 h + l with l in 0..15 and h in -8..7, so q * d = (h + 8 -
+    8) * 16 d + (l - 0) * d: the high half codes h + 8 with zero points 8 and scales 16 d
+    (exact: a power of two), the low half codes l with zero points 0 and scales d. Summed
+    in float32, every weight is the file's exactly (no second rounding), and our INT4
+    kernels serve both halves as they are."""
+    if columns % GROUP:
+        raise SourceModelError(f"a Q8_0 row of {columns} weights is not whole blocks of {GROUP}")
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, columns // GROUP, Q8_BLOCK_BYTES)
+    scales = blocks[..., :2].copy().view(np.float16)[..., 0]  # [rows, blocks]
+    if not (np.abs(scales.astype(np.float32)) * 16 <= 65504).all():
+        raise SourceModelError("a Q8_0 block's scale times 16 does not fit float16")
+    codes = blocks[..., 2:].copy().view(np.int8).astype(np.int16).reshape(rows, columns)
+    high, low = (codes >> 4) + ZERO, codes & 15  # arithmetic shift: floor(q / 16)
+    stacked = np.concatenate([high, low]).astype(np.uint8)
+    half_scales = torch.from_numpy(np.ascontiguousarray(scales))
+    return QuantizedWeight(
+        qweight=torch.from_numpy(np.ascontiguousarray(stacked[:, 0::2] | (stacked[:, 1::2] << 4))),
+        scales=torch.cat([(half_scales.float() * 16).to(torch.float16), half_scales]),
+        zeros=torch.cat(
+            [torch.full(scales.shape, ZERO, dtype=torch.uint8), torch.zeros(scales.shape, dtype=torch.uint8)]
+        ),
+        group_size=GROUP,
+        halves=True,
+    )
+
+
 def _rows(weight: QuantizedWeight, order: np.ndarray) -> QuantizedWeight:
+    """The weight's rows in `order` (of a weight in halves: each half's)."""
     index = torch.from_numpy(order)
+    if weight.halves:
+        index = torch.cat([index, index + len(order)])
     minimums = None if weight.minimums is None else weight.minimums[index].contiguous()
     return QuantizedWeight(
         weight.qweight[index].contiguous(),
@@ -77,6 +115,7 @@ def _rows(weight: QuantizedWeight, order: np.ndarray) -> QuantizedWeight:
         weight.zeros[index].contiguous(),
         GROUP,
         minimums,
+        weight.halves,
     )
 
 
@@ -87,12 +126,12 @@ class _Stored:
     rows: int
     columns: int
     heads: int  # a Llama file's q or k: its rows unpermuted for this many heads; else 0
-    kind: str = "Q4_0"  # or "Q4_1"
+    kind: str = "Q4_0"  # or "Q4_1", "Q8_0"
 
 
 class KeptWeights(Mapping[str, QuantizedWeight]):
-    """A file's Q4_0 and Q4_1 linears by our module names, each read from the file when
-    asked for, so that a build holds one layer's at a time (an 8B file's are 4.5 GB)."""
+    """A file's Q4_0, Q4_1 and Q8_0 linears by our module names, each read from the file
+    when asked for, so that a build holds one layer's at a time (an 8B file's are 4.5 GB)."""
 
     def __init__(self, path: Path, stored: dict[str, _Stored]) -> None:
         self.path = path
@@ -103,7 +142,7 @@ class KeptWeights(Mapping[str, QuantizedWeight]):
         with self.path.open("rb") as fh:
             fh.seek(s.offset)
             raw = np.fromfile(fh, dtype=np.uint8, count=int(np.prod(s.byte_shape))).reshape(s.byte_shape)
-        weight = q4_weight(raw, s.rows, s.columns, s.kind)
+        weight = q8_halves(raw, s.rows, s.columns) if s.kind == "Q8_0" else q4_weight(raw, s.rows, s.columns, s.kind)
         if s.heads:
             weight = _rows(weight, _unpermute_qk(np.arange(s.rows)[:, None], s.heads)[:, 0])
         return weight
@@ -117,6 +156,13 @@ class KeptWeights(Mapping[str, QuantizedWeight]):
         """Whether a weight carries block minimums (Q4_1), from the file's tensor list."""
         return self._stored[name].kind == "Q4_1"
 
+    def has_halves(self, name: str) -> bool:
+        """Whether a weight is kept as two INT4 halves (Q8_0), from the file's tensor list."""
+        return self._stored[name].kind == "Q8_0"
+
+    def kind(self, name: str) -> str:
+        return self._stored[name].kind
+
     def __contains__(self, name: object) -> bool:
         return name in self._stored  # without reading it
 
@@ -129,14 +175,18 @@ class KeptWeights(Mapping[str, QuantizedWeight]):
 
 def kept_linears(source: GgufSource) -> tuple[Mapping[str, QuantizedWeight], str | None]:
     """Every block linear of the file as it is stored, in our layout and module names,
-    when all of them are Q4_0 or Q4_1 (and the output projection, when it is Q4_0); else
+    when all of them are Q4_0, Q4_1 or Q8_0 (and the output projection, when it is Q4_0); else
     ({}, why not). Only the file's tensor list is read here (the source's): each weight when
     asked for."""
     import gguf  # build-time only dependency
 
     heads = {"attn_q": source.config.num_heads, "attn_k": source.config.num_kv_heads}
     kept: dict[str, _Stored] = {}
-    kinds = {gguf.GGMLQuantizationType.Q4_0: "Q4_0", gguf.GGMLQuantizationType.Q4_1: "Q4_1"}
+    kinds = {
+        gguf.GGMLQuantizationType.Q4_0: "Q4_0",
+        gguf.GGMLQuantizationType.Q4_1: "Q4_1",
+        gguf.GGMLQuantizationType.Q8_0: "Q8_0",
+    }
     for t in source.stored().values():
         match = _BLOCK.match(t.name)
         is_output = t.name == "output.weight"
@@ -148,7 +198,7 @@ def kept_linears(source: GgufSource) -> tuple[Mapping[str, QuantizedWeight], str
                 # Rounded to INT4 by the build like any output projection (a Q4_1 one too:
                 # the output layer's exact top reads codes without minimums).
                 continue
-            return {}, f"{t.name} is {t.kind.name}, not Q4_0 or Q4_1"
+            return {}, f"{t.name} is {t.kind.name}, not Q4_0, Q4_1 or Q8_0"
         rows, columns = t.dims[0], t.dims[1]
         if columns % GROUP:
             raise SourceModelError(f"a {kind} row of {columns} weights is not whole blocks of {GROUP}")
@@ -161,7 +211,7 @@ def kept_linears(source: GgufSource) -> tuple[Mapping[str, QuantizedWeight], str
         name = f"layers.{int(match.group(1))}.{_LAYER_NAMES[part]}"
         kept[name] = _Stored(t.offset, t.shape, rows, columns, unpermute, kind)
     if not kept:
-        return {}, "the file has no Q4_0 or Q4_1 linears"
+        return {}, "the file has no Q4_0, Q4_1 or Q8_0 linears"
     return KeptWeights(source.path, kept), None
 
 
@@ -175,7 +225,7 @@ def write_kept(source: GgufSource, out: Path, kept: KeptWeights, progress: bool)
         names = set(linear_names(LlamaModel(source.config)))
     missing = sorted(names - set(kept))
     if missing:
-        raise SourceModelError(f"{gguf_path.name}: no Q4_0 or Q4_1 weight for {', '.join(missing[:5])}")
+        raise SourceModelError(f"{gguf_path.name}: no Q4_0, Q4_1 or Q8_0 weight for {', '.join(missing[:5])}")
     # Every block linear stays out of the recipe (kept); only the output projection, when
     # the file's is not Q4_0, is rounded (to the nearest, at group 32, as a build does).
     recipe = QuantRecipe(method="rtn", group_size=GROUP, keep=tuple(sorted(names)), lm_head="lm_head" not in kept)
@@ -185,14 +235,20 @@ def write_kept(source: GgufSource, out: Path, kept: KeptWeights, progress: bool)
     except ValueError as err:  # a stored weight of another shape than the config's
         raise SourceModelError(f"{gguf_path.name}: {err}") from err
     for name in kept:
-        kind = "Q4_1" if kept.has_minimums(name) else "Q4_0"
-        details["layers"][name] = {"bits": 4, "group_size": GROUP, "clipped": False, "from": f"gguf {kind}, as stored"}
+        bits = 8 if kept.has_halves(name) else 4
+        details["layers"][name] = {
+            "bits": bits,
+            "group_size": GROUP,
+            "clipped": False,
+            "from": f"gguf {kept.kind(name)}, as stored",
+        }
     return details
 
 
 def stored_method(kept: KeptWeights) -> str:
-    """The recipe a kept build's manifest names: gguf-q4_0, gguf-q4_1, or both."""
-    kinds = sorted({"q4_1" if kept.has_minimums(n) else "q4_0" for n in kept if n != "lm_head"})
+    """The recipe a kept build's manifest names: gguf- and the block linears' kinds (q4_0,
+    q4_1, q8_0) joined by +."""
+    kinds = sorted({kept.kind(n).lower() for n in kept if n != "lm_head"})
     return "gguf-" + "+".join(kinds)
 
 
@@ -203,13 +259,14 @@ def keep_stored(
     progress: bool = False,
     symmetric: bool = False,
 ) -> Path | None:
-    """The INT4 build of `source` that keeps the file's Q4_0 and Q4_1 weights, cached
+    """The INT4 build of `source` that keeps the file's Q4_0, Q4_1 and Q8_0 weights, cached
     beside its float import `imported` (named, not built) by the import's inputs; None,
-    saying why, where its block linears are not all Q4_0 or Q4_1, or where a symmetric
-    build (zero points 8: TensorRT's INT4) is asked for and Q4_1's minimums are not that."""
+    saying why, where its block linears are not all of those kinds, or where a symmetric
+    build (zero points 8: TensorRT's INT4) is asked for and Q4_1's minimums or Q8_0's low
+    halves (zero points 0) are not that."""
     kept, why = kept_linears(source)
-    if isinstance(kept, KeptWeights) and symmetric and "q4_1" in stored_method(kept):
-        why = "its Q4_1 weights have a minimum a block, not the symmetric form asked for"
+    if isinstance(kept, KeptWeights) and symmetric and ("q4_1" in stored_method(kept) or "q8_0" in stored_method(kept)):
+        why = "its Q4_1 or Q8_0 weights are not the symmetric INT4 asked for"
     if why is not None:
         logger.info("%s: %s; its weights are dequantized and quantized again", source.path.name, why)
         return None

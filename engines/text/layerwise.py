@@ -91,10 +91,19 @@ def _with_minimums(prepacked: Mapping[str, QuantizedWeight], groups: dict[str, i
     return {n for n in names if prepacked[n].minimums is not None}
 
 
-def _specs(model: LlamaModel, groups: dict[str, int], minimums: set[str]) -> dict[str, Spec]:
+def _with_halves(prepacked: Mapping[str, QuantizedWeight], groups: dict[str, int]) -> set[str]:
+    """The given linears kept as two INT4 halves (a GGUF file's Q8_0 weights)."""
+    told = getattr(prepacked, "has_halves", None)  # KeptWeights: from the file's tensor list
+    names = [n for n in groups if n in prepacked]
+    if told is not None:
+        return {n for n in names if told(n)}
+    return {n for n in names if prepacked[n].halves}
+
+
+def _specs(model: LlamaModel, groups: dict[str, int], minimums: set[str], halves: set[str]) -> dict[str, Spec]:
     """Every tensor of the INT4 checkpoint, as engines/text/int4_checkpoint.save_int4 writes
-    them: the packed linears' codes, scales and zeros (and block minimums, where given),
-    every other tensor in float16."""
+    them: the packed linears' codes, scales and zeros (and block minimums, where given;
+    twice the rows for a weight in halves), every other tensor in float16."""
     specs: dict[str, Spec] = {}
     for name, tensor in model.state_dict().items():
         module, _, kind = name.rpartition(".")
@@ -102,6 +111,7 @@ def _specs(model: LlamaModel, groups: dict[str, int], minimums: set[str]) -> dic
             continue  # a float head tied to the embeddings is the embeddings
         if module in groups and kind == "weight":
             n, k = tensor.shape
+            n *= 2 if module in halves else 1
             g = groups[module]
             specs[f"{module}.qweight"] = (torch.uint8, (n, k // 2))
             specs[f"{module}.scales"] = (torch.float16, (n, k // g))
@@ -141,11 +151,14 @@ def write_layerwise(
     report = QuantReport()
     heads, kv_heads = config.num_heads, config.num_kv_heads
     with_minimums = _with_minimums(prepacked, groups)
-    writer = SafetensorsWriter(out / "model.safetensors", _specs(model, groups, with_minimums))
+    with_halves = _with_halves(prepacked, groups)
+    writer = SafetensorsWriter(out / "model.safetensors", _specs(model, groups, with_minimums, with_halves))
 
     def put_packed(name: str, q: QuantizedWeight) -> None:
         if (q.minimums is not None) != (name in with_minimums):
             raise ValueError(f"{name}: its block minimums do not agree with its header")
+        if q.halves != (name in with_halves):
+            raise ValueError(f"{name}: its halves do not agree with its header")
         for key, tensor in q.stored(name).items():
             writer.write(key, tensor)
 
@@ -258,8 +271,9 @@ def write_layerwise(
             )
     # quantize_model's order: the layers, then the output projection.
     layers = {name: report.layers[name] for name in [*linear_names(model), "lm_head"] if name in report.layers}
-    quant = {"linears": {name: {"group_size": g, "bits": 4} for name, g in groups.items()}}
-    (out / "quant.json").write_text(json.dumps(quant, indent=1) + "\n", encoding="utf-8")
+    linears = {name: {"group_size": g, "bits": 4, **({"halves": True} if name in with_halves else {})}
+               for name, g in groups.items()}  # fmt: skip
+    (out / "quant.json").write_text(json.dumps({"linears": linears}, indent=1) + "\n", encoding="utf-8")
     logger.info("%s: INT4 checkpoint written in %.0f s", source.label, time.monotonic() - started)
     return {
         "kind": "llama-int4",

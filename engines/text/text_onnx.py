@@ -142,6 +142,11 @@ class _Exporter:
         if with_minimums:
             # MatMulNBits takes integer zero points; a Q4_1 block's float minimum has no place.
             raise ExportError(f"the ONNX export does not implement block minimums (GGUF Q4_1): {with_minimums[0]}, ...")
+        halves = sorted(name for name, info in self.quant.items() if info.get("halves"))
+        if halves:
+            raise ExportError(
+                f"the ONNX export does not implement weights in two INT4 halves (GGUF Q8_0): {halves[0]}, ..."
+            )
         self.g = _Graph(*DTYPES[dtype])
         self.linears: list[LinearReport] = []
 

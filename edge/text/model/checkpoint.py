@@ -3,9 +3,11 @@
 Layout of a checkpoint directory:
   config.json        LlamaConfig
   model.safetensors  float tensors by module name; for each INT4 linear
-                     `<name>.qweight`, `<name>.scales`, `<name>.zeros` instead of
-                     `<name>.weight`
-  quant.json         present for INT4 checkpoints: {"linears": {name: {"group_size": G}}}
+                     `<name>.qweight`, `<name>.scales`, `<name>.zeros` (and
+                     `<name>.minimums` for a GGUF Q4_1 weight) instead of `<name>.weight`
+  quant.json         present for INT4 checkpoints: {"linears": {name: {"group_size": G}}},
+                     with "halves": true for a GGUF Q8_0 weight stored as two INT4
+                     halves (twice the rows: QuantizedWeight.halves)
   tokenizer.json, generation.json (the chat template, special tokens, end-of-turn ids)
 """
 
@@ -119,11 +121,13 @@ def load_checkpoint(
             kernel = int4_kernel or default_int4_kernel(device, cpu_kernel)
             linears = json.loads(quant_path.read_text(encoding="utf-8"))["linears"]
             groups = {name: int(info["group_size"]) for name, info in linears.items()}
-            for target, parts in _int4_units(groups, set(keys), config.num_layers, fuse):
+            halves = {name for name, info in linears.items() if info.get("halves")}  # GGUF Q8_0 weights
+            for target, parts in _int4_units(groups, set(keys), config.num_layers, fuse, halves):
                 sources = [
                     QuantizedWeight(
                         read(f"{n}.qweight"), read(f"{n}.scales"), read(f"{n}.zeros"), groups[n],
                         read(f"{n}.minimums") if f"{n}.minimums" in keys else None,  # a GGUF Q4_1 weight's
+                        n in halves,
                     )
                     for n in parts
                 ]  # fmt: skip
@@ -191,16 +195,17 @@ def load_checkpoint(
 
 
 def _int4_units(
-    groups: dict[str, int], keys: set[str], num_layers: int, fuse: bool
+    groups: dict[str, int], keys: set[str], num_layers: int, fuse: bool, halves: frozenset[str] | set[str] = frozenset()
 ) -> list[tuple[str, tuple[str, ...]]]:
     """(module, the checkpoint's INT4 linears it is made of) in the checkpoint's order:
     with `fuse`, a layer's q/k/v and gate/up as one module each where their group sizes
-    agree and all or none of them have biases (a fused module at its first part)."""
+    agree, all or none of them have biases and none is in `halves` (a fused module at its
+    first part)."""
     fused: dict[str, tuple[str, tuple[str, ...]]] = {}
     for i in range(num_layers if fuse else 0):
         for target, parts in FUSED.items():
             names = tuple(f"layers.{i}.{p}" for p in parts)
-            if not all(n in groups for n in names):
+            if not all(n in groups for n in names) or any(n in halves for n in names):
                 continue
             if len({groups[n] for n in names}) != 1 or len({f"{n}.bias" in keys for n in names}) != 1:
                 continue

@@ -59,10 +59,14 @@ class QuantizedWeight:
     # float16 [N, K/G] added to each weight of its group (a GGUF Q4_1 block's minimum, kept
     # as stored: code * scale + minimum, zeros 0), or None.
     minimums: torch.Tensor | None = None
+    # The tensors' rows are two weights [high; low] whose sum is this one (a GGUF Q8_0
+    # weight kept as two INT4 halves: engines/text/gguf_int4.q8_halves).
+    halves: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
-        return int(self.qweight.shape[0]), int(self.qweight.shape[1]) * 2
+        """The weight's [N, K] (with halves: half the tensors' rows)."""
+        return int(self.qweight.shape[0]) // (2 if self.halves else 1), int(self.qweight.shape[1]) * 2
 
     @property
     def nbytes(self) -> int:
@@ -79,7 +83,12 @@ class QuantizedWeight:
     def to(self, device: torch.device | str) -> QuantizedWeight:
         minimums = None if self.minimums is None else self.minimums.to(device)
         return QuantizedWeight(
-            self.qweight.to(device), self.scales.to(device), self.zeros.to(device), self.group_size, minimums
+            self.qweight.to(device),
+            self.scales.to(device),
+            self.zeros.to(device),
+            self.group_size,
+            minimums,
+            self.halves,
         )
 
 
@@ -88,6 +97,8 @@ def concat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     groups = {p.group_size for p in parts}
     if len(groups) != 1:
         raise ValueError(f"cannot fuse weights with group sizes {sorted(groups)}")
+    if any(p.halves for p in parts):
+        raise ValueError("cannot fuse weights kept in two halves (GGUF Q8_0)")
     with_minimums = [p.minimums is not None for p in parts]
     minimums = None
     if any(with_minimums):
@@ -177,10 +188,13 @@ def unpack_codes(q: QuantizedWeight) -> torch.Tensor:
 
 
 def dequantize(q: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight [N, K] (with halves: high + low, exact in float32)."""
     w = _codes_to_weights(unpack_codes(q), q.scales, q.zeros, q.group_size)
     if q.minimums is not None:  # code * scale + minimum, in float32 as llama.cpp's Q4_1
         n, k = w.shape
         w = (w.view(n, k // q.group_size, q.group_size) + q.minimums.float().unsqueeze(-1)).view(n, k)
+    if q.halves:
+        w = w[: w.shape[0] // 2] + w[w.shape[0] // 2 :]
     return w.to(dtype)
 
 
@@ -228,7 +242,9 @@ class Int4Linear(nn.Module):
         gated: bool = False,
         device: torch.device | str | None = None,
     ) -> None:
-        """`gated`: the weight is a gated unit's [gate; up] (the fused gate/up product);
+        """A weight in halves (QuantizedWeight.halves: a GGUF Q8_0 weight) is multiplied
+        as its tensors' rows, both halves in one call, and the halves added after.
+        `gated`: the weight is a gated unit's [gate; up] (the fused gate/up product);
         the cuda-mma kernel then keeps its rows paired and can return silu(gate) * up
         itself (gemv_silu). `device`: where the layer's buffers are made (default: q's);
         q may stay on the host, and the cuda-mma kernel's tiled copy is then made there a
@@ -240,18 +256,23 @@ class Int4Linear(nn.Module):
         self.bias: torch.Tensor | None
         self.register_buffer("bias", bias)
         self.in_features = q.shape[1]
-        self.out_features = q.shape[0]
+        self.out_features = int(q.qweight.shape[0])  # the kernels' rows (with halves: twice the layer's)
+        self.halves = q.halves
+        if q.halves and (exact_top or gated or q.minimums is not None):
+            raise ValueError("a weight in two halves (GGUF Q8_0) has no exact top, pairing or minimums")
         self.group_size = q.group_size
         if kernel == "cuda-mma" and not cuda_int4.supports(self.in_features, self.group_size):
             # Triton where it is; without it (JetPack's torch) torch's tiled kernel.
             fallback = "triton" if triton_int4.TRITON_SUPPORT else "cuda"
             logger.info("INT4 layer [%d x %d] group %d: %s kernel (the CUDA one takes K a multiple of %d)",
-                        q.shape[0], q.shape[1], q.group_size, fallback, cuda_int4.CHUNK)  # fmt: skip
+                        self.out_features, q.shape[1], q.group_size, fallback, cuda_int4.CHUNK)  # fmt: skip
             kernel = fallback
         if kernel in ("cpu", "cuda") and self.out_features % 16:
             # torch's tiled INT4 packers take rows in multiples of 16 (a vocabulary of
             # 32001 tokens, say): such a layer is dequantized once and multiplied instead.
-            logger.info("INT4 layer with %d rows: dequantized (the %s kernel packs 16 at a time)", q.shape[0], kernel)
+            logger.info(
+                "INT4 layer with %d rows: dequantized (the %s kernel packs 16 at a time)", self.out_features, kernel
+            )
             kernel = "dequant"
         if kernel == "cpu-int8" and not cpu_int4.supports_int8(self.in_features, self.group_size):
             logger.info("INT4 layer of group %d: the float32 kernel (cpu-int8 takes powers of two)", q.group_size)
@@ -336,7 +357,7 @@ class Int4Linear(nn.Module):
         gate/up layer and activations it takes; None where this layer cannot. `norm`:
         x is a producer's un-divided norm input (see folds_norm)."""
         if self.kernel != "cuda-mma" or not self.paired or x.dtype not in cuda_int4.DTYPES or self.minimums is not None:
-            return None
+            return None  # (a weight in halves is never paired)
         return cuda_int4.gemv_silu(x, self.tiled, norm=norm) if x.shape[0] <= cuda_int4.MAX_ROWS else None
 
     def folds_norm(self, rows: int, dtype: torch.dtype, producer: bool) -> bool:
@@ -344,7 +365,7 @@ class Int4Linear(nn.Module):
         `dtype`: as the producer (gemv_residual) or as the consumer (`norm=`)."""
         if self.kernel != "cuda-mma" or dtype not in cuda_int4.DTYPES or rows > cuda_int4.MAX_ROWS:
             return False
-        if self.minimums is not None:
+        if self.minimums is not None or self.halves:
             return False
         if producer:
             return not self.paired and self.out_features % cuda_int4.TILE_ROWS == 0
@@ -362,8 +383,8 @@ class Int4Linear(nn.Module):
         decode step reads the float32 sums without a cast kernel in between. `norm`
         (cuda-mma only): x is a producer's un-divided norm input. Not for a weight with
         block minimums (the fused step refuses such a model)."""
-        if self.minimums is not None:
-            raise RuntimeError("gemv() does not add block minimums: such a layer is served by forward()")
+        if self.minimums is not None or self.halves:
+            raise RuntimeError("gemv() adds neither block minimums nor halves: such a layer is served by forward()")
         return self._gemv(x, norm)
 
     def _gemv(self, x: torch.Tensor, norm: cuda_int4.NormInput | None = None) -> torch.Tensor:
@@ -423,11 +444,15 @@ class Int4Linear(nn.Module):
             else:
                 term = sums @ self.minimums.T
             out = out + term.to(out.dtype)
+        if self.halves and self.kernel != "dequant":  # high + low (the dequantized weight is their sum)
+            # Added in float32: a 16-bit output's halves rounded once each, not a third time.
+            rows = self.out_features // 2
+            out = out[:, :rows].float() + out[:, rows:].float()
         if self.exact_top:
             out = self._refine(flat, out.float())
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
-        result: torch.Tensor = out.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        result: torch.Tensor = out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
         return result
 
     def forward_paired(self, x: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -55,6 +55,8 @@ def refusal(model: LlamaModel) -> str | None:
     for i, layer in enumerate(model.layers):
         if not isinstance(layer, DecoderLayer):
             return f"layer {i} is not a decoder layer"
+        if any(isinstance(m, Int4Linear) and m.halves for m in layer.modules()):
+            return f"layer {i} has weights in two INT4 halves (a GGUF file's Q8_0 weights)"
         attn, mlp = layer.self_attn, layer.mlp
         for name, part in (
             ("qkv", attn.qkv_proj),

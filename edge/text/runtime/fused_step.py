@@ -78,6 +78,8 @@ def refusal(model: LlamaModel) -> str | None:
     options = model.config.family_options()
     if any(isinstance(m, Int4Linear) and m.minimums is not None for m in model.modules()):
         options.append("block minimums (a GGUF file's Q4_1 weights)")
+    if any(isinstance(m, Int4Linear) and m.halves for m in model.modules()):
+        options.append("weights in two INT4 halves (a GGUF file's Q8_0 weights)")
     return f"they do not implement {', '.join(options)}" if options else None
 
 
