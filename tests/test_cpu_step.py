@@ -17,6 +17,7 @@ from edge.text.engine import TextEngine
 from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint
 from edge.text.model.llama import LlamaModel
 from edge.text.ops.cpu import cpu_int4, cpu_step
+from edge.text.ops.int4 import Int4Linear, QuantizedWeight, pack
 from edge.text.runtime import cpu_step as runtime_step
 from edge.text.runtime import fused_step
 from edge.text.runtime.generate import SamplingParams
@@ -159,6 +160,48 @@ def test_a_token_and_its_drafts_verified_at_once_answer_as_decoded_one_by_one(se
     for i, logits in enumerate(stepped):
         assert torch.equal(verified[i], logits), i
     torch.testing.assert_close(at_once.k[:, 1, :, :26], one.k[:, 1, :, :26], rtol=0, atol=0)
+
+
+def _q8_0(rows: int, columns: int, seed: int) -> QuantizedWeight:
+    """A GGUF Q8_0 weight of random values in its two INT4 halves (gguf_int4.q8_halves)."""
+    import gguf
+    import numpy as np
+
+    from engines.text.gguf_int4 import q8_halves
+
+    data = np.random.default_rng(seed).standard_normal((rows, columns)).astype(np.float32)
+    return q8_halves(gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0), rows, columns)
+
+
+@pytest.mark.parametrize("kernel", ["cpu-f32", "cpu-int8"])
+def test_a_product_of_parts_and_halves_is_the_layers_bit_for_bit(kernel: str) -> None:
+    """A product as the step lays out a layer the loader kept unfused (a GGUF file's Q8_0
+    weights, in two INT4 halves): q, k and v apart (q and v in halves, k plain at another
+    group), a weight in halves alone (o, down) and a plain one alone (a fused product):
+    each output the per-op layers' (Int4Linear, its halves added after in float32) bit for
+    bit, for one row and for three."""
+    k = 256
+    g = torch.Generator().manual_seed(5)
+    plain = pack(torch.randn(32, k, generator=g), 64)
+    cases = {
+        "q, k, v": [_q8_0(64, k, 1), plain, _q8_0(32, k, 2)],
+        "one in halves": [_q8_0(96, k, 3)],
+        "one": [plain],
+    }
+    for name, weights in cases.items():
+        layers = [Int4Linear(w, kernel) for w in weights]
+        assert all(layer.kernel == kernel for layer in layers)
+        keep: list[torch.Tensor] = []
+        product = runtime_step._product(list(layers), keep)
+        assert product.parts == len(layers)
+        for rows in (1, 3):
+            x = torch.randn(rows, k, generator=g)
+            want = torch.cat([layer(x) for layer in layers], dim=-1)
+            got = cpu_step.multiply(product, x)
+            assert got.shape == want.shape and torch.equal(got, want), (name, rows)
+    narrow, wide = (Int4Linear(pack(torch.randn(32, n, generator=g), 32), kernel) for n in (64, 128))
+    with pytest.raises(ValueError, match="one input width"):
+        runtime_step._product([narrow, wide], [])
 
 
 def test_a_daemon_and_a_checkpoint_load_import_no_compiler_stack(engine_dir: Path) -> None:

@@ -436,13 +436,19 @@ def test_a_q4_file_is_served_as_stored(
             sym = build_text_engine(tmp_path / "engines", "none", "awq-int4-sym", progress=False, source=str(source))
         assert "not the symmetric INT4 asked for" in caplog.text
         assert json.loads((sym / "manifest.json").read_text())["recipe"]["method"] == "awq"
-    # Decoded in the CPU's C step (the minimums added after each product there too) as op by op.
+    # Decoded in the CPU's C step as op by op: the minimums added after each product there
+    # too, a Q8_0 weight's halves added after its product, q/k/v and gate/up of a layer
+    # with halves multiplied apart (the loader keeps them so).
+    from edge.text.model.llama import DecoderLayer
     from edge.text.runtime import cpu_step, fused_step
 
-    if "q8" in quant.lower():  # (not yet in the C step: served op by op)
-        assert "two INT4 halves" in str(cpu_step.refusal(int4.model))
+    q8 = "q8" in quant.lower()
+    if q8:  # (the CUDA fused step does not take the halves)
         assert "two INT4 halves" in str(fused_step.refusal(int4.model))
-        return
+        layers = [layer for layer in int4.model.layers if isinstance(layer, DecoderLayer)]
+        assert [layer.self_attn.qkv_proj is None for layer in layers] == [
+            i % 2 == 0 or quant == "Q8_0" for i in range(hf.config.num_hidden_layers)
+        ]
     if name == "qwen2":  # (its biased q/k/v are served op by op)
         assert "bias" in str(cpu_step.refusal(int4.model))
         return
@@ -459,8 +465,17 @@ def test_a_q4_file_is_served_as_stored(
             ]
         )
         assert int4.model.fused_decode is fused
+    # The products are the per-op layers' bit for bit (tests/test_cpu_step.py); attention
+    # and the norms sum in another order. A half left out moves them far past this.
     error = ((steps[True] - steps[False]).abs().amax(-1) / steps[False].abs().amax(-1)).max().item()
     assert error < 2e-5, error
+    if q8:  # in serving: the step is the C one, and two rows answer as each alone
+        assert fused_step.steps_on_cpu(int4.model)
+        cache = int4.model.new_cache(2, 64)
+        for row, n in enumerate((20, 14)):
+            int4.model(ids[:, :n], cache.rows(row, 1), 0)
+        both = fused_step.decode_step(int4.model, ids[0, [20, 14]].view(2, 1), cache, torch.tensor([20, 14]), 21)
+        assert torch.equal(both[0], steps[True][0]), "a row beside another answers as alone"
 
 
 def test_the_real_smollm2_q4_1_file_is_served_as_stored(tmp_path: Path) -> None:

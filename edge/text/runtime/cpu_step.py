@@ -1,7 +1,8 @@
 """The CPU's decode step: every layer in one call of our C kernel (ops/cpu/cpu_step.c)
 where the model is Llama's graph (with whatever options of today's families it sets,
-IMPLEMENTED) over INT4 products of our kernels (float32 or int8 activations), else the
-model's own step, op by op.
+IMPLEMENTED) over INT4 products of our kernels (float32 or int8 activations; q, k and v
+fused or apart, a GGUF file's Q8_0 weights in their two INT4 halves), else the model's
+own step, op by op.
 
 Op by op, a step of SmolLM2-135M is about 5,500 torch operators; their dispatch, not
 their arithmetic, was a third of the step at two threads. The kernel runs the same
@@ -38,6 +39,10 @@ IMPLEMENTED = (
     "final_logit_softcap",
     "rotary_dim",
 )
+# A layer's projections where the loader did not fuse them (llama.py's names), in the
+# order of their outputs in the fused product.
+QKV = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
 # Each model's layout for the kernel, made on its first step; or why it cannot serve it.
 _plans: weakref.WeakKeyDictionary[LlamaModel, cpu_step.Plan | str] = weakref.WeakKeyDictionary()
 
@@ -55,19 +60,14 @@ def refusal(model: LlamaModel) -> str | None:
     for i, layer in enumerate(model.layers):
         if not isinstance(layer, DecoderLayer):
             return f"layer {i} is not a decoder layer"
-        if any(isinstance(m, Int4Linear) and m.halves for m in layer.modules()):
-            return f"layer {i} has weights in two INT4 halves (a GGUF file's Q8_0 weights)"
-        attn, mlp = layer.self_attn, layer.mlp
-        for name, part in (
-            ("qkv", attn.qkv_proj),
-            ("o", attn.o_proj),
-            ("gate/up", mlp.gate_up_proj),
-            ("down", mlp.down_proj),
-        ):
-            if not isinstance(part, Int4Linear) or part.kernel not in ("cpu-f32", "cpu-int8"):
-                return f"layer {i}'s {name} product is not on our CPU INT4 kernels"
-            if part.bias is not None:
-                return f"layer {i}'s {name} product has a bias"
+        for name, parts in _products(layer).items():
+            for part in parts:
+                if not isinstance(part, Int4Linear) or part.kernel not in ("cpu-f32", "cpu-int8"):
+                    return f"layer {i}'s {name} product is not on our CPU INT4 kernels"
+                if part.bias is not None:
+                    return f"layer {i}'s {name} product has a bias"
+                if part.exact_top:
+                    return f"layer {i}'s {name} product refines its top outputs"
     if not cpu_step.available():
         return "it did not build (see the log)"
     return None
@@ -87,13 +87,31 @@ def can_run(model: LlamaModel) -> bool:
     return isinstance(plan, cpu_step.Plan)
 
 
-def _matrix(part: torch.nn.Module, keep: list[torch.Tensor]) -> cpu_step.Int4Matrix:
-    assert isinstance(part, Int4Linear)
-    tensors = (part.qweight, part.scales, part.zeros)
-    keep.extend(tensors)
-    if part.minimums is not None:
-        keep.append(part.minimums)
-    return cpu_step.matrix(*tensors, part.group_size, int8=part.kernel == "cpu-int8", minimums=part.minimums)
+def _products(layer: DecoderLayer) -> dict[str, list[torch.nn.Module | None]]:
+    """A layer's four products by name, each the weights it is made of in their output
+    order: fused (qkv_proj, gate_up_proj) or, where the loader kept them apart (weights in
+    two INT4 halves, group sizes that differ), q, k and v and the gate and the up."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv: list[torch.nn.Module | None] = [attn.qkv_proj]
+    if attn.qkv_proj is None:
+        qkv = [getattr(attn, n, None) for n in QKV]
+    gate_up: list[torch.nn.Module | None] = [mlp.gate_up_proj]
+    if mlp.gate_up_proj is None:
+        gate_up = [getattr(mlp, n, None) for n in GATE_UP]
+    return {"qkv": qkv, "o": [attn.o_proj], "gate/up": gate_up, "down": [mlp.down_proj]}
+
+
+def _product(parts: list[torch.nn.Module | None], keep: list[torch.Tensor]) -> cpu_step.Int4Product:
+    matrices = []
+    for part in parts:
+        assert isinstance(part, Int4Linear)
+        tensors = (part.qweight, part.scales, part.zeros)
+        keep.extend(tensors)
+        if part.minimums is not None:
+            keep.append(part.minimums)
+        int8 = part.kernel == "cpu-int8"
+        matrices.append(cpu_step.matrix(*tensors, part.group_size, int8, part.minimums, part.halves))
+    return cpu_step.product(*matrices)
 
 
 def _weights(*norms: RMSNorm | None) -> list[torch.Tensor]:
@@ -108,6 +126,7 @@ def _layout(model: LlamaModel) -> cpu_step.Plan:
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)
         attn, mlp = layer.self_attn, layer.mlp
+        products = {name: _product(parts, keep) for name, parts in _products(layer).items()}
         norms = _weights(layer.input_layernorm, layer.post_attention_layernorm)
         head_norms = _weights(attn.q_norm, attn.k_norm)
         out_norms = _weights(layer.attn_output_norm, layer.mlp_output_norm)
@@ -120,10 +139,10 @@ def _layout(model: LlamaModel) -> cpu_step.Plan:
         layers[i] = cpu_step.StepLayer(
             norms[0].data_ptr(),
             norms[1].data_ptr(),
-            _matrix(attn.qkv_proj, keep),  # type: ignore[arg-type]
-            _matrix(attn.o_proj, keep),
-            _matrix(mlp.gate_up_proj, keep),  # type: ignore[arg-type]
-            _matrix(mlp.down_proj, keep),
+            products["qkv"],
+            products["o"],
+            products["gate/up"],
+            products["down"],
             head_norms[0].data_ptr() if head_norms else 0,
             head_norms[1].data_ptr() if head_norms else 0,
             attn.window,

@@ -13,7 +13,10 @@
  * operator each). The INT4 products are cpu_int4.c's, included here (float32, or with
  * int8 activations where the matrix says so), so the weights are the quantized model's
  * own to the last bit and each output is summed in the same order whatever the batch. Attention sums each (row, head) in a fixed order too: a
- * sequence's logits do not depend on the sequences decoded beside it.
+ * sequence's logits do not depend on the sequences decoded beside it. A product is one
+ * weight (q, k and v fused, as the loader fuses them) or its parts side by side (q, k
+ * and v apart); a GGUF Q8_0 weight, kept as two INT4 halves, is multiplied as both and
+ * its halves added after in float32, as the per-op layer adds them.
  *
  * Llama's graph, with what the families built on it add where a layer has it: Qwen3's
  * q/k head norms, a sliding window (Mistral, Phi-3, Gemma 3's local layers) with its own
@@ -31,15 +34,30 @@ typedef struct {
     const uint8_t *q;      /* [n, k / 2] two codes a byte, even k in the low nibble */
     const float *scales;   /* [n, k / group] */
     const uint8_t *zeros;  /* [n, k / group] */
-    int64_t n, k, group;
+    int64_t n, k, group;   /* n: the tensors' rows (with halves, twice the outputs) */
     int64_t int8;          /* nonzero: its activations rounded to int8 (edge_int4_linear_int8) */
     const float *minimums; /* [n, k / group] added to each weight of a group (a GGUF Q4_1
                               block's minimum), or NULL */
+    int64_t halves;        /* nonzero: rows [0, n / 2) and [n / 2, n) are two weights, high
+                              and low, whose sum is this one (a GGUF Q8_0 weight kept as two
+                              INT4 halves): output j is row j's plus row n / 2 + j's */
 } int4_matrix;
+
+#define MAX_PARTS 3
+
+/* One of a layer's products: its parts' outputs side by side in one output row, part p's
+ * from the column where part p - 1's end. One part where the loader fused the weights;
+ * q, k and v (or the gate and the up) apart where it kept them so (weights in halves,
+ * group sizes that differ). */
+typedef struct {
+    int64_t parts;
+    int4_matrix part[MAX_PARTS];
+} int4_product;
 
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
-    int4_matrix qkv, o, gate_up, down;   /* gate_up: the gate's rows, then the up's */
+    int4_product qkv, o, gate_up, down;  /* qkv: q's outputs, k's, v's; gate_up: the gate's,
+                                            then the up's */
     const float *q_norm, *k_norm;        /* [head_dim]: each q and k head's RMSNorm before the
                                             rotary (Qwen3), or NULL */
     int64_t window;                      /* a sliding layer's: each token sees its last
@@ -172,10 +190,11 @@ static void attend(const step_model *M, const float *q, const float *keys, const
     }
 }
 
-/* y [m, n] = x [m, k] @ W.T; a weight's block minimums added after the codes' product as
- * the group sums of x times the minimums (sum (q d + mn) x = d sum q x + mn sum x), as
- * Int4Linear.forward adds them (its sums in torch's order: equal to float32 rounding). */
-static int product(const int4_matrix *W, const float *x, int64_t m, float *y, int threads) {
+/* y [m, n] = x [m, k] @ W.T over the tensors' n rows (a weight in halves not yet added);
+ * a weight's block minimums added after the codes' product as the group sums of x times
+ * the minimums (sum (q d + mn) x = d sum q x + mn sum x), as Int4Linear.forward adds them
+ * (its sums in torch's order: equal to float32 rounding). */
+static int matrix_product(const int4_matrix *W, const float *x, int64_t m, float *y, int threads) {
     const int rc = W->int8 ? edge_int4_linear_int8(x, m, W->k, W->q, W->scales, W->zeros, W->n, W->group, y, threads)
                            : edge_int4_linear(x, m, W->k, W->q, W->scales, W->zeros, W->n, W->group, y, threads);
     if (rc != 0 || !W->minimums) return rc;
@@ -199,6 +218,83 @@ static int product(const int4_matrix *W, const float *x, int64_t m, float *y, in
     return 0;
 }
 
+static int64_t outputs_of(const int4_matrix *W) { return W->halves ? W->n / 2 : W->n; }
+
+static int64_t width_of(const int4_product *P) {
+    int64_t width = 0;
+    for (int64_t p = 0; p < P->parts; p++) width += outputs_of(P->part + p);
+    return width;
+}
+
+/* Whether part W of P is made in a scratch buffer and then put in place: a weight in
+ * halves (its two rows added), or one of several parts for more than one row (the
+ * kernel writes a row's outputs contiguously, not at the product's row stride). One
+ * part alone, the fused case, is written where it belongs with no copy. */
+static int through_scratch(const int4_product *P, const int4_matrix *W, int64_t m) {
+    return W->halves || (m > 1 && P->parts > 1);
+}
+
+/* The floats P's parts need of scratch for m rows. */
+static int64_t scratch_of(const int4_product *P, int64_t m) {
+    int64_t most = 0;
+    for (int64_t p = 0; p < P->parts; p++)
+        if (through_scratch(P, P->part + p, m) && m * P->part[p].n > most) most = m * P->part[p].n;
+    return most;
+}
+
+/* Whether P takes inputs of k floats and gives `width` outputs: 0, else -1. */
+static int check_product(const int4_product *P, int64_t k, int64_t width) {
+    if (P->parts < 1 || P->parts > MAX_PARTS) return -1;
+    for (int64_t p = 0; p < P->parts; p++) {
+        const int4_matrix *W = P->part + p;
+        if (W->k != k || W->n < 1 || (W->halves && W->n % 2 != 0)) return -1;
+    }
+    return width_of(P) == width ? 0 : -1;
+}
+
+/* y [m, width] = x [m, k] times each part's weight, part p's outputs at its column
+ * offset; a weight in halves summed high + low in float32, as Int4Linear.forward adds
+ * them, so each output is the per-op product's to the bit. scratch holds
+ * scratch_of(P, m) floats. */
+static int product(const int4_product *P, const float *x, int64_t m, float *y, float *scratch, int threads) {
+    const int64_t width = width_of(P);
+    int64_t at = 0;
+    for (int64_t p = 0; p < P->parts; p++) {
+        const int4_matrix *W = P->part + p;
+        const int64_t n = outputs_of(W);
+        if (!through_scratch(P, W, m)) { /* one row, or the only part: in place */
+            const int rc = matrix_product(W, x, m, y + at, threads);
+            if (rc != 0) return rc;
+        } else {
+            const int rc = matrix_product(W, x, m, scratch, threads);
+            if (rc != 0) return rc;
+            for (int64_t b = 0; b < m; b++) {
+                const float *s = scratch + b * W->n;
+                float *to = y + b * width + at;
+                if (W->halves)
+                    for (int64_t j = 0; j < n; j++) to[j] = s[j] + s[n + j]; /* high + low */
+                else
+                    memcpy(to, s, sizeof(float) * (size_t)n);
+            }
+        }
+        at += n;
+    }
+    return 0;
+}
+
+/* One product as the decode step makes it, y [m, width of P] for x [m, k]: for the tests
+ * to hold against Int4Linear. Returns 0; -1 for parts the step does not take, -2 out of
+ * memory. */
+int edge_cpu_step_product(const int4_product *P, const float *x, int64_t m, float *y, int threads) {
+    if (P->parts < 1 || P->parts > MAX_PARTS || check_product(P, P->part[0].k, width_of(P)) != 0) return -1;
+    const int64_t need = scratch_of(P, m);
+    float *scratch = need ? malloc(sizeof(float) * (size_t)need) : NULL;
+    if (need && !scratch) return -2;
+    const int rc = product(P, x, m, y, scratch, threads);
+    free(scratch);
+    return rc;
+}
+
 /* x [B, hidden]: the residual stream in (the tokens' embeddings), the last layer's out.
  * Row b of the batch is a token at position pos[b] of cache row rows[b], attending to
  * positions 0..min(pos[b], kv_len - 1) (in a sliding layer the last `window` of them, from
@@ -207,7 +303,7 @@ static int product(const int4_matrix *W, const float *x, int64_t m, float *y, in
  * than a real row's). Several batch rows may share a cache row at consecutive
  * positions (a sequence's token and its drafts, verified at once): each layer writes
  * every row's keys and values before any attends, so each attends causally. Returns 0;
- * -1 for a shape the kernel does not take, -2 out of memory, -3 a position past the
+ * -1 for a head or product shape the kernel does not take, -2 out of memory, -3 a position past the
  * cache or the rotary table, or a cache row past the cache. */
 int edge_cpu_decode_layers(const step_model *M, const step_layer *layers, const step_cache *C, float *x, int64_t B,
                            const int64_t *rows, const int64_t *pos, int64_t kv_len, int threads) {
@@ -230,17 +326,28 @@ int edge_cpu_decode_layers(const step_model *M, const step_layer *layers, const 
     if (longest >= kv_len) longest = kv_len - 1;
     const int64_t qkv_n = (nh + 2 * nkv) * d, wide = 2 * M->intermediate;
     const int64_t widest = qkv_n > wide ? qkv_n : wide;
+    int64_t spare = 0; /* the scratch the largest product needs (product()) */
+    for (int64_t i = 0; i < M->layers; i++) {
+        const step_layer *L = layers + i;
+        if (check_product(&L->qkv, H, qkv_n) || check_product(&L->o, nh * d, H) ||
+            check_product(&L->gate_up, H, wide) || check_product(&L->down, M->intermediate, H))
+            return -1;
+        const int4_product *all[4] = {&L->qkv, &L->o, &L->gate_up, &L->down};
+        for (int p = 0; p < 4; p++)
+            if (scratch_of(all[p], B) > spare) spare = scratch_of(all[p], B);
+    }
     float *h = malloc(sizeof(float) * (size_t)(B * H));
     float *big = malloc(sizeof(float) * (size_t)(B * widest));
     float *attn = malloc(sizeof(float) * (size_t)(B * nh * d));
     float *act = malloc(sizeof(float) * (size_t)(B * M->intermediate));
     float *proj = malloc(sizeof(float) * (size_t)(B * H));
     float *scores = malloc(sizeof(float) * (size_t)(B * nkv * (longest + 1)));
-    int rc = (h && big && attn && act && proj && scores) ? 0 : -2;
+    float *scratch = spare ? malloc(sizeof(float) * (size_t)spare) : NULL;
+    int rc = (h && big && attn && act && proj && scores && (scratch || !spare)) ? 0 : -2;
     for (int64_t i = 0; i < M->layers && rc == 0; i++) {
         const step_layer *L = layers + i;
         for (int64_t b = 0; b < B; b++) rmsnorm(x + b * H, L->input_norm, H, M->eps, h + b * H);
-        if ((rc = product(&L->qkv, h, B, big, threads)) != 0) break;
+        if ((rc = product(&L->qkv, h, B, big, scratch, threads)) != 0) break;
         const layer_cache at = cache_of(C, i);
         const int64_t at_len = kv_len < at.slots ? kv_len : at.slots;
         for (int64_t b = 0; b < B; b++) {
@@ -267,18 +374,18 @@ int edge_cpu_decode_layers(const step_model *M, const step_layer *layers, const 
             attend(M, big + b * qkv_n + j * group * d, at.k + head, at.v + head, first, last, group,
                    attn + (b * nh + j * group) * d, scores + w * (longest + 1));
         }
-        if ((rc = product(&L->o, attn, B, proj, threads)) != 0) break;
+        if ((rc = product(&L->o, attn, B, proj, scratch, threads)) != 0) break;
         rmsnorm_rows(proj, L->attn_out_norm, B, H, M->eps);
         for (int64_t j = 0; j < B * H; j++) x[j] += proj[j];
         for (int64_t b = 0; b < B; b++) rmsnorm(x + b * H, L->post_norm, H, M->eps, h + b * H);
-        if ((rc = product(&L->gate_up, h, B, big, threads)) != 0) break;
+        if ((rc = product(&L->gate_up, h, B, big, scratch, threads)) != 0) break;
         const int64_t I = M->intermediate;
         for (int64_t b = 0; b < B; b++)
             for (int64_t j = 0; j < I; j++) {
                 const float g = big[b * wide + j], u = big[b * wide + I + j];
                 act[b * I + j] = (L->gelu ? gelu_tanh(g) : g / (1.0f + expf(-g))) * u;
             }
-        if ((rc = product(&L->down, act, B, proj, threads)) != 0) break;
+        if ((rc = product(&L->down, act, B, proj, scratch, threads)) != 0) break;
         rmsnorm_rows(proj, L->mlp_out_norm, B, H, M->eps);
         for (int64_t j = 0; j < B * H; j++) x[j] += proj[j];
     }
@@ -288,5 +395,6 @@ int edge_cpu_decode_layers(const step_model *M, const step_layer *layers, const 
     free(act);
     free(proj);
     free(scores);
+    free(scratch);
     return rc;
 }

@@ -15,6 +15,7 @@ from edge.text.ops.cpu import cpu_int4
 
 SOURCE = Path(__file__).with_name("cpu_step.c")
 MAX_HEAD_DIM = 512  # cpu_step.c rotates a head in a buffer of this many floats
+MAX_PARTS = 3  # cpu_step.c's product of up to this many weights (q, k, v)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -28,17 +29,25 @@ class Int4Matrix(ctypes.Structure):
         ("group", _I),
         ("int8", _I),
         ("minimums", _P),  # 0: none
+        ("halves", _I),  # nonzero: the rows are two weights [high; low] added after
     ]
+
+
+class Int4Product(ctypes.Structure):
+    """One of a layer's products: its parts' outputs side by side (q, k and v apart, or
+    one fused weight)."""
+
+    _fields_ = [("parts", _I), ("part", Int4Matrix * MAX_PARTS)]
 
 
 class StepLayer(ctypes.Structure):
     _fields_ = [
         ("input_norm", _P),
         ("post_norm", _P),
-        ("qkv", Int4Matrix),
-        ("o", Int4Matrix),
-        ("gate_up", Int4Matrix),
-        ("down", Int4Matrix),
+        ("qkv", Int4Product),
+        ("o", Int4Product),
+        ("gate_up", Int4Product),
+        ("down", Int4Product),
         ("q_norm", _P),  # 0: none
         ("k_norm", _P),
         ("window", _I),  # 0: none
@@ -107,8 +116,15 @@ _KERNEL = cpu_int4.CKernel(
     "the CPU decode step",
 )
 
+_PRODUCT = cpu_int4.CKernel(
+    SOURCE,
+    "edge_cpu_step_product",
+    [_P, _P, _I, _P, ctypes.c_int],  # product, x [M, K], M, y [M, outputs], threads
+    "the CPU decode step's product",
+)
+
 ERRORS = {
-    -1: "a head size it does not take",
+    -1: "a head size or product shape it does not take",
     -2: "out of memory",
     -3: "a position or row past the cache, or a position past the RoPE table",
 }
@@ -125,11 +141,16 @@ def matrix(
     group: int,
     int8: bool = False,
     minimums: torch.Tensor | None = None,
+    halves: bool = False,
 ) -> Int4Matrix:
     """An INT4 weight in the checkpoint's layout (scales float32), as the kernel reads it;
     `int8`: its products take int8 activations (the cpu-int8 kernel); `minimums`: float32
-    block minimums (a GGUF Q4_1 weight's), added after the product."""
+    block minimums (a GGUF Q4_1 weight's), added after the product; `halves`: its rows
+    are two weights [high; low] whose sum is the layer's (QuantizedWeight.halves), added
+    after the product in float32."""
     n, k2 = qweight.shape
+    if halves and n % 2:
+        raise ValueError(f"a weight in two halves has an even number of rows ({n})")
     for t in (qweight, scales, zeros, *(() if minimums is None else (minimums,))):
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError("the CPU decode step reads contiguous CPU tensors")
@@ -143,8 +164,34 @@ def matrix(
         raise ValueError(f"the CPU INT4 kernel takes groups of a multiple of {2 * cpu_int4.LANES} ({group})")
     return Int4Matrix(
         qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, 2 * k2, group, int(int8),
-        minimums.data_ptr() if minimums is not None else 0,
+        minimums.data_ptr() if minimums is not None else 0, int(halves),
     )  # fmt: skip
+
+
+def outputs(part: Int4Matrix) -> int:
+    """A weight's outputs: its rows, or half of them for one in halves."""
+    return int(part.n // 2 if part.halves else part.n)
+
+
+def product(*parts: Int4Matrix) -> Int4Product:
+    """A product of up to MAX_PARTS weights of one input, their outputs side by side."""
+    if not 1 <= len(parts) <= MAX_PARTS or len({p.k for p in parts}) != 1:
+        raise ValueError(f"the CPU decode step's product: 1 to {MAX_PARTS} weights of one input width")
+    return Int4Product(len(parts), (Int4Matrix * MAX_PARTS)(*parts))
+
+
+def multiply(prod: Int4Product, x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 times `prod` as the decode step makes it: [M, outputs] float32
+    (for the tests to hold against Int4Linear; the tensors its matrices name must live)."""
+    x = x.to(torch.float32).contiguous()
+    parts = prod.part[: prod.parts]
+    if x.dim() != 2 or x.shape[1] != parts[0].k:
+        raise ValueError(f"the product takes [M, {parts[0].k}] inputs, not {list(x.shape)}")
+    y = torch.empty(x.shape[0], sum(outputs(p) for p in parts), dtype=torch.float32)
+    rc = _PRODUCT.function()(ctypes.byref(prod), x.data_ptr(), x.shape[0], y.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"the CPU decode step's product failed: {ERRORS.get(rc, f'code {rc}')}")
+    return y
 
 
 @dataclass
