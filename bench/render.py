@@ -1209,13 +1209,18 @@ def sparse_attention(d: dict[str, Any]) -> str:
     block = rows[0]["block_tokens"] if rows else "-"
     lines = [
         f"Top-k block attention (`models.qa.sparse_attention`) against dense attention, on the {d['machine']} CPU "
-        f"with {d['threads']} threads: the engine the shipped profile builds with sparse attention on"
+        f"with {d['threads']} thread{'s' if d['threads'] > 1 else ''}: the engine the shipped profile builds with "
+        "sparse attention on"
         + ("" if d.get("served") else " (the shipped profile leaves it off: not the served configuration)")
         + f" ({engine_summary(d['engine_config'])}), blocks of {block} tokens, selecting from position 0; "
         f"after each context {d['score_tokens']} held-out tokens ({d['eval_text']}) scored one decode step "
         f"each; passkey: a number hidden at {len(d['passkey_depths'])} depths of a prompt of the context's "
         f"length, {d['passkey_answer_tokens']} greedy tokens; attention: every layer's for one token, the step's "
-        f"own code timed alone, the median of {d['attention_repeats']} (`bench/results/sparse_attention.json`)."
+        f"own code timed alone, the median of {d['attention_repeats']}; decode: the median step. Each method "
+        "decodes in a cache of its own and the methods take turns step by step, so other work on the box slows "
+        f"them alike (`bench/results/sparse_attention.json`). "
+        f"The machine's load average was {d['load_average'][0]:.1f} as the run began and "
+        f"{d['load_average'][1]:.1f} as it ended, on {d['cpus']} CPUs."
         + (" **A --quick smoke run, not a measurement.**" if d.get("quick") else ""),
         "",
         "| context | k | attends at most | attention µs | dense | decode tok/s | dense | speedup "

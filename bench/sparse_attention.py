@@ -2,19 +2,21 @@
 """Top-k block sparse attention on the CPU (models.qa.sparse_attention) against dense
 attention: the engine profiles/cpu-dev.yaml's qa section builds (the clinic build), with
 sparse attention on (the shipped profile leaves it off, so the result's `served` is
-false) and selecting from position 0, each row's k set on the engine's cache
-(KVCache.sparse) between passes, so sparse and dense run on one engine and one cache.
+false) and selecting from position 0. Each method (dense, and each k) decodes in a
+cache of its own as the engine makes them (LlamaModel.new_cache, with the section's
+blocks), every cache loaded with the same prefilled row, and the methods take turns
+step by step (in an order that rotates each step), so other work on the box slows them
+alike.
 
-Per context length and k (top_k_blocks, blocks of the section's block_tokens):
+Per context length and k (top_k_blocks):
 
 - attention_us, dense_attention_us: every layer's attention alone for one token after
-  the context, as the decode step runs it (its own code, every layer in one call of
+  the scored text, as the decode step runs it (its own code, every layer in one call of
   edge_cpu_step_attention, with queries drawn at random: the work does not depend on
-  their values, which blocks it picks aside), the median of repeats;
-- decode_tok_s, dense_decode_tok_s: decode steps a second while the held-out text after
-  the context is scored token by token through the decode step (the first step, which
-  summarizes the whole context once, left out); each pass run twice, in an order and
-  its reverse, the faster counting;
+  their values, which blocks it picks aside), the median of repeats taken in turns;
+- decode_tok_s, dense_decode_tok_s: decode steps a second, from the median step, while
+  the held-out text after the context is scored token by token through the decode step
+  (the first step, which summarizes the whole context once, left out);
 - ppl_delta_pct: the perplexity of those tokens with sparse attention over dense's, in
   percent;
 - passkey_accuracy, dense_passkey_accuracy: a five-digit number hidden at depths from
@@ -23,7 +25,7 @@ Per context length and k (top_k_blocks, blocks of the section's block_tokens):
 
 Writes bench/results/sparse_attention.json and prints a table.
 
-    python -m bench.sparse_attention [--contexts 512 1024 2048 4096] [--k 4 8 16] [--threads 2]
+    python -m bench.sparse_attention [--contexts 512 1024 2048 4096] [--k 4 8 16 32] [--threads 2]
     python -m bench.sparse_attention --quick   # a smoke test: one short context, written under /tmp
 """
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import platform
 import random
 import statistics
@@ -60,67 +63,83 @@ NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "\nWhat is the pass key? The pass key is"
 
 
-def _cache(engine: TextEngine) -> KVCache:
-    cache = engine.batcher.cache
-    assert isinstance(cache, KVCache) and cache.summary is not None
-    return cache
+Method = int | None  # a k, or None: dense
 
 
-def _policy(k: int | None) -> SparseAttention | None:
-    """k blocks selected from position 0 on; None: dense."""
-    return None if k is None else SparseAttention(top_k_blocks=k, block_tokens=BLOCK, min_context=0)
+def _caches(engine: TextEngine, methods: list[Method], slots: int) -> dict[Method, KVCache]:
+    """A one-row cache a method, as the engine makes its own: dense, or keeping the block
+    summaries with that k selecting from position 0."""
+    model = engine.model
+    caches = {}
+    for k in methods:
+        policy = None if k is None else SparseAttention(top_k_blocks=k, block_tokens=BLOCK, min_context=0)
+        caches[k] = model.new_cache(1, slots, sparse=policy)
+    return caches
 
 
-def _step(engine: TextEngine, token: int, position: int) -> torch.Tensor:
-    """One decode step of row 0: the logits [V] after `token` at `position`."""
+def _step(engine: TextEngine, cache: KVCache, token: int, position: int) -> torch.Tensor:
+    """One decode step of the cache's row: the logits [V] after `token` at `position`."""
     ids, pos = torch.tensor([[token]]), torch.tensor([position])
-    return fused_step.decode_step(engine.model, ids, engine.batcher.cache, pos, position + 1)[0]
+    return fused_step.decode_step(engine.model, ids, cache, pos, position + 1)[0]
 
 
-def _prefilled(engine: TextEngine, ids: list[int]) -> dict[str, torch.Tensor]:
-    """Row 0 after `ids`, saved to be loaded again before each pass."""
-    cache = _cache(engine)
+def _load(engine: TextEngine, caches: dict[Method, KVCache], ids: list[int]) -> None:
+    """Every cache's row after `ids`: prefilled once (dense's), loaded into the others."""
+    dense = caches[None]
     with torch.inference_mode():
-        engine.model(torch.tensor([ids]), cache.rows(0, 1), 0)
-    return cache.save_row(0, len(ids))
+        engine.model(torch.tensor([ids]), dense, 0)
+    saved = dense.save_row(0, len(ids))
+    for k, cache in caches.items():
+        if k is not None:
+            cache.load_row(0, len(ids), saved)
+
+
+def _turns(methods: list[Method], i: int) -> list[Method]:
+    """The methods in the order they go at turn i: rotated each turn."""
+    at = i % len(methods)
+    return methods[at:] + methods[:at]
 
 
 def score(
-    engine: TextEngine, saved: dict[str, torch.Tensor], context: list[int], targets: list[int], k: int | None
-) -> tuple[float, float]:
-    """(negative log-likelihood summed, tokens a second) of `targets` after `context`,
-    each scored by a decode step: the context's last token fed at its position, each
-    target after it in turn."""
-    cache = _cache(engine)
-    cache.load_row(0, len(context) - 1, saved)
-    cache.sparse = _policy(k)
+    engine: TextEngine, caches: dict[Method, KVCache], context: list[int], targets: list[int]
+) -> tuple[dict[Method, float], dict[Method, list[float]]]:
+    """Per method, (negative log-likelihood summed, each step's seconds) of `targets`
+    after `context` (its first len - 1 tokens in the caches), each scored by a decode
+    step: the context's last token fed at its position, each target after it in turn,
+    the methods in turns. The first step, which summarizes the whole context once, is
+    not among the times."""
+    methods = list(caches)
     feed = [context[-1], *targets[:-1]]
-    nll, first, began = 0.0, len(context) - 1, 0.0
+    nll = dict.fromkeys(methods, 0.0)
+    times: dict[Method, list[float]] = {k: [] for k in methods}
+    first = len(context) - 1
     with torch.inference_mode():
         for i, (token, target) in enumerate(zip(feed, targets, strict=True)):
-            if i == 1:
-                began = time.perf_counter()  # the first step summarizes the context: left out
-            logits = _step(engine, token, first + i)
-            nll -= float(torch.log_softmax(logits.float(), -1)[target])
-    rate = (len(targets) - 1) / (time.perf_counter() - began)
-    return nll, rate
+            for k in _turns(methods, i):
+                began = time.perf_counter()
+                logits = _step(engine, caches[k], token, first + i)
+                if i > 0:
+                    times[k].append(time.perf_counter() - began)
+                nll[k] -= float(torch.log_softmax(logits.float(), -1)[target])
+    return nll, times
 
 
-def attention_us(engine: TextEngine, position: int, k: int | None, repeats: int) -> float:
-    """Every layer's attention for one token at `position` of row 0 (the cache and its
-    summaries as the scoring pass left them), microseconds, the median of `repeats`."""
-    cache = _cache(engine)
-    cache.sparse = _policy(k)
+def attention_us(engine: TextEngine, caches: dict[Method, KVCache], position: int, repeats: int) -> dict[Method, float]:
+    """Per method, every layer's attention for one token at `position` (each cache and its
+    summaries as the scoring left them), microseconds, the median of `repeats` taken in
+    turns."""
     config = engine.model.config
     shape = (config.num_layers, 1, config.num_heads * config.head_dim)
     q = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     pos = torch.tensor([position])
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        cpu_step.attention(engine.model, cache, q, pos, position + 1)
-        times.append(time.perf_counter() - began)
-    return statistics.median(times) * 1e6
+    methods = list(caches)
+    times: dict[Method, list[float]] = {k: [] for k in methods}
+    for i in range(repeats):
+        for k in _turns(methods, i):
+            began = time.perf_counter()
+            cpu_step.attention(engine.model, caches[k], q, pos, position + 1)
+            times[k].append(time.perf_counter() - began)
+    return {k: statistics.median(t) * 1e6 for k, t in times.items()}
 
 
 def passkey_prompts(engine: TextEngine, length: int, seed: int) -> list[tuple[list[int], str]]:
@@ -146,20 +165,18 @@ def passkey_prompts(engine: TextEngine, length: int, seed: int) -> list[tuple[li
     return prompts
 
 
-def passkey(engine: TextEngine, prompts: list[tuple[list[int], str]], ks: list[int | None]) -> dict[int | None, float]:
-    """For each k (None: dense), the share of prompts whose greedy answer holds their key;
-    each prompt prefilled once and its row loaded again for each k."""
-    cache = _cache(engine)
-    right = dict.fromkeys(ks, 0)
+def passkey(
+    engine: TextEngine, caches: dict[Method, KVCache], prompts: list[tuple[list[int], str]]
+) -> dict[Method, float]:
+    """Per method, the share of prompts whose greedy answer holds their key."""
+    right = dict.fromkeys(caches, 0)
     for ids, key in prompts:
-        saved = _prefilled(engine, ids[:-1])
-        for k in ks:
-            cache.load_row(0, len(ids) - 1, saved)
-            cache.sparse = _policy(k)
+        _load(engine, caches, ids[:-1])
+        for k, cache in caches.items():
             token, answer = ids[-1], []
             with torch.inference_mode():
                 for i in range(ANSWER_TOKENS):
-                    token = int(_step(engine, token, len(ids) - 1 + i).argmax())
+                    token = int(_step(engine, cache, token, len(ids) - 1 + i).argmax())
                     answer.append(token)
             right[k] += key in engine.tokenizer.decode(answer)
     return {k: n / len(prompts) for k, n in right.items()}
@@ -170,20 +187,15 @@ def measure(
 ) -> list[dict[str, Any]]:
     """The rows of one context length, one a k."""
     context, targets = ids[:length], ids[length : length + args.score_tokens]
-    saved = _prefilled(engine, context[:-1])
-    nll: dict[int | None, float] = {}
-    rate: dict[int | None, float] = {}
-    attention: dict[int | None, float] = {}
-    position = length - 1 + len(targets) - 1  # the scoring pass's last token
-    # Each twice, in an order and its reverse, the faster pass counting: other work on the
-    # box slows one pass or another, not one method throughout.
-    for k in [None, *ks, *reversed(ks), None]:
-        got, tok_s = score(engine, saved, context, targets, k)
-        nll[k], rate[k] = got, max(tok_s, rate.get(k, 0.0))
-        if k not in attention:  # over the summaries the pass just brought up to date
-            attention[k] = attention_us(engine, position, k, args.repeats)
-        print(f"  {length} tokens, k={k}: ppl {math.exp(got / len(targets)):.3f}, {tok_s:.1f} tok/s", flush=True)
-    found = passkey(engine, passkey_prompts(engine, length, length), [None, *ks])
+    caches = _caches(engine, [None, *ks], length + max(len(targets), ANSWER_TOKENS))
+    _load(engine, caches, context[:-1])
+    nll, times = score(engine, caches, context, targets)
+    tok_s = {k: 1.0 / statistics.median(t) for k, t in times.items()}
+    position = length - 1 + len(targets) - 1  # the scoring's last token
+    attention = attention_us(engine, caches, position, args.repeats)
+    for k in caches:
+        print(f"  {length} tokens, k={k}: ppl {math.exp(nll[k] / len(targets)):.3f}, {tok_s[k]:.1f} tok/s", flush=True)
+    found = passkey(engine, caches, passkey_prompts(engine, length, length))
     dense_ppl = math.exp(nll[None] / len(targets))
     rows = []
     for k in ks:
@@ -197,8 +209,8 @@ def measure(
                 "attended_tokens": min(length + len(targets), (k + 3) * BLOCK),
                 "attention_us": attention[k],
                 "dense_attention_us": attention[None],
-                "decode_tok_s": rate[k],
-                "dense_decode_tok_s": rate[None],
+                "decode_tok_s": tok_s[k],
+                "dense_decode_tok_s": tok_s[None],
                 "ppl": ppl,
                 "dense_ppl": dense_ppl,
                 "ppl_delta_pct": (ppl / dense_ppl - 1.0) * 100.0,
@@ -230,6 +242,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if engine.sparse is None:
         raise RuntimeError(f"sparse attention is not served here: {engine.sparse_refused}")
     ids = engine.tokenizer.encode(evaluation_text(), add_special_tokens=False).ids
+    load_before = os.getloadavg()[0]
     rows: list[dict[str, Any]] = []
     for length in args.contexts:
         began = time.perf_counter()
@@ -245,6 +258,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "passkey_answer_tokens": ANSWER_TOKENS,
         "attention_repeats": args.repeats,
         "quick": args.quick,
+        # Other work on the box slows timings: its one-minute load average as the run
+        # began and ended, on this many CPUs.
+        "load_average": [load_before, os.getloadavg()[0]],
+        "cpus": os.cpu_count(),
         "rows": rows,
         **engine_fields(engine),
     }
@@ -253,9 +270,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 1024, 2048, 4096])
-    parser.add_argument("--k", type=int, nargs="+", default=[4, 8, 16], help="top_k_blocks, a row each")
-    parser.add_argument("--score-tokens", type=int, default=128, help="held-out tokens scored after the context")
-    parser.add_argument("--repeats", type=int, default=20, help="timings of attention alone, the median taken")
+    parser.add_argument("--k", type=int, nargs="+", default=[4, 8, 16, 32], help="top_k_blocks, a row each")
+    parser.add_argument("--score-tokens", type=int, default=512, help="held-out tokens scored after the context")
+    parser.add_argument("--repeats", type=int, default=30, help="timings of attention alone, the median taken")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--engine-dir", type=Path, default=REPO / ".edge" / "engines")
     parser.add_argument("--out", type=Path, default=None)

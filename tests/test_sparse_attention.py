@@ -342,7 +342,10 @@ def test_the_summaries_are_counted_in_the_caches_bytes(served: TextCheckpoint) -
         ({"sparse_attention": {"enabled": True, "block_tokens": 4}}, "block_tokens"),
         ({"sparse_attention": {"enabled": True, "topk": 4}}, "topk"),
         ({"sparse_attention": {"enabled": True, "min_context": 2048}}, r"min_context \(2048\) is not below"),
-        ({"sparse_attention": {"enabled": True, "top_k_blocks": 30}}, r"top_k_blocks \(30\) blocks.*cover"),
+        (
+            {"sparse_attention": {"enabled": True, "top_k_blocks": 30, "min_context": 1024}},
+            r"top_k_blocks \(30\) blocks.*cover",
+        ),
     ],
 )
 def test_a_sparse_section_that_cannot_select_is_refused_naming_the_field(fields: dict[str, Any], message: str) -> None:
