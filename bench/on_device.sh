@@ -93,7 +93,7 @@ case "$what" in
     jetson_tests
     status=$?
     [ "$status" = 0 ] || { echo "the Jetson path's kernel tests failed: nothing measured"; exit "$status"; }
-    EDGE_CUDA_ARCH=compute_80 python3 -m bench.attention_kernels --out "$out/attention_kernels.json" "$@" 2>&1 | tail -30
+    EDGE_CUDA_ARCH=compute_80 python3 -m bench.attention_kernels --spreads 1 2 4 8 --out "$out/attention_kernels.json" "$@" 2>&1 | tail -30
     status=${PIPESTATUS[0]} ;;
   kv)
     cp bench/results/kv.json "$out/kv.json"

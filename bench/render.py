@@ -1194,7 +1194,8 @@ def attention_kernels(d: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---:|---|---|",
     ]
     theirs = {(r["kv_dtype"], r["context"]): r for r in d["rows"] if r["kernels"] == "triton"}
-    for r in (r for r in d["rows"] if r["kernels"] == "cuda"):
+    tried = [r for r in d["rows"] if r["kernels"] == "cuda" and "spread" in r]
+    for r in (r for r in d["rows"] if r["kernels"] == "cuda" and "spread" not in r):
         t = theirs.get((r["kv_dtype"], r["context"]))
         triton = f"{t['us_per_layer']:.2f}" if t else "-"
         ratio = f"{t['us_per_layer'] / r['us_per_layer']:.2f}x" if t else "-"
@@ -1202,6 +1203,19 @@ def attention_kernels(d: dict[str, Any]) -> str:
             f"| {r['kv_dtype']} | {r['context']} | {r['us_per_layer']:.2f} | {triton} | {ratio} "
             f"| {r['splits']} x {r['chunk']} | {r.get('kernel', 'not recorded')} |"
         )
+    if tried:
+        lines += [
+            "",
+            "Our float16 attention split for other numbers of blocks an SM (`--spreads`; the served rule's marked):",
+            "",
+            "| context | blocks an SM | splits x chunk | microseconds a layer |",
+            "|---:|---:|---|---:|",
+        ]
+        for r in tried:
+            mark = " (served)" if r.get("served") else ""
+            lines.append(
+                f"| {r['context']} | {r['spread']}{mark} | {r['splits']} x {r['chunk']} | {r['us_per_layer']:.2f} |"
+            )
     return "\n".join(lines)
 
 
