@@ -118,6 +118,8 @@ def test_every_table_and_plot_is_on_the_benchmarks_page() -> None:
     for plot in plots.PLOTS:
         assert f"](plots/{plot.name}.png)" in text, plot.name
         assert plot.path.exists(), plot.path
+    # Heat maps of a profile document: their blocks link them where the document exists.
+    assert set(bench_render.MAPS) <= rendered, set(bench_render.MAPS) - rendered
 
 
 def test_links_between_pages_lead_to_files_that_exist() -> None:
