@@ -78,7 +78,7 @@ def float_rows(context: int, device: torch.device, sms: int, spreads: tuple[int,
         splits, chunk = decode_ops.attention_splits(context, cfg.num_kv_heads, sms, spread)
 
         def tried(i: int, s: int = spread) -> torch.Tensor:
-            return decode_ops.decode_attention(q, *caches[i], pos, context, sms, s)
+            return decode_ops.decode_attention(q, *caches[i], pos, context, sms, spread=s)
 
         row = _row("cuda", "float16", context, _time_step(tried, layers), splits, chunk, kernel)
         rows.append({**row, "spread": spread, "served": spread == decode_ops.ATTN_SPREAD})
