@@ -102,7 +102,9 @@ class QAModelConfig(StrictModel):
         f"'{BUILTIN_TEXT_SOURCE}', or a path to a Hugging Face model directory (config.json, *.safetensors, "
         "tokenizer.json, tokenizer_config.json with its chat template) of the Llama family (Llama 2/3.x, "
         "SmolLM, TinyLlama, Mistral with its sliding window), the Qwen2 family, Qwen3, Phi-3 or Gemma 3 text "
-        "(gemma3_text), or a path to a GGUF file of those architectures.",
+        "(gemma3_text), or a path to a GGUF file of those architectures; or a LLaVA-1.5 or LLaVA-NeXT "
+        "directory (llava, llava_next), its language model built as those are, its vision tower and projector "
+        "carried beside it.",
     )
     adapter: str = Field(
         default="clinic",

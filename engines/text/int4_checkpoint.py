@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from edge.text.model.checkpoint import SIDE_FILES
+from edge.text.model.checkpoint import carried_files
 from edge.text.model.llama import LlamaModel
 from edge.text.ops.int4 import QuantizedWeight
 
@@ -40,7 +40,7 @@ def save_int4(
     save_file(tensors, str(out / "model.safetensors"))
     quant = {"linears": {name: {"group_size": q.group_size, "bits": 4} for name, q in packed.items()}}
     (out / "quant.json").write_text(json.dumps(quant, indent=1) + "\n", encoding="utf-8")
-    for name in SIDE_FILES:
+    for name in carried_files(src):
         shutil.copy2(src / name, out / name)
     return {
         "kind": "llama-int4",

@@ -34,6 +34,18 @@ from edge.text.ops.triton.triton_int4 import TRITON_SUPPORT
 
 # Files every checkpoint carries beside its weights; build steps copy them forward.
 SIDE_FILES = ("config.json", "tokenizer.json", "generation.json")
+# The image part of a model that reads images (its vision tower, projector and image
+# preprocessing: edge/vlm), where its source had one: carried forward by every build step
+# with the side files, so the INT4 language model keeps the eye it was trained with. The
+# text branch never reads them.
+IMAGE_PART = ("vision.json", "vision.safetensors")
+
+
+def carried_files(src: Path) -> list[str]:
+    """The files of checkpoint `src` a build step made from it copies: the side files,
+    and its image part where it has one."""
+    return [*SIDE_FILES, *(name for name in IMAGE_PART if (src / name).is_file())]
+
 
 FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
