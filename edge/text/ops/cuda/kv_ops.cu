@@ -639,7 +639,7 @@ __device__ __forceinline__ uint32_t key_word(const uint32_t* codes, int w) {
 }
 
 template <typename C, int HD, int GP, bool INT4>
-__global__ void __launch_bounds__(KV_THREADS, 4)
+__global__ void __launch_bounds__(KV_THREADS, 2)
     kv_attn_mma_kernel(const C* __restrict__ q, Layer<C> L, Format f, const C* __restrict__ kf,
                        const C* __restrict__ vf, const long long* __restrict__ pos_ptr, float* __restrict__ acc,
                        float* __restrict__ ml, int* __restrict__ done, C* __restrict__ out, int start_in,
@@ -841,13 +841,25 @@ __global__ void __launch_bounds__(KV_THREADS, 4)
   if (!early && first_coded && start < end) first_codes = load_codes(start);
   __syncthreads();  // the queries in shared memory
 
+  // A coded tile's codes are loaded while the tile before it is computed (the next
+  // tile's trip to memory overlaps this one's products), the two tiles' codes held at once.
+  Codes next;
+  const auto prefetch = [&](int t0) {
+    if (t0 < below) next = load_codes(t0);  // (coded tiles lie below `below`, all before the float ones)
+  };
   if (start < end) {  // the first tile apart: its codes may be loaded already
+    prefetch(start + KV_TILE);
     if (first_coded) coded_tile(start, first_codes, first);
     else float_tile(start, end, first);
   }
   for (int t0 = start + KV_TILE; t0 < end; t0 += KV_TILE) {
-    if (t0 < below) coded_tile(t0, load_codes(t0), first);
-    else float_tile(t0, end, first);
+    if (t0 < below) {
+      const Codes cd = next;
+      prefetch(t0 + KV_TILE);
+      coded_tile(t0, cd, first);
+    } else {
+      float_tile(t0, end, first);
+    }
   }
   mma_finish<C, GP, HD, KV_THREADS>(st, group, bh, sp, splits, acc, ml, done,
                                     out + ((size_t)qi * NH + kh * group) * HD);
