@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from bench.family_models import bpe_tokenizer
+
 SPECIALS = ["<s>", "</s>", "<image>"]
 CORPUS = [
     "Describe the part in the image and name any defect on it.",
@@ -40,18 +42,7 @@ PINPOINTS = [[32, 64], [64, 32], [64, 64]]
 
 
 def _tokenizer() -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=360, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    fast: Any = PreTrainedTokenizerFast  # untyped in transformers
-    return fast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    return bpe_tokenizer(CORPUS, SPECIALS, "<s>", "</s>")
 
 
 def _randomise(model: Any) -> None:
