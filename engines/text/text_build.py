@@ -168,9 +168,15 @@ def layer_recipe(
     method: str, layers: list[dict[str, Any]], group_size: int = SERVING_GROUP, symmetric: bool = False
 ) -> QuantRecipe:
     """The INT4 recipe with the profile's per-layer rules (models.qa.layers), in order,
-    the first rule matching a layer deciding: float, or INT4 at its own group size."""
+    the first rule matching a layer deciding: float, or INT4 at its own group size, pruned
+    to 2:4 by its method where it says so."""
     rules = tuple((r["match"], 0 if r["format"] == "float" else int(r.get("group_size") or group_size)) for r in layers)
-    return QuantRecipe(method=method, group_size=group_size, groups=rules, symmetric=symmetric)
+    sparse = tuple(
+        (r["match"], (r.get("pruning") or "sparsegpt") if r.get("sparsity", "dense") == "2:4" else "") for r in layers
+    )
+    if not any(method for _pattern, method in sparse):
+        sparse = ()  # a dense build's recipe (and cache key) stays as it was
+    return QuantRecipe(method=method, group_size=group_size, groups=rules, symmetric=symmetric, sparse=sparse)
 
 
 # "-sym": zero points fixed at 8, the form TensorRT's weight-only INT4 takes.
