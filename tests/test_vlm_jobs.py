@@ -30,6 +30,7 @@ from edge.protocol.jobs import ImageRef, ParsedJob, QAJob
 from edge.scheduler.ledger import MemoryLedger
 from edge.scheduler.models import ModelManager
 from edge.scheduler.work import Reply, WorkItem
+from edge.tasks.grounding import GroundingPolicy
 from edge.tasks.media import MediaLoader
 from edge.tasks.qa import QATask, job_sequence, start_qa
 from edge.text.engine import TextEngine, variant
@@ -195,6 +196,22 @@ def test_a_model_without_an_image_part_refuses_the_image_naming_it(task: QATask)
     with pytest.raises(JobError) as err:
         blind.prepare(_item(job))
     assert (err.value.code, err.value.field) == ("unavailable", "image")
+    # Where the profile asks every question of a collection and none is named, the image is
+    # still refused, not answered with an abstention; and an image part that failed to
+    # load says so.
+    strict = GroundingPolicy.of(QAModelConfig(require_collection=True))
+    failed = QATask(task.engine, task._responder, policy=strict, image_refusal="the image part did not load (X)")
+    with pytest.raises(JobError) as err:
+        failed.prepare(_item(job))
+    assert (err.value.code, err.value.field, err.value.message) == (
+        "unavailable",
+        "image",
+        "the image part did not load (X)",
+    )
+    assert not isinstance(
+        QATask(task.engine, task._responder, policy=strict).prepare(_item(QAJob(id="words", question=QUESTION))),
+        Sequence,
+    )  # the same job without its image abstains
 
 
 def test_an_image_that_overflows_the_context_window_is_blamed(task: QATask, built: dict[str, Any]) -> None:

@@ -44,8 +44,9 @@ class LayerRule(StrictModel):
         title="Sparsity",
         description="'2:4' prunes these layers' weights to two of every four along the input, from the "
         "calibration activations, before INT4 quantization, and stores them in the packed 2:4 INT4 format "
-        "(format 'int4' only; decoder-layer projections only, not lm_head). Such a build is served on the "
-        "CPU; other devices refuse it.",
+        "(format 'int4' only; decoder-layer projections only, not lm_head). Such a build is served op by op "
+        "on the CPU (a kernel tested against the dense one) and on CUDA (a kernel that has not yet run on a "
+        "GPU: docs/models.md); the fused steps and the ONNX export refuse it.",
     )
     pruning: Literal["sparsegpt", "wanda", "magnitude"] | None = Field(
         default=None,

@@ -37,6 +37,7 @@ from edge.text.runtime.generate import SamplingParams
 from edge.vlm.vision_language import ImagePrompt
 
 logger = logging.getLogger(__name__)
+NO_IMAGE_PART = "the served text model has no image part (its build is not a vision-language model)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +64,10 @@ class QATask:
         top_k: int = QAModelConfig.model_fields["top_k"].default,
         policy: GroundingPolicy | None = None,
         images: ImageQuestions | None = None,
+        image_refusal: str = NO_IMAGE_PART,
     ) -> None:
-        """`images`: where the text model has an image part, what reads a job's image."""
+        """`images`: where the text model has an image part, what reads a job's image;
+        `image_refusal`: why a job's image is refused where there is none."""
         self.engine = engine
         self._responder = responder
         self.retrieval = retrieval
@@ -72,6 +75,7 @@ class QATask:
         self.top_k = top_k
         self.policy = policy or GroundingPolicy.of(QAModelConfig())
         self.images = images
+        self.image_refusal = image_refusal
         self._prepared: weakref.WeakKeyDictionary[Sequence, _Prepared] = weakref.WeakKeyDictionary()
 
     def ready(self, item: WorkItem, wait_s: float) -> bool:
@@ -96,6 +100,9 @@ class QATask:
             # A pipeline's question carries the part's image for a model that can see it;
             # any other is asked about the inspection's words alone, as before.
             job = job.model_copy(update={"image": None})
+        elif job.image is not None and self.images is None:
+            # Before retrieval and any abstention: the job asks for what this box cannot do.
+            raise JobError(ErrorCode.UNAVAILABLE, self.image_refusal, "image")
         job, passages = self._retrieve(job, item, carried)
         fields = "ask." if carried else ""  # a pipeline's question: its fields are under ask
         if passages is not None and not passages[0] and passages[1]:
@@ -208,8 +215,7 @@ def job_sequence(
         if job.image is None:
             ids, prefix = engine.prompter.parts(job.question, job.context)
         elif images is None:
-            why = "the served text model has no image part (its build is not a vision-language model)"
-            raise JobError(ErrorCode.UNAVAILABLE, why, "image")
+            raise JobError(ErrorCode.UNAVAILABLE, NO_IMAGE_PART, "image")
         else:
             image, image_stages = images.prompt(job.id, job.image, engine.prompter, job.question, job.context)
             ids, prefix = image.ids, image.prefix
@@ -352,11 +358,21 @@ def start_qa(
     offload_dir = state_dir / "kv-offload" if state_dir is not None else None
     engine = load_text_engine(cfg, checkpoint, manager, offload_dir, profile_name)
     name = qa_model_name(cfg)
-    images = start_image_questions(checkpoint, engine, manager, media, name) if media is not None else None
+    images, image_refusal = None, NO_IMAGE_PART
+    if media is not None:
+        try:
+            images = start_image_questions(checkpoint, engine, manager, media, name)
+        except Exception as err:  # the image part failing leaves text questions served
+            # Questions without an image still have their engine; jobs with one are refused
+            # naming the field and why, and the log has the whole error.
+            logger.exception("the image part of %s did not load; qa serves questions without an image", name)
+            image_refusal = f"the served model's image part did not load ({type(err).__name__}: {err})"
     retrieval = None
     if state_dir is not None and engine_dir is not None:
         store = DocStore(state_dir / "docs")
         keep = frozenset({name})
         retrieval = Retrieval(manager, store, engine_dir, cfg.embed_backend, cfg.embed_threads, keep)
         retrieval.preload()
-    return QATask(engine, responder, retrieval, cfg.collection, cfg.top_k, GroundingPolicy.of(cfg), images)
+    return QATask(
+        engine, responder, retrieval, cfg.collection, cfg.top_k, GroundingPolicy.of(cfg), images, image_refusal
+    )

@@ -34,7 +34,7 @@ def write_quantized(src: Path, out: Path, recipe: QuantRecipe, progress: bool) -
     the float model whole: four bytes a weight."""
     ckpt = load_checkpoint(src, dtype=torch.float32, fuse=False)
     calib_ids = None
-    if recipe.method == "awq":
+    if recipe.calibrates:
         calib_ids = ckpt.tokenizer.encode(calibration_text(), add_special_tokens=False).ids
     with torch.inference_mode():
         packed, report = quantize_model(ckpt.model, recipe, calib_ids, progress)
@@ -48,7 +48,9 @@ def quantize_target(src: Path, src_inputs: dict[str, Any], recipe: QuantRecipe) 
     inputs = {
         "source": src_inputs,
         "recipe": recipe.to_dict(),
-        "calibration": corpus_fingerprint() if recipe.method == "awq" else None,
+        # (calibrates: AWQ, or pruning that weighs weights by the calibration's activations;
+        # for a dense round-to-nearest recipe None, as before)
+        "calibration": corpus_fingerprint() if recipe.calibrates else None,
         "quantizer": QUANTIZER_VERSION,
     }
     return src.parent / f"{src.name}-{recipe.method}-g{recipe.group_size}-{cache_key(inputs)}", inputs

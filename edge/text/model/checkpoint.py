@@ -47,7 +47,7 @@ SIDE_FILES = ("config.json", "tokenizer.json", "generation.json")
 # The image part of a model that reads images (its vision tower, projector and image
 # preprocessing: edge/vlm), where its source had one: carried forward by every build step
 # with the side files, so the INT4 language model keeps the eye it was trained with. The
-# text branch never reads them.
+# language model's loader leaves them to edge/vlm (edge/tasks/image_questions.py loads them).
 IMAGE_PART = ("vision.json", "vision.safetensors")
 
 
