@@ -75,7 +75,9 @@ WINDOW = 24  # the Gemma model's sliding window: far shorter than the positions 
 LONGROPE_ORIGINAL = 256  # the Phi model's original context: half its 512 positions, past the 200 compared
 
 
-def _tokenizer(directory: Path, template: str, eos: str) -> Any:
+def bpe_tokenizer(corpus: list[str], specials: list[str], bos: str, eos: str) -> Any:
+    """A real byte-level BPE tokenizer of 360 tokens trained on `corpus` (the test
+    models' vocabulary: small, so their token tables are too), as transformers' fast one."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -83,19 +85,23 @@ def _tokenizer(directory: Path, template: str, eos: str) -> Any:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=360, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=360, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    tok.train_from_iterator(CORPUS, trainer)
+    tok.train_from_iterator(corpus, trainer)
     fast_tokenizer: Any = PreTrainedTokenizerFast  # untyped in transformers
-    fast = fast_tokenizer(tokenizer_object=tok, bos_token="<bos>", eos_token=eos)
+    return fast_tokenizer(tokenizer_object=tok, bos_token=bos, eos_token=eos)
+
+
+def _tokenizer(directory: Path, template: str, eos: str) -> Any:
+    fast = bpe_tokenizer(CORPUS, SPECIALS, "<bos>", eos)
     fast.chat_template = template
     fast.save_pretrained(directory)
     return fast
 
 
-def _randomise(model: Any) -> None:
+def randomise(model: Any) -> None:
     """Weights wide enough that greedy choices are clear (the default init makes every
-    logit nearly equal)."""
+    logit nearly equal), biases included (transformers starts them at zero)."""
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -182,7 +188,7 @@ def random_family_model(family: str, tokenizer: Any) -> Any:
             tie_word_embeddings=True,
         )
         model = Gemma3ForCausalLM(config)
-    _randomise(model)
+    randomise(model)
     model.eval()
     return model
 

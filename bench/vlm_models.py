@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from PIL import Image
+
+from bench.family_models import bpe_tokenizer, randomise
 
 SPECIALS = ["<s>", "</s>", "<image>"]
 CORPUS = [
@@ -40,30 +41,7 @@ PINPOINTS = [[32, 64], [64, 32], [64, 64]]
 
 
 def _tokenizer() -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=360, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    fast: Any = PreTrainedTokenizerFast  # untyped in transformers
-    return fast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-
-
-def _randomise(model: Any) -> None:
-    """Weights wide enough that greedy choices are clear (the default init makes every
-    logit nearly equal), biases included."""
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
-            else:
-                param.copy_(0.15 * torch.randn(param.shape, generator=gen))
+    return bpe_tokenizer(CORPUS, SPECIALS, "<s>", "</s>")
 
 
 def make_llava(directory: Path, family: str) -> tuple[Any, Any]:
@@ -133,7 +111,7 @@ def make_llava(directory: Path, family: str) -> tuple[Any, Any]:
             num_additional_image_tokens=0,
             chat_template=TEMPLATE,
         )
-    _randomise(model)
+    randomise(model)
     model.eval()
     model.save_pretrained(directory)
     processor.save_pretrained(directory)

@@ -24,7 +24,7 @@ from edge.text.kv.float_cache import SparseAttention
 from edge.text.kv.kv_offload import KVOffload
 from edge.text.kv.kv_quant import FORMATS, KVFormat
 from edge.text.kv.prefix_cache import PrefixCache
-from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint
+from edge.text.model.checkpoint import IMAGE_PART, TextCheckpoint, load_checkpoint
 from edge.text.model.embedding import EmbeddingFormat, QuantizedEmbedding
 from edge.text.model.llama import LlamaModel
 from edge.text.model.splice import Splice
@@ -141,7 +141,9 @@ class TextEngine:
         self.origin = origin or {}
         # Read once: status and every metrics scrape ask for config().
         self._groups = group_sizes(checkpoint.path)
-        self.prompter = Prompter(checkpoint.tokenizer, checkpoint.chat, cfg.system_prompt)
+        # A vision-language model's language model: its template takes typed parts, images or not.
+        typed = all((checkpoint.path / name).is_file() for name in IMAGE_PART)
+        self.prompter = Prompter(checkpoint.tokenizer, checkpoint.chat, cfg.system_prompt, typed)
         self.sparse, self.sparse_refused = sparse_attention(cfg, checkpoint.model)
         self.batcher = ContinuousBatcher(
             checkpoint.model,

@@ -69,10 +69,16 @@ class Prompter:
     """Turns (question, context) into prompt tokens for one model. A template that
     refuses the conversation raises chat.ChatTemplateError; the task says which field."""
 
-    def __init__(self, tokenizer: Tokenizer, chat: ChatTemplate | None, system_prompt: str) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, chat: ChatTemplate | None, system_prompt: str, typed_parts: bool = False
+    ) -> None:
+        """`typed_parts`: every message's content a list of typed parts, with or without
+        an image, as a vision-language model's template reads it (LLaVA's writes only
+        the text parts of a message: plain text content would vanish from its prompt)."""
         self.tokenizer = tokenizer
         self.chat = chat
         self.system_prompt = system_prompt
+        self.typed_parts = typed_parts
         self._ids = control_tokens(tokenizer)
         # Longest first, so that a control token that begins another is never cut short.
         names = sorted(self._ids, key=len, reverse=True)
@@ -89,7 +95,7 @@ class Prompter:
                 )
             return chatml(system, user)
         messages: list[dict[str, Any]]
-        if images:
+        if images or self.typed_parts:
             # A conversation with images as transformers' processors take one: each
             # message's content a list of typed parts, the images before the user's text;
             # the template writes each image's token (a control token, never message text).

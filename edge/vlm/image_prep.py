@@ -34,19 +34,18 @@ def as_rgb(image: Image.Image | np.ndarray) -> Image.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
+def _resized_size(height: int, width: int, prep: ImagePrep) -> tuple[int, int]:
+    """The (height, width) the processor's `size` makes of an image: the shorter side to
+    shortest_edge (the longer one truncated), or height x width."""
+    if not prep.shortest_edge:
+        return prep.height, prep.width
+    short, long = sorted((width, height))
+    new_long = int(prep.shortest_edge * long / short)
+    return (new_long, prep.shortest_edge) if width <= height else (prep.shortest_edge, new_long)
+
+
 def _resized(image: Image.Image, prep: ImagePrep) -> Image.Image:
-    """Resized as the processor's `size` says: the shorter side to shortest_edge (the
-    longer one truncated), or to height x width."""
-    if prep.shortest_edge:
-        short, long = sorted((image.width, image.height))
-        new_long = int(prep.shortest_edge * long / short)
-        if image.width <= image.height:
-            height, width = new_long, prep.shortest_edge
-        else:
-            height, width = prep.shortest_edge, new_long
-    else:
-        height, width = prep.height, prep.width
-    return _to(image, height, width, prep.resample)
+    return _to(image, *_resized_size(image.height, image.width, prep), prep.resample)
 
 
 def _to(image: Image.Image, height: int, width: int, resample: int) -> Image.Image:
@@ -119,3 +118,59 @@ def prepare(image: Image.Image | np.ndarray, prep: ImagePrep, pinpoints: Sequenc
         views = [_padded_square(rgb, prep) if prep.pad_to_square else rgb]
     stacked = np.stack([_tensor(view, prep) for view in views])
     return ImagePixels(torch.from_numpy(stacked), (rgb.height, rgb.width))
+
+
+# Bytes a pixel takes on the way: PIL keeps RGB padded to 32 bits. A view is copied out as
+# uint8 and cropped (onto zeros where it is smaller), scaled in float64 (the cast and the
+# product both held) and cast to float32 (_tensor), per channel; its normalised float32
+# array and the stack of all views stay.
+_PIL_PIXEL = 4
+_VIEW_PIXEL = 3 * (1 + 1 + 8 + 8 + 4)
+_KEPT_PIXEL = 3 * (4 + 4)
+
+
+@dataclass(frozen=True)
+class PrepCost:
+    """What prepare() makes of an image of a given size, counted from its steps."""
+
+    largest_pixels: int  # the largest image it makes on the way (a padded square, a resize, a canvas)
+    held_bytes: int  # at most held at once beyond the array given
+
+
+def _resize(made: list[int], src: tuple[int, int], dst: tuple[int, int]) -> None:
+    """A resize's result, and PIL's image between its horizontal and vertical passes
+    (at most the larger side of each)."""
+    made += [dst[0] * dst[1], max(src[0], dst[0]) * max(src[1], dst[1])]
+
+
+def prepare_cost(size: tuple[int, int], prep: ImagePrep, pinpoints: Sequence[tuple[int, int]] = ()) -> PrepCost:
+    """The cost of `prepare` for an image of `size` (height, width), step for step as it
+    runs, without running it: what a job reserves before its image is decoded, and what
+    refuses an image whose preprocessing alone would make a larger one (a long strip
+    padded to a square, or resized by its shorter side). Every image made is counted as
+    if all were held together: an upper bound."""
+    height, width = size
+    made = [height * width]  # the given array as a PIL image
+    if pinpoints:
+        target = best_resolution(size, pinpoints)
+        _resize(made, size, prep.base_size)
+        _resize(made, size, fitted_size(size, target))
+        made.append(target[0] * target[1])  # the canvas the tiles are cut from
+        tiles = (target[0] // prep.tile) * (target[1] // prep.tile)
+        made += [prep.tile * prep.tile] * tiles
+        views = [prep.base_size, *[(prep.tile, prep.tile)] * tiles]
+    elif prep.pad_to_square and height != width:
+        side = max(height, width)
+        made.append(side * side)
+        views = [(side, side)]
+    else:
+        views = [size]
+    held = 0
+    for view in views:
+        out = view
+        if prep.resize:
+            out = _resized_size(view[0], view[1], prep)
+            _resize(made, view, out)
+        crop = prep.crop_height * prep.crop_width if prep.crop_height and prep.crop_width else out[0] * out[1]
+        held += max(crop, out[0] * out[1]) * _VIEW_PIXEL + crop * _KEPT_PIXEL
+    return PrepCost(max(made), held + _PIL_PIXEL * sum(made))

@@ -16,6 +16,7 @@ They run in torch on the language model's device, in its activations' type.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from edge.text.model.splice import Splice
 from edge.text.prompt import Prompter
 from edge.vision.vision_tower import VisionTower
 from edge.vlm.anyres import pack
-from edge.vlm.image_prep import ImagePixels, prepare
+from edge.vlm.image_prep import ImagePixels, PrepCost, prepare, prepare_cost
 from edge.vlm.projector import Projector
 from edge.vlm.vlm_config import CONFIG_FILE, WEIGHTS_FILE, VisionLanguageConfig
 
@@ -67,6 +68,14 @@ class ImagePart(nn.Module):
 
 def has_image_part(checkpoint: Path) -> bool:
     return (checkpoint / CONFIG_FILE).is_file() and (checkpoint / WEIGHTS_FILE).is_file()
+
+
+def image_part_bytes(checkpoint: Path, dtype: torch.dtype) -> int:
+    """What the image part's weights take loaded in `dtype` (VisionLanguage.nbytes),
+    read from the file's header alone."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    with safe_open(str(checkpoint / WEIGHTS_FILE), framework="pt", device="cpu") as fh:
+        return sum(math.prod(fh.get_slice(name).get_shape()) * size for name in fh.keys())
 
 
 class VisionLanguage:
@@ -119,6 +128,19 @@ class VisionLanguage:
     def pixels(self, image: Image.Image | np.ndarray) -> ImagePixels:
         """The views the tower sees of `image` (a PIL image, or RGB uint8 [H, W, 3])."""
         return prepare(image, self.config.prep, self.config.grid_pinpoints)
+
+    def prepare_cost(self, size: tuple[int, int]) -> PrepCost:
+        """What making the views of an image of `size` (height, width) takes (`pixels`)."""
+        return prepare_cost(size, self.config.prep, self.config.grid_pinpoints)
+
+    def most_views(self) -> ImagePixels:
+        """The views of a blank image of the size that makes the most of them (LLaVA-NeXT:
+        its largest resolution, tiled whole): what the tower's working memory is
+        measured with."""
+        pinpoints = self.config.grid_pinpoints
+        side = self.config.tower.image_size
+        height, width = max(pinpoints, key=lambda hw: hw[0] * hw[1]) if pinpoints else (side, side)
+        return self.pixels(np.zeros((height, width, 3), dtype=np.uint8))
 
     @torch.inference_mode()
     def features(self, image: ImageLike) -> torch.Tensor:

@@ -39,6 +39,7 @@ from engines.text.llava_source import (
     PROCESSOR,
     image_config,
     is_llava,
+    read_json,
     refuse_other_vlm,
     split_name,
     text_config,
@@ -71,16 +72,6 @@ REQUIRED = ("config.json", "tokenizer.json", "tokenizer_config.json")
 HF_ROPE_TYPES = ("linear", "llama3", "longrope")  # what a Hugging Face config.json may name that we serve
 
 
-def _load_json(path: Path) -> dict[str, Any]:
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise SourceModelError(f"{path.name} is not readable JSON: {err}") from err
-    if not isinstance(doc, dict):
-        raise SourceModelError(f"{path.name} does not hold a JSON object")
-    return doc
-
-
 def read_hf_config(directory: Path) -> LlamaConfig:
     """Our config for a source directory's (language) model; SourceModelError naming
     what is unsupported."""
@@ -95,7 +86,7 @@ def read_source(directory: Path) -> tuple[LlamaConfig, VisionLanguageConfig | No
         raise SourceModelError(f"{directory} is not a Hugging Face model directory: no {', '.join(missing)}")
     if not weight_files(directory):
         raise SourceModelError(f"{directory} holds no *.safetensors weights")
-    hf = _load_json(directory / "config.json")
+    hf = read_json(directory / "config.json")
     refuse_other_vlm(hf)
     if not is_llava(hf):
         return _text_model_config(hf, directory), None
@@ -289,8 +280,8 @@ def _split_fused(name: str, tensor: torch.Tensor, config: LlamaConfig) -> list[t
 def generation_settings(directory: Path) -> dict[str, Any]:
     """The chat template, special tokens and end-of-turn ids, from the tokenizer's
     config and the generation config where there is one."""
-    tok_cfg = _load_json(directory / "tokenizer_config.json")
-    tokenizer = _load_json(directory / "tokenizer.json")
+    tok_cfg = read_json(directory / "tokenizer_config.json")
+    tokenizer = read_json(directory / "tokenizer.json")
     vocab = {t["content"]: int(t["id"]) for t in tokenizer.get("added_tokens", [])}
     model_vocab = tokenizer.get("model", {}).get("vocab", {})
 
@@ -314,13 +305,13 @@ def generation_settings(directory: Path) -> dict[str, Any]:
         template = jinja.read_text(encoding="utf-8")
     processor = directory / "chat_template.json"  # a multimodal processor's, in older saves
     if template is None and processor.is_file():
-        template = _load_json(processor).get("chat_template")
+        template = read_json(processor).get("chat_template")
     if not isinstance(template, str):
         raise SourceModelError(f"{directory.name}: tokenizer_config.json has no chat_template")
     eos: set[int] = set()
     gen_path = directory / "generation_config.json"
     if gen_path.is_file():
-        value = _load_json(gen_path).get("eos_token_id")
+        value = read_json(gen_path).get("eos_token_id")
         eos.update(value if isinstance(value, list) else [value] if value is not None else [])
     eos_text = token("eos_token")
     if token_id(eos_text) is not None:
@@ -357,7 +348,7 @@ class HfSource(FloatSource):
         config, self.image = read_source(directory)
         super().__init__(config, directory.name)
         self.directory = directory
-        self.gemma = _load_json(directory / "config.json").get("model_type") == GEMMA
+        self.gemma = read_json(directory / "config.json").get("model_type") == GEMMA
         self.generation = generation_settings(directory)
         expected = expected_tensors(config)
         # Where each of our tensors is: (shard, the source's name for it).

@@ -148,7 +148,8 @@ def _size(value: Any, square: bool) -> dict[str, int]:
     return {k: int(v) for k, v in (value or {}).items() if v is not None}
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from a model directory's file (SourceModelError naming the file)."""
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
@@ -163,9 +164,9 @@ def processor_settings(directory: Path) -> tuple[dict[str, Any], str] | None:
     (the Hub's LLaVA directories), or the `image_processor` of processor_config.json
     (transformers 5's saves); None where neither is."""
     if (directory / PREPROCESSOR).is_file():
-        return _read_json(directory / PREPROCESSOR), PREPROCESSOR
+        return read_json(directory / PREPROCESSOR), PREPROCESSOR
     if (directory / PROCESSOR).is_file():
-        nested = _read_json(directory / PROCESSOR).get("image_processor")
+        nested = read_json(directory / PROCESSOR).get("image_processor")
         return (nested, PROCESSOR) if isinstance(nested, dict) else None
     return None
 
