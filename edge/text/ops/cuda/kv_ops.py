@@ -30,10 +30,12 @@ CACHE_DTYPES = (torch.bfloat16, torch.float16)
 # refused by name at load (refusal), float16 KV serving it here; Triton's kernels take it.
 HEAD_DIMS = (64, 128)
 TILE = 64  # positions a pass of the attention (kv_ops.cu's KV_TILE): key blocks are whole tiles
-# Blocks an SM the quantized cache's attention is split for: more than the float cache's
-# (decode_ops.ATTN_SPREAD), as its kernel walks a chunk's tiles one after the other,
-# each tile's loads waited for: with the float cache's spread its decode at 4K was slower.
-KV_SPREAD = 8
+# Blocks an SM the quantized cache's attention is split for: two, where the float cache's
+# is one (decode_ops.ATTN_SPREAD). Its kernel loads a tile's codes while the tile before
+# is computed, but holds two tiles' codes in registers (two blocks an SM fit): timed on
+# the 8B shape at 4K (bench.attention_kernels --spreads), spread 2 was its fastest for
+# int8 and int4 alike, 1 and 4 to 8 slower by 10-50%.
+KV_SPREAD = 2
 
 
 def _declare(lib: ctypes.CDLL) -> None:
