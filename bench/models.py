@@ -178,7 +178,7 @@ def quantized_kv_fields(checkpoint: Path, dtype: str) -> dict[str, Any]:
     every = QuantKVCache(
         engine.model.config, cache.batch, cache.max_len, cache.fmt, cache.dtype, torch.device("meta"), False
     )
-    return {**_sizes(cache, every), "engine_config": engine.config()}
+    return {**_sizes(cache, every), **engine_fields(engine)}
 
 
 def main() -> None:

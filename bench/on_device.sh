@@ -5,9 +5,12 @@
 #   bench/on_device.sh text|kv|scheduler|speculative|jetson [its arguments]   (one measurement, its JSON under $OUT)
 #   bench/on_device.sh attention   (the Jetson path's kernel tests, then decode attention alone: bench.attention_kernels)
 #   bench/on_device.sh real   (the real SmolLM2, its wheel carried too: verify, the proxy's agreement, structured output)
+#   bench/on_device.sh profile   (edgectl profile's GPU test, then the real SmolLM2's qa jobs profiled:
+#   $OUT/profile/profile.json; its heat maps drawn elsewhere with `edgectl profile --draw`)
 # Carried beside the tree (ignored by git): .whl/ (the Python packages the machine lacks,
 # cp312 wheels: pydantic and its core, paho-mqtt, opentelemetry, lz4, zstandard, pypdf, pyclipper;
-# gguf and tqdm for the llama.cpp peer's GGUF) and
+# gguf and tqdm for the llama.cpp peer's GGUF; jsonschema, attrs, referencing, rpds-py and
+# jsonschema-specifications for the profile's test) and
 # .deb/ (Debian 12's mosquitto and the 13 libraries it needs, unpacked here, not installed).
 set -uo pipefail
 what="${1:-all}"
@@ -28,6 +31,17 @@ jetson_tests() {
   EDGE_CUDA_ARCH=compute_80 python3 -m pytest -p no:cacheprovider -m gpu -q --timeout 300 \
     tests/test_cuda_decode_ops.py tests/test_cuda_kv_ops.py 2>&1 | tee "$out/jetson_tests.log" | tail -15
   return "${PIPESTATUS[0]}"
+}
+# The GPU profile with its text model alone, its engines in $1.
+text_only_profile() {
+  python3 - "$1" <<'PY'
+import sys, yaml
+doc = yaml.safe_load(open("profiles/gpu-dev.yaml"))
+doc["models"]["ocr"]["enabled"] = False
+doc["models"]["inspect"]["enabled"] = False
+doc["paths"]["engine_dir"] = sys.argv[1]
+print(yaml.safe_dump(doc))
+PY
 }
 status=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
@@ -88,14 +102,7 @@ case "$what" in
     # Jetson proxy's greedy agreement with the Triton path, and the structured-output row.
     engines=/tmp/edge-real-engines
     profile=/tmp/gpu-dev-text-only.yaml
-    python3 - "$engines" > "$profile" <<'PY'
-import sys, yaml
-doc = yaml.safe_load(open("profiles/gpu-dev.yaml"))
-doc["models"]["ocr"]["enabled"] = False
-doc["models"]["inspect"]["enabled"] = False
-doc["paths"]["engine_dir"] = sys.argv[1]
-print(yaml.safe_dump(doc))
-PY
+    text_only_profile "$engines" > "$profile"
     python3 -m edge.cli build --profile "$profile" 2>&1 | tail -5
     build=${PIPESTATUS[0]}
     python3 -m bench.verify_backends --profile "$profile" --out "$out/verify_cuda.json" 2>&1 | tail -20
@@ -106,6 +113,18 @@ PY
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
     cp bench/results/structured.json "$out/structured.json"
     python3 -m bench.structured cuda --engine-dir "$engines" --out "$out/structured.json" 2>&1 | tail -15
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+  profile)
+    # `edgectl profile` on CUDA: its GPU test (a random INT4 model of a Llama shape), then
+    # the real SmolLM2's qa jobs as the GPU profile serves them (built as `real` builds it).
+    python3 -m pytest -p no:cacheprovider -m gpu -q --timeout 600 tests/test_profile.py 2>&1 \
+      | tee "$out/profile_tests.log" | tail -30
+    status=${PIPESTATUS[0]}
+    engines=/tmp/edge-real-engines
+    profile=/tmp/gpu-dev-text-only.yaml
+    text_only_profile "$engines" > "$profile"
+    python3 -m edge.cli build --profile "$profile" 2>&1 | tail -5
+    python3 -m edge.cli profile --profile "$profile" --workload qa --jobs 16 --out "$out/profile" --no-png 2>&1 | tail -8
     [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
   speculative)
     # The 8B shape's verification cost, added to the CPU run's file (its acceptance projected).

@@ -1203,6 +1203,41 @@ def attention_kernels(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def sparse_attention(d: dict[str, Any]) -> str:
+    """Top-k block attention against dense attention on one engine and one cache."""
+    rows = d["rows"]
+    block = rows[0]["block_tokens"] if rows else "-"
+    lines = [
+        f"Top-k block attention (`models.qa.sparse_attention`) against dense attention, on the {d['machine']} CPU "
+        f"with {d['threads']} thread{'s' if d['threads'] > 1 else ''}: the engine the shipped profile builds with "
+        "sparse attention on"
+        + ("" if d.get("served") else " (the shipped profile leaves it off: not the served configuration)")
+        + f" ({engine_summary(d['engine_config'])}), blocks of {block} tokens, selecting from position 0; "
+        f"after each context {d['score_tokens']} held-out tokens ({d['eval_text']}) scored one decode step "
+        f"each; passkey: a number hidden at {len(d['passkey_depths'])} depths of a prompt of the context's "
+        f"length, {d['passkey_answer_tokens']} greedy tokens; attention: every layer's for one token, the step's "
+        f"own code timed alone, the median of {d['attention_repeats']}; decode: the median step. Each method "
+        "decodes in a cache of its own and the methods take turns step by step, so other work on the box slows "
+        f"them alike (`bench/results/sparse_attention.json`). "
+        f"The machine's load average was {d['load_average'][0]:.1f} as the run began and "
+        f"{d['load_average'][1]:.1f} as it ended, on {d['cpus']} CPUs."
+        + (" **A --quick smoke run, not a measurement.**" if d.get("quick") else ""),
+        "",
+        "| context | k | attends at most | attention µs | dense | decode tok/s | dense | speedup "
+        "| perplexity Δ | passkey | dense passkey |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['context_tokens']} | {r['top_k_blocks']} | {r['attended_tokens']} | {r['attention_us']:.0f} "
+            f"| {r['dense_attention_us']:.0f} | {r['decode_tok_s']:.1f} | {r['dense_decode_tok_s']:.1f} "
+            f"| {r['decode_tok_s'] / r['dense_decode_tok_s']:.2f}x | {r['ppl_delta_pct']:+.2f}% "
+            f"| {r['passkey_accuracy']:.0%} | {r['dense_passkey_accuracy']:.0%} |"
+        )
+    lines += _provenance(d)
+    return "\n".join(lines)
+
+
 TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "http": ("http.json", http),
     "http_stack": ("http_stack.json", http_stack),
@@ -1219,6 +1254,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "kv": ("kv.json", kv),
     "attention_kernels": ("attention_kernels.json", attention_kernels),
     "speculative": ("speculative.json", speculative),
+    "sparse_attention": ("sparse_attention.json", sparse_attention),
     "structured": ("structured.json", structured),
     "models": ("models.json", models),
     "rag": ("rag.json", rag),

@@ -34,6 +34,9 @@ import torch
 
 from bench.common import REPO, RESULTS, agreement, write_json
 from bench.text_engines import engine_fields, fixed, load_engine
+from edge.profiling.bandwidth import copy_bandwidth as measured_copy_bandwidth
+from edge.profiling.records import PRODUCT_KERNELS
+from edge.profiling.shapes import products
 from edge.text.architecture import LlamaConfig
 from edge.text.engine import TextEngine
 from edge.text.model.embedding import QuantizedEmbedding
@@ -51,21 +54,9 @@ LONG_CONTEXT = 4096
 
 
 def copy_bandwidth(nbytes: int = 4 * GIB) -> float:
-    """Device-to-device copy, bytes read plus written per second (median of 20)."""
-    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(25):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize()
-        if i >= 5:
-            times.append(start.elapsed_time(end) / 1000.0)
-    del src, dst
-    torch.cuda.empty_cache()
-    return float(nbytes / statistics.median(times))
+    """Device-to-device copy, bytes read plus written per second (median of 20): the
+    measure `edgectl profile` holds kernels to (edge/profiling/bandwidth.py), at 4 GiB."""
+    return measured_copy_bandwidth(nbytes, "cuda")
 
 
 def spin_up(seconds: float = 2.0) -> None:
@@ -343,9 +334,6 @@ def batched(
     return out
 
 
-GEMV_ORDER = ("qkv", "o", "gate_up", "down")
-
-
 def gemv_graphs(model: Any, bandwidth: float, repeat: int = 20) -> dict[str, Any]:
     """Each kind of INT4 product of the step (every layer's qkv, then every layer's o, ...)
     captured in a CUDA graph of its own and replayed: its time inside a graph, as the
@@ -397,8 +385,6 @@ def graph_profile(engine: TextEngine, prompt: list[int], bandwidth: float, steps
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from edge.text.ops.int4 import Int4Linear
-
     model, batcher = engine.model, engine.batcher
     seq = engine.sequence(prompt, fixed(steps + 4), "profile")
     slot = batcher.kv.allocate_slots("profile", len(prompt) + steps + 4)
@@ -426,15 +412,9 @@ def graph_profile(engine: TextEngine, prompt: list[int], bandwidth: float, steps
     per_step = len(events) // steps
     if not events or per_step * steps != len(events):
         return {"error": f"{len(events)} GPU events for {steps} steps"}
-    first = model.layers[0]
-    nbytes = {
-        "qkv": first.self_attn.qkv_proj.weight_bytes,
-        "o": first.self_attn.o_proj.weight_bytes,
-        "gate_up": first.mlp.gate_up_proj.weight_bytes,
-        "down": first.mlp.down_proj.weight_bytes,
-        "lm_head": model.lm_head.weight_bytes,
-    }
-    count = sum(isinstance(m, Int4Linear) for m in model.modules())
+    # The model's INT4 products in the order a forward calls them, each with its weight's
+    # bytes: what `edgectl profile` matches kernel records to (edge/profiling/shapes.py).
+    order = products(model) or []
     spans: list[float] = []
     busy: list[float] = []
     by_name: dict[str, list[float]] = {}
@@ -443,13 +423,12 @@ def graph_profile(engine: TextEngine, prompt: list[int], bandwidth: float, steps
         step = events[s * per_step : (s + 1) * per_step]
         spans.append(float(step[-1]["ts"]) + float(step[-1]["dur"]) - float(step[0]["ts"]))
         busy.append(sum(float(e["dur"]) for e in step))
-        gemvs = [e for e in step if any(g in e["name"] for g in GEMV_KERNEL_NAMES)]
+        gemvs = [e for e in step if PRODUCT_KERNELS.search(e["name"])]
         for e in step:
             by_name.setdefault(e["name"], []).append(float(e["dur"]))
-        if len(gemvs) == count == 4 * model.config.num_layers + 1:
-            labels = [*GEMV_ORDER * model.config.num_layers, "lm_head"]
-            for label, e in zip(labels, gemvs, strict=True):
-                gemv_us.setdefault(label, []).append((float(e["dur"]), nbytes[label]))
+        if order and len(gemvs) == len(order):
+            for product, e in zip(order, gemvs, strict=True):
+                gemv_us.setdefault(product.label, []).append((float(e["dur"]), product.nbytes))
     kernels = {
         name: {"us_per_step": sum(d) / steps, "count_per_step": len(d) / steps}
         for name, d in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
@@ -561,8 +540,6 @@ def check_cuda(names: list[str]) -> dict[str, float]:
 
 GEMV_LABELS = ("cuda_mma", "triton_bits", "stock_int4")
 FUSED_KERNELS = ("cuda-mma", "triton")
-GEMV_KERNEL_NAMES = ("int4_gemv", "gemv_kernel")  # the Triton and the CUDA GEMV
-
 KERNEL_SHAPES = {  # (N, K) of the 8B model's INT4 matrices, and how many per token
     "qkv": (6144, 4096, 32),
     "o": (4096, 4096, 32),

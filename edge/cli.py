@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -425,6 +426,27 @@ def build_parser() -> argparse.ArgumentParser:
     docs_rm.add_argument("documents", nargs="*", help="these documents only (by file name)")
     docs.set_defaults(func=cmd_docs)
 
+    prof = sub.add_parser(
+        "profile",
+        help="record kernels or stages, bandwidth and load over a window of work: profile.json and heat maps",
+        description="Record a given workload in this process (--workload), a running daemon's box (--attach), or "
+        "draw the heat maps of a profile.json again (--draw). docs/operations.md, Profiling, says what each "
+        "figure is.",
+    )
+    what = prof.add_mutually_exclusive_group(required=True)
+    what.add_argument("--workload", choices=["qa", "inspect", "ocr"], help="run this task's jobs here, profiled")
+    what.add_argument("--attach", action="store_true", help="record the running daemon's box for --seconds")
+    what.add_argument("--draw", type=Path, metavar="PROFILE_JSON", help="draw the heat maps of this profile.json")
+    prof.add_argument("--profile", type=Path, help="YAML profile (required with --workload and --attach)")
+    prof.add_argument("--jobs", type=_positive_int, default=8, help="--workload: jobs to run (default 8)")
+    prof.add_argument("--seconds", type=_positive_float, default=30.0, help="--attach: how long (default 30)")
+    prof.add_argument("--metrics-url", help="--attach: the daemon's metrics (default: from the profile)")
+    prof.add_argument("--out", type=Path, required=True, help="directory for profile.json and the PNG files")
+    prof.add_argument("--columns", type=_positive_int, default=60, help="columns of time in the heat maps")
+    prof.add_argument("--interval-ms", type=_positive_float, default=100.0, help="sampling interval (default 100)")
+    prof.add_argument("--no-png", action="store_true", help="write profile.json only")
+    prof.set_defaults(func=cmd_profile)
+
     key = sub.add_parser("http-key", help="make an API key for the HTTP API (docs/http.md)")
     key_sub = key.add_subparsers(dest="key_command", required=True)
     key_add = key_sub.add_parser("add", help="append a new key's hash to a keys file; the key is printed once")
@@ -432,6 +454,98 @@ def build_parser() -> argparse.ArgumentParser:
     key_add.add_argument("--file", type=Path, required=True, help="the keys file (http.api_keys_file)")
     key.set_defaults(func=cmd_http_key)
     return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not above 0")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number above 0")
+    return value
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    """`edgectl profile`: whatever goes wrong is one line on stderr, never a traceback;
+    2 for what the command was asked (no engine built, a model off, a file that is no
+    profile), 1 for what failed while doing it."""
+    from edge.profiling import command
+
+    def say(line: str) -> None:  # progress on stderr: stdout stays free for scripts
+        print(line, file=sys.stderr, flush=True)
+
+    if args.draw is not None:
+        from edge.profiling.document import NotAProfile
+        from edge.profiling.heatmap import Unavailable
+
+        try:
+            for png in command.draw_again(args.draw, args.out):
+                say(f"wrote {png}")
+        except NotAProfile as err:
+            print(f"edgectl profile: {err}", file=sys.stderr)
+            return EXIT_USAGE
+        except (Unavailable, OSError) as err:
+            print(f"edgectl profile: {err}", file=sys.stderr)
+            return 1
+        return 0
+    if args.profile is None:
+        print("edgectl profile: --profile is required with --workload and --attach", file=sys.stderr)
+        return EXIT_USAGE
+    profile = _load(args.profile)
+    _setup_logging("warning", profile.log_format)
+    settings = command.Settings(args.out, args.columns, args.interval_ms / 1000.0, draw=not args.no_png)
+    try:
+        if args.attach:
+            written = command.record_daemon(profile, args.seconds, settings, say, args.metrics_url)
+        else:
+            written = _profile_workload(profile, args.workload, args.jobs, settings, say)
+    except _ProfileRefused as err:
+        print(f"edgectl profile: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except command.DaemonUnreachable as err:
+        print(f"edgectl profile: {err}; is the daemon running?", file=sys.stderr)
+        return 1
+    except OSError as err:  # the output directory unwritable, say
+        where = f" ({err.filename})" if err.filename else ""
+        print(f"edgectl profile: {err.strerror or err}{where}", file=sys.stderr)
+        return 1
+    except Exception as err:
+        # Still one line, never a traceback (the debug log has it).
+        logger.debug("edgectl profile failed", exc_info=True)
+        print(f"edgectl profile: failed: {type(err).__name__}: {_one_line(str(err))}", file=sys.stderr)
+        return 1
+    if written.not_drawn:
+        print(f"edgectl profile: {written.json} written; heat maps not drawn: {written.not_drawn}", file=sys.stderr)
+        print("  (or draw them elsewhere: edgectl profile --draw profile.json --out DIR)", file=sys.stderr)
+        return 1
+    return 0
+
+
+class _ProfileRefused(Exception):
+    """What `edgectl profile` was asked cannot be done here (said in one line)."""
+
+
+def _profile_workload(profile: Profile, task: str, jobs: int, settings: Any, say: Callable[[str], None]) -> Any:
+    from edge.artifacts import EngineMissing
+    from edge.backends import BackendUnavailable
+    from edge.profiling import command
+    from edge.profiling.workload import WorkloadError
+
+    try:
+        return command.record_workload(profile, task, jobs, settings, say)
+    except (EngineMissing, WorkloadError, BackendUnavailable) as err:
+        raise _ProfileRefused(_one_line(str(err))) from err
 
 
 def cmd_http_key(args: argparse.Namespace) -> int:

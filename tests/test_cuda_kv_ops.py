@@ -279,6 +279,44 @@ def test_attention_keeps_a_sliding_window_and_a_query_scale(case: str, window: i
 
 @gpu
 @needs_cuda
+@pytest.mark.parametrize("case", ["int8", "int4-hd128-f16"])
+def test_our_kernels_read_and_write_a_sliding_layers_codes_in_a_circle(case: str, cuda_backend: None) -> None:
+    """Our decode write codes each key block into its slot of a sliding layer's circle (a
+    prefill having coded more blocks than the circle holds), and decode and chunk
+    attention over the circle, in the window, give what they give over a cache holding
+    every position, bit for bit (the same codes, from other slots)."""
+    name, config, dtype = CASES[case]
+    fmt = CUDA_FORMATS[name]
+    sliding = dataclasses.replace(config, sliding_window=70, layer_types=("sliding",) * config.num_layers)
+    k, v = _kv(424, config, dtype, rows=1)
+    layers = []
+    for sized in (True, False):
+        cache = QuantKVCache(sliding, 1, 512, fmt, dtype, CUDA, window_sized=sized)
+        layer = cache.layer(0)
+        layer.store(k[:, :, :260].to(CUDA), v[:, :, :260].to(CUDA), 0)
+        for t in range(260, 400):
+            kv_ops.write_tokens(layer, k[:, :, t].to(CUDA), v[:, :, t].to(CUDA), torch.tensor([t], device=CUDA))
+        layers.append(layer)
+    circle, every = layers
+    assert circle.circular and circle.code_len == 3 * 64 < every.code_len
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, config.num_heads, config.head_dim, generator=gen).to(dtype).to(CUDA)
+    pos = torch.tensor([399], device=CUDA)
+    outs = [kv_ops.attention(layer, q, pos, 512, q_scale=0.1, window=70).cpu() for layer in layers]
+    assert torch.equal(outs[0], outs[1])
+    coded = fmt.coded(400)
+    qc = torch.randn(24, config.num_heads, config.head_dim, generator=gen).to(dtype).to(CUDA)
+    chunks = []
+    for layer in layers:
+        ring_k, ring_v = layer.ring_span(coded, 400)
+        float_k = torch.cat([ring_k, k[:, :, 400:424].to(CUDA)], dim=2)
+        float_v = torch.cat([ring_v, v[:, :, 400:424].to(CUDA)], dim=2)
+        chunks.append(kv_ops.chunk_attention(layer, qc, float_k, float_v, 400, coded, 0.1, 70).cpu())
+    assert torch.equal(chunks[0], chunks[1])
+
+
+@gpu
+@needs_cuda
 def test_a_sliding_model_over_a_quantized_cache_on_our_kernels(cuda_backend: None) -> None:
     """A model with a sliding layer and a query scale of its own (Mistral's and Gemma 3's
     options; the families' test models have heads our kernels do not take) served op by

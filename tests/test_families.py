@@ -32,7 +32,7 @@ from bench.family_models import (
     write_qwen3_gguf,
 )
 from edge.text.architecture import LlamaConfig
-from edge.text.kv.float_cache import LOCAL_ROOM, KVCache
+from edge.text.kv.float_cache import LOCAL_ROOM, KVCache, SparseAttention
 from edge.text.kv.kv_quant import FORMATS
 from edge.text.kv.quant_cache import QuantKVCache
 from edge.text.model.checkpoint import load_checkpoint
@@ -317,6 +317,34 @@ def test_the_sliding_layers_keep_their_window_alone_and_answer_as_with_every_pos
     again.load_row(0, at, again.save_row(1, at))
     assert int(again.offsets[0]) == int(again.offsets[1]) > 0
     assert torch.equal(_steps(model, again, ids, 0, at, True), _steps(model, again, ids, 1, at, True))
+
+
+def test_sparse_attention_keeps_summaries_for_the_full_layers_alone_and_every_block_is_dense(
+    family: dict[str, Any], int4: LlamaModel
+) -> None:
+    """Top-k block attention (float_cache.SparseAttention) beside a family's sliding layers:
+    block summaries only for the layers that see every position (a sliding layer's window
+    bounds it already, and its buffer moves), and with top_k covering every block the C
+    step decodes far past the window in blocks of 8 with the dense step's logits bit for
+    bit; with one block it does not, where a layer sees every position."""
+    model, config = int4, int4.config
+    every = [i for i in range(config.num_layers) if not config.layer_window(i)]
+    dense = KVCache(config, 2, 256, model.dtype, model.device, room=8)
+    sparse = KVCache(config, 2, 256, model.dtype, model.device, room=8, sparse=SparseAttention(32, 8, 0))
+    assert sparse.summary is not None and sparse.summary.shape[0] == len(every)
+    assert [i for i, at in enumerate(sparse.summary_index) if at >= 0] == every
+    ids = torch.randint(0, config.vocab_size, (1, 200), generator=torch.Generator().manual_seed(5))
+    prefill = 37
+    for cache in (dense, sparse):
+        with torch.no_grad():
+            model(ids[:, :prefill], cache.rows(1, 1), 0)
+    want = _steps(model, dense, ids, 1, prefill, True)
+    assert torch.equal(_steps(model, sparse, ids, 1, prefill, True), want)
+    sparse.sparse = SparseAttention(1, 8, 0)
+    with torch.no_grad():
+        model(ids[:, :prefill], sparse.rows(0, 1), 0)
+    one = _steps(model, sparse, ids[:, :120], 0, prefill, True)
+    assert torch.equal(one, want[: 120 - prefill]) == (not every)
 
 
 def _quant_steps(model: LlamaModel, cache: QuantKVCache, ids: torch.Tensor, row: int, start: int) -> torch.Tensor:

@@ -340,11 +340,10 @@ SLIDING = dataclasses.replace(CONFIG, sliding_window=24, layer_types=("sliding",
 
 def test_a_sliding_layers_codes_in_a_circle_go_where_the_kernels_read_them_so(monkeypatch: pytest.MonkeyPatch) -> None:
     """A sliding layer keeps codes for the key blocks its window reaches and one more (slot
-    t % slots) where that is fewer than a row can code; the CPU's and Triton's kernels
-    read them so, ours on CUDA (slot t) refuse such a layer by name and get a cache
-    holding every position (step_ops.circular_kv, which LlamaModel.new_cache asks)."""
+    t % slots) where that is fewer than a row can code, and only where asked; every
+    kernel reads them so, the CPU's, Triton's and ours on CUDA (step_ops.circular_kv,
+    which LlamaModel.new_cache asks)."""
     from edge.text.ops import step_ops
-    from edge.text.ops.cuda import kv_ops as cuda_kv
 
     meta, fmt = torch.device("meta"), FORMATS["int8"]
     circle = QuantKVCache(SLIDING, 1, 512, fmt, torch.float16, meta, window_sized=True)
@@ -355,12 +354,12 @@ def test_a_sliding_layers_codes_in_a_circle_go_where_the_kernels_read_them_so(mo
     # Rows of 160 tokens code 128 positions at most: a circle of 128 would save nothing.
     assert QuantKVCache(SLIDING, 1, 160, fmt, torch.float16, meta, window_sized=True).local_slots == 0
     assert QuantKVCache(SLIDING, 1, 512, fmt, torch.float16, meta).local_slots == 0  # asked for only
-    with pytest.raises(ValueError, match="do not take a sliding layer's codes in a circle"):
-        cuda_kv._layer(circle.layer(0))
     assert step_ops.circular_kv("cpu")
     monkeypatch.setattr(step_ops, "_chosen", {"cuda:0": "triton"})
     assert step_ops.circular_kv("cuda:0")
     monkeypatch.setattr(step_ops, "_chosen", {"cuda:0": "cuda"})
+    assert step_ops.circular_kv("cuda:0")
+    monkeypatch.setattr(step_ops, "_chosen", {"cuda:0": None})
     assert not step_ops.circular_kv("cuda:0")
 
 

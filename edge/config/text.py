@@ -50,6 +50,49 @@ class LayerRule(StrictModel):
         return {"match": self.match, "format": self.format, "group_size": self.group_size}
 
 
+class SparseAttentionConfig(StrictModel):
+    enabled: bool = Field(
+        default=False,
+        title="Enabled",
+        description="Top-k block attention (Quest) in the CPU's decode step: a token attends, in each layer that "
+        "sees every position, to the first block of the context, its own block and the one before, and the "
+        "top_k_blocks others whose keys can score highest against it (bounded by each block's per-channel key "
+        "minimum and maximum, kept beside the cache), instead of every position. Sliding-window layers stay "
+        "dense. CPU only, over the float KV cache: a CUDA engine, an int8/int4 cache or a model whose steps run "
+        "op by op serves dense attention and says so in its configuration (sparse_attention.refused). Off by "
+        "default: bench/results/sparse_attention.json measures speed, perplexity and passkey retrieval against "
+        "dense by context length and k.",
+    )
+    top_k_blocks: int = Field(
+        default=16,
+        ge=1,
+        le=512,
+        title="Blocks selected",
+        description="Blocks a token attends to besides the first and the two most recent: more cost speed, fewer "
+        "perplexity (bench/results/sparse_attention.json: 16 kept the perplexity within a few percent of dense's "
+        "at 2K and 4K tokens). Those three and these must be fewer blocks than a max_context_tokens row holds "
+        "(else nothing is ever skipped: refused at start).",
+    )
+    block_tokens: int = Field(
+        default=64,
+        ge=8,
+        le=1024,
+        title="Block size",
+        description="Positions a block holds: the unit selected, and of the key summaries (two floats a channel "
+        "a block, per KV head and full-attention layer: 2 / block_tokens of the keys' own bytes).",
+    )
+    min_context: int = Field(
+        default=2048,
+        ge=0,
+        le=8192,
+        title="Selects from position",
+        description="A token at this position or later selects; one before it attends to every position, "
+        "where selection does not pay (bench/results/sparse_attention.json: at 1K tokens a step gained little "
+        "for its perplexity, from 2K on it gained more the longer the context). Below max_context_tokens (else "
+        "no token ever selects: refused at start), so a profile enabling it serves longer contexts.",
+    )
+
+
 class QAModelConfig(StrictModel):
     enabled: bool = Field(default=True, title="Enabled", description="Serve the `qa` task.")
     source: str = Field(
@@ -219,6 +262,11 @@ class QAModelConfig(StrictModel):
         description="With speculative decoding, the most draft tokens checked per sequence per step. 2 and 3 "
         "measured fastest on the CPU, more drafts slower (bench/results/speculative.json).",
     )
+    sparse_attention: SparseAttentionConfig = Field(
+        default_factory=SparseAttentionConfig,
+        title="Sparse attention",
+        description="Top-k block attention in the CPU's decode step (off by default).",
+    )
     max_new_tokens: int = Field(
         default=128,
         ge=1,
@@ -339,6 +387,25 @@ class QAModelConfig(StrictModel):
         if not (path / "config.json").is_file():
             raise ValueError(f"{value!r} has no config.json: not a Hugging Face model directory")
         return str(path.resolve())
+
+    @model_validator(mode="after")
+    def _sparse_attention_selects(self) -> QAModelConfig:
+        sparse = self.sparse_attention
+        if not sparse.enabled:
+            return self
+        if sparse.min_context >= self.max_context_tokens:
+            raise ValueError(
+                f"sparse_attention.min_context ({sparse.min_context}) is not below max_context_tokens "
+                f"({self.max_context_tokens}): no token would select"
+            )
+        kept = (sparse.top_k_blocks + 3) * sparse.block_tokens
+        if kept >= self.max_context_tokens:
+            raise ValueError(
+                f"sparse_attention.top_k_blocks ({sparse.top_k_blocks}) blocks of block_tokens "
+                f"({sparse.block_tokens}), with the first and the two recent ones, cover max_context_tokens "
+                f"({self.max_context_tokens}): nothing would be skipped"
+            )
+        return self
 
     @model_validator(mode="after")
     def _layers_need_int4(self) -> QAModelConfig:

@@ -51,7 +51,8 @@ def power_rails(root: Path) -> Iterator[Metric]:
         yield gauge
 
 
-def _pynvml() -> Any:
+def nvml_module() -> Any:
+    """The pynvml module, initialised on first use; None where NVML does not answer."""
     global _nvml, _nvml_tried
     if not _nvml_tried:
         _nvml_tried = True
@@ -67,7 +68,7 @@ def _pynvml() -> Any:
 
 def gpus(nvml: Any = None) -> Iterator[Metric]:
     """Per-GPU figures from NVML (`nvml`: the pynvml module, or found on first use)."""
-    nv = nvml if nvml is not None else _pynvml()
+    nv = nvml if nvml is not None else nvml_module()
     if nv is None:
         return
     util = GaugeMetricFamily("edge_gpu_utilization_ratio", "GPU busy fraction over NVML's last sample period.",

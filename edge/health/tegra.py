@@ -80,9 +80,9 @@ def gpu(root: Path) -> Iterator[Metric]:
                               labels=["gpu"])  # fmt: skip
     for index, node in enumerate(nodes):
         label = [str(index)]
-        load = sysfs.number(node / "device" / "load")
+        load = gpu_load(node)
         if load is not None:
-            util.add_metric(label, load / 1000.0)
+            util.add_metric(label, load)
         hertz = sysfs.number(node / "cur_freq")
         if hertz is not None:
             clock.add_metric(label, hertz)
@@ -96,21 +96,43 @@ def gpu(root: Path) -> Iterator[Metric]:
     yield from (f for f in (util, clock, temp, power) if f.samples)
 
 
+def gpu_load(node: Path) -> float | None:
+    """An iGPU's busy fraction (its devfreq node's device/load, in per mille)."""
+    load = sysfs.number(node / "device" / "load")
+    return None if load is None else load / 1000.0
+
+
 def _first(root: Path, paths: tuple[str, ...]) -> float | None:
     return next((v for v in (sysfs.number(root / p) for p in paths) if v is not None), None)
 
 
+def emc_clock(root: Path) -> float | None:
+    """The memory controller's clock in Hz; None where it cannot be read (or reads 0)."""
+    hertz = _first(root, EMC_CLOCKS)
+    return hertz if hertz is not None and hertz > 0 else None
+
+
+def emc_utilization(root: Path) -> float | None:
+    """The memory controller's utilisation as a fraction of its current clock (jtop's
+    read_emc); None without the clock or the activity."""
+    hertz = emc_clock(root)
+    activity = _first(root, EMC_ACTIVITY)
+    if hertz is None or activity is None:
+        return None
+    return activity / (hertz / 1000.0) / 100.0
+
+
 def emc(root: Path) -> Iterator[Metric]:
     """The memory controller's clock and utilisation; neither has an NVML twin."""
-    hertz = _first(root, EMC_CLOCKS)
-    if hertz is None or hertz <= 0:
+    hertz = emc_clock(root)
+    if hertz is None:
         return  # without the clock there is no utilisation either: it is relative to it
     clock = GaugeMetricFamily("edge_emc_frequency_hertz", "External memory controller (EMC) clock.")
     clock.add_metric([], hertz)
     yield clock
-    activity = _first(root, EMC_ACTIVITY)
-    if activity is not None:
+    used = emc_utilization(root)
+    if used is not None:
         doc = "EMC bandwidth in use relative to its current clock (tegrastats' EMC_FREQ %)."
         util = GaugeMetricFamily("edge_emc_utilization_ratio", doc)
-        util.add_metric([], activity / (hertz / 1000.0) / 100.0)
+        util.add_metric([], used)
         yield util

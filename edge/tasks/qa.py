@@ -278,6 +278,26 @@ def qa_model_name(cfg: QAModelConfig) -> str:
     return f"{Path(cfg.source).name.removesuffix('.gguf')}-{Path(cfg.adapter).name}"
 
 
+def load_text_engine(
+    cfg: QAModelConfig,
+    checkpoint: Path,
+    manager: ModelManager,
+    offload_dir: Path | None = None,
+    profile_name: str | None = None,
+) -> TextEngine:
+    """The text model loaded through the model manager, measured into its ledger, as the
+    daemon serves it (`edgectl profile` loads it so too)."""
+    name = qa_model_name(cfg)
+    # The backend label says what actually runs: the device and the INT4 kernel.
+    origin = {"profile": profile_name} if profile_name else None
+    load = lambda: TextEngine.load(checkpoint, cfg, offload_dir, origin)  # noqa: E731
+    manager.register(name, "text", f"torch-{cfg.device}", load, float("inf"), cfg.device)
+    engine: TextEngine = manager.load(name)
+    kernel = engine.int4_kernel or "float"
+    manager.describe(name, f"torch-{cfg.device} {kernel}" + (" + CUDA graphs" if engine.graphs else ""))
+    return engine
+
+
 def start_qa(
     cfg: QAModelConfig,
     checkpoint: Path,
@@ -290,14 +310,8 @@ def start_qa(
     """Load the text model (its KV cache allocated and every serving shape warmed up
     inside the measured load) and return the task."""
     offload_dir = state_dir / "kv-offload" if state_dir is not None else None
+    engine = load_text_engine(cfg, checkpoint, manager, offload_dir, profile_name)
     name = qa_model_name(cfg)
-    # The backend label says what actually runs: the device and the INT4 kernel.
-    origin = {"profile": profile_name} if profile_name else None
-    load = lambda: TextEngine.load(checkpoint, cfg, offload_dir, origin)  # noqa: E731
-    manager.register(name, "text", f"torch-{cfg.device}", load, float("inf"), cfg.device)
-    engine: TextEngine = manager.load(name)
-    kernel = engine.int4_kernel or "float"
-    manager.describe(name, f"torch-{cfg.device} {kernel}" + (" + CUDA graphs" if engine.graphs else ""))
     retrieval = None
     if state_dir is not None and engine_dir is not None:
         store = DocStore(state_dir / "docs")

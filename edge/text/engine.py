@@ -20,11 +20,13 @@ from typing import Any
 import torch
 
 from edge.config.text import QAModelConfig
+from edge.text.kv.float_cache import SparseAttention
 from edge.text.kv.kv_offload import KVOffload
 from edge.text.kv.kv_quant import FORMATS, KVFormat
 from edge.text.kv.prefix_cache import PrefixCache
 from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint
 from edge.text.model.embedding import EmbeddingFormat, QuantizedEmbedding
+from edge.text.model.llama import LlamaModel
 from edge.text.ops import step_ops
 from edge.text.ops.cpu import cpu_kv
 from edge.text.ops.cuda import cuda_build, cuda_int4
@@ -90,6 +92,25 @@ def kv_format(cfg: QAModelConfig) -> KVFormat:
     return fmt
 
 
+def sparse_attention(cfg: QAModelConfig, model: LlamaModel) -> tuple[SparseAttention | None, str | None]:
+    """The top-k block attention this engine serves (None: dense), and why it serves dense
+    where the profile enables it: only the CPU's C decode step over a float cache selects
+    blocks yet. A refusal is logged and reported in `config`, never silent."""
+    sparse = cfg.sparse_attention
+    if not sparse.enabled:
+        return None, None
+    if cfg.device != "cpu":
+        refused = "the CUDA and Triton decode kernels do not select blocks yet"
+    elif cfg.kv_dtype != "float16":
+        refused = f"the {cfg.kv_dtype} KV cache's attention kernels do not select blocks yet"
+    elif not fused_step.steps_on_cpu(model):
+        refused = "the model's decode steps run op by op, not in the CPU's C step (the log says why)"
+    else:
+        return SparseAttention(sparse.top_k_blocks, sparse.block_tokens, sparse.min_context), None
+    logger.warning("models.qa.sparse_attention is enabled but attention stays dense: %s", refused)
+    return None, refused
+
+
 def group_sizes(path: Path) -> list[int]:
     """The INT4 group sizes a checkpoint was built with (none: a float checkpoint)."""
     quant = path / "quant.json"
@@ -120,6 +141,7 @@ class TextEngine:
         # Read once: status and every metrics scrape ask for config().
         self._groups = group_sizes(checkpoint.path)
         self.prompter = Prompter(checkpoint.tokenizer, checkpoint.chat, cfg.system_prompt)
+        self.sparse, self.sparse_refused = sparse_attention(cfg, checkpoint.model)
         self.batcher = ContinuousBatcher(
             checkpoint.model,
             checkpoint.tokenizer,
@@ -127,6 +149,7 @@ class TextEngine:
             slots=cfg.max_sequences,
             slot_len=cfg.max_context_tokens,
             kv_format=kv_format(cfg),
+            sparse=self.sparse,
         )
         self.batcher.prefill_chunk = cfg.prefill_chunk
         if cfg.speculative == "prompt-lookup":
@@ -236,6 +259,15 @@ class TextEngine:
             "speculative_tokens": self.cfg.speculative_tokens,
             "kv_offload": self.cfg.kv_offload,
             "prefix_cache_mib": self.cfg.prefix_cache_mib,
+            # What runs: served only in the CPU's C step over a float cache (sparse_attention).
+            "sparse_attention": {
+                "enabled": self.cfg.sparse_attention.enabled,
+                "served": self.sparse is not None,
+                "refused": self.sparse_refused,
+                "top_k_blocks": self.cfg.sparse_attention.top_k_blocks,
+                "block_tokens": self.cfg.sparse_attention.block_tokens,
+                "min_context": self.cfg.sparse_attention.min_context,
+            },
             "checkpoint": self._ckpt.path.name,
             **({"origin": self.origin} if self.origin else {}),
         }

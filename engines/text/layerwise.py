@@ -82,21 +82,15 @@ def _packed_groups(model: LlamaModel, recipe: QuantRecipe, prepacked: Mapping[st
     return groups
 
 
-def _with_minimums(prepacked: Mapping[str, QuantizedWeight], groups: dict[str, int]) -> set[str]:
-    """The given linears that carry block minimums (a GGUF file's Q4_1 weights)."""
-    told = getattr(prepacked, "has_minimums", None)  # KeptWeights: from the file's tensor list
+def _kept_with(prepacked: Mapping[str, QuantizedWeight], groups: dict[str, int], form: str) -> set[str]:
+    """The given linears kept in `form`: "minimums" (block minimums, a GGUF file's Q4_1
+    weights) or "halves" (two INT4 halves, a GGUF file's Q8_0 weights)."""
+    told = getattr(prepacked, f"has_{form}", None)  # KeptWeights: from the file's tensor list
     names = [n for n in groups if n in prepacked]
     if told is not None:
         return {n for n in names if told(n)}
-    return {n for n in names if prepacked[n].minimums is not None}
-
-
-def _with_halves(prepacked: Mapping[str, QuantizedWeight], groups: dict[str, int]) -> set[str]:
-    """The given linears kept as two INT4 halves (a GGUF file's Q8_0 weights)."""
-    told = getattr(prepacked, "has_halves", None)  # KeptWeights: from the file's tensor list
-    names = [n for n in groups if n in prepacked]
-    if told is not None:
-        return {n for n in names if told(n)}
+    if form == "minimums":
+        return {n for n in names if prepacked[n].minimums is not None}
     return {n for n in names if prepacked[n].halves}
 
 
@@ -150,8 +144,8 @@ def write_layerwise(
     groups = _packed_groups(model, recipe, prepacked)
     report = QuantReport()
     heads, kv_heads = config.num_heads, config.num_kv_heads
-    with_minimums = _with_minimums(prepacked, groups)
-    with_halves = _with_halves(prepacked, groups)
+    with_minimums = _kept_with(prepacked, groups, "minimums")
+    with_halves = _kept_with(prepacked, groups, "halves")
     writer = SafetensorsWriter(out / "model.safetensors", _specs(model, groups, with_minimums, with_halves))
 
     def put_packed(name: str, q: QuantizedWeight) -> None:

@@ -11,9 +11,20 @@ decode); the attention kernels, which take positions and a window, are handed po
 relative to the row's offset and need nothing else (the keys are stored already turned
 by the rotary, so a key's slot does not have to be its position). A row's last position
 (max_len - 1), where a step writes a row it does not advance, is the buffer's last slot.
+
+With sparse attention (`SparseAttention`, models.qa.sparse_attention) the cache also
+holds each block's key summary for the layers that see every position: per row, KV head
+and block of `block_tokens` positions, the per-channel min and max of its keys (float32),
+which the CPU's decode step scores blocks by (ops/cpu/cpu_step.c). The step computes them
+itself, lazily; the cache keeps each row's count of leading positions they are exact over
+(`summarized`), which every write the step does not make lowers (`rewritten`: the prefill
+and the per-op step in LlamaModel, `load_row`), so a summary is never read stale, only
+brought up to date from further back.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +43,22 @@ def local_slots(config: LlamaConfig, max_len: int, room: int = LOCAL_ROOM) -> in
     return slots if config.window and slots < max_len else 0
 
 
+@dataclass(frozen=True)
+class SparseAttention:
+    """Top-k block attention in the CPU's decode step (models.qa.sparse_attention): a
+    token at `min_context` or later attends, in each layer that sees every position, to
+    block 0, its own block and the one before, and the `top_k_blocks` others whose key
+    summaries bound its scores highest; blocks of `block_tokens` positions."""
+
+    top_k_blocks: int
+    block_tokens: int = 64
+    min_context: int = 0
+
+    def __post_init__(self) -> None:
+        if self.top_k_blocks < 1 or self.block_tokens < 1 or self.min_context < 0:
+            raise ValueError(f"sparse attention of {self}: top_k_blocks and block_tokens from 1, min_context from 0")
+
+
 class KVCache:
     """Keys and values for `batch` sequences of up to `max_len` tokens, allocated once."""
 
@@ -44,6 +71,7 @@ class KVCache:
         device: torch.device,
         window_sized: bool = True,
         room: int = LOCAL_ROOM,
+        sparse: SparseAttention | None = None,
     ) -> None:
         if room < 1:
             raise ValueError(f"a sliding buffer's room for new positions is at least 1, not {room}")
@@ -67,11 +95,33 @@ class KVCache:
         # deciding a move) and where the step runs (read inside captured graphs).
         self.offsets = torch.zeros(batch, dtype=torch.long)
         self.offsets_dev = self.offsets if device.type == "cpu" else torch.zeros(batch, dtype=torch.long, device=device)
+        # Sparse attention's block summaries, for the layers that see every position (a
+        # sliding one is attended densely: its window bounds it already): [such layers,
+        # rows, KV heads, blocks, min and max, head dim], each layer's index there (-1:
+        # none), and each row's count of positions they are exact over. Only the CPU's
+        # decode step selects blocks (the CUDA and Triton kernels do not yet).
+        self.sparse = sparse
+        self.block_tokens = sparse.block_tokens if sparse is not None else 0  # the summaries' blocks
+        self.summary: torch.Tensor | None = None
+        self.summary_index = [-1] * config.num_layers
+        self.summarized: torch.Tensor | None = None
+        if sparse is not None:
+            if device.type != "cpu":
+                raise ValueError(f"sparse attention runs in the CPU's decode step, not on {device.type}")
+            every = [i for i in range(config.num_layers) if not config.layer_window(i)]
+            for n, i in enumerate(every):
+                self.summary_index[i] = n
+            blocks = -(-max_len // sparse.block_tokens)
+            self.summary = torch.zeros((len(every), batch, heads, blocks, 2, hd), dtype=torch.float32)
+            self.summarized = torch.zeros(batch, dtype=torch.long)
 
     @property
     def nbytes(self) -> int:
         local = self.local_k.numel() * self.local_k.element_size() * 2 if self.local_k is not None else 0
-        return self.k.numel() * self.k.element_size() * 2 + local
+        summary = 0
+        if self.summary is not None and self.summarized is not None:
+            summary = self.summary.numel() * self.summary.element_size() + self.summarized.numel() * 8
+        return self.k.numel() * self.k.element_size() * 2 + local + summary
 
     @property
     def batch(self) -> int:
@@ -115,6 +165,20 @@ class KVCache:
             if at != self.max_len - 1:
                 self.make_room(row, at, at + 1)
 
+    def rewritten(self, first: torch.Tensor | int, rows: int | None = None) -> None:
+        """Rows 0..rows-1 (every row where None) had keys written from position `first`
+        on (one for all, or one a row) by something other than the CPU's decode step:
+        their block summaries are no longer vouched for from there (the step summarizes
+        them again before it next selects). Called by every such writer; a float cache
+        without summaries has nothing to do."""
+        if self.summarized is None:
+            return
+        marks = self.summarized[: self.batch if rows is None else rows]
+        # Back to the first written block's start: its summary may hold keys from past
+        # the write, so it is summarized again from its first position.
+        start = torch.as_tensor(first, dtype=torch.long) // self.block_tokens * self.block_tokens
+        torch.minimum(marks, start.expand_as(marks), out=marks)
+
     def _set_offset(self, row: int, offset: int) -> None:
         self.offsets[row] = offset
         if self.offsets_dev.device != self.offsets.device:
@@ -146,6 +210,8 @@ class KVCache:
             self.local_k[:, row, :, : length - offset] = saved["local_k"].to(self.local_k.device, non_blocking=True)
             self.local_v[:, row, :, : length - offset] = saved["local_v"].to(self.local_v.device, non_blocking=True)
             self._set_offset(row, offset)
+        if self.summarized is not None:
+            self.summarized[row] = 0  # another sequence's keys, possibly: summarized afresh when read
 
     def rows(self, first: int, count: int) -> KVCache:
         """A cache over sequences first..first+count-1 that shares this one's memory."""
@@ -157,5 +223,8 @@ class KVCache:
             view.local_k = self.local_k[:, first : first + count]
             view.local_v = self.local_v[:, first : first + count]
         view.offsets = self.offsets[first : first + count]
+        if self.summary is not None and self.summarized is not None:
+            view.summary = self.summary[:, first : first + count]
+            view.summarized = self.summarized[first : first + count]
         view.offsets_dev = self.offsets_dev[first : first + count]
         return view

@@ -26,7 +26,8 @@ Writing tokens start..end-1 codes every key block that leaves the window, from t
 and the new tokens, then puts the new tokens in the ring. Attention reads the codes where
 they are (edge/text/kv/kv_attention.py): nothing here dequantizes for attention.
 
-On CUDA the decode step writes and codes in its own Triton kernel (edge/text/ops/triton/triton_kv.py);
+On CUDA the decode step writes and codes in its own kernel (Triton's,
+edge/text/ops/triton/triton_kv.py, or ours where Triton is absent, edge/text/ops/cuda/kv_ops.cu);
 what is here (torch) serves prefills on every device and the CPU's decode step.
 """
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from edge.text.architecture import LlamaConfig
 from edge.text.kv import kv_attention
-from edge.text.kv.float_cache import KVCache
+from edge.text.kv.float_cache import KVCache, SparseAttention
 from edge.text.kv.kv_quant import KVFormat
 from edge.text.kv.quant_cache import QuantKVCache, QuantLayer
 from edge.text.model.embedding import QuantizedEmbedding
@@ -459,23 +459,45 @@ class LlamaModel(nn.Module):
         return table.weight.device if isinstance(table, nn.Embedding) else table.device
 
     @overload
-    def new_cache(self, batch: int, max_len: int, kv_format: None = None, window_sized: bool = True) -> KVCache: ...
+    def new_cache(
+        self,
+        batch: int,
+        max_len: int,
+        kv_format: None = None,
+        window_sized: bool = True,
+        sparse: SparseAttention | None = None,
+    ) -> KVCache: ...
 
     @overload
     def new_cache(
-        self, batch: int, max_len: int, kv_format: KVFormat | None, window_sized: bool = True
+        self,
+        batch: int,
+        max_len: int,
+        kv_format: KVFormat | None,
+        window_sized: bool = True,
+        sparse: SparseAttention | None = None,
     ) -> KVCache | QuantKVCache: ...
 
     def new_cache(
-        self, batch: int, max_len: int, kv_format: KVFormat | None = None, window_sized: bool = True
+        self,
+        batch: int,
+        max_len: int,
+        kv_format: KVFormat | None = None,
+        window_sized: bool = True,
+        sparse: SparseAttention | None = None,
     ) -> KVCache | QuantKVCache:
         """A KV cache of `batch` rows: float in the activations' type (the sliding layers
         in buffers sized from their window unless `window_sized` is off: float_cache.py),
         or int8/int4 codes (edge/text/kv/quant_cache.py) for a quantized format (the
         sliding layers' codes sized from their window where the kernels read them as a
-        circle: step_ops.circular_kv)."""
+        circle: step_ops.circular_kv). `sparse`: a float cache on the CPU keeps the block
+        summaries the CPU's decode step selects by (float_cache.py); the quantized
+        caches' kernels do not select yet."""
         length = min(max_len, self.config.max_position)
-        if kv_format is not None and kv_format.dtype != "float16":
+        quantized = kv_format is not None and kv_format.dtype != "float16"
+        if sparse is not None and quantized:
+            raise ValueError("sparse attention runs over a float KV cache; the int8/int4 kernels do not select blocks")
+        if kv_format is not None and quantized:
             if self.device.type == "cuda":
                 config = self.config
                 group = config.num_heads // config.num_kv_heads
@@ -484,7 +506,7 @@ class LlamaModel(nn.Module):
                     raise ValueError(f"kv_dtype {kv_format.dtype} on CUDA: {refused}; serve with kv_dtype float16")
             circle = window_sized and step_ops.circular_kv(self.device)
             return QuantKVCache(self.config, batch, length, kv_format, self.dtype, self.device, circle)
-        return KVCache(self.config, batch, length, self.dtype, self.device, window_sized)
+        return KVCache(self.config, batch, length, self.dtype, self.device, window_sized, sparse=sparse)
 
     @torch.inference_mode()
     def forward(
@@ -516,6 +538,8 @@ class LlamaModel(nn.Module):
             if len(offsets) != 1:
                 raise ValueError("a chunk written to several rows needs their sliding buffers at one offset")
             local_start = start - offsets.pop()
+        if isinstance(cache, KVCache):
+            cache.rewritten(start, ids.shape[0])
         cos = self.rope_cos[start : start + seq].to(self.dtype)
         sin = self.rope_sin[start : start + seq].to(self.dtype)
         # The residual stream stays in float32 between layers, as in the fused decode
@@ -563,6 +587,8 @@ class LlamaModel(nn.Module):
             local_len = min(kv_len, cache.local_slots)
             local_bias, local_window = decode_biases(self.config, local_pos, local_len)
             local_at = DecodeAt(local_pos, local_len, local_bias, local_window)
+        if isinstance(cache, KVCache):
+            cache.rewritten(pos, pos.shape[0])
         x = self._embed(ids).float()  # the residual stream, as in forward()
         tables = self._tables(cos, sin, pos)
         for i, layer in enumerate(self.layers):

@@ -136,9 +136,9 @@ def kv_refusal(device: torch.device | str, fmt: KVFormat, head_dim: int, group: 
 
 def circular_kv(device: torch.device | str) -> bool:
     """Whether the quantized-KV kernels serving `device` read a sliding layer's codes kept
-    in a circle of its window's key blocks (quant_cache.py): the CPU's and Triton's; ours
-    on CUDA (kv_ops.cu) read position t's codes at slot t."""
-    return torch.device(device).type == "cpu" or backend(device) == "triton"
+    in a circle of its window's key blocks (quant_cache.py): the CPU's, Triton's and ours
+    on CUDA (kv_ops.cu) all do."""
+    return torch.device(device).type == "cpu" or backend(device) in ("triton", "cuda")
 
 
 def kv_kernels(device: torch.device | str) -> KVKernels:

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from edge.text.kv.float_cache import KVCache
+from edge.text.kv.float_cache import KVCache, SparseAttention
 from edge.text.kv.kv_cache import KVCacheManager, KVSlot
 from edge.text.kv.kv_offload import KVOffload, RestoreFailed, SavedRow
 from edge.text.kv.kv_quant import KVFormat
@@ -144,14 +144,17 @@ class ContinuousBatcher:
         slots: int,
         slot_len: int,
         kv_format: KVFormat | None = None,
+        sparse: SparseAttention | None = None,
     ) -> None:
         """tokenizer None: token ids only (no text, no stop strings), for random-weight
         models in benchmarks. kv_format: how the KV cache holds keys and values (float
-        in the activations' type unless told; edge/text/kv/kv_quant.py)."""
+        in the activations' type unless told; edge/text/kv/kv_quant.py). sparse: top-k
+        block attention in the CPU's decode step (a float cache keeps the summaries it
+        selects by: float_cache.py)."""
         self.model = model
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
-        self.cache = model.new_cache(slots, slot_len, kv_format)
+        self.cache = model.new_cache(slots, slot_len, kv_format, sparse=sparse)
         self.slot_len = self.cache.max_len
         # Bytes per token from what the cache allocated, in whatever format it holds.
         per_token = -(-self.cache.nbytes // (slots * self.slot_len))

@@ -203,8 +203,39 @@ def verify(model: LlamaModel, ids: list[int], cache: KVCache, row: int, start: i
     return model._head(x.unsqueeze(1))[:, -1].float()
 
 
+def attention(model: LlamaModel, cache: KVCache, q: torch.Tensor, pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """Every layer's attention alone as the step runs it, batch row b on cache row b at
+    pos[b], over the cache as it stands: q [layers, B, heads x head dim] float32 query
+    heads turned by the rotary, out likewise. For the benchmarks, which time it apart
+    from the layers' products; the caller has checked can_run(model)."""
+    plan = _plans[model]
+    assert isinstance(plan, cpu_step.Plan)
+    return cpu_step.attention(plan, q, _parts(cache), torch.arange(q.shape[1]), pos, kv_len)
+
+
 def _parts(cache: KVCache) -> cpu_step.CacheParts:
     index = [-1 - ix if local else ix for ix, local in zip(cache.index, cache.is_local, strict=True)]
+    sparse = None
+    if cache.summary is not None and cache.summarized is not None:
+        # The summaries are kept up to date whether or not the cache's policy selects now
+        # (a benchmark turns it off and on over one cache).
+        policy = cache.sparse
+        if policy is not None and policy.block_tokens != cache.block_tokens:
+            raise ValueError(f"blocks of {policy.block_tokens} tokens: the cache summarizes {cache.block_tokens}")
+        sparse = cpu_step.Summaries(
+            cache.summary,
+            torch.tensor(cache.summary_index, dtype=torch.int64),
+            cache.summarized,
+            cache.block_tokens,
+            policy.top_k_blocks if policy is not None else 0,
+            policy.min_context if policy is not None else 0,
+        )
     return cpu_step.CacheParts(
-        cache.k, cache.v, cache.local_k, cache.local_v, cache.offsets, torch.tensor(index, dtype=torch.int64)
+        cache.k,
+        cache.v,
+        cache.local_k,
+        cache.local_v,
+        cache.offsets,
+        torch.tensor(index, dtype=torch.int64),
+        sparse,
     )

@@ -25,6 +25,16 @@
  * attention scale is the model's `scale`; its scaled embedding and logit cap are the
  * caller's, before and after the call. No biases: the runtime (edge/text/runtime/cpu_step.py) refuses anything else by
  * name and runs the step op by op instead. Built on the box like cpu_int4.c and called through ctypes.
+ *
+ * Sparse attention (Quest: Tang et al., 2024), where the cache keeps block summaries: a layer that sees every
+ * position keeps, per row, KV head and block of block_tokens positions, the per-channel min and max of its keys.
+ * A token at or past min_context attends only to block 0 (the first tokens), its own block and the one before
+ * (the recent window) and the top_k others whose summaries bound its group's scores highest, in position order;
+ * a sliding layer stays dense. The summaries are brought up to date here, lazily: a row's `summarized` count
+ * says over how many of its first positions they are exact; every write below it (the token after drafts
+ * turned down, written over them; a torch write, which the runtime reports: KVCache.rewritten) lowers it to
+ * the written block's start, and a step that selects makes them exact up to the positions it writes before it
+ * selects. A write the step does not see lowers the count: it never leaves a summary read stale.
  */
 #include <math.h>
 
@@ -88,6 +98,16 @@ typedef struct {
     const int64_t *offsets;                    /* [rows]: the position a row's slot 0 holds there */
     const int64_t *index;                      /* [layers]: a layer's index in k/v, or -1 - its
                                                   index in local_k/local_v */
+    float *summary;                            /* sparse attention's block summaries: [summarized layers,
+                                                  rows, kv_heads, blocks, 2 (min, max), head_dim], or
+                                                  NULL (dense, nothing kept) */
+    int64_t summary_layer_stride, summary_row_stride, blocks, block_tokens;
+    const int64_t *summary_index;              /* [layers]: a layer's index in summary, or -1 (a
+                                                  sliding layer: dense, no summaries) */
+    int64_t *summarized;                       /* [rows]: the summaries are exact over a row's positions
+                                                  below this (block b over b * block_tokens up to it) */
+    int64_t top_k, min_context;                /* top_k > 0: a token at min_context or later attends
+                                                  to its top_k blocks besides those always kept */
 } step_cache;
 
 /* Where layer i keeps its keys and values, and token b's slot there: its position, or in a
@@ -163,31 +183,124 @@ static inline float dot(const float *a, const float *b, int64_t d) {
     return sum;
 }
 
-/* The `group` query heads of KV head h of batch row b against positions first..pos:
- * out [group, d]. scores holds pos + 1 floats. */
-static void attend(const step_model *M, const float *q, const float *keys, const float *values, int64_t first,
-                   int64_t pos, int group, float *out, float *scores) {
+/* The `group` query heads of KV head h of batch row b against the positions of `spans`
+ * (first..last pairs, ascending, nspans of them): out [group, d]. scores holds as many
+ * floats as the last position + 1. Dense attention is one span; the sums run over the
+ * positions in order either way, so a sparse step that keeps every block is dense's to
+ * the bit. */
+static void attend(const step_model *M, const float *q, const float *keys, const float *values, const int64_t *spans,
+                   int64_t nspans, int group, float *out, float *scores) {
     const int64_t d = M->head_dim;
     for (int g = 0; g < group; g++) {
         const float *qg = q + g * d;
         float top = -INFINITY;
-        for (int64_t t = first; t <= pos; t++) {
-            scores[t] = dot(qg, keys + t * d, d) * M->scale;
-            if (scores[t] > top) top = scores[t];
-        }
+        for (int64_t s = 0; s < nspans; s++)
+            for (int64_t t = spans[2 * s]; t <= spans[2 * s + 1]; t++) {
+                scores[t] = dot(qg, keys + t * d, d) * M->scale;
+                if (scores[t] > top) top = scores[t];
+            }
         float total = 0.0f;
-        for (int64_t t = first; t <= pos; t++) {
-            scores[t] = expf(scores[t] - top);
-            total += scores[t];
-        }
+        for (int64_t s = 0; s < nspans; s++)
+            for (int64_t t = spans[2 * s]; t <= spans[2 * s + 1]; t++) {
+                scores[t] = expf(scores[t] - top);
+                total += scores[t];
+            }
         float *o = out + g * d;
         for (int64_t c = 0; c < d; c++) o[c] = 0.0f;
-        for (int64_t t = first; t <= pos; t++) {
-            const float p = scores[t] / total;
-            const float *v = values + t * d;
-            for (int64_t c = 0; c < d; c++) o[c] += p * v[c];
+        for (int64_t s = 0; s < nspans; s++)
+            for (int64_t t = spans[2 * s]; t <= spans[2 * s + 1]; t++) {
+                const float p = scores[t] / total;
+                const float *v = values + t * d;
+                for (int64_t c = 0; c < d; c++) o[c] += p * v[c];
+            }
+    }
+}
+
+/* Make one (layer, row, KV head)'s block summaries [blocks, 2, d] exact over positions
+ * below `to`, given them exact below `from`: a key at a block's first position resets
+ * the block's min and max to it, a later one widens them. */
+static void summarize(float *summary, const float *keys, int64_t from, int64_t to, int64_t block_tokens, int64_t d) {
+    for (int64_t t = from; t < to; t++) {
+        float *lo = summary + (t / block_tokens) * 2 * d, *hi = lo + d;
+        const float *k = keys + t * d;
+        if (t % block_tokens == 0) {
+            memcpy(lo, k, sizeof(float) * (size_t)d);
+            memcpy(hi, k, sizeof(float) * (size_t)d);
+            continue;
+        }
+        for (int64_t c = 0; c < d; c++) {
+            if (k[c] < lo[c]) lo[c] = k[c];
+            if (k[c] > hi[c]) hi[c] = k[c];
         }
     }
+}
+
+/* The spans of positions 0..last a token attends to in a layer that sees every position:
+ * block 0, the last two blocks (its own and the one before) and the k others whose bound
+ * on the group's scores is highest (Quest's: the most any query head of the group can
+ * score against a key within the block's per-channel min and max, sum over channels of
+ * max(q min, q max)), ties to the lower block; merged into spans in position order.
+ * summary: this (layer, row, KV head)'s blocks; score [blocks] and keep [blocks] scratch;
+ * spans [2 * blocks]. Returns how many spans. */
+static int64_t select_spans(const float *q, int group, int64_t d, const float *summary, int64_t last,
+                            int64_t block_tokens, int64_t k, float *score, unsigned char *keep, int64_t *spans) {
+    const int64_t nb = last / block_tokens + 1;
+    memset(keep, 0, (size_t)nb);
+    keep[0] = keep[nb - 1] = 1;
+    if (nb > 1) keep[nb - 2] = 1;
+    const int64_t candidates = nb > 3 ? nb - 3 : 0; /* blocks 1..nb - 3 */
+    if (candidates <= k) {
+        for (int64_t b = 1; b + 2 < nb; b++) keep[b] = 1;
+    } else if (k > 0) {
+        for (int64_t b = 1; b + 2 < nb; b++) {
+            const float *lo = summary + b * 2 * d, *hi = lo + d;
+            float best = -INFINITY;
+            for (int g = 0; g < group; g++) {
+                const float *qg = q + g * d;
+                float bound = 0.0f;
+                for (int64_t c = 0; c < d; c++) {
+                    const float a = qg[c] * lo[c], z = qg[c] * hi[c];
+                    bound += a > z ? a : z;
+                }
+                if (bound > best) best = bound;
+            }
+            score[b] = best;
+        }
+        for (int64_t pick = 0; pick < k; pick++) {
+            int64_t top = -1;
+            for (int64_t b = 1; b + 2 < nb; b++)
+                if (!keep[b] && (top < 0 || score[b] > score[top])) top = b;
+            keep[top] = 1;
+        }
+    }
+    int64_t n = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        if (!keep[b]) continue;
+        const int64_t first = b * block_tokens, end = b + 1 == nb ? last : first + block_tokens - 1;
+        if (n > 0 && spans[2 * n - 1] + 1 == first)
+            spans[2 * n - 1] = end; /* adjoins the span before */
+        else {
+            spans[2 * n] = first;
+            spans[2 * n + 1] = end;
+            n++;
+        }
+    }
+    return n;
+}
+
+/* The spans select_spans gives a token at `last` with query heads q [group, d] over one
+ * (layer, row, KV head)'s summaries [blocks, 2, d]: for the tests to hold against a
+ * reference. spans holds 2 * blocks; returns how many spans, -2 out of memory. */
+int edge_cpu_step_select(const float *q, int64_t group, int64_t d, const float *summary, int64_t last,
+                         int64_t block_tokens, int64_t k, int64_t *spans) {
+    const int64_t nb = last / block_tokens + 1;
+    float *score = malloc(sizeof(float) * (size_t)nb);
+    unsigned char *keep = malloc((size_t)nb);
+    const int64_t n = score && keep ? select_spans(q, (int)group, d, summary, last, block_tokens, k, score, keep, spans)
+                                    : -2;
+    free(score);
+    free(keep);
+    return (int)n;
 }
 
 /* y [m, n] = x [m, k] @ W.T over the tensors' n rows (a weight in halves not yet added);
@@ -295,22 +408,81 @@ int edge_cpu_step_product(const int4_product *P, const float *x, int64_t m, floa
     return rc;
 }
 
+/* Each (batch row, KV head)'s scratch for attention: scores over positions (`positions`
+ * floats each), and sparse attention's block bounds, kept blocks and spans (`blocks`
+ * each, spans twice that). */
+typedef struct {
+    float *scores;
+    int64_t positions;
+    float *bound;
+    unsigned char *keep;
+    int64_t *spans;
+    int64_t blocks;
+} attention_scratch;
+
+/* The summaries sparse attention reads for layer i (NULL: it attends densely: no
+ * summaries, or a sliding layer, which its window bounds already). */
+static float *summary_of(const step_cache *C, const step_layer *L, int64_t i) {
+    if (!C->summary || L->window > 0 || C->index[i] < 0 || C->summary_index[i] < 0) return NULL;
+    return C->summary + C->summary_index[i] * C->summary_layer_stride;
+}
+
+/* Layer i's attention for the step's B tokens, the keys and values already written: the
+ * group's query heads of batch row b's KV head j at q + b * q_stride + j * group * d,
+ * out [B, heads * d]. Every position up to the token's (its window's in a sliding layer),
+ * or its selected blocks where the cache keeps summaries and it selects (the header). */
+static void attend_layer(const step_model *M, const step_layer *L, const step_cache *C, int64_t i, const float *q,
+                         int64_t q_stride, int64_t B, const int64_t *rows, const int64_t *pos, int64_t kv_len,
+                         float *out, const attention_scratch *work, int threads) {
+    const int64_t d = M->head_dim, nh = M->heads, nkv = M->kv_heads;
+    const int group = (int)(nh / nkv);
+    const layer_cache at = cache_of(C, i);
+    const int64_t at_len = kv_len < at.slots ? kv_len : at.slots;
+    const float *summary = summary_of(C, L, i);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t w = 0; w < B * nkv; w++) {
+        const int64_t b = w / nkv, j = w % nkv;
+        const int64_t head = rows[b] * at.row_stride + j * at.slots * d;
+        const int64_t slot = slot_of(C, &at, rows[b], pos[b]);
+        const int64_t last = slot < at_len ? slot : at_len - 1;
+        const int64_t first = L->window > 0 && last >= L->window ? last + 1 - L->window : 0;
+        const float *qg = q + b * q_stride + j * group * d;
+        int64_t *span = work->spans + w * 2 * work->blocks, nspans = 1;
+        span[0] = first;
+        span[1] = last;
+        if (summary && C->top_k > 0 && (pos[b] >= kv_len || pos[b] >= C->min_context)) {
+            /* A row not advanced keeps the blocks always kept and selects none. */
+            const int64_t k = pos[b] >= kv_len ? 0 : C->top_k;
+            nspans = select_spans(qg, group, d, summary + rows[b] * C->summary_row_stride + j * C->blocks * 2 * d, last,
+                                  C->block_tokens, k, work->bound + w * work->blocks, work->keep + w * work->blocks,
+                                  span);
+        }
+        attend(M, qg, at.k + head, at.v + head, span, nspans, group, out + (b * nh + j * group) * d,
+               work->scores + w * work->positions);
+    }
+}
+
 /* x [B, hidden]: the residual stream in (the tokens' embeddings), the last layer's out.
  * Row b of the batch is a token at position pos[b] of cache row rows[b], attending to
  * positions 0..min(pos[b], kv_len - 1) (in a sliding layer the last `window` of them, from
  * its own buffer where the cache gives it one) as the per-op step does (a row the batch does not
- * advance sits at the cache's last slot: its answer is not read, and it costs no more
+ * advance sits at the cache's last slot, at or past kv_len: its answer is not read, and it costs no more
  * than a real row's). Several batch rows may share a cache row at consecutive
  * positions (a sequence's token and its drafts, verified at once): each layer writes
- * every row's keys and values before any attends, so each attends causally. Returns 0;
+ * every row's keys and values before any attends, so each attends causally.
+ * With block summaries and top_k (the header's sparse attention), a token at min_context
+ * or later attends to its selected blocks in the layers that see every position; a row
+ * not advanced attends to the blocks always kept (it selects nothing and summarizes
+ * nothing). Returns 0;
  * -1 for a head or product shape the kernel does not take, -2 out of memory, -3 a position past the
  * cache or the rotary table, or a cache row past the cache. */
 int edge_cpu_decode_layers(const step_model *M, const step_layer *layers, const step_cache *C, float *x, int64_t B,
                            const int64_t *rows, const int64_t *pos, int64_t kv_len, int threads) {
     const int64_t H = M->hidden, d = M->head_dim, nh = M->heads, nkv = M->kv_heads;
-    const int group = (int)(nh / nkv);
     if (d % 2 != 0 || d > 512 || nh % nkv != 0 || M->rotary % 2 != 0 || M->rotary < 2 || M->rotary > d) return -1;
     if (kv_len < 1 || kv_len > C->slots) return -3;
+    const int sparse = C->summary != NULL;
+    if (sparse && (C->block_tokens < 1 || C->blocks * C->block_tokens < C->slots || C->top_k < 0)) return -1;
     int64_t longest = 0;
     for (int64_t b = 0; b < B; b++) {
         if (pos[b] < 0 || pos[b] >= C->slots || pos[b] >= M->positions) return -3;
@@ -336,6 +508,7 @@ int edge_cpu_decode_layers(const step_model *M, const step_layer *layers, const 
         for (int p = 0; p < 4; p++)
             if (scratch_of(all[p], B) > spare) spare = scratch_of(all[p], B);
     }
+    const int64_t most_blocks = sparse ? longest / C->block_tokens + 1 : 1;
     float *h = malloc(sizeof(float) * (size_t)(B * H));
     float *big = malloc(sizeof(float) * (size_t)(B * widest));
     float *attn = malloc(sizeof(float) * (size_t)(B * nh * d));
@@ -343,13 +516,47 @@ int edge_cpu_decode_layers(const step_model *M, const step_layer *layers, const 
     float *proj = malloc(sizeof(float) * (size_t)(B * H));
     float *scores = malloc(sizeof(float) * (size_t)(B * nkv * (longest + 1)));
     float *scratch = spare ? malloc(sizeof(float) * (size_t)spare) : NULL;
-    int rc = (h && big && attn && act && proj && scores && (scratch || !spare)) ? 0 : -2;
+    /* Sparse attention's scratch: each (batch row, KV head)'s block bounds, kept blocks and
+     * spans; each cache row's positions written (lo..hi - 1), where its summaries are
+     * brought up to date from, and whether a token of it selects. */
+    float *bound = malloc(sizeof(float) * (size_t)(B * nkv * most_blocks));
+    unsigned char *keep = malloc((size_t)(B * nkv * most_blocks));
+    int64_t *spans = malloc(sizeof(int64_t) * (size_t)(B * nkv * 2 * most_blocks));
+    int64_t *lo = malloc(sizeof(int64_t) * (size_t)(3 * C->rows)), *hi = lo + C->rows, *from = hi + C->rows;
+    unsigned char *selects = malloc((size_t)C->rows);
+    int rc = (h && big && attn && act && proj && scores && (scratch || !spare) && bound && keep && spans && lo &&
+              selects)
+                 ? 0
+                 : -2;
+    const int tracked = rc == 0 && sparse; /* lo, hi, from and selects hold this call's rows */
+    if (tracked) {
+        for (int64_t r = 0; r < C->rows; r++) {
+            lo[r] = -1;
+            hi[r] = -1;
+            selects[r] = 0;
+        }
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t r = rows[b];
+            lo[r] = lo[r] < 0 || pos[b] < lo[r] ? pos[b] : lo[r];
+            if (pos[b] >= kv_len) continue; /* not advanced: written, not summarized */
+            hi[r] = pos[b] + 1 > hi[r] ? pos[b] + 1 : hi[r];
+            if (C->top_k > 0 && pos[b] >= C->min_context) selects[r] = 1;
+        }
+        for (int64_t r = 0; r < C->rows; r++) {
+            if (lo[r] < 0) continue;
+            const int64_t mark = C->summarized[r];
+            /* Appended to (or past) what is summarized: widened from there. Written below it
+             * (a rollback's rewrite, a row not advanced): the block is summarized again from
+             * its first position, the count back to that block's start until it is. */
+            from[r] = lo[r] >= mark ? mark : lo[r] / C->block_tokens * C->block_tokens;
+            if (lo[r] < mark) C->summarized[r] = from[r];
+        }
+    }
     for (int64_t i = 0; i < M->layers && rc == 0; i++) {
         const step_layer *L = layers + i;
         for (int64_t b = 0; b < B; b++) rmsnorm(x + b * H, L->input_norm, H, M->eps, h + b * H);
         if ((rc = product(&L->qkv, h, B, big, scratch, threads)) != 0) break;
         const layer_cache at = cache_of(C, i);
-        const int64_t at_len = kv_len < at.slots ? kv_len : at.slots;
         for (int64_t b = 0; b < B; b++) {
             float *row = big + b * qkv_n;
             const int64_t rot = M->rotary;
@@ -364,16 +571,18 @@ int edge_cpu_decode_layers(const step_model *M, const step_layer *layers, const 
                 memcpy(at.v + to, row + (nh + nkv + j) * d, sizeof(float) * (size_t)d);
             }
         }
+        float *summary = summary_of(C, L, i);
+        if (summary) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t w = 0; w < B * nkv; w++) {
-            const int64_t b = w / nkv, j = w % nkv;
-            const int64_t head = rows[b] * at.row_stride + j * at.slots * d;
-            const int64_t slot = slot_of(C, &at, rows[b], pos[b]);
-            const int64_t last = slot < at_len ? slot : at_len - 1;
-            const int64_t first = L->window > 0 && last >= L->window ? last + 1 - L->window : 0;
-            attend(M, big + b * qkv_n + j * group * d, at.k + head, at.v + head, first, last, group,
-                   attn + (b * nh + j * group) * d, scores + w * (longest + 1));
+            for (int64_t w = 0; w < C->rows * nkv; w++) {
+                const int64_t r = w / nkv, j = w % nkv;
+                if (!selects[r]) continue;
+                summarize(summary + r * C->summary_row_stride + j * C->blocks * 2 * d,
+                          at.k + r * at.row_stride + j * at.slots * d, from[r], hi[r], C->block_tokens, d);
+            }
         }
+        const attention_scratch work = {scores, longest + 1, bound, keep, spans, most_blocks};
+        attend_layer(M, L, C, i, big, qkv_n, B, rows, pos, kv_len, attn, &work, threads);
         if ((rc = product(&L->o, attn, B, proj, scratch, threads)) != 0) break;
         rmsnorm_rows(proj, L->attn_out_norm, B, H, M->eps);
         for (int64_t j = 0; j < B * H; j++) x[j] += proj[j];
@@ -389,6 +598,17 @@ int edge_cpu_decode_layers(const step_model *M, const step_layer *layers, const 
         rmsnorm_rows(proj, L->mlp_out_norm, B, H, M->eps);
         for (int64_t j = 0; j < B * H; j++) x[j] += proj[j];
     }
+    if (tracked)
+        for (int64_t r = 0; r < C->rows; r++) {
+            if (lo[r] < 0 || !selects[r]) continue;
+            /* Every layer summarized its keys up to hi; a step failing part way left some
+             * layers' block from[r] widened by keys it may write again: summarized afresh. */
+            const int64_t start = from[r] / C->block_tokens * C->block_tokens;
+            if (rc == 0)
+                C->summarized[r] = hi[r];
+            else if (start < C->summarized[r])
+                C->summarized[r] = start;
+        }
     free(h);
     free(big);
     free(attn);
@@ -396,5 +616,50 @@ int edge_cpu_decode_layers(const step_model *M, const step_layer *layers, const 
     free(proj);
     free(scores);
     free(scratch);
+    free(bound);
+    free(keep);
+    free(spans);
+    free(lo);
+    free(selects);
+    return rc;
+}
+
+/* Every layer's attention alone, as the step runs it, over the cache as it stands
+ * (nothing written, no summary brought up to date): q [layers, B, heads * d] the tokens'
+ * query heads (turned by the rotary), out likewise. For the benchmarks to time attention
+ * apart from the layers' products, in one call. Returns 0; -1 a head shape it does not
+ * take, -2 out of memory, -3 a position or row past the cache. */
+int edge_cpu_step_attention(const step_model *M, const step_layer *layers, const step_cache *C, const float *q,
+                            int64_t B, const int64_t *rows, const int64_t *pos, int64_t kv_len, float *out,
+                            int threads) {
+    const int64_t d = M->head_dim, nkv = M->kv_heads, width = M->heads * d;
+    if (M->heads % nkv != 0 || d > 512) return -1;
+    if (kv_len < 1 || kv_len > C->slots) return -3;
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; b++) {
+        if (pos[b] < 0 || pos[b] >= C->slots || rows[b] < 0 || rows[b] >= C->rows) return -3;
+        if (C->local_k && pos[b] != C->slots - 1) {
+            const int64_t rel = pos[b] - C->offsets[rows[b]];
+            if (rel < 0 || rel >= C->local_slots - 1) return -3;
+        }
+        if (pos[b] > longest) longest = pos[b];
+    }
+    if (longest >= kv_len) longest = kv_len - 1;
+    const int64_t most_blocks = C->summary ? longest / C->block_tokens + 1 : 1;
+    float *scores = malloc(sizeof(float) * (size_t)(B * nkv * (longest + 1)));
+    float *bound = malloc(sizeof(float) * (size_t)(B * nkv * most_blocks));
+    unsigned char *keep = malloc((size_t)(B * nkv * most_blocks));
+    int64_t *spans = malloc(sizeof(int64_t) * (size_t)(B * nkv * 2 * most_blocks));
+    const int rc = scores && bound && keep && spans ? 0 : -2;
+    if (rc == 0) {
+        const attention_scratch work = {scores, longest + 1, bound, keep, spans, most_blocks};
+        for (int64_t i = 0; i < M->layers; i++)
+            attend_layer(M, layers + i, C, i, q + i * B * width, width, B, rows, pos, kv_len, out + i * B * width,
+                         &work, threads);
+    }
+    free(scores);
+    free(bound);
+    free(keep);
+    free(spans);
     return rc;
 }

@@ -91,7 +91,33 @@ class StepCache(ctypes.Structure):
         ("local_slots", _I),
         ("offsets", _P),
         ("index", _P),
+        ("summary", _P),  # 0: no block summaries, dense attention
+        ("summary_layer_stride", _I),
+        ("summary_row_stride", _I),
+        ("blocks", _I),
+        ("block_tokens", _I),
+        ("summary_index", _P),
+        ("summarized", _P),
+        ("top_k", _I),  # 0: no token selects
+        ("min_context", _I),
     ]
+
+
+@dataclass
+class Summaries:
+    """Sparse attention's part of the cache (edge/text/kv/float_cache.KVCache): the block
+    summaries [summarized layers, rows, KV heads, blocks, 2, head dim] float32, each
+    layer's index there (-1: none), each row's count of positions they are exact over
+    (int64, updated by the step), the block size, and what a token selects: top_k blocks
+    besides those always kept from position min_context on (top_k 0: none selects, the
+    summaries still kept honest)."""
+
+    summary: torch.Tensor
+    index: torch.Tensor
+    summarized: torch.Tensor
+    block_tokens: int
+    top_k: int
+    min_context: int
 
 
 @dataclass
@@ -107,6 +133,7 @@ class CacheParts:
     local_v: torch.Tensor | None
     offsets: torch.Tensor
     index: torch.Tensor
+    sparse: Summaries | None = None
 
 
 _KERNEL = cpu_int4.CKernel(
@@ -121,6 +148,21 @@ _PRODUCT = cpu_int4.CKernel(
     "edge_cpu_step_product",
     [_P, _P, _I, _P, ctypes.c_int],  # product, x [M, K], M, y [M, outputs], threads
     "the CPU decode step's product",
+)
+
+_SELECT = cpu_int4.CKernel(
+    SOURCE,
+    "edge_cpu_step_select",
+    [_P, _I, _I, _P, _I, _I, _I, _P],  # q [group, D], group, D, summary [blocks, 2, D], last, block, k, spans
+    "the CPU decode step's block selection",
+)
+
+_ATTENTION = cpu_int4.CKernel(
+    SOURCE,
+    "edge_cpu_step_attention",
+    # model, layers, cache, q [layers, B, NH * D], B, rows, pos, kv_len, out [layers, B, NH * D], threads
+    [_P, _P, _P, _P, _I, _P, _P, _I, _P, ctypes.c_int],
+    "the CPU decode step's attention",
 )
 
 ERRORS = {
@@ -194,6 +236,25 @@ def multiply(prod: Int4Product, x: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def select(q: torch.Tensor, summary: torch.Tensor, last: int, block_tokens: int, k: int) -> list[tuple[int, int]]:
+    """The positions a token at `last` attends to in a layer that sees every position, as
+    the decode step selects them (first, last) span by span: q [group, D] its KV group's
+    query heads, summary [blocks, 2, D] the (row, KV head)'s block minimums and maximums
+    (for the tests to hold against a reference)."""
+    q, summary = q.to(torch.float32).contiguous(), summary.to(torch.float32).contiguous()
+    blocks = last // block_tokens + 1
+    if q.dim() != 2 or summary.dim() != 3 or summary.shape[0] < blocks or summary.shape[1:] != (2, q.shape[1]):
+        raise ValueError(f"queries {list(q.shape)} and summaries {list(summary.shape)} up to position {last}")
+    spans = torch.zeros(2 * blocks, dtype=torch.int64)
+    n = _SELECT.function()(
+        q.data_ptr(), q.shape[0], q.shape[1], summary.data_ptr(), last, block_tokens, k, spans.data_ptr()
+    )
+    if n < 0:
+        raise RuntimeError(f"the CPU decode step's block selection failed: {ERRORS.get(n, f'code {n}')}")
+    pairs: list[int] = spans[: 2 * n].tolist()
+    return list(zip(pairs[::2], pairs[1::2], strict=True))
+
+
 @dataclass
 class Plan:
     """A model laid out for the kernel. `keep` holds every tensor the pointers name."""
@@ -218,17 +279,56 @@ def decode_layers(
     past it). Batch rows may share a cache row at consecutive positions: a sequence's
     token and its drafts, each attending causally."""
     fn = _KERNEL.function()
-    k, v, lk, lv = parts.k, parts.v, parts.local_k, parts.local_v
     if x.dtype != torch.float32:
         raise ValueError("the CPU decode step runs float32 activations over a float32 cache")
+    x = x.contiguous()
+    bsz = x.shape[0]
+    cache, cache_rows, positions = _step_cache(plan, parts, rows, pos, bsz)
+    rc = fn(
+        ctypes.byref(plan.model), plan.layers, ctypes.byref(cache), x.data_ptr(), bsz,
+        cache_rows.data_ptr(), positions.data_ptr(), kv_len, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"the CPU decode step failed: {ERRORS.get(rc, f'code {rc}')}")
+    return x
+
+
+def attention(
+    plan: Plan, q: torch.Tensor, parts: CacheParts, rows: torch.Tensor, pos: torch.Tensor, kv_len: int
+) -> torch.Tensor:
+    """Every layer's attention alone as the decode step runs it, over the cache as it
+    stands (nothing written, no summary brought up to date), in one call: q [layers, B,
+    heads x head dim] float32 the tokens' query heads, turned by the rotary; out likewise.
+    For the benchmarks, to time attention apart from the layers' products."""
+    fn = _ATTENTION.function()
+    q = q.to(torch.float32).contiguous()
+    model = plan.model
+    bsz = q.shape[1]
+    if q.shape != (model.layers, bsz, model.heads * model.head_dim):
+        raise ValueError(f"queries [{model.layers}, B, {model.heads * model.head_dim}], not {list(q.shape)}")
+    cache, cache_rows, positions = _step_cache(plan, parts, rows, pos, bsz)
+    out = torch.empty_like(q)
+    rc = fn(
+        ctypes.byref(model), plan.layers, ctypes.byref(cache), q.data_ptr(), bsz,
+        cache_rows.data_ptr(), positions.data_ptr(), kv_len, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"the CPU decode step's attention failed: {ERRORS.get(rc, f'code {rc}')}")
+    return out
+
+
+def _step_cache(
+    plan: Plan, parts: CacheParts, rows: torch.Tensor, pos: torch.Tensor, bsz: int
+) -> tuple[StepCache, torch.Tensor, torch.Tensor]:
+    """The cache as the kernel reads it (checked), and the tokens' cache rows and
+    positions as int64 (kept alive by the caller through the call)."""
+    k, v, lk, lv = parts.k, parts.v, parts.local_k, parts.local_v
     for a, b in ((k, v), (lk, lv)):
         if a is not None and (b is None or a.stride() != b.stride() or not _heads(a) or not _heads(b)):
             raise ValueError("the CPU decode step reads a float32 cache of whole contiguous heads")
     if parts.index.dtype != torch.int64 or parts.index.shape != (plan.model.layers,):
         raise ValueError(f"the cache's layer index names {parts.index.shape} layers of {plan.model.layers}")
     offsets = parts.offsets
-    x = x.contiguous()
-    bsz = x.shape[0]
     positions, cache_rows = pos.to(torch.int64).contiguous(), rows.to(torch.int64).contiguous()
     if positions.shape != (bsz,) or cache_rows.shape != (bsz,):
         raise ValueError(f"{bsz} tokens need {bsz} positions and cache rows")
@@ -239,12 +339,32 @@ def decode_layers(
             raise ValueError("the sliding buffers' offsets: one int64 a cache row")
     cache = StepCache(
         k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.shape[3], k.shape[1], *local,
-        offsets.data_ptr(), parts.index.data_ptr(),
+        offsets.data_ptr(), parts.index.data_ptr(), *_sparse(parts, plan.model.layers),
     )  # fmt: skip
-    rc = fn(
-        ctypes.byref(plan.model), plan.layers, ctypes.byref(cache), x.data_ptr(), bsz,
-        cache_rows.data_ptr(), positions.data_ptr(), kv_len, torch.get_num_threads(),
+    return cache, cache_rows, positions
+
+
+def _sparse(parts: CacheParts, layers: int) -> tuple[int, ...]:
+    """StepCache's sparse attention fields: the summaries' pointers and shape, checked
+    against the cache; all 0 (dense) for a cache without them."""
+    got = parts.sparse
+    if got is None:
+        return (0,) * 9
+    summary, k = got.summary, parts.k
+    rows, heads, slots, dim = k.shape[1], k.shape[2], k.shape[3], k.shape[4]
+    blocks = -(-slots // got.block_tokens)
+    if (
+        summary.dtype != torch.float32
+        or summary.shape[1:] != (rows, heads, blocks, 2, dim)
+        or summary.stride()[2:] != (blocks * 2 * dim, 2 * dim, dim, 1)
+    ):
+        raise ValueError(f"block summaries {list(summary.shape)} for a cache of {rows} rows x {slots} positions")
+    index, marks = got.index, got.summarized
+    if index.dtype != torch.int64 or index.shape != (layers,) or int(index.max()) >= summary.shape[0]:
+        raise ValueError(f"the summaries' layer index names {index.shape} layers of {layers}")
+    if marks.dtype != torch.int64 or not marks.is_contiguous() or marks.shape != (rows,):
+        raise ValueError("the summaries' counts: one int64 a cache row")
+    return (
+        summary.data_ptr(), summary.stride(0), summary.stride(1), blocks, got.block_tokens,
+        index.data_ptr(), marks.data_ptr(), got.top_k, got.min_context,
     )  # fmt: skip
-    if rc != 0:
-        raise RuntimeError(f"the CPU decode step failed: {ERRORS.get(rc, f'code {rc}')}")
-    return x

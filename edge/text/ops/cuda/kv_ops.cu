@@ -33,7 +33,7 @@ struct Format {
   int RING;      // ring slots; slot RING takes the row's last position's writes
   int SINK;      // the first tokens kept float for good
   int vsym;      // int4 values: codes 1..15 about 8, no zero point
-  int code_len;  // positions the codes are allocated for
+  int code_len;  // code slots: position t's are slot t % code_len (a sliding layer's window, or every position)
   int blocks;    // key blocks the scales are allocated for
   int slide;     // attention: a sliding layer's window (each query sees its last `slide`
                  // positions, sink tokens only inside them), 0 for none; writes ignore it
@@ -84,7 +84,7 @@ template <typename C, bool INT4>
 __device__ void code_keys(const Layer<C>& L, const Format& f, int head, long long pos, int HD) {
   const long long b0 = pos - f.W - f.KB;
   const C* ring = L.ring_k + (size_t)head * (f.RING + 1) * HD;
-  const size_t at = ((size_t)head * f.blocks + b0 / f.KB) * HD;
+  const size_t at = ((size_t)head * f.blocks + (b0 / f.KB) % f.blocks) * HD;  // slot b % blocks
   const int cb = INT4 ? HD / 2 : HD;
   for (int p = threadIdx.x; p < HD / 2; p += blockDim.x) {
     float lo[2] = {INFINITY, INFINITY}, hi[2] = {-INFINITY, -INFINITY};
@@ -115,7 +115,7 @@ __device__ void code_keys(const Layer<C>& L, const Format& f, int head, long lon
     for (int i = 0; i < f.KB; i++) {
       const long long t = max(b0 + i, (long long)f.SINK);
       const Pair<C> x = *reinterpret_cast<const Pair<C>*>(ring + (t % f.RING) * HD + 2 * p);
-      uint8_t* dst = L.kc + ((size_t)head * f.code_len + b0 + i) * cb;
+      uint8_t* dst = L.kc + ((size_t)head * f.code_len + b0 % f.code_len + i) * cb;  // a block never wraps
       if (INT4) {
         const int c0 = (int)code_of(__fsub_rn(to_f(x.x), low[0]), safe[0], 0.0f, 15.0f);
         const int c1 = (int)code_of(__fsub_rn(to_f(x.y), low[1]), safe[1], 0.0f, 15.0f);
@@ -155,7 +155,7 @@ __device__ void code_values(const Layer<C>& L, const Format& f, int head, long l
       lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
       hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, o));
     }
-    const size_t tok = (size_t)head * f.code_len + t;
+    const size_t tok = (size_t)head * f.code_len + t % f.code_len;
     const size_t g_at = tok * groups + lane * cpl / f.VG;
     float low = 0.0f, qmin, qmax, shift = 0.0f;
     __half scale;
@@ -402,7 +402,7 @@ __global__ void __launch_bounds__(KV_THREADS)
         sw = 0u;  // float: no scale
         return;
       }
-      const size_t tok = codes_at + t;
+      const size_t tok = codes_at + t % f.code_len;
       const size_t g_at = tok * groups + 2 * dp / f.VG;
       w = INT4 ? (uint32_t)L.vc[tok * (HD / 2) + dp] : (uint32_t)*reinterpret_cast<const uint16_t*>(L.vc + tok * HD + 2 * dp);
       const uint32_t zero = INT4 && !f.vsym ? (uint32_t)__half_as_ushort(L.vz[g_at]) : 0u;
@@ -453,7 +453,7 @@ __global__ void __launch_bounds__(KV_THREADS)
     fetch(0, vw, vs_w);
     if (is_coded) {
       // The tile's key scales (and zero points) folded into the queries.
-      const size_t s_at = ((size_t)head * f.blocks + t0 / f.KB) * HD;
+      const size_t s_at = ((size_t)head * f.blocks + (t0 / f.KB) % f.blocks) * HD;
       for (int i = tid; i < group * HD; i += KV_THREADS) {
         const int g = i / HD, d = i % HD;
         const int at = (d % EPL) * LANES + d / EPL;
@@ -484,7 +484,7 @@ __global__ void __launch_bounds__(KV_THREADS)
       } else if (t < f.SINK) {  // the first tokens: float, in place of their codes
         float_key<C, EPL>(L.sink_k + ((size_t)head * f.SINK + t) * HD + li * EPL, kv);
       } else {
-        coded_key<INT4, EPL>(L.kc + (codes_at + t) * CB + li * (INT4 ? EPL / 2 : EPL), kv);
+        coded_key<INT4, EPL>(L.kc + (codes_at + t % f.code_len) * CB + li * (INT4 ? EPL / 2 : EPL), kv);
         scaled = true;
       }
       const float(*qrow)[HD] = scaled ? qk : qs;
@@ -684,7 +684,9 @@ __global__ void __launch_bounds__(KV_THREADS, 4)
 
   const auto load_codes = [&](int t0) {
     Codes cd;
-    const int p0 = t0 + warp * MMA_WPOS;
+    // The warp's slots: t % code_len (a sliding layer's codes are a circle of whole key
+    // blocks, quant_cache.py; a 64-position tile lies in one block, so it never wraps).
+    const int p0 = t0 % f.code_len + warp * MMA_WPOS;
 #pragma unroll
     for (int u = 0; u < 2; u++) {
       const uint8_t* codes = L.kc + (codes_at + p0 + r + 8 * u) * CB;
@@ -698,7 +700,7 @@ __global__ void __launch_bounds__(KV_THREADS, 4)
       cd.vs[u] = __half2float(L.vs[tok * groups + vgroup]);
       cd.vz[u] = INT4 && !f.vsym ? __half2float(L.vz[tok * groups + vgroup]) : 0.0f;
     }
-    const size_t s_at = ((size_t)head * f.blocks + t0 / f.KB) * HD;
+    const size_t s_at = ((size_t)head * f.blocks + (t0 / f.KB) % f.blocks) * HD;
 #pragma unroll
     for (int j = 0; j < KW; j++) {
       cd.ks[j] = reinterpret_cast<const uint4*>(L.ks + s_at + 32 * j + 8 * c)[0];

@@ -95,9 +95,6 @@ def _layer(layer: QuantLayer, window: int = 0) -> tuple[ctypes.Array[ctypes.c_vo
     """The layer's ten tensors (a tensor its format lacks stood in for by one never read
     then) and its format's nine ints (the last: the attention's sliding window, 0 for
     none), as kv_ops.cu's entries take them."""
-    if layer.circular:
-        # kv_ops.cu reads position t's codes at slot t (step_ops.circular_kv says so).
-        raise ValueError("the CUDA quantized-KV kernels do not take a sliding layer's codes in a circle")
     fmt, dim = layer.fmt, layer.ring_k.shape[-1]
     refused = refusal(fmt, dim, 1, layer.ring_k.dtype)
     if refused:
