@@ -159,6 +159,7 @@ if TRITON_SUPPORT:
         F32_DOT: tl.constexpr,
         SLIDING: tl.constexpr,
         HD_P: tl.constexpr,
+        PREC: tl.constexpr,
     ):
         """The query heads of one KV head attend to one chunk of the cache (online
         softmax); the partial sums go to a scratch buffer for the merge kernel. A chunk
@@ -170,7 +171,7 @@ if TRITON_SUPPORT:
         HD_P: the head's width rounded up to a power of two (Triton's blocks), the
         channels past HD masked. F32_DOT widens the operands first, for Triton's CPU
         interpreter, whose bf16 dot is wrong; on a GPU the products run on bf16 tensor
-        cores."""
+        cores. PREC: "ieee" for a float32 cache (its products in float32, not TF32)."""
         bh = tl.program_id(0)
         sp = tl.program_id(1)
         b = bh // NKV
@@ -208,7 +209,7 @@ if TRITON_SUPPORT:
                 k = tl.load(k_cache_ptr + kv_at, mask=t_mask[:, None] & d_mask[None, :], other=0.0)
             if F32_DOT:
                 k = k.to(tl.float32)
-            scores = tl.dot(q, tl.trans(k))  # [GP, BLOCK_T], float32
+            scores = tl.dot(q, tl.trans(k), input_precision=PREC)  # [GP, BLOCK_T], float32
             scores = tl.where(t_mask[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             alpha = tl.exp(m - m_new)
@@ -220,7 +221,7 @@ if TRITON_SUPPORT:
                 v = tl.load(v_cache_ptr + kv_at, mask=t_mask[:, None] & d_mask[None, :], other=0.0)
             if F32_DOT:
                 v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m = m_new
         # Only the GROUP real query rows are stored (the merge reads no others): the
         # padded rows would be three quarters of the scratch traffic at GROUP 4.
@@ -408,7 +409,7 @@ def decode_attention(
     hd_p = max(16, _pow2(hd))  # (tl.dot's operands are at least 16 wide)
     _attn_split_kernel[(bsz * n_kv, splits)](
         q, k_cache, v_cache, pos, acc, ml, n_heads, n_kv, max_len, chunk, window, splits, group, ATTN_GROUP_ROWS, hd,
-        ATTN_BLOCK_T, not q.is_cuda, window > 0, hd_p, num_warps=4,
+        ATTN_BLOCK_T, not q.is_cuda, window > 0, hd_p, "ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
     )  # fmt: skip
     out = torch.empty(bsz, n_heads * hd, device=q.device, dtype=q.dtype)
     _attn_merge_kernel[(bsz * n_kv, group)](acc, ml, out, n_heads, n_kv, splits, group, ATTN_GROUP_ROWS, hd, hd_p)
