@@ -12,7 +12,8 @@ the kernels alone, not an engine: the served step's figures are bench.text's and
 bench.jetson_proxy's. Our kernels are built for the architecture EDGE_CUDA_ARCH names
 (compute_80: the Jetson proxy's Ampere PTX) or this GPU's.
 
-    python -m bench.attention_kernels [--contexts 512 4096] [--out bench/results/attention_kernels.json]
+    python -m bench.attention_kernels [--contexts 512 4096] [--spreads 1 2 4 8]
+        [--out bench/results/attention_kernels.json]
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ def _time_step(call: Call, layers: int) -> float:
     return text.cuda_time(graph.replay, repeat=REPLAYS) * 1e6 / layers
 
 
-def float_rows(context: int, device: torch.device, sms: int) -> list[dict[str, Any]]:
-    """float16 caches: our attention and Triton's over the same tensors."""
+def float_rows(context: int, device: torch.device, sms: int, spreads: tuple[int, ...] = ()) -> list[dict[str, Any]]:
+    """float16 caches: our attention and Triton's over the same tensors; ours also split
+    for each of `spreads` blocks an SM (rows with `spread`: the split rule's choice timed)."""
     cfg, layers = SHAPE, SHAPE.num_layers
     shape = (1, cfg.num_kv_heads, context + 64, cfg.head_dim)
     caches = [
@@ -72,6 +74,14 @@ def float_rows(context: int, device: torch.device, sms: int) -> list[dict[str, A
     ours: Call = lambda i: decode_ops.decode_attention(q, *caches[i], pos, context, sms)  # noqa: E731
     kernel = decode_ops.attention_kernel(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
     rows.append(_row("cuda", "float16", context, _time_step(ours, layers), splits, chunk, kernel))
+    for spread in spreads:
+        splits, chunk = decode_ops.attention_splits(context, cfg.num_kv_heads, sms, spread)
+
+        def tried(i: int, s: int = spread) -> torch.Tensor:
+            return decode_ops.decode_attention(q, *caches[i], pos, context, sms, spread=s)
+
+        row = _row("cuda", "float16", context, _time_step(tried, layers), splits, chunk, kernel)
+        rows.append({**row, "spread": spread, "served": spread == decode_ops.ATTN_SPREAD})
     try:
         from edge.text.ops.triton import decode_ops as triton_ops
     except ImportError:
@@ -129,20 +139,20 @@ def _row(
     return row
 
 
-def measure(contexts: list[int], formats: list[KVDtype]) -> dict[str, Any]:
+def measure(contexts: list[int], formats: list[KVDtype], spreads: tuple[int, ...] = ()) -> dict[str, Any]:
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
     rows: list[dict[str, Any]] = []
     for context in contexts:
         if "float16" in formats:
-            rows += float_rows(context, device, props.multi_processor_count)
+            rows += float_rows(context, device, props.multi_processor_count, spreads)
         for kv_dtype in (f for f in formats if f != "float16"):
             rows += quant_rows(context, kv_dtype, device, props.multi_processor_count)
     triton = {(r["kv_dtype"], r["context"]): r for r in rows if r["kernels"] == "triton"}
     ratios = {
         f"{r['kv_dtype']}_{r['context']}": triton[r["kv_dtype"], r["context"]]["us_per_layer"] / r["us_per_layer"]
         for r in rows
-        if r["kernels"] == "cuda" and (r["kv_dtype"], r["context"]) in triton
+        if r["kernels"] == "cuda" and "spread" not in r and (r["kv_dtype"], r["context"]) in triton
     }
     return {
         "device": props.name,
@@ -163,9 +173,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    parser.add_argument(
+        "--spreads",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time our float16 attention split for each of these blocks an SM (decode_ops.ATTN_SPREAD's choice)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "attention_kernels.json")
     args = parser.parse_args()
-    result = measure(args.contexts, args.formats)
+    if any(s < 1 for s in args.spreads):
+        parser.error("--spreads: each at least 1")
+    result = measure(args.contexts, args.formats, tuple(args.spreads))
     write_json(args.out, result)
     print(f"wrote {args.out}")
 

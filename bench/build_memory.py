@@ -24,7 +24,6 @@ Writes bench/results/build_memory.json. The sources take about 16 GB of disk eac
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import platform
@@ -46,6 +45,7 @@ import torch
 import yaml
 
 from bench.common import REPO, RESULTS, write_json
+from bench.random_gguf import BOS, EOT, SPECIALS, TEMPLATE, add_llama3_vocabulary, add_llama_shape, vocabulary
 from edge.builds import build_command, command_line
 from edge.config.loader import load_profile
 from edge.text.architecture import LlamaConfig
@@ -54,9 +54,6 @@ from engines.text.safetensors_writer import SafetensorsWriter
 
 LIMIT_BYTES = 12 * 2**30
 SEED = 0
-# Llama 3's: 256 special tokens after the byte-level vocabulary, these named.
-SPECIALS = 256
-BOS, EOS, EOT = "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"
 SHAPES = {
     "llama3-8b": LLAMA3_8B,
     # Two of the 8B model's layers with its token table and head: the 8B build's peak (a
@@ -71,38 +68,10 @@ SHAPES = {
     ),
 }
 SHARD_BYTES = 5 * 10**9  # transformers' shard size for Llama 3's files
-TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim "
-    "+ '<|eot_id|>' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
-)
 _LAYER_TIME = re.compile(r"layer (\d+)/(\d+) quantized in ([0-9.]+) s")
 
 
 # --- the source model ---------------------------------------------------------------
-
-
-def vocabulary(size: int) -> tuple[list[str], list[tuple[str, str]]]:
-    """A byte-level BPE vocabulary of `size` tokens: the 256 byte symbols, every pair of
-    them, then triples (a pair and a byte), each new token one merge; then the special
-    tokens. Tokens by id, and the merges by rank."""
-    from tokenizers import pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    regular = size - SPECIALS
-    tokens: list[str] = list(alphabet)
-    merges: list[tuple[str, str]] = []
-    pairs = ((a, b) for a in alphabet for b in alphabet)
-    triples = ((a + b, c) for a in alphabet for b in alphabet for c in alphabet)
-    for left, right in itertools.chain(pairs, triples):
-        if len(tokens) >= regular:
-            break
-        tokens.append(left + right)
-        merges.append((left, right))
-    named = {0: BOS, 1: EOS, 9: EOT}
-    tokens += [named.get(i, f"<|reserved_special_token_{i}|>") for i in range(SPECIALS)]
-    return tokens, merges
 
 
 def _matrix(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -235,29 +204,10 @@ def write_gguf(config: LlamaConfig, path: Path) -> dict[str, Any]:
     import gguf
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    tokens, merges = vocabulary(config.vocab_size)
-    regular = len(tokens) - SPECIALS
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    writer.add_context_length(config.max_position)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_heads)
-    writer.add_head_count_kv(config.num_kv_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_theta)
-    writer.add_rope_dimension_count(config.head_dim)
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("llama-bpe")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * regular + [3] * SPECIALS)
-    writer.add_token_merges([f"{a} {b}" for a, b in merges])
-    writer.add_bos_token_id(regular)
-    writer.add_eos_token_id(regular + 1)
-    writer.add_eot_token_id(regular + 9)
-    writer.add_chat_template(TEMPLATE)
+    add_llama_shape(writer, config)
+    add_llama3_vocabulary(writer, config.vocab_size)
     planned = [(name, shape, np.float32 if len(shape) == 1 else np.float16) for name, shape in hf_tensors(config)]
     for name, shape, dtype in planned:
         writer.add_tensor_info(_gguf_name(name), shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)

@@ -5,8 +5,8 @@
   tarball from the sdist: ggml, src, include, common, vendor, cmake, tools/llama-bench),
   with CUDA for the GPU's own architecture. The build lives outside the repo.
 - The model is a random-weight Q4_0 GGUF of the benchmark's shape written with gguf-py
-  (the bytes of each block random, its scale fixed): the figures are about speed, never
-  answers.
+  (bench/random_gguf.py: the bytes of each block random, its scale fixed): the figures are
+  about speed, never answers.
 - `llama-bench -ngl 99 -fa 1 -p 512 -n 128 -d 0,4096 -o json` gives prefill and decode
   rates at each depth.
 
@@ -30,8 +30,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 LLAMACPP_VERSION = "llama-cpp-python==0.3.36"
 KEEP = (
     "CMakeLists.txt",
@@ -46,7 +44,6 @@ KEEP = (
 )
 # Only llama-bench among the tools: the others' directories are not in the trimmed tree.
 TOOLS_CMAKE = "find_package(Threads REQUIRED)\nllama_add_compile_flags()\nadd_subdirectory(llama-bench)\n"
-Q4_0_BLOCK, Q4_0_BYTES = 32, 18  # 32 weights: an fp16 scale and 16 bytes of 4-bit codes
 
 
 def trim(sdist: Path, out: Path) -> None:
@@ -97,63 +94,6 @@ def build(source: Path, work: Path, arch: str, jobs: int = 16, nice: bool = Fals
     if not binary.exists():
         raise FileNotFoundError(f"the build made no {binary}")
     return binary, time.perf_counter() - started
-
-
-def _q4_0(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    blocks = rows * cols // Q4_0_BLOCK
-    raw = rng.integers(0, 256, size=(blocks, Q4_0_BYTES), dtype=np.uint8)
-    raw[:, :2] = np.array([0.01], np.float16).view(np.uint8)  # a scale that keeps activations finite
-    return raw.reshape(rows, cols // Q4_0_BLOCK * Q4_0_BYTES)
-
-
-def write_gguf(path: Path, config: Any, seed: int = 0) -> None:
-    """A random-weight Q4_0 GGUF of a Llama config's shape (hidden, layers, heads, FFN,
-    vocabulary), with a vocabulary of placeholder tokens."""
-    import gguf
-
-    rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    h, ffn, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
-    writer.add_block_count(config.num_layers)
-    writer.add_context_length(8192)
-    writer.add_embedding_length(h)
-    writer.add_feed_forward_length(ffn)
-    writer.add_head_count(config.num_heads)
-    writer.add_head_count_kv(config.num_kv_heads)
-    writer.add_rope_freq_base(config.rope_theta)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(vocab)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list([b"<unk>", b"<s>", b"</s>", *[f"t{i}".encode() for i in range(3, vocab)]])
-    writer.add_token_scores([0.0] * vocab)
-    writer.add_token_types([2, 3, 3, *[1] * (vocab - 3)])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    q = gguf.GGMLQuantizationType.Q4_0
-    hd = config.head_dim
-
-    def add(name: str, rows: int, cols: int) -> None:
-        writer.add_tensor(name, _q4_0(rows, cols, rng), raw_dtype=q)  # byte shape: gguf-py derives [rows, cols]
-
-    add("token_embd.weight", vocab, h)
-    writer.add_tensor("output_norm.weight", np.ones(h, np.float32))
-    add("output.weight", vocab, h)
-    for i in range(config.num_layers):
-        p = f"blk.{i}"
-        writer.add_tensor(f"{p}.attn_norm.weight", np.ones(h, np.float32))
-        writer.add_tensor(f"{p}.ffn_norm.weight", np.ones(h, np.float32))
-        add(f"{p}.attn_q.weight", config.num_heads * hd, h)
-        add(f"{p}.attn_k.weight", config.num_kv_heads * hd, h)
-        add(f"{p}.attn_v.weight", config.num_kv_heads * hd, h)
-        add(f"{p}.attn_output.weight", h, config.num_heads * hd)
-        add(f"{p}.ffn_gate.weight", ffn, h)
-        add(f"{p}.ffn_up.weight", ffn, h)
-        add(f"{p}.ffn_down.weight", h, ffn)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 BUFFER = re.compile(r"(\S+)\s+(model|KV|compute|output) buffer size =\s+([\d.]+) MiB")
@@ -207,15 +147,6 @@ def run_bench(binary: Path, model: Path, prompt: int, new_tokens: int, depths: t
         out["buffers_mib"], out["buffers_error"] = None, str(err)
     out["model_bytes"] = model.stat().st_size
     return out
-
-
-def q4_0_bytes(config: Any, embedding: bool = True) -> int:
-    """Bytes of the GGUF's Q4_0 matrices (write_gguf's): each layer's, the output's and,
-    with `embedding`, the token table's (llama.cpp keeps that one in host memory)."""
-    h, hd, ffn = config.hidden_size, config.head_dim, config.intermediate_size
-    layer = h * (config.num_heads * hd) * 2 + h * (config.num_kv_heads * hd) * 2 + 3 * h * ffn
-    weights = config.num_layers * layer + config.vocab_size * h * (2 if embedding else 1)
-    return int(weights) // Q4_0_BLOCK * Q4_0_BYTES
 
 
 def main() -> int:

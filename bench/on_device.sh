@@ -7,6 +7,9 @@
 #   bench/on_device.sh real   (the real SmolLM2, its wheel carried too: verify, the proxy's agreement, structured output)
 #   bench/on_device.sh profile   (edgectl profile's GPU test, then the real SmolLM2's qa jobs profiled:
 #   $OUT/profile/profile.json; its heat maps drawn elsewhere with `edgectl profile --draw`)
+#   bench/on_device.sh profile8b [--jobs N]   (bench/profile_8b.py: a random Llama-3-8B-shape Q4_0 GGUF,
+#   `edgectl build` of it, `edgectl profile` of qa jobs under load: $OUT/profile8b/profile.json and run.json;
+#   kept with `python -m bench.profile_8b adopt`, its heat maps drawn by `python -m bench.render`)
 # Carried beside the tree (ignored by git): .whl/ (the Python packages the machine lacks,
 # cp312 wheels: pydantic and its core, paho-mqtt, opentelemetry, lz4, zstandard, pypdf, pyclipper;
 # gguf and tqdm for the llama.cpp peer's GGUF; jsonschema, attrs, referencing, rpds-py and
@@ -21,7 +24,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 root=/tmp/mosquitto-root
 mkdir -p "$root"
-for f in .deb/*.deb; do dpkg -x "$f" "$root"; done
+# (No .deb/ carried, for a mode without the broker: the loop finds nothing.)
+for f in .deb/*.deb; do [ -e "$f" ] && dpkg -x "$f" "$root"; done
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 # Our CUDA kernels, built for this GPU now rather than inside the first load (the attention
 # run builds its own, as Ampere PTX).
@@ -89,7 +93,7 @@ case "$what" in
     jetson_tests
     status=$?
     [ "$status" = 0 ] || { echo "the Jetson path's kernel tests failed: nothing measured"; exit "$status"; }
-    EDGE_CUDA_ARCH=compute_80 python3 -m bench.attention_kernels --out "$out/attention_kernels.json" "$@" 2>&1 | tail -30
+    EDGE_CUDA_ARCH=compute_80 python3 -m bench.attention_kernels --spreads 1 2 4 8 --out "$out/attention_kernels.json" "$@" 2>&1 | tail -30
     status=${PIPESTATUS[0]} ;;
   kv)
     cp bench/results/kv.json "$out/kv.json"
@@ -126,6 +130,12 @@ case "$what" in
     python3 -m edge.cli build --profile "$profile" 2>&1 | tail -5
     python3 -m edge.cli profile --profile "$profile" --workload qa --jobs 16 --out "$out/profile" --no-png 2>&1 | tail -8
     [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+  profile8b)
+    # The 8B shape through the daemon's own build and `edgectl profile`, more jobs than the
+    # GPU profile's max_sequences so the batcher runs full (bench/profile_8b.py). The GGUF
+    # and the build stay in /tmp: a second call on a warm machine goes straight to the profile.
+    python3 -m bench.profile_8b run --out "$out/profile8b" "$@" 2>&1 | tail -60
+    status=${PIPESTATUS[0]} ;;
   speculative)
     # The 8B shape's verification cost, added to the CPU run's file (its acceptance projected).
     cp bench/results/speculative.json "$out/speculative.json"

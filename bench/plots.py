@@ -4,6 +4,11 @@ Each PNG carries a fingerprint of what it was drawn from (the results it reads a
 source of the function that draws it) in a text chunk, so `python -m bench.render --check` can
 tell a stale plot without matplotlib and without comparing pixels, which differ between
 matplotlib and FreeType versions. A plot whose results are unchanged is not redrawn.
+
+A profile document's heat maps (`HeatMaps`) are drawn by `edgectl profile`'s own code
+(edge/profiling/heatmap.py) and fingerprinted the same way; where their document is not in
+bench/results, no heat map may be on the pages: `--check` calls one left there stale, and
+rendering removes it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO, RESULTS
+from edge.profiling import heatmap
 
 PLOT_DIR = REPO / "docs" / "plots"
 FINGERPRINT_KEY = "edge-source"
@@ -228,3 +234,73 @@ def write(plots: tuple[Plot, ...] = PLOTS) -> list[str]:
         fig.savefig(plot.path, format="png", metadata={"Software": None, FINGERPRINT_KEY: mark})
         written.append(plot.shown)
     return written
+
+
+@dataclass(frozen=True)
+class HeatMaps:
+    """The heat maps of a profile document in bench/results: docs/plots/NAME_bandwidth.png
+    and NAME_activity.png."""
+
+    name: str
+    source: str  # a bench/results file `edgectl profile` wrote (profile.json, kept)
+
+    def paths(self) -> list[Path]:
+        return [PLOT_DIR / f"{self.name}_{kind}.png" for kind in ("bandwidth", "activity")]
+
+
+PROFILE_MAPS = (HeatMaps("profile_cuda", "profile_cuda.json"),)
+
+
+def _shown(path: Path) -> str:
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+def maps_fingerprint(maps: HeatMaps, doc: dict[str, Any]) -> str:
+    digest = hashlib.sha256(inspect.getsource(heatmap).encode())
+    digest.update(maps.source.encode())
+    digest.update(json.dumps(doc, sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def _document(maps: HeatMaps, results_dir: Path) -> dict[str, Any] | None:
+    path = results_dir / maps.source
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+
+
+def stale_maps(maps: tuple[HeatMaps, ...] = PROFILE_MAPS, results_dir: Path = RESULTS) -> list[str]:
+    """Heat maps missing or drawn from another document than today's, and heat maps on the
+    pages whose document is not in bench/results."""
+    out = []
+    for m in maps:
+        doc = _document(m, results_dir)
+        for path in m.paths():
+            if doc is None:
+                if path.exists():
+                    out.append(_shown(path))
+            elif stored_fingerprint(path) != maps_fingerprint(m, doc):
+                out.append(_shown(path))
+    return out
+
+
+def write_maps(maps: tuple[HeatMaps, ...] = PROFILE_MAPS, results_dir: Path = RESULTS) -> list[str]:
+    """Draw the heat maps whose document exists and changed, remove those whose document
+    does not; returns what was done, a line each ("drew PATH", "removed PATH (...)")."""
+    done = []
+    for m in maps:
+        doc = _document(m, results_dir)
+        paths = m.paths()
+        if doc is None:
+            for path in paths:
+                if path.exists():
+                    path.unlink()
+                    done.append(f"removed {_shown(path)} (no bench/results/{m.source})")
+            continue
+        mark = maps_fingerprint(m, doc)
+        if all(stored_fingerprint(p) == mark for p in paths):
+            continue
+        try:
+            drawn = heatmap.draw(doc, paths[0].parent, prefix=f"{m.name}_", text={FINGERPRINT_KEY: mark})
+        except heatmap.Unavailable as err:
+            raise SystemExit("drawing the heat maps needs matplotlib: scripts/setup.sh --dev") from err
+        done += [f"drew {_shown(p)}" for p in drawn]
+    return done

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from bench import pages, plots
@@ -1192,7 +1194,8 @@ def attention_kernels(d: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---:|---|---|",
     ]
     theirs = {(r["kv_dtype"], r["context"]): r for r in d["rows"] if r["kernels"] == "triton"}
-    for r in (r for r in d["rows"] if r["kernels"] == "cuda"):
+    tried = [r for r in d["rows"] if r["kernels"] == "cuda" and "spread" in r]
+    for r in (r for r in d["rows"] if r["kernels"] == "cuda" and "spread" not in r):
         t = theirs.get((r["kv_dtype"], r["context"]))
         triton = f"{t['us_per_layer']:.2f}" if t else "-"
         ratio = f"{t['us_per_layer'] / r['us_per_layer']:.2f}x" if t else "-"
@@ -1200,6 +1203,19 @@ def attention_kernels(d: dict[str, Any]) -> str:
             f"| {r['kv_dtype']} | {r['context']} | {r['us_per_layer']:.2f} | {triton} | {ratio} "
             f"| {r['splits']} x {r['chunk']} | {r.get('kernel', 'not recorded')} |"
         )
+    if tried:
+        lines += [
+            "",
+            "Our float16 attention split for other numbers of blocks an SM (`--spreads`; the served rule's marked):",
+            "",
+            "| context | blocks an SM | splits x chunk | microseconds a layer |",
+            "|---:|---:|---|---:|",
+        ]
+        for r in tried:
+            mark = " (served)" if r.get("served") else ""
+            lines.append(
+                f"| {r['context']} | {r['spread']}{mark} | {r['splits']} x {r['chunk']} | {r['us_per_layer']:.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -1268,13 +1284,78 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
 }
 
 
-def render(readme: str) -> str:
+def profile_cuda(d: dict[str, Any] | None, images: list[str]) -> str:
+    """The profile of the 8B-shape Q&A engine under load on a GPU: its heat maps (drawn from
+    the document by bench/plots.py, `images` their paths from the page), what ran, and the
+    rows that moved the most bytes. Without the document, says it is not measured."""
+    from bench import profile_8b
+
+    if d is None:
+        return (
+            "*Not measured yet*: `bash bench/on_device.sh profile8b` on a GPU machine writes the profile "
+            "(`bench/profile_8b.py`); `python -m bench.profile_8b adopt PROFILE_JSON` keeps it as "
+            "`bench/results/profile_cuda.json`, and `python -m bench.render` draws its heat maps here."
+        )
+    try:
+        profile_8b.check_measured(d)
+    except profile_8b.NotAdoptable as err:
+        return f"**`bench/results/profile_cuda.json` is not the measured run**: {err}."
+    w, device, window = d["workload"], d["device"], d["window"]
+    bandwidth = device["copy_bandwidth_bytes_per_s"]
+    lines = [
+        f"`edgectl profile --workload qa --jobs {w['jobs']}` on the {device['name']}: the GPU profile "
+        f"(`profiles/gpu-dev.yaml`) with its Q&A model alone, a random-weight Llama-3-8B-shape GGUF whose matrices are "
+        f"all Q4_0, built by `edgectl build` (its Q4_0 weights kept as stored; `bench/profile_8b.py`). "
+        f"{len(d['jobs'])} jobs through the continuous batcher, at most {profile_8b.concurrency(d['jobs'])} at once, "
+        f"in a window of {window['seconds']:.1f} s, {window['columns']} columns; a cell is the share of the "
+        f"{bandwidth / 1e9:.0f} GB/s copy bandwidth (measured first) a row's bytes took in that column "
+        "(`bench/results/profile_cuda.json`). Random weights: speed and bandwidth, never quality.",
+        "",
+        f"![Share of the copy bandwidth each row took over time, 8B-shape Q&A under load]({images[0]})",
+        "",
+        f"Each row's share of each column busy, with the GPU's load, memory controller and the CPUs "
+        f"sampled under it: [activity]({images[1]}).",
+    ]
+    known = sorted((r for r in d["rows"] if r["bytes"]), key=lambda r: -r["bytes"])[:6]
+    if known:
+        lines += [
+            "",
+            "| row | calls | seconds | GB moved | GB/s over its time | share of the copy bandwidth |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in known:
+            name = f"`{_kernel_name(r['name'])}`" if r["kind"] == "kernel" else r["name"]
+            rate = "-" if r["bytes_per_s"] is None else f"{r['bytes_per_s'] / 1e9:.0f}"
+            share = "-" if r["bandwidth_share"] is None else f"{r['bandwidth_share']:.0%}"
+            moved = f"{r['bytes'] / 1e9:.2f}"
+            lines.append(f"| {r['kind']}: {name} | {r['calls']} | {r['seconds']:.3f} | {moved} | {rate} | {share} |")
+    if d["available"]["notes"]:
+        lines += ["", "Not available on that machine: " + "; ".join(d["available"]["notes"]) + "."]
+    return "\n".join(lines)
+
+
+# Blocks with heat maps: drawn from a profile document (bench/plots.py), their images linked
+# from the page; rendered also where the document is missing, to say it is.
+MAPS: dict[str, tuple[plots.HeatMaps, Callable[[dict[str, Any] | None, list[str]], str]]] = {
+    "profile_cuda": (plots.PROFILE_MAPS[0], profile_cuda),
+}
+
+
+def render(readme: str, page: Path = REPO / "docs" / "benchmarks.md") -> str:
+    """`readme` (the text of `page`, whose folder the image links start from) with every
+    block rendered from the results."""
     for name, (source, fn) in TABLES.items():
         data = _load(source)
         if data is None:
             continue
         pattern = re.compile(rf"(<!-- bench:{name} -->).*?(<!-- /bench:{name} -->)", re.S)
         readme = pattern.sub(lambda m, d=data, f=fn: f"{m.group(1)}\n{f(d)}\n{m.group(2)}", readme)  # type: ignore[misc]
+    for name, (maps, draw) in MAPS.items():
+        doc = _load(maps.source)
+        images = [Path(os.path.relpath(path, page.parent)).as_posix() for path in maps.paths()]
+        block = draw(doc, images)
+        pattern = re.compile(rf"(<!-- bench:{name} -->).*?(<!-- /bench:{name} -->)", re.S)
+        readme = pattern.sub(lambda m, b=block: f"{m.group(1)}\n{b}\n{m.group(2)}", readme)  # type: ignore[misc]
     return readme
 
 
@@ -1284,7 +1365,7 @@ def main() -> int:
     args = parser.parse_args()
     unknown = [
         f"{page.relative_to(REPO)}: {name}" for page in pages.pages() for name in pages.blocks(page.read_text())
-        if name not in TABLES
+        if name not in TABLES and name not in MAPS
     ]  # fmt: skip
     if unknown:
         print("rendered blocks no table writes:", ", ".join(unknown))
@@ -1292,24 +1373,30 @@ def main() -> int:
     stale_pages = []
     for page in pages.pages():
         current = page.read_text()
-        wanted = render(current)
+        wanted = render(current, page)
         if wanted == current:
             continue
         stale_pages.append(str(page.relative_to(REPO)))
         if not args.check:
             page.write_text(wanted)
     if args.check:
-        stale = plots.stale()
+        stale = plots.stale() + plots.stale_maps()
         if stale_pages:
             print(
                 "benchmark tables differ from bench/results in", ", ".join(stale_pages), "; run python -m bench.render"
             )
         if stale:
-            print("plots drawn from other results:", ", ".join(stale), "; run python -m bench.render")
+            print(
+                "plots drawn from other results (or left without theirs):",
+                ", ".join(stale),
+                "; run python -m bench.render",
+            )
         return 1 if stale_pages or stale else 0
     print("tables written from bench/results:", ", ".join(stale_pages) or "every page was up to date")
     for written in plots.write():
         print("drew", written)
+    for done in plots.write_maps():
+        print(done)
     return 0
 
 

@@ -743,12 +743,13 @@ def llamacpp_peer(args: argparse.Namespace, config: LlamaConfig, builder: PeerBu
     """llama.cpp's llama-bench on the same GPU in the same run (bench/llamacpp_peer.py):
     built from the pinned source here, on a random Q4_0 GGUF of the same shape."""
     from bench import llamacpp_peer as peer
+    from bench.random_gguf import write_q4_0_gguf
 
     work = args.llamacpp_work
     binary, build_s = builder.binary()
     model = work / "llama3-8b-q4_0-random.gguf"
     if not model.exists():
-        peer.write_gguf(model, config)
+        write_q4_0_gguf(model, config)
     out = peer.run_bench(binary, model, args.prompt, args.new_tokens, (0, LONG_CONTEXT))
     out.update({"source": peer.LLAMACPP_VERSION, "build_seconds": build_s, "format": "Q4_0, random weights"})
     out["built_beside_our_rows"] = True
@@ -763,7 +764,7 @@ def peer_row(
     the prompt's prefill as its time to first token, its buffers (GPU and host, where its
     Q4_0 token table stays) as its peak, and its roofline over what it streams per token
     (every Q4_0 matrix but the host-side table, and its float16 KV cache)."""
-    from bench.llamacpp_peer import q4_0_bytes
+    from bench.random_gguf import q4_0_bytes
 
     decode, prefill = peer["decode_tok_s"], peer["prefill_tok_s"]
     weights = q4_0_bytes(config, embedding=False)

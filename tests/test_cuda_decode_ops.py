@@ -18,7 +18,7 @@ import torch
 from edge.text.architecture import LlamaConfig
 from edge.text.kv.float_cache import KVCache
 from edge.text.ops import step_ops
-from edge.text.ops.cuda import cuda_build
+from edge.text.ops.cuda import cuda_build, kv_ops
 from edge.text.ops.cuda import decode_ops as cuda_ops
 from edge.text.runtime import fused_step
 from engines.text.random_llama import random_int4_llama
@@ -69,14 +69,19 @@ def test_triton_is_chosen_where_present_and_our_cuda_kernels_where_not(
 def test_the_cache_splits_into_whole_tiles_each_with_positions_to_read(sms: int, n_kv: int) -> None:
     """Our attention's chunks are whole tiles and none lies wholly past the cache (a block
     with nothing to read still costs its whole latency), as many as give each SM about
-    eight blocks until a chunk is one tile, at most MAX_SPLITS however long the cache."""
-    for kv_len in [1, 63, 64, 65, 256, 768, 4096, 4352, 16384, 20000, 131072]:
-        splits, chunk = cuda_ops.attention_splits(kv_len, n_kv, sms)
-        assert chunk % cuda_ops.ATTN_TILE == 0 and 1 <= splits <= cuda_ops.MAX_SPLITS
-        assert (splits - 1) * chunk < kv_len <= splits * chunk, (kv_len, splits, chunk)
-        wanted = min(cuda_ops.MAX_SPLITS, 2 * sms * cuda_ops.ATTN_SPREAD // n_kv)
-        if chunk > cuda_ops.ATTN_TILE:  # longer chunks only where a tile less would take more splits than wanted
-            assert -(-kv_len // (chunk - cuda_ops.ATTN_TILE)) > wanted, (kv_len, splits, chunk)
+    ATTN_SPREAD blocks until a chunk is one tile, at most MAX_SPLITS however long the cache;
+    the quantized cache's spread likewise."""
+    for spread in (cuda_ops.ATTN_SPREAD, kv_ops.KV_SPREAD):
+        for kv_len in [1, 63, 64, 65, 256, 768, 4096, 4352, 16384, 20000, 131072]:
+            splits, chunk = cuda_ops.attention_splits(kv_len, n_kv, sms, spread)
+            assert chunk % cuda_ops.ATTN_TILE == 0 and 1 <= splits <= cuda_ops.MAX_SPLITS
+            assert (splits - 1) * chunk < kv_len <= splits * chunk, (kv_len, splits, chunk)
+            wanted = max(1, min(cuda_ops.MAX_SPLITS, sms * spread // n_kv))
+            assert splits <= wanted, (kv_len, splits, chunk)
+            if chunk > cuda_ops.ATTN_TILE:  # longer chunks only where a tile less would take more splits than wanted
+                assert -(-kv_len // (chunk - cuda_ops.ATTN_TILE)) > wanted, (kv_len, splits, chunk)
+    # The float cache's 8B shape at 4K on an H100: 16 chunks of four tiles, what was measured.
+    assert cuda_ops.attention_splits(4096, 8, 132) == (16, 256)
 
 
 @pytest.mark.parametrize(("arch", "virtual"), [("87", None), ("90", "compute_80")])

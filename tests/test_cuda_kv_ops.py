@@ -101,10 +101,10 @@ def test_the_tensor_core_attention_serves_the_shipped_formats_and_says_what_it_l
 def test_the_quantized_cache_splits_on_key_blocks_and_covers_every_position(sms: int) -> None:
     """A split of a quantized cache starts on a whole tile (so on a key block: its scales
     apply to the whole tile) and the splits cover the cache, as many as the float cache's
-    rule takes."""
+    rule takes at the quantized cache's spread."""
     for kv_len in [1, 63, 64, 65, 256, 768, 4096, 4352, 20000]:
         splits, chunk = kv_ops.attention_splits(kv_len, 8, sms)
-        float_splits, float_chunk = cuda_ops.attention_splits(kv_len, 8, sms)
+        float_splits, float_chunk = cuda_ops.attention_splits(kv_len, 8, sms, kv_ops.KV_SPREAD)
         assert chunk % kv_ops.TILE == 0 and chunk >= float_chunk and splits == float_splits
         assert splits * chunk >= kv_len, (kv_len, splits, chunk)
 

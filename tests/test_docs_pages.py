@@ -118,6 +118,8 @@ def test_every_table_and_plot_is_on_the_benchmarks_page() -> None:
     for plot in plots.PLOTS:
         assert f"](plots/{plot.name}.png)" in text, plot.name
         assert plot.path.exists(), plot.path
+    # Heat maps of a profile document: their blocks link them where the document exists.
+    assert set(bench_render.MAPS) <= rendered, set(bench_render.MAPS) - rendered
 
 
 def test_links_between_pages_lead_to_files_that_exist() -> None:
@@ -129,3 +131,26 @@ def test_links_between_pages_lead_to_files_that_exist() -> None:
             if not (page.parent / target).exists():
                 broken.append(f"{page.relative_to(REPO)} -> {target}")
     assert not broken, broken
+
+
+def test_the_attention_table_keeps_the_split_rules_tried_apart() -> None:
+    """Rows timed at another spread (bench.attention_kernels --spreads) are listed under
+    their own table with the served one marked, never as the kernel's row against Triton."""
+    row = {"kernels": "cuda", "kv_dtype": "float16", "context": 4096, "kernel": "mma"}
+    doc = {
+        "device": "GPU",
+        "cuda_arch": "compute_80",
+        "shape": {"heads": 32, "kv_heads": 8, "head_dim": 128, "layers": 32},
+        "rows": [
+            {**row, "us_per_layer": 12.0, "splits": 16, "chunk": 256},
+            {**row, "us_per_layer": 12.5, "splits": 16, "chunk": 256, "spread": 1, "served": True},
+            {**row, "us_per_layer": 14.5, "splits": 64, "chunk": 64, "spread": 4, "served": False},
+            {"kernels": "triton", "kv_dtype": "float16", "context": 4096, "us_per_layer": 12.6},
+        ],
+    }
+    text = bench_render.attention_kernels(doc)
+    main, _, tried = text.partition("blocks an SM (`--spreads`")
+    assert "| float16 | 4096 | 12.00 | 12.60 | 1.05x | 16 x 256 | mma |" in main
+    assert "14.50" not in main and "12.50" not in main
+    assert "| 4096 | 1 (served) | 16 x 256 | 12.50 |" in tried
+    assert "| 4096 | 4 | 64 x 64 | 14.50 |" in tried

@@ -59,8 +59,10 @@ def _draw(
     scale: str,
     path: Path,
     split: int | None = None,
+    text: dict[str, str] | None = None,
 ) -> Path:
-    """One heat map; `split`: the row above which a line parts recorded rows from sampled ones."""
+    """One heat map; `split`: the row above which a line parts recorded rows from sampled
+    ones; `text`: PNG text chunks to add."""
     import numpy as np
 
     seconds = float(doc["window"]["seconds"])
@@ -78,15 +80,17 @@ def _draw(
         ax.set_title(title, fontsize=10)
         fig.colorbar(image, ax=ax, label=scale, fraction=0.03, pad=0.01)
         fig.tight_layout()
-        fig.savefig(path, format="png", metadata={"Software": None})
+        # No software name or date: the same document draws the same bytes here.
+        fig.savefig(path, format="png", metadata={"Software": None, **(text or {})})
     finally:
         plt.close(fig)
     return path
 
 
-def draw(doc: dict[str, Any], out: Path) -> list[Path]:
-    """bandwidth.png and activity.png of a profile document into `out`; Unavailable
-    without matplotlib."""
+def draw(doc: dict[str, Any], out: Path, prefix: str = "", text: dict[str, str] | None = None) -> list[Path]:
+    """bandwidth.png and activity.png of a profile document into `out` (each name after
+    `prefix`); Unavailable without matplotlib. `text`: PNG text chunks each file carries
+    (the documentation's copies carry what they were drawn from: bench/plots.py)."""
     plt = _pyplot()
     out.mkdir(parents=True, exist_ok=True)
     columns = int(doc["window"]["columns"])
@@ -104,7 +108,7 @@ def draw(doc: dict[str, Any], out: Path) -> list[Path]:
     title = f"Share of the copy bandwidth ({copy}), {where}"
     if unknown:
         title += f"; {unknown} rows of unknown bytes left out"
-    paths = [_draw(plt, labels, cells, doc, title, "bandwidth share", out / "bandwidth.png")]
+    paths = [_draw(plt, labels, cells, doc, title, "bandwidth share", out / f"{prefix}bandwidth.png", text=text)]
     labels = [_label(r) for r in rows]
     cells = [[math.nan if b is None else min(1.0, float(b)) for b in r["busy"]] for r in rows]
     samples = doc["samples"]
@@ -117,5 +121,7 @@ def draw(doc: dict[str, Any], out: Path) -> list[Path]:
     labels.append("sampled: CPU load (/proc/stat)")
     cells.append(_nan(samples["cpu_load_by_column"], columns))
     title = f"Activity: share of each column busy, {where}"
-    paths.append(_draw(plt, labels, cells, doc, title, "busy share", out / "activity.png", split=len(rows)))
+    paths.append(
+        _draw(plt, labels, cells, doc, title, "busy share", out / f"{prefix}activity.png", split=len(rows), text=text)
+    )
     return paths

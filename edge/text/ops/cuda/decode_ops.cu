@@ -349,26 +349,26 @@ __global__ void __launch_bounds__(ATTN_THREADS)
 
   // A tile's keys (r, r + 8) and values (2c, 2c + 1, 2c + 8, 2c + 9) of this warp's 16
   // positions; the first tile's loaded before the position and the queries arrive.
-  uint4 kw[2][KW], vw[4][VW];
-  const auto load_tile = [&](long long t0) {
+  uint4 kw[2][KW], vw[4][VW], kn[2][KW], vn[4][VW];
+  const auto load_tile = [&](long long t0, uint4 (&ko)[2][KW], uint4 (&vo)[4][VW]) {
     const long long p0 = t0 + warp * MMA_WPOS;
 #pragma unroll
     for (int u = 0; u < 2; u++) {
       const long long t = p0 + r + 8 * u;
       const uint4* src = reinterpret_cast<const uint4*>(kc + base + (size_t)t * HD) + c;
 #pragma unroll
-      for (int j = 0; j < KW; j++) kw[u][j] = t < lim ? src[4 * j] : make_uint4(0, 0, 0, 0);
+      for (int j = 0; j < KW; j++) ko[u][j] = t < lim ? src[4 * j] : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < 4; u++) {
       const long long t = p0 + 2 * c + (u & 1) + 8 * (u >> 1);
       const uint4* src = reinterpret_cast<const uint4*>(vc + base + (size_t)t * HD + CPR * r);
 #pragma unroll
-      for (int j = 0; j < VW; j++) vw[u][j] = t < lim ? src[j] : make_uint4(0, 0, 0, 0);
+      for (int j = 0; j < VW; j++) vo[u][j] = t < lim ? src[j] : make_uint4(0, 0, 0, 0);
     }
   };
   // (Not in a sliding layer, whose first tile the position moves: loaded once it is known.)
-  if (window == 0 && split_at < lim) load_tile(split_at);
+  if (window == 0 && split_at < lim) load_tile(split_at, kw, vw);
 
   // The queries as the scores' B fragments: row r, channels 32j + 8c .. +7 (zeros past the group).
   uint4 qw[KW];
@@ -386,12 +386,13 @@ __global__ void __launch_bounds__(ATTN_THREADS)
   // and a warp's keys all before it masked (mma_tile_values takes such a warp).
   const long long lo = window > 0 ? max(pos + 1 - window, 0LL) : 0LL;
   const long long start = max(split_at, lo / ATTN_TILE * ATTN_TILE);
-  if (window > 0 && start < lim) load_tile(start);
+  if (window > 0 && start < lim) load_tile(start, kw, vw);
 
   for (long long t0 = start; t0 < end; t0 += ATTN_TILE) {
-    if (t0 > start) load_tile(t0);
+    const bool more = t0 + ATTN_TILE < end;
+    if (more) load_tile(t0 + ATTN_TILE, kn, vn);  // the next tile's loads in flight meanwhile
     const long long p0 = t0 + warp * MMA_WPOS;
-    if (p0 >= end) continue;  // the warp's positions all past the sequence's (warp-uniform)
+    if (p0 < end) {  // else the warp's positions all past the sequence's (warp-uniform)
 #pragma unroll
     for (int u = 0; u < 4; u++) {
       if (p0 + 2 * c + (u & 1) + 8 * (u >> 1) >= end) {
@@ -403,6 +404,17 @@ __global__ void __launch_bounds__(ATTN_THREADS)
     mma_scores<C, KW>(s, kw, qw);
     mma_tile_values<C, HD>(s, p0 + r < end && p0 + r >= lo, p0 + r + 8 < end && p0 + r + 8 >= lo, vw, ps[warp], st,
                            r, c);
+    }
+    if (more) {
+#pragma unroll
+      for (int u = 0; u < 2; u++)
+#pragma unroll
+        for (int j = 0; j < KW; j++) kw[u][j] = kn[u][j];
+#pragma unroll
+      for (int u = 0; u < 4; u++)
+#pragma unroll
+        for (int j = 0; j < VW; j++) vw[u][j] = vn[u][j];
+    }
   }
   mma_finish<C, GP, HD, ATTN_THREADS>(st, group, bh, sp, splits, acc, ml, done,
                                       out + ((size_t)b * NH + kh * group) * HD);

@@ -22,11 +22,14 @@ DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 ATTN_DTYPES = (torch.bfloat16, torch.float16)  # the attention's 16-byte key loads
 HEAD_DIMS = (64, 128, 256)
 GROUP_PADS = (4, 8, 16)  # query rows per KV head the attention is built for
-# Splits of the cache (attention_splits): about 2 * ATTN_SPREAD blocks an SM, four times
-# the Triton rule's two, up to MAX_SPLITS (decode_ops.cu's); chunks of whole ATTN_TILEs
-# (decode_ops.cu's and kv_ops.cu's pass of a block). A block of ours keeps fewer loads in
-# flight than Triton's pipelined one, so more of them keep the memory busy.
-ATTN_SPREAD = 4
+# Splits of the float cache (attention_splits): about ATTN_SPREAD blocks an SM over a
+# sequence's KV heads, up to MAX_SPLITS (decode_ops.cu's); chunks of whole ATTN_TILEs
+# (decode_ops.cu's and kv_ops.cu's pass of a block). The tensor-core kernel loads a tile
+# while it computes the one before, so a block walking several tiles keeps the memory busy,
+# and fewer splits leave the last block less to merge (a round of loads per batch of
+# chunks): `python -m bench.attention_kernels --spreads 1 2 4 8` times the choice. The
+# quantized cache's kernel has its own spread (kv_ops.KV_SPREAD).
+ATTN_SPREAD = 1
 MAX_SPLITS = 128
 ATTN_TILE = 64
 MAX_NORM_HIDDEN = 1024 * 8  # decode_ops.cu's NORM_THREADS x NORM_VALUES: a row's values held in registers
@@ -187,15 +190,15 @@ def rope_prefill(
     return q, k, v
 
 
-def attention_splits(kv_len: int, n_kv: int, sms: int) -> tuple[int, int]:
+def attention_splits(kv_len: int, n_kv: int, sms: int, spread: int = ATTN_SPREAD) -> tuple[int, int]:
     """(splits, chunk) of a sequence's cache for our attention kernels: chunks of whole
-    tiles, as many as give each SM about 2 * ATTN_SPREAD blocks, at most MAX_SPLITS, and
+    tiles, as many as give each SM about `spread` blocks, at most MAX_SPLITS, and
     none wholly past the cache. Not the Triton rule (attention_splits.attn_splits): its
     power-of-two splits of half-tiles, rounded up to our tile, left blocks with nothing to
     read (16 splits at 768 positions, four empty) or a tile and a half to walk (64 splits
     of 96 positions at 4K), where a block's latency is its whole cost. Our merge takes any
     number of splits. Per sequence, whatever the batch (batch invariance)."""
-    want = max(1, min(MAX_SPLITS, (2 * sms * ATTN_SPREAD) // max(1, n_kv)))
+    want = max(1, min(MAX_SPLITS, (sms * spread) // max(1, n_kv)))
     chunk = max(ATTN_TILE, -(-kv_len // want))
     chunk = -(-chunk // ATTN_TILE) * ATTN_TILE
     return -(-kv_len // chunk), chunk
@@ -209,9 +212,11 @@ def decode_attention(
     kv_len: int,
     sms: int,
     window: int = 0,
+    spread: int = ATTN_SPREAD,
 ) -> torch.Tensor:
     """q [B, NH, HD] (pre-scaled) against cache positions 0..pos[b] (with `window` > 0, a
-    sliding layer's, only the last `window` of them) -> [B, NH * HD]."""
+    sliding layer's, only the last `window` of them) -> [B, NH * HD], the cache split for
+    `spread` blocks an SM (attention_splits; another only to time the rule)."""
     bsz, n_heads, hd = q.shape
     n_kv, max_len = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv
@@ -226,7 +231,7 @@ def decode_attention(
         raise ValueError(f"a window of {window} positions")
     _contiguous(q, k_cache, v_cache, pos)
     pad = next(p for p in GROUP_PADS if p >= group)
-    splits, chunk = attention_splits(kv_len, n_kv, sms)
+    splits, chunk = attention_splits(kv_len, n_kv, sms, spread)
     rows = bsz * n_kv * splits * pad
     acc = torch.empty(rows, hd, device=q.device, dtype=torch.float32)
     ml = torch.empty(rows, 2, device=q.device, dtype=torch.float32)

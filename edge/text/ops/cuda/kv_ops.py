@@ -30,6 +30,10 @@ CACHE_DTYPES = (torch.bfloat16, torch.float16)
 # refused by name at load (refusal), float16 KV serving it here; Triton's kernels take it.
 HEAD_DIMS = (64, 128)
 TILE = 64  # positions a pass of the attention (kv_ops.cu's KV_TILE): key blocks are whole tiles
+# Blocks an SM the quantized cache's attention is split for: more than the float cache's
+# (decode_ops.ATTN_SPREAD), as its kernel walks a chunk's tiles one after the other,
+# each tile's loads waited for: with the float cache's spread its decode at 4K was slower.
+KV_SPREAD = 8
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -188,9 +192,9 @@ def _attend(
 
 def attention_splits(kv_len: int, n_kv: int, sms: int) -> tuple[int, int]:
     """(splits, chunk) of a sequence's quantized cache for attention: the float cache's
-    (decode_ops.attention_splits), the chunk rounded up to whole tiles (splits start on a
-    key block)."""
-    splits, chunk = decode_ops.attention_splits(kv_len, n_kv, sms)
+    rule (decode_ops.attention_splits) at KV_SPREAD blocks an SM, the chunk rounded up to
+    whole tiles (splits start on a key block)."""
+    splits, chunk = decode_ops.attention_splits(kv_len, n_kv, sms, KV_SPREAD)
     return splits, -(-chunk // TILE) * TILE
 
 
