@@ -92,7 +92,9 @@ def float_rows(context: int, device: torch.device, sms: int, spreads: tuple[int,
     return rows
 
 
-def quant_rows(context: int, kv_dtype: KVDtype, device: torch.device, sms: int) -> list[dict[str, Any]]:
+def quant_rows(
+    context: int, kv_dtype: KVDtype, device: torch.device, sms: int, spreads: tuple[int, ...] = ()
+) -> list[dict[str, Any]]:
     """A quantized cache (the served format of `kv_dtype`), filled by its prefill store:
     our attention and Triton's over the same layers."""
     cfg, fmt = SHAPE, FORMATS[kv_dtype]
@@ -111,6 +113,14 @@ def quant_rows(context: int, kv_dtype: KVDtype, device: torch.device, sms: int) 
     ours: Call = lambda i: kv_ops.attention(cache.layer(i), q, pos, context, scale)  # noqa: E731
     kernel = kv_ops.attention_kernel(fmt, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
     rows.append(_row("cuda", kv_dtype, context, _time_step(ours, cfg.num_layers), splits, chunk, kernel))
+    for spread in spreads:
+        splits, chunk = kv_ops.attention_splits(context, cfg.num_kv_heads, sms, spread)
+
+        def tried(i: int, s: int = spread) -> torch.Tensor:
+            return kv_ops.attention(cache.layer(i), q, pos, context, scale, spread=s)
+
+        row = _row("cuda", kv_dtype, context, _time_step(tried, cfg.num_layers), splits, chunk, kernel)
+        rows.append({**row, "spread": spread, "served": spread == kv_ops.KV_SPREAD})
     try:
         from edge.text.ops.triton import triton_kv
     except ImportError:
@@ -147,7 +157,7 @@ def measure(contexts: list[int], formats: list[KVDtype], spreads: tuple[int, ...
         if "float16" in formats:
             rows += float_rows(context, device, props.multi_processor_count, spreads)
         for kv_dtype in (f for f in formats if f != "float16"):
-            rows += quant_rows(context, kv_dtype, device, props.multi_processor_count)
+            rows += quant_rows(context, kv_dtype, device, props.multi_processor_count, spreads)
     triton = {(r["kv_dtype"], r["context"]): r for r in rows if r["kernels"] == "triton"}
     ratios = {
         f"{r['kv_dtype']}_{r['context']}": triton[r["kv_dtype"], r["context"]]["us_per_layer"] / r["us_per_layer"]
@@ -178,7 +188,8 @@ def main() -> None:
         type=int,
         nargs="*",
         default=[],
-        help="also time our float16 attention split for each of these blocks an SM (decode_ops.ATTN_SPREAD's choice)",
+        help="also time our attention split for each of these blocks an SM (decode_ops.ATTN_SPREAD's and "
+        "kv_ops.KV_SPREAD's choices)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "attention_kernels.json")
     args = parser.parse_args()

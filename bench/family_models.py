@@ -75,7 +75,9 @@ WINDOW = 24  # the Gemma model's sliding window: far shorter than the positions 
 LONGROPE_ORIGINAL = 256  # the Phi model's original context: half its 512 positions, past the 200 compared
 
 
-def _tokenizer(directory: Path, template: str, eos: str) -> Any:
+def bpe_tokenizer(corpus: list[str], specials: list[str], bos: str, eos: str) -> Any:
+    """A real byte-level BPE tokenizer of 360 tokens trained on `corpus` (the test
+    models' vocabulary: small, so their token tables are too), as transformers' fast one."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -83,11 +85,15 @@ def _tokenizer(directory: Path, template: str, eos: str) -> Any:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=360, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=360, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    tok.train_from_iterator(CORPUS, trainer)
+    tok.train_from_iterator(corpus, trainer)
     fast_tokenizer: Any = PreTrainedTokenizerFast  # untyped in transformers
-    fast = fast_tokenizer(tokenizer_object=tok, bos_token="<bos>", eos_token=eos)
+    return fast_tokenizer(tokenizer_object=tok, bos_token=bos, eos_token=eos)
+
+
+def _tokenizer(directory: Path, template: str, eos: str) -> Any:
+    fast = bpe_tokenizer(CORPUS, SPECIALS, "<bos>", eos)
     fast.chat_template = template
     fast.save_pretrained(directory)
     return fast

@@ -1206,15 +1206,16 @@ def attention_kernels(d: dict[str, Any]) -> str:
     if tried:
         lines += [
             "",
-            "Our float16 attention split for other numbers of blocks an SM (`--spreads`; the served rule's marked):",
+            "Our attention split for other numbers of blocks an SM (`--spreads`; the served rule's marked):",
             "",
-            "| context | blocks an SM | splits x chunk | microseconds a layer |",
-            "|---:|---:|---|---:|",
+            "| cache | context | blocks an SM | splits x chunk | microseconds a layer |",
+            "|---|---:|---:|---|---:|",
         ]
         for r in tried:
             mark = " (served)" if r.get("served") else ""
             lines.append(
-                f"| {r['context']} | {r['spread']}{mark} | {r['splits']} x {r['chunk']} | {r['us_per_layer']:.2f} |"
+                f"| {r['kv_dtype']} | {r['context']} | {r['spread']}{mark} | {r['splits']} x {r['chunk']} "
+                f"| {r['us_per_layer']:.2f} |"
             )
     return "\n".join(lines)
 

@@ -242,6 +242,12 @@ def _job_from_args(args: argparse.Namespace) -> dict[str, Any]:
         if not args.question:
             raise SystemExit("edgectl submit qa: --question is required")
         job["question"] = args.question
+        if args.image and args.media_path:
+            raise SystemExit("edgectl submit qa: give at most one of --image FILE or --media-path NAME")
+        if args.image:
+            job["image"] = {"data": base64.b64encode(Path(args.image).read_bytes()).decode()}
+        elif args.media_path:
+            job["image"] = {"path": args.media_path}
         if args.context_file:
             job["context"] = Path(args.context_file).read_text(encoding="utf-8")
         elif args.context:
@@ -392,8 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     submit.add_argument("--priority", type=int)
     submit.add_argument("--deadline-ms", type=int)
-    submit.add_argument("--image", help="ocr, inspect: image file to send inline")
-    submit.add_argument("--media-path", help="ocr, inspect: image path inside the device's media directory")
+    submit.add_argument("--image", help="ocr, inspect, qa: image file to send inline (qa: an image question)")
+    submit.add_argument("--media-path", help="ocr, inspect, qa: image path inside the device's media directory")
     submit.add_argument("--heatmap", action="store_true", help="inspect: return the per-patch defect map")
     submit.add_argument("--job", help="cancel: id of the queued job to withdraw")
     submit.add_argument("--read-labels", action="store_true", help="inspect: also OCR the labels on the part")

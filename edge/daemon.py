@@ -257,6 +257,7 @@ class Daemon:
                 paths.state_dir,
                 paths.engine_dir,
                 self.profile.device_id,
+                self.media,
             )
         except BuildStopped:
             return True

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 
 from edge.text.model.llama import LlamaModel
+from edge.text.model.splice import Splice
 
 
 @contextmanager
@@ -16,9 +17,11 @@ def prefills_run(model: LlamaModel) -> Iterator[list[tuple[int, int]]]:
     runs: list[tuple[int, int]] = []
     forward = model.forward
 
-    def recording(ids: torch.Tensor, cache: object, start: int, last_only: bool = True) -> torch.Tensor:
+    def recording(
+        ids: torch.Tensor, cache: object, start: int, last_only: bool = True, splices: Sequence[Splice] = ()
+    ) -> torch.Tensor:
         runs.append((start, ids.shape[1]))
-        return forward(ids, cache, start, last_only)  # type: ignore[arg-type]
+        return forward(ids, cache, start, last_only, splices)  # type: ignore[arg-type]
 
     model.forward = recording  # type: ignore[method-assign]
     try:

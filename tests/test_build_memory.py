@@ -32,6 +32,12 @@ from tests.conftest import REPO
 
 # Layer 1's MLP and the output projection kept in float: the build's float paths too.
 RULES = [{"match": "layers.1.mlp.*", "format": "float"}, {"match": "lm_head", "format": "float"}]
+# Layer 0 pruned to 2:4 (engines/text/prune.py), by two methods, besides those rules.
+SPARSE_RULES = [
+    {"match": "layers.0.mlp.*", "format": "int4", "group_size": None, "sparsity": "2:4", "pruning": "sparsegpt"},
+    {"match": "layers.0.self_attn.*", "format": "int4", "group_size": None, "sparsity": "2:4", "pruning": "wanda"},
+    *RULES,
+]
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +77,7 @@ def _same_checkpoint(got: Path, want: Path) -> None:
         ("hf", "qwen2", True, "awq-int4", None),  # tied head, q/k/v biases, the merge a layer at a time
         ("gguf", "llama", False, "awq-int4", None),  # llama.cpp's q/k order, Llama 3's rope_freqs
         ("gguf", "qwen2", True, "awq-int4-sym", RULES),
+        ("hf", "llama", False, "awq-int4", SPARSE_RULES),  # the pruning a layer at a time too
     ],
 )
 def test_the_layer_at_a_time_build_is_the_whole_model_build_bit_for_bit(
@@ -118,6 +125,8 @@ def test_the_layer_at_a_time_build_is_the_whole_model_build_bit_for_bit(
     assert any(entry["bits"] == 4 and entry["clipped"] for entry in manifest["layers"].values())
     if layers:
         assert manifest["layers"]["layers.1.mlp.down_proj"] == {"bits": 16}
+    if layers == SPARSE_RULES:
+        assert manifest["layers"]["layers.0.mlp.down_proj"]["sparsity"] == "2:4"
 
 
 class _Recording(CheckpointSource):

@@ -150,7 +150,8 @@ def test_the_attention_table_keeps_the_split_rules_tried_apart() -> None:
     }
     text = bench_render.attention_kernels(doc)
     main, _, tried = text.partition("blocks an SM (`--spreads`")
+    assert tried
     assert "| float16 | 4096 | 12.00 | 12.60 | 1.05x | 16 x 256 | mma |" in main
     assert "14.50" not in main and "12.50" not in main
-    assert "| 4096 | 1 (served) | 16 x 256 | 12.50 |" in tried
-    assert "| 4096 | 4 | 64 x 64 | 14.50 |" in tried
+    assert "| float16 | 4096 | 1 (served) | 16 x 256 | 12.50 |" in tried
+    assert "| float16 | 4096 | 4 | 64 x 64 | 14.50 |" in tried

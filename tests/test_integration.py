@@ -234,6 +234,8 @@ BAD_INPUTS: list[tuple[str, bytes | dict[str, Any], str, str | None]] = [
     ("qa", {"id": "long-q1", "question": "x" * 9000}, "prompt_too_long", "question"),
     ("qa", {"id": "q2", "question": "why?", "max_new_tokens": 100000}, "invalid_field", "max_new_tokens"),
     ("qa", {"id": "q3", "question": "why?", "temperature": "hot"}, "invalid_field", "temperature"),
+    # A question about an image, to a text model without an image part (tests/test_vlm_jobs.py has one with).
+    ("qa", {"id": "q4", "question": "What is it?", "image": {"path": "labels/label_00.png"}}, "unavailable", "image"),
 ]
 
 

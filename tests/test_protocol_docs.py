@@ -69,7 +69,10 @@ CASES: list[tuple[dict[str, Any], bool]] = [
     ({"id": "a", "image": {"data": "aGk="}}, True),
     ({"id": "a", "question": "q", "stop": ["\n"], "seed": 3}, True),
     ({"id": "a", "image": {"data": "x", "path": "y"}}, False),
-    ({"id": "a", "image": {"path": "y"}, "question": "q"}, False),
+    ({"id": "a", "image": {"path": "y"}, "question": "q"}, True),  # a question about an image
+    ({"id": "a", "image": {"path": "y"}, "question": "q", "heatmap": True}, False),
+    ({"id": "a", "image": {"path": "y", "data": "aGk="}, "question": "q"}, False),
+    ({"id": "a", "image": "y.png", "question": "q"}, False),
     ({"id": "a", "question": "q", "top_p": 0}, False),
     ({"id": "a", "question": "q", "priority": 10}, False),
     ({"id": "", "question": "q"}, False),
@@ -85,7 +88,7 @@ CASES: list[tuple[dict[str, Any], bool]] = [
 @pytest.mark.parametrize(("job", "valid"), CASES)
 def test_schema_and_parser_agree(job: dict[str, Any], valid: bool) -> None:
     assert schema("job.schema.json").is_valid(job) == valid
-    task = "ocr" if "image" in job else "embed" if "input" in job else "qa"
+    task = "qa" if "question" in job else "ocr" if "image" in job else "embed" if "input" in job else "qa"
     try:
         parse_job(job, task, LIMITS)
         parsed = True

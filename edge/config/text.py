@@ -39,15 +39,39 @@ class LayerRule(StrictModel):
         title="Group size",
         description="INT4 group size for these layers (format 'int4'); the build's own otherwise.",
     )
+    sparsity: Literal["dense", "2:4"] = Field(
+        default="dense",
+        title="Sparsity",
+        description="'2:4' prunes these layers' weights to two of every four along the input, from the "
+        "calibration activations, before INT4 quantization, and stores them in the packed 2:4 INT4 format "
+        "(format 'int4' only; decoder-layer projections only, not lm_head). Such a build is served op by op "
+        "on the CPU (a kernel tested against the dense one) and on CUDA (a kernel that has not yet run on a "
+        "GPU: docs/models.md); the fused steps and the ONNX export refuse it.",
+    )
+    pruning: Literal["sparsegpt", "wanda", "magnitude"] | None = Field(
+        default=None,
+        title="Pruning method",
+        description="How sparsity '2:4' chooses the weights to prune: 'sparsegpt' (the default: the "
+        "calibration Hessian's saliency, the remaining weights updated to make up for the pruned), 'wanda' "
+        "(|weight| times its input's activation norm), 'magnitude' (|weight|, the baseline).",
+    )
 
     @model_validator(mode="after")
     def _group_for_int4(self) -> LayerRule:
         if self.format == "float" and self.group_size is not None:
             raise ValueError("group_size applies to format 'int4' only")
+        if self.format == "float" and self.sparsity != "dense":
+            raise ValueError("sparsity '2:4' applies to format 'int4' only")
+        if self.pruning is not None and self.sparsity == "dense":
+            raise ValueError("pruning applies to sparsity '2:4' only")
         return self
 
     def to_selector(self) -> dict[str, Any]:
-        return {"match": self.match, "format": self.format, "group_size": self.group_size}
+        selector: dict[str, Any] = {"match": self.match, "format": self.format, "group_size": self.group_size}
+        if self.sparsity != "dense":  # only then: builds from before sparsity are found as they were
+            selector["sparsity"] = self.sparsity
+            selector["pruning"] = self.pruning or "sparsegpt"
+        return selector
 
 
 class SparseAttentionConfig(StrictModel):
@@ -102,7 +126,9 @@ class QAModelConfig(StrictModel):
         f"'{BUILTIN_TEXT_SOURCE}', or a path to a Hugging Face model directory (config.json, *.safetensors, "
         "tokenizer.json, tokenizer_config.json with its chat template) of the Llama family (Llama 2/3.x, "
         "SmolLM, TinyLlama, Mistral with its sliding window), the Qwen2 family, Qwen3, Phi-3 or Gemma 3 text "
-        "(gemma3_text), or a path to a GGUF file of those architectures.",
+        "(gemma3_text), or a path to a GGUF file of those architectures; or a LLaVA-1.5 or LLaVA-NeXT "
+        "directory (llava, llava_next), its language model built as those are, its vision tower and projector "
+        "carried beside it.",
     )
     adapter: str = Field(
         default="clinic",

@@ -88,7 +88,7 @@ def _text(content: Any, param: str) -> str:
         for i, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise _invalid(
-                    "only text content is served here (images go to the inspect and ocr jobs over MQTT)",
+                    "only text content is served here (images go to the qa, inspect and ocr jobs over MQTT)",
                     f"{param}[{i}]",
                 )
             parts.append(part["text"])

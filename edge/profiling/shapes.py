@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from edge.text.ops.int4 import Int4Linear
+from edge.text.ops.sparse24 import Sparse24Linear
 
 ORDER = ("qkv", "o", "gate_up", "down")
 _ATTRIBUTES = {"qkv": ("self_attn", "qkv_proj"), "o": ("self_attn", "o_proj"),
@@ -40,7 +41,7 @@ def products(model: Any) -> list[Product] | None:
         for label in ORDER:
             part, name = _ATTRIBUTES[label]
             linear = getattr(getattr(layer, part, None), name, None)
-            if not isinstance(linear, Int4Linear) or getattr(linear, "halves", None):
+            if not isinstance(linear, Int4Linear | Sparse24Linear) or getattr(linear, "halves", None):
                 return None
             out.append(Product(label, index, int(linear.weight_bytes)))
     head = getattr(model, "lm_head", None)
@@ -50,5 +51,5 @@ def products(model: Any) -> list[Product] | None:
 
 
 def weight_bytes(model: Any) -> int:
-    """Every INT4 weight's bytes: what one forward streams of them."""
-    return sum(int(m.weight_bytes) for m in model.modules() if isinstance(m, Int4Linear))
+    """Every INT4 weight's bytes (2:4 ones as packed): what one forward streams of them."""
+    return sum(int(m.weight_bytes) for m in model.modules() if isinstance(m, Int4Linear | Sparse24Linear))

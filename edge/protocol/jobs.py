@@ -112,6 +112,12 @@ class InspectJob(JobBase):
 class QAJob(JobBase):
     question: Annotated[str, StringConstraints(min_length=1)] = Field(description="The user's question.")
     context: str | None = Field(default=None, description="Reference text the answer should be drawn from.")
+    image: ImageRef | None = Field(
+        default=None,
+        description="An image the question is about, as an ocr job's `image`: answered from its pixels where "
+        "the box serves a vision-language model (its text model's build has an image part); refused naming "
+        "this field where it does not.",
+    )
     max_new_tokens: int | None = Field(
         default=None, ge=1, description="Tokens to generate at most (device cap applies)."
     )

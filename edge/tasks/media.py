@@ -44,10 +44,14 @@ class MediaLoader:
     def load_for(self, ref: ImageRef, side: int | None) -> Decoded:
         """As load, for a model that sees `side` pixels: a large JPEG is decoded at a
         reduced scale (see decode_at_least); the stored size comes with it."""
+        raw, field = self.read(ref)
+        return decode_at_least(raw, self.limits, field, side)
+
+    def read(self, ref: ImageRef) -> tuple[bytes, str]:
+        """The image's encoded bytes, within the byte limit, and the field they came from
+        (what an error about them names)."""
         if ref.data is not None:
-            raw = decode_base64(ref.data, self.limits, "image.data")
-            return decode_at_least(raw, self.limits, "image.data", side)
+            return decode_base64(ref.data, self.limits, "image.data"), "image.data"
         assert ref.path is not None
         path = resolve_media_path(self._media_dir, ref.path, "image.path")
-        raw = read_media_file(path, self.limits, "image.path", ref.path)
-        return decode_at_least(raw, self.limits, "image.path", side)
+        return read_media_file(path, self.limits, "image.path", ref.path), "image.path"

@@ -66,6 +66,9 @@ class Pipeline:
             id=job.id,
             question=job.ask.question,
             context=context_of(inspected, job.ocr),
+            # Seen by a vision-language model with the verdict and the label's text
+            # (QATask.prepare drops it for a model without an image part).
+            image=job.image,
             max_new_tokens=job.ask.max_new_tokens,
             response_format=job.ask.response_format,
         )

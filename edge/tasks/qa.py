@@ -25,6 +25,8 @@ from edge.scheduler.models import ModelManager
 from edge.scheduler.work import WorkItem
 from edge.tasks.base import Output
 from edge.tasks.grounding import GroundingPolicy, before_generating, judge
+from edge.tasks.image_questions import ImageQuestions, start_image_questions
+from edge.tasks.media import MediaLoader
 from edge.tasks.passage_fit import context_with, fit_passages
 from edge.tasks.retrieval import Retrieval
 from edge.tasks.structured import constrain, grammar_ready, structured_result
@@ -32,8 +34,10 @@ from edge.text.engine import TextEngine
 from edge.text.model.chat import ChatTemplateError
 from edge.text.runtime.continuous import Sequence
 from edge.text.runtime.generate import SamplingParams
+from edge.vlm.vision_language import ImagePrompt
 
 logger = logging.getLogger(__name__)
+NO_IMAGE_PART = "the served text model has no image part (its build is not a vision-language model)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,13 +63,19 @@ class QATask:
         collection: str | None = None,
         top_k: int = QAModelConfig.model_fields["top_k"].default,
         policy: GroundingPolicy | None = None,
+        images: ImageQuestions | None = None,
+        image_refusal: str = NO_IMAGE_PART,
     ) -> None:
+        """`images`: where the text model has an image part, what reads a job's image;
+        `image_refusal`: why a job's image is refused where there is none."""
         self.engine = engine
         self._responder = responder
         self.retrieval = retrieval
         self.collection = collection  # the profile's default
         self.top_k = top_k
         self.policy = policy or GroundingPolicy.of(QAModelConfig())
+        self.images = images
+        self.image_refusal = image_refusal
         self._prepared: weakref.WeakKeyDictionary[Sequence, _Prepared] = weakref.WeakKeyDictionary()
 
     def ready(self, item: WorkItem, wait_s: float) -> bool:
@@ -86,11 +96,18 @@ class QATask:
         # (its context), not from the profile's collection, and is not held to one.
         carried = item.carry is not None
         policy = dataclasses.replace(self.policy, require_collection=False) if carried else self.policy
+        if carried and self.images is None:
+            # A pipeline's question carries the part's image for a model that can see it;
+            # any other is asked about the inspection's words alone, as before.
+            job = job.model_copy(update={"image": None})
+        elif job.image is not None and self.images is None:
+            # Before retrieval and any abstention: the job asks for what this box cannot do.
+            raise JobError(ErrorCode.UNAVAILABLE, self.image_refusal, "image")
         job, passages = self._retrieve(job, item, carried)
         fields = "ask." if carried else ""  # a pipeline's question: its fields are under ask
         if passages is not None and not passages[0] and passages[1]:
             # None fit: prompt_too_long where the question alone cannot.
-            job_sequence(self.engine, job, item, fields=fields)
+            job_sequence(self.engine, job, item, fields=fields, images=self.images)
         early = before_generating(policy, passages is not None, None if passages is None else passages[0])
         if early is not None:
             logger.info(
@@ -117,7 +134,7 @@ class QATask:
                 pieces += 1
 
             on_text = publish_delta
-        seq = job_sequence(self.engine, job, item, on_text, fields)
+        seq = job_sequence(self.engine, job, item, on_text, fields, self.images)
         self._prepared[seq] = _Prepared(question, passages, job.stream and held)
         return seq
 
@@ -185,25 +202,38 @@ def job_sequence(
     owner: Any = None,
     on_text: Callable[[str], None] | None = None,
     fields: str = "",
+    images: ImageQuestions | None = None,
 ) -> Sequence:
     """The job as a sequence for the engine's batcher, every check done: the prompt in
-    the model's template, within the context window, its sampling parameters. `fields`
-    prefixes the fields an error names (`ask.` for a pipeline's question)."""
+    the model's template (with its image's rows, through `images`), within the context
+    window, its sampling parameters. `fields` prefixes the fields an error names (`ask.`
+    for a pipeline's question; its image is the inspect job's own `image`)."""
     t0 = time.perf_counter()
+    image: ImagePrompt | None = None
+    image_stages: dict[str, float] = {}
     try:
-        ids, prefix = engine.prompter.parts(job.question, job.context)
+        if job.image is None:
+            ids, prefix = engine.prompter.parts(job.question, job.context)
+        elif images is None:
+            raise JobError(ErrorCode.UNAVAILABLE, NO_IMAGE_PART, "image")
+        else:
+            image, image_stages = images.prompt(job.id, job.image, engine.prompter, job.question, job.context)
+            ids, prefix = image.ids, image.prefix
     except ChatTemplateError as err:
         why = f"the model's chat template refused the question: {err}"
         raise JobError(ErrorCode.INVALID_FIELD, why, f"{fields}question") from err
     tokenize_ms = (time.perf_counter() - t0) * 1000.0
+    if image is not None:
+        tokenize_ms = image_stages["tokenize"]
     new_tokens = job.max_new_tokens or engine.cfg.max_new_tokens
     window = engine.cfg.max_context_tokens
     if len(ids) + 1 > window:
         raise JobError(
             ErrorCode.PROMPT_TOO_LONG,
-            f"prompt is {len(ids)} tokens; this device's context window is {window}",
-            # A pipeline's context is the inspection's, not a field of the job.
-            f"{fields}question" if fields or not job.context else "context",
+            f"prompt is {len(ids)} tokens"
+            + (f", {image.image_tokens} of them the image's" if image is not None else "")
+            + f"; this device's context window is {window}",
+            _too_long_field(job, fields, image, window),
         )
     # Never refuse a job for wanting more tokens than fit: generate what fits and report
     # finish_reason "length", which is what the caller can act on.
@@ -215,10 +245,22 @@ def job_sequence(
         stop=tuple(job.stop),
         seed=job.seed,
     )
-    seq = engine.sequence(ids, params, owner, prefix, on_text)
+    seq = engine.sequence(ids, params, owner, prefix, on_text, image.splices if image is not None else ())
     seq.tokenize_ms = tokenize_ms
     constrain(engine, seq, job.response_format, fields)
+    if isinstance(owner, WorkItem):
+        # In the order they ran (output() adds the rest); a job refused above ran none.
+        owner.stages.update(image_stages)
     return seq
+
+
+def _too_long_field(job: QAJob, fields: str, image: ImagePrompt | None, window: int) -> str:
+    """What a prompt too long for the window is blamed on: the image where the text
+    alone would fit; a pipeline's question (its context is the inspection's, not a field
+    of the job); else the context, where there is one."""
+    if image is not None and len(image.ids) - image.image_tokens + 1 < window:
+        return "image"
+    return f"{fields}question" if fields or not job.context else "context"
 
 
 def answer(engine: TextEngine, job: QAJob, on_text: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -267,6 +309,8 @@ def result_of(seq: Sequence) -> dict[str, Any]:
         "prefill_ms": round(seq.prefill_ms, 3),
         "decode_tokens_per_s": round(seq.tokens_per_s, 2),
     }
+    if seq.splices:  # prompt_tokens counts them too
+        out["image_tokens"] = sum(int(s.rows.shape[0]) for s in seq.splices)
     if seq.grammar is not None:
         out.update(structured_result(seq))
     return out
@@ -306,16 +350,29 @@ def start_qa(
     state_dir: Path | None = None,
     engine_dir: Path | None = None,
     profile_name: str | None = None,
+    media: MediaLoader | None = None,
 ) -> QATask:
     """Load the text model (its KV cache allocated and every serving shape warmed up
-    inside the measured load) and return the task."""
+    inside the measured load), and its image part where its build has one and `media`
+    says how jobs' images are read; return the task."""
     offload_dir = state_dir / "kv-offload" if state_dir is not None else None
     engine = load_text_engine(cfg, checkpoint, manager, offload_dir, profile_name)
     name = qa_model_name(cfg)
+    images, image_refusal = None, NO_IMAGE_PART
+    if media is not None:
+        try:
+            images = start_image_questions(checkpoint, engine, manager, media, name)
+        except Exception as err:  # the image part failing leaves text questions served
+            # Questions without an image still have their engine; jobs with one are refused
+            # naming the field and why, and the log has the whole error.
+            logger.exception("the image part of %s did not load; qa serves questions without an image", name)
+            image_refusal = f"the served model's image part did not load ({type(err).__name__}: {err})"
     retrieval = None
     if state_dir is not None and engine_dir is not None:
         store = DocStore(state_dir / "docs")
         keep = frozenset({name})
         retrieval = Retrieval(manager, store, engine_dir, cfg.embed_backend, cfg.embed_threads, keep)
         retrieval.preload()
-    return QATask(engine, responder, retrieval, cfg.collection, cfg.top_k, GroundingPolicy.of(cfg))
+    return QATask(
+        engine, responder, retrieval, cfg.collection, cfg.top_k, GroundingPolicy.of(cfg), images, image_refusal
+    )

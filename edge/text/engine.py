@@ -24,9 +24,10 @@ from edge.text.kv.float_cache import SparseAttention
 from edge.text.kv.kv_offload import KVOffload
 from edge.text.kv.kv_quant import FORMATS, KVFormat
 from edge.text.kv.prefix_cache import PrefixCache
-from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint
+from edge.text.model.checkpoint import IMAGE_PART, TextCheckpoint, load_checkpoint
 from edge.text.model.embedding import EmbeddingFormat, QuantizedEmbedding
 from edge.text.model.llama import LlamaModel
+from edge.text.model.splice import Splice
 from edge.text.ops import step_ops
 from edge.text.ops.cpu import cpu_kv
 from edge.text.ops.cuda import cuda_build, cuda_int4
@@ -140,7 +141,9 @@ class TextEngine:
         self.origin = origin or {}
         # Read once: status and every metrics scrape ask for config().
         self._groups = group_sizes(checkpoint.path)
-        self.prompter = Prompter(checkpoint.tokenizer, checkpoint.chat, cfg.system_prompt)
+        # A vision-language model's language model: its template takes typed parts, images or not.
+        typed = all((checkpoint.path / name).is_file() for name in IMAGE_PART)
+        self.prompter = Prompter(checkpoint.tokenizer, checkpoint.chat, cfg.system_prompt, typed)
         self.sparse, self.sparse_refused = sparse_attention(cfg, checkpoint.model)
         self.batcher = ContinuousBatcher(
             checkpoint.model,
@@ -339,10 +342,16 @@ class TextEngine:
         owner: Any = None,
         prefix: int = 0,
         on_text: Callable[[str], None] | None = None,
+        splices: tuple[Splice, ...] = (),
     ) -> Sequence:
-        """A sequence for the batcher: `prefix` leading tokens others may share."""
+        """A sequence for the batcher: `prefix` leading tokens others may share; `splices`
+        rows its prefill reads in place of its tokens' (an image's: edge/vlm)."""
+        for splice in splices:
+            if splice.at < 0 or splice.end > len(ids):
+                raise ValueError(f"rows spliced at {splice.at}..{splice.end} fall outside a prompt of {len(ids)}")
         seq = Sequence(owner, ids, params, on_text)
         seq.prefix = prefix
+        seq.splices = splices
         return seq
 
     def kv_tokens(self, seq: Sequence) -> int:
@@ -356,6 +365,7 @@ class TextEngine:
         owner: str = "alone",
         prefix: int = 0,
         on_text: Callable[[str], None] | None = None,
+        splices: tuple[Splice, ...] = (),
     ) -> Sequence:
         """Run one prompt to its end alone (the batcher must be idle)."""
         room = self.batcher.slot_len - len(ids)
@@ -363,4 +373,4 @@ class TextEngine:
             raise ValueError(f"prompt is {len(ids)} tokens; the context window is {self.batcher.slot_len}")
         if params.max_new_tokens > room:
             params = dataclasses.replace(params, max_new_tokens=room)
-        return self.batcher.single(self.sequence(ids, params, None, prefix, on_text), owner)
+        return self.batcher.single(self.sequence(ids, params, None, prefix, on_text, splices), owner)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import secrets
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -68,10 +69,16 @@ class Prompter:
     """Turns (question, context) into prompt tokens for one model. A template that
     refuses the conversation raises chat.ChatTemplateError; the task says which field."""
 
-    def __init__(self, tokenizer: Tokenizer, chat: ChatTemplate | None, system_prompt: str) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, chat: ChatTemplate | None, system_prompt: str, typed_parts: bool = False
+    ) -> None:
+        """`typed_parts`: every message's content a list of typed parts, with or without
+        an image, as a vision-language model's template reads it (LLaVA's writes only
+        the text parts of a message: plain text content would vanish from its prompt)."""
         self.tokenizer = tokenizer
         self.chat = chat
         self.system_prompt = system_prompt
+        self.typed_parts = typed_parts
         self._ids = control_tokens(tokenizer)
         # Longest first, so that a control token that begins another is never cut short.
         names = sorted(self._ids, key=len, reverse=True)
@@ -80,19 +87,33 @@ class Prompter:
         self._text = Tokenizer.from_str(tokenizer.to_str())
         self._text.encode_special_tokens = True
 
-    def _render(self, system: str, user: str) -> str:
+    def _render(self, system: str, user: str, images: int = 0) -> str:
         if self.chat is None:
+            if images:
+                raise ValueError(
+                    "a prompt with an image needs the model's own chat template (ChatML has no image token)"
+                )
             return chatml(system, user)
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        messages: list[dict[str, Any]]
+        if images or self.typed_parts:
+            # A conversation with images as transformers' processors take one: each
+            # message's content a list of typed parts, the images before the user's text;
+            # the template writes each image's token (a control token, never message text).
+            messages = [
+                {"role": "system", "content": [{"type": "text", "text": system}]},
+                {"role": "user", "content": [*[{"type": "image"}] * images, {"type": "text", "text": user}]},
+            ]
+        else:
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
         return self.chat.render(messages, add_generation_prompt=True)
 
-    def text(self, question: str, context: str | None) -> str:
+    def text(self, question: str, context: str | None, images: int = 0) -> str:
         """The prompt as text (control tokens in message text look the same as the
         template's here: `ids` and `parts` tell them apart)."""
-        return self._render(self.system_prompt, user_message(question, context))
+        return self._render(self.system_prompt, user_message(question, context), images)
 
-    def ids(self, question: str, context: str | None) -> list[int]:
-        return self.parts(question, context)[0]
+    def ids(self, question: str, context: str | None, images: int = 0) -> list[int]:
+        return self.parts(question, context, images)[0]
 
     def _encode(self, rendered: str, held: _Held) -> list[int]:
         """Token ids of a rendering: its control tokens (the template's own, since every
@@ -109,16 +130,18 @@ class Prompter:
             ids += self._text.encode(held.give_back(rendered[at:]), add_special_tokens=False).ids
         return ids
 
-    def parts(self, question: str, context: str | None) -> tuple[list[int], int]:
+    def parts(self, question: str, context: str | None, images: int = 0) -> tuple[list[int], int]:
         """The prompt's tokens, and how many of the first are its reusable prefix: the
         system turn and the context documents, up to the question (the prefix cache's
         key). The prefix is where the prompt's tokens and the prefix text's own agree,
-        less one token (the one a different question could merge with)."""
+        less one token (the one a different question could merge with). `images`: image
+        parts the user's turn opens with, each written by the template as its image token
+        (edge/vlm expands it into the image's rows)."""
         held = _Held(self._controls)
         escaped_question = held(question)
         escaped_context = held(context) if context else context
         # The template writes the special tokens (a BOS among them) itself, as in transformers.
-        text = self._render(held(self.system_prompt), user_message(escaped_question, escaped_context))
+        text = self._render(held(self.system_prompt), user_message(escaped_question, escaped_context), images)
         ids = self._encode(text, held)
         marker = "Question: " if context else escaped_question
         cut = text.rfind(marker)

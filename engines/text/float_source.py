@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from edge.text.architecture import LlamaConfig
-from edge.text.model.checkpoint import SIDE_FILES
+from edge.text.model.checkpoint import carried_files
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
@@ -79,5 +79,5 @@ class CheckpointSource(FloatSource):
             return {name: fh.get_tensor(name).to(torch.float32) for name in names}
 
     def write_side_files(self, out: Path) -> None:
-        for name in SIDE_FILES:
+        for name in carried_files(self.path):
             shutil.copy2(self.path / name, out / name)

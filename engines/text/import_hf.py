@@ -8,7 +8,9 @@ TinyLlama, Mistral with its sliding window), the Qwen2 family (q/k/v
 biases, tied embeddings), Qwen3 (q/k norms) and Gemma 3 text models (sliding-window and
 global layers, q/k norms, GeGLU, the scaled embedding, output norms) and Phi-3 and
 Phi-4-mini (their fused q/k/v and gate/up weights split, the sliding window, LongRoPE up
-to the original context, Phi-4-mini's partial rotary). Anything else is
+to the original context, Phi-4-mini's partial rotary). A LLaVA-1.5 or LLaVA-NeXT directory
+imports its language model (of the Llama, Mistral or Qwen2 family) as any of these, and
+carries its image part beside it (engines/text/llava_source.py). Anything else is
 refused with an error naming what is not supported. The output is the layout `edge.text.model.checkpoint` loads: float32
 weights under our module names, our config, the tokenizer, and generation.json with the
 chat template, the special tokens and the end-of-turn ids.
@@ -27,10 +29,22 @@ import torch
 from safetensors import safe_open
 
 from edge.text.architecture import LlamaConfig
+from edge.vlm.vlm_config import VisionLanguageConfig
 from engines.cache import build_cached, cache_key, file_sha256
 from engines.text.float_checkpoint import write_float_streamed
 from engines.text.float_source import FloatSource
 from engines.text.import_gguf import MAX_POSITIONS, SourceModelError, expected_tensors
+from engines.text.llava_source import (
+    PREPROCESSOR,
+    PROCESSOR,
+    image_config,
+    is_llava,
+    read_json,
+    refuse_other_vlm,
+    split_name,
+    text_config,
+    write_image_part,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,30 +72,36 @@ REQUIRED = ("config.json", "tokenizer.json", "tokenizer_config.json")
 HF_ROPE_TYPES = ("linear", "llama3", "longrope")  # what a Hugging Face config.json may name that we serve
 
 
-def _load_json(path: Path) -> dict[str, Any]:
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise SourceModelError(f"{path.name} is not readable JSON: {err}") from err
-    if not isinstance(doc, dict):
-        raise SourceModelError(f"{path.name} does not hold a JSON object")
-    return doc
-
-
 def read_hf_config(directory: Path) -> LlamaConfig:
-    """Our config for a source directory; SourceModelError naming what is unsupported."""
+    """Our config for a source directory's (language) model; SourceModelError naming
+    what is unsupported."""
+    return read_source(directory)[0]
+
+
+def read_source(directory: Path) -> tuple[LlamaConfig, VisionLanguageConfig | None]:
+    """Our config for a source directory's language model, and for a LLaVA model's its
+    image part (engines/text/llava_source.py); SourceModelError naming what is unsupported."""
     missing = [name for name in REQUIRED if not (directory / name).is_file()]
     if missing:
         raise SourceModelError(f"{directory} is not a Hugging Face model directory: no {', '.join(missing)}")
     if not weight_files(directory):
         raise SourceModelError(f"{directory} holds no *.safetensors weights")
-    hf = _load_json(directory / "config.json")
+    hf = read_json(directory / "config.json")
+    refuse_other_vlm(hf)
+    if not is_llava(hf):
+        return _text_model_config(hf, directory), None
+    config = _text_model_config(text_config(hf, directory.name, weight_files(directory)), directory)
+    return config, image_config(directory, hf, config.hidden_size)
+
+
+def _text_model_config(hf: dict[str, Any], directory: Path) -> LlamaConfig:
+    """Our config for a text model's config.json (or a LLaVA model's text_config)."""
     kind = hf.get("model_type")
     if kind not in FAMILIES:
         archs = ", ".join(hf.get("architectures") or []) or "none given"
         raise SourceModelError(
             f"model_type {kind!r} (architectures: {archs}) is not supported; supported: "
-            "llama, mistral, qwen2, qwen3, gemma3_text, phi3"
+            "llama, mistral, qwen2, qwen3, gemma3_text, phi3, and the vision-language llava and llava_next"
         )
     problems: list[str] = []
     expected_act = "gelu_pytorch_tanh" if kind == GEMMA else "silu"
@@ -260,8 +280,8 @@ def _split_fused(name: str, tensor: torch.Tensor, config: LlamaConfig) -> list[t
 def generation_settings(directory: Path) -> dict[str, Any]:
     """The chat template, special tokens and end-of-turn ids, from the tokenizer's
     config and the generation config where there is one."""
-    tok_cfg = _load_json(directory / "tokenizer_config.json")
-    tokenizer = _load_json(directory / "tokenizer.json")
+    tok_cfg = read_json(directory / "tokenizer_config.json")
+    tokenizer = read_json(directory / "tokenizer.json")
     vocab = {t["content"]: int(t["id"]) for t in tokenizer.get("added_tokens", [])}
     model_vocab = tokenizer.get("model", {}).get("vocab", {})
 
@@ -283,12 +303,15 @@ def generation_settings(directory: Path) -> dict[str, Any]:
     jinja = directory / "chat_template.jinja"
     if template is None and jinja.is_file():
         template = jinja.read_text(encoding="utf-8")
+    processor = directory / "chat_template.json"  # a multimodal processor's, in older saves
+    if template is None and processor.is_file():
+        template = read_json(processor).get("chat_template")
     if not isinstance(template, str):
         raise SourceModelError(f"{directory.name}: tokenizer_config.json has no chat_template")
     eos: set[int] = set()
     gen_path = directory / "generation_config.json"
     if gen_path.is_file():
-        value = _load_json(gen_path).get("eos_token_id")
+        value = read_json(gen_path).get("eos_token_id")
         eos.update(value if isinstance(value, list) else [value] if value is not None else [])
     eos_text = token("eos_token")
     if token_id(eos_text) is not None:
@@ -322,10 +345,10 @@ class HfSource(FloatSource):
     shards a few tensors at a time; what is not supported is refused before any is read."""
 
     def __init__(self, directory: Path) -> None:
-        config = read_hf_config(directory)
+        config, self.image = read_source(directory)
         super().__init__(config, directory.name)
         self.directory = directory
-        self.gemma = _load_json(directory / "config.json").get("model_type") == GEMMA
+        self.gemma = read_json(directory / "config.json").get("model_type") == GEMMA
         self.generation = generation_settings(directory)
         expected = expected_tensors(config)
         # Where each of our tensors is: (shard, the source's name for it).
@@ -333,7 +356,10 @@ class HfSource(FloatSource):
         for path in weight_files(directory):
             with safe_open(str(path), framework="pt") as fh:
                 for name in fh.keys():
-                    ours = _our_name(name, self.gemma)
+                    text_name = self._text_name(name)
+                    if text_name is None:
+                        continue  # a LLaVA model's image part: written by write_side_files
+                    ours = _our_name(text_name, self.gemma)
                     if ours == "lm_head.weight" and config.tie_embeddings:
                         continue  # tied: the embedding is the head
                     for part in _fused_parts(ours):
@@ -344,6 +370,14 @@ class HfSource(FloatSource):
         missing = sorted(expected - set(self._where))
         if missing:
             raise SourceModelError(f"{directory.name}: missing tensors {', '.join(missing[:5])}")
+
+    def _text_name(self, name: str) -> str | None:
+        """A tensor's name as a text model's directory has it; None for a LLaVA model's
+        tensors outside its language model."""
+        if self.image is None:
+            return name
+        kind, text_name = split_name(name)
+        return text_name if kind == "text" else None
 
     def names(self) -> list[str]:
         return list(self._where)
@@ -357,7 +391,7 @@ class HfSource(FloatSource):
         for path, sources in wanted.items():
             with safe_open(str(path), framework="pt") as fh:
                 for name, parts in sources.items():
-                    ours = _our_name(name, self.gemma)
+                    ours = _our_name(self._text_name(name) or name, self.gemma)
                     tensor = fh.get_tensor(name).to(torch.float32)
                     if self.gemma and ours.endswith("norm.weight"):
                         # Gemma's RMSNorm multiplies by (1 + weight): stored as that sum, as
@@ -374,6 +408,8 @@ class HfSource(FloatSource):
         (out / "config.json").write_text(self.config.to_json() + "\n", encoding="utf-8")
         (out / "tokenizer.json").write_bytes((self.directory / "tokenizer.json").read_bytes())
         (out / "generation.json").write_text(json.dumps(self.generation, indent=2) + "\n", encoding="utf-8")
+        if self.image is not None:
+            write_image_part(self.directory, weight_files(self.directory), self.image, out)
 
 
 def convert(directory: Path, out_dir: Path, progress: bool = True) -> dict[str, Any]:
@@ -382,6 +418,7 @@ def convert(directory: Path, out_dir: Path, progress: bool = True) -> dict[str, 
     return {
         **written,
         "family": config_kind(source.config),
+        **({"image_part": source.image.family} if source.image is not None else {}),
         "config": json.loads(source.config.to_json()),
         "tensors": len(source.names()),
     }
@@ -398,7 +435,7 @@ def config_kind(config: LlamaConfig) -> str:
 def source_inputs(directory: Path) -> dict[str, Any]:
     """What an import depends on: every file it reads, by content."""
     files = [directory / n for n in REQUIRED] + weight_files(directory)
-    for optional in ("generation_config.json", "chat_template.jinja"):
+    for optional in ("generation_config.json", "chat_template.jinja", "chat_template.json", PREPROCESSOR, PROCESSOR):
         if (directory / optional).is_file():
             files.append(directory / optional)
     return {"files": {f.name: file_sha256(f) for f in files}, "importer": IMPORTER_VERSION}

@@ -11,14 +11,14 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from edge.text.model.checkpoint import SIDE_FILES
+from edge.text.model.checkpoint import carried_files
 from edge.text.model.llama import LlamaModel
-from edge.text.ops.int4 import QuantizedWeight
+from edge.text.ops.sparse24 import SPARSITY, PackedLinear, Sparse24Weight
 
 
 def save_int4(
     model: LlamaModel,
-    packed: dict[str, QuantizedWeight],
+    packed: dict[str, PackedLinear],
     src: Path,
     out: Path,
     recipe: dict[str, Any],
@@ -38,9 +38,14 @@ def save_int4(
     for name, q in packed.items():
         tensors.update(q.stored(name))
     save_file(tensors, str(out / "model.safetensors"))
-    quant = {"linears": {name: {"group_size": q.group_size, "bits": 4} for name, q in packed.items()}}
+    linears: dict[str, dict[str, Any]] = {}
+    for name, q in packed.items():
+        linears[name] = {"group_size": q.group_size, "bits": 4}
+        if isinstance(q, Sparse24Weight):
+            linears[name]["sparsity"] = SPARSITY
+    quant = {"linears": linears}
     (out / "quant.json").write_text(json.dumps(quant, indent=1) + "\n", encoding="utf-8")
-    for name in SIDE_FILES:
+    for name in carried_files(src):
         shutil.copy2(src / name, out / name)
     return {
         "kind": "llama-int4",

@@ -33,6 +33,7 @@ from tqdm import tqdm
 from edge.text.kv.float_cache import KVCache
 from edge.text.model.llama import DecoderLayer, LlamaModel
 from edge.text.ops.int4 import QuantizedWeight, concat_rows, group_size_for, pack
+from edge.text.ops.sparse24 import SPARSITY, PackedLinear, Sparse24Weight, stored_specs
 from engines.text.corpus import calibration_text
 from engines.text.float_source import FloatSource
 from engines.text.quantize import (
@@ -43,8 +44,11 @@ from engines.text.quantize import (
     _groups,
     awq_layer,
     calibration_batches,
+    check_sparse_rules,
     linear_names,
+    new_capture,
     pack_linear,
+    prune_layer,
     sample_plan,
 )
 from engines.text.safetensors_writer import SafetensorsWriter, Spec
@@ -94,15 +98,22 @@ def _kept_with(prepacked: Mapping[str, QuantizedWeight], groups: dict[str, int],
     return {n for n in names if prepacked[n].halves}
 
 
-def _specs(model: LlamaModel, groups: dict[str, int], minimums: set[str], halves: set[str]) -> dict[str, Spec]:
+def _specs(
+    model: LlamaModel, groups: dict[str, int], minimums: set[str], halves: set[str], sparse: set[str]
+) -> dict[str, Spec]:
     """Every tensor of the INT4 checkpoint, as engines/text/int4_checkpoint.save_int4 writes
     them: the packed linears' codes, scales and zeros (and block minimums, where given;
-    twice the rows for a weight in halves), every other tensor in float16."""
+    twice the rows for a weight in halves; the 2:4 format's tensors for a `sparse` one),
+    every other tensor in float16."""
     specs: dict[str, Spec] = {}
     for name, tensor in model.state_dict().items():
         module, _, kind = name.rpartition(".")
         if name == "lm_head.weight" and model.config.tie_embeddings and module not in groups:
             continue  # a float head tied to the embeddings is the embeddings
+        if module in sparse and kind == "weight":
+            rows, cols = tensor.shape
+            specs.update(stored_specs(module, rows, cols, groups[module]))
+            continue
         if module in groups and kind == "weight":
             n, k = tensor.shape
             n *= 2 if module in halves else 1
@@ -142,13 +153,23 @@ def write_layerwise(
     with torch.device("meta"):
         model = LlamaModel(config)  # shapes, the rotary tables and the embedding's scale; no weights
     groups = _packed_groups(model, recipe, prepacked)
+    check_sparse_rules(recipe)
+    # Pruned to 2:4 and packed so: the linears a rule names that are not given in INT4.
+    sparse = {name for name in groups if name not in prepacked and recipe.sparsity_for(name) is not None}
     report = QuantReport()
     heads, kv_heads = config.num_heads, config.num_kv_heads
     with_minimums = _kept_with(prepacked, groups, "minimums")
     with_halves = _kept_with(prepacked, groups, "halves")
-    writer = SafetensorsWriter(out / "model.safetensors", _specs(model, groups, with_minimums, with_halves))
+    specs = _specs(model, groups, with_minimums, with_halves, sparse)
+    writer = SafetensorsWriter(out / "model.safetensors", specs)
 
-    def put_packed(name: str, q: QuantizedWeight) -> None:
+    def put_packed(name: str, q: PackedLinear) -> None:
+        if isinstance(q, Sparse24Weight) != (name in sparse):
+            raise ValueError(f"{name}: its 2:4 format does not agree with its header")
+        if isinstance(q, Sparse24Weight):
+            for key, tensor in q.stored(name).items():
+                writer.write(key, tensor)
+            return
         if (q.minimums is not None) != (name in with_minimums):
             raise ValueError(f"{name}: its block minimums do not agree with its header")
         if q.halves != (name in with_halves):
@@ -166,11 +187,11 @@ def write_layerwise(
         embed = source.read(["embed_tokens.weight"])["embed_tokens.weight"]
         xs: list[torch.Tensor] = []
         plan: list[list[torch.Tensor]] = []
-        if recipe.method == "awq":
+        if recipe.calibrates:
             tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
             ids = tokenizer.encode(calibration_text(), add_special_tokens=False).ids
             if not ids:
-                raise ValueError("AWQ needs calibration tokens")
+                raise ValueError("AWQ and pruning need calibration tokens")
             batches = list(calibration_batches(ids, recipe.seq_len, recipe.calib_tokens))
             model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embed)
             # The residual stream in float32, as LlamaModel.forward keeps it.
@@ -235,8 +256,10 @@ def write_layerwise(
             del state
             clips: dict[str, torch.Tensor] = {}
             if cache is not None:
-                captures = _capture_layer(layer, i, xs, plan, tables[i], cache, heads, kv_heads)
-                clips = awq_layer(layer, i, captures, recipe, heads, kv_heads)
+                captures = _capture_layer(layer, i, xs, plan, tables[i], cache, heads, kv_heads, recipe)
+                prune_layer(layer, i, captures, recipe, heads, kv_heads)
+                if recipe.method == "awq":
+                    clips = awq_layer(layer, i, captures, recipe, heads, kv_heads)
                 del captures
             for name in [n for n in linear_names(model) if n.startswith(prefix)]:
                 if name in prepacked:
@@ -265,7 +288,8 @@ def write_layerwise(
             )
     # quantize_model's order: the layers, then the output projection.
     layers = {name: report.layers[name] for name in [*linear_names(model), "lm_head"] if name in report.layers}
-    linears = {name: {"group_size": g, "bits": 4, **({"halves": True} if name in with_halves else {})}
+    linears = {name: {"group_size": g, "bits": 4, **({"halves": True} if name in with_halves else {}),
+                      **({"sparsity": SPARSITY} if name in sparse else {})}
                for name, g in groups.items()}  # fmt: skip
     (out / "quant.json").write_text(json.dumps({"linears": linears}, indent=1) + "\n", encoding="utf-8")
     logger.info("%s: INT4 checkpoint written in %.0f s", source.label, time.monotonic() - started)
@@ -287,6 +311,7 @@ def _capture_layer(
     cache: KVCache,
     heads: int,
     kv_heads: int,
+    recipe: QuantRecipe,
 ) -> dict[str, _Capture]:
     """Run every calibration batch through float layer `i`, its input groups' inputs
     captured on the way; each batch's activations are replaced by the layer's outputs,
@@ -294,8 +319,8 @@ def _capture_layer(
     captures: dict[str, _Capture] = {}
     batch = 0
     hooks = []
-    for j, (first, _members, _prev) in enumerate(_groups(layer, heads, kv_heads)):
-        cap = captures.setdefault(f"layers.{i}.{first}", _Capture())
+    for j, (first, members, _prev) in enumerate(_groups(layer, heads, kv_heads)):
+        cap = captures.setdefault(f"layers.{i}.{first}", new_capture(i, members, recipe))
         slot = i * GROUPS_PER_LAYER + j
 
         def hook(mod: nn.Module, args: tuple[torch.Tensor, ...], cap: _Capture = cap, slot: int = slot) -> None:

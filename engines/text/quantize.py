@@ -7,6 +7,13 @@ so the float model is unchanged), with alpha searched per layer group to minimis
 that group's output error on calibration activations. A second search then clips each
 weight group's range where that lowers the output error. Round-to-nearest with the
 same grouping is the baseline.
+
+Layers a rule prunes to 2:4 (engines/text/prune.py) are pruned on the same calibration
+captures before AWQ's searches, so the scales and clips are searched for the pruned
+weights (AWQ's per-channel rescaling keeps a zero a zero), and are packed in the 2:4
+format (edge/text/ops/sparse24.py). A step that changes the pruned float weights with
+their mask fixed (quantization-aware training) would sit between the two: the packing
+reads the mask back from the weights' zeros.
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ from torch import nn
 from tqdm import tqdm
 
 from edge.text.model.llama import DecoderLayer, LlamaModel
-from edge.text.ops.int4 import QuantizedWeight, fake_quantize, group_size_for, pack
+from edge.text.ops.int4 import fake_quantize, group_size_for, pack
+from edge.text.ops.sparse24 import PackedLinear, pack_sparse
+from engines.text.prune import METHODS, Method, prune
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +61,23 @@ class QuantRecipe:
     lm_head: bool = True
     # Zero points fixed at 8 (edge/text/ops/int4.py quantize_codes): what TensorRT takes.
     symmetric: bool = False
+    # Ordered rules (pattern, pruning method or "" for dense), the first match deciding, as
+    # `groups`: a layer whose first match names a method is pruned to 2:4 by it.
+    sparse: tuple[tuple[str, str], ...] = ()
+
+    def sparsity_for(self, name: str) -> Method | None:
+        """The method that prunes linear `name` to 2:4, or None (dense)."""
+        method = next((m for pattern, m in self.sparse if fnmatch.fnmatchcase(name, pattern)), "")
+        if not method:
+            return None
+        if method not in METHODS:
+            raise ValueError(f"unknown pruning method {method!r}")
+        return method
+
+    @property
+    def calibrates(self) -> bool:
+        """Whether the build runs calibration activations: for AWQ, or for a pruned layer."""
+        return self.method == "awq" or any(m for _p, m in self.sparse)
 
     def _rule(self, name: str) -> int | None:
         return next((g for pattern, g in self.groups if fnmatch.fnmatchcase(name, pattern)), None)
@@ -77,6 +103,8 @@ class QuantRecipe:
             out["groups"] = [[pattern, g] for pattern, g in self.groups]
         if self.symmetric:  # likewise
             out["symmetric"] = True
+        if any(m for _p, m in self.sparse):  # likewise
+            out["sparse"] = [[pattern, m] for pattern, m in self.sparse]
         return out
 
 
@@ -104,12 +132,17 @@ def linear_names(model: LlamaModel) -> list[str]:
 
 @dataclass
 class _Capture:
-    """Per-channel mean |x| over all calibration tokens, plus a fixed token sample."""
+    """Per-channel mean |x| over all calibration tokens, plus a fixed token sample; for 2:4
+    pruning the per-channel sum of squares (Wanda's norms) and, where asked, X^T X over all
+    tokens (SparseGPT's Hessian: [K, K] float32, so only for the inputs it prunes)."""
 
     abs_sum: torch.Tensor | None = None
     count: int = 0
     sample: list[torch.Tensor] = field(default_factory=list)
     sampled: int = 0
+    hessian_wanted: bool = False
+    sq_sum: torch.Tensor | None = None
+    gram: torch.Tensor | None = None
 
     def add(self, x: torch.Tensor, keep_tokens: int, generator: torch.Generator) -> None:
         flat = x.detach().reshape(-1, x.shape[-1]).float()
@@ -126,6 +159,11 @@ class _Capture:
     def _add(self, flat: torch.Tensor, idx: torch.Tensor | None) -> None:
         s = flat.abs().sum(0)
         self.abs_sum = s if self.abs_sum is None else self.abs_sum + s
+        sq = flat.square().sum(0)
+        self.sq_sum = sq if self.sq_sum is None else self.sq_sum + sq
+        if self.hessian_wanted:
+            gram = flat.T @ flat
+            self.gram = gram if self.gram is None else self.gram + gram
         self.count += flat.shape[0]
         if idx is not None:
             self.sample.append(flat[idx].clone())
@@ -139,6 +177,19 @@ class _Capture:
     @property
     def x(self) -> torch.Tensor:
         return torch.cat(self.sample)
+
+    @property
+    def input_norm(self) -> torch.Tensor:
+        """Each input channel's L2 norm over all calibration tokens."""
+        assert self.sq_sum is not None
+        return self.sq_sum.sqrt()
+
+
+def new_capture(layer_index: int, members: list[str], recipe: QuantRecipe) -> _Capture:
+    """The capture of one input group of decoder layer `layer_index`: with the Hessian
+    where one of its linears is pruned by SparseGPT."""
+    wanted = any(recipe.sparsity_for(f"layers.{layer_index}.{m}") == "sparsegpt" for m in members)
+    return _Capture(hessian_wanted=wanted)
 
 
 def _groups(layer: DecoderLayer, n_heads: int, n_kv: int) -> list[tuple[str, list[str], nn.Module | None]]:
@@ -185,7 +236,11 @@ def calibration_batches(token_ids: list[int], seq_len: int, total: int) -> Itera
 
 
 def capture_inputs(
-    model: LlamaModel, batches: Iterable[torch.Tensor], sample_tokens: int, progress: bool
+    model: LlamaModel,
+    batches: Iterable[torch.Tensor],
+    sample_tokens: int,
+    progress: bool,
+    recipe: QuantRecipe | None = None,
 ) -> dict[str, _Capture]:
     captures: dict[str, _Capture] = {}
     gen = torch.Generator().manual_seed(0)
@@ -193,9 +248,9 @@ def capture_inputs(
     modules = dict(model.named_modules())
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)
-        for first, _members, _prev in _groups(layer, model.config.num_heads, model.config.num_kv_heads):
+        for first, members, _prev in _groups(layer, model.config.num_heads, model.config.num_kv_heads):
             name = f"layers.{i}.{first}"
-            cap = captures.setdefault(name, _Capture())
+            cap = captures.setdefault(name, new_capture(i, members, recipe or QuantRecipe()))
 
             def hook(mod: nn.Module, args: tuple[torch.Tensor, ...], cap: _Capture = cap) -> None:
                 cap.add(args[0], sample_tokens, gen)
@@ -262,6 +317,36 @@ def search_clip(x: torch.Tensor, weight: torch.Tensor, group_size: int, symmetri
     return best
 
 
+def check_sparse_rules(recipe: QuantRecipe) -> None:
+    """Raises where a rule prunes what the build does not: the output projection (no
+    calibration capture reaches it, and the CPU's exact top-logit refinement reads the
+    dense layout)."""
+    if recipe.sparsity_for("lm_head") is not None:
+        raise ValueError("the output projection is not pruned: no rule may give lm_head 2:4 sparsity")
+
+
+def prune_layer(
+    layer: DecoderLayer, i: int, captures: dict[str, _Capture], recipe: QuantRecipe, n_heads: int, n_kv: int
+) -> dict[str, str]:
+    """Prune decoder layer `i`'s linears that the recipe's rules name to 2:4, in place, on
+    their calibration captures; returns the method of each, by module name."""
+    pruned: dict[str, str] = {}
+    for first, members, _prev in _groups(layer, n_heads, n_kv):
+        cap = captures[f"layers.{i}.{first}"]
+        for member in members:
+            name = f"layers.{i}.{member}"
+            method = recipe.sparsity_for(name)
+            if method is None:
+                continue
+            if recipe.kept(name):
+                raise ValueError(f"{name}: a layer kept in float is not pruned (2:4 is an INT4 format here)")
+            weight = _weight(layer.get_submodule(member))
+            hessian = cap.gram if method == "sparsegpt" else None
+            weight.copy_(prune(method, weight.float(), cap.input_norm, hessian).to(weight.dtype))
+            pruned[name] = method
+    return pruned
+
+
 def awq_layer(
     layer: DecoderLayer, i: int, captures: dict[str, _Capture], recipe: QuantRecipe, n_heads: int, n_kv: int
 ) -> dict[str, torch.Tensor]:
@@ -299,15 +384,20 @@ def awq_layer(
 
 def pack_linear(
     name: str, weight: torch.Tensor, recipe: QuantRecipe, clip: torch.Tensor | None, report: QuantReport
-) -> QuantizedWeight:
+) -> PackedLinear:
+    """The linear's INT4 weight: in the 2:4 format where the recipe pruned it."""
     g = group_size_for(weight.shape[1], recipe.group_for(name))
     report.layers[name] = {"bits": 4, "group_size": g, "clipped": clip is not None}
+    method = recipe.sparsity_for(name)
+    if method is not None:
+        report.layers[name].update({"sparsity": "2:4", "pruning": method})
+        return pack_sparse(weight.float(), g, clip, recipe.symmetric)
     return pack(weight.float(), g, clip, recipe.symmetric)
 
 
 def quantize_model(
     model: LlamaModel, recipe: QuantRecipe, calib_ids: list[int] | None, progress: bool = True
-) -> tuple[dict[str, QuantizedWeight], QuantReport]:
+) -> tuple[dict[str, PackedLinear], QuantReport]:
     """Quantize every linear not kept by the recipe. AWQ rescales `model` in place
     (a float-exact change) before rounding; returns the packed weights by module name.
 
@@ -316,16 +406,20 @@ def quantize_model(
     modules = dict(model.named_modules())
     report = QuantReport()
     clips: dict[str, torch.Tensor] = {}
-    if recipe.method == "awq":
+    check_sparse_rules(recipe)
+    if recipe.calibrates:
         if not calib_ids:
-            raise ValueError("AWQ needs calibration tokens")
+            raise ValueError("AWQ and pruning need calibration tokens")
         batches = calibration_batches(calib_ids, recipe.seq_len, recipe.calib_tokens)
-        captures = capture_inputs(model, batches, recipe.sample_tokens, progress)
+        captures = capture_inputs(model, batches, recipe.sample_tokens, progress, recipe)
         layers = list(enumerate(model.layers))
+        heads, kv_heads = model.config.num_heads, model.config.num_kv_heads
         for i, layer in tqdm(layers, desc="awq search", unit="layer", disable=not progress):
             assert isinstance(layer, DecoderLayer)
-            clips.update(awq_layer(layer, i, captures, recipe, model.config.num_heads, model.config.num_kv_heads))
-    packed: dict[str, QuantizedWeight] = {}
+            prune_layer(layer, i, captures, recipe, heads, kv_heads)
+            if recipe.method == "awq":
+                clips.update(awq_layer(layer, i, captures, recipe, heads, kv_heads))
+    packed: dict[str, PackedLinear] = {}
     for name in linear_names(model):
         if recipe.kept(name):
             report.layers[name] = {"bits": 16}

@@ -34,7 +34,7 @@ def write_quantized(src: Path, out: Path, recipe: QuantRecipe, progress: bool) -
     the float model whole: four bytes a weight."""
     ckpt = load_checkpoint(src, dtype=torch.float32, fuse=False)
     calib_ids = None
-    if recipe.method == "awq":
+    if recipe.calibrates:
         calib_ids = ckpt.tokenizer.encode(calibration_text(), add_special_tokens=False).ids
     with torch.inference_mode():
         packed, report = quantize_model(ckpt.model, recipe, calib_ids, progress)
@@ -48,7 +48,9 @@ def quantize_target(src: Path, src_inputs: dict[str, Any], recipe: QuantRecipe) 
     inputs = {
         "source": src_inputs,
         "recipe": recipe.to_dict(),
-        "calibration": corpus_fingerprint() if recipe.method == "awq" else None,
+        # (calibrates: AWQ, or pruning that weighs weights by the calibration's activations;
+        # for a dense round-to-nearest recipe None, as before)
+        "calibration": corpus_fingerprint() if recipe.calibrates else None,
         "quantizer": QUANTIZER_VERSION,
     }
     return src.parent / f"{src.name}-{recipe.method}-g{recipe.group_size}-{cache_key(inputs)}", inputs
@@ -168,9 +170,15 @@ def layer_recipe(
     method: str, layers: list[dict[str, Any]], group_size: int = SERVING_GROUP, symmetric: bool = False
 ) -> QuantRecipe:
     """The INT4 recipe with the profile's per-layer rules (models.qa.layers), in order,
-    the first rule matching a layer deciding: float, or INT4 at its own group size."""
+    the first rule matching a layer deciding: float, or INT4 at its own group size, pruned
+    to 2:4 by its method where it says so."""
     rules = tuple((r["match"], 0 if r["format"] == "float" else int(r.get("group_size") or group_size)) for r in layers)
-    return QuantRecipe(method=method, group_size=group_size, groups=rules, symmetric=symmetric)
+    sparse = tuple(
+        (r["match"], (r.get("pruning") or "sparsegpt") if r.get("sparsity", "dense") == "2:4" else "") for r in layers
+    )
+    if not any(method for _pattern, method in sparse):
+        sparse = ()  # a dense build's recipe (and cache key) stays as it was
+    return QuantRecipe(method=method, group_size=group_size, groups=rules, symmetric=symmetric, sparse=sparse)
 
 
 # "-sym": zero points fixed at 8, the form TensorRT's weight-only INT4 takes.

@@ -142,6 +142,10 @@ class _Exporter:
         if with_minimums:
             # MatMulNBits takes integer zero points; a Q4_1 block's float minimum has no place.
             raise ExportError(f"the ONNX export does not implement block minimums (GGUF Q4_1): {with_minimums[0]}, ...")
+        sparse = sorted(name for name, info in self.quant.items() if info.get("sparsity"))
+        if sparse:
+            # MatMulNBits reads dense INT4 blocks; the packed 2:4 codes would have to be expanded.
+            raise ExportError(f"the ONNX export does not implement 2:4 sparse INT4 weights: {sparse[0]}, ...")
         halves = sorted(name for name, info in self.quant.items() if info.get("halves"))
         if halves:
             raise ExportError(

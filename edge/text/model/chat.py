@@ -51,7 +51,7 @@ class ChatTemplate:
             raise ChatTemplateError(f"the chat template does not compile: {err}") from err
         self._specials = {k: v for k, v in special_tokens.items() if v is not None}
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True, thinking: bool = False) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, thinking: bool = False) -> str:
         """The prompt text. `thinking` is off by default: a Q&A job wants the answer, not
         a reasoning trace of hundreds of tokens before it."""
         try:

@@ -7,7 +7,10 @@ Layout of a checkpoint directory:
                      `<name>.minimums` for a GGUF Q4_1 weight) instead of `<name>.weight`
   quant.json         present for INT4 checkpoints: {"linears": {name: {"group_size": G}}},
                      with "halves": true for a GGUF Q8_0 weight stored as two INT4
-                     halves (twice the rows: QuantizedWeight.halves)
+                     halves (twice the rows: QuantizedWeight.halves), "sparsity": "2:4"
+                     for a weight in the packed 2:4 format (`<name>.codes24`,
+                     `<name>.index24`, `<name>.scales`, `<name>.zeros`:
+                     edge/text/ops/sparse24.py)
   tokenizer.json, generation.json (the chat template, special tokens, end-of-turn ids)
 """
 
@@ -30,10 +33,29 @@ from edge.text.model.llama import LlamaModel, fuse_projections
 from edge.text.ops.cpu import cpu_int4
 from edge.text.ops.cuda import cuda_int4
 from edge.text.ops.int4 import EXACT_TOP, Int4Linear, QuantizedWeight, concat_rows, cpu_kernel_available
+from edge.text.ops.sparse24 import (
+    SPARSITY,
+    Sparse24Linear,
+    Sparse24Weight,
+    concat_sparse_rows,
+    sparse_kernel,
+)
 from edge.text.ops.triton.triton_int4 import TRITON_SUPPORT
 
 # Files every checkpoint carries beside its weights; build steps copy them forward.
 SIDE_FILES = ("config.json", "tokenizer.json", "generation.json")
+# The image part of a model that reads images (its vision tower, projector and image
+# preprocessing: edge/vlm), where its source had one: carried forward by every build step
+# with the side files, so the INT4 language model keeps the eye it was trained with. The
+# language model's loader leaves them to edge/vlm (edge/tasks/image_questions.py loads them).
+IMAGE_PART = ("vision.json", "vision.safetensors")
+
+
+def carried_files(src: Path) -> list[str]:
+    """The files of checkpoint `src` a build step made from it copies: the side files,
+    and its image part where it has one."""
+    return [*SIDE_FILES, *(name for name in IMAGE_PART if (src / name).is_file())]
+
 
 FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -122,7 +144,25 @@ def load_checkpoint(
             linears = json.loads(quant_path.read_text(encoding="utf-8"))["linears"]
             groups = {name: int(info["group_size"]) for name, info in linears.items()}
             halves = {name for name, info in linears.items() if info.get("halves")}  # GGUF Q8_0 weights
-            for target, parts in _int4_units(groups, set(keys), config.num_layers, fuse, halves):
+            sparse = _sparse_linears(linears)
+            # 2:4 layers are served by their own kernel; a device without one refuses the model here.
+            sparse_with = sparse_kernel(device) if sparse else None
+
+            def packed_module(target: str, parts: tuple[str, ...], kernel: str) -> nn.Module:
+                """The module of one unit, its host tensors let go on return (before the
+                next unit's are read)."""
+                bias = None
+                if f"{parts[0]}.bias" in keys:
+                    bias = torch.cat([read(f"{n}.bias") for n in parts]).to(device=device, dtype=dtype)
+                if parts[0] in sparse:
+                    assert sparse_with is not None
+                    parts_24 = [
+                        Sparse24Weight(read(f"{n}.codes24"), read(f"{n}.index24"), read(f"{n}.scales"),
+                                       read(f"{n}.zeros"), groups[n])
+                        for n in parts
+                    ]  # fmt: skip
+                    q24 = parts_24[0] if len(parts_24) == 1 else concat_sparse_rows(parts_24)
+                    return Sparse24Linear(q24, sparse_with, bias, device=device)
                 sources = [
                     QuantizedWeight(
                         read(f"{n}.qweight"), read(f"{n}.scales"), read(f"{n}.zeros"), groups[n],
@@ -132,17 +172,16 @@ def load_checkpoint(
                     for n in parts
                 ]  # fmt: skip
                 q = sources[0] if len(sources) == 1 else concat_rows(sources)
-                bias = None
-                if f"{parts[0]}.bias" in keys:
-                    bias = torch.cat([read(f"{n}.bias") for n in parts]).to(device=device, dtype=dtype)
                 exact_top = EXACT_TOP if target == "lm_head" else 0
                 gated = target.endswith("mlp.gate_up_proj")
-                _set_module(model, target, Int4Linear(q, kernel, bias, exact_top, gated, device=device))
+                return Int4Linear(q, kernel, bias, exact_top, gated, device=device)
+
+            for target, parts in _int4_units(groups, set(keys), config.num_layers, fuse, halves, sparse):
+                _set_module(model, target, packed_module(target, parts, kernel))
                 if len(parts) > 1:
                     parent = model.get_submodule(target.rpartition(".")[0])
                     for n in parts:
                         delattr(parent, n.rpartition(".")[2])
-                del sources, q, bias  # this linear's codes, before the next one's are read
         for key in keys:
             if key in taken:
                 continue
@@ -158,7 +197,7 @@ def load_checkpoint(
     # The model holds them now: fusing below frees each layer's parts as it goes.
     state.clear()
     # INT4 layers got their buffers (codes, scales, bias) when they were built.
-    int4 = {name for name, module in model.named_modules() if isinstance(module, Int4Linear)}
+    int4 = {name for name, module in model.named_modules() if isinstance(module, Int4Linear | Sparse24Linear)}
     missing = [m for m in missing if not m.startswith("rope_") and m.rpartition(".")[0] not in int4]
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match its config: missing {missing}, unexpected {unexpected}")
@@ -194,13 +233,31 @@ def load_checkpoint(
     )
 
 
+def _sparse_linears(linears: dict[str, dict[str, object]]) -> set[str]:
+    """The linears quant.json marks as 2:4 sparse; raises on a sparsity it does not know."""
+    sparse = set()
+    for name, info in linears.items():
+        sparsity = info.get("sparsity")
+        if sparsity is None:
+            continue
+        if sparsity != SPARSITY:
+            raise ValueError(f"{name}: sparsity {sparsity!r} is not a format this runtime reads ({SPARSITY!r})")
+        sparse.add(name)
+    return sparse
+
+
 def _int4_units(
-    groups: dict[str, int], keys: set[str], num_layers: int, fuse: bool, halves: frozenset[str] | set[str] = frozenset()
+    groups: dict[str, int],
+    keys: set[str],
+    num_layers: int,
+    fuse: bool,
+    halves: frozenset[str] | set[str] = frozenset(),
+    sparse: frozenset[str] | set[str] = frozenset(),
 ) -> list[tuple[str, tuple[str, ...]]]:
     """(module, the checkpoint's INT4 linears it is made of) in the checkpoint's order:
     with `fuse`, a layer's q/k/v and gate/up as one module each where their group sizes
-    agree, all or none of them have biases and none is in `halves` (a fused module at its
-    first part)."""
+    agree, all or none of them have biases, none is in `halves` (a fused module at its
+    first part) and all or none are 2:4 (`sparse`)."""
     fused: dict[str, tuple[str, tuple[str, ...]]] = {}
     for i in range(num_layers if fuse else 0):
         for target, parts in FUSED.items():
@@ -208,6 +265,8 @@ def _int4_units(
             if not all(n in groups for n in names) or any(n in halves for n in names):
                 continue
             if len({groups[n] for n in names}) != 1 or len({f"{n}.bias" in keys for n in names}) != 1:
+                continue
+            if len({n in sparse for n in names}) != 1:
                 continue
             for n in names:
                 fused[n] = (f"layers.{i}.{target}", names)

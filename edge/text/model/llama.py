@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, overload
 
@@ -22,6 +23,7 @@ from edge.text.kv.float_cache import KVCache, SparseAttention
 from edge.text.kv.kv_quant import KVFormat
 from edge.text.kv.quant_cache import QuantKVCache, QuantLayer
 from edge.text.model.embedding import QuantizedEmbedding
+from edge.text.model.splice import Splice, apply_splices
 from edge.text.ops import step_ops
 from edge.text.ops.int4 import silu_gate_up
 
@@ -510,25 +512,39 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, ids: torch.Tensor, cache: KVCache | QuantKVCache, start: int, last_only: bool = True
+        self,
+        ids: torch.Tensor,
+        cache: KVCache | QuantKVCache,
+        start: int,
+        last_only: bool = True,
+        splices: Sequence[Splice] = (),
     ) -> torch.Tensor:
-        """Logits for `ids` [B, T] placed at positions start..start+T-1 of `cache`."""
+        """Logits for `ids` [B, T] placed at positions start..start+T-1 of `cache`;
+        `splices` (one sequence only): rows read in place of the token table's at the
+        positions they cover (an image's features: splice.py), by absolute position, so
+        a chunk takes the part of each that falls inside it."""
         seq = ids.shape[1]
         if start + seq > cache.max_len:
             raise ValueError(f"sequence of {start + seq} tokens exceeds the cache ({cache.max_len})")
         if isinstance(cache, KVCache) and cache.local_slots and seq > cache.room:
             # The sliding layers' buffers take a chunk this long at most (float_cache.py);
             # the output head runs once, on what is asked for.
-            pieces = [self._layers(ids[:, at : at + cache.room], cache, start + at) for at in range(0, seq, cache.room)]
+            pieces = [
+                self._layers(ids[:, at : at + cache.room], cache, start + at, splices)
+                for at in range(0, seq, cache.room)
+            ]
             x = pieces[-1] if last_only else torch.cat(pieces, dim=1)
         else:
-            x = self._layers(ids, cache, start)
+            x = self._layers(ids, cache, start, splices)
         if last_only:
             x = x[:, -1:, :]
         return self._head(x).float()
 
-    def _layers(self, ids: torch.Tensor, cache: KVCache | QuantKVCache, start: int) -> torch.Tensor:
-        """The residual stream after every layer for `ids` [B, T] at positions start.. ."""
+    def _layers(
+        self, ids: torch.Tensor, cache: KVCache | QuantKVCache, start: int, splices: Sequence[Splice] = ()
+    ) -> torch.Tensor:
+        """The residual stream after every layer for `ids` [B, T] at positions start..
+        (with `splices`' rows where they cover them)."""
         seq = ids.shape[1]
         local_start = start
         if isinstance(cache, KVCache) and cache.local_slots:
@@ -545,7 +561,7 @@ class LlamaModel(nn.Module):
         # The residual stream stays in float32 between layers, as in the fused decode
         # step: added to in half precision it loses the small updates of late layers,
         # and a prompt's cached keys and values would not be those its decode expects.
-        x = self._embed(ids).float()
+        x = apply_splices(self._embed(ids).float(), splices, start)
         tables = self._tables(cos, sin, slice(start, start + seq))
         for i, layer in enumerate(self.layers):
             local = isinstance(cache, KVCache) and cache.is_local[i]

@@ -35,7 +35,10 @@ after the graph's replay, on a copy of the rows the batch samples from, so the g
 every other row are untouched. It does not draft (its drafts would need its mask at each
 drafted position).
 A prompt of up to fused_prefill.GRAPH_BUCKETS[-1] tokens is prefilled by a graph
-captured at load too (fused_prefill.PrefillGraphs); a longer one op by op.
+captured at load too (fused_prefill.PrefillGraphs); a longer one op by op, and so is one
+with rows spliced in (an image's: edge/text/model/splice.py), since the graph looks its
+tokens up itself. Such a sequence shares a prefix (the prefix cache) only up to its first
+splice.
 
 Pausing drops the sequence's KV and keeps its tokens: on resume its prompt and the tokens
 generated so far are prefilled again (recomputation, as vLLM does on preemption). Keeping
@@ -62,6 +65,7 @@ from edge.text.kv.prefix_cache import MIN_TOKENS as MIN_PREFIX
 from edge.text.kv.prefix_cache import PrefixCache
 from edge.text.kv.quant_cache import QuantKVCache
 from edge.text.model.llama import LlamaModel
+from edge.text.model.splice import Splice, first_spliced
 from edge.text.runtime import cpu_step, fused_prefill, fused_step, lookup
 from edge.text.runtime.cuda_graphs import StepGraphs
 from edge.text.runtime.generate import SamplingParams, _find_stop, choose_rows, streamable_end
@@ -113,6 +117,9 @@ class Sequence:
     # Structured output (grammar.py): the tokens it may take are masked to its grammar's
     # before each of its tokens is chosen; None: unconstrained.
     grammar: Constraint | None = None
+    # Rows its prefill reads in place of its prompt tokens' embeddings (an image's
+    # features: edge/text/model/splice.py), at prompt positions.
+    splices: tuple[Splice, ...] = ()
 
     def __post_init__(self) -> None:
         self.seed = self.params.seed if self.params.seed is not None else time.time_ns() & 0x7FFFFFFF
@@ -296,6 +303,11 @@ class ContinuousBatcher:
         measured costs say a hit pays, and now and then where they do not (recheck.py)."""
         if self.prefix_cache is None or not MIN_PREFIX <= seq.prefix < len(ids):
             return None
+        spliced = first_spliced(seq.splices)
+        if spliced is not None and seq.prefix > spliced:
+            # The cache keys a prefix by its ids, which at a splice's positions (an image
+            # token repeated) do not say what the rows were.
+            return None
         if not self.prefix_cache.should_split(seq.prefix, len(ids) - seq.prefix):
             return None
         return seq.prefix
@@ -329,11 +341,13 @@ class ContinuousBatcher:
         t0 = time.perf_counter()
         events = self._events()
         graphs = self.prefill_graphs
-        if start == 0 and graphs is not None and graphs.covers(end):
+        if start == 0 and graphs is not None and graphs.covers(end) and not seq.splices:
             logits = graphs.run(ids[:end], seq.slot)
         else:
+            # A prompt with spliced rows is prefilled op by op: the captured prefill looks
+            # its tokens up in the table inside the graph.
             chunk = torch.tensor([ids[start:end]], device=self.device)
-            logits = self.model(chunk, self._row(seq.slot), start)[0, -1]
+            logits = self.model(chunk, self._row(seq.slot), start, splices=seq.splices)[0, -1]
         if events is not None:
             events[1].record()
             seq.prefill_events.append(events)

@@ -19,8 +19,10 @@ import torch
 
 from edge.text.kv.float_cache import KVCache
 from edge.text.model.llama import DecoderLayer, LlamaModel, RMSNorm
+from edge.text.ops import sparse24
 from edge.text.ops.cpu import cpu_step
 from edge.text.ops.int4 import Int4Linear
+from edge.text.ops.sparse24 import Sparse24Linear
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +64,9 @@ def refusal(model: LlamaModel) -> str | None:
             return f"layer {i} is not a decoder layer"
         for name, parts in _products(layer).items():
             for part in parts:
+                if isinstance(part, Sparse24Linear):
+                    # Its products would need the packed codes' own matrix in cpu_step.c.
+                    return f"layer {i}'s {name} product holds {sparse24.REFUSED.split(' (')[0]}"
                 if not isinstance(part, Int4Linear) or part.kernel not in ("cpu-f32", "cpu-int8"):
                     return f"layer {i}'s {name} product is not on our CPU INT4 kernels"
                 if part.bias is not None:

@@ -44,9 +44,10 @@ import torch.nn.functional as F
 from edge.text.kv.float_cache import KVCache
 from edge.text.kv.quant_cache import QuantKVCache
 from edge.text.model.llama import Attention, DecoderLayer, LlamaModel, apply_rope
-from edge.text.ops import step_ops
+from edge.text.ops import sparse24, step_ops
 from edge.text.ops.cuda import cuda_int4
 from edge.text.ops.int4 import GEMV_KERNELS, Int4Linear
+from edge.text.ops.sparse24 import Sparse24Linear
 from edge.text.ops.step_ops import add_rmsnorm, decode_attention, rope_kv_write, silu_mul
 from edge.text.runtime import cpu_step
 
@@ -106,6 +107,8 @@ def refusal(model: LlamaModel) -> str | None:
     options = [name for name in model.config.family_options() if name.split()[0] not in IMPLEMENTED]
     if any(isinstance(m, Int4Linear) and m.minimums is not None for m in model.modules()):
         options.append("block minimums (a GGUF file's Q4_1 weights)")
+    if any(isinstance(m, Sparse24Linear) for m in model.modules()):
+        options.append(sparse24.REFUSED)
     if any(isinstance(m, Int4Linear) and m.halves for m in model.modules()):
         options.append("weights in two INT4 halves (a GGUF file's Q8_0 weights)")
     return f"they do not implement {', '.join(options)}" if options else None

@@ -190,22 +190,29 @@ def _attend(
     return out
 
 
-def attention_splits(kv_len: int, n_kv: int, sms: int) -> tuple[int, int]:
+def attention_splits(kv_len: int, n_kv: int, sms: int, spread: int = KV_SPREAD) -> tuple[int, int]:
     """(splits, chunk) of a sequence's quantized cache for attention: the float cache's
-    rule (decode_ops.attention_splits) at KV_SPREAD blocks an SM, the chunk rounded up to
+    rule (decode_ops.attention_splits) at `spread` blocks an SM, the chunk rounded up to
     whole tiles (splits start on a key block)."""
-    splits, chunk = decode_ops.attention_splits(kv_len, n_kv, sms, KV_SPREAD)
+    splits, chunk = decode_ops.attention_splits(kv_len, n_kv, sms, spread)
     return splits, -(-chunk // TILE) * TILE
 
 
 def attention(
-    layer: QuantLayer, q: torch.Tensor, pos: torch.Tensor, kv_len: int, q_scale: float, window: int = 0
+    layer: QuantLayer,
+    q: torch.Tensor,
+    pos: torch.Tensor,
+    kv_len: int,
+    q_scale: float,
+    window: int = 0,
+    spread: int = KV_SPREAD,
 ) -> torch.Tensor:
     """q [B, NH, HD] (times q_scale) of each row's token at pos[b] against its cache
     positions 0..pos[b] (in a sliding layer, `window` > 0, its last `window` of them)
-    -> [B, NH * HD] in the cache's float type."""
+    -> [B, NH * HD] in the cache's float type, the cache split for `spread` blocks an SM
+    (another only to time the rule)."""
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    splits, chunk = attention_splits(kv_len, layer.ring_k.shape[1], sms)
+    splits, chunk = attention_splits(kv_len, layer.ring_k.shape[1], sms, spread)
     positions = pos.to(torch.int64).contiguous()
     return _attend(layer, q.contiguous(), (layer.ring_k, layer.ring_v), positions, 0, 0, splits, chunk, q_scale, window)
 
