@@ -99,9 +99,9 @@ def _tokenizer(directory: Path, template: str, eos: str) -> Any:
     return fast
 
 
-def _randomise(model: Any) -> None:
+def randomise(model: Any) -> None:
     """Weights wide enough that greedy choices are clear (the default init makes every
-    logit nearly equal)."""
+    logit nearly equal), biases included (transformers starts them at zero)."""
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -188,7 +188,7 @@ def random_family_model(family: str, tokenizer: Any) -> Any:
             tie_word_embeddings=True,
         )
         model = Gemma3ForCausalLM(config)
-    _randomise(model)
+    randomise(model)
     model.eval()
     return model
 

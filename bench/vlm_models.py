@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from PIL import Image
 
-from bench.family_models import bpe_tokenizer
+from bench.family_models import bpe_tokenizer, randomise
 
 SPECIALS = ["<s>", "</s>", "<image>"]
 CORPUS = [
@@ -43,18 +42,6 @@ PINPOINTS = [[32, 64], [64, 32], [64, 64]]
 
 def _tokenizer() -> Any:
     return bpe_tokenizer(CORPUS, SPECIALS, "<s>", "</s>")
-
-
-def _randomise(model: Any) -> None:
-    """Weights wide enough that greedy choices are clear (the default init makes every
-    logit nearly equal), biases included."""
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
-            else:
-                param.copy_(0.15 * torch.randn(param.shape, generator=gen))
 
 
 def make_llava(directory: Path, family: str) -> tuple[Any, Any]:
@@ -124,7 +111,7 @@ def make_llava(directory: Path, family: str) -> tuple[Any, Any]:
             num_additional_image_tokens=0,
             chat_template=TEMPLATE,
         )
-    _randomise(model)
+    randomise(model)
     model.eval()
     model.save_pretrained(directory)
     processor.save_pretrained(directory)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from bench.family_models import randomise
 from edge.text.model.chat import ChatTemplateError
 from edge.text.model.checkpoint import load_checkpoint
 from edge.text.runtime.generate import SamplingParams, generate
@@ -67,18 +68,6 @@ def _tokenizer(directory: Path, template: str, eos: str) -> Any:
     return fast
 
 
-def _randomise(model: Any) -> None:
-    """Weights wide enough that greedy choices are clear (the default init makes every
-    logit nearly equal), biases included (transformers starts them at zero)."""
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
-            else:
-                param.copy_(0.15 * torch.randn(param.shape, generator=gen))
-
-
 def random_family_model(family: str, tokenizer: Any) -> Any:
     """A small random transformers model of `family` ("llama": Llama 3's RoPE scaling,
     untied head; "qwen2": q/k/v biases, tied embeddings) over `tokenizer`'s vocabulary."""
@@ -113,7 +102,7 @@ def random_family_model(family: str, tokenizer: Any) -> Any:
         model: Any = LlamaForCausalLM(config)
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True))
-    _randomise(model)
+    randomise(model)
     model.eval()
     return model
 

@@ -141,6 +141,7 @@ class _Capture:
     sample: list[torch.Tensor] = field(default_factory=list)
     sampled: int = 0
     hessian_wanted: bool = False
+    norms_wanted: bool = False
     sq_sum: torch.Tensor | None = None
     gram: torch.Tensor | None = None
 
@@ -159,8 +160,9 @@ class _Capture:
     def _add(self, flat: torch.Tensor, idx: torch.Tensor | None) -> None:
         s = flat.abs().sum(0)
         self.abs_sum = s if self.abs_sum is None else self.abs_sum + s
-        sq = flat.square().sum(0)
-        self.sq_sum = sq if self.sq_sum is None else self.sq_sum + sq
+        if self.norms_wanted:
+            sq = flat.square().sum(0)
+            self.sq_sum = sq if self.sq_sum is None else self.sq_sum + sq
         if self.hessian_wanted:
             gram = flat.T @ flat
             self.gram = gram if self.gram is None else self.gram + gram
@@ -187,9 +189,10 @@ class _Capture:
 
 def new_capture(layer_index: int, members: list[str], recipe: QuantRecipe) -> _Capture:
     """The capture of one input group of decoder layer `layer_index`: with the Hessian
-    where one of its linears is pruned by SparseGPT."""
-    wanted = any(recipe.sparsity_for(f"layers.{layer_index}.{m}") == "sparsegpt" for m in members)
-    return _Capture(hessian_wanted=wanted)
+    where one of its linears is pruned by SparseGPT, the input norms where one is by Wanda
+    (neither for a dense build, whose AWQ reads the mean magnitudes and the sample only)."""
+    methods = {recipe.sparsity_for(f"layers.{layer_index}.{m}") for m in members}
+    return _Capture(hessian_wanted="sparsegpt" in methods, norms_wanted="wanda" in methods)
 
 
 def _groups(layer: DecoderLayer, n_heads: int, n_kv: int) -> list[tuple[str, list[str], nn.Module | None]]:
@@ -342,7 +345,8 @@ def prune_layer(
                 raise ValueError(f"{name}: a layer kept in float is not pruned (2:4 is an INT4 format here)")
             weight = _weight(layer.get_submodule(member))
             hessian = cap.gram if method == "sparsegpt" else None
-            weight.copy_(prune(method, weight.float(), cap.input_norm, hessian).to(weight.dtype))
+            norms = cap.input_norm if method == "wanda" else None
+            weight.copy_(prune(method, weight.float(), norms, hessian).to(weight.dtype))
             pruned[name] = method
     return pruned
 
