@@ -11,6 +11,7 @@ serves it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterator
@@ -38,7 +39,7 @@ from edge.text.model.checkpoint import load_checkpoint
 from edge.text.model.llama import Attention, LlamaModel
 from edge.text.ops import step_ops
 from edge.text.ops.cpu import cpu_int4
-from edge.text.runtime import cpu_step, fused_step
+from edge.text.runtime import cpu_step, fused_prefill, fused_step
 from edge.text.runtime.continuous import ContinuousBatcher, Sequence
 from edge.text.runtime.generate import SamplingParams, generate
 from engines.text.import_gguf import SourceModelError, import_gguf
@@ -188,16 +189,21 @@ def test_awq_quantizes_the_linears_and_keeps_the_norms_float(family: dict[str, A
 
 
 @pytest.fixture(scope="module")
-def int4(family: dict[str, Any]) -> LlamaModel:
-    """The family's INT4 build (round to nearest, groups of 32) on our float32 CPU kernel,
-    which the C step serves."""
+def int4_build(family: dict[str, Any]) -> Path:
+    """The family's INT4 build (round to nearest, groups of 32): its checkpoint."""
     from engines.text.quantize import QuantRecipe
     from engines.text.text_build import quantize_checkpoint
 
+    built: Path = quantize_checkpoint(family["ckpt"], QuantRecipe(method="rtn", group_size=32), progress=False)
+    return built
+
+
+@pytest.fixture(scope="module")
+def int4(int4_build: Path) -> LlamaModel:
+    """The family's INT4 build on our float32 CPU kernel, which the C step serves."""
     if not cpu_int4.available():
         pytest.skip("no C compiler for the CPU kernels")
-    built = quantize_checkpoint(family["ckpt"], QuantRecipe(method="rtn", group_size=32), progress=False)
-    return load_checkpoint(built, cpu_kernel="exact").model
+    return load_checkpoint(int4_build, cpu_kernel="exact").model
 
 
 def test_the_c_step_serves_the_int4_build_as_op_by_op_past_the_window(family: dict[str, Any], int4: LlamaModel) -> None:
@@ -240,21 +246,27 @@ def test_the_c_step_serves_the_int4_build_as_op_by_op_past_the_window(family: di
         assert far > 1e3 * error and far > 1e-3, (error, far)
 
 
-def _steps(model: LlamaModel, cache: KVCache, ids: torch.Tensor, row: int, start: int, fused: bool) -> torch.Tensor:
+def _steps(
+    model: LlamaModel, cache: KVCache | QuantKVCache, ids: torch.Tensor, row: int, start: int, fused: bool
+) -> torch.Tensor:
     """Logits of ids[start:] decoded one token a step in cache row `row` (the other row
-    parked at the cache's end), room made in the sliding buffers before each as the
-    batcher does: the C step (`fused`) or the op-by-op one."""
+    parked at the cache's end), room made in a float cache's sliding buffers before each
+    as the batcher does: the fused step (`fused`: on the CPU the C step) or the op-by-op
+    one, on the model's device."""
     model.fused_decode = None if fused else False  # None: decided on the first step
     rows = []
+    device = model.device
     try:
         with torch.no_grad():
             for t in range(start, ids.shape[1]):
                 positions = [cache.max_len - 1] * cache.batch
                 positions[row] = t
-                cache.make_room_for_step(positions)
+                if isinstance(cache, KVCache):
+                    cache.make_room_for_step(positions)
                 tokens = torch.zeros(cache.batch, 1, dtype=torch.long)
                 tokens[row] = ids[0, t]
-                rows.append(fused_step.decode_step(model, tokens, cache, torch.tensor(positions), t + 1)[row])
+                pos = torch.tensor(positions, device=device)
+                rows.append(fused_step.decode_step(model, tokens.to(device), cache, pos, t + 1)[row].float())
         assert model.fused_decode is fused
     finally:
         model.fused_decode = None
@@ -455,8 +467,11 @@ def test_the_batcher_speculates_over_the_sliding_buffers_as_over_every_position(
 
 
 def test_what_the_fast_paths_do_not_implement_is_refused_by_name(family: dict[str, Any]) -> None:
+    """The fused decode step implements every family's options (on CUDA, where the step
+    kernels take the heads); the fused prefill and the ONNX export refuse them by name."""
     ours = load_checkpoint(family["ckpt"], dtype=torch.float32)
-    refused = fused_step.refusal(ours.model)
+    assert fused_step.refusal(ours.model) is None
+    refused = fused_prefill.refusal(ours.model)
     first = ours.model.config.family_options()[0]
     assert refused is not None and first in refused
     if family["name"] == "gemma3":
@@ -714,8 +729,9 @@ def test_on_cuda_each_family_answers_as_transformers_and_its_int4_build_as_on_th
     """On a GPU: the float model's logits over 200 positions as serving computes them
     (a prefill, a chunk, then the decode step; a sliding window's masks included) equal
     transformers' to float32 rounding. Its AWQ INT4 build, loaded as the GPU profile
-    serves it (our INT4 kernel, the per-op step the family's options need, float16),
-    says it runs op by op and, with a float token table, gives the same build's float32
+    serves it (our INT4 kernel, float16; the fused step, tested against the per-op one
+    below, where the step kernels take its heads: Triton's), with a float token table gives
+    the same build's float32
     CPU logits to float16 rounding (within 2%: measured 0.2-0.6%); with the served int8
     table (random weights: 2% off, Gemma's scaled embedding 7%), the same top token at
     nearly every position."""
@@ -735,10 +751,178 @@ def test_on_cuda_each_family_answers_as_transformers_and_its_int4_build_as_on_th
     for table, most_rel, least_top1 in (("float", 2e-2, 0.95), ("auto", 1.0, 0.85)):
         engine = load_engine(int4, "cuda", warm=False, embedding=table)
         config = engine.config()
-        assert config["device"] == "cuda" and not config["fused_step"] and config["kernel"] == "cuda-mma"
+        assert config["device"] == "cuda" and config["kernel"] == "cuda-mma"
+        assert config["fused_step"] == (step_ops.backend(cuda) == "triton")  # ours take no heads of 16 or 24
         assert config["embedding"] == ("float" if table == "float" else "int8")
         with torch.inference_mode():
             got = served_logits(engine.model, ids.to(cuda)).float().cpu()
         rel = ((got - want).norm() / want.norm()).item()
         top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
         assert rel < most_rel and top1 >= least_top1, (table, rel, top1)
+
+
+# -- the fused decode step on CUDA -----------------------------------------------------------
+
+
+def _step_kernels(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    """The step kernels that serve CUDA in this test: Triton's, or ours with Triton hidden
+    (as on a Jetson)."""
+    from edge.text.ops.cuda import decode_ops as cuda_ops
+
+    if backend == "triton" and not step_ops.triton_present():
+        pytest.skip("Triton is not installed")
+    if backend == "cuda" and not cuda_ops.available("cuda"):
+        pytest.skip("our CUDA decode kernels did not build here")
+    monkeypatch.setattr(step_ops, "_chosen", {"cuda": backend, "cuda:0": backend})
+
+
+def _logits_of(model: LlamaModel, kv: str, positions: int, fused: bool) -> torch.Tensor | None:
+    """Logits of the fused decode step (`fused`) or the per-op one, decoding row 1 of a
+    2-row cache (the other parked at its end) from a prefill shorter than the window to
+    `positions`: a float cache whose sliding layers keep their window and room for 8 new
+    positions (moved every 8 steps past the window), or an int8 one. None where the
+    quantized-KV kernels refuse the model's heads (the refusal asserted)."""
+    config = model.config
+    ids = torch.randint(0, config.vocab_size, (1, positions), generator=torch.Generator().manual_seed(6))
+    prefill = WINDOW - 4
+    if kv == "float":  # in the activations' type
+        cache: KVCache | QuantKVCache = KVCache(config, 2, 256, model.dtype, model.device, room=8)
+    else:
+        group = config.num_heads // config.num_kv_heads
+        refused = step_ops.kv_refusal(model.device, FORMATS["int8"], config.head_dim, group, model.dtype)
+        if refused:
+            with pytest.raises(ValueError, match=re.escape(refused)):
+                model.new_cache(2, 256, FORMATS["int8"])
+            return None
+        cache = model.new_cache(2, 256, FORMATS["int8"])
+    with torch.no_grad():
+        model(ids[:, :prefill].to(model.device), cache.rows(1, 1), 0)
+    logits = _steps(model, cache, ids, 1, prefill, fused).cpu()
+    if isinstance(cache, KVCache) and config.window:
+        assert int(cache.offsets[1]) > positions - 2 * WINDOW  # the buffers moved with the positions
+    return logits
+
+
+def _compare(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """(the largest relative error of any position's logits, the share of positions with
+    the same top token)."""
+    error = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
+    return error, (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+
+
+def _fused_against_per_op(model: LlamaModel, kv: str, positions: int) -> tuple[float, float] | None:
+    """_compare of the fused step's logits against the per-op step's (_logits_of); None
+    where the quantized-KV kernels refuse the model's heads."""
+    got = _logits_of(model, kv, positions, fused=True)
+    if got is None:
+        return None
+    want = _logits_of(model, kv, positions, fused=False)
+    assert want is not None
+    return _compare(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("kv", ["float", "int8"])
+def test_on_cuda_the_fused_step_serves_the_familys_int4_build_as_the_per_op_step(
+    family: dict[str, Any], int4_build: Path, backend: str, kv: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU the family's INT4 build (float16, our INT4 kernel) decodes in the fused
+    step (every option of its family: q/k norms, the window over the sliding buffers, the
+    local rotary table, the partial rotary, GeGLU, the output norms, the scaled embedding,
+    the query scale and the logit cap) with the per-op step's logits over 200 positions,
+    past the window, over a float16 cache and an int8 one. With Triton's step kernels, or
+    ours with Triton hidden: ours take heads of 64, 128 or 256 channels, not these test
+    models' 16 and 24, and say so (the family-shaped models of the next test have heads
+    ours take); Triton's quantized-KV kernels refuse Qwen3's heads of 24 by name."""
+    _step_kernels(monkeypatch, backend)
+    cuda = torch.device("cuda")
+    model = load_checkpoint(int4_build, dtype=torch.float16, device=cuda).model
+    config = model.config
+    group = config.num_heads // config.num_kv_heads
+    refused = step_ops.attention_refusal(cuda, config.head_dim, group, model.dtype, config.hidden_size)
+    if refused:
+        assert backend == "cuda" and f"head_dim {config.head_dim}" in refused
+        assert not fused_step.can_fuse(model)
+        return
+    assert fused_step.can_fuse(model) and fused_step.refusal(model) is None
+    measured = _fused_against_per_op(model, kv, POSITIONS)
+    if measured is None:
+        assert family["name"] == "qwen3" and kv == "int8"
+        return
+    error, top1 = measured
+    # An int8 cache's rounding differs between the steps' orders of operations.
+    assert error < (2e-2 if kv == "float" else 4e-2) and top1 >= 0.95, (error, top1)
+
+
+def _family_shaped(config: LlamaConfig) -> LlamaConfig:
+    """A family's options (its config's) on heads of 64 channels, which both step backends'
+    kernels take: a partial rotary turns the same share of a head, LongRoPE's factors
+    stretched to its frequencies."""
+    rotary = config.rotary_dim * 64 // config.head_dim if config.rotary_dim else 0
+    scaling = config.rope_scaling
+    if scaling and "short_factor" in scaling:
+        short = scaling["short_factor"]
+        half = (rotary or 64) // 2
+        scaling = {**scaling, "short_factor": [short[i * len(short) // half] for i in range(half)]}
+    return dataclasses.replace(
+        config,
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_heads=4,
+        num_kv_heads=min(config.num_kv_heads, 2),
+        head_size=64,
+        rotary_dim=rotary,
+        rope_scaling=scaling,
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("kv", ["float", "int8"])
+def test_on_cuda_the_fused_step_serves_each_familys_options_on_both_backends(
+    family: dict[str, Any], backend: str, kv: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The family's options on heads of 64 channels (random INT4 weights, bfloat16, our
+    INT4 kernel): the fused step serves them with either backend's step kernels (and the
+    norms folded into the products where the layer is Llama's between them: no output
+    norms, SiLU), its logits over 200 positions, past the window, over a float cache (the
+    activations' type) and an int8 one as near the same model's float32 per-op step as
+    the bfloat16 per-op step's are."""
+    from engines.text.random_llama import random_int4_llama
+
+    _step_kernels(monkeypatch, backend)
+    config = _family_shaped(read_hf_config(family["source"]))
+    assert [o.split()[0] for o in config.family_options()] == [
+        o.split()[0] for o in read_hf_config(family["source"]).family_options()
+    ]
+    model = random_int4_llama(config, "cuda", "cuda-mma", group=32, dtype=torch.bfloat16, seed=3)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if "norm" in name:  # about one: a norm applied with another's weight, or not at all, shows
+                weight.copy_(1.0 + 0.2 * torch.randn(weight.shape, device="cuda", generator=gen))
+    assert fused_step.can_fuse(model)
+    assert fused_step.folds_norm(model, 2)[0] == (not config.output_norms and config.mlp_activation == "silu")
+    # The same model in float32 (its INT4 weights and its bfloat16 parameters, widened),
+    # per op: what both bfloat16 steps are measured against. bfloat16 rounding alone
+    # parts them further on some families (Gemma 3's scaled embedding and output norms
+    # amplify it), so the fused step must be as near the float32 step as the per-op one
+    # is, not equal to the per-op one.
+    exact = random_int4_llama(config, "cuda", "dequant", group=32, dtype=torch.float32, seed=3)
+    with torch.no_grad():
+        for (name, wide), (twin, narrow) in zip(exact.named_parameters(), model.named_parameters(), strict=True):
+            assert name == twin
+            wide.copy_(narrow.float())
+    want = _logits_of(exact, "float", POSITIONS, fused=False)
+    got = _logits_of(model, kv, POSITIONS, fused=True)
+    per_op = _logits_of(model, kv, POSITIONS, fused=False)
+    assert want is not None and got is not None and per_op is not None
+    (error, top1), (per_op_error, per_op_top1) = _compare(got, want), _compare(per_op, want)
+    assert error <= max(4e-2, 1.25 * per_op_error) and top1 >= min(0.9, per_op_top1 - 0.03), (
+        (error, top1),
+        (per_op_error, per_op_top1),
+    )

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from edge.text.architecture import LlamaConfig
-from edge.text.model.llama import DecoderLayer, LlamaModel
+from edge.text.model.llama import DecoderLayer, LlamaModel, RMSNorm
 from edge.text.ops.int4 import Int4Linear, QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -95,6 +95,9 @@ def random_int4_llama(
     embed = _random_matrix(config.vocab_size, h, dtype, device, gen)
     model.embed_tokens.weight = nn.Parameter(embed, requires_grad=False)
     model.norm.weight = nn.Parameter(torch.ones(h, dtype=dtype, device=device), requires_grad=False)
+    for norm in model.modules():  # a family's other norms (q/k heads, branch outputs): ones too
+        if isinstance(norm, RMSNorm) and norm.weight.is_meta:
+            norm.weight = nn.Parameter(torch.ones(norm.weight.shape, dtype=dtype, device=device), requires_grad=False)
     if quantize_lm_head:
         model.lm_head = Int4Linear(random_quantized(config.vocab_size, h, group, device, gen), kernel)  # type: ignore[assignment]
     else:

@@ -163,10 +163,15 @@ def rope_kv_write(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     n_heads: int,
+    q_scale: float | None = None,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """qkv [B, (NH + 2 NKV) * HD] -> rotated, pre-scaled queries [B, NH, HD]; k and v of
-    each sequence written into the layer's cache [B', NKV, L, HD] at pos[b]."""
-    q: torch.Tensor = _ops(qkv).rope_kv_write(qkv, cos, sin, pos, k_cache, v_cache, n_heads)
+    """qkv [B, (NH + 2 NKV) * HD] -> rotated queries [B, NH, HD] pre-scaled by q_scale
+    (None: 1/sqrt(HD)); k and v of each sequence written into the layer's cache
+    [B', NKV, L, HD] at slots[b] (None: pos[b]; a sliding layer's own buffer: the
+    position less the row's offset), turned by the rotary at pos[b] over the tables'
+    width (a partial rotary: fewer channels than HD, the rest passed unturned)."""
+    q: torch.Tensor = _ops(qkv).rope_kv_write(qkv, cos, sin, pos, k_cache, v_cache, n_heads, q_scale, slots)
     return q
 
 
@@ -186,10 +191,17 @@ def rope_prefill(
 
 
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor, kv_len: int, sms: int
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: torch.Tensor,
+    kv_len: int,
+    sms: int,
+    window: int = 0,
 ) -> torch.Tensor:
-    """q [B, NH, HD] (pre-scaled) against cache positions 0..pos[b] -> [B, NH * HD]."""
-    out: torch.Tensor = _ops(q).decode_attention(q, k_cache, v_cache, pos, kv_len, sms)
+    """q [B, NH, HD] (pre-scaled) against cache positions 0..pos[b] (with `window` > 0, a
+    sliding layer's, only the last `window` of them) -> [B, NH * HD]."""
+    out: torch.Tensor = _ops(q).decode_attention(q, k_cache, v_cache, pos, kv_len, sms, window)
     return out
 
 

@@ -43,10 +43,28 @@ logger = logging.getLogger(__name__)
 GRAPH_BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
+def refusal(model: LlamaModel) -> str | None:
+    """Why the fused prefill cannot take this model's graph where the fused decode step
+    can: it implements Llama's graph alone (one rotary table turning whole heads, no q/k
+    norms, no window, SiLU, no output norms, no query scale, embedding scale or logit
+    cap), so every family option is refused by name. (A window would also need a sliding
+    layer's buffer, float_cache.py, to take a prompt longer than its room in pieces.)
+    None where it can."""
+    options = model.config.family_options()
+    return f"it does not implement {', '.join(options)}" if options else None
+
+
 def supported(model: LlamaModel) -> bool:
     """The fused prefill takes what the fused decode step takes (Int4Linear projections
-    without bias, on CUDA, with Triton's step kernels or ours)."""
-    return model.device.type == "cuda" and fused_step.can_fuse(model)
+    without bias, on CUDA, with Triton's step kernels or ours) but the family options
+    (refusal): such a model's prompts are prefilled op by op."""
+    if model.device.type != "cuda" or not fused_step.can_fuse(model):
+        return False
+    refused = refusal(model)
+    if refused:
+        logger.info("fused prefill refused: %s; prompts are prefilled op by op", refused)
+        return False
+    return True
 
 
 def rope_write(

@@ -1,5 +1,5 @@
-"""One decode step of an INT4 Llama in a dozen kernels per layer: the runtime's step
-where the model allows it (decode_step).
+"""One decode step of an INT4 Llama-family model in a dozen kernels per layer: the
+runtime's step where the model allows it (decode_step).
 
 Written op by op in torch, a decode step is about forty kernels per layer (the norm
 alone is five, rotary six, attention eight, each INT4 product three), and on a big GPU
@@ -14,6 +14,18 @@ On the CUDA GEMV with bfloat16 activations the norms and the SiLU fold into the 
 (folds_norm): o GEMV + residual -> gate/up GEMV + SiLU -> down GEMV + residual -> the
 next layer's qkv GEMV, with no kernel between them.
 
+The families' options (LlamaConfig.family_options, all of IMPLEMENTED) are served in the
+same step: Qwen3's and Gemma 3's q/k head norms (a norm over each q and k head of the qkv
+product, before the rotary kernel); a sliding window (the attention kernels take it,
+reading a sliding layer's own buffer of the float cache at the positions less the row's
+offset, computed on the device as the per-op step does); Gemma 3's local layers' own
+rotary table; Phi-4-mini's partial rotary (the rotary kernel turns the tables' width of a
+head and passes the rest); Gemma's GeGLU (GELU in its tanh form times up, in torch after
+the gate/up GEMV), its norms of each branch's output before the residual add (our norm
+kernel), its query scale (the rotary kernel's pre-scale), its scaled embedding and its
+soft-capped logits. Over a quantized cache a partial rotary is turned in torch and
+written by the cache's own write kernel. Where an option is set the norms are not folded.
+
 The residual stream stays in float32 between layers (the GEMVs accumulate in float32
 and the next kernel reads that directly, so nothing is cast back and forth), and
 attention reads the cache only up to each sequence's position, not the whole bucket.
@@ -24,12 +36,14 @@ KV-length bucket like the torch path does.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from edge.text.kv.float_cache import KVCache
 from edge.text.kv.quant_cache import QuantKVCache
-from edge.text.model.llama import DecoderLayer, LlamaModel
+from edge.text.model.llama import Attention, DecoderLayer, LlamaModel, apply_rope
 from edge.text.ops import sparse24, step_ops
 from edge.text.ops.cuda import cuda_int4
 from edge.text.ops.int4 import GEMV_KERNELS, Int4Linear
@@ -38,6 +52,20 @@ from edge.text.ops.step_ops import add_rmsnorm, decode_attention, rope_kv_write,
 from edge.text.runtime import cpu_step
 
 logger = logging.getLogger(__name__)
+
+# The family options (LlamaConfig.family_options, by the first word of each name) the
+# step implements on CUDA with either backend's kernels: every option of today's families.
+IMPLEMENTED = (
+    "qk_norm",
+    "sliding_window",
+    "rope_local_theta",
+    "mlp_activation",
+    "embedding_scale",
+    "output_norms",
+    "attention_scale",
+    "final_logit_softcap",
+    "rotary_dim",
+)
 
 
 def decode_step(
@@ -73,10 +101,10 @@ def _gemv(linear: torch.nn.Module, x: torch.Tensor, norm: cuda_int4.NormInput | 
 
 
 def refusal(model: LlamaModel) -> str | None:
-    """Why the fused kernels cannot serve this model's graph, naming the options they do
-    not implement (they are Llama's graph: SiLU, one RoPE table, no q/k norms, no window,
-    no output norms); None where they can."""
-    options = model.config.family_options()
+    """Why the fused kernels cannot serve this model's graph, naming what they do not
+    implement (a family option not in IMPLEMENTED, a GGUF file's block minimums or
+    weights in halves); None where they can."""
+    options = [name for name in model.config.family_options() if name.split()[0] not in IMPLEMENTED]
     if any(isinstance(m, Int4Linear) and m.minimums is not None for m in model.modules()):
         options.append("block minimums (a GGUF file's Q4_1 weights)")
     if any(isinstance(m, Sparse24Linear) for m in model.modules()):
@@ -116,8 +144,14 @@ def folds_norm(model: LlamaModel, bsz: int) -> tuple[bool, bool]:
     """(layers, head): whether the step folds each layer's two RMSNorms into the CUDA
     GEMVs around them (cuda_int4.cu's header), and the final one into the head. Only for
     bfloat16: the norm's input is the residual times its weight, not yet divided by the
-    RMS, which float16's range would not always hold."""
+    RMS, which float16's range would not always hold; and only for Llama's layer between
+    the products (no output norms, SiLU)."""
     if not model.fold_norms or model.dtype != torch.bfloat16 or model.device.type != "cuda":
+        return False, False
+    config = model.config
+    if config.output_norms or config.mlp_activation != "silu":
+        # A branch's output is normalised before its add (the add is no longer the
+        # product's epilogue), or the gate is no SiLU (no GEMV epilogue of ours computes it).
         return False, False
     for layer in model.layers:
         if not isinstance(layer, DecoderLayer):
@@ -135,26 +169,111 @@ def folds_norm(model: LlamaModel, bsz: int) -> tuple[bool, bool]:
     return True, isinstance(head, Int4Linear) and head.folds_norm(bsz, model.dtype, producer=False)
 
 
+@dataclass(frozen=True)
+class _Where:
+    """A step's positions: each row's [B] on the device and the attended length; a float
+    cache's sliding buffers' own (the positions less each row's offset, computed on the
+    device so a captured graph follows the buffers' moves) and length."""
+
+    pos: torch.Tensor
+    kv_len: int
+    local_pos: torch.Tensor | None = None
+    local_len: int = 0
+
+
+def _where(cache: KVCache | QuantKVCache, pos: torch.Tensor, kv_len: int) -> _Where:
+    if isinstance(cache, KVCache) and cache.local_slots:
+        return _Where(pos, kv_len, cache.local_positions(pos), min(kv_len, cache.local_slots))
+    return _Where(pos, kv_len)
+
+
+def _qk_norm(qkv: torch.Tensor, attn: Attention, n_heads: int, n_kv: int) -> torch.Tensor:
+    """qkv [B, (NH + 2 NKV) HD] with each q and k head normalised (Qwen3, Gemma 3), in float32."""
+    assert attn.q_norm is not None and attn.k_norm is not None
+    bsz, hd = qkv.shape[0], attn.head_dim
+    q, k, v = torch.split(qkv.float().view(bsz, -1, hd), [n_heads, n_kv, n_kv], dim=1)
+    q = F.rms_norm(q, (hd,), attn.q_norm.weight.float(), attn.q_norm.eps)
+    k = F.rms_norm(k, (hd,), attn.k_norm.weight.float(), attn.k_norm.eps)
+    return torch.cat([q, k, v], dim=1).view(bsz, -1)
+
+
+def _turned(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pos: torch.Tensor,
+    n_heads: int,
+    hd: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k (turned by the rotary at pos over the tables' width) and v [B, heads, HD] in
+    `dtype`, in torch: a partial rotary over a quantized cache, whose write kernels turn
+    whole heads."""
+    bsz = qkv.shape[0]
+    heads = qkv.float().view(bsz, -1, hd)
+    n_kv = (heads.shape[1] - n_heads) // 2
+    c, s = cos.index_select(0, pos).unsqueeze(1), sin.index_select(0, pos).unsqueeze(1)
+    qk = apply_rope(heads[:, : n_heads + n_kv], c, s)
+    q, k = torch.split(qk, [n_heads, n_kv], dim=1)
+    v = heads[:, n_heads + n_kv :]
+    return q.to(dtype).contiguous(), k.to(dtype).contiguous(), v.to(dtype).contiguous()
+
+
 def _attend(
     model: LlamaModel,
+    layer: DecoderLayer,
     qkv: torch.Tensor,
     cache: KVCache | QuantKVCache,
     i: int,
-    pos: torch.Tensor,
-    kv_len: int,
+    at: _Where,
     sms: int,
 ) -> torch.Tensor:
-    """Layer i's rotary, cache write and attention for the step's rows: [B, NH * HD]."""
+    """Layer i's q/k norms, rotary, cache write and attention for the step's rows: [B, NH * HD]."""
+    config = model.config
+    attn = layer.self_attn
     bsz = qkv.shape[0]
-    n_heads = model.config.num_heads
+    n_heads, hd = config.num_heads, config.head_dim
+    if attn.q_norm is not None:
+        qkv = _qk_norm(qkv, attn, n_heads, config.num_kv_heads)
+    cos, sin = model.rope_cos, model.rope_sin
+    if layer.local_rope and model.rope_local is not None:
+        cos, sin = model.rope_local  # Gemma 3's local layers' own table
+    # The query scale: Llama's 1/sqrt(head_dim) where the model sets none (None below).
+    scale = config.attention_scale or None
     if isinstance(cache, QuantKVCache):
-        layer = cache.rows(0, bsz).layer(i)
+        kv = cache.rows(0, bsz).layer(i)
         kernels = step_ops.kv_kernels(model.device)
-        q = kernels.rope_write(qkv, model.rope_cos, model.rope_sin, pos, layer, n_heads)
-        return kernels.attention(layer, q, pos, kv_len, q_scale=1.0)
+        if config.rotated < hd:  # a partial rotary: turned here, written by the cache's kernel
+            q, k, v = _turned(qkv, cos, sin, at.pos, n_heads, hd, kv.ring_k.dtype)
+            kernels.write_tokens(kv, k, v, at.pos)
+            return kernels.attention(kv, q, at.pos, at.kv_len, q_scale=attn.scale, window=attn.window)
+        q = kernels.rope_write(qkv, cos, sin, at.pos, kv, n_heads)  # pre-scaled by 1/sqrt(head_dim)
+        q_scale = 1.0 if scale is None else scale * hd**0.5
+        return kernels.attention(kv, q, at.pos, at.kv_len, q_scale=q_scale, window=attn.window)
     k_cache, v_cache = (t[:bsz] for t in cache.layer(i))
-    q = rope_kv_write(qkv, model.rope_cos, model.rope_sin, pos, k_cache, v_cache, n_heads)
-    return decode_attention(q, k_cache, v_cache, pos, kv_len, sms)
+    if cache.is_local[i]:  # a sliding layer's own buffer: slots from each row's offset
+        assert at.local_pos is not None
+        q = rope_kv_write(qkv, cos, sin, at.pos, k_cache, v_cache, n_heads, scale, at.local_pos)
+        return decode_attention(q, k_cache, v_cache, at.local_pos, at.local_len, sms, attn.window)
+    q = rope_kv_write(qkv, cos, sin, at.pos, k_cache, v_cache, n_heads, scale)
+    return decode_attention(q, k_cache, v_cache, at.pos, at.kv_len, sms, attn.window)
+
+
+def _gelu_mul(gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """gelu(gate) * up [B, F] (GELU in its tanh form: Gemma's GeGLU) of a [gate; up]
+    product [B, 2F] in float32, in `dtype`."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.gelu(gate, approximate="tanh") * up).to(dtype)
+
+
+def _out_norm(delta: torch.Tensor, norm: torch.nn.Module | None, eps: float) -> torch.Tensor:
+    """A branch's output [B, H] (float32) normalised before its residual add where the
+    layer has an output norm (Gemma 3's), else as it is."""
+    if norm is None:
+        return delta
+    weight = norm.weight
+    assert isinstance(weight, torch.Tensor)
+    return add_rmsnorm(delta.float().contiguous(), None, weight, eps)
 
 
 def fused_decode_step(
@@ -168,14 +287,15 @@ def fused_decode_step(
     layers = [layer for layer in model.layers if isinstance(layer, DecoderLayer)]
     fold, fold_head = folds_norm(model, bsz)
     eps = config.rms_norm_eps
-    x = model.embed_tokens(ids.view(bsz)).float()  # the residual stream, float32
+    at = _where(cache, pos, kv_len)
+    x = model._embed(ids.view(bsz)).float()  # the residual stream, float32 (Gemma's scaled embedding)
     h = add_rmsnorm(x, None, layers[0].input_layernorm.weight, eps)
     norm_in: cuda_int4.NormInput | None = None  # h still to be divided by its RMS (folded norm)
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
         assert attn.qkv_proj is not None and mlp.gate_up_proj is not None
         qkv = _gemv(attn.qkv_proj, h, norm_in)
-        attended = _attend(model, qkv, cache, i, pos, kv_len, sms)
+        attended = _attend(model, layer, qkv, cache, i, at, sms)
         gate_up = mlp.gate_up_proj
         if fold and attended.dtype == dtype:
             assert isinstance(attn.o_proj, Int4Linear) and isinstance(gate_up, Int4Linear)
@@ -184,17 +304,21 @@ def fused_decode_step(
             act = gate_up.gemv_silu(h, norm_in)
             assert act is not None
         else:
-            o = _gemv(attn.o_proj, attended)
+            o = _out_norm(_gemv(attn.o_proj, attended), layer.attn_output_norm, eps)
             h, norm_in = add_rmsnorm(x, o, layer.post_attention_layernorm.weight, eps), None
-            act = gate_up.gemv_silu(h) if isinstance(gate_up, Int4Linear) and h.dtype == dtype else None
+            act = None
+            if isinstance(gate_up, Int4Linear) and h.dtype == dtype and not mlp.gelu:
+                act = gate_up.gemv_silu(h)  # the SiLU in the GEMV's epilogue (cuda-mma, paired)
             if act is None:
-                act = silu_mul(_gemv(gate_up, h), dtype)
+                act = _gelu_mul(_gemv(gate_up, h), dtype) if mlp.gelu else silu_mul(_gemv(gate_up, h), dtype)
         last = i + 1 == len(layers)
         next_norm = model.norm.weight if last else layers[i + 1].input_layernorm.weight
         if fold and (fold_head or not last):
             assert isinstance(mlp.down_proj, Int4Linear)
             h, norm_in = mlp.down_proj.gemv_residual(act, cuda_int4.Residual(x, next_norm), eps)
         else:
-            down = _gemv(mlp.down_proj, act)
+            down = _out_norm(_gemv(mlp.down_proj, act), layer.mlp_output_norm, eps)
             h, norm_in = add_rmsnorm(x, down, next_norm, eps), None
-    return _gemv(model.lm_head, h, norm_in)
+    logits = _gemv(model.lm_head, h, norm_in)
+    cap = config.final_logit_softcap
+    return torch.tanh(logits / cap) * cap if cap else logits

@@ -91,30 +91,41 @@ __global__ void __launch_bounds__(NORM_THREADS)
 }
 
 // ---- rotary + cache write ------------------------------------------------------------
-// Decode: block (b, head), HD/2 threads. q rotated and pre-scaled into q [B, NH, HD]; k
-// rotated into the cache [B, NKV, L, HD] at pos[b]; v copied there.
+// Decode: block (b, head), HD/2 threads. q rotated and pre-scaled by q_scale into q [B, NH,
+// HD]; k rotated into the cache [B, NKV, L, HD] at slot[b]; v copied there. The rotary
+// turns the first `rot` channels of a head (tables [positions, rot]; rot = HD but for a
+// partial rotary, whose other channels pass unturned) at position pos[b]; the slot is the
+// position but in a sliding layer's own buffer (the position less the row's offset).
 template <typename Q, typename C>
 __global__ void rope_kv_kernel(const Q* __restrict__ qkv, const float* __restrict__ cos, const float* __restrict__ sin,
-                               const long long* __restrict__ pos_ptr, C* __restrict__ q, C* __restrict__ kc,
-                               C* __restrict__ vc, int NH, int NKV, int max_len, float q_scale, int HD) {
+                               const long long* __restrict__ pos_ptr, const long long* __restrict__ slot_ptr,
+                               C* __restrict__ q, C* __restrict__ kc, C* __restrict__ vc, int NH, int NKV, int max_len,
+                               float q_scale, int HD, int rot) {
   const int b = blockIdx.x, head = blockIdx.y, r = threadIdx.x, half = HD / 2;
-  const long long pos = pos_ptr[b];
+  const long long pos = pos_ptr[b], slot = slot_ptr[b];
   const Q* row = qkv + ((size_t)b * (NH + 2 * NKV) + head) * HD;
   if (head < NH + NKV) {
-    float o1, o2;
-    rotate(row, cos, sin, pos, HD, r, &o1, &o2);
     C* dst;
+    float scale = 1.0f;
     if (head < NH) {
       dst = q + ((size_t)b * NH + head) * HD;
-      o1 *= q_scale;
-      o2 *= q_scale;
+      scale = q_scale;
     } else {
-      dst = kc + (((size_t)b * NKV + head - NH) * max_len + pos) * HD;
+      dst = kc + (((size_t)b * NKV + head - NH) * max_len + slot) * HD;
     }
-    dst[r] = from_f<C>(o1);
-    dst[r + half] = from_f<C>(o2);
+    if (r < rot / 2) {
+      float o1, o2;
+      rotate(row, cos, sin, pos, rot, r, &o1, &o2);
+      if (head < NH) {
+        o1 *= scale;
+        o2 *= scale;
+      }
+      dst[r] = from_f<C>(o1);
+      dst[r + rot / 2] = from_f<C>(o2);
+    }
+    for (int d = rot + r; d < HD; d += half) dst[d] = from_f<C>(to_f(row[d]) * scale);  // a partial rotary's rest
   } else {
-    C* dst = vc + (((size_t)b * NKV + head - NH - NKV) * max_len + pos) * HD;
+    C* dst = vc + (((size_t)b * NKV + head - NH - NKV) * max_len + slot) * HD;
     dst[r] = from_f<C>(to_f(row[r]));
     dst[r + half] = from_f<C>(to_f(row[r + half]));
   }
@@ -168,7 +179,7 @@ __global__ void __launch_bounds__(ATTN_THREADS)
     attn_split_kernel(const C* __restrict__ q, const C* __restrict__ kc, const C* __restrict__ vc,
                       const long long* __restrict__ pos_ptr, float* __restrict__ acc, float* __restrict__ ml,
                       int* __restrict__ done, C* __restrict__ out, int NH, int NKV, int max_len, int chunk, int splits,
-                      int group) {
+                      int group, int window) {
   constexpr int EPL = HD / LANES_PER_TOKEN;   // channels per lane in the scores
   constexpr int PAIRS = HD / 2;               // value channel pairs
   constexpr int TP = ATTN_THREADS / PAIRS;    // positions of a tile taken at once (values)
@@ -188,8 +199,11 @@ __global__ void __launch_bounds__(ATTN_THREADS)
   const int bh = blockIdx.x, sp = blockIdx.y;
   const int b = bh / NKV, kh = bh % NKV;
   const long long pos = pos_ptr[b];
-  const long long start = (long long)sp * chunk;
-  const long long end = min(start + chunk, pos + 1);
+  const long long end = min((long long)sp * chunk + chunk, pos + 1);
+  // A sliding layer's first visible position (window > 0); tiles wholly before it skipped
+  // (the first one read holds it, so a tile never has every score masked).
+  const long long lo = window > 0 ? max(pos + 1 - window, 0LL) : 0LL;
+  const long long start = max((long long)sp * chunk, lo / ATTN_TILE * ATTN_TILE);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int li = lane % LANES_PER_TOKEN, lg = lane / LANES_PER_TOKEN;
 
@@ -244,7 +258,7 @@ __global__ void __launch_bounds__(ATTN_THREADS)
 #pragma unroll
         for (int e = 0; e < EPL; e++) s += kf[e] * qs[g][e * LANES_PER_TOKEN + li];
         for (int o = LANES_PER_TOKEN / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (li == 0) ps[g][tt] = tt < n ? s : -INFINITY;
+        if (li == 0) ps[g][tt] = tt < n && t0 + tt >= lo ? s : -INFINITY;
       }
     }
     __syncthreads();
@@ -315,7 +329,7 @@ __global__ void __launch_bounds__(ATTN_THREADS)
     attn_mma_kernel(const C* __restrict__ q, const C* __restrict__ kc, const C* __restrict__ vc,
                     const long long* __restrict__ pos_ptr, float* __restrict__ acc, float* __restrict__ ml,
                     int* __restrict__ done, C* __restrict__ out, int NH, int NKV, int max_len, int chunk, int splits,
-                    int group) {
+                    int group, int window) {
   static_assert(HD == 64 || HD == 128, "head_dim 64 or 128");
   static_assert(GP <= MMA_ROWS, "up to 8 query rows a KV head");
   constexpr int WARPS = ATTN_THREADS / 32;
@@ -327,8 +341,8 @@ __global__ void __launch_bounds__(ATTN_THREADS)
 
   const int bh = blockIdx.x, sp = blockIdx.y;
   const int b = bh / NKV, kh = bh % NKV;
-  const long long start = (long long)sp * chunk;
-  const long long lim = min(start + chunk, (long long)max_len);  // what the chunk may hold
+  const long long split_at = (long long)sp * chunk;
+  const long long lim = min(split_at + chunk, (long long)max_len);  // what the chunk may hold
   const long long pos = pos_ptr[b];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r = lane >> 2, c = lane & 3;
   const size_t base = (size_t)bh * max_len * HD;
@@ -353,7 +367,8 @@ __global__ void __launch_bounds__(ATTN_THREADS)
       for (int j = 0; j < VW; j++) vo[u][j] = t < lim ? src[j] : make_uint4(0, 0, 0, 0);
     }
   };
-  if (start < lim) load_tile(start, kw, vw);
+  // (Not in a sliding layer, whose first tile the position moves: loaded once it is known.)
+  if (window == 0 && split_at < lim) load_tile(split_at, kw, vw);
 
   // The queries as the scores' B fragments: row r, channels 32j + 8c .. +7 (zeros past the group).
   uint4 qw[KW];
@@ -366,7 +381,12 @@ __global__ void __launch_bounds__(ATTN_THREADS)
     }
   }
   MmaState<HD / 16> st;
-  const long long end = min(start + chunk, pos + 1);
+  const long long end = min(split_at + chunk, pos + 1);
+  // A sliding layer's first visible position (window > 0); tiles wholly before it skipped,
+  // and a warp's keys all before it masked (mma_tile_values takes such a warp).
+  const long long lo = window > 0 ? max(pos + 1 - window, 0LL) : 0LL;
+  const long long start = max(split_at, lo / ATTN_TILE * ATTN_TILE);
+  if (window > 0 && start < lim) load_tile(start, kw, vw);
 
   for (long long t0 = start; t0 < end; t0 += ATTN_TILE) {
     const bool more = t0 + ATTN_TILE < end;
@@ -382,7 +402,8 @@ __global__ void __launch_bounds__(ATTN_THREADS)
     }
     float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     mma_scores<C, KW>(s, kw, qw);
-    mma_tile_values<C, HD>(s, p0 + r < end, p0 + r + 8 < end, vw, ps[warp], st, r, c);
+    mma_tile_values<C, HD>(s, p0 + r < end && p0 + r >= lo, p0 + r + 8 < end && p0 + r + 8 >= lo, vw, ps[warp], st,
+                           r, c);
     }
     if (more) {
 #pragma unroll
@@ -424,26 +445,27 @@ struct Merge {
 
 template <typename C, int HD, int GP>
 cudaError_t launch_split(const void* q, const void* kc, const void* vc, const long long* pos, const Merge& m, int B,
-                         int NH, int NKV, int max_len, int chunk, int splits, cudaStream_t s) {
+                         int NH, int NKV, int max_len, int chunk, int splits, int window, cudaStream_t s) {
   const dim3 grid(B * NKV, splits);
   if constexpr (HD <= 128 && GP <= MMA_ROWS) {
     attn_mma_kernel<C, HD, GP><<<grid, ATTN_THREADS, 0, s>>>(
         static_cast<const C*>(q), static_cast<const C*>(kc), static_cast<const C*>(vc), pos, m.acc, m.ml, m.done,
-        static_cast<C*>(m.out), NH, NKV, max_len, chunk, splits, NH / NKV);
+        static_cast<C*>(m.out), NH, NKV, max_len, chunk, splits, NH / NKV, window);
     return cudaGetLastError();
   }
   attn_split_kernel<C, HD, GP><<<grid, ATTN_THREADS, 0, s>>>(
       static_cast<const C*>(q), static_cast<const C*>(kc), static_cast<const C*>(vc), pos, m.acc, m.ml, m.done,
-      static_cast<C*>(m.out), NH, NKV, max_len, chunk, splits, NH / NKV);
+      static_cast<C*>(m.out), NH, NKV, max_len, chunk, splits, NH / NKV, window);
   return cudaGetLastError();
 }
 
 template <typename C, int HD>
 cudaError_t split_for_group(int gp, const void* q, const void* kc, const void* vc, const long long* pos,
-                            const Merge& m, int B, int NH, int NKV, int max_len, int chunk, int splits, cudaStream_t s) {
-  if (gp == 4) return launch_split<C, HD, 4>(q, kc, vc, pos, m, B, NH, NKV, max_len, chunk, splits, s);
-  if (gp == 8) return launch_split<C, HD, 8>(q, kc, vc, pos, m, B, NH, NKV, max_len, chunk, splits, s);
-  if (gp == 16) return launch_split<C, HD, 16>(q, kc, vc, pos, m, B, NH, NKV, max_len, chunk, splits, s);
+                            const Merge& m, int B, int NH, int NKV, int max_len, int chunk, int splits, int window,
+                            cudaStream_t s) {
+  if (gp == 4) return launch_split<C, HD, 4>(q, kc, vc, pos, m, B, NH, NKV, max_len, chunk, splits, window, s);
+  if (gp == 8) return launch_split<C, HD, 8>(q, kc, vc, pos, m, B, NH, NKV, max_len, chunk, splits, window, s);
+  if (gp == 16) return launch_split<C, HD, 16>(q, kc, vc, pos, m, B, NH, NKV, max_len, chunk, splits, window, s);
   return cudaErrorInvalidValue;
 }
 
@@ -479,17 +501,19 @@ int edge_add_rmsnorm(float* x, const void* delta, int delta_dtype, const void* w
   }));
 }
 
+// slots: each row's cache slot (nullptr: its position); rot: the channels of a head the
+// rotary turns, the tables' width (HD but for a partial rotary).
 int edge_rope_kv_write(const void* qkv, int qkv_dtype, const float* cos, const float* sin, const long long* pos,
-                       void* q, void* kc, void* vc, int cache_dtype, int B, int NH, int NKV, int max_len,
-                       float q_scale, int HD, void* stream) {
-  if (HD % 2 != 0 || HD > 2048) return int(cudaErrorInvalidValue);
+                       const long long* slots, void* q, void* kc, void* vc, int cache_dtype, int B, int NH, int NKV,
+                       int max_len, float q_scale, int HD, int rot, void* stream) {
+  if (HD % 2 != 0 || HD > 2048 || rot % 2 != 0 || rot < 2 || rot > HD) return int(cudaErrorInvalidValue);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return int(with_types(qkv_dtype, cache_dtype, [&](auto* qt, auto* ct) {
     using Q = std::remove_pointer_t<decltype(qt)>;
     using C = std::remove_pointer_t<decltype(ct)>;
     rope_kv_kernel<Q, C><<<dim3(B, NH + 2 * NKV), HD / 2, 0, s>>>(
-        static_cast<const Q*>(qkv), cos, sin, pos, static_cast<C*>(q), static_cast<C*>(kc), static_cast<C*>(vc), NH,
-        NKV, max_len, q_scale, HD);
+        static_cast<const Q*>(qkv), cos, sin, pos, slots == nullptr ? pos : slots, static_cast<C*>(q),
+        static_cast<C*>(kc), static_cast<C*>(vc), NH, NKV, max_len, q_scale, HD, rot);
     return cudaGetLastError();
   }));
 }
@@ -509,14 +533,15 @@ int edge_rope_prefill(const void* qkv, int qkv_dtype, const float* cos, const fl
   }));
 }
 
-// q [B, NH, HD] (pre-scaled) against cache positions 0..pos[b] -> out [B, NH, HD] in the
-// cache's type. acc [B * NKV * splits * gp, HD] and ml [..., 2] float32 scratch; done
-// [B * NKV] int32 zeros, left zeros (the split blocks' count, see merge_if_last); gp (4,
-// 8 or 16) at least NH / NKV; head_dim 64, 128 or 256; splits and chunk as the caller's rule.
+// q [B, NH, HD] (pre-scaled) against cache positions 0..pos[b] (window > 0: a sliding
+// layer's, only the last `window` of them) -> out [B, NH, HD] in the cache's type. acc
+// [B * NKV * splits * gp, HD] and ml [..., 2] float32 scratch; done [B * NKV] int32 zeros,
+// left zeros (the split blocks' count, see merge_if_last); gp (4, 8 or 16) at least
+// NH / NKV; head_dim 64, 128 or 256; splits and chunk as the caller's rule.
 int edge_decode_attention(const void* q, const void* kc, const void* vc, const long long* pos, float* acc, float* ml,
                           int* done, void* out, int dtype, int B, int NH, int NKV, int max_len, int HD, int gp,
-                          int chunk, int splits, void* stream) {
-  if (NH % NKV != 0 || NH / NKV > gp || dtype == 2 || chunk < 1 || splits < 1 || splits > MAX_SPLITS)
+                          int chunk, int splits, int window, void* stream) {
+  if (NH % NKV != 0 || NH / NKV > gp || dtype == 2 || chunk < 1 || splits < 1 || splits > MAX_SPLITS || window < 0)
     return int(cudaErrorInvalidValue);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const Merge m{acc, ml, done, out};
@@ -525,9 +550,13 @@ int edge_decode_attention(const void* q, const void* kc, const void* vc, const l
     if constexpr (std::is_same_v<C, float>) {
       return cudaErrorInvalidValue;
     } else {
-      if (HD == 64) return split_for_group<C, 64>(gp, q, kc, vc, pos, m, B, NH, NKV, max_len, chunk, splits, s);
-      if (HD == 128) return split_for_group<C, 128>(gp, q, kc, vc, pos, m, B, NH, NKV, max_len, chunk, splits, s);
-      if (HD == 256) return split_for_group<C, 256>(gp, q, kc, vc, pos, m, B, NH, NKV, max_len, chunk, splits, s);
+      const auto run = [&](auto hd) {
+        return split_for_group<C, decltype(hd)::value>(gp, q, kc, vc, pos, m, B, NH, NKV, max_len, chunk, splits,
+                                                       window, s);
+      };
+      if (HD == 64) return run(std::integral_constant<int, 64>{});
+      if (HD == 128) return run(std::integral_constant<int, 128>{});
+      if (HD == 256) return run(std::integral_constant<int, 256>{});
       return cudaErrorInvalidValue;
     }
   }));

@@ -39,9 +39,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     signatures = {
         "edge_add_rmsnorm": [p, p, i, p, p, i, i, i, f, p],
-        "edge_rope_kv_write": [p, i, p, p, p, p, p, p, i, i, i, i, i, f, i, p],
+        "edge_rope_kv_write": [p, i, p, p, p, p, p, p, p, i, i, i, i, i, f, i, i, p],
         "edge_rope_prefill": [p, i, p, p, p, p, p, p, p, p, i, i, i, i, i, f, i, p],
-        "edge_decode_attention": [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, p],
+        "edge_decode_attention": [p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i, i, i, p],
         "edge_silu_mul": [p, i, p, i, i, i, i, p],
     }
     for name, argtypes in signatures.items():
@@ -131,18 +131,29 @@ def rope_kv_write(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     n_heads: int,
+    q_scale: float | None = None,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """qkv [B, (NH + 2 NKV) * HD] -> rotated, pre-scaled queries [B, NH, HD]; k and v of
-    each sequence written into the layer's cache [B', NKV, L, HD] at pos[b] (int64)."""
+    """qkv [B, (NH + 2 NKV) * HD] -> rotated queries [B, NH, HD] pre-scaled by q_scale
+    (None: 1/sqrt(HD)); k and v of each sequence written into the layer's cache
+    [B', NKV, L, HD] at slots[b] (None: pos[b]; int64), turned by the rotary at pos[b].
+    The tables' width is the channels of a head the rotary turns (a partial rotary:
+    fewer than HD, the rest passed unturned)."""
     bsz = qkv.shape[0]
     _, n_kv, max_len, hd = k_cache.shape
+    rot = cos.shape[-1]
+    if sin.shape != cos.shape or rot % 2 or not 0 < rot <= hd:
+        raise ValueError(f"rotary tables of width {rot} for heads of {hd} channels")
     q = torch.empty(bsz, n_heads, hd, device=qkv.device, dtype=k_cache.dtype)
-    _contiguous(qkv, cos, sin, pos, k_cache, v_cache)
+    _contiguous(qkv, cos, sin, pos, k_cache, v_cache, *(() if slots is None else (slots,)))
     _tables(cos, sin)
     lib = _LIBRARY.load(qkv.device)
+    pos = pos.to(torch.int64)
+    slots = None if slots is None else slots.to(torch.int64)
     rc = lib.edge_rope_kv_write(
-        qkv.data_ptr(), _dtype(qkv), cos.data_ptr(), sin.data_ptr(), pos.to(torch.int64).data_ptr(), q.data_ptr(),
-        k_cache.data_ptr(), v_cache.data_ptr(), _dtype(k_cache), bsz, n_heads, n_kv, max_len, hd**-0.5, hd,
+        qkv.data_ptr(), _dtype(qkv), cos.data_ptr(), sin.data_ptr(), pos.data_ptr(),
+        None if slots is None else slots.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        _dtype(k_cache), bsz, n_heads, n_kv, max_len, hd**-0.5 if q_scale is None else q_scale, hd, rot,
         cuda_build.stream(),
     )  # fmt: skip
     _check(rc, "rotary")
@@ -200,10 +211,12 @@ def decode_attention(
     pos: torch.Tensor,
     kv_len: int,
     sms: int,
+    window: int = 0,
     spread: int = ATTN_SPREAD,
 ) -> torch.Tensor:
-    """q [B, NH, HD] (pre-scaled) against cache positions 0..pos[b] -> [B, NH * HD], the
-    cache split for `spread` blocks an SM (attention_splits; another only to time the rule)."""
+    """q [B, NH, HD] (pre-scaled) against cache positions 0..pos[b] (with `window` > 0, a
+    sliding layer's, only the last `window` of them) -> [B, NH * HD], the cache split for
+    `spread` blocks an SM (attention_splits; another only to time the rule)."""
     bsz, n_heads, hd = q.shape
     n_kv, max_len = k_cache.shape[1], k_cache.shape[2]
     group = n_heads // n_kv
@@ -214,6 +227,8 @@ def decode_attention(
         raise ValueError(f"queries {q.dtype} [.., {hd}] against a {k_cache.dtype} cache {list(k_cache.shape)}")
     if k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16 or pos.numel() < bsz:
         raise ValueError("the cache must be 16-byte aligned and hold a position for every row")
+    if window < 0:
+        raise ValueError(f"a window of {window} positions")
     _contiguous(q, k_cache, v_cache, pos)
     pad = next(p for p in GROUP_PADS if p >= group)
     splits, chunk = attention_splits(kv_len, n_kv, sms, spread)
@@ -226,7 +241,7 @@ def decode_attention(
     rc = lib.edge_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), pos.to(torch.int64).data_ptr(), acc.data_ptr(),
         ml.data_ptr(), done.data_ptr(), out.data_ptr(), _dtype(q), bsz, n_heads, n_kv, max_len, hd, pad, chunk, splits,
-        cuda_build.stream(),
+        window, cuda_build.stream(),
     )  # fmt: skip
     _check(rc, "attention")
     return out

@@ -733,7 +733,7 @@ def _attend(
         )  # fmt: skip
     out = torch.empty(nq, n_heads * hd, device=q.device, dtype=kf.dtype)
     decode_ops._attn_merge_kernel[(nq * n_kv, group)](
-        acc, ml, out, n_heads, n_kv, splits, group, decode_ops.ATTN_GROUP_ROWS, hd
+        acc, ml, out, n_heads, n_kv, splits, group, decode_ops.ATTN_GROUP_ROWS, hd, hd
     )
     return out
 
