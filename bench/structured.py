@@ -21,6 +21,7 @@ installed (it is not a dependency; this is how llguidance was chosen).
 Writes bench/results/structured.json (merging rows of other devices) and prints a table.
 
     python -m bench.structured cpu|cuda [--threads 2]
+    python -m bench.structured cpu --engines-only   (the engines' table alone)
 """
 
 from __future__ import annotations
@@ -304,6 +305,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     path = build_text_engine(args.engine_dir, "clinic", "awq-int4", progress=False)
     engine = load_engine(path, args.device, threads=args.threads)
+    previous = json.loads(args.out.read_text()) if args.out.exists() else {}
+    if args.engines_only:  # the grammar engines compared again (with xgrammar installed); rows kept
+        return {**previous, "engines": compare_engines(engine), "engines_machine": platform.machine()}
     row = decode(engine, args.device, args.repeats)
     row.update(engine_fields(engine))
     row["machine"] = platform.machine()
@@ -313,7 +317,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # but not the absolute figures: what it was, said beside them.
     row["load_average_1m"] = os.getloadavg()[0]
     row["cpus"] = os.cpu_count()
-    previous = json.loads(args.out.read_text()) if args.out.exists() else {}
     rows = [r for r in previous.get("rows", []) if r["device"] != args.device] + [row]
     out = {"rows": sorted(rows, key=lambda r: str(r["device"])), "engines": previous.get("engines", [])}
     if args.device == "cpu":  # the comparison is of host work: measured on the CPU box
@@ -331,7 +334,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each prompt and mode; the fastest counts")
     parser.add_argument("--engine-dir", type=Path, default=REPO / ".edge" / "engines")
     parser.add_argument("--out", type=Path, default=RESULTS / "structured.json")
+    parser.add_argument(
+        "--engines-only",
+        action="store_true",
+        help="only compare the grammar engines (llguidance, and xgrammar where installed) on the model's "
+        "tokenizer; the device rows are kept as they are",
+    )
     args = parser.parse_args()
+    if args.engines_only and args.device != "cpu":
+        parser.error("--engines-only compares host work: run it with cpu")
     result = run(args)
     write_json(args.out, result)
     print(f"{'device':<6} {'valid':>6} {'ms/tok':>7} {'free':>7} {'mask':>6} {'compile':>8}")
