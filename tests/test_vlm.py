@@ -89,6 +89,16 @@ def test_the_build_carries_the_image_part_and_prompts_as_the_processor(vlm: dict
     assert 0 < prompt.prefix <= splice.at  # the system turn, never past the image
 
 
+@pytest.mark.parametrize("size", [(45, 80), (80, 45), (64, 64), (33, 97), (97, 33), (20, 200), (301, 7)])
+def test_an_images_rows_are_counted_from_its_size(vlm: dict[str, Any], size: tuple[int, int]) -> None:
+    """What a job's prompt and KV count for its image before its pixels are decoded (the
+    model's arithmetic on its header's size) is the number of rows the tower and the
+    projector then make: wide, tall and square, LLaVA-NeXT's tiling and unpadding too."""
+    eye = VisionLanguage.load(vlm["ckpt"])
+    rows = eye.features(np.zeros((*size, 3), dtype=np.uint8))
+    assert eye.image_tokens(size) == rows.shape[0]
+
+
 def test_float_logits_equal_transformers_over_the_image_and_text_positions(vlm: dict[str, Any]) -> None:
     image = random_image(45, 80, seed=2)
     theirs = _theirs(vlm, image)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import base64
 import io
+import threading
+import time
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -23,17 +25,24 @@ from bench.vlm_models import make_llava, random_image
 from edge.builds import locate
 from edge.config.loader import load_profile
 from edge.config.text import QAModelConfig
+from edge.docs.retrieve import Passage
 from edge.memory import HostProbe, host_working_bytes
 from edge.protocol.errors import JobError
 from edge.protocol.images import ImageLimits
 from edge.protocol.jobs import ImageRef, ParsedJob, QAJob
+from edge.scheduler.branch import Outcome
 from edge.scheduler.ledger import MemoryLedger
 from edge.scheduler.models import ModelManager
+from edge.scheduler.queue import PriorityDeadlineQueue
+from edge.scheduler.text_worker import TextMemory, TextWorker
 from edge.scheduler.work import Reply, WorkItem
 from edge.tasks.grounding import GroundingPolicy
 from edge.tasks.media import MediaLoader
+from edge.tasks.passage_fit import context_with
 from edge.tasks.qa import QATask, job_sequence, start_qa
+from edge.tasks.retrieval import Retrieval
 from edge.text.engine import TextEngine, variant
+from edge.text.kv.kv_cache import KVSlot
 from edge.text.runtime.continuous import Sequence
 from edge.vlm.image_prep import prepare, prepare_cost
 from edge.vlm.vision_language import VisionLanguage
@@ -117,7 +126,8 @@ def test_a_question_about_an_image_is_answered_from_its_pixels(vlm_daemon: Daemo
         assert out[name]["prompt_tokens"] >= out["text"]["prompt_tokens"] + IMAGE_TOKENS
         assert out[name]["completion_tokens"] > 0
         stages = results[name]["timings"]["stages"]
-        assert list(stages) == ["queued", "image_decode", "tokenize", "image_encode", "prefill", "decode", "detokenize"]
+        # The image is decoded and encoded once the job's KV is granted, after its prompt is tokenized.
+        assert list(stages) == ["queued", "tokenize", "image_decode", "image_encode", "prefill", "decode", "detokenize"]
         assert stages["image_encode"] > 0
     assert "image_tokens" not in out["text"]
 
@@ -225,6 +235,163 @@ def test_an_image_that_overflows_the_context_window_is_blamed(task: QATask, buil
     assert f"{IMAGE_TOKENS} of them the image's" in err.value.message
 
 
+class _Found:
+    """Retrieval that finds the same passages for any question: what is under test is
+    how many of them the prompt holds, not the search."""
+
+    def __init__(self, passages: list[Passage]) -> None:
+        self.passages = passages
+
+    def search(self, collection: str, question: str, top_k: int) -> tuple[list[Passage], dict[str, float]]:
+        return list(self.passages[:top_k]), {"embed": 0.0, "search": 0.0}
+
+
+def test_passages_are_fitted_beside_the_image(task: QATask, built: dict[str, Any]) -> None:
+    """A job with an image and a collection whose passages all fit the window beside its
+    question, but not beside its image's rows too: the passages that do not fit are
+    dropped and the job answered, not refused as prompt_too_long; refused only where
+    the question and the image do not fit with no passage at all."""
+    prompter = task.engine.prompter
+    text = "The infusion pump's battery lasts eight hours on a full charge; charge it overnight."
+    passages = [Passage(f"leaflet-{i}", 1.0, text, "Pump") for i in range(2)]
+
+    def length(n: int) -> int:  # the job's prompt with its image and the first n passages
+        return len(prompter.ids(QUESTION, context_with(None, passages[:n]), images=1)) - 1 + IMAGE_TOKENS
+
+    def task_with(window: int) -> QATask:
+        engine = TextEngine.load(built["checkpoint"], variant(task.engine.cfg, max_context_tokens=window), warm=False)
+        return QATask(engine, task._responder, cast(Retrieval, _Found(passages)), images=task.images)
+
+    job = QAJob(
+        id="fit", question=QUESTION, image=ImageRef(path="part_b.png"), collection="pump", max_new_tokens=1
+    )  # fmt: skip
+    # Both passages and the image leave no position to answer in; counted without the
+    # image's rows, both would fit; one passage does fit beside them.
+    window = length(2)
+    assert len(prompter.ids(QUESTION, context_with(None, passages))) + 1 <= window
+    assert length(1) + 1 <= window
+    fitting = task_with(window)
+    seq = fitting.prepare(_item(job))
+    assert isinstance(seq, Sequence)
+    assert len(seq.prompt) == length(1)
+    out = fitting.output(fitting.engine.batcher.single(seq, "fit"))
+    assert out["passages_dropped"] == 1
+    assert out["image_tokens"] == IMAGE_TOKENS and out["prompt_tokens"] == length(1)
+    # With no passage, the question and the image alone are one position too long.
+    with pytest.raises(JobError) as err:
+        task_with(length(0)).prepare(_item(job))
+    assert (err.value.code, err.value.field) == ("prompt_too_long", "image")
+
+
+def _harness(task: QATask) -> tuple[PriorityDeadlineQueue, TextWorker, dict[str, Outcome], threading.Condition]:
+    queue = PriorityDeadlineQueue(16)
+    ledger = MemoryLedger(2**34)
+    assert ledger.add_model("llm", "text", task.engine.kv_cache_bytes)
+    got: dict[str, Outcome] = {}
+    cond = threading.Condition()
+
+    def complete(item: WorkItem, outcome: Outcome) -> None:
+        with cond:
+            got[item.job.id] = outcome
+            cond.notify_all()
+
+    worker = TextWorker("text", queue, task, task.engine.batcher, TextMemory(ledger, "llm", 0.05), complete)
+    return queue, worker, got, cond
+
+
+def test_an_image_is_made_into_rows_only_once_its_job_is_admitted(
+    task: QATask, built: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every KV row taken: image jobs wait in the queue holding no rows of their image
+    (the tower has not run for them); once rows are free they are admitted and their
+    images made into rows then. An image that can no longer be read by then (its file
+    overwritten while its job waited) fails its own job with an error naming its field;
+    the others complete."""
+    assert task.images is not None
+    vlm = task.images._manager.get(task.images.name).vlm
+    encoded: list[int] = []
+    features = vlm.features
+
+    def counted(image: Any) -> Any:
+        encoded.append(1)
+        return features(image)
+
+    monkeypatch.setattr(vlm, "features", counted)
+    changing = built["media"] / "part_changing.png"
+    changing.write_bytes(_png(random_image(60, 50, seed=13)))
+    kv = task.engine.batcher.kv
+    blockers: list[KVSlot] = []
+    while (slot := kv.allocate_slots(f"blocker-{len(blockers)}", 1)) is not None:
+        blockers.append(slot)
+    queue, worker, got, cond = _harness(task)
+    items = {
+        name: _item(QAJob(id=name, question=QUESTION, image=ImageRef(path=path), max_new_tokens=4))
+        for name, path in (("img-ok", "part_b.png"), ("img-changed", "part_changing.png"))
+    }
+    items["text"] = _item(QAJob(id="text", question=QUESTION, max_new_tokens=4))
+    try:
+        worker.start()
+        for item in items.values():
+            queue.put(item)
+        deadline = time.monotonic() + 60
+        # Each has been prepared (its prompt made, its image counted) and waits for KV.
+        while not all(isinstance(item.progress, Sequence) for item in items.values()):
+            assert time.monotonic() < deadline, {n: i.progress for n, i in items.items()}
+            time.sleep(0.01)
+        waiting = {name: item.progress for name, item in items.items()}
+        assert all(isinstance(seq, Sequence) and not seq.splices for seq in waiting.values()), waiting
+        assert not encoded  # the tower has not run for a job without its KV
+        # Its image's positions are in its prompt (and its KV reservation) before its rows exist.
+        with_token = task.engine.prompter.ids(QUESTION, None, images=1)
+        assert len(cast(Sequence, waiting["img-ok"]).prompt) == len(with_token) - 1 + IMAGE_TOKENS
+        changing.write_bytes(b"not an image any more")
+        for slot in blockers:
+            kv.free(slot)
+        blockers = []
+        with cond:
+            assert cond.wait_for(lambda: len(got) == len(items), 120), got.keys()
+    finally:
+        for slot in blockers:
+            kv.free(slot)
+        worker.stop(30)
+        changing.unlink(missing_ok=True)
+    assert got["text"].error is None and got["img-ok"].error is None, got
+    assert got["img-ok"].output is not None and got["img-ok"].output["image_tokens"] == IMAGE_TOKENS
+    error = got["img-changed"].error
+    assert error is not None and (error.code, error.field) == ("image_invalid", "image.path"), error
+    assert len(encoded) == 1  # the good image's, once admitted
+    stages = ["tokenize", "image_decode", "image_encode", "prefill", "decode", "detokenize"]
+    assert list(items["img-ok"].stages) == stages  # decoded and encoded once admitted
+
+
+def test_a_paused_question_drops_its_image_rows_with_its_kv(task: QATask) -> None:
+    """A pause gives back the sequence's KV and its image's rows with it; they are made
+    again when it is admitted again, and it answers as it would have."""
+    job = QAJob(id="pause", question=QUESTION, image=ImageRef(path="part_b.png"), max_new_tokens=NEW_TOKENS)
+    alone = task.engine.batcher.single(job_sequence(task.engine, job, images=task.images), "alone")
+    seq = task.prepare(_item(job))
+    assert isinstance(seq, Sequence) and not seq.splices
+    batcher = task.engine.batcher
+    slot = batcher.kv.allocate_slots("pause", task.kv_tokens(seq))
+    assert slot is not None
+    batcher.admit(seq, slot)
+    assert sum(int(s.rows.shape[0]) for s in seq.splices) == IMAGE_TOKENS
+    batcher.step()
+    given = batcher.pause(seq, keep=False)
+    assert given is slot and not seq.splices
+    batcher.kv.free(slot)
+    slot = batcher.kv.allocate_slots("pause", task.kv_tokens(seq))
+    assert slot is not None
+    try:
+        batcher.admit(seq, slot)
+        assert seq.splices
+        while seq.finish is None:
+            batcher.step()
+    finally:
+        batcher.kv.free(slot)
+    assert seq.tokens == alone.tokens
+
+
 def test_a_text_question_to_a_vision_language_model_is_prompted_as_its_processor_does(
     task: QATask, built: dict[str, Any]
 ) -> None:
@@ -306,7 +473,7 @@ def test_a_pipeline_job_asks_the_vision_language_model_about_its_part(
     answer = out["answer"]
     assert answer["image_tokens"] == IMAGE_TOKENS and answer["completion_tokens"] > 0
     vision = [f"inspect.{s}" for s in ("decode", "preprocess", "model", "postprocess")]
-    text = ["image_decode", "tokenize", "image_encode", "prefill", "decode", "detokenize"]
+    text = ["tokenize", "image_decode", "image_encode", "prefill", "decode", "detokenize"]
     assert list(result["timings"]["stages"]) == ["queued", *vision, *text]
     # The label's text is in the prompt beside the image: longer than without it.
     assert answer["prompt_tokens"] > plain["output"]["answer"]["prompt_tokens"]

@@ -14,6 +14,10 @@ a job does not fit:
   3. if nothing can be paused it keeps waiting, and is answered `over_budget`, with the
      figures, if its deadline passes first.
 
+A job's image is made into the rows its prompt reads (the vision tower and projector)
+only once its KV row is granted, inside that admission (Sequence.make_splices), and a
+pause drops them with the row: a queued job holds none, as it holds no KV.
+
 A job whose own preparation would be slow (a schema new to the box, compiled for the
 model's tokenizer) is not prepared on this thread: the task starts that work elsewhere
 (`ready`) and the job stays queued, the running sequences decoding, until it is done.
@@ -283,6 +287,13 @@ class TextWorker(Worker):
         self._take([item])
         try:
             self.batcher.admit(seq, slot)
+        except JobError as err:  # what the sequence makes once admitted (an image's rows) failed: its own fault
+            self.batcher.kv.free(slot)
+            fields = job_fields(item.job.id, "qa", err.code.value)
+            logger.info("job %s failed at admission: %s", item.job.id, err.message, extra=fields)
+            now = time.monotonic()
+            self._deliver(item, Outcome(None, err, now, now))
+            return True
         except Exception as err:
             self.batcher.kv.free(slot)
             logger.exception("could not start job %s", item.job.id, extra=job_fields(item.job.id, "qa", "internal"))

@@ -3,10 +3,13 @@ context window with room left for the answer, the lowest-ranked dropped first.
 
 Retrieval hands back top_k passages whatever their length; a window too small for all of
 them is no fault of the job's, so the job is answered from those that fit and its result
-says how many were dropped (`passages_dropped`). Only a question (with the job's own
-context) that cannot fit alone is `prompt_too_long`, which the job's sequence reports."""
+says how many were dropped (`passages_dropped`). A job's image takes its rows' positions
+before any passage is fitted. Only a question (with the job's own context and image) that
+cannot fit alone is `prompt_too_long`, which the job's sequence reports."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from edge.docs.retrieve import Passage, context_of
 from edge.text.prompt import Prompter
@@ -26,14 +29,26 @@ def context_with(own: str | None, passages: list[Passage]) -> str | None:
 
 
 def fit_passages(
-    prompter: Prompter, window: int, new_tokens: int, question: str, own: str | None, passages: list[Passage]
+    prompter: Prompter,
+    window: int,
+    new_tokens: int,
+    question: str,
+    own: str | None,
+    passages: list[Passage],
+    image_tokens: Sequence[int] = (),
 ) -> list[Passage]:
     """The leading passages (best first) whose prompt leaves room for the answer: the
-    most that fit, found by bisection (a passage more never makes a prompt shorter)."""
+    most that fit, found by bisection (a passage more never makes a prompt shorter).
+    `image_tokens`: the prompt positions each of the job's images takes (its rows): the
+    prompt holds its image token once per row, so the passages get what the window
+    leaves after the images, the question and the answer's room."""
     room = min(new_tokens, window // ANSWER_SHARE)
+    images = len(image_tokens)
+    # The template writes one image token per image; each becomes that image's rows.
+    rows = sum(image_tokens) - images
 
     def fits(n: int) -> bool:
-        return len(prompter.ids(question, context_with(own, passages[:n]))) + room <= window
+        return len(prompter.ids(question, context_with(own, passages[:n]), images=images)) + rows + room <= window
 
     if fits(len(passages)):
         return passages

@@ -5,6 +5,7 @@ streamed in pieces as it is generated."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 import weakref
@@ -25,7 +26,7 @@ from edge.scheduler.models import ModelManager
 from edge.scheduler.work import WorkItem
 from edge.tasks.base import Output
 from edge.tasks.grounding import GroundingPolicy, before_generating, judge
-from edge.tasks.image_questions import ImageQuestions, start_image_questions
+from edge.tasks.image_questions import ImageQuestions, PlannedImage, start_image_questions
 from edge.tasks.media import MediaLoader
 from edge.tasks.passage_fit import context_with, fit_passages
 from edge.tasks.retrieval import Retrieval
@@ -34,7 +35,6 @@ from edge.text.engine import TextEngine
 from edge.text.model.chat import ChatTemplateError
 from edge.text.runtime.continuous import Sequence
 from edge.text.runtime.generate import SamplingParams
-from edge.vlm.vision_language import ImagePrompt
 
 logger = logging.getLogger(__name__)
 NO_IMAGE_PART = "the served text model has no image part (its build is not a vision-language model)"
@@ -103,11 +103,14 @@ class QATask:
         elif job.image is not None and self.images is None:
             # Before retrieval and any abstention: the job asks for what this box cannot do.
             raise JobError(ErrorCode.UNAVAILABLE, self.image_refusal, "image")
-        job, passages = self._retrieve(job, item, carried)
         fields = "ask." if carried else ""  # a pipeline's question: its fields are under ask
+        # The image is planned first (read from its header, its rows counted, nothing of its
+        # pixels kept): the passages that fit are those that fit beside its rows.
+        planned = plan_image(self.images, job, fields)
+        job, passages = self._retrieve(job, item, carried, planned)
         if passages is not None and not passages[0] and passages[1]:
-            # None fit: prompt_too_long where the question alone cannot.
-            job_sequence(self.engine, job, item, fields=fields, images=self.images)
+            # None fit: prompt_too_long where the question alone (with its image) cannot.
+            job_sequence(self.engine, job, item, fields=fields, images=self.images, planned=planned)
         early = before_generating(policy, passages is not None, None if passages is None else passages[0])
         if early is not None:
             logger.info(
@@ -134,17 +137,18 @@ class QATask:
                 pieces += 1
 
             on_text = publish_delta
-        seq = job_sequence(self.engine, job, item, on_text, fields, self.images)
+        seq = job_sequence(self.engine, job, item, on_text, fields, self.images, planned)
         self._prepared[seq] = _Prepared(question, passages, job.stream and held)
         return seq
 
     def _retrieve(
-        self, job: QAJob, item: WorkItem, carried: bool = False
+        self, job: QAJob, item: WorkItem, carried: bool = False, planned: PlannedImage | None = None
     ) -> tuple[QAJob, tuple[list[Passage], int] | None]:
         """The job with the passages retrieved for it in its context (after any context
-        of its own), as many as fit the context window, best first; those passages and
-        how many were dropped. The job as it is where it names no collection (a pipeline's
-        stage takes no default)."""
+        of its own), as many as fit the context window beside its question and its
+        image's rows (`planned`), best first; those passages and how many were dropped.
+        The job as it is where it names no collection (a pipeline's stage takes no
+        default)."""
         collection = job.collection or (None if carried else self.collection)
         if collection is None:
             return job, None
@@ -155,8 +159,15 @@ class QATask:
         cfg = self.engine.cfg
         new_tokens = job.max_new_tokens or cfg.max_new_tokens
         try:
+            image_tokens = () if planned is None else (planned.tokens,)
             kept = fit_passages(
-                self.engine.prompter, cfg.max_context_tokens, new_tokens, job.question, job.context, passages
+                self.engine.prompter,
+                cfg.max_context_tokens,
+                new_tokens,
+                job.question,
+                job.context,
+                passages,
+                image_tokens,
             )
         except ChatTemplateError as err:
             why = f"the model's chat template refused the question: {err}"
@@ -196,6 +207,16 @@ class QATask:
         return out
 
 
+def plan_image(images: ImageQuestions | None, job: QAJob, fields: str = "") -> PlannedImage | None:
+    """The job's image checked from its header and its rows counted (image_questions.py),
+    None where it has none; unavailable (field image) where the model has no image part."""
+    if job.image is None:
+        return None
+    if images is None:
+        raise JobError(ErrorCode.UNAVAILABLE, NO_IMAGE_PART, "image")
+    return images.plan(job.image)
+
+
 def job_sequence(
     engine: TextEngine,
     job: QAJob,
@@ -203,37 +224,37 @@ def job_sequence(
     on_text: Callable[[str], None] | None = None,
     fields: str = "",
     images: ImageQuestions | None = None,
+    planned: PlannedImage | None = None,
 ) -> Sequence:
     """The job as a sequence for the engine's batcher, every check done: the prompt in
-    the model's template (with its image's rows, through `images`), within the context
-    window, its sampling parameters. `fields` prefixes the fields an error names (`ask.`
-    for a pipeline's question; its image is the inspect job's own `image`)."""
+    the model's template (its image token once per row of its image, whose rows,
+    through `images`, are made once the sequence is admitted: image_questions.py),
+    within the context window, its sampling parameters. `planned`: the job's image as
+    already planned (else planned here). `fields` prefixes the fields an error names
+    (`ask.` for a pipeline's question; its image is the inspect job's own `image`)."""
+    if planned is None:
+        planned = plan_image(images, job, fields)
     t0 = time.perf_counter()
-    image: ImagePrompt | None = None
-    image_stages: dict[str, float] = {}
+    at = 0
     try:
-        if job.image is None:
+        if planned is None:
             ids, prefix = engine.prompter.parts(job.question, job.context)
-        elif images is None:
-            raise JobError(ErrorCode.UNAVAILABLE, NO_IMAGE_PART, "image")
         else:
-            image, image_stages = images.prompt(job.id, job.image, engine.prompter, job.question, job.context)
-            ids, prefix = image.ids, image.prefix
+            assert images is not None  # plan_image refused the image otherwise
+            ids, prefix, at = images.ids(planned, engine.prompter, job.question, job.context)
     except ChatTemplateError as err:
         why = f"the model's chat template refused the question: {err}"
         raise JobError(ErrorCode.INVALID_FIELD, why, f"{fields}question") from err
     tokenize_ms = (time.perf_counter() - t0) * 1000.0
-    if image is not None:
-        tokenize_ms = image_stages["tokenize"]
     new_tokens = job.max_new_tokens or engine.cfg.max_new_tokens
     window = engine.cfg.max_context_tokens
     if len(ids) + 1 > window:
         raise JobError(
             ErrorCode.PROMPT_TOO_LONG,
             f"prompt is {len(ids)} tokens"
-            + (f", {image.image_tokens} of them the image's" if image is not None else "")
+            + (f", {planned.tokens} of them the image's" if planned is not None else "")
             + f"; this device's context window is {window}",
-            _too_long_field(job, fields, image, window),
+            _too_long_field(job, fields, len(ids), planned, window),
         )
     # Never refuse a job for wanting more tokens than fit: generate what fits and report
     # finish_reason "length", which is what the caller can act on.
@@ -245,20 +266,27 @@ def job_sequence(
         stop=tuple(job.stop),
         seed=job.seed,
     )
-    seq = engine.sequence(ids, params, owner, prefix, on_text, image.splices if image is not None else ())
+    make_splices = None
+    if planned is not None:
+        assert images is not None
+        # Into the job's own stages: its image's decode and encode, once it is admitted.
+        stages_of: dict[str, float] = owner.stages if isinstance(owner, WorkItem) else {}
+        make_splices = functools.partial(images.rows, job.id, planned, at, stages_of)
+    seq = engine.sequence(ids, params, owner, prefix, on_text, make_splices=make_splices)
     seq.tokenize_ms = tokenize_ms
     constrain(engine, seq, job.response_format, fields)
-    if isinstance(owner, WorkItem):
-        # In the order they ran (output() adds the rest); a job refused above ran none.
-        owner.stages.update(image_stages)
+    if make_splices is not None and isinstance(owner, WorkItem):
+        # In the order they run: tokenize now, before the image's stages (output() adds the
+        # rest); a job refused above ran none.
+        owner.stages["tokenize"] = tokenize_ms
     return seq
 
 
-def _too_long_field(job: QAJob, fields: str, image: ImagePrompt | None, window: int) -> str:
+def _too_long_field(job: QAJob, fields: str, length: int, planned: PlannedImage | None, window: int) -> str:
     """What a prompt too long for the window is blamed on: the image where the text
     alone would fit; a pipeline's question (its context is the inspection's, not a field
     of the job); else the context, where there is one."""
-    if image is not None and len(image.ids) - image.image_tokens + 1 < window:
+    if planned is not None and length - planned.tokens + 1 < window:
         return "image"
     return f"{fields}question" if fields or not job.context else "context"
 

@@ -343,15 +343,18 @@ class TextEngine:
         prefix: int = 0,
         on_text: Callable[[str], None] | None = None,
         splices: tuple[Splice, ...] = (),
+        make_splices: Callable[[], tuple[Splice, ...]] | None = None,
     ) -> Sequence:
         """A sequence for the batcher: `prefix` leading tokens others may share; `splices`
-        rows its prefill reads in place of its tokens' (an image's: edge/vlm)."""
+        rows its prefill reads in place of its tokens' (an image's: edge/vlm), or
+        `make_splices` what makes them once it is admitted (Sequence.make_splices)."""
         for splice in splices:
             if splice.at < 0 or splice.end > len(ids):
                 raise ValueError(f"rows spliced at {splice.at}..{splice.end} fall outside a prompt of {len(ids)}")
         seq = Sequence(owner, ids, params, on_text)
         seq.prefix = prefix
         seq.splices = splices
+        seq.make_splices = make_splices
         return seq
 
     def kv_tokens(self, seq: Sequence) -> int:

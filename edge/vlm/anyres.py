@@ -47,18 +47,38 @@ def tile_grid(size: tuple[int, int], pinpoints: Sequence[tuple[int, int]], tile:
     return height // tile, width // tile
 
 
-def unpad(features: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """features [D, H, W] laid out over the padded image, less the rows or columns that
-    cover the padding around an image of `size` (height, width)."""
+def unpadded(rows: int, cols: int, size: tuple[int, int]) -> tuple[int, int, int]:
+    """Of a grid of rows x cols features laid out over the padded image, what covers an
+    image of `size` (height, width): (the rows or columns cut from each side, the rows
+    kept, the columns kept); `unpad` cuts them, `packed_tokens` counts them."""
     height, width = size
-    rows, cols = features.shape[1:]
     if width / height > cols / rows:
         kept = int(round(height * (cols / width), 7))
         pad = (rows - kept) // 2
-        return features[:, pad : rows - pad, :]
+        return pad, rows - 2 * pad, cols
     kept = int(round(width * (rows / height), 7))
     pad = (cols - kept) // 2
-    return features[:, :, pad : cols - pad]
+    return pad, rows, cols - 2 * pad
+
+
+def unpad(features: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """features [D, H, W] laid out over the padded image, less the rows or columns that
+    cover the padding around an image of `size` (height, width)."""
+    rows, cols = features.shape[1:]
+    pad, kept_rows, kept_cols = unpadded(rows, cols, size)
+    if kept_rows < rows:
+        return features[:, pad : pad + kept_rows, :]
+    return features[:, :, pad : pad + kept_cols]
+
+
+def packed_tokens(
+    size: tuple[int, int], pinpoints: Sequence[tuple[int, int]], tile: int, grid: int, base_tokens: int
+) -> int:
+    """The rows `pack` makes of an image of `size`, counted without running the tower:
+    the base view's `base_tokens`, then the unpadded grid's rows, each with its newline."""
+    rows, cols = tile_grid(size, pinpoints, tile)
+    _, kept_rows, kept_cols = unpadded(rows * grid, cols * grid, size)
+    return base_tokens + kept_rows * (kept_cols + 1)
 
 
 def pack(

@@ -30,7 +30,7 @@ from torch import nn
 from edge.text.model.splice import Splice
 from edge.text.prompt import Prompter
 from edge.vision.vision_tower import VisionTower
-from edge.vlm.anyres import pack
+from edge.vlm.anyres import pack, packed_tokens
 from edge.vlm.image_prep import ImagePixels, PrepCost, prepare, prepare_cost
 from edge.vlm.projector import Projector
 from edge.vlm.vlm_config import CONFIG_FILE, WEIGHTS_FILE, VisionLanguageConfig
@@ -159,27 +159,44 @@ class VisionLanguage:
         tower = config.tower
         return pack(projected, pixels.size, config.grid_pinpoints, tower.image_size, tower.grid, part.image_newline)
 
-    def splice(self, ids: list[int], images: Sequence[ImageLike], prefix: int = 0) -> ImagePrompt:
-        """`ids` holding one image token per image, in order: each token made into as
-        many as its image has rows, the rows spliced there. `prefix` is cut back to the
-        first image (a prefix is shared by its ids, which do not say what an image was)."""
+    def image_tokens(self, size: tuple[int, int]) -> int:
+        """The rows `features` makes of an image of `size` (height, width), counted from
+        the model's arithmetic without running the tower: what a prompt's image token
+        becomes, known before the image is decoded."""
+        config = self.config
+        if self.part.image_newline is None:
+            return config.tokens_per_view  # one view, the image padded or cropped to it
+        tower = config.tower
+        return packed_tokens(size, config.grid_pinpoints, tower.image_size, tower.grid, config.tokens_per_view)
+
+    def expand(self, ids: list[int], counts: Sequence[int], prefix: int = 0) -> tuple[list[int], list[int], int]:
+        """`ids` holding one image token per image, in order, each made into as many as
+        `counts` says its image has rows: the ids, where each image's rows begin, and
+        `prefix` cut back to the first image (a prefix is shared by its ids, which do
+        not say what an image was)."""
         token = self.config.image_token_id
         places = [i for i, t in enumerate(ids) if t == token]
-        if len(places) != len(images):
-            raise ValueError(f"the prompt holds {len(places)} image tokens (id {token}) for {len(images)} images")
+        if len(places) != len(counts):
+            raise ValueError(f"the prompt holds {len(places)} image tokens (id {token}) for {len(counts)} images")
         out: list[int] = []
-        splices: list[Splice] = []
+        starts: list[int] = []
         after = 0
-        for place, image in zip(places, images, strict=True):
-            rows = self.features(image)
+        for place, count in zip(places, counts, strict=True):
             out += ids[after:place]
-            splices.append(Splice(len(out), rows))
-            out += [token] * int(rows.shape[0])
+            starts.append(len(out))
+            out += [token] * count
             after = place + 1
         out += ids[after:]
         if places:
             prefix = min(prefix, places[0])
-        return ImagePrompt(out, tuple(splices), prefix)
+        return out, starts, prefix
+
+    def splice(self, ids: list[int], images: Sequence[ImageLike], prefix: int = 0) -> ImagePrompt:
+        """`ids` holding one image token per image, in order: each token made into as
+        many as its image has rows, the rows spliced there (`expand`)."""
+        rows = [self.features(image) for image in images]
+        out, starts, prefix = self.expand(ids, [int(r.shape[0]) for r in rows], prefix)
+        return ImagePrompt(out, tuple(Splice(at, r) for at, r in zip(starts, rows, strict=True)), prefix)
 
     def prompt(
         self, prompter: Prompter, question: str, context: str | None, images: Sequence[ImageLike]

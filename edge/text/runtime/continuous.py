@@ -43,7 +43,9 @@ splice.
 Pausing drops the sequence's KV and keeps its tokens: on resume its prompt and the tokens
 generated so far are prefilled again (recomputation, as vLLM does on preemption). Keeping
 the KV would hold the very memory the pause is meant to free; recomputing a few hundred
-tokens costs one prefill.
+tokens costs one prefill. Spliced rows that a sequence can make again (`make_splices`: an
+image's, made by the tower once the sequence is admitted) are dropped with it too, and
+made again when it is admitted again.
 """
 
 from __future__ import annotations
@@ -120,6 +122,11 @@ class Sequence:
     # Rows its prefill reads in place of its prompt tokens' embeddings (an image's
     # features: edge/text/model/splice.py), at prompt positions.
     splices: tuple[Splice, ...] = ()
+    # What makes `splices` where they are made only while the sequence holds a KV row:
+    # called by `admit` once the row is granted, before the prefill, and again after a
+    # pause, which drops them with the row. Its exceptions are the caller's to answer (an
+    # image that cannot be read is its job's own fault).
+    make_splices: Callable[[], tuple[Splice, ...]] | None = None
 
     def __post_init__(self) -> None:
         self.seed = self.params.seed if self.params.seed is not None else time.time_ns() & 0x7FFFFFFF
@@ -273,6 +280,11 @@ class ContinuousBatcher:
             raise ValueError(f"{len(ids)} tokens do not fit a KV row of {self.slot_len}")
         if any(s.slot == slot.row for s in self.running):
             raise RuntimeError(f"KV row {slot.row} is already decoding another sequence")
+        if seq.make_splices is not None and not seq.splices:
+            # Before anything of the sequence changes, so that a failure leaves it as it was;
+            # made even where an offloaded row may be restored, which can still fall back to
+            # prefilling it again.
+            seq.splices = seq.make_splices()
         if seq.params.temperature > 0.0 and (seq.generator is None or seq.generator.device != self.device):
             # On the device the logits are on, so drawing a token needs no copy back first.
             seq.generator = torch.Generator(device=self.device).manual_seed(seq.seed)
@@ -431,6 +443,10 @@ class ContinuousBatcher:
         slot = self._leave(seq)
         seq.logits = None
         seq.pauses += 1
+        if seq.make_splices is not None:
+            # Rows that can be made again go with the row: a paused sequence waits holding
+            # no memory but its tokens, and they are made again when it is admitted.
+            seq.splices = ()
         return slot
 
     def _leave(self, seq: Sequence) -> KVSlot | None:
