@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from bench.common import REPO, RESULTS, agreement, perplexity, write_json
-from bench.family_models import MESSAGES, make_model, served_logits, write_qwen3_gguf
+from bench.family_models import MESSAGES, make_model, served_logits, write_family_gguf
 from bench.text_engines import engine_fields, load_engine
 from edge.text.engine import kv_format
 from edge.text.kv.float_cache import KVCache
@@ -90,7 +90,7 @@ def random_rows(work: Path) -> list[dict[str, Any]]:
         hf, tokenizer = make_model(work / family, family)
         rows.append(random_row(family, "hf", hf, import_hf(work / family, work / "engines", progress=False)))
         if family == "qwen3":
-            gguf = write_qwen3_gguf(hf, tokenizer, work / "qwen3.gguf")
+            gguf = write_family_gguf(hf, tokenizer, work / "qwen3.gguf")
             checkpoint = import_gguf(gguf, work / "engines", "qwen3-small", progress=False)
             rows.append(random_row(family, "gguf", hf, checkpoint))
         print(rows[-1])
