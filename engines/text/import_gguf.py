@@ -46,9 +46,9 @@ from engines.text.phi3_parts import fused_rows, longrope
 logger = logging.getLogger(__name__)
 
 # 2: Qwen2 files, the families' pre-tokenizers, SentencePiece vocabularies, end-of-turn ids.
-# Qwen3 and Gemma 3 files did not bump it: what an earlier version imported is imported the
-# same (its config.json lacks the new options, which default to off), so a box's cached
-# builds stay valid.
+# Qwen3, Gemma 3 and Phi-3 files and Mistral's window did not bump it: what an earlier
+# version imported is imported the same (its config.json lacks the new options, which
+# default to off; those files were refused), so a box's cached builds stay valid.
 IMPORTER_VERSION = 2
 TOKEN_TYPE_NORMAL, TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER, TOKEN_TYPE_BYTE = 1, 2, 3, 4, 6
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
