@@ -10,7 +10,10 @@ global layers, q/k norms, GeGLU, the scaled embedding, output norms) and Phi-3 a
 Phi-4-mini (their fused q/k/v and gate/up weights split, the sliding window, LongRoPE up
 to the original context, Phi-4-mini's partial rotary). A LLaVA-1.5 or LLaVA-NeXT directory
 imports its language model (of the Llama, Mistral or Qwen2 family) as any of these, and
-carries its image part beside it (engines/text/llava_source.py). Anything else is
+carries its image part beside it (engines/text/llava_source.py); a Gemma 3 4B, 12B or 27B
+directory (gemma3) imports its Gemma 3 text model alone, its vision tower not served
+(said in the log, and in generation.json's image_refusal, which a job's image is refused
+with). Anything else is
 refused with an error naming what is not supported. The output is the layout `edge.text.model.checkpoint` loads: float32
 weights under our module names, our config, the tokenizer, and generation.json with the
 chat template, the special tokens and the end-of-turn ids.
