@@ -1,11 +1,13 @@
-"""Random-weight Qwen3 and Gemma 3 text models built with transformers, as the tests and
-bench.models compare our decoder against them: saved as Hugging Face directories with a
-byte-level tokenizer and the family's chat template, and a Qwen3 one written as
-llama.cpp's converter writes a GGUF. Random weights: never a quality figure."""
+"""Random-weight Qwen3, Gemma 3, Mistral and Phi-3 text models built with transformers, as
+the tests and bench.models compare our decoder against them: saved as Hugging Face
+directories with a byte-level tokenizer and the family's chat template, and the Qwen3,
+Mistral and Phi-3 ones written as llama.cpp's converter writes their GGUF files. Random
+weights: never a quality figure."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -117,7 +119,8 @@ def random_family_model(family: str, tokenizer: Any) -> Any:
     value that shows when it is ignored (a sliding window shorter than the text, a local
     RoPE base, a query_pre_attn_scalar other than the head width, soft-capped logits), or
     Mistral or Phi-4-mini (fused q/k/v and gate/up weights, LongRoPE, a partial rotary)
-    with a sliding window on every layer."""
+    with a sliding window on every layer, or ("phi3-plain") a Phi-3 with neither LongRoPE
+    nor a partial rotary nor a window."""
     from transformers import (
         Gemma3ForCausalLM,
         Gemma3TextConfig,
@@ -170,6 +173,12 @@ def random_family_model(family: str, tokenizer: Any) -> Any:
             rope_parameters=rope,
         )
         model = Phi3ForCausalLM(config)
+    elif family == "phi3-plain":
+        # Phi-3-mini's shape otherwise: every channel of a head turned, no RoPE scaling,
+        # and no window (which llama.cpp writes as a window of 0).
+        plain: Any = Phi3Config
+        config = plain(**shape, num_hidden_layers=2, num_key_value_heads=2, sliding_window=None)
+        model = Phi3ForCausalLM(config)
     else:
         gemma: Any = Gemma3TextConfig  # its typed signature does not list every field
         config = gemma(
@@ -201,9 +210,37 @@ def make_model(directory: Path, family: str) -> tuple[Any, Any]:
         "gemma3": (GEMMA3_TEMPLATE, "<end_of_turn>"),
         "mistral": (MISTRAL_TEMPLATE, "<eos>"),
         "phi3": (PHI3_TEMPLATE, "<|end|>"),
+        "phi3-plain": (PHI3_TEMPLATE, "<|end|>"),
     }[family]
     tokenizer = _tokenizer(directory, template, eos)
     model = random_family_model(family, tokenizer)
+    model.save_pretrained(directory)
+    return model, tokenizer
+
+
+def make_gemma3_vlm(directory: Path) -> tuple[Any, Any]:
+    """A small random Gemma3ForConditionalGeneration (what Gemma 3 4B, 12B and 27B are: a
+    SigLIP tower of one layer on 28-pixel images here, and the Gemma 3 text model of
+    random_family_model's options) saved as a Hugging Face directory as transformers
+    saves it, with Gemma 3's tokenizer and template."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    directory.mkdir(parents=True)
+    tokenizer = _tokenizer(directory, GEMMA3_TEMPLATE, "<end_of_turn>")
+    text = random_family_model("gemma3", tokenizer).config.to_dict()
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": 28,
+        "patch_size": 14,
+    }
+    gemma: Any = Gemma3Config  # its typed signature does not list every field
+    config = gemma(text_config=text, vision_config=vision, mm_tokens_per_image=4, tie_word_embeddings=True)
+    model: Any = Gemma3ForConditionalGeneration(config)
+    randomise(model)
+    model.eval()
     model.save_pretrained(directory)
     return model, tokenizer
 
@@ -223,61 +260,114 @@ def served_logits(model: Any, ids: torch.Tensor) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def write_qwen3_gguf(model: Any, tokenizer: Any, path: Path) -> Path:
-    """The model as llama.cpp's converter writes a Qwen3 file: rotate-half q/k rows kept,
-    the q/k norms as attn_q_norm and attn_k_norm, the byte-level vocabulary with the
-    qwen2 pre-tokenizer, the template and the end-of-turn token."""
+# Our names' parts as llama.cpp's converter names them in a block.
+GGUF_PARTS = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.qkv_proj": "attn_qkv",  # Phi-3's fused q/k/v
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.gate_up_proj": "ffn_up",  # Phi-3's fused gate and up: llama.cpp's SwiGLU takes the first half as the gate
+    "mlp.down_proj": "ffn_down",
+}
+GGUF_ARCH = {"qwen3": "qwen3", "mistral": "llama", "phi3": "phi3"}
+
+
+def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter interleaves a Llama file's rotary halves per head."""
+    return np.asarray(
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
+
+
+def write_family_gguf(model: Any, tokenizer: Any, path: Path, quant: str | None = None) -> Path:
+    """The model as llama.cpp's converter writes its family's file (float32 tensors, or
+    with `quant`, "Q4_0" or "Q8_0", its block linears quantized as llama-quantize does): a
+    Qwen3 file (`qwen3`: rotate-half q/k rows kept, the q/k norms as attn_q_norm and
+    attn_k_norm), a Mistral one (`llama`: q/k rows interleaved for llama.cpp's rotary, the
+    window as llama.attention.sliding_window) or a Phi-3 one (`phi3`: the fused attn_qkv
+    and ffn_up, the rotated channels as rope.dimension_count, the window or 0 for none,
+    and LongRoPE's factors as the rope_factors_long and rope_factors_short tensors with
+    the original context and the attention factor the converter computes). The
+    byte-level vocabulary (qwen2's pre-tokenizer for Qwen3, GPT-2's for the others), the
+    template and the end-of-turn token as the model's tokenizer has them."""
     import gguf
 
     cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "qwen3")
+    family = str(cfg.model_type)
+    arch = GGUF_ARCH[family]
+    heads, hidden = cfg.num_attention_heads, cfg.hidden_size
+    head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
+    rope = dict(cfg.rope_parameters or {})
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_embedding_length(hidden)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count(heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    if family == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if family == "mistral" and cfg.sliding_window is not None:
+        writer.add_sliding_window(cfg.sliding_window)
+    if family == "phi3":
+        partial = float(rope.get("partial_rotary_factor", 1.0))
+        original = int(rope.get("original_max_position_embeddings") or cfg.original_max_position_embeddings)
+        writer.add_rope_dimension_count(int(partial * hidden) // heads)
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_sliding_window(cfg.sliding_window or 0)  # 0: llama.cpp's mark of a Phi model without one
+        if rope.get("long_factor"):
+            scale = cfg.max_position_embeddings / original
+            writer.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+            )
+            writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     vocab = tokenizer.get_vocab()
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     specials = set(tokenizer.all_special_tokens) | set(SPECIALS)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
+    writer.add_tokenizer_pre("qwen2" if family == "qwen3" else "gpt2")
     writer.add_token_list(tokens)
     writer.add_token_types([gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in tokens])
     merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
     writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
-    writer.add_eos_token_id(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    writer.add_eos_token_id(tokenizer.convert_tokens_to_ids(tokenizer.eos_token))
     writer.add_bos_token_id(tokenizer.convert_tokens_to_ids("<bos>"))
     writer.add_chat_template(tokenizer.chat_template)
-    names = {
-        "input_layernorm": "attn_norm",
-        "post_attention_layernorm": "ffn_norm",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output",
-        "self_attn.q_norm": "attn_q_norm",
-        "self_attn.k_norm": "attn_k_norm",
-        "mlp.gate_proj": "ffn_gate",
-        "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down",
-    }
     for name, tensor in model.state_dict().items():
+        data = np.ascontiguousarray(tensor.float().numpy())
         if name == "lm_head.weight":
-            continue  # tied
-        if name == "model.embed_tokens.weight":
+            if cfg.tie_word_embeddings:
+                continue
+            ours = "output.weight"
+        elif name == "model.embed_tokens.weight":
             ours = "token_embd.weight"
         elif name == "model.norm.weight":
             ours = "output_norm.weight"
         else:
             match = re.match(r"model\.layers\.(\d+)\.(.+)\.weight$", name)
             assert match, name
-            ours = f"blk.{match.group(1)}.{names[match.group(2)]}.weight"
-        writer.add_tensor(ours, np.ascontiguousarray(tensor.float().numpy()))
+            part = match.group(2)
+            if family == "mistral" and part in ("self_attn.q_proj", "self_attn.k_proj"):
+                count = heads if part == "self_attn.q_proj" else cfg.num_key_value_heads
+                data = _llama_cpp_permute(data, count)
+            ours = f"blk.{match.group(1)}.{GGUF_PARTS[part]}.weight"
+            if quant and data.ndim == 2:
+                qtype = gguf.GGMLQuantizationType[quant]
+                q = gguf.quants.quantize(data, qtype)
+                writer.add_tensor(ours, q, raw_shape=q.shape, raw_dtype=qtype)
+                continue
+        writer.add_tensor(ours, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -3,8 +3,8 @@
 
 Random-weight Qwen3, Gemma 3, Mistral and Phi-3 models (the last two with sliding
 windows) built with transformers (bench/family_models.py) are imported from a Hugging
-Face directory (and Qwen3 from a GGUF written as llama.cpp
-writes one) and compared with transformers in float: the largest logit difference over
+Face directory (and Qwen3, Mistral and Phi-3 from a GGUF written as llama.cpp's converter
+writes theirs) and compared with transformers in float: the largest logit difference over
 200 positions as a share of transformers' largest logit, prefilled in chunks and decoded
 token by token as serving does, and the greedy tokens. The real Gemma 3 270M GGUF (from
 its wheel) is compared the same way on held-out text, and its AWQ INT4 build (as
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from bench.common import REPO, RESULTS, agreement, perplexity, write_json
-from bench.family_models import MESSAGES, make_model, served_logits, write_qwen3_gguf
+from bench.family_models import MESSAGES, make_model, served_logits, write_family_gguf
 from bench.text_engines import engine_fields, load_engine
 from edge.text.engine import kv_format
 from edge.text.kv.float_cache import KVCache
@@ -89,9 +89,9 @@ def random_rows(work: Path) -> list[dict[str, Any]]:
     for family in ("qwen3", "gemma3", "mistral", "phi3"):
         hf, tokenizer = make_model(work / family, family)
         rows.append(random_row(family, "hf", hf, import_hf(work / family, work / "engines", progress=False)))
-        if family == "qwen3":
-            gguf = write_qwen3_gguf(hf, tokenizer, work / "qwen3.gguf")
-            checkpoint = import_gguf(gguf, work / "engines", "qwen3-small", progress=False)
+        if family != "gemma3":  # (Gemma 3's GGUF row is the real 270M's)
+            gguf = write_family_gguf(hf, tokenizer, work / f"{family}.gguf")
+            checkpoint = import_gguf(gguf, work / "engines", f"{family}-small", progress=False)
             rows.append(random_row(family, "gguf", hf, checkpoint))
         print(rows[-1])
     return rows

@@ -1,13 +1,15 @@
-"""Qwen3 and Gemma 3 text models against transformers itself: random-weight models of
-both families are built here with transformers, saved as Hugging Face directories (and a
-Qwen3 one written as llama.cpp's converter writes a GGUF), imported and served by our
-decoder. Float logits over 200 positions (prefilled in chunks and decoded token by token,
-so every mask a served model uses is compared, a sliding window's included), greedy
-tokens and the rendered prompt must equal transformers'; AWQ must quantize the new
-linears and keep the norms float; what a fast path does not implement is refused by
-name; and the real Gemma 3 270M GGUF answers token for token as transformers does. On a
-GPU (the `gpu` marker), each family's float logits and its INT4 build as the GPU profile
-serves it."""
+"""Qwen3, Gemma 3, Mistral and Phi-3 text models against transformers itself: random-weight
+models of each family are built here with transformers, saved as Hugging Face directories
+(Gemma 3's also as Gemma 3 4B's vision-language layout, whose text model is imported
+alone) and written as llama.cpp's converter writes their GGUF files (Qwen3, Mistral,
+Phi-3), imported and served by our decoder. Float logits over 200 positions (prefilled in
+chunks and decoded token by token, so every mask a served model uses is compared, a
+sliding window's included), greedy tokens and the rendered prompt must equal
+transformers'; a GGUF file imports to its directory's checkpoint; AWQ must quantize the
+new linears and keep the norms float; each family's INT4 build answers a qa job through
+the daemon; what a fast path does not implement is refused by name; and the real Gemma 3
+270M GGUF answers token for token as transformers does. On a GPU (the `gpu` marker), each
+family's float logits and its INT4 build as the GPU profile serves it."""
 
 from __future__ import annotations
 
@@ -27,9 +29,10 @@ from bench.family_models import (
     LONGROPE_ORIGINAL,
     MESSAGES,
     WINDOW,
+    make_gemma3_vlm,
     make_model,
     served_logits,
-    write_qwen3_gguf,
+    write_family_gguf,
 )
 from edge.text.architecture import LlamaConfig
 from edge.text.kv.float_cache import LOCAL_ROOM, KVCache, SparseAttention
@@ -613,27 +616,163 @@ def test_what_a_family_needs_that_we_do_not_do_is_refused_by_name(
         read_hf_config(_write_config(tmp_path / "m", **fields))
 
 
-# -- Qwen3 from GGUF -----------------------------------------------------------------------
+# -- Qwen3, Mistral and Phi-3 from GGUF ----------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["qwen3"], indirect=True)
-def test_a_qwen3_gguf_imports_to_transformers_logits(family: dict[str, Any], tmp_path: Path) -> None:
-    path = write_qwen3_gguf(family["hf"], family["tokenizer"], tmp_path / "qwen3.gguf")
-    ours = load_checkpoint(import_gguf(path, tmp_path / "engines", "qwen3-small", progress=False), dtype=torch.float32)
-    assert ours.model.config.qk_norm and ours.model.config.head_dim == 24
+def _same_checkpoint(got: Path, want: Path) -> None:
+    """Two float imports are one checkpoint: the same tensors bit for bit, and the same
+    config but for what a GGUF file keeps in float32 (the norm epsilon, LongRoPE's
+    attention factor)."""
+    from safetensors.torch import load_file
+
+    ours, theirs = LlamaConfig.from_json(got / "config.json"), LlamaConfig.from_json(want / "config.json")
+    assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps, rel=1e-6)
+    if theirs.rope_scaling is not None:
+        assert ours.rope_scaling is not None
+        assert ours.rope_scaling["attention_factor"] == pytest.approx(theirs.rope_scaling["attention_factor"], rel=1e-6)
+        assert ours.rope_scaling["short_factor"] == pytest.approx(theirs.rope_scaling["short_factor"], rel=1e-6)
+        ours = dataclasses.replace(ours, rope_scaling=theirs.rope_scaling)
+    assert dataclasses.replace(ours, rms_norm_eps=theirs.rms_norm_eps) == theirs
+    a, b = load_file(str(got / "model.safetensors")), load_file(str(want / "model.safetensors"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _gguf_answers_as_transformers(hf: Any, tokenizer: Any, gguf_ckpt: Path) -> None:
+    """The GGUF import's float logits over 200 positions as serving computes them (a
+    prefill past the window, a chunk, then token by token) within 1e-4 of transformers',
+    its greedy tokens and its rendered prompt transformers'."""
+    ours = load_checkpoint(gguf_ckpt, dtype=torch.float32)
     ids = torch.randint(0, ours.model.config.vocab_size, (1, POSITIONS), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        theirs = family["hf"](ids).logits[0]
+        theirs = hf(ids).logits[0]
     assert_close(served_logits(ours.model, ids), theirs)
     assert ours.chat is not None
     text = ours.chat.render(MESSAGES)
-    assert text == family["tokenizer"].apply_chat_template(
+    assert text == tokenizer.apply_chat_template(
         MESSAGES, tokenize=False, add_generation_prompt=True, enable_thinking=False
     )
-    assert (
-        ours.tokenizer.encode(text, add_special_tokens=False).ids
-        == family["tokenizer"](text, add_special_tokens=False)["input_ids"]
+    prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ours.tokenizer.encode(text, add_special_tokens=False).ids == prompt
+    new = 2 * WINDOW  # past the window
+    got = generate(
+        ours.model,
+        ours.tokenizer,
+        prompt,
+        SamplingParams(max_new_tokens=new),
+        frozenset(),
+        ours.model.new_cache(1, 128),
     )
+    t = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=new, do_sample=False, eos_token_id=None)
+    assert got.token_ids == out[0, len(prompt) :].tolist() and len(set(got.token_ids)) > 3
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "phi3"], indirect=True)
+def test_a_gguf_file_imports_to_the_hf_checkpoint_and_transformers_logits(
+    family: dict[str, Any], tmp_path: Path
+) -> None:
+    """A file written as llama.cpp's converter writes the family's (Mistral's as `llama`
+    with its window and interleaved q/k rows; Phi-4-mini's as `phi3` with its fused
+    q/k/v and gate/up, its partial rotary, its LongRoPE factor tensors and its window) is
+    imported to the checkpoint the model's Hugging Face directory imports to, and answers
+    as transformers does."""
+    path = write_family_gguf(family["hf"], family["tokenizer"], tmp_path / f"{family['name']}.gguf")
+    imported = import_gguf(path, tmp_path / "engines", f"{family['name']}-small", progress=False)
+    _same_checkpoint(imported, family["ckpt"])
+    config = LlamaConfig.from_json(imported / "config.json")
+    if family["name"] in ("mistral", "phi3"):
+        assert config.layer_types == ("sliding", "sliding") and config.sliding_window == WINDOW
+    if family["name"] == "phi3":
+        assert config.rotary_dim == 12 and config.max_position == LONGROPE_ORIGINAL
+    _gguf_answers_as_transformers(family["hf"], family["tokenizer"], imported)
+
+
+def test_a_phi3_gguf_without_longrope_or_a_window_imports_as_its_hf_directory(tmp_path: Path) -> None:
+    """Phi-3-mini's shape (every channel turned, no RoPE scaling) with no window, which
+    llama.cpp's converter writes as a window of 0 (its mark of a Phi-4): a file whose
+    q/k/v and gate/up are fused imports to the HF import's checkpoint, with no window; its
+    Q4_0 linears are served as stored, the fused ones read as the row ranges they hold."""
+    from edge.text.ops.int4 import dequantize
+    from engines.text import gguf_int4
+    from engines.text.import_gguf import GgufSource
+
+    hf, tokenizer = make_model(tmp_path / "source", "phi3-plain")
+    want = import_hf(tmp_path / "source", tmp_path / "engines", progress=False)
+    path = write_family_gguf(hf, tokenizer, tmp_path / "phi3.gguf")
+    got = import_gguf(path, tmp_path / "engines", "phi3-plain", progress=False)
+    _same_checkpoint(got, want)
+    config = LlamaConfig.from_json(got / "config.json")
+    assert config.window == 0 and config.rotary_dim == 0 and config.rope_scaling is None
+    _gguf_answers_as_transformers(hf, tokenizer, got)
+    # Q4_0: each of q, k, v, gate and up is its fused tensor's rows, as gguf dequantizes them.
+    import gguf
+
+    q4 = write_family_gguf(hf, tokenizer, tmp_path / "phi3-q4.gguf", quant="Q4_0")
+    source = GgufSource(q4)
+    kept, why = gguf_int4.kept_linears(source)
+    assert why is None and len(kept) == 2 * 7
+    floats = source.read(list(source.names()))
+    for name in ("layers.1.self_attn.k_proj", "layers.0.mlp.up_proj", "layers.0.mlp.gate_proj"):
+        assert torch.equal(dequantize(kept[name]), floats[f"{name}.weight"]), name
+    fused = gguf.GGUFReader(str(q4)).tensors
+    qkv = next(t for t in fused if t.name == "blk.1.attn_qkv.weight")
+    whole = torch.from_numpy(gguf.quants.dequantize(qkv.data, qkv.tensor_type).copy())
+    assert torch.equal(floats["layers.1.self_attn.v_proj.weight"], whole[-2 * 16 :])
+
+
+# -- Gemma 3 4B's layout: a vision-language model's text model ------------------------------
+
+
+@pytest.mark.parametrize("layout", ["transformers-5", "transformers-4"])
+def test_a_gemma3_vision_language_directory_imports_its_text_model_alone(
+    tmp_path: Path, layout: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Gemma3ForConditionalGeneration (Gemma 3 4B, 12B, 27B): its language model is imported
+    as a Gemma 3 text model from text_config, its weights under language_model.model.*
+    (as transformers 5 and the Hub save them) or model.language_model.* (as transformers
+    4 did), the head tied, the tower left out and said so; the text logits over 200
+    positions are transformers' text-only forward's within 1e-4, and a job's image is
+    refused naming the tower."""
+    import logging
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from edge.vlm.vision_language import has_image_part, unserved_image_part
+    from engines.text.hf_defaults import GEMMA3_TEXT_DEFAULTS
+
+    defaults = transformers.Gemma3TextConfig().to_dict()
+    assert {k: defaults[k] for k in GEMMA3_TEXT_DEFAULTS} == GEMMA3_TEXT_DEFAULTS
+    hf, _ = make_gemma3_vlm(tmp_path / "source")
+    weights = tmp_path / "source" / "model.safetensors"
+    names = list(load_file(str(weights)))
+    assert any(n.startswith("language_model.model.layers.") for n in names) and "lm_head.weight" not in names
+    if layout == "transformers-4":
+        moved = {
+            (
+                "model." + n if n.startswith(("language_model.", "multi_modal_projector.", "vision_tower.")) else n
+            ).replace("model.language_model.model.", "model.language_model."): t
+            for n, t in load_file(str(weights)).items()
+        }
+        save_file(moved, str(weights), metadata={"format": "pt"})
+        assert any(n.startswith("model.language_model.layers.") for n in moved)
+    with caplog.at_level(logging.INFO, logger="engines.text.import_hf"):
+        checkpoint = import_hf(tmp_path / "source", tmp_path / "engines", progress=False)
+    assert "Gemma 3's vision tower is not served" in caplog.text
+    config = read_hf_config(tmp_path / "source")
+    assert config.output_norms and config.tie_embeddings and config.sliding_window == WINDOW
+    # Its text_config names a logit cap, which transformers' Gemma3ForConditionalGeneration
+    # does not apply (its released configs name none): neither do we.
+    assert hf.config.text_config.final_logit_softcapping == 30.0 and config.final_logit_softcap == 0.0
+    assert not has_image_part(checkpoint)
+    why = unserved_image_part(checkpoint)
+    assert why is not None and why.startswith("Gemma 3's vision tower is not served")
+    ours = load_checkpoint(checkpoint, dtype=torch.float32)
+    ids = torch.randint(0, config.vocab_size, (1, POSITIONS), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        theirs = hf(input_ids=ids).logits[0]
+    assert_close(served_logits(ours.model, ids), theirs)
 
 
 # -- the real Gemma 3 270M ----------------------------------------------------------------
@@ -689,18 +828,33 @@ def test_the_real_gemma3_270m_gguf_answers_as_transformers_does(
 
 
 @pytest.mark.integration
-def test_a_qwen3_directory_built_by_edgectl_answers_a_qa_job_in_int4(
-    tmp_path: Path, broker: Broker, requester: Requester
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "mistral", "phi3"])
+def test_a_family_directory_built_by_edgectl_answers_a_qa_job_in_int4(
+    name: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, broker: Broker, requester: Requester
 ) -> None:
+    """Each family's Hugging Face directory (Gemma 3's as Gemma 3 4B's: a vision-language
+    model whose text model is served) is built by `edgectl build` in AWQ INT4 and answers a
+    qa job through the daemon, the same answer greedy decoding of the build gives here; a
+    job's image sent to the Gemma 3 build is refused naming its unserved tower. The builds
+    go to the session's engine cache (EDGE_TEST_ENGINE_DIR reuses them: the models are
+    the same, seeded, so their builds' keys are)."""
+    import base64
+
     from edge.builds import locate
     from edge.config.loader import load_profile
     from edge.config.text import DEFAULT_SYSTEM_PROMPT
     from edge.text.prompt import Prompter
+    from tests.conftest import _shared_engines
 
-    make_model(tmp_path / "qwen3-small", "qwen3")
-    qa = {"source": str(tmp_path / "qwen3-small"), "adapter": "none", "max_new_tokens": 12}
+    source = tmp_path / f"{name}-small"
+    if name == "gemma3":
+        make_gemma3_vlm(source)
+    else:
+        make_model(source, name)
+    qa = {"source": str(source), "adapter": "none", "max_new_tokens": 12}
     models = {"ocr": {"enabled": False}, "inspect": {"enabled": False}, "qa": qa}
-    profile = write_profile(tmp_path, broker.port, tmp_path / "engines", device_id="q3", models=models)
+    device = f"fam-{name}"
+    profile = write_profile(tmp_path, broker.port, _shared_engines(tmp_path_factory), device_id=device, models=models)
     built = edgectl("build", "--profile", str(profile), timeout=600)
     assert built.returncode == 0, built.stderr[-2000:]
     engine = locate(load_profile(profile), "qa", None)
@@ -708,10 +862,18 @@ def test_a_qwen3_directory_built_by_edgectl_answers_a_qa_job_in_int4(
     d = start_daemon(profile)
     try:
         d.wait_ready(timeout=120)  # built already: the daemon finds it
-        doc = requester.request("edge/q3/jobs/qa", {"id": "q1", "question": "Is 38.5 a fever?"}, 120)
+        doc = requester.request(f"edge/{device}/jobs/qa", {"id": "q1", "question": "Is 38.5 a fever?"}, 120)
+        if name == "gemma3":
+            png = base64.b64encode(b"\x89PNG\r\n\x1a\n" + bytes(32)).decode()
+            job = {"id": "q2", "question": "What is on the label?", "image": {"data": png}}
+            refused = requester.request(f"edge/{device}/jobs/qa", job, 120)
     finally:
         d.stop()
     assert doc["status"] == "ok", doc
+    if name == "gemma3":
+        error = refused["error"]
+        assert (error["code"], error["field"]) == ("unavailable", "image"), refused
+        assert error["message"].startswith("Gemma 3's vision tower is not served"), refused
     # The same INT4 checkpoint in this process, greedy: the daemon served it as built.
     ours = load_checkpoint(engine, dtype=torch.float32)
     prompt = Prompter(ours.tokenizer, ours.chat, DEFAULT_SYSTEM_PROMPT).ids("Is 38.5 a fever?", None)

@@ -600,7 +600,7 @@ def _metadata_only(path: Path, arch: str, **fields: Any) -> Any:
 @pytest.mark.parametrize(
     ("arch", "fields", "named"),
     [
-        ("gemma2", {}, "architecture 'gemma2' is not supported; supported: llama, qwen2, qwen3, gemma3"),
+        ("gemma2", {}, "architecture 'gemma2' is not supported; supported: llama, qwen2, qwen3, gemma3, phi3"),
         ("llama", {"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["a"]}, "tokenizer model 't5'"),
         (
             "llama",
@@ -625,6 +625,43 @@ def test_what_is_not_supported_is_refused_by_name(
             read_config(reader)
         else:
             build_tokenizer_json(reader)
+
+
+@pytest.mark.parametrize(
+    ("arch", "fields", "named"),
+    [
+        (
+            "qwen2",
+            {"qwen2.attention.sliding_window": 32},
+            "sliding-window attention (qwen2.attention.sliding_window 32) is not supported in a qwen2 file",
+        ),
+        ("llama", {"llama.rope.dimension_count": 4}, "partial rotary embeddings (4 of 8 dimensions)"),
+        ("phi3", {"phi3.rope.dimension_count": 3}, "partial rotary embeddings (3 of 8 dimensions)"),
+    ],
+)
+def test_a_window_or_a_partial_rotary_outside_the_families_that_have_them_is_refused_by_name(
+    arch: str, fields: dict[str, Any], named: str
+) -> None:
+    """Mistral's window (a `llama` file) and Phi's partial rotary (a `phi3` file) are
+    served; elsewhere (a Llama file's q/k rows are interleaved for a rotary of every
+    channel) they are refused naming them."""
+    from types import SimpleNamespace
+
+    from engines.text.import_gguf import read_config
+
+    given = {
+        "general.architecture": arch,
+        f"{arch}.embedding_length": 16,
+        f"{arch}.attention.head_count": 2,
+        f"{arch}.block_count": 2,
+        **fields,
+    }
+    reader = SimpleNamespace(
+        fields={k: SimpleNamespace(contents=lambda v=v: v) for k, v in given.items()},
+        tensors=[SimpleNamespace(name="token_embd.weight", shape=np.array([16, 32]))],
+    )
+    with pytest.raises(SourceModelError, match=re.escape(named)):
+        read_config(reader)
 
 
 # --- the header reader ------------------------------------------------------------------

@@ -125,10 +125,12 @@ class QAModelConfig(StrictModel):
         description="The base model, imported into the engine directory on first use: the built-in "
         f"'{BUILTIN_TEXT_SOURCE}', or a path to a Hugging Face model directory (config.json, *.safetensors, "
         "tokenizer.json, tokenizer_config.json with its chat template) of the Llama family (Llama 2/3.x, "
-        "SmolLM, TinyLlama, Mistral with its sliding window), the Qwen2 family, Qwen3, Phi-3 or Gemma 3 text "
-        "(gemma3_text), or a path to a GGUF file of those architectures; or a LLaVA-1.5 or LLaVA-NeXT "
-        "directory (llava, llava_next), its language model built as those are, its vision tower and projector "
-        "carried beside it.",
+        "SmolLM, TinyLlama, Mistral with its sliding window), the Qwen2 family, Qwen3, Phi-3 / Phi-4-mini or "
+        "Gemma 3 text (gemma3_text; Gemma 3 4B, 12B and 27B, model_type gemma3, as their text model alone: the "
+        "vision tower is not served and a job's image is refused naming it), or a path to a GGUF file of those "
+        "families (llama, Mistral's as llama with its sliding window, qwen2, qwen3, gemma3, phi3); or a "
+        "LLaVA-1.5 or LLaVA-NeXT directory (llava, llava_next), its language model built as those are, its "
+        "vision tower and projector carried beside it.",
     )
     adapter: str = Field(
         default="clinic",

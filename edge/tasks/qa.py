@@ -35,6 +35,7 @@ from edge.text.engine import TextEngine
 from edge.text.model.chat import ChatTemplateError
 from edge.text.runtime.continuous import Sequence
 from edge.text.runtime.generate import SamplingParams
+from edge.vlm.vision_language import unserved_image_part
 
 logger = logging.getLogger(__name__)
 NO_IMAGE_PART = "the served text model has no image part (its build is not a vision-language model)"
@@ -386,7 +387,8 @@ def start_qa(
     offload_dir = state_dir / "kv-offload" if state_dir is not None else None
     engine = load_text_engine(cfg, checkpoint, manager, offload_dir, profile_name)
     name = qa_model_name(cfg)
-    images, image_refusal = None, NO_IMAGE_PART
+    # A model imported without its image part (Gemma 3's tower) refuses a job's image naming it.
+    images, image_refusal = None, unserved_image_part(checkpoint) or NO_IMAGE_PART
     if media is not None:
         try:
             images = start_image_questions(checkpoint, engine, manager, media, name)

@@ -15,6 +15,7 @@ They run in torch on the language model's device, in its activations' type.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Sequence
@@ -68,6 +69,17 @@ class ImagePart(nn.Module):
 
 def has_image_part(checkpoint: Path) -> bool:
     return (checkpoint / CONFIG_FILE).is_file() and (checkpoint / WEIGHTS_FILE).is_file()
+
+
+def unserved_image_part(checkpoint: Path) -> str | None:
+    """Why the image part of a vision-language model whose language model alone was
+    imported is not served (Gemma 3's: its import writes it into generation.json, which
+    every build step carries); None for any other checkpoint."""
+    path = checkpoint / "generation.json"
+    if not path.is_file():
+        return None
+    why = json.loads(path.read_text(encoding="utf-8")).get("image_refusal")
+    return why if isinstance(why, str) else None
 
 
 def image_part_bytes(checkpoint: Path, dtype: torch.dtype) -> int:

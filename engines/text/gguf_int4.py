@@ -187,10 +187,14 @@ def kept_linears(source: GgufSource) -> tuple[Mapping[str, QuantizedWeight], str
         gguf.GGMLQuantizationType.Q4_1: "Q4_1",
         gguf.GGMLQuantizationType.Q8_0: "Q8_0",
     }
-    for t in source.stored().values():
+    # By our names: a Phi-3 file's fused q/k/v and gate/up are row ranges of one stored
+    # tensor each (whole blocks per row), kept as the separate linears they hold.
+    linears = {_LAYER_NAMES[part] for part in LINEAR_PARTS}
+    for ours, t in source.stored().items():
         match = _BLOCK.match(t.name)
-        is_output = t.name == "output.weight"
-        if not (is_output or (match and match.group(2) in LINEAR_PARTS and match.group(3) == "weight")):
+        module = ours.removesuffix(".weight")
+        is_output = ours == "lm_head.weight"
+        if not (is_output or (match and ours.endswith(".weight") and module.split(".", 2)[-1] in linears)):
             continue
         kind = kinds.get(t.kind)
         if kind is None or (is_output and kind != "Q4_0"):
@@ -208,8 +212,7 @@ def kept_linears(source: GgufSource) -> tuple[Mapping[str, QuantizedWeight], str
         assert match is not None
         part = match.group(2)
         unpermute = heads[part] if source.permuted and part in heads else 0
-        name = f"layers.{int(match.group(1))}.{_LAYER_NAMES[part]}"
-        kept[name] = _Stored(t.offset, t.shape, rows, columns, unpermute, kind)
+        kept[module] = _Stored(t.offset, t.shape, rows, columns, unpermute, kind)
     if not kept:
         return {}, "the file has no Q4_0, Q4_1 or Q8_0 linears"
     return KeptWeights(source.path, kept), None

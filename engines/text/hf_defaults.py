@@ -52,6 +52,28 @@ TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 
+# Gemma 3's language model inside Gemma3ForConditionalGeneration (model_type gemma3: 4B,
+# 12B, 27B), whose text_config is saved as its difference from Gemma3TextConfig's
+# defaults (Gemma 3 4B's names its width, depth, window and RoPE scaling alone). The
+# RoPE bases, the layer pattern and the query scale are import_hf's Gemma defaults.
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+    "tie_word_embeddings": True,
+}
+
 # The vision towers, by vision_config.model_type.
 VISION_DEFAULTS: dict[str, dict[str, Any]] = {
     "clip_vision_model": {

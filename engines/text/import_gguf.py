@@ -1,5 +1,5 @@
-"""Import a GGUF file of the Llama, Qwen2, Qwen3 or Gemma 3 family as the project's own
-text checkpoint.
+"""Import a GGUF file of the Llama (Mistral included), Qwen2, Qwen3, Gemma 3 or Phi-3
+family as the project's own text checkpoint.
 
 Output directory: `config.json` (LlamaConfig), `model.safetensors` (float32 weights in
 the Hugging Face layout), `tokenizer.json` (built from the GGUF vocabulary), and the
@@ -12,6 +12,14 @@ a `rope_freqs` tensor of per-frequency divisors, and the tokenizer's pre-tokeniz
 only named (`tokenizer.ggml.pre`), so the named one is rebuilt. A vocabulary is either
 byte-level BPE (`gpt2`: Llama 3, Qwen2, SmolLM) or SentencePiece BPE (`llama`: Llama 2,
 TinyLlama, Mistral 7B v0.1), whose merges are recovered from the token scores.
+
+A Mistral file is written as `llama` with its window (`llama.attention.sliding_window`):
+every layer slides, as its Hugging Face import serves it. A Phi-3 or Phi-4-mini file
+(`phi3`) keeps its fused q/k/v (`attn_qkv`) and gate/up (`ffn_up` with no `ffn_gate`)
+weights, split here as the Hugging Face import splits them (engines/text/phi3_parts.py);
+its partial rotary is `phi3.rope.dimension_count`, its LongRoPE the tensors
+`rope_factors_short`/`rope_factors_long` with `phi3.rope.scaling.original_context_length`
+and `attn_factor`; a window of 0 is llama.cpp's mark of a Phi model without one (Phi-4).
 """
 
 from __future__ import annotations
@@ -33,16 +41,23 @@ from engines.cache import build_cached, cache_key, file_sha256
 from engines.text.float_checkpoint import write_float_streamed
 from engines.text.float_source import FloatSource
 from engines.text.gguf_header import GgufHeader
+from engines.text.phi3_parts import fused_rows, longrope
 
 logger = logging.getLogger(__name__)
 
 # 2: Qwen2 files, the families' pre-tokenizers, SentencePiece vocabularies, end-of-turn ids.
-# Qwen3 and Gemma 3 files did not bump it: what an earlier version imported is imported the
-# same (its config.json lacks the new options, which default to off), so a box's cached
-# builds stay valid.
+# Qwen3, Gemma 3 and Phi-3 files and Mistral's window did not bump it: what an earlier
+# version imported is imported the same (its config.json lacks the new options, which
+# default to off; those files were refused), so a box's cached builds stay valid.
 IMPORTER_VERSION = 2
 TOKEN_TYPE_NORMAL, TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER, TOKEN_TYPE_BYTE = 1, 2, 3, 4, 6
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
+# Architectures whose file may carry a window for every layer (Mistral as `llama`, Phi-3).
+EVERY_LAYER_WINDOW = ("llama", "phi3")
+# LongRoPE's factors (Phi-3): read into the config, not weights. Only the short ones are
+# served (engines/text/phi3_parts.py says why).
+ROPE_FACTORS_SHORT, ROPE_FACTORS_LONG = "rope_factors_short.weight", "rope_factors_long.weight"
+CONFIG_TENSORS = ("rope_freqs.weight", ROPE_FACTORS_SHORT, ROPE_FACTORS_LONG)
 # Gemma 3's layer pattern and its sliding layers' RoPE base are not in its GGUF metadata:
 # llama.cpp fixes them for the architecture (every sixth layer global, base 10000), and
 # transformers' defaults for a config without them are the same.
@@ -129,6 +144,8 @@ _LAYER_NAMES = {
     "post_attention_norm": "attn_output_norm",  # Gemma 3 (its ffn_norm is the pre-MLP norm)
     "post_ffw_norm": "mlp_output_norm",
 }
+# Phi-3's fused weights, by our names; a fused ffn_up is Phi-3's gate and up (gate first).
+_FUSED_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _QK_NORMS = ("attn_q_norm", "attn_k_norm")
 _OUTPUT_NORMS = ("post_attention_norm", "post_ffw_norm")
 _TOP_NAMES = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
@@ -190,13 +207,28 @@ def read_config(reader: Any) -> LlamaConfig:
     if int(_optional(reader, f"{arch}.attention.value_length", head_dim)) != head_dim:
         raise SourceModelError("attention with value heads wider or narrower than key heads is not supported")
     rope_dims = int(_optional(reader, f"{arch}.rope.dimension_count", head_dim))
+    options: dict[str, Any] = {}
     if rope_dims != head_dim:
-        raise SourceModelError(f"partial rotary embeddings ({rope_dims} of {head_dim} dimensions) are not supported")
-    window = _optional(reader, f"{arch}.attention.sliding_window")
-    if window is not None and arch != "gemma3":
-        # A Mistral file is written as `llama` and its window with it: served from its
-        # Hugging Face directory instead.
-        raise SourceModelError(f"sliding-window attention ({arch}.attention.sliding_window) is not supported")
+        # Phi-4-mini turns the leading three quarters of each head (rotate-half, as its
+        # Hugging Face import serves it); a Llama file's rows are interleaved for its
+        # rotary, whose undoing assumes every channel turns.
+        if arch != "phi3" or rope_dims % 2 or not 0 < rope_dims < head_dim:
+            raise SourceModelError(
+                f"partial rotary embeddings ({rope_dims} of {head_dim} dimensions) are not supported "
+                f"in a {arch} file (supported: an even count of a head's channels in a phi3 file)"
+            )
+        options["rotary_dim"] = rope_dims
+    layers = int(_field(reader, f"{arch}.block_count"))
+    window = int(_optional(reader, f"{arch}.attention.sliding_window", 0) or 0)
+    if window and arch in EVERY_LAYER_WINDOW:
+        # Mistral 7B v0.1's and Phi-3's window: every layer slides (as transformers masks
+        # them, and as their Hugging Face import serves them).
+        options |= {"sliding_window": window, "layer_types": ("sliding",) * layers}
+    elif window and arch != "gemma3":
+        raise SourceModelError(
+            f"sliding-window attention ({arch}.attention.sliding_window {window}) is not supported in a {arch} file "
+            f"(supported: {', '.join((*EVERY_LAYER_WINDOW, 'gemma3'))})"
+        )
     if _optional(reader, f"{arch}.attn_logit_softcapping") is not None:
         raise SourceModelError(f"attention logit soft-capping ({arch}.attn_logit_softcapping) is not supported")
     if f"{arch}.expert_count" in reader.fields and int(_field(reader, f"{arch}.expert_count")) > 0:
@@ -204,12 +236,11 @@ def read_config(reader: Any) -> LlamaConfig:
     positions = int(_field(reader, f"{arch}.context_length"))
     if positions > MAX_POSITIONS:
         logger.info("positions capped at %d of the model's %d", MAX_POSITIONS, positions)
-    layers = int(_field(reader, f"{arch}.block_count"))
     gemma: dict[str, Any] = {}
     if arch == "gemma3":
         softcap = _optional(reader, f"{arch}.final_logit_softcapping")
         gemma = {
-            "sliding_window": int(window or 0),
+            "sliding_window": window,
             "layer_types": tuple("sliding" if (i + 1) % GEMMA3_PATTERN else "full" for i in range(layers)),
             "rope_local_theta": GEMMA3_LOCAL_THETA,
             "mlp_activation": "gelu_tanh",
@@ -236,6 +267,7 @@ def read_config(reader: Any) -> LlamaConfig:
         rope_scaling=_rope_scaling(reader, arch),
         qk_norm=arch in ("qwen3", "gemma3"),
         **gemma,
+        **options,
     )
 
 
@@ -379,20 +411,52 @@ def build_tokenizer_json(reader: Any) -> dict[str, Any]:
     }
 
 
-def rope_freq_factors(reader: Any) -> list[float] | None:
-    """Llama 3.1-style RoPE scaling as llama.cpp stores it: one divisor per frequency."""
+def _tensor_values(reader: Any, name: str) -> list[float] | None:
+    """A small float tensor's values (RoPE factors), or None where the file has none."""
     import gguf
 
-    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    tensor = next((t for t in reader.tensors if t.name == name), None)
     if tensor is None:
         return None
     values = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float64).reshape(-1)
     return [float(v) for v in values]
 
 
+def rope_freq_factors(reader: Any) -> list[float] | None:
+    """Llama 3.1-style RoPE scaling as llama.cpp stores it: one divisor per frequency."""
+    return _tensor_values(reader, "rope_freqs.weight")
+
+
+def phi3_longrope(reader: Any, config: LlamaConfig) -> LlamaConfig:
+    """A Phi-3 file's LongRoPE as its Hugging Face import has it (engines/text/phi3_parts.py):
+    the short factors, the original context and the attention factor llama.cpp's converter
+    wrote; the config as it is where the file has no factors (Phi-3-mini-4k)."""
+    short = _tensor_values(reader, ROPE_FACTORS_SHORT)
+    if short is None:
+        if _tensor_values(reader, ROPE_FACTORS_LONG) is not None:
+            raise SourceModelError(f"{ROPE_FACTORS_LONG} without {ROPE_FACTORS_SHORT}: LongRoPE needs both")
+        return config
+    positions = int(_field(reader, "phi3.context_length"))
+    attention = _optional(reader, "phi3.rope.scaling.attn_factor")
+    scaling = {
+        "short_factor": short,
+        "original_max_position_embeddings": _optional(reader, "phi3.rope.scaling.original_context_length"),
+        "attention_factor": float(attention) if attention is not None else None,
+    }
+    problems: list[str] = []
+    name = str(_optional(reader, "general.name", "phi3"))
+    ours, served = longrope(scaling, {}, positions, config.rotated // 2, problems, name)
+    if problems:
+        raise SourceModelError(f"phi3 file: not supported: {'; '.join(problems)}")
+    return replace(config, rope_scaling=ours, max_position=min(served, MAX_POSITIONS))
+
+
 def file_config(reader: Any) -> LlamaConfig:
-    """The file's config, with Llama 3.1's RoPE scaling from its rope_freqs tensor."""
+    """The file's config, with Llama 3.1's RoPE scaling from its rope_freqs tensor and
+    Phi-3's LongRoPE from its factor tensors."""
     config = read_config(reader)
+    if _field(reader, "general.architecture") == "phi3":
+        return phi3_longrope(reader, config)
     factors = rope_freq_factors(reader)
     if factors is not None:
         if config.rope_scaling is not None:
@@ -431,13 +495,24 @@ class GgufSource(FloatSource):
         self.permuted = self.family == "llama"
         self.tokenizer = build_tokenizer_json(reader)
         self.generation = generation_specials(reader)
+        # A Phi-3 file's ffn_up is its gate and up fused where it has no ffn_gate.
+        parts = {m.group(2) for t in reader.tensors if (m := _BLOCK.match(t.name))}
+        self.fused_up = self.family == "phi3" and "ffn_gate" not in parts
         self._stored: dict[str, StoredTensor] = {}
         for t in reader.tensors:
-            if t.name == "rope_freqs.weight":
+            if t.name in CONFIG_TENSORS:
                 continue
             name = self._our_name(t.name)
             dims = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists the row length first
-            self._stored[name] = StoredTensor(t.name, t.tensor_type, t.raw_dtype, t.raw_shape, dims, t.data_offset)
+            stored = StoredTensor(t.name, t.tensor_type, t.raw_dtype, t.raw_shape, dims, t.data_offset)
+            rows = fused_rows(name, config)
+            if rows is None:
+                self._stored[name] = stored
+                continue
+            if sum(count for _, _, count in rows) != dims[0]:
+                raise SourceModelError(f"{gguf_path.name}: {t.name} has {dims[0]} rows, its config makes another")
+            for part, first, count in rows:
+                self._stored[part] = _row_range(stored, first, count)
         missing = sorted(expected_tensors(config) - set(self._stored))
         if missing:
             raise SourceModelError(f"{gguf_path.name}: missing tensors {', '.join(missing[:5])}")
@@ -448,6 +523,12 @@ class GgufSource(FloatSource):
         match = _BLOCK.match(name)
         if match:
             layer, part, kind = int(match.group(1)), match.group(2), match.group(3)
+            if (
+                self.family == "phi3"
+                and kind == "weight"
+                and (part == "attn_qkv" or (part, self.fused_up) == ("ffn_up", True))
+            ):
+                return f"layers.{layer}.{_FUSED_NAMES[part]}.weight"
             if part not in _LAYER_NAMES or (kind == "bias" and not (config.attention_bias and part in _BIASED)):
                 raise SourceModelError(f"unexpected tensor {name}")
             if (part in _QK_NORMS and not config.qk_norm) or (part in _OUTPUT_NORMS and not config.output_norms):
@@ -495,6 +576,13 @@ class GgufSource(FloatSource):
         (out / "config.json").write_text(self.config.to_json() + "\n", encoding="utf-8")
         (out / "tokenizer.json").write_text(json.dumps(self.tokenizer, ensure_ascii=False), encoding="utf-8")
         (out / "generation.json").write_text(json.dumps(self.generation, indent=2) + "\n", encoding="utf-8")
+
+
+def _row_range(t: StoredTensor, first: int, count: int) -> StoredTensor:
+    """Rows first..first + count of a stored 2-D tensor (a fused weight's part): each row
+    is whole blocks of its own, so the part is read from the file alone."""
+    row_bytes = int(np.prod(t.shape[1:])) * t.dtype.itemsize
+    return replace(t, shape=(count, *t.shape[1:]), dims=(count, *t.dims[1:]), offset=t.offset + first * row_bytes)
 
 
 def convert(gguf_path: Path, out_dir: Path, progress: bool = True) -> dict[str, Any]:

@@ -10,7 +10,10 @@ global layers, q/k norms, GeGLU, the scaled embedding, output norms) and Phi-3 a
 Phi-4-mini (their fused q/k/v and gate/up weights split, the sliding window, LongRoPE up
 to the original context, Phi-4-mini's partial rotary). A LLaVA-1.5 or LLaVA-NeXT directory
 imports its language model (of the Llama, Mistral or Qwen2 family) as any of these, and
-carries its image part beside it (engines/text/llava_source.py). Anything else is
+carries its image part beside it (engines/text/llava_source.py); a Gemma 3 4B, 12B or 27B
+directory (gemma3) imports its Gemma 3 text model alone, its vision tower not served
+(said in the log, and in generation.json's image_refusal, which a job's image is refused
+with). Anything else is
 refused with an error naming what is not supported. The output is the layout `edge.text.model.checkpoint` loads: float32
 weights under our module names, our config, the tokenizer, and generation.json with the
 chat template, the special tokens and the end-of-turn ids.
@@ -20,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -43,8 +45,10 @@ from engines.text.llava_source import (
     refuse_other_vlm,
     split_name,
     text_config,
+    text_only,
     write_image_part,
 )
+from engines.text.phi3_parts import fused_parts, longrope, split_fused
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +92,9 @@ def read_source(directory: Path) -> tuple[LlamaConfig, VisionLanguageConfig | No
         raise SourceModelError(f"{directory} holds no *.safetensors weights")
     hf = read_json(directory / "config.json")
     refuse_other_vlm(hf)
+    if text_only(hf) is not None:
+        # Gemma 3 4B and up: its language model alone (engines/text/llava_source.py).
+        return _text_model_config(text_config(hf, directory.name, weight_files(directory)), directory), None
     if not is_llava(hf):
         return _text_model_config(hf, directory), None
     config = _text_model_config(text_config(hf, directory.name, weight_files(directory)), directory)
@@ -151,7 +158,7 @@ def _text_model_config(hf: dict[str, Any], directory: Path) -> LlamaConfig:
     positions = int(hf.get("max_position_embeddings", 8192))
     if scaling is not None and rope_type == "longrope":
         rotated = int(options.get("rotary_dim") or head_dim)
-        scaling, positions = _longrope(scaling, hf, positions, rotated // 2, problems, directory.name)
+        scaling, positions = longrope(scaling, hf, positions, rotated // 2, problems, directory.name)
     if problems:
         raise SourceModelError(f"{kind} model in {directory.name}: not supported: {'; '.join(problems)}")
     if positions > MAX_POSITIONS:
@@ -173,42 +180,6 @@ def _text_model_config(hf: dict[str, Any], directory: Path) -> LlamaConfig:
         qk_norm=kind in ("qwen3", GEMMA),
         **options,
     )
-
-
-def _longrope(
-    scaling: dict[str, Any], hf: dict[str, Any], positions: int, frequencies: int, problems: list[str], name: str
-) -> tuple[dict[str, Any], int]:
-    """Phi-3's LongRoPE as ours, and the positions it is served for. transformers turns
-    the frequencies by the short factors while a sequence stays within the model's
-    original context and by the long ones, for the whole sequence, once it grows past it:
-    a table per position cannot be both, so the model is served up to its original
-    context, where the short factors hold, with transformers' attention factor (cos and
-    sin scaled by it; from the ratio of the two contexts where the config gives none).
-    A short factor per frequency, or the problem goes into `problems`."""
-    short = [float(f) for f in scaling.get("short_factor") or ()]
-    if len(short) != frequencies:
-        problems.append(f"longrope short_factor: {len(short)} factors for {frequencies} frequencies")
-    original = int(
-        scaling.get("original_max_position_embeddings") or hf.get("original_max_position_embeddings") or positions
-    )
-    factor = float(scaling.get("factor") or positions / original)
-    attention = scaling.get("attention_factor")
-    if attention is None:
-        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    if positions > original:
-        logger.info(
-            "%s: served up to its original %d positions of %d, where LongRoPE's short factors hold",
-            name,
-            original,
-            positions,
-        )
-    ours = {
-        "rope_type": "longrope",
-        "short_factor": short,
-        "attention_factor": float(attention),
-        "original_max_position_embeddings": original,
-    }
-    return ours, min(positions, original)
 
 
 def _gemma_options(hf: dict[str, Any], problems: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -260,21 +231,6 @@ def _our_name(name: str, gemma: bool) -> str:
         if tail in GEMMA_NAMES:
             return f"{head}.{GEMMA_NAMES[tail]}.weight"
     return name
-
-
-def _split_fused(name: str, tensor: torch.Tensor, config: LlamaConfig) -> list[tuple[str, torch.Tensor]]:
-    """Phi-3's fused q/k/v and gate/up weights as our separate linears (the loader fuses
-    them again for serving, in its own order)."""
-    hd = config.head_dim
-    if name.endswith("self_attn.qkv_proj.weight"):
-        parts = torch.split(tensor, [config.num_heads * hd, config.num_kv_heads * hd, config.num_kv_heads * hd])
-        base = name.removesuffix("qkv_proj.weight")
-        return [(f"{base}{p}_proj.weight", t.contiguous()) for p, t in zip("qkv", parts, strict=True)]
-    if name.endswith("mlp.gate_up_proj.weight"):
-        gate, up = tensor.chunk(2, dim=0)  # gate first: transformers' Phi3MLP chunks so
-        base = name.removesuffix("gate_up_proj.weight")
-        return [(f"{base}gate_proj.weight", gate.contiguous()), (f"{base}up_proj.weight", up.contiguous())]
-    return [(name, tensor)]
 
 
 def generation_settings(directory: Path) -> dict[str, Any]:
@@ -329,17 +285,6 @@ def generation_settings(directory: Path) -> dict[str, Any]:
     }
 
 
-def _fused_parts(name: str) -> list[str]:
-    """Our tensors a source tensor holds: Phi-3's fused ones split (as _split_fused does)."""
-    if name.endswith("self_attn.qkv_proj.weight"):
-        base = name.removesuffix("qkv_proj.weight")
-        return [f"{base}{p}_proj.weight" for p in "qkv"]
-    if name.endswith("mlp.gate_up_proj.weight"):
-        base = name.removesuffix("gate_up_proj.weight")
-        return [f"{base}gate_proj.weight", f"{base}up_proj.weight"]
-    return [name]
-
-
 class HfSource(FloatSource):
     """A Hugging Face directory's weights under our names, read from its safetensors
     shards a few tensors at a time; what is not supported is refused before any is read."""
@@ -348,8 +293,17 @@ class HfSource(FloatSource):
         config, self.image = read_source(directory)
         super().__init__(config, directory.name)
         self.directory = directory
-        self.gemma = read_json(directory / "config.json").get("model_type") == GEMMA
+        hf = read_json(directory / "config.json")
+        # A vision-language model whose language model is imported alone (Gemma 3's): why
+        # its image part is not served, kept with the generation settings so that a job's
+        # image is refused naming it.
+        self.unserved_images = text_only(hf)
+        if self.unserved_images is not None:
+            logger.info("%s: %s", directory.name, self.unserved_images)
+        self.gemma = hf.get("model_type") == GEMMA or (hf.get("text_config") or {}).get("model_type") == GEMMA
         self.generation = generation_settings(directory)
+        if self.unserved_images is not None:
+            self.generation["image_refusal"] = self.unserved_images
         expected = expected_tensors(config)
         # Where each of our tensors is: (shard, the source's name for it).
         self._where: dict[str, tuple[Path, str]] = {}
@@ -362,7 +316,7 @@ class HfSource(FloatSource):
                     ours = _our_name(text_name, self.gemma)
                     if ours == "lm_head.weight" and config.tie_embeddings:
                         continue  # tied: the embedding is the head
-                    for part in _fused_parts(ours):
+                    for part in fused_parts(ours, config):
                         if part not in expected:
                             kind = config_kind(config)
                             raise SourceModelError(f"{directory.name}: unexpected tensor {name} for a {kind}")
@@ -373,8 +327,8 @@ class HfSource(FloatSource):
 
     def _text_name(self, name: str) -> str | None:
         """A tensor's name as a text model's directory has it; None for a LLaVA model's
-        tensors outside its language model."""
-        if self.image is None:
+        (or Gemma 3's) tensors outside its language model."""
+        if self.image is None and self.unserved_images is None:
             return name
         kind, text_name = split_name(name)
         return text_name if kind == "text" else None
@@ -398,7 +352,7 @@ class HfSource(FloatSource):
                         # llama.cpp's converter stores it, so one RMSNorm (and AWQ's folding
                         # of scales into it) serves every family.
                         tensor = tensor + 1.0
-                    for part, value in _split_fused(ours, tensor, self.config):
+                    for part, value in split_fused(ours, tensor, self.config):
                         if part in parts:
                             out[part] = value.contiguous()
                     del tensor  # before the next one is read

@@ -11,6 +11,13 @@ transformers 5's saves (the same without `vision_model.`) and transformers 4's l
 (`model.language_model.*`, `model.vision_tower.*`, `lm_head.*`). Config fields a saved
 config leaves out are transformers' defaults (engines/text/hf_defaults.py).
 
+Gemma 3 4B, 12B and 27B (Gemma3ForConditionalGeneration, model_type gemma3: a SigLIP tower
+and a Gemma 3 text model) import their language model alone, as a Gemma 3 text model
+(text_config, its weights under `language_model.model.*` or `model.language_model.*` as
+the transformers version that saved it has them, the head tied): the tower is not
+served (its image soft-token pooling and bidirectional attention over an image's tokens
+are not implemented), the import says so, and a job's image is refused naming it.
+
 Anything else that reads images is refused by its model_type, with why; within LLaVA,
 anything we do not implement is refused naming the field.
 """
@@ -31,6 +38,7 @@ from edge.vlm.vision_language import ImagePart
 from edge.vlm.vlm_config import CONFIG_FILE, FEATURE_SELECT, WEIGHTS_FILE, ImagePrep, VisionLanguageConfig
 from engines.text.hf_defaults import (
     DEFAULT_VISION_CONFIG,
+    GEMMA3_TEXT_DEFAULTS,
     LLAVA_DEFAULTS,
     LLAVA_NEXT_PINPOINTS,
     PROCESSOR_DEFAULTS,
@@ -64,17 +72,28 @@ OTHER_VLMS = {
     "llava_next_video": "LLaVA-NeXT-Video: video frames are not implemented",
     "vipllava": "VipLLaVA: its projector over several layers with its own norm is not implemented",
     "mllama": "Llama 3.2 Vision: its cross-attention layers are not in the text branch's decoder",
-    "gemma3": "Gemma 3 with its vision tower: its image soft-token pooling and bidirectional image attention "
-    "are not implemented (its text-only gemma3_text imports)",
     "paligemma": "PaliGemma: its prefix attention over image and prompt is not implemented",
     "mistral3": "Mistral 3 / Pixtral: its Pixtral tower (2D RoPE, any image size) is not implemented",
     "llava_qwen": "the original LLaVA repository's format: convert it to transformers' llava or llava_next first",
 }
 SUPPORTED = "llava (LLaVA-1.5) and llava_next (LLaVA-NeXT, 1.6)"
+# Vision-language models whose language model is imported alone, and why their image
+# part is not served: what a job's image is refused with.
+TEXT_ONLY = {
+    "gemma3": "Gemma 3's vision tower is not served (its image soft-token pooling and bidirectional attention "
+    "over an image's tokens are not implemented): this build is its language model alone, which takes text",
+}
 
 
 def is_llava(hf: dict[str, Any]) -> bool:
     return hf.get("model_type") in FAMILIES
+
+
+def text_only(hf: dict[str, Any]) -> str | None:
+    """Why the image part of a model whose language model is imported alone is not
+    served (Gemma 3's); None for any other model."""
+    kind = hf.get("model_type")
+    return TEXT_ONLY.get(kind) if isinstance(kind, str) else None
 
 
 def refuse_other_vlm(hf: dict[str, Any]) -> None:
@@ -88,15 +107,28 @@ def refuse_other_vlm(hf: dict[str, Any]) -> None:
 
 def text_config(hf: dict[str, Any], name: str, files: list[Path]) -> dict[str, Any]:
     """The language model's config (text_config, transformers' defaults filled in, the
-    head tied where the weights hold none), for import_hf to read as a text model's."""
-    given = hf.get("text_config") or {"model_type": "llama"}
-    kind = given.get("model_type", "llama")
-    if kind not in TEXT_DEFAULTS:
+    head tied where the weights hold none), for import_hf to read as a text model's: a
+    LLaVA model's, or Gemma 3's (its text model, gemma3_text)."""
+    gemma = hf.get("model_type") == "gemma3"
+    given = hf.get("text_config") or {"model_type": "gemma3_text" if gemma else "llama"}
+    kind = given.get("model_type", "gemma3_text" if gemma else "llama")
+    defaults = {"gemma3_text": GEMMA3_TEXT_DEFAULTS} if gemma else TEXT_DEFAULTS
+    if kind not in defaults:
         raise SourceModelError(
             f"{name}: text_config.model_type {kind!r} is not supported in a {hf['model_type']} model "
-            f"(supported: {', '.join(TEXT_DEFAULTS)})"
+            f"(supported: {', '.join(defaults)})"
         )
-    merged = with_defaults(given, TEXT_DEFAULTS[kind])
+    merged = with_defaults({**given, "model_type": kind}, defaults[kind])
+    if gemma and merged.get("final_logit_softcapping") is not None:
+        # transformers' Gemma3ForConditionalGeneration caps no logits whatever its
+        # text_config names (its Gemma3ForCausalLM would): served as it serves the model.
+        # Gemma 3's released configs name none.
+        logger.info(
+            "%s: text_config.final_logit_softcapping is not applied, as transformers' %s does not",
+            name,
+            "Gemma3ForConditionalGeneration",
+        )
+        merged["final_logit_softcapping"] = None
     # Which field ties the head differs by class and version (LlavaConfig takes its
     # text_config's, LlavaNextConfig only its own), and a tied head is not saved: the
     # weights say which it is.
@@ -301,7 +333,7 @@ def split_name(name: str) -> tuple[str, str]:
         if tower.startswith(("post_layernorm.", "head.")) or tower == "embeddings.position_ids":
             return "unused", name
         return "image", "tower." + tower.removeprefix("embeddings.").removeprefix("encoder.")
-    raise SourceModelError(f"unexpected tensor {name} in a LLaVA model")
+    raise SourceModelError(f"unexpected tensor {name} in a vision-language model")
 
 
 def _image_tensors(files: list[Path]) -> Iterator[tuple[Path, str, str]]:
