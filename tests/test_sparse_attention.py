@@ -400,8 +400,9 @@ def test_a_refused_model_serves_dense(served: TextCheckpoint, monkeypatch: pytes
 
 
 def test_the_benchmarks_quick_run_writes_every_field(engine_dir: Path, tmp_path: Path) -> None:
-    """bench/sparse_attention.py --quick: one short context, one k, through the engine the
-    CPU profile builds with sparse attention on; each row holds what the docs render."""
+    """bench/sparse_attention.py --quick: one short context, one k, over a float16 and an
+    int8 cache, through the engine the CPU profile builds with sparse attention on; each
+    row holds what the docs render."""
     import json
     import subprocess
     import sys
@@ -417,7 +418,9 @@ def test_the_benchmarks_quick_run_writes_every_field(engine_dir: Path, tmp_path:
     result = json.loads(out.read_text())
     assert result["quick"] is True and result["served"] is False
     assert result["engine_config"]["sparse_attention"]["served"] is True
-    (row,) = result["rows"]
-    for field in ("attention_us", "dense_attention_us", "decode_tok_s", "dense_decode_tok_s", "ppl_delta_pct"):
-        assert row[field] > 0 or field == "ppl_delta_pct", field
-    assert 0.0 <= row["passkey_accuracy"] <= 1.0 and 0.0 <= row["dense_passkey_accuracy"] <= 1.0
+    rows = result["rows"]
+    assert [row["kv_dtype"] for row in rows] == ["float16", "int8"]  # the float step's, the int8 kernel's
+    for row in rows:
+        for field in ("attention_us", "dense_attention_us", "decode_tok_s", "dense_decode_tok_s", "ppl_delta_pct"):
+            assert row[field] > 0 or field == "ppl_delta_pct", field
+        assert 0.0 <= row["passkey_accuracy"] <= 1.0 and 0.0 <= row["dense_passkey_accuracy"] <= 1.0
