@@ -1224,6 +1224,7 @@ def sparse_attention(d: dict[str, Any]) -> str:
     """Top-k block attention against dense attention on one engine and one cache."""
     rows = d["rows"]
     block = rows[0]["block_tokens"] if rows else "-"
+    kv = any("kv_dtype" in r for r in rows)
     lines = [
         f"Top-k block attention (`models.qa.sparse_attention`) against dense attention, on the {d['machine']} CPU "
         f"with {d['threads']} thread{'s' if d['threads'] > 1 else ''}: the engine the shipped profile builds with "
@@ -1240,13 +1241,16 @@ def sparse_attention(d: dict[str, Any]) -> str:
         f"{d['load_average'][1]:.1f} as it ended, on {d['cpus']} CPUs."
         + (" **A --quick smoke run, not a measurement.**" if d.get("quick") else ""),
         "",
-        "| context | k | attends at most | attention µs | dense | decode tok/s | dense | speedup "
-        "| perplexity Δ | passkey | dense passkey |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        # A KV column where the rows name their cache (float16 and int8 measured alike).
+        "| context |" + (" KV |" if kv else "") + " k | attends at most | attention µs | dense | decode tok/s "
+        "| dense | speedup | perplexity Δ | passkey | dense passkey |",
+        "|---:|" + ("---|" if kv else "") + "---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['context_tokens']} | {r['top_k_blocks']} | {r['attended_tokens']} | {r['attention_us']:.0f} "
+            f"| {r['context_tokens']} |"
+            + (f" {r.get('kv_dtype', 'float16')} |" if kv else "")
+            + f" {r['top_k_blocks']} | {r['attended_tokens']} | {r['attention_us']:.0f} "
             f"| {r['dense_attention_us']:.0f} | {r['decode_tok_s']:.1f} | {r['dense_decode_tok_s']:.1f} "
             f"| {r['decode_tok_s'] / r['dense_decode_tok_s']:.2f}x | {r['ppl_delta_pct']:+.2f}% "
             f"| {r['passkey_accuracy']:.0%} | {r['dense_passkey_accuracy']:.0%} |"

@@ -23,9 +23,15 @@ Per context length and k (top_k_blocks):
   10% to 90% of a prompt of the context's length, asked at the end; greedy answers through
   the decode step, right where they contain the number; the same prompts for both.
 
+Each row names its KV cache (`kv_dtype`): float16 (the C decode step over a float cache),
+or int8 (the cache as the engine makes it for kv_dtype: int8: its steps run op by op, its
+attention in the quantized-KV kernel, ops/cpu/cpu_kv.c, timed alone layer by layer with
+the same random queries; dense against sparse over the same codes).
+
 Writes bench/results/sparse_attention.json and prints a table.
 
     python -m bench.sparse_attention [--contexts 512 1024 2048 4096] [--k 4 8 16 32] [--threads 2]
+        [--kv-dtype float16 int8]
     python -m bench.sparse_attention --quick   # a smoke test: one short context, written under /tmp
 """
 
@@ -39,7 +45,7 @@ import random
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -47,7 +53,11 @@ from bench.common import REPO, RESULTS, write_json
 from bench.text_engines import engine_fields, load_engine
 from edge.config.text import SparseAttentionConfig
 from edge.text.engine import TextEngine
+from edge.text.kv import kv_attention
 from edge.text.kv.float_cache import KVCache, SparseAttention
+from edge.text.kv.kv_quant import FORMATS, KVDtype
+from edge.text.kv.quant_cache import QuantKVCache
+from edge.text.ops.cpu import cpu_kv
 from edge.text.runtime import cpu_step, fused_step
 from engines.text.corpus import corpus_fingerprint, evaluation_text
 
@@ -64,26 +74,27 @@ QUESTION = "\nWhat is the pass key? The pass key is"
 
 
 Method = int | None  # a k, or None: dense
+Cache = KVCache | QuantKVCache
 
 
-def _caches(engine: TextEngine, methods: list[Method], slots: int) -> dict[Method, KVCache]:
-    """A one-row cache a method, as the engine makes its own: dense, or keeping the block
-    summaries with that k selecting from position 0."""
+def _caches(engine: TextEngine, methods: list[Method], slots: int, kv_dtype: str = "float16") -> dict[Method, Cache]:
+    """A one-row cache a method, as the engine makes its own for `kv_dtype`: dense, or
+    keeping the block summaries with that k selecting from position 0."""
     model = engine.model
     caches = {}
     for k in methods:
         policy = None if k is None else SparseAttention(top_k_blocks=k, block_tokens=BLOCK, min_context=0)
-        caches[k] = model.new_cache(1, slots, sparse=policy)
+        caches[k] = model.new_cache(1, slots, FORMATS[cast(KVDtype, kv_dtype)], sparse=policy)
     return caches
 
 
-def _step(engine: TextEngine, cache: KVCache, token: int, position: int) -> torch.Tensor:
+def _step(engine: TextEngine, cache: Cache, token: int, position: int) -> torch.Tensor:
     """One decode step of the cache's row: the logits [V] after `token` at `position`."""
     ids, pos = torch.tensor([[token]]), torch.tensor([position])
     return fused_step.decode_step(engine.model, ids, cache, pos, position + 1)[0]
 
 
-def _load(engine: TextEngine, caches: dict[Method, KVCache], ids: list[int]) -> None:
+def _load(engine: TextEngine, caches: dict[Method, Cache], ids: list[int]) -> None:
     """Every cache's row after `ids`: prefilled once (dense's), loaded into the others."""
     dense = caches[None]
     with torch.inference_mode():
@@ -101,7 +112,7 @@ def _turns(methods: list[Method], i: int) -> list[Method]:
 
 
 def score(
-    engine: TextEngine, caches: dict[Method, KVCache], context: list[int], targets: list[int]
+    engine: TextEngine, caches: dict[Method, Cache], context: list[int], targets: list[int]
 ) -> tuple[dict[Method, float], dict[Method, list[float]]]:
     """Per method, (negative log-likelihood summed, each step's seconds) of `targets`
     after `context` (its first len - 1 tokens in the caches), each scored by a decode
@@ -124,7 +135,33 @@ def score(
     return nll, times
 
 
-def attention_us(engine: TextEngine, caches: dict[Method, KVCache], position: int, repeats: int) -> dict[Method, float]:
+def _quant_attention(cache: QuantKVCache, q: torch.Tensor, position: int) -> None:
+    """Every layer's attention over a quantized cache for one token at `position` (q
+    [layers, 1, heads x head dim]), as kv_attention.decode calls the kernel, nothing
+    written."""
+    for i in range(q.shape[0]):
+        layer = cache.layer(i)
+        heads = q[i].view(1, -1, layer.ring_k.shape[-1])
+        selection = None
+        if layer.summary is not None and layer.sparse is not None:
+            selection = cpu_kv.Selection(layer.summary, layer.sparse.block_tokens, [layer.sparse.top_k_blocks])
+        cpu_kv.attention(
+            heads,
+            kv_attention._codes(layer),
+            kv_format=kv_attention._format(layer),
+            rows=[0],
+            pos=[position],
+            coded=[layer.fmt.coded(position + 1)],
+            frows=[0],
+            fbase=[0],
+            float_kv=(layer.ring_k, layer.ring_v),
+            fmod=layer.fmt.ring,
+            sink_kv=kv_attention._sink(layer),
+            selection=selection,
+        )
+
+
+def attention_us(engine: TextEngine, caches: dict[Method, Cache], position: int, repeats: int) -> dict[Method, float]:
     """Per method, every layer's attention for one token at `position` (each cache and its
     summaries as the scoring left them), microseconds, the median of `repeats` taken in
     turns."""
@@ -136,8 +173,12 @@ def attention_us(engine: TextEngine, caches: dict[Method, KVCache], position: in
     times: dict[Method, list[float]] = {k: [] for k in methods}
     for i in range(repeats):
         for k in _turns(methods, i):
+            cache = caches[k]
             began = time.perf_counter()
-            cpu_step.attention(engine.model, caches[k], q, pos, position + 1)
+            if isinstance(cache, QuantKVCache):
+                _quant_attention(cache, q, position)
+            else:
+                cpu_step.attention(engine.model, cache, q, pos, position + 1)
             times[k].append(time.perf_counter() - began)
     return {k: statistics.median(t) * 1e6 for k, t in times.items()}
 
@@ -166,7 +207,7 @@ def passkey_prompts(engine: TextEngine, length: int, seed: int) -> list[tuple[li
 
 
 def passkey(
-    engine: TextEngine, caches: dict[Method, KVCache], prompts: list[tuple[list[int], str]]
+    engine: TextEngine, caches: dict[Method, Cache], prompts: list[tuple[list[int], str]]
 ) -> dict[Method, float]:
     """Per method, the share of prompts whose greedy answer holds their key."""
     right = dict.fromkeys(caches, 0)
@@ -183,18 +224,21 @@ def passkey(
 
 
 def measure(
-    engine: TextEngine, ids: list[int], length: int, ks: list[int], args: argparse.Namespace
+    engine: TextEngine, ids: list[int], length: int, ks: list[int], args: argparse.Namespace, kv_dtype: str
 ) -> list[dict[str, Any]]:
-    """The rows of one context length, one a k."""
+    """The rows of one context length and KV cache, one a k."""
     context, targets = ids[:length], ids[length : length + args.score_tokens]
-    caches = _caches(engine, [None, *ks], length + max(len(targets), ANSWER_TOKENS))
+    caches = _caches(engine, [None, *ks], length + max(len(targets), ANSWER_TOKENS), kv_dtype)
     _load(engine, caches, context[:-1])
     nll, times = score(engine, caches, context, targets)
     tok_s = {k: 1.0 / statistics.median(t) for k, t in times.items()}
     position = length - 1 + len(targets) - 1  # the scoring's last token
     attention = attention_us(engine, caches, position, args.repeats)
     for k in caches:
-        print(f"  {length} tokens, k={k}: ppl {math.exp(nll[k] / len(targets)):.3f}, {tok_s[k]:.1f} tok/s", flush=True)
+        print(
+            f"  {length} tokens, {kv_dtype}, k={k}: ppl {math.exp(nll[k] / len(targets)):.3f}, {tok_s[k]:.1f} tok/s",
+            flush=True,
+        )
     found = passkey(engine, caches, passkey_prompts(engine, length, length))
     dense_ppl = math.exp(nll[None] / len(targets))
     rows = []
@@ -203,6 +247,7 @@ def measure(
         rows.append(
             {
                 "context_tokens": length,
+                "kv_dtype": kv_dtype,
                 "top_k_blocks": k,
                 "block_tokens": BLOCK,
                 # At most: the first block, the k chosen and the two recent ones.
@@ -245,9 +290,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()[0]
     rows: list[dict[str, Any]] = []
     for length in args.contexts:
-        began = time.perf_counter()
-        rows += measure(engine, ids, length, args.k, args)
-        print(f"{length} tokens measured in {time.perf_counter() - began:.0f} s", flush=True)
+        for kv_dtype in args.kv_dtype:
+            began = time.perf_counter()
+            rows += measure(engine, ids, length, args.k, args, kv_dtype)
+            print(f"{length} tokens over {kv_dtype} measured in {time.perf_counter() - began:.0f} s", flush=True)
     return {
         "machine": platform.machine(),
         "threads": args.threads,
@@ -274,6 +320,9 @@ def main() -> None:
     parser.add_argument("--score-tokens", type=int, default=512, help="held-out tokens scored after the context")
     parser.add_argument("--repeats", type=int, default=30, help="timings of attention alone, the median taken")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--kv-dtype", nargs="+", choices=["float16", "int8", "int4"], default=["float16", "int8"], help="a row each"
+    )
     parser.add_argument("--engine-dir", type=Path, default=REPO / ".edge" / "engines")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="a smoke test: one short context, one k, few tokens")
@@ -284,11 +333,12 @@ def main() -> None:
     result = run(args)
     write_json(out, result)
     print(
-        f"{'context':>8} {'k':>3} {'attn us':>9} {'dense us':>9} {'tok/s':>7} {'dense':>7} {'ppl %':>7} {'passkey':>7}"
+        f"{'context':>8} {'kv':>7} {'k':>3} {'attn us':>9} {'dense us':>9} {'tok/s':>7} {'dense':>7} "
+        f"{'ppl %':>7} {'passkey':>7}"
     )
     for r in result["rows"]:
         print(
-            f"{r['context_tokens']:>8} {r['top_k_blocks']:>3} "
+            f"{r['context_tokens']:>8} {r['kv_dtype']:>7} {r['top_k_blocks']:>3} "
             f"{r['attention_us']:>9.0f} {r['dense_attention_us']:>9.0f} "
             f"{r['decode_tok_s']:>7.1f} {r['dense_decode_tok_s']:>7.1f} {r['ppl_delta_pct']:>+7.2f} "
             f"{r['passkey_accuracy']:>4.0%}/{r['dense_passkey_accuracy']:.0%}"

@@ -2,7 +2,8 @@
 edge/text/kv/float_cache.py): the step's block selection is a torch reference's, a step
 that keeps every block is the dense step bit for bit, a block planted far back is found
 with one block to spare, the key summaries are the cache's own after every path that
-writes it, and what does not select yet (CUDA, quantized caches) says so by name."""
+writes it, and what does not select yet (CUDA) says so by name. The int8/int4 cache's
+sparse attention: tests/test_sparse_quant_attention.py."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from edge.text import engine as text_engine
 from edge.text.engine import TextEngine
 from edge.text.kv.float_cache import KVCache, SparseAttention
 from edge.text.kv.kv_quant import FORMATS
+from edge.text.kv.quant_cache import QuantKVCache
 from edge.text.model import llama
 from edge.text.model.checkpoint import TextCheckpoint, load_checkpoint
 from edge.text.model.llama import LlamaModel
@@ -329,8 +331,9 @@ def test_the_summaries_are_counted_in_the_caches_bytes(served: TextCheckpoint) -
     sparse = model.new_cache(2, 256, sparse=SparseAttention(top_k_blocks=2, block_tokens=64))
     summary = cfg.num_layers * 2 * cfg.num_kv_heads * (256 // 64) * 2 * cfg.head_dim * 4
     assert sparse.nbytes == dense.nbytes + summary + 2 * 8
-    with pytest.raises(ValueError, match="float KV cache"):
-        model.new_cache(2, 256, FORMATS["int8"], sparse=SparseAttention(top_k_blocks=2))
+    # An int8 cache on the CPU keeps its own (tests/test_sparse_quant_attention.py).
+    quantized = model.new_cache(2, 256, FORMATS["int8"], sparse=SparseAttention(top_k_blocks=2))
+    assert isinstance(quantized, QuantKVCache) and quantized.summary is not None
     with pytest.raises(ValueError, match="CPU's decode step"):
         KVCache(cfg, 1, 64, torch.float32, torch.device("meta"), sparse=SparseAttention(top_k_blocks=2))
 
@@ -371,18 +374,19 @@ def test_the_engine_reports_sparse_attention_served_or_refused_by_name(
     assert len(answer.tokens) == 4
     off = TextEngine(served, QAModelConfig(max_context_tokens=256, max_sequences=1)).config()["sparse_attention"]
     assert off["enabled"] is False and off["served"] is False and off["refused"] is None
-    # An int8 cache's kernels do not select yet: dense, said in the log and the config.
-    with caplog.at_level(logging.WARNING, logger="edge.text.engine"):
-        quantized = TextEngine(
-            served, QAModelConfig(max_context_tokens=256, max_sequences=1, kv_dtype="int8", sparse_attention=on)
-        )
-    refused = quantized.config()["sparse_attention"]
-    assert refused["served"] is False and "int8 KV cache" in refused["refused"]
-    assert "int8 KV cache" in caplog.text
+    # An int8 or int4 cache's CPU kernel selects too (its steps run op by op).
+    for dtype in ("int8", "int4"):
+        quantized = QAModelConfig.model_validate({"max_context_tokens": 256, "kv_dtype": dtype, "sparse_attention": on})
+        assert text_engine.sparse_attention(quantized, served.model) == (SparseAttention(2, 16, 32), None)
     # CUDA's kernels neither, by name (decided before any CUDA device is touched).
-    cuda = QAModelConfig(device="cuda", max_context_tokens=256, sparse_attention=on)
-    policy, why = text_engine.sparse_attention(cuda, served.model)
-    assert policy is None and why is not None and "CUDA and Triton" in why
+    with caplog.at_level(logging.WARNING, logger="edge.text.engine"):
+        for dtype in ("float16", "int8"):
+            cuda = QAModelConfig.model_validate(
+                {"device": "cuda", "max_context_tokens": 256, "kv_dtype": dtype, "sparse_attention": on}
+            )
+            policy, why = text_engine.sparse_attention(cuda, served.model)
+            assert policy is None and why is not None and "CUDA and Triton" in why
+    assert "CUDA and Triton" in caplog.text
 
 
 def test_a_refused_model_serves_dense(served: TextCheckpoint, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -396,8 +400,9 @@ def test_a_refused_model_serves_dense(served: TextCheckpoint, monkeypatch: pytes
 
 
 def test_the_benchmarks_quick_run_writes_every_field(engine_dir: Path, tmp_path: Path) -> None:
-    """bench/sparse_attention.py --quick: one short context, one k, through the engine the
-    CPU profile builds with sparse attention on; each row holds what the docs render."""
+    """bench/sparse_attention.py --quick: one short context, one k, over a float16 and an
+    int8 cache, through the engine the CPU profile builds with sparse attention on; each
+    row holds what the docs render."""
     import json
     import subprocess
     import sys
@@ -413,7 +418,9 @@ def test_the_benchmarks_quick_run_writes_every_field(engine_dir: Path, tmp_path:
     result = json.loads(out.read_text())
     assert result["quick"] is True and result["served"] is False
     assert result["engine_config"]["sparse_attention"]["served"] is True
-    (row,) = result["rows"]
-    for field in ("attention_us", "dense_attention_us", "decode_tok_s", "dense_decode_tok_s", "ppl_delta_pct"):
-        assert row[field] > 0 or field == "ppl_delta_pct", field
-    assert 0.0 <= row["passkey_accuracy"] <= 1.0 and 0.0 <= row["dense_passkey_accuracy"] <= 1.0
+    rows = result["rows"]
+    assert [row["kv_dtype"] for row in rows] == ["float16", "int8"]  # the float step's, the int8 kernel's
+    for row in rows:
+        for field in ("attention_us", "dense_attention_us", "decode_tok_s", "dense_decode_tok_s", "ppl_delta_pct"):
+            assert row[field] > 0 or field == "ppl_delta_pct", field
+        assert 0.0 <= row["passkey_accuracy"] <= 1.0 and 0.0 <= row["dense_passkey_accuracy"] <= 1.0

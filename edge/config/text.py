@@ -78,14 +78,16 @@ class SparseAttentionConfig(StrictModel):
     enabled: bool = Field(
         default=False,
         title="Enabled",
-        description="Top-k block attention (Quest) in the CPU's decode step: a token attends, in each layer that "
+        description="Top-k block attention (Quest) in the CPU's decode: a token attends, in each layer that "
         "sees every position, to the first block of the context, its own block and the one before, and the "
         "top_k_blocks others whose keys can score highest against it (bounded by each block's per-channel key "
         "minimum and maximum, kept beside the cache), instead of every position. Sliding-window layers stay "
-        "dense. CPU only, over the float KV cache: a CUDA engine, an int8/int4 cache or a model whose steps run "
-        "op by op serves dense attention and says so in its configuration (sparse_attention.refused). Off by "
-        "default: bench/results/sparse_attention.json measures speed, perplexity and passkey retrieval against "
-        "dense by context length and k.",
+        "dense. CPU only: in the C decode step over a float16 cache, and in the quantized cache's attention "
+        "kernel over an int8/int4 one (whose summaries are of the decoded keys; the newest, still float, tokens "
+        "always read). A CUDA engine, or a model whose steps over a float cache run op by op, serves dense "
+        "attention and says so in its configuration (sparse_attention.refused). Off by default: "
+        "bench/results/sparse_attention.json measures speed, perplexity and passkey retrieval against dense "
+        "by context length and k.",
     )
     top_k_blocks: int = Field(
         default=16,

@@ -95,16 +95,16 @@ def kv_format(cfg: QAModelConfig) -> KVFormat:
 
 def sparse_attention(cfg: QAModelConfig, model: LlamaModel) -> tuple[SparseAttention | None, str | None]:
     """The top-k block attention this engine serves (None: dense), and why it serves dense
-    where the profile enables it: only the CPU's C decode step over a float cache selects
-    blocks yet. A refusal is logged and reported in `config`, never silent."""
+    where the profile enables it: on the CPU only, where the C decode step over a float
+    cache and the quantized cache's attention kernel (an int8 or int4 cache, whose steps
+    run op by op) select blocks. A refusal is logged and reported in `config`, never
+    silent."""
     sparse = cfg.sparse_attention
     if not sparse.enabled:
         return None, None
     if cfg.device != "cpu":
         refused = "the CUDA and Triton decode kernels do not select blocks yet"
-    elif cfg.kv_dtype != "float16":
-        refused = f"the {cfg.kv_dtype} KV cache's attention kernels do not select blocks yet"
-    elif not fused_step.steps_on_cpu(model):
+    elif cfg.kv_dtype == "float16" and not fused_step.steps_on_cpu(model):
         refused = "the model's decode steps run op by op, not in the CPU's C step (the log says why)"
     else:
         return SparseAttention(sparse.top_k_blocks, sparse.block_tokens, sparse.min_context), None
@@ -262,7 +262,8 @@ class TextEngine:
             "speculative_tokens": self.cfg.speculative_tokens,
             "kv_offload": self.cfg.kv_offload,
             "prefix_cache_mib": self.cfg.prefix_cache_mib,
-            # What runs: served only in the CPU's C step over a float cache (sparse_attention).
+            # What runs: served only on the CPU: the C step over a float cache, the quantized
+            # cache's attention kernel over an int8/int4 one (sparse_attention).
             "sparse_attention": {
                 "enabled": self.cfg.sparse_attention.enabled,
                 "served": self.sparse is not None,

@@ -45,10 +45,12 @@ def local_slots(config: LlamaConfig, max_len: int, room: int = LOCAL_ROOM) -> in
 
 @dataclass(frozen=True)
 class SparseAttention:
-    """Top-k block attention in the CPU's decode step (models.qa.sparse_attention): a
-    token at `min_context` or later attends, in each layer that sees every position, to
-    block 0, its own block and the one before, and the `top_k_blocks` others whose key
-    summaries bound its scores highest; blocks of `block_tokens` positions."""
+    """Top-k block attention on the CPU (models.qa.sparse_attention): in the C decode step
+    over this float cache, or the quantized-KV attention kernel over an int8/int4 cache
+    (quant_cache.py keeps that one's summaries). A token at `min_context` or later
+    attends, in each layer that sees every position, to block 0, its own block and the one
+    before, and the `top_k_blocks` others whose key summaries bound its scores highest;
+    blocks of `block_tokens` positions."""
 
     top_k_blocks: int
     block_tokens: int = 64
@@ -99,7 +101,8 @@ class KVCache:
         # sliding one is attended densely: its window bounds it already): [such layers,
         # rows, KV heads, blocks, min and max, head dim], each layer's index there (-1:
         # none), and each row's count of positions they are exact over. Only the CPU's
-        # decode step selects blocks (the CUDA and Triton kernels do not yet).
+        # decode step selects blocks over a float cache (the CUDA and Triton kernels do
+        # not yet).
         self.sparse = sparse
         self.block_tokens = sparse.block_tokens if sparse is not None else 0  # the summaries' blocks
         self.summary: torch.Tensor | None = None

@@ -4,7 +4,9 @@ Triton is absent, ours (ops/cuda/kv_ops.cu), as ops/step_ops.py chooses. All rea
 codes where they are stored; none dequantizes into a buffer.
 
 - decode: one token per row at each row's own position: written (and a key block coded
-  when one leaves the window), then attended to with everything before it;
+  when one leaves the window), then attended to with everything before it, or, with
+  sparse attention on the CPU (a layer whose cache keeps block summaries), from
+  min_context on to the blocks it selects and the float part;
 - chunk: a prompt's tokens after `start` cached ones, in one row: they attend to the
   cached codes, the ring's float tokens and each other in float (causally), as a fresh
   prefill attends to itself; then they are stored.
@@ -61,6 +63,13 @@ def decode(
     layer.write_tokens(k.unsqueeze(2), v.unsqueeze(2), positions)
     ends = [min(p, kv_len - 1) for p in positions]
     rows = list(range(len(positions)))
+    selection = None
+    if layer.summary is not None and layer.sparse is not None:
+        # As the float decode step decides (cpu_step.c): a row not advanced keeps the
+        # blocks always kept and selects none; a token before min_context is dense (-1).
+        policy = layer.sparse
+        top_k = [0 if p >= kv_len else policy.top_k_blocks if p >= policy.min_context else -1 for p in positions]
+        selection = cpu_kv.Selection(layer.summary, policy.block_tokens, top_k)
     out = cpu_kv.attention(
         q,
         _codes(layer),
@@ -75,6 +84,7 @@ def decode(
         sink_kv=_sink(layer),
         window=window,
         scale=q_scale,
+        selection=selection,
     )
     return out.to(q.dtype)
 

@@ -26,6 +26,20 @@ Writing tokens start..end-1 codes every key block that leaves the window, from t
 and the new tokens, then puts the new tokens in the ring. Attention reads the codes where
 they are (edge/text/kv/kv_attention.py): nothing here dequantizes for attention.
 
+With sparse attention (`SparseAttention`, models.qa.sparse_attention; CPU only) the cache
+also keeps, for the layers that see every position, each block's key summary: per row, KV
+head and block of `block_tokens` positions, the per-channel min and max (float32) of the
+keys as attention reads them: the decoded codes (code x scale (+ zero point)), the sink's
+floats, and the ring's floats for positions not yet coded. Decoded, not the keys as
+written: Quest's bound must hold for the keys the kernel multiplies, and coding moves a key
+by up to half a step (a block's bound over the written keys can fall below a decoded
+key's score). A block's summary is recomputed from its first position by every write that
+changes what attention reads there (`QuantLayer.store`: a decode step's token, a prefill or
+chunk, a key block coded from the ring, a rollback's rewrite) and by `load_row` (the prefix
+cache's and the offload's rows), so it is never read stale. A sliding layer stays dense
+(its window bounds it; its codes may be a circle): it keeps no summaries. The CPU's
+attention (ops/cpu/cpu_kv.c) selects blocks by them with the float decode step's rule.
+
 On CUDA the decode step writes and codes in its own kernel (Triton's,
 edge/text/ops/triton/triton_kv.py, or ours where Triton is absent, edge/text/ops/cuda/kv_ops.cu);
 what is here (torch) serves prefills on every device and the CPU's decode step.
@@ -34,11 +48,12 @@ what is here (torch) serves prefills on every device and the CPU's decode step.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from edge.text.kv import kv_quant
+from edge.text.kv.float_cache import SparseAttention
 from edge.text.kv.kv_quant import SYM4_ZERO, KVFormat, _unpack4
 
 if TYPE_CHECKING:
@@ -61,6 +76,10 @@ class QuantLayer:
     ring_v: torch.Tensor
     sink_k: torch.Tensor  # [B, H, sink, D] activations' type (empty without a sink)
     sink_v: torch.Tensor
+    # Sparse attention's block summaries [B, H, blocks, 2 (min, max), D] float32 of the keys
+    # as attention reads them, and the policy selecting by them (None: dense, no summaries).
+    summary: torch.Tensor | None = None
+    sparse: SparseAttention | None = None
 
     @property
     def code_len(self) -> int:
@@ -114,6 +133,54 @@ class QuantLayer:
             slots = torch.arange(first, end, device=k.device) % fmt.ring
             self.ring_k[:, :, slots] = k[:, :, first - start :].to(self.ring_k.dtype)
             self.ring_v[:, :, slots] = v[:, :, first - start :].to(self.ring_v.dtype)
+        if end > start:
+            # What attention reads changed from the first key coded (ring floats became
+            # decoded codes) or else from the first new token.
+            self.summarize(c0 if c1 > c0 else start, end)
+
+    def keys_read(self, first: int, end: int, length: int) -> torch.Tensor:
+        """Keys [B, H, end-first, D] float32 of positions first..end-1 as attention reads
+        them in rows holding `length` tokens: the sink's floats, decoded codes, the ring's
+        floats (read's keys, for a span)."""
+        fmt, parts = self.fmt, []
+        coded = min(fmt.coded(length), end)
+        if first < coded:
+            at = torch.arange(first, coded, device=self.k_codes.device)
+            slots, blocks = at % self.code_len, at // fmt.key_block % (self.code_len // fmt.key_block)
+            codes = self.k_codes[:, :, slots]
+            if fmt.dtype == "int4":
+                codes = _unpack4(codes)
+            k = codes.float() * self.k_scale[:, :, blocks].float()
+            if fmt.dtype == "int4":
+                k = k + self.k_zero[:, :, blocks].float()
+            sink = min(fmt.sink, coded)
+            if sink > first:
+                k[:, :, : sink - first] = self.sink_k[:, :, first:sink].float()
+            parts.append(k)
+        if end > max(first, coded):
+            parts.append(self.ring_span(max(first, coded), end)[0].float())
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+    def summarize(self, first: int, end: int) -> None:
+        """Recompute the block summaries of the blocks holding positions first..end-1, each
+        from its first position up to `end` (rows holding `end` tokens): positions past
+        `end` (a rollback's drafts) drop out. Nothing without summaries."""
+        if self.summary is None or self.sparse is None or end <= first:
+            return
+        bt = self.sparse.block_tokens
+        lo = first // bt * bt
+        keys = self.keys_read(lo, end, end)
+        n = end - lo
+        full = n // bt * bt
+        b0 = lo // bt
+        if full:
+            blocks = keys[:, :, :full].reshape(*keys.shape[:2], full // bt, bt, keys.shape[3])
+            self.summary[:, :, b0 : b0 + full // bt, 0] = blocks.amin(3)
+            self.summary[:, :, b0 : b0 + full // bt, 1] = blocks.amax(3)
+        if n > full:
+            tail = keys[:, :, full:]
+            self.summary[:, :, b0 + full // bt, 0] = tail.amin(2)
+            self.summary[:, :, b0 + full // bt, 1] = tail.amax(2)
 
     def _code(self, k: torch.Tensor, v: torch.Tensor, first: int) -> None:
         """Code whole key blocks [B, H, n, D] of positions first..first+n-1, into their
@@ -216,6 +283,7 @@ class QuantKVCache:
         dtype: torch.dtype,
         device: torch.device,
         window_sized: bool = False,
+        sparse: SparseAttention | None = None,
     ) -> None:
         if fmt.dtype == "float16":
             raise ValueError("a float16 cache is llama.KVCache")
@@ -252,6 +320,20 @@ class QuantKVCache:
         sink = (lambda: torch.zeros(*lead, fmt.sink, dim, dtype=dtype, device=device)) if fmt.sink else None
         self.sink_k = sink() if sink is not None else _empty(device)
         self.sink_v = sink() if sink is not None else _empty(device)
+        # Sparse attention's block summaries (the module's header) for the layers that see
+        # every position: [such layers, rows, KV heads, blocks, 2, head dim] float32, and
+        # each layer's index there (-1: a sliding layer, attended densely).
+        self.sparse = sparse
+        self.summary: torch.Tensor | None = None
+        self.summary_index = [-1] * config.num_layers
+        if sparse is not None:
+            if device.type != "cpu":
+                raise ValueError(f"sparse attention over an {fmt.dtype} cache runs on the CPU, not on {device.type}")
+            every = [i for i in range(config.num_layers) if not config.layer_window(i)]
+            for n, i in enumerate(every):
+                self.summary_index[i] = n
+            blocks = -(-max_len // sparse.block_tokens)
+            self.summary = torch.zeros((len(every), batch, heads, blocks, 2, dim), dtype=torch.float32)
 
     @property
     def batch(self) -> int:
@@ -264,7 +346,8 @@ class QuantKVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._tensors().values())
+        summary = self.summary.numel() * 4 if self.summary is not None else 0
+        return sum(t.numel() * t.element_size() for t in self._tensors().values()) + summary
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in _TENSORS}
@@ -275,6 +358,8 @@ class QuantKVCache:
         view.__dict__.update(self.__dict__)
         for name, tensor in self._tensors().items():
             setattr(view, name, tensor[:, first : first + count] if tensor.numel() else tensor)
+        if self.summary is not None:
+            view.summary = self.summary[:, first : first + count]
         return view
 
     def layer(self, i: int) -> QuantLayer:
@@ -282,9 +367,13 @@ class QuantKVCache:
         only) and its float ring and sink."""
         tensors = self._tensors()
         prefix, at = ("local_" if self.is_local[i] else ""), self.index[i]
-        parts = {name: _at(tensors[prefix + name], at) for name in _CODES}
+        parts: dict[str, Any] = {name: _at(tensors[prefix + name], at) for name in _CODES}
         parts.update({name: _at(tensors[name], i) for name in _FLOATS})
-        return QuantLayer(self.fmt, self.max_len, **parts)
+        layer = QuantLayer(self.fmt, self.max_len, **parts)
+        at_summary = self.summary_index[i]
+        if self.summary is not None and at_summary >= 0:
+            layer.summary, layer.sparse = self.summary[at_summary], self.sparse
+        return layer
 
     def save_row(self, row: int, length: int) -> dict[str, torch.Tensor]:
         """What a row holding `length` tokens needs to go on from where it is: its codes
@@ -304,6 +393,8 @@ class QuantKVCache:
                 out[name] = part.clone()
             else:
                 out[name] = part[:, :, : blocks if name.endswith(("k_scale", "k_zero")) else coded].clone()
+        if self.summary is not None and self.sparse is not None:
+            out["summary"] = self.summary[:, row, :, : -(-length // self.sparse.block_tokens)].clone()
         return out
 
     def load_row(self, row: int, length: int, saved: dict[str, torch.Tensor]) -> None:
@@ -322,6 +413,18 @@ class QuantKVCache:
                 part.copy_(value)
             else:
                 part[:, :, : value.shape[2]] = value
+        if self.summary is not None and self.sparse is not None:
+            # The saved summaries of the blocks wholly coded are the codes' (copied, as the
+            # codes are); the block the float part starts in and those after are made again
+            # from the row as loaded (all of them from a row saved without summaries).
+            first = 0
+            if "summary" in saved:
+                summary = saved["summary"].to(self.summary.device)
+                self.summary[:, row, :, : summary.shape[2]] = summary
+                first = coded
+            for i, at in enumerate(self.summary_index):
+                if at >= 0:
+                    self.layer(i).rows(row).summarize(first, length)
 
 
 def _code_tensors(

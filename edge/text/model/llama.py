@@ -492,14 +492,17 @@ class LlamaModel(nn.Module):
         in buffers sized from their window unless `window_sized` is off: float_cache.py),
         or int8/int4 codes (edge/text/kv/quant_cache.py) for a quantized format (the
         sliding layers' codes sized from their window where the kernels read them as a
-        circle: step_ops.circular_kv). `sparse`: a float cache on the CPU keeps the block
-        summaries the CPU's decode step selects by (float_cache.py); the quantized
-        caches' kernels do not select yet."""
+        circle: step_ops.circular_kv). `sparse`: on the CPU, a float cache keeps the block
+        summaries the CPU's decode step selects by (float_cache.py), a quantized one those
+        its attention kernel selects by (quant_cache.py, ops/cpu/cpu_kv.c)."""
         length = min(max_len, self.config.max_position)
         quantized = kv_format is not None and kv_format.dtype != "float16"
-        if sparse is not None and quantized:
-            raise ValueError("sparse attention runs over a float KV cache; the int8/int4 kernels do not select blocks")
         if kv_format is not None and quantized:
+            if sparse is not None and self.device.type != "cpu":
+                raise ValueError(
+                    f"sparse attention over an {kv_format.dtype} cache runs on the CPU; "
+                    "the CUDA and Triton kernels do not select blocks"
+                )
             if self.device.type == "cuda":
                 config = self.config
                 group = config.num_heads // config.num_kv_heads
@@ -507,7 +510,7 @@ class LlamaModel(nn.Module):
                 if refused:
                     raise ValueError(f"kv_dtype {kv_format.dtype} on CUDA: {refused}; serve with kv_dtype float16")
             circle = window_sized and step_ops.circular_kv(self.device)
-            return QuantKVCache(self.config, batch, length, kv_format, self.dtype, self.device, circle)
+            return QuantKVCache(self.config, batch, length, kv_format, self.dtype, self.device, circle, sparse)
         return KVCache(self.config, batch, length, self.dtype, self.device, window_sized, sparse=sparse)
 
     @torch.inference_mode()
