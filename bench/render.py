@@ -1263,16 +1263,19 @@ def sparsity(d: dict[str, Any]) -> str:
         if key.startswith("smollm2_"):
             qat = section["qat"]
             rule = section["rules"][0]
+            quant = "AWQ" if section["quantization"].startswith("awq") else "round-to-nearest"
             lines += [
                 f"SmolLM2-135M-Instruct with the clinic adapter, on the {section['machine']} "
                 f"{section['device'].upper()} with {section['threads']} threads (`bench/results/sparsity.json`): "
-                f"every decoder projection pruned 2:4 by {rule['pruning']} (`{rule['match']}`), then AWQ INT4; the "
-                f"QAT row trained {qat['steps']} steps of {qat['batch']} x {qat['seq_len']} tokens at lr "
-                f"{qat['lr']:g} before AWQ. Perplexity on {section['eval_tokens']} held-out tokens (float model "
+                f"every decoder projection pruned 2:4 by {rule['pruning']} (`{rule['match']}`), then {quant} INT4; "
+                f"the QAT row trained {qat['steps']} steps of {qat['batch']} x {qat['seq_len']} tokens at lr "
+                f"{qat['lr']:g} before the rounding. Perplexity on {section['eval_tokens']} held-out tokens "
+                "(float model "
                 f"{section['float_perplexity']:.2f}) and greedy agreement with the float model "
                 f"({section['greedy_prompts']} prompts x {section['greedy_new_tokens']} tokens) on the exact kernel; "
                 f"adapter behaviours and retrieval answered accuracy ({section['rag_questions']} questions) and "
-                f"decode speed on the served engine ({engine_summary(section['rows'][0]['engine_config'])}).",
+                "decode speed on the served engine"
+                + (f" ({engine_summary(section['rows'][0]['engine_config'])})." if section["rows"] else "."),
                 "",
                 "| build | perplexity | token agreement | adapter | RAG answered | weight bytes | decode tok/s |",
                 "|---|---:|---:|---:|---:|---:|---:|",
@@ -1283,22 +1286,24 @@ def sparsity(d: dict[str, Any]) -> str:
                     f"| {r['variant']} | {r['perplexity']:.2f} | {r['token_agreement']:.3f} | {r['adapter_all']:.3f} "
                     f"| {rag} | {r['weight_bytes'] / 1e6:.1f} MB | {r['decode_tok_s']:.1f} |"
                 )
-            trained = section["rows"][-1]
-            peaks = trained.get("peak_bytes") or {}
             recovered = section.get("qat_recovered")
-            lines += [
-                "",
-                "QAT won back "
-                + ("-" if recovered is None else f"{recovered:.0%}")
-                + " of the perplexity the one-shot pruning lost. The training's peak memory ("
-                + section["training_peaks"]["recompute"]["measured"]
-                + f", {section['memory_steps']} steps): "
-                + ", ".join(
-                    f"{k.replace('_', ' ')} {v / 2**30:.2f} GiB ({trained['train_step_seconds'][k]:.1f} s a step)"
-                    for k, v in peaks.items()
-                )
-                + ".",
-            ]
+            if recovered is not None:
+                lines += ["", f"QAT won back {recovered:.0%} of the perplexity the one-shot pruning lost."]
+            peaks = section.get("training_peaks") or {}
+            if peaks:
+                lines += [
+                    "",
+                    f"The training's peak memory ({peaks['recompute']['measured']}, {section['memory_steps']} steps "
+                    "in a process of its own): "
+                    + ", ".join(
+                        f"{k.replace('_', ' ')} {v['peak_bytes'] / 2**30:.2f} GiB (after loading and pruning "
+                        f"{v['peak_bytes_before_training'] / 2**30:.2f} GiB; {v['step_seconds']:.1f} s a step)"
+                        for k, v in peaks.items()
+                    )
+                    + ".",
+                ]
+            if section.get("remaining"):
+                lines += ["", "Not measured yet in this run: " + ", ".join(section["remaining"]) + "."]
         elif key.startswith("shape_"):
             lines += [
                 "",

@@ -4,7 +4,8 @@
 Three builds of the served model (SmolLM2-135M-Instruct with the clinic adapter merged),
 each as `edgectl build` makes it from a profile (engines/text/text_build.py):
 
-- `dense-int4`: the served AWQ INT4 build;
+- `dense-int4`: the served AWQ INT4 build (or, with `--quantization rtn-int4`, every row
+  rounded to nearest instead of by AWQ: what a busy CPU builds in minutes);
 - `2:4-int4 one-shot`: every decoder projection pruned to 2:4 by Wanda on the
   calibration text (models.qa.layers: one rule, `sparsity: "2:4"`), then AWQ INT4 in the
   packed 2:4 format;
@@ -48,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +169,7 @@ def train_child(args: argparse.Namespace) -> None:
     tokenizer = Tokenizer.from_file(str(args.train_child / "tokenizer.json"))
     recipe = replace(QATRecipe(**{k: v for k, v in qat_settings().items() if k != "recompute"}),
                      steps=args.steps, recompute=args.recompute)  # fmt: skip
-    adapter = adapter_sequences(tokenizer, recipe.seq_len) if args.adapter_data else []
+    adapter = adapter_sequences(tokenizer) if args.adapter_data else []
     data = batches(
         general_windows(tokenizer, recipe.seq_len), adapter, recipe, tokenizer.token_to_id("<|im_end|>") or 0
     )
@@ -203,24 +205,16 @@ def quality(
     }
 
 
-def smollm2_rows(args: argparse.Namespace) -> dict[str, Any]:
+def smollm2_rows(args: argparse.Namespace, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """The three rows; `save` is handed the section as it grows (after each row and the
+    training's peaks), so a run stopped part way leaves what it measured, `remaining`
+    naming the rest."""
     from engines.text.import_gguf import import_smollm2
     from engines.text.peft_adapter import merge_checkpoint
     from engines.text.qlora import CLINIC_ADAPTER
     from engines.text.text_build import build_text_engine
 
     qat = qat_settings()
-    builds: dict[str, Path] = {}
-    build_seconds: dict[str, float] = {}
-    for name, layers, trained in (
-        ("dense-int4", None, None),
-        ("2:4-int4 one-shot", RULES, None),
-        ("2:4-int4 qat", RULES, qat),
-    ):
-        t0 = time.monotonic()
-        builds[name] = build_text_engine(args.engine_dir, "clinic", "awq-int4", False, layers=layers, qat=trained)
-        build_seconds[name] = round(time.monotonic() - t0, 1)
-        print(f"{name}: {builds[name].name} ({build_seconds[name]} s, 0 if cached)", flush=True)
     merged = merge_checkpoint(import_smollm2(args.engine_dir), CLINIC_ADAPTER)  # the float model, as served's source
     reference = load_engine(merged, args.device)
     ids = reference.tokenizer.encode(evaluation_text(), add_special_tokens=False).ids[: args.max_tokens]
@@ -230,44 +224,12 @@ def smollm2_rows(args: argparse.Namespace) -> dict[str, Any]:
     float_ppl = perplexity(reference.model, ids, WINDOW, kv_format=kv_format(reference.cfg))
     del reference
     found = rag_found(args.engine_dir, args.questions, args.threads)[: args.answers]
-    rows = []
-    for name, path in builds.items():
-        t0 = time.monotonic()
-        row: dict[str, Any] = {"variant": name, "checkpoint": path.name}
-        row.update(quality(path, ids, prompts, ref_conts, args))
-        served = load_engine(path, args.device, max_context_tokens=1024, max_new_tokens=48)
-        manifest = json.loads((path / "manifest.json").read_text())
-        row.update(
-            {
-                "adapter_all": round(adapter_all(served), 3),
-                "rag_answered_accuracy": rag_accuracy(served, found),
-                "weight_bytes": manifest["weight_bytes"],
-                "decode_tok_s": round(decode_rate(served, served.model.config.vocab_size), 2),
-                "build_seconds": build_seconds[name],
-                "int4_kernel": served.int4_kernel,
-                **engine_fields(served),
-            }
-        )
-        if "qat" in manifest:
-            row["training"] = manifest["qat"]
-        row["eval_seconds"] = round(time.monotonic() - t0, 1)
-        rows.append(row)
-        print({k: v for k, v in row.items() if "config" not in k}, flush=True)
-    peaks = {
-        ("recompute" if on else "no_recompute"): train_peak(
-            merged, on, args.memory_steps, args.device, args.threads, adapter_data=True
-        )
-        for on in (True, False)
-    }
-    qat_row = rows[-1]
-    qat_row["peak_bytes"] = {k: v["peak_bytes"] for k, v in peaks.items()}
-    qat_row["peak_bytes_before_training"] = {k: v["peak_bytes_before_training"] for k, v in peaks.items()}
-    qat_row["train_step_seconds"] = {k: v["step_seconds"] for k, v in peaks.items()}
-    dense, one_shot = rows[0]["perplexity"], rows[1]["perplexity"]
-    lost = one_shot - dense
-    return {
-        "what": "SmolLM2-135M-Instruct + clinic adapter: dense AWQ INT4, 2:4 one-shot, 2:4 with QAT",
+    rows: list[dict[str, Any]] = []
+    plan = [("dense-int4", None, None), ("2:4-int4 one-shot", RULES, None), ("2:4-int4 qat", RULES, qat)]
+    section: dict[str, Any] = {
+        "what": f"SmolLM2-135M-Instruct + clinic adapter: dense {args.quantization}, 2:4 one-shot, 2:4 with QAT",
         "device": args.device,
+        "quantization": args.quantization,
         "rules": RULES,
         "qat": qat,
         "eval_text": f"pydoc_data topics, eval split (disjoint from calibration), corpus {corpus_fingerprint()}",
@@ -279,14 +241,65 @@ def smollm2_rows(args: argparse.Namespace) -> dict[str, Any]:
         "rag_questions": len(found),
         "decode": {"prompt_tokens": PROMPT_TOKENS, "new_tokens": DECODE_TOKENS},
         "memory_steps": args.memory_steps,
-        "training_peaks": peaks,
-        # The share of the one-shot row's perplexity loss that QAT won back (1: all of it).
-        "qat_recovered": round((one_shot - rows[2]["perplexity"]) / lost, 4) if lost > 0 else None,
+        "training_peaks": {},
+        "qat_recovered": None,
         "threads": args.threads,
         "machine": platform.machine(),
         "torch": torch.__version__,
         "rows": rows,
+        "remaining": [name for name, _l, _q in plan] + ["training_peaks"],
     }
+    for name, layers, trained in plan:
+        if trained is not None:
+            # The training's peaks first, each in a child of its own (the build below may
+            # be cached, and the peak of this process is the evaluations').
+            section["training_peaks"] = {
+                ("recompute" if on else "no_recompute"): train_peak(
+                    merged, on, args.memory_steps, args.device, args.threads, adapter_data=True
+                )
+                for on in (True, False)
+            }
+            section["remaining"].remove("training_peaks")
+            save(section)
+        t0 = time.monotonic()
+        # Each build evaluated as soon as it is there: a build another process is making
+        # (the lock of engines/cache.py) is waited for, not made twice.
+        path = build_text_engine(args.engine_dir, "clinic", args.quantization, False, layers=layers, qat=trained)
+        row: dict[str, Any] = {
+            "variant": name,
+            "checkpoint": path.name,
+            "build_seconds": round(time.monotonic() - t0, 1),
+        }
+        t0 = time.monotonic()
+        row.update(quality(path, ids, prompts, ref_conts, args))
+        served = load_engine(path, args.device, max_context_tokens=1024, max_new_tokens=48)
+        manifest = json.loads((path / "manifest.json").read_text())
+        row.update(
+            {
+                "adapter_all": round(adapter_all(served), 3),
+                "rag_answered_accuracy": rag_accuracy(served, found),
+                "weight_bytes": manifest["weight_bytes"],
+                "decode_tok_s": round(decode_rate(served, served.model.config.vocab_size), 2),
+                "int4_kernel": served.int4_kernel,
+                **engine_fields(served),
+            }
+        )
+        if trained is not None:
+            row["training"] = manifest["qat"]
+            peaks = section["training_peaks"]
+            row["peak_bytes"] = {k: v["peak_bytes"] for k, v in peaks.items()}
+            row["peak_bytes_before_training"] = {k: v["peak_bytes_before_training"] for k, v in peaks.items()}
+            row["train_step_seconds"] = {k: v["step_seconds"] for k, v in peaks.items()}
+        row["eval_seconds"] = round(time.monotonic() - t0, 1)
+        rows.append(row)
+        section["remaining"].remove(name)
+        print({k: v for k, v in row.items() if "config" not in k}, flush=True)
+        save(section)
+    dense, one_shot = rows[0]["perplexity"], rows[1]["perplexity"]
+    lost = one_shot - dense
+    # The share of the one-shot row's perplexity loss that QAT won back (1: all of it).
+    section["qat_recovered"] = round((one_shot - rows[2]["perplexity"]) / lost, 4) if lost > 0 else None
+    return section
 
 
 def shape_rows(args: argparse.Namespace) -> dict[str, Any]:
@@ -327,6 +340,12 @@ def shape_rows(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument(
+        "--quantization",
+        choices=("awq-int4", "rtn-int4"),
+        default="awq-int4",
+        help="all three rows': AWQ as served, or round-to-nearest (no AWQ searches: minutes on a busy CPU)",
+    )
     parser.add_argument("--shape", default="", help="a bench/build_memory.py shape (llama3-8b): its speed rows")
     parser.add_argument("--engine-dir", type=Path, default=REPO / ".edge" / "engines")
     parser.add_argument("--threads", type=int, default=2)
@@ -349,8 +368,12 @@ def main() -> None:
     key = "shape" if args.shape else "smollm2"
     out = args.out or RESULTS / "sparsity.json"
     result = json.loads(out.read_text()) if out.exists() else {}
-    result[f"{key}_{args.device}"] = shape_rows(args) if args.shape else smollm2_rows(args)
-    write_json(out, result)
+
+    def save(section: dict[str, Any]) -> None:
+        result[f"{key}_{args.device}"] = section
+        write_json(out, result)
+
+    save(shape_rows(args) if args.shape else smollm2_rows(args, save))
     section = result[f"{key}_{args.device}"]
     print("| variant | perplexity | token agreement | adapter all | RAG answered | weight bytes | decode tok/s |")
     print("|---|---:|---:|---:|---:|---:|---:|")

@@ -90,7 +90,11 @@ class QATConfig(StrictModel):
     steps: int = Field(default=40, ge=1, le=100_000, title="Steps", description="Optimizer steps.")
     batch: int = Field(default=4, ge=1, le=256, title="Batch", description="Sequences a step.")
     seq_len: int = Field(
-        default=128, ge=16, le=8192, title="Sequence length", description="Tokens a sequence, at most."
+        default=128,
+        ge=16,
+        le=8192,
+        title="Sequence length",
+        description="Tokens a general-text sequence; the adapter's examples are taken whole.",
     )
     lr: float = Field(
         default=1e-4, gt=0, le=1e-2, title="Learning rate", description="AdamW's peak rate, cosine-decayed to 0."

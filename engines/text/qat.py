@@ -186,12 +186,14 @@ def general_windows(tokenizer: Tokenizer, seq_len: int) -> list[Sequence]:
     return [(ids[i : i + seq_len], ids[i : i + seq_len]) for i in range(0, len(ids) - seq_len + 1, seq_len)]
 
 
-def adapter_sequences(tokenizer: Tokenizer, seq_len: int) -> list[Sequence]:
-    """The clinic adapter's training examples, answers learned (engines/text/qlora.encode)."""
+def adapter_sequences(tokenizer: Tokenizer) -> list[Sequence]:
+    """The clinic adapter's training examples, answers learned (engines/text/qlora.encode),
+    each whole: cut to seq_len, over a third of SmolLM2's would lose every answer token
+    (a question with its passages runs to about 250 tokens)."""
     from engines.text.clinic_data import examples
     from engines.text.qlora import encode
 
-    return [(ids[:seq_len], labels[:seq_len]) for ids, labels in (encode(tokenizer, ex) for ex in examples("train"))]
+    return [encode(tokenizer, ex) for ex in examples("train")]
 
 
 def batches(
@@ -363,7 +365,7 @@ def write_qat(
     prune_model(model, tokenizer, quant)
     logger.info("%s: pruned in %.0f s", source.label, time.monotonic() - started)
     general = general_windows(tokenizer, recipe.seq_len)
-    adapter = adapter_sequences(tokenizer, recipe.seq_len) if adapter_data else []
+    adapter = adapter_sequences(tokenizer) if adapter_data else []
     pad = tokenizer.token_to_id("<|im_end|>") or 0
     stats = train(model, batches(general, adapter, recipe, pad), quant, recipe, progress)
     logger.info("%s: QAT %s", source.label, stats)
