@@ -1259,6 +1259,68 @@ def sparse_attention(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def sparsity(d: dict[str, Any]) -> str:
+    """Dense INT4, 2:4 one-shot and 2:4 with QAT of the served model, in one run; the 8B
+    shape's speed rows where they were measured."""
+    lines: list[str] = []
+    for key, section in d.items():
+        if key.startswith("smollm2_"):
+            qat = section["qat"]
+            rule = section["rules"][0]
+            quant = "AWQ" if section["quantization"].startswith("awq") else "round-to-nearest"
+            lines += [
+                f"SmolLM2-135M-Instruct with the clinic adapter, on the {section['machine']} "
+                f"{section['device'].upper()} with {section['threads']} threads (`bench/results/sparsity.json`): "
+                f"every decoder projection pruned 2:4 by {rule['pruning']} (`{rule['match']}`), then {quant} INT4; "
+                f"the QAT row trained {qat['steps']} steps of {qat['batch']} x {qat['seq_len']} tokens at lr "
+                f"{qat['lr']:g} before the rounding. Perplexity on {section['eval_tokens']} held-out tokens "
+                "(float model "
+                f"{section['float_perplexity']:.2f}) and greedy agreement with the float model "
+                f"({section['greedy_prompts']} prompts x {section['greedy_new_tokens']} tokens) on the exact kernel; "
+                f"adapter behaviours and retrieval answered accuracy ({section['rag_questions']} questions) and "
+                "decode speed on the served engine"
+                + (f" ({engine_summary(section['rows'][0]['engine_config'])})." if section["rows"] else "."),
+                "",
+                "| build | perplexity | token agreement | adapter | RAG answered | weight bytes | decode tok/s |",
+                "|---|---:|---:|---:|---:|---:|---:|",
+            ]
+            for r in section["rows"]:
+                rag = "-" if r["rag_answered_accuracy"] is None else f"{r['rag_answered_accuracy']:.3f}"
+                lines.append(
+                    f"| {r['variant']} | {r['perplexity']:.2f} | {r['token_agreement']:.3f} | {r['adapter_all']:.3f} "
+                    f"| {rag} | {r['weight_bytes'] / 1e6:.1f} MB | {r['decode_tok_s']:.1f} |"
+                )
+            recovered = section.get("qat_recovered")
+            if recovered is not None:
+                lines += ["", f"QAT won back {recovered:.0%} of the perplexity the one-shot pruning lost."]
+            peaks = section.get("training_peaks") or {}
+            if peaks:
+                lines += [
+                    "",
+                    f"The training's peak memory ({peaks['recompute']['measured']}, {section['memory_steps']} steps "
+                    "in a process of its own): "
+                    + ", ".join(
+                        f"{k.replace('_', ' ')} {v['peak_bytes'] / 2**30:.2f} GiB (after loading and pruning "
+                        f"{v['peak_bytes_before_training'] / 2**30:.2f} GiB; {v['step_seconds']:.1f} s a step)"
+                        for k, v in peaks.items()
+                    )
+                    + ".",
+                ]
+            if section.get("remaining"):
+                lines += ["", "Not measured yet in this run: " + ", ".join(section["remaining"]) + "."]
+        elif key.startswith("shape_"):
+            lines += [
+                "",
+                f"{section['what']}, on {section['device'].upper()}:",
+                "",
+                "| build | weight bytes | decode tok/s |",
+                "|---|---:|---:|",
+            ]
+            for r in section["rows"]:
+                lines.append(f"| {r['variant']} | {r['weight_bytes'] / 1e9:.2f} GB | {r['decode_tok_s']:.1f} |")
+    return "\n".join(lines).strip()
+
+
 TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "http": ("http.json", http),
     "http_stack": ("http_stack.json", http_stack),
@@ -1276,6 +1338,7 @@ TABLES: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "attention_kernels": ("attention_kernels.json", attention_kernels),
     "speculative": ("speculative.json", speculative),
     "sparse_attention": ("sparse_attention.json", sparse_attention),
+    "sparsity": ("sparsity.json", sparsity),
     "structured": ("structured.json", structured),
     "models": ("models.json", models),
     "rag": ("rag.json", rag),

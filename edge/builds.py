@@ -64,6 +64,7 @@ def build_command(task: str, profile: Profile) -> BuildCommand:
                 "--quantization",
                 qa.quantization,
                 *(("--layers", json.dumps([rule.to_selector() for rule in qa.layers])) if qa.layers else ()),
+                *(("--qat", json.dumps(qa.qat.model_dump(exclude={"enabled"}))) if qa.qat.enabled else ()),
             ),
         )
     raise ValueError(f"task {task!r} has no engine to build")
@@ -241,6 +242,8 @@ def selector(task: str, profile: Profile) -> dict[str, object]:
         }
         if qa.layers:  # only then: builds from before per-layer rules are found as they were
             wanted["layers"] = [rule.to_selector() for rule in qa.layers]
+        if qa.qat.enabled:  # likewise
+            wanted["qat"] = qa.qat.to_selector()
         return wanted
     raise ValueError(f"task {task!r} has no engine")
 

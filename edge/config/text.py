@@ -74,6 +74,53 @@ class LayerRule(StrictModel):
         return selector
 
 
+class QATConfig(StrictModel):
+    """Quantization-aware training between pruning and packing (engines/text/qat.py)."""
+
+    enabled: bool = Field(
+        default=False,
+        title="Enabled",
+        description="Fine-tune the model's decoder linears before AWQ packs them: each computes with its weight "
+        "rounded to INT4 as the build rounds it (the rounding's gradient passed straight through), the layers "
+        "a rule prunes to 2:4 with their mask fixed (pruned weights stay exactly zero), on the clinic adapter's "
+        "training examples (where the adapter is 'clinic') mixed with general text (the calibration corpus). It "
+        "recovers quality that pruning and rounding lose (bench/results/sparsity.json). INT4 only; the build "
+        "holds the float model whole with its gradients and optimizer state (16 bytes a weight).",
+    )
+    steps: int = Field(default=40, ge=1, le=100_000, title="Steps", description="Optimizer steps.")
+    batch: int = Field(default=4, ge=1, le=256, title="Batch", description="Sequences a step.")
+    seq_len: int = Field(
+        default=128,
+        ge=16,
+        le=8192,
+        title="Sequence length",
+        description="Tokens a general-text sequence; the adapter's examples are taken whole.",
+    )
+    lr: float = Field(
+        default=1e-4, gt=0, le=1e-2, title="Learning rate", description="AdamW's peak rate, cosine-decayed to 0."
+    )
+    general_fraction: float = Field(
+        default=0.5,
+        ge=0.0,
+        le=1.0,
+        title="General text share",
+        description="Of each batch's sequences, the share of general text; the rest the adapter's examples "
+        "(all general text without the clinic adapter).",
+    )
+    seed: int = Field(default=0, ge=0, title="Seed", description="The data order's and the training's seed.")
+    recompute: bool = Field(
+        default=True,
+        title="Gradient checkpointing",
+        description="Recompute each decoder layer's activations in the backward pass instead of keeping them: "
+        "less memory for a second forward pass's time (bench/results/sparsity.json measures both). The same "
+        "gradients either way, so the same build.",
+    )
+
+    def to_selector(self) -> dict[str, Any]:
+        """What decides the trained weights (recompute does not)."""
+        return self.model_dump(exclude={"enabled", "recompute"})
+
+
 class SparseAttentionConfig(StrictModel):
     enabled: bool = Field(
         default=False,
@@ -154,6 +201,12 @@ class QAModelConfig(StrictModel):
         description="Per-layer overrides of the INT4 recipe, e.g. attention projections in float and the "
         "FFN at INT4 g128: [{match: '*.self_attn.*', format: float}]. Empty: every projection INT4 at the "
         "build's group size.",
+    )
+    qat: QATConfig = Field(
+        default_factory=QATConfig,
+        title="Quantization-aware training",
+        description="Fine-tuning with the INT4 rounding in the loop after 2:4 pruning and before packing (off "
+        "by default).",
     )
     engine: Path | None = Field(
         default=None,
@@ -417,6 +470,12 @@ class QAModelConfig(StrictModel):
         if not (path / "config.json").is_file():
             raise ValueError(f"{value!r} has no config.json: not a Hugging Face model directory")
         return str(path.resolve())
+
+    @model_validator(mode="after")
+    def _qat_needs_int4(self) -> QAModelConfig:
+        if self.qat.enabled and self.quantization == "float":
+            raise ValueError("qat applies to INT4 quantization only, not 'float'")
+        return self
 
     @model_validator(mode="after")
     def _sparse_attention_selects(self) -> QAModelConfig:

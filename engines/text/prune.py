@@ -16,6 +16,9 @@ Three methods, chosen per layer by the profile's rules (models.qa.layers, `pruni
   (the paper's lazy updates) and rows in blocks (each row's update is its own), so the
   working copies stay a block of rows.
 
+And "given", no profile's choice: the weight already 2:4 (pruned and then trained with its
+mask fixed: engines/text/qat.py), kept as it is, its mask its zeros.
+
 Written here rather than taken from a library: the reference implementations (the
 papers' repositories, llm-compressor) run on Hugging Face models with their own
 calibration loops, while the build calibrates on its own layer-at-a-time activations
@@ -29,10 +32,12 @@ from typing import Literal
 
 import torch
 
+from edge.text.ops.sparse24 import kept_mask
+
 logger = logging.getLogger(__name__)
 
-Method = Literal["magnitude", "wanda", "sparsegpt"]
-METHODS: tuple[Method, ...] = ("magnitude", "wanda", "sparsegpt")
+Method = Literal["magnitude", "wanda", "sparsegpt", "given"]
+METHODS: tuple[Method, ...] = ("magnitude", "wanda", "sparsegpt", "given")
 FOUR, PRUNED = 4, 2
 SPARSEGPT_BLOCK = 128  # columns per lazy update (the paper's)
 SPARSEGPT_ROWS = 1024  # rows per pass: a pass's working copies are this many rows
@@ -125,6 +130,9 @@ def prune(
     """The weight pruned to 2:4 by `method` (wanda needs `input_norm`, sparsegpt `hessian`)."""
     if method == "magnitude":
         return prune_magnitude(weight)
+    if method == "given":
+        kept_mask(weight)  # raises where the weight is not 2:4
+        return weight
     if method == "wanda":
         if input_norm is None:
             raise ValueError("wanda pruning needs the calibration inputs' channel norms")

@@ -11,9 +11,9 @@ same grouping is the baseline.
 Layers a rule prunes to 2:4 (engines/text/prune.py) are pruned on the same calibration
 captures before AWQ's searches, so the scales and clips are searched for the pruned
 weights (AWQ's per-channel rescaling keeps a zero a zero), and are packed in the 2:4
-format (edge/text/ops/sparse24.py). A step that changes the pruned float weights with
-their mask fixed (quantization-aware training) would sit between the two: the packing
-reads the mask back from the weights' zeros.
+format (edge/text/ops/sparse24.py). Quantization-aware training (engines/text/qat.py)
+changes the pruned float weights with their mask fixed before AWQ: the packing reads the
+mask back from the weights' zeros (the pruning method "given").
 """
 
 from __future__ import annotations

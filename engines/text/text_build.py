@@ -20,6 +20,7 @@ from engines.text.import_gguf import SourceModelError
 from engines.text.int4_checkpoint import save_int4
 from engines.text.layerwise import write_layerwise
 from engines.text.peft_adapter import AdapterError
+from engines.text.qat import QAT_VERSION, QATRecipe, write_qat
 from engines.text.quantize import QuantRecipe, quantize_model
 
 logger = logging.getLogger(__name__)
@@ -90,11 +91,14 @@ def build_text_engine(
     progress: bool = True,
     source: str = "smollm2-135m-instruct",
     layers: list[dict[str, Any]] | None = None,
+    qat: dict[str, Any] | None = None,
 ) -> Path:
     """The whole text pipeline: import (the built-in SmolLM2, a Hugging Face model
     directory or a GGUF file), the adapter merged in (the shipped clinic adapter or a
     PEFT directory), AWQ INT4 (or, for a GGUF file whose block linears are all Q4_0 or
     Q4_1 and no adapter, the file's own INT4 weights: engines/text/gguf_int4.py).
+    `qat` (models.qa.qat's settings but `enabled`): the pruned model fine-tuned with the
+    INT4 rounding in the loop before AWQ packs it (engines/text/qat.py).
 
     An INT4 build runs all three a decoder layer at a time (engines/text/layerwise.py):
     it never holds the float model, and writes no float copy of it. Every build is
@@ -113,6 +117,8 @@ def build_text_engine(
         raise ValueError(f"unknown quantization {quant!r}")
     if quant == "float" and layers:
         raise ValueError("layers need INT4 quantization")
+    if quant == "float" and qat:
+        raise ValueError("qat needs INT4 quantization")
     if adapter == "clinic" and source != SMOLLM2_SOURCE:
         raise ValueError(f"the clinic adapter was trained for {SMOLLM2_SOURCE}, not {source}")
     # The shipped clinic adapter (engines/text/adapters/clinic), trained once by engines/text/qlora.py.
@@ -142,7 +148,8 @@ def build_text_engine(
         # of parsing for a large vocabulary).
         float_source: FloatSource = GgufSource(gguf_path) if gguf_path else HfSource(Path(source).resolve())
         kept = None
-        if isinstance(float_source, GgufSource) and source != SMOLLM2_SOURCE and adapter_dir is None and not layers:
+        stored = adapter_dir is None and not layers and not qat  # nothing changes the file's INT4 weights
+        if isinstance(float_source, GgufSource) and source != SMOLLM2_SOURCE and stored:
             # A file whose block linears are all Q4_0 or Q4_1 is served as stored: already
             # INT4 at group 32 (Q4_0's zero points 8, Q4_1's 0 with its block minimums).
             kept = keep_stored(float_source, imported, imported_inputs, progress, quant.endswith("-sym"))
@@ -157,13 +164,36 @@ def build_text_engine(
             group = serving_group(float_source.config.parameter_count())
             recipe = layer_recipe(method, layers or [], group_size=group, symmetric=quant.endswith("-sym"))
             out, inputs = quantize_target(src, src_inputs, recipe)
-            path = build_cached(out, inputs, lambda scratch: write_layerwise(float_source, scratch, recipe, progress))
+            if qat:
+                path = qat_build(out, inputs, float_source, recipe, QATRecipe(**qat), adapter == "clinic", progress)
+            else:
+                path = build_cached(
+                    out, inputs, lambda scratch: write_layerwise(float_source, scratch, recipe, progress)
+                )
     # What serving looks the checkpoint up by (edge/artifacts.py): the profile's words.
     selector = text_selector(source_id(source), source_id(adapter), quant)
     if layers:
         selector["layers"] = layers
+    if qat:  # only then, as layers; recompute changes the memory and time, not the build
+        selector["qat"] = {k: v for k, v in qat.items() if k != "recompute"}
     tag_serves(path, selector)
     return path
+
+
+def qat_build(
+    out: Path,
+    inputs: dict[str, Any],
+    source: FloatSource,
+    recipe: QuantRecipe,
+    qat: QATRecipe,
+    adapter_data: bool,
+    progress: bool,
+) -> Path:
+    """The QAT build beside the INT4 build at `out` (`inputs` its cache inputs): cached by
+    those inputs and the training's recipe (engines/text/qat.py)."""
+    inputs = {**inputs, "qat": {**qat.to_dict(), "adapter_data": adapter_data}, "qat_version": QAT_VERSION}
+    target = out.with_name(f"{out.name}-qat-{cache_key(inputs)}")
+    return build_cached(target, inputs, lambda scratch: write_qat(source, scratch, recipe, qat, adapter_data, progress))
 
 
 def layer_recipe(
@@ -206,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default="awq-int4")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, services)")
     parser.add_argument("--layers", default="", help="per-layer rules as JSON (models.qa.layers)")
+    parser.add_argument("--qat", default="", help="quantization-aware training's settings as JSON (models.qa.qat)")
     args = parser.parse_args(argv)
     stop_on_sigterm()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -213,7 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     adapter = args.adapter if args.adapter in ("clinic", "none") else str(Path(args.adapter).resolve())
     try:
         layers = json.loads(args.layers) if args.layers else None
-        built = build_text_engine(args.engine_dir, adapter, args.quantization, not args.no_progress, source, layers)
+        qat = json.loads(args.qat) if args.qat else None
+        built = build_text_engine(
+            args.engine_dir, adapter, args.quantization, not args.no_progress, source, layers, qat
+        )
     except (SourceModelError, AdapterError, ValueError) as err:
         print(f"text build: {err}", file=sys.stderr)
         return 2
