@@ -70,13 +70,14 @@ def child(checkpoint: str, out: str, prompt: int, new_tokens: int, cap_gib: floa
     write_json(Path(out), measure(Path(checkpoint), args))
 
 
-def kv_child(checkpoint: str, out: str, context: int, new_tokens: int) -> None:
+def kv_child(checkpoint: str, out: str, context: int, new_tokens: int, profile: bool = False) -> None:
     """The proxy's KV measurement (bench.kv.decode_4k: float16, int8 and int4 KV in turns,
-    the served engine of the Jetson profile), run as `child` is."""
+    the served engine of the Jetson profile; with `profile`, each one's kernels), run as
+    `child` is."""
     from bench import kv, text_engines
 
     text_engines.SHIPPED["cuda"] = "jetson-orin"
-    write_json(Path(out), {"rows": kv.decode_4k(Path(checkpoint), context, new_tokens)})
+    write_json(Path(out), {"rows": kv.decode_4k(Path(checkpoint), context, new_tokens, profile=profile)})
 
 
 def greedy(checkpoint: Path, prompts: list[list[int]]) -> dict[str, Any]:
@@ -140,7 +141,8 @@ def kv_rows(checkpoint: Path, args: argparse.Namespace, workdir: Path) -> dict[s
     """kv.json's `jetson_proxy` section: decode at 4K context with each KV format through
     our CUDA kernels (Triton hidden), and int8's and int4's ratios to float16's."""
     out = workdir / "proxy_kv.json"
-    rows = _in_child(f"kv_child({str(checkpoint)!r}, {str(out)!r}, {text.LONG_CONTEXT}, {args.new_tokens})", args, out)
+    call = f"kv_child({str(checkpoint)!r}, {str(out)!r}, {text.LONG_CONTEXT}, {args.new_tokens}, {args.profile})"
+    rows = _in_child(call, args, out)
     by_dtype = {r["kv_dtype"]: r for r in rows["rows"]}
     base = by_dtype["float16"]["decode_tok_s_4k"]
     for row in rows["rows"]:

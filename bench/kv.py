@@ -268,12 +268,16 @@ def chunked_prefill(
     return {"prompt_tokens": long_tokens, "running": 2, "warmed": True, "rows": rows}
 
 
-def decode_4k(checkpoint: Path, context: int, new_tokens: int, rounds: int = 5) -> list[dict[str, Any]]:
+def decode_4k(
+    checkpoint: Path, context: int, new_tokens: int, rounds: int = 5, profile: bool = False
+) -> list[dict[str, Any]]:
     """Decode tok/s of one sequence after `context` prompt tokens, in the served engine
     (CUDA graphs, the fused step), for each shipped KV format: one engine each, all held
     at once. The formats take turns, round after round, so that a slow spell of the
     machine falls on all of them alike; each one's figure is the median of its rounds
-    after a first that builds what is left to build."""
+    after a first that builds what is left to build. With `profile`, each format's
+    in-graph kernel profile at that context too (bench.text.graph_profile), so a gap
+    between formats is named by kernel."""
     dtypes: tuple[KVDtype, ...] = ("float16", "int8", "int4")
     engines = {
         dtype: load_engine(
@@ -301,6 +305,12 @@ def decode_4k(checkpoint: Path, context: int, new_tokens: int, rounds: int = 5) 
             }
         )
         print(f"  {dtype:<8} {rows[-1]['decode_tok_s_4k']:.1f} tok/s at {context} tokens of context", flush=True)
+    if profile:
+        from bench import text
+
+        bandwidth = text.copy_bandwidth()
+        for row in rows:
+            row["graph_profile"] = text.graph_profile(engines[row["kv_dtype"]], prompt, bandwidth)
     del engines
     _release("cuda")
     return rows
