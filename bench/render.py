@@ -1274,8 +1274,15 @@ def sparsity(d: dict[str, Any]) -> str:
                 f"every decoder projection pruned 2:4 by {rule['pruning']} (`{rule['match']}`), then {quant} INT4; "
                 f"the QAT row trained {qat['steps']} steps of {qat['batch']} x {qat['seq_len']} tokens at lr "
                 f"{qat['lr']:g} before the rounding. Perplexity on {section['eval_tokens']} held-out tokens "
-                "(float model "
-                f"{section['float_perplexity']:.2f}) and greedy agreement with the float model "
+                f"(float model {section['float_perplexity']:.2f}"
+                + (
+                    f"; the base model without the adapter {section['base_float_perplexity']:.2f}: the adapter "
+                    "raises general text's perplexity and INT4 rounding keeps only part of its update, so the "
+                    "rows are compared with each other"
+                    if "base_float_perplexity" in section
+                    else ""
+                )
+                + ") and greedy agreement with the float model "
                 f"({section['greedy_prompts']} prompts x {section['greedy_new_tokens']} tokens) on the exact kernel; "
                 f"adapter behaviours and retrieval answered accuracy ({section['rag_questions']} questions) and "
                 "decode speed on the served engine"

@@ -15,7 +15,8 @@ each as `edgectl build` makes it from a profile (engines/text/text_build.py):
 Per row: `perplexity` on the evaluation text (disjoint from the calibration text the
 training reads) and `token_agreement` of greedy continuations with the float model (the
 merged clinic model, unquantized), both on the exact CPU kernel as bench/eval_text_quality.py
-measures them; `adapter_all`, the held-out clinic prompts' share that shows the adapter's
+measures them (the section records that float model's perplexity and, for scale, the base
+model's without the adapter: `float_perplexity`, `base_float_perplexity`); `adapter_all`, the held-out clinic prompts' share that shows the adapter's
 behaviour (engines/text/clinic_data.follows), and `rag_answered_accuracy`, the retrieval
 evaluation's answered accuracy (bench/eval_rag.py's answer_set at the profile's top_k, on
 the first --answers questions), both by the engine the shipped profile serves;
@@ -223,6 +224,13 @@ def smollm2_rows(args: argparse.Namespace, save: Callable[[dict[str, Any]], None
     ref_conts = [list(reference.generate(p, SamplingParams(max_new_tokens=args.new_tokens)).tokens) for p in prompts]
     float_ppl = perplexity(reference.model, ids, WINDOW, kv_format=kv_format(reference.cfg))
     del reference
+    # The base model without the adapter, for scale: the clinic adapter (trained to a loss
+    # near zero on a few hundred clinic answers) raises the perplexity of general text, and
+    # INT4 rounding of the merged weights keeps only part of its update, so the merged float
+    # model's perplexity can sit above its INT4 builds'. The rows are compared with each other.
+    base = load_engine(import_smollm2(args.engine_dir), args.device)
+    base_ppl = perplexity(base.model, ids, WINDOW, kv_format=kv_format(base.cfg))
+    del base
     found = rag_found(args.engine_dir, args.questions, args.threads)[: args.answers]
     rows: list[dict[str, Any]] = []
     plan = [("dense-int4", None, None), ("2:4-int4 one-shot", RULES, None), ("2:4-int4 qat", RULES, qat)]
@@ -236,6 +244,7 @@ def smollm2_rows(args: argparse.Namespace, save: Callable[[dict[str, Any]], None
         "eval_tokens": len(ids),
         "window": WINDOW,
         "float_perplexity": round(float_ppl, 4),
+        "base_float_perplexity": round(base_ppl, 4),
         "greedy_prompts": args.prompts,
         "greedy_new_tokens": args.new_tokens,
         "rag_questions": len(found),

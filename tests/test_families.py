@@ -115,12 +115,15 @@ def test_the_prompt_is_the_models_own_template_with_thinking_off(family: dict[st
 
 def test_greedy_tokens_equal_transformers(family: dict[str, Any]) -> None:
     ours = load_checkpoint(family["ckpt"], dtype=torch.float32)
-    tokenizer = family["tokenizer"]
     assert ours.chat is not None
-    text = ours.chat.render(MESSAGES)
+    _greedy_equals_transformers(ours, family["tokenizer"], family["hf"], ours.chat.render(MESSAGES), 48)
+
+
+def _greedy_equals_transformers(ours: Any, tokenizer: Any, hf: Any, text: str, new: int) -> None:
+    """`text` tokenized alike by both, and `new` greedy tokens after it (past the
+    family's window) equal to transformers' generate's, not a degenerate repeat."""
     prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert list(ours.tokenizer.encode(text, add_special_tokens=False).ids) == prompt
-    new = 48  # past the Gemma model's window
     got = generate(
         ours.model,
         ours.tokenizer,
@@ -129,13 +132,10 @@ def test_greedy_tokens_equal_transformers(family: dict[str, Any]) -> None:
         frozenset(),
         ours.model.new_cache(1, 128),
     )
-    ids = torch.tensor([prompt])
+    t = torch.tensor([prompt])
     with torch.no_grad():
-        out = family["hf"].generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, eos_token_id=None
-        )
-    theirs = out[0, len(prompt) :].tolist()
-    assert got.token_ids == theirs and len(set(theirs)) > 3
+        out = hf.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=new, do_sample=False, eos_token_id=None)
+    assert got.token_ids == out[0, len(prompt) :].tolist() and len(set(got.token_ids)) > 3
 
 
 def test_the_served_engine_answers_as_transformers_past_the_window(family: dict[str, Any]) -> None:
@@ -651,21 +651,7 @@ def _gguf_answers_as_transformers(hf: Any, tokenizer: Any, gguf_ckpt: Path) -> N
     assert text == tokenizer.apply_chat_template(
         MESSAGES, tokenize=False, add_generation_prompt=True, enable_thinking=False
     )
-    prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
-    assert ours.tokenizer.encode(text, add_special_tokens=False).ids == prompt
-    new = 2 * WINDOW  # past the window
-    got = generate(
-        ours.model,
-        ours.tokenizer,
-        prompt,
-        SamplingParams(max_new_tokens=new),
-        frozenset(),
-        ours.model.new_cache(1, 128),
-    )
-    t = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=new, do_sample=False, eos_token_id=None)
-    assert got.token_ids == out[0, len(prompt) :].tolist() and len(set(got.token_ids)) > 3
+    _greedy_equals_transformers(ours, tokenizer, hf, text, 2 * WINDOW)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral", "phi3"], indirect=True)

@@ -716,9 +716,11 @@ def _prometheus_query(port: int, query: str) -> list[dict[str, Any]]:
 
 def test_many_half_sent_requests_to_the_metrics_port_hold_nothing_for_long(daemon: DaemonProc) -> None:
     """Hundreds of connections to the metrics listener, each sending half a request and
-    waiting: the daemon holds a bounded few (the rest are closed at once, the few dropped
-    after the request timeout), keeps its file descriptors, answers status, and serves
-    a scrape again once they are gone."""
+    waiting: each is taken at once (its backlog is not a handful, past which the kernel
+    drops a connection's SYN and the client retries it seconds later), the daemon holds
+    a bounded few (the rest are closed at once, the few dropped after the request
+    timeout), keeps its file descriptors, answers status, and serves a scrape again once
+    they are gone."""
     host, port = json.loads(daemon.status().stdout)["metrics"]["listen"].rsplit(":", 1)
     pid = daemon.proc.pid
 
@@ -728,10 +730,14 @@ def test_many_half_sent_requests_to_the_metrics_port_hold_nothing_for_long(daemo
     before = descriptors()
     clients = []
     try:
+        started = time.monotonic()
         for _ in range(400):
             c = socket.create_connection((host, int(port)), timeout=5)
             c.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never finished
             clients.append(c)
+        took = time.monotonic() - started
+        # About a second here; with socketserver's backlog of 5 it took 36 s on an idle box.
+        assert took < 15, f"400 connections took {took:.0f} s: the listener's backlog overflows"
         time.sleep(1.0)
         held = descriptors() - before
         # The listener's connections and a few of the daemon's own (the old listener held one

@@ -25,12 +25,13 @@ from engines.text.qat import (
     attach_fake_quant,
     detach_fake_quant,
     forward_logits,
-    lm_loss,
     train,
 )
+from engines.text.qlora import lm_loss
 from engines.text.quantize import linear_names
 from engines.text.text_build import build_text_engine, layer_recipe
-from tests.conftest import Broker, Requester, edgectl, start_daemon, write_profile
+from tests.conftest import Broker, Requester
+from tests.test_sparse24 import build_sparse_and_ask
 
 TINY = replace(SHAPES["tiny"], vocab_size=256, num_layers=2)
 RULES = [
@@ -198,29 +199,7 @@ def test_a_qat_build_serves(qat_build: dict[str, Path]) -> None:
 def test_a_profile_with_qat_is_built_by_edgectl_and_served_by_the_daemon(
     tmp_path: Path, broker: Broker, requester: Requester
 ) -> None:
-    from edge.builds import locate
-    from edge.config.loader import load_profile
-
-    write_hf(SHAPES["tiny"], tmp_path / "tiny")
-    rules = [{"match": "layers.*.mlp.*", "format": "int4", "sparsity": "2:4", "pruning": "wanda"}]
     qat = {"enabled": True, "steps": 2, "batch": 2, "seq_len": 32}
-    qa = {"source": str(tmp_path / "tiny"), "adapter": "none", "max_new_tokens": 6, "layers": rules, "qat": qat}
-    models = {"ocr": {"enabled": False}, "inspect": {"enabled": False}, "qa": qa}
-    profile = write_profile(tmp_path, broker.port, tmp_path / "engines", device_id="qat", models=models)
-    built = edgectl("build", "--profile", str(profile), timeout=600)
-    assert built.returncode == 0, built.stderr[-2000:]
-    engine = locate(load_profile(profile), "qa", None)
+    engine = build_sparse_and_ask(tmp_path, broker, requester, "qat", qat=qat)
     manifest = json.loads((engine / "manifest.json").read_text())
     assert manifest["qat"]["steps"] == 2
-    quant = json.loads((engine / "quant.json").read_text())["linears"]
-    assert {n for n, info in quant.items() if info.get("sparsity") == "2:4"} == {
-        f"layers.{i}.mlp.{p}" for i in range(SHAPES["tiny"].num_layers) for p in ("gate_proj", "up_proj", "down_proj")
-    }
-    d = start_daemon(profile)
-    try:
-        d.wait_ready(timeout=120)  # built already: the daemon finds it
-        doc = requester.request("edge/qat/jobs/qa", {"id": "q1", "question": "Is 38.5 a fever?"}, 120)
-    finally:
-        d.stop()
-    assert doc["status"] == "ok", doc
-    assert doc["output"]["completion_tokens"] >= 1

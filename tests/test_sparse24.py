@@ -257,18 +257,20 @@ def test_a_sparse_build_answers_a_question(builds: dict[str, Path]) -> None:
     assert "answer" in result
 
 
-@pytest.mark.integration
-def test_a_profile_with_sparse_rules_is_built_by_edgectl_and_served_by_the_daemon(
-    tmp_path: Path, broker: Broker, requester: Requester
-) -> None:
+def build_sparse_and_ask(
+    tmp_path: Path, broker: Broker, requester: Requester, device_id: str, **qa_fields: Any
+) -> Path:
+    """A tiny HF model's profile with 2:4 rules on every MLP projection (and `qa_fields`),
+    built by `edgectl build` and served by the daemon as a real process, which answers a
+    qa job; the engine directory it built."""
     from edge.builds import locate
     from edge.config.loader import load_profile
 
     write_hf(SHAPES["tiny"], tmp_path / "tiny")
     rules = [{"match": "layers.*.mlp.*", "format": "int4", "sparsity": "2:4", "pruning": "wanda"}]
-    qa = {"source": str(tmp_path / "tiny"), "adapter": "none", "max_new_tokens": 6, "layers": rules}
+    qa = {"source": str(tmp_path / "tiny"), "adapter": "none", "max_new_tokens": 6, "layers": rules, **qa_fields}
     models = {"ocr": {"enabled": False}, "inspect": {"enabled": False}, "qa": qa}
-    profile = write_profile(tmp_path, broker.port, tmp_path / "engines", device_id="s24", models=models)
+    profile = write_profile(tmp_path, broker.port, tmp_path / "engines", device_id=device_id, models=models)
     built = edgectl("build", "--profile", str(profile), timeout=600)
     assert built.returncode == 0, built.stderr[-2000:]
     engine = locate(load_profile(profile), "qa", None)
@@ -279,8 +281,16 @@ def test_a_profile_with_sparse_rules_is_built_by_edgectl_and_served_by_the_daemo
     d = start_daemon(profile)
     try:
         d.wait_ready(timeout=120)  # built already: the daemon finds it
-        doc = requester.request("edge/s24/jobs/qa", {"id": "q1", "question": "Is 38.5 a fever?"}, 120)
+        doc = requester.request(f"edge/{device_id}/jobs/qa", {"id": "q1", "question": "Is 38.5 a fever?"}, 120)
     finally:
         d.stop()
     assert doc["status"] == "ok", doc
     assert doc["output"]["completion_tokens"] >= 1
+    return engine
+
+
+@pytest.mark.integration
+def test_a_profile_with_sparse_rules_is_built_by_edgectl_and_served_by_the_daemon(
+    tmp_path: Path, broker: Broker, requester: Requester
+) -> None:
+    build_sparse_and_ask(tmp_path, broker, requester, "s24")

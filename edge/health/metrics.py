@@ -279,6 +279,10 @@ class _Handler(WSGIRequestHandler):
 class _BoundedServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
     block_on_close = False
+    # The listen backlog (socketserver's default is 5): a burst of connections past it has
+    # its SYNs dropped by the kernel and retried after 1, 3, 7... s, so a client waits
+    # seconds for a connection the loop would accept, or refuse and close, at once.
+    request_queue_size = 128
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)

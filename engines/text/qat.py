@@ -54,12 +54,12 @@ from edge.text.ops.int4 import fake_quantize, group_size_for
 from edge.text.ops.sparse24 import kept_mask
 from engines.text.corpus import calibration_text
 from engines.text.float_source import FloatSource
+from engines.text.qlora import lm_loss, padded
 from engines.text.quantize import QuantRecipe, calibration_batches, linear_names, prune_layer, sample_plan
 
 logger = logging.getLogger(__name__)
 
 QAT_VERSION = 1
-IGNORE = -100
 LOG_EVERY = 10  # steps between progress lines in the log
 
 
@@ -219,20 +219,8 @@ def batches(
     made = []
     for _ in range(recipe.steps):
         chunk = draw(general, g_order, n_general) + draw(adapter, a_order, recipe.batch - n_general)
-        width = max(len(ids) for ids, _ in chunk)
-        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-        labels = torch.full((len(chunk), width), IGNORE, dtype=torch.long)
-        for row, (x, y) in enumerate(chunk):
-            ids[row, : len(x)] = torch.tensor(x)
-            labels[row, : len(y)] = torch.tensor(y)
-        made.append((ids, labels))
+        made.append(padded(chunk, pad))
     return made
-
-
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=IGNORE
-    )
 
 
 def train(

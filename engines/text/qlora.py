@@ -106,14 +106,26 @@ def _batches(
     order = list(range(len(data)))
     rng.shuffle(order)
     for i in range(0, len(order), size):
-        chunk = [data[j] for j in order[i : i + size]]
-        width = max(len(ids) for ids, _ in chunk)
-        ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-        labels = torch.full((len(chunk), width), IGNORE, dtype=torch.long)
-        for row, (x, y) in enumerate(chunk):
-            ids[row, : len(x)] = torch.tensor(x)
-            labels[row, : len(y)] = torch.tensor(y)
-        yield ids, labels
+        yield padded([data[j] for j in order[i : i + size]], pad)
+
+
+def padded(chunk: list[tuple[list[int], list[int]]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's token ids and labels, each row padded to the longest (ids with `pad`,
+    labels with IGNORE, which the loss skips)."""
+    width = max(len(ids) for ids, _ in chunk)
+    ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+    labels = torch.full((len(chunk), width), IGNORE, dtype=torch.long)
+    for row, (x, y) in enumerate(chunk):
+        ids[row, : len(x)] = torch.tensor(x)
+        labels[row, : len(y)] = torch.tensor(y)
+    return ids, labels
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy over the labelled positions (in float32)."""
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=IGNORE
+    )
 
 
 def train(model: LlamaModel, tokenizer: Any, recipe: LoraRecipe, progress: bool = True) -> dict[str, Any]:
@@ -133,9 +145,7 @@ def train(model: LlamaModel, tokenizer: Any, recipe: LoraRecipe, progress: bool 
     for _ in range(recipe.epochs):
         for ids, labels in _batches(data, recipe.batch, rng, pad):
             logits = model.forward_train(ids)
-            loss = F.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=IGNORE
-            )
+            loss = lm_loss(logits, labels)
             opt.zero_grad(set_to_none=True)
             loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
