@@ -16,8 +16,9 @@ Per row: `perplexity` on the evaluation text (disjoint from the calibration text
 training reads) and `token_agreement` of greedy continuations with the float model (the
 merged clinic model, unquantized), both on the exact CPU kernel as bench/eval_text_quality.py
 measures them (the section records that float model's perplexity and, for scale, the base
-model's without the adapter: `float_perplexity`, `base_float_perplexity`); `adapter_all`, the held-out clinic prompts' share that shows the adapter's
-behaviour (engines/text/clinic_data.follows), and `rag_answered_accuracy`, the retrieval
+model's without the adapter: `float_perplexity`, `base_float_perplexity`); `adapter_all`,
+the held-out clinic prompts' share that shows the adapter's behaviour
+(engines/text/clinic_data.follows), and `rag_answered_accuracy`, the retrieval
 evaluation's answered accuracy (bench/eval_rag.py's answer_set at the profile's top_k, on
 the first --answers questions), both by the engine the shipped profile serves;
 `weight_bytes` from the build's manifest; `decode_tok_s`, greedy decode after a
